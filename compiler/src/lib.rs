@@ -1,1 +1,15 @@
+//! # schedc: the schedule compiler
+//!
+//! Front ends ([`import`]) read schedules into the IR of `schedc_ir`; the verifier
+//! ([`passes`]) proves what can be proved about them and collects every error as a
+//! [`diag::Diagnostic`] with its location; [`check`] runs the whole pipeline and returns the
+//! facts (warmup, peak activations, idle) that reports and back ends need.
 
+#![warn(missing_docs)]
+
+pub mod check;
+pub mod diag;
+pub mod import;
+pub mod passes;
+
+pub use schedc_ir as ir;

@@ -1,0 +1,1 @@
+//! DeepSeek DualPipe reference traces (placeholder, being written).

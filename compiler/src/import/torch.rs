@@ -1,0 +1,1 @@
+//! PyTorch `torch.distributed.pipelining` CSV (placeholder, being written).
