@@ -1,1 +1,228 @@
-//! checks
+//! The check pipeline: passes 1-7 in order over one program, every error collected.
+
+use crate::diag::{Code, Diagnostic};
+use crate::passes::{
+    deadlock, deps, liveness, lower, makespan, warmup, wellformed, Ctx, OpIndex, Pos,
+};
+use schedc_ir::text::SourceMap;
+use schedc_ir::{PlacementKind, Program};
+use serde::Serialize;
+
+/// Options of `schedc check`.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// Communication semantics for pass 4.
+    pub semantics: deadlock::Semantics,
+    /// Reject a rank whose peak live activations exceed this (stage-microbatch units).
+    pub max_activations: Option<u64>,
+}
+
+/// `accepted` or `rejected`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    /// No error.
+    Accepted,
+    /// At least one error.
+    Rejected,
+}
+
+/// Per-rank facts.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankReport {
+    /// The rank.
+    pub rank: u32,
+    /// Forwards before the first backward (torch's `warmup[r]`).
+    pub warmup: u64,
+    /// Steady-state compute ops.
+    pub steady: u64,
+    /// Cooldown compute ops.
+    pub cooldown: u64,
+    /// Peak live activations (stage-microbatch units).
+    pub peak_activations: u64,
+    /// Position where the peak is first reached.
+    pub peak_at: Option<usize>,
+    /// Compute ops on the rank (an overlapped pair counts 2).
+    pub ops: u64,
+    /// Communication ops on the rank (after lowering, for compute-only input).
+    pub comm_ops: u64,
+    /// Unit-time idle (F=B=W=1, BW=2); `null` if the order admits no execution.
+    pub idle: Option<f64>,
+    /// `(stage, warmup)` per stage held.
+    pub stage_warmup: Vec<(u32, u64)>,
+}
+
+/// The result of `schedc check`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// Accepted or rejected.
+    pub verdict: Verdict,
+    /// P.
+    pub pp: u32,
+    /// S (stage ids; both directions for DualPipe).
+    pub stages: u32,
+    /// Micro-batches in one step (both directions for DualPipe).
+    pub microbatches: u32,
+    /// Placement kind.
+    pub placement: PlacementKind,
+    /// Rank of each stage.
+    pub stage_to_rank: Vec<u32>,
+    /// True if the input had no communication and pass 3 inserted it.
+    pub lowered: bool,
+    /// Unit-time makespan; `null` if the order admits no execution.
+    pub makespan: Option<f64>,
+    /// Unit-time bubble fraction, idle / (busy + idle) over all ranks.
+    pub bubble: Option<f64>,
+    /// Per-rank facts.
+    pub ranks: Vec<RankReport>,
+    /// Every error and warning, in pass order.
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+/// The outcome: the report and, for compute-only input, the lowered program.
+pub struct Outcome {
+    /// The report.
+    pub report: Report,
+    /// The program that pass 4 checked (the lowered one for compute-only input).
+    pub checked: Option<Program>,
+}
+
+/// Runs every pass. `spans` locates the program's instructions in its source file.
+pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome {
+    let cx = Ctx { program: p, spans };
+    let mut diags: Vec<Diagnostic> = Vec::new();
+    let idx = OpIndex::build(p);
+    // Pass 1.
+    let wf = wellformed::check(p, &idx);
+    let structural = wf.iter().any(|e| {
+        matches!(
+            e,
+            wellformed::WfError::Range { .. } | wellformed::WfError::RankCount { .. }
+        )
+    });
+    diags.extend(wf.iter().map(|e| e.to_diagnostic(&cx)));
+    // Pass 2.
+    diags.extend(deps::check(p, &idx).iter().map(|e| e.to_diagnostic(&cx)));
+    // Passes 3 and 4.
+    let compute_only = p.is_compute_only();
+    let mut checked = None;
+    if p.ranks.len() == p.pipeline.pp as usize && !structural {
+        let target = if compute_only {
+            match lower::lower(p) {
+                Ok(l) => Some(l),
+                Err(lower::LowerError::Cycle(steps)) => {
+                    let ranks: std::collections::BTreeSet<u32> =
+                        steps.iter().map(|s| s.at.rank).collect();
+                    let mut d = Diagnostic::error(
+                        Code::Deadlock,
+                        format!(
+                            "no execution exists: ranks {} each wait for a compute op that the next one has queued behind its own",
+                            ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
+                        ),
+                    )
+                    .at(cx.loc(steps[0].at.rank as usize, steps[0].at.pos as usize));
+                    for s in &steps {
+                        d = d.with_note(format!(
+                            "rank {} is blocked at position {} `{}`: it needs {} from rank {}",
+                            s.at.rank,
+                            s.at.pos,
+                            cx.loc(s.at.rank as usize, s.at.pos as usize).op,
+                            s.needs,
+                            s.on
+                        ));
+                    }
+                    for s in steps.iter().skip(1) {
+                        d = d.with_related(
+                            cx.loc(s.at.rank as usize, s.at.pos as usize),
+                            format!("rank {} blocked here", s.at.rank),
+                        );
+                    }
+                    diags.push(d);
+                    None
+                }
+                Err(lower::LowerError::Missing(_)) => None, // reported by pass 1
+            }
+        } else {
+            Some(p.clone())
+        };
+        if let Some(t) = target {
+            let errs = deadlock::check(&t, opts.semantics);
+            if compute_only {
+                let lcx = Ctx::new(&t);
+                diags.extend(errs.iter().map(|e| {
+                    e.to_diagnostic(&lcx)
+                        .with_note("positions refer to the lowered program (`schedc convert --to ir-text` prints it)")
+                }));
+            } else {
+                diags.extend(errs.iter().map(|e| e.to_diagnostic(&cx)));
+            }
+            checked = Some(t);
+        }
+    }
+    // Passes 5-7.
+    let wu = warmup::analyze(p);
+    let (live, over) = liveness::analyze(p, opts.max_activations);
+    diags.extend(over.iter().map(|e| e.to_diagnostic(&cx)));
+    let ut = if structural { None } else { makespan::analyze(p) };
+    let verdict = if diags.iter().any(Diagnostic::is_error) {
+        Verdict::Rejected
+    } else {
+        Verdict::Accepted
+    };
+    let comm_counts: Vec<u64> = match &checked {
+        Some(t) => t
+            .ranks
+            .iter()
+            .map(|r| r.iter().map(|i| i.comms().len() as u64).sum())
+            .collect(),
+        None => vec![0; p.ranks.len()],
+    };
+    let ranks = (0..p.ranks.len())
+        .map(|r| RankReport {
+            rank: r as u32,
+            warmup: wu[r].phases.warmup,
+            steady: wu[r].phases.steady,
+            cooldown: wu[r].phases.cooldown,
+            peak_activations: live[r].peak,
+            peak_at: live[r].peak_at,
+            ops: p.ranks[r]
+                .iter()
+                .map(|i| match i {
+                    schedc_ir::Instr::Compute(_) => 1,
+                    schedc_ir::Instr::Overlap { .. } => 2,
+                    _ => 0,
+                })
+                .sum(),
+            comm_ops: comm_counts.get(r).copied().unwrap_or(0),
+            idle: ut.as_ref().map(|u| u.idle[r]),
+            stage_warmup: wu[r].per_stage.clone(),
+        })
+        .collect();
+    let bubble = ut.as_ref().map(|u| {
+        let idle: f64 = u.idle.iter().sum();
+        let busy: f64 = u.busy.iter().sum();
+        if idle + busy > 0.0 {
+            idle / (idle + busy)
+        } else {
+            0.0
+        }
+    });
+    let pl = &p.pipeline;
+    let _ = Pos::NONE;
+    Outcome {
+        report: Report {
+            verdict,
+            pp: pl.pp,
+            stages: pl.stages,
+            microbatches: pl.total_microbatches(),
+            placement: pl.placement,
+            stage_to_rank: pl.stage_to_rank.clone(),
+            lowered: compute_only,
+            makespan: ut.as_ref().map(|u| u.makespan),
+            bubble,
+            ranks,
+            diagnostics: diags,
+        },
+        checked,
+    }
+}

@@ -1,1 +1,307 @@
-//! diag
+//! Diagnostics: every pass reports its typed errors as [`Diagnostic`]s, collected (never
+//! stopping at the first) and rendered rustc-style with miette or as JSON.
+
+use schedc_ir::text::Span;
+use serde::Serialize;
+
+/// How bad a diagnostic is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    /// The schedule is rejected.
+    Error,
+    /// Worth a look; the schedule is still accepted.
+    Warning,
+}
+
+/// The kind of a diagnostic. The JSON spelling (kebab-case) is the code used in `.case` files'
+/// `expect reject <code>` lines (see `shared/cases/README.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Code {
+    /// A wait-for cycle: no rank can make progress.
+    Deadlock,
+    /// A rank waits forever on something that will never come (e.g. an unmatched receive),
+    /// without a cycle.
+    Stall,
+    /// A FIFO-matched send/receive pair whose payload labels differ.
+    LabelMismatch,
+    /// A send or receive with no partner, or a cross-rank dependency with no message.
+    Unmatched,
+    /// An F, B/W or BW (or an MoE part) missing.
+    MissingOp,
+    /// An op given twice.
+    DuplicateOp,
+    /// An op before one it depends on, on the same rank.
+    Order,
+    /// An op on a rank that does not hold its stage, or a message to the wrong rank.
+    Placement,
+    /// A stage, micro-batch or rank out of range.
+    Range,
+    /// Over the activation budget.
+    Memory,
+    /// Members of a communicator issue collectives in different orders.
+    CollectiveOrder,
+    /// An `expect` line of a spec or case that does not hold.
+    Expectation,
+}
+
+impl Code {
+    /// The kebab-case spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Code::Deadlock => "deadlock",
+            Code::Stall => "stall",
+            Code::LabelMismatch => "label-mismatch",
+            Code::Unmatched => "unmatched",
+            Code::MissingOp => "missing-op",
+            Code::DuplicateOp => "duplicate-op",
+            Code::Order => "order",
+            Code::Placement => "placement",
+            Code::Range => "range",
+            Code::Memory => "memory",
+            Code::CollectiveOrder => "collective-order",
+            Code::Expectation => "expectation",
+        }
+    }
+
+    /// Every code, for listings.
+    pub const ALL: [Code; 12] = [
+        Code::Deadlock,
+        Code::Stall,
+        Code::LabelMismatch,
+        Code::Unmatched,
+        Code::MissingOp,
+        Code::DuplicateOp,
+        Code::Order,
+        Code::Placement,
+        Code::Range,
+        Code::Memory,
+        Code::CollectiveOrder,
+        Code::Expectation,
+    ];
+}
+
+/// A location in a schedule: rank and position in that rank's instruction list (0-based), the
+/// op's text, and its span in the source file when there is one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Loc {
+    /// The rank.
+    pub rank: u32,
+    /// Index into the rank's instruction list.
+    pub position: usize,
+    /// The instruction's text (IR text syntax).
+    pub op: String,
+    /// Byte span in the input file, if the input was a file with known spans.
+    #[serde(skip)]
+    pub span: Option<Span>,
+}
+
+/// One finding of a pass.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Diagnostic {
+    /// Error or warning.
+    pub severity: Severity,
+    /// The kind.
+    pub code: Code,
+    /// One sentence, no trailing period.
+    pub message: String,
+    /// Primary location's rank, if any.
+    pub rank: Option<u32>,
+    /// Primary location's position, if any.
+    pub position: Option<usize>,
+    /// Primary location's op text, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub op: Option<String>,
+    /// Primary span in the source file.
+    #[serde(skip)]
+    pub span: Option<Span>,
+    /// Secondary locations (the other end of a message, the first of a duplicate, each step
+    /// of a wait-for cycle), each with a label.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub related: Vec<(Loc, String)>,
+    /// Further lines of explanation.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
+    /// A suggestion.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub help: Option<String>,
+}
+
+impl Diagnostic {
+    /// An error with no location yet.
+    pub fn error(code: Code, message: impl Into<String>) -> Self {
+        Diagnostic {
+            severity: Severity::Error,
+            code,
+            message: message.into(),
+            rank: None,
+            position: None,
+            op: None,
+            span: None,
+            related: Vec::new(),
+            notes: Vec::new(),
+            help: None,
+        }
+    }
+    /// Sets the primary location.
+    pub fn at(mut self, loc: Loc) -> Self {
+        self.rank = Some(loc.rank);
+        self.position = Some(loc.position);
+        self.op = Some(loc.op);
+        self.span = loc.span;
+        self
+    }
+    /// Sets only the rank.
+    pub fn on_rank(mut self, rank: u32) -> Self {
+        self.rank = Some(rank);
+        self
+    }
+    /// Adds a related location.
+    pub fn with_related(mut self, loc: Loc, label: impl Into<String>) -> Self {
+        self.related.push((loc, label.into()));
+        self
+    }
+    /// Adds a note.
+    pub fn with_note(mut self, note: impl Into<String>) -> Self {
+        self.notes.push(note.into());
+        self
+    }
+    /// Sets the help line.
+    pub fn with_help(mut self, help: impl Into<String>) -> Self {
+        self.help = Some(help.into());
+        self
+    }
+    /// True for errors.
+    pub fn is_error(&self) -> bool {
+        self.severity == Severity::Error
+    }
+}
+
+/// A miette view of a diagnostic over its source file, for rustc-style rendering.
+#[derive(Debug)]
+pub struct Rendered<'a> {
+    diag: &'a Diagnostic,
+    src: Option<miette::NamedSource<String>>,
+    code: String,
+}
+
+impl<'a> Rendered<'a> {
+    /// Wraps `diag`; `src` is `(file name, file text)` when spans refer to a file.
+    pub fn new(diag: &'a Diagnostic, src: Option<(&str, &str)>) -> Self {
+        Rendered {
+            diag,
+            src: src.map(|(n, t)| miette::NamedSource::new(n, t.to_string())),
+            code: format!("schedc::{}", diag.code.as_str()),
+        }
+    }
+}
+
+impl std::fmt::Display for Rendered<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let d = self.diag;
+        write!(f, "{}", d.message)?;
+        if d.span.is_none() || self.src.is_none() {
+            if let (Some(r), Some(p)) = (d.rank, d.position) {
+                write!(f, " (rank {r}, position {p}")?;
+                if let Some(op) = &d.op {
+                    write!(f, ", {op}")?;
+                }
+                write!(f, ")")?;
+            } else if let Some(r) = d.rank {
+                write!(f, " (rank {r})")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Rendered<'_> {}
+
+impl miette::Diagnostic for Rendered<'_> {
+    fn code<'b>(&'b self) -> Option<Box<dyn std::fmt::Display + 'b>> {
+        Some(Box::new(&self.code))
+    }
+    fn severity(&self) -> Option<miette::Severity> {
+        Some(match self.diag.severity {
+            Severity::Error => miette::Severity::Error,
+            Severity::Warning => miette::Severity::Warning,
+        })
+    }
+    fn help<'b>(&'b self) -> Option<Box<dyn std::fmt::Display + 'b>> {
+        let mut lines: Vec<String> = Vec::new();
+        for (loc, label) in &self.diag.related {
+            if loc.span.is_none() || self.src.is_none() {
+                lines.push(format!(
+                    "{label}: rank {} position {} `{}`",
+                    loc.rank, loc.position, loc.op
+                ));
+            }
+        }
+        lines.extend(self.diag.notes.iter().map(|n| format!("• {n}")));
+        if let Some(h) = &self.diag.help {
+            lines.push(h.clone());
+        }
+        if lines.is_empty() {
+            None
+        } else {
+            Some(Box::new(lines.join("\n")))
+        }
+    }
+    fn source_code(&self) -> Option<&dyn miette::SourceCode> {
+        self.src.as_ref().map(|s| s as &dyn miette::SourceCode)
+    }
+    fn labels(&self) -> Option<Box<dyn Iterator<Item = miette::LabeledSpan> + '_>> {
+        self.src.as_ref()?;
+        let mut v = Vec::new();
+        if let Some(sp) = self.diag.span {
+            let label = match (self.diag.rank, self.diag.position) {
+                (Some(r), Some(p)) => format!("rank {r}, position {p}"),
+                _ => "here".to_string(),
+            };
+            v.push(miette::LabeledSpan::new_primary_with_span(
+                Some(label),
+                (sp.start as usize, sp.len as usize),
+            ));
+        }
+        for (loc, label) in &self.diag.related {
+            if let Some(sp) = loc.span {
+                v.push(miette::LabeledSpan::new_with_span(
+                    Some(format!("{label} (rank {}, position {})", loc.rank, loc.position)),
+                    (sp.start as usize, sp.len as usize),
+                ));
+            }
+        }
+        if v.is_empty() {
+            None
+        } else {
+            Some(Box::new(v.into_iter()))
+        }
+    }
+}
+
+/// Renders a diagnostic as plain text (no colour), rustc-style, with source excerpts when
+/// `src` is given. Deterministic: used for snapshots.
+pub fn render(diag: &Diagnostic, src: Option<(&str, &str)>, width: usize) -> String {
+    let r = Rendered::new(diag, src);
+    let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor())
+        .with_width(width)
+        .with_links(false);
+    let mut out = String::new();
+    let _ = handler.render_report(&mut out, &r);
+    out
+}
+
+/// Renders with colours if `color` (for terminals).
+pub fn render_color(diag: &Diagnostic, src: Option<(&str, &str)>, color: bool) -> String {
+    if !color {
+        return render(diag, src, 100);
+    }
+    let r = Rendered::new(diag, src);
+    let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode())
+        .with_width(100)
+        .with_links(false);
+    let mut out = String::new();
+    let _ = handler.render_report(&mut out, &r);
+    out
+}

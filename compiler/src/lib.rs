@@ -9,7 +9,9 @@
 
 pub mod check;
 pub mod diag;
+pub mod casefile;
 pub mod import;
+pub mod input;
 pub mod passes;
 
 pub use schedc_ir as ir;

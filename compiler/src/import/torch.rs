@@ -1,1 +1,1571 @@
-//! PyTorch `torch.distributed.pipelining` CSV (placeholder, being written).
+//! PyTorch `torch.distributed.pipelining` (2.15) schedule CSV: import and export.
+//!
+//! Torch writes a schedule as a CSV file with one row per pipeline rank (row `i` is rank `i`,
+//! no header) and one action per cell (`3F12`: forward of stage 3 on micro-batch 12). Two
+//! flavours exist ([`TorchFormat`]):
+//!
+//! * `compute_only` (`schedule.pipeline_order`): compute actions, `OVERLAP_F_B` compounds and
+//!   empty cells for idle slots (plus `REDUCE_GRAD`/`WAIT_REDUCE_GRAD` in the single-stage
+//!   schedules);
+//! * `compute_comms` (`pipeline_order_with_comms`): the lowered program, with `SEND_F`,
+//!   `RECV_F`, `SEND_B`, `RECV_B`, `WAIT_SEND_F/B`, `UNSHARD`, `RESHARD`, `REDUCE_GRAD`,
+//!   `WAIT_REDUCE_GRAD`, and no empty cells.
+//!
+//! ## Letters
+//!
+//! Torch's `B` is the *fused* backward and `I` the input-only half; in the IR (and the
+//! zero-bubble papers) `B` is the input-only half and `BW` the fused one. The conversion
+//! happens here and nowhere else: torch `F` = [`Kind::F`], torch `I` = [`Kind::B`], torch `W`
+//! = [`Kind::W`], torch `B` = [`Kind::BW`].
+//!
+//! ## Communication
+//!
+//! Torch attaches a send or receive to *its own* stage and leaves the peer implicit:
+//! `3SEND_F5` sends stage 3's activation to the rank of stage 4, and `4RECV_F5` receives it on
+//! the rank of stage 4. The IR names the payload by its *producer* and the peer explicitly, so
+//! `4RECV_F5` becomes `Recv { Act(3, 5), peer: rank(3) }`, and `3RECV_B5` becomes
+//! `Recv { Grad(4, 5), peer: rank(4) }`. Peers are computed from the stage-to-rank map, which is
+//! inferred from the rows (or given in [`TorchOptions`]).
+//!
+//! ## Strictness
+//!
+//! Torch parses a cell with a *prefix* regex match and ignores anything after a valid action
+//! (`0FOO` reads as `0F`, `3F12abc` as `3F12`). This importer does not: every cell must be
+//! exactly one action, and anything else is a [`ParseError`] pointing at the cell. Like
+//! torch, it strips spaces and tabs around a cell, and reads an empty (or all-blank) cell as an
+//! idle slot.
+
+use schedc_ir::text::{instr_to_string, line_col, ParseError, SourceMap, Span};
+use schedc_ir::{
+    Comm, Compute, Instr, Kind, Part, Payload, PayloadKind, Pipeline, PlacementKind, Program, Rank,
+};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// The two CSV flavours torch reads and writes (`_load_csv(path, format=...)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TorchFormat {
+    /// `format="compute_only"`: compute actions, `OVERLAP_F_B` and empty cells (idle slots);
+    /// torch lowers it (inserting sends, receives, FSDP and gradient-reduction actions) when it
+    /// loads it.
+    ComputeOnly,
+    /// `format="compute_comms"`: the fully lowered program, run as written; no empty cells.
+    ComputeComms,
+}
+
+impl TorchFormat {
+    /// Torch's spelling of the format: `compute_only` or `compute_comms`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TorchFormat::ComputeOnly => "compute_only",
+            TorchFormat::ComputeComms => "compute_comms",
+        }
+    }
+}
+
+/// The result of [`parse_csv`].
+#[derive(Clone, Debug)]
+pub struct TorchImport {
+    /// The program: one rank per CSV row, one instruction per cell (an empty cell is
+    /// [`Instr::Idle`]; a row with no cells is a rank with no instructions).
+    pub program: Program,
+    /// The span of every instruction: byte offset and length of its cell (without surrounding
+    /// blanks); a zero-length span at the cell's position for an empty cell.
+    pub spans: SourceMap,
+    /// [`TorchFormat::ComputeComms`] if any `SEND_*`, `RECV_*` or `WAIT_SEND_*` action
+    /// appears, else [`TorchFormat::ComputeOnly`].
+    pub format: TorchFormat,
+}
+
+/// Options for [`parse_csv`]; the default infers everything from the file.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TorchOptions {
+    /// The number of micro-batches M. `None`: the largest micro-batch id in the file, plus 1.
+    /// When given, a micro-batch id `>= M` is an error.
+    pub microbatches: Option<u32>,
+    /// The rank of each stage (`stage_to_rank[s]`), fixing the number of stages S to its
+    /// length. `None`: inferred from the row on which each stage's actions appear. When given,
+    /// an action of stage `s` on a row other than `stage_to_rank[s]` is an error.
+    pub stage_to_rank: Option<Vec<u32>>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cell syntax
+// ---------------------------------------------------------------------------------------------
+
+/// Torch's `_ComputationType`s, as they appear in a cell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ty {
+    F,
+    I,
+    W,
+    B,
+    Unshard,
+    Reshard,
+    ReduceGrad,
+    WaitReduceGrad,
+    SendF,
+    RecvF,
+    SendB,
+    RecvB,
+    WaitSendF,
+    WaitSendB,
+}
+
+/// Every action type, by its token.
+const TYPES: [(&str, Ty); 14] = [
+    ("F", Ty::F),
+    ("I", Ty::I),
+    ("W", Ty::W),
+    ("B", Ty::B),
+    ("UNSHARD", Ty::Unshard),
+    ("RESHARD", Ty::Reshard),
+    ("REDUCE_GRAD", Ty::ReduceGrad),
+    ("WAIT_REDUCE_GRAD", Ty::WaitReduceGrad),
+    ("SEND_F", Ty::SendF),
+    ("RECV_F", Ty::RecvF),
+    ("SEND_B", Ty::SendB),
+    ("RECV_B", Ty::RecvB),
+    ("WAIT_SEND_F", Ty::WaitSendF),
+    ("WAIT_SEND_B", Ty::WaitSendB),
+];
+
+const TYPE_LIST: &str = "F, I, W, B, SEND_F, RECV_F, SEND_B, RECV_B, WAIT_SEND_F, WAIT_SEND_B \
+     (each followed by a micro-batch number) and UNSHARD, RESHARD, REDUCE_GRAD, \
+     WAIT_REDUCE_GRAD (without one)";
+
+const OVERLAP: &str = "OVERLAP_F_B";
+
+impl Ty {
+    fn token(self) -> &'static str {
+        TYPES
+            .iter()
+            .find(|(_, t)| *t == self)
+            .map_or("?", |(s, _)| s)
+    }
+    fn from_token(s: &str) -> Option<Ty> {
+        TYPES.iter().find(|(n, _)| *n == s).map(|(_, t)| *t)
+    }
+    /// True for the types written with a micro-batch number.
+    fn has_mb(self) -> bool {
+        !matches!(
+            self,
+            Ty::Unshard | Ty::Reshard | Ty::ReduceGrad | Ty::WaitReduceGrad
+        )
+    }
+    fn is_comm(self) -> bool {
+        matches!(
+            self,
+            Ty::SendF | Ty::RecvF | Ty::SendB | Ty::RecvB | Ty::WaitSendF | Ty::WaitSendB
+        )
+    }
+    fn compute_kind(self) -> Option<Kind> {
+        match self {
+            Ty::F => Some(Kind::F),
+            Ty::I => Some(Kind::B),
+            Ty::W => Some(Kind::W),
+            Ty::B => Some(Kind::BW),
+            _ => None,
+        }
+    }
+}
+
+/// Torch's letter for one of our compute kinds.
+fn torch_letter(k: Kind) -> &'static str {
+    match k {
+        Kind::F => "F",
+        Kind::B => "I",
+        Kind::W => "W",
+        Kind::BW => "B",
+    }
+}
+
+/// One parsed action (not a compound).
+#[derive(Clone, Copy, Debug)]
+struct Act {
+    stage: u32,
+    ty: Ty,
+    /// Present exactly when `ty.has_mb()`.
+    mb: u32,
+}
+
+impl Act {
+    fn compute(&self) -> Option<Compute> {
+        self.ty
+            .compute_kind()
+            .map(|k| Compute::new(k, self.stage, self.mb))
+    }
+}
+
+/// One parsed cell.
+#[derive(Clone, Copy, Debug)]
+enum Cell {
+    Idle,
+    One(Act),
+    /// `(fwd;bwd)OVERLAP_F_B`.
+    Overlap(Act, Act),
+}
+
+impl Cell {
+    fn for_each_act(&self, mut f: impl FnMut(&Act)) {
+        match self {
+            Cell::Idle => {}
+            Cell::One(a) => f(a),
+            Cell::Overlap(a, b) => {
+                f(a);
+                f(b);
+            }
+        }
+    }
+}
+
+/// A cell-level error: message and optional help; located at the whole cell by the caller.
+struct CellErr {
+    message: String,
+    help: Option<String>,
+}
+
+fn cell_err(message: impl Into<String>, help: Option<String>) -> CellErr {
+    CellErr {
+        message: message.into(),
+        help,
+    }
+}
+
+/// At most 32 characters of `s`, for messages (a fuzzed cell may be huge).
+fn clip(s: &str) -> String {
+    let mut it = s.chars();
+    let head: String = it.by_ref().take(32).collect();
+    if it.next().is_some() {
+        format!("{head}...")
+    } else {
+        head
+    }
+}
+
+fn expected_action(found: &str, help: Option<String>) -> CellErr {
+    cell_err(
+        format!("expected an action such as `3F12`, found `{}`", clip(found)),
+        help,
+    )
+}
+
+/// Parses a decimal `u32`; `what` names it in the overflow error.
+fn parse_u32(digits: &str, cell: &str, what: &str) -> Result<u32, CellErr> {
+    digits.parse::<u32>().map_err(|_| {
+        cell_err(
+            format!(
+                "{what} `{}` in `{}` is too large (at most {})",
+                clip(digits),
+                clip(cell),
+                u32::MAX
+            ),
+            None,
+        )
+    })
+}
+
+fn digits_end(b: &[u8], from: usize) -> usize {
+    let mut i = from;
+    while i < b.len() && b[i].is_ascii_digit() {
+        i += 1;
+    }
+    i
+}
+
+/// Parses one simple action `<stage><TYPE>[<mb>]`, exactly (no trailing text).
+fn parse_action(text: &str) -> Result<Act, CellErr> {
+    let b = text.as_bytes();
+    let stage_end = digits_end(b, 0);
+    if stage_end == 0 {
+        let help = if text.starts_with(|c: char| c.is_ascii_uppercase()) {
+            "an action starts with its stage number, as in `0F3` (stage 0, forward, micro-batch 3)"
+                .to_string()
+        } else {
+            format!("an action is <stage><TYPE><micro-batch>; the types are {TYPE_LIST}")
+        };
+        return Err(expected_action(text, Some(help)));
+    }
+    let stage = parse_u32(&text[..stage_end], text, "stage number")?;
+    let mut ty_end = stage_end;
+    while ty_end < b.len() && (b[ty_end].is_ascii_uppercase() || b[ty_end] == b'_') {
+        ty_end += 1;
+    }
+    let name = &text[stage_end..ty_end];
+    let Some(ty) = Ty::from_token(name) else {
+        let help = if name.is_empty() {
+            let lower = text[stage_end..]
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_lowercase());
+            if lower {
+                format!("action types are upper case; they are {TYPE_LIST}")
+            } else {
+                format!("an action is <stage><TYPE><micro-batch>; the types are {TYPE_LIST}")
+            }
+        } else if name == OVERLAP {
+            "`OVERLAP_F_B` is a compound: `(<forward>;<backward>)OVERLAP_F_B`".to_string()
+        } else {
+            // The longest type that prefixes the name: what torch's prefix match would read.
+            let prefix = TYPES
+                .iter()
+                .filter(|(t, _)| name.starts_with(t))
+                .max_by_key(|(t, _)| t.len());
+            match prefix {
+                Some((t, _)) => format!(
+                    "`{}` is not an action type; torch would read `{}{t}` and silently ignore \
+                     the rest, schedc does not. The types are {TYPE_LIST}",
+                    clip(name),
+                    &text[..stage_end]
+                ),
+                None => format!(
+                    "`{}` is not an action type; the types are {TYPE_LIST}",
+                    clip(name)
+                ),
+            }
+        };
+        return Err(expected_action(text, Some(help)));
+    };
+    let mb_end = digits_end(b, ty_end);
+    let mb_text = &text[ty_end..mb_end];
+    let mb = if ty.has_mb() {
+        if mb_text.is_empty() {
+            return Err(expected_action(
+                text,
+                Some(format!(
+                    "`{}` needs a micro-batch number, as in `{}{}0`",
+                    ty.token(),
+                    &text[..stage_end],
+                    ty.token()
+                )),
+            ));
+        }
+        parse_u32(mb_text, text, "micro-batch number")?
+    } else {
+        if !mb_text.is_empty() {
+            return Err(expected_action(
+                text,
+                Some(format!(
+                    "`{}` takes no micro-batch number: write `{}{}`",
+                    ty.token(),
+                    &text[..stage_end],
+                    ty.token()
+                )),
+            ));
+        }
+        0
+    };
+    if mb_end < text.len() {
+        return Err(expected_action(
+            text,
+            Some(format!(
+                "unexpected `{}` after `{}`; torch ignores text after an action, schedc rejects it",
+                clip(&text[mb_end..]),
+                &text[..mb_end]
+            )),
+        ));
+    }
+    Ok(Act { stage, ty, mb })
+}
+
+/// Parses one non-empty, trimmed cell.
+fn parse_cell(text: &str) -> Result<Cell, CellErr> {
+    if text == "\"\"" {
+        // Python's csv writer quotes a row's only field when it is empty.
+        return Ok(Cell::Idle);
+    }
+    if !text.starts_with('(') {
+        return parse_action(text).map(Cell::One);
+    }
+    let shape = "a compound action is `(<forward>;<backward>)OVERLAP_F_B`, as in \
+                 `(0F7;7B3)OVERLAP_F_B`";
+    let Some(close) = text.find(')') else {
+        return Err(cell_err(
+            format!("expected `)` closing the compound action `{}`", clip(text)),
+            Some(shape.into()),
+        ));
+    };
+    let inner = &text[1..close];
+    let suffix = &text[close + 1..];
+    if inner.contains('(') || suffix.contains(')') {
+        return Err(cell_err(
+            format!(
+                "nested parentheses in `{}`: compound actions cannot be nested",
+                clip(text)
+            ),
+            Some(shape.into()),
+        ));
+    }
+    if suffix != OVERLAP {
+        return Err(cell_err(
+            format!("expected `OVERLAP_F_B` after `)`, found `{}`", clip(suffix)),
+            Some(shape.into()),
+        ));
+    }
+    let mut acts = Vec::with_capacity(2);
+    for piece in inner.split(';') {
+        let a = parse_action(piece.trim_matches([' ', '\t'])).map_err(|e| CellErr {
+            message: format!("in compound action: {}", e.message),
+            help: e.help,
+        })?;
+        acts.push(a);
+        if acts.len() > 2 {
+            break;
+        }
+    }
+    let one_fwd_one_bwd = "OVERLAP_F_B holds one forward and one backward (`B` or `I`), \
+                           the forward first";
+    if acts.len() != 2 {
+        return Err(cell_err(
+            format!(
+                "`{}` has {} action{}; OVERLAP_F_B needs exactly two",
+                clip(text),
+                if acts.len() > 2 { "more than 2" } else { "1" },
+                if acts.len() > 1 { "s" } else { "" }
+            ),
+            Some(one_fwd_one_bwd.into()),
+        ));
+    }
+    let (f, b) = (acts[0], acts[1]);
+    if f.ty != Ty::F || !matches!(b.ty, Ty::B | Ty::I) {
+        let help = if b.ty == Ty::F && matches!(f.ty, Ty::B | Ty::I) {
+            format!(
+                "write the forward first: `({};{})OVERLAP_F_B`",
+                &inner[inner.find(';').map_or(0, |p| p + 1)..].trim_matches([' ', '\t']),
+                inner[..inner.find(';').unwrap_or(0)].trim_matches([' ', '\t'])
+            )
+        } else {
+            one_fwd_one_bwd.into()
+        };
+        return Err(cell_err(
+            format!("expected one forward and one backward in `{}`", clip(text)),
+            Some(help),
+        ));
+    }
+    Ok(Cell::Overlap(f, b))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Import
+// ---------------------------------------------------------------------------------------------
+
+fn perr(src: &str, start: usize, len: usize, message: impl Into<String>) -> ParseError {
+    let (line, col) = line_col(src, start);
+    ParseError {
+        offset: start,
+        len,
+        line,
+        col,
+        message: message.into(),
+        help: None,
+    }
+}
+
+fn perr_span(src: &str, sp: Span, message: impl Into<String>) -> ParseError {
+    perr(src, sp.start as usize, sp.len as usize, message)
+}
+
+fn with_help(mut e: ParseError, help: impl Into<String>) -> ParseError {
+    e.help = Some(help.into());
+    e
+}
+
+fn span(start: usize, len: usize) -> Span {
+    // The input length is checked to fit in u32 up front.
+    Span {
+        start: start as u32,
+        len: len as u32,
+    }
+}
+
+/// Splits the source into rows of parsed cells.
+fn parse_rows(src: &str) -> Result<Vec<Vec<(Cell, Span)>>, ParseError> {
+    let mut rows = Vec::new();
+    let mut pos = 0;
+    loop {
+        let end = src[pos..].find('\n').map_or(src.len(), |i| pos + i);
+        let mut line_end = end;
+        if src[pos..line_end].ends_with('\r') {
+            line_end -= 1;
+        }
+        let mut row = Vec::new();
+        if line_end > pos {
+            let mut cell_start = pos;
+            loop {
+                let cell_end = src[cell_start..line_end]
+                    .find(',')
+                    .map_or(line_end, |i| cell_start + i);
+                let raw = &src[cell_start..cell_end];
+                let lead = raw.len() - raw.trim_start_matches([' ', '\t']).len();
+                let text = raw.trim_matches([' ', '\t']);
+                let start = cell_start + lead;
+                if text.is_empty() {
+                    row.push((Cell::Idle, span(cell_start, 0)));
+                } else {
+                    let sp = span(start, text.len());
+                    let cell = parse_cell(text).map_err(|e| ParseError {
+                        help: e.help,
+                        ..perr_span(src, sp, e.message)
+                    })?;
+                    row.push((cell, sp));
+                }
+                if cell_end == line_end {
+                    break;
+                }
+                cell_start = cell_end + 1;
+            }
+        }
+        rows.push(row);
+        if end >= src.len() || end + 1 == src.len() {
+            break;
+        }
+        pos = end + 1;
+    }
+    Ok(rows)
+}
+
+/// Parses a torch schedule CSV (either format, detected) into the IR.
+///
+/// Row `i` is rank `i`, so P is the number of rows (a final newline does not start a row);
+/// lines may end in `\n` or `\r\n`. S is the largest stage id plus one (or the length of
+/// `opts.stage_to_rank`), M the largest micro-batch id plus one (or `opts.microbatches`). The
+/// placement is [`PlacementKind::Loop`] if stage `s` is on rank `s % P`, [`PlacementKind::V`]
+/// if it follows torch's zigzag, else [`PlacementKind::Explicit`].
+///
+/// Errors (each a [`ParseError`] with the byte offset, length and 1-based line and column of
+/// the offending cell): empty input; a malformed cell (unknown action type, text after an
+/// action, a missing or too large number, a compound that is not exactly
+/// `(<F>;<B or I>)OVERLAP_F_B`); a stage on two ranks ("stage 3 appears on ranks 0 and 2"), or
+/// on a rank other than the one `opts.stage_to_rank` gives; a stage id below the largest that
+/// never appears; a micro-batch id `>= opts.microbatches`; a send or receive with no
+/// neighbouring stage (`SEND_F` or `RECV_B` on the last stage, `RECV_F` or `SEND_B` on stage
+/// 0); no micro-batch at all. Never panics.
+pub fn parse_csv(src: &str, opts: &TorchOptions) -> Result<TorchImport, ParseError> {
+    if src.len() > u32::MAX as usize {
+        return Err(perr(src, 0, 0, "input too large (over 4 GiB)"));
+    }
+    if src.is_empty() {
+        return Err(with_help(
+            perr(
+                src,
+                0,
+                0,
+                "empty input: expected one row of actions per rank",
+            ),
+            "a torch schedule CSV has one row per pipeline rank, e.g. `0F0,0F1,0B0,0B1`",
+        ));
+    }
+    let rows = parse_rows(src)?;
+    let pp = match u32::try_from(rows.len()) {
+        Ok(p) if p > 0 => p,
+        _ => return Err(perr(src, 0, 0, "expected between 1 and 2^32-1 rows")),
+    };
+
+    let mut format = TorchFormat::ComputeOnly;
+    let mut max_mb: Option<(u32, Span)> = None;
+    for row in &rows {
+        for (cell, sp) in row {
+            cell.for_each_act(|a| {
+                if a.ty.is_comm() {
+                    format = TorchFormat::ComputeComms;
+                }
+                if a.ty.has_mb() && max_mb.is_none_or(|(m, _)| a.mb > m) {
+                    max_mb = Some((a.mb, *sp));
+                }
+            });
+        }
+    }
+
+    // Stage-to-rank map.
+    let map: Vec<Rank> = match &opts.stage_to_rank {
+        Some(given) => check_given_map(src, &rows, given, pp)?,
+        None => infer_map(src, &rows)?,
+    };
+    let stages = map.len() as u32;
+
+    // Micro-batches.
+    let microbatches = match opts.microbatches {
+        Some(0) => {
+            return Err(perr(
+                src,
+                0,
+                0,
+                "the number of micro-batches must be at least 1",
+            ))
+        }
+        Some(m) => {
+            for row in &rows {
+                for (cell, sp) in row {
+                    let mut bad = None;
+                    cell.for_each_act(|a| {
+                        if a.ty.has_mb() && a.mb >= m && bad.is_none() {
+                            bad = Some(a.mb);
+                        }
+                    });
+                    if let Some(mb) = bad {
+                        return Err(perr_span(
+                            src,
+                            *sp,
+                            format!(
+                                "micro-batch {mb} is out of range: the schedule was given {m} \
+                                 micro-batch{}",
+                                if m == 1 { "" } else { "es" }
+                            ),
+                        ));
+                    }
+                }
+            }
+            m
+        }
+        None => match max_mb {
+            None => {
+                return Err(with_help(
+                    perr(
+                        src,
+                        0,
+                        0,
+                        "no action with a micro-batch: the CSV has no compute op",
+                    ),
+                    "a schedule needs at least one forward such as `0F0`",
+                ))
+            }
+            Some((m, sp)) => m
+                .checked_add(1)
+                .ok_or_else(|| perr_span(src, sp, format!("micro-batch id {m} is too large")))?,
+        },
+    };
+
+    let pipeline = build_pipeline(pp, stages, microbatches, map)
+        .map_err(|e| perr(src, 0, 0, format!("invalid pipeline: {e}")))?;
+
+    // Conversion.
+    let mut ranks = Vec::with_capacity(rows.len());
+    let mut spans = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let mut instrs = Vec::with_capacity(row.len());
+        let mut sps = Vec::with_capacity(row.len());
+        for (cell, sp) in row {
+            instrs.push(convert(src, &pipeline, cell, *sp)?);
+            sps.push(*sp);
+        }
+        ranks.push(instrs);
+        spans.push(sps);
+    }
+    Ok(TorchImport {
+        program: Program { pipeline, ranks },
+        spans: SourceMap { ranks: spans },
+        format,
+    })
+}
+
+fn check_given_map(
+    src: &str,
+    rows: &[Vec<(Cell, Span)>],
+    given: &[u32],
+    pp: u32,
+) -> Result<Vec<Rank>, ParseError> {
+    if given.is_empty() {
+        return Err(perr(src, 0, 0, "the given stage-to-rank map is empty"));
+    }
+    if u32::try_from(given.len()).is_err() {
+        return Err(perr(src, 0, 0, "the given stage-to-rank map is too long"));
+    }
+    if let Some((s, r)) = given.iter().enumerate().find(|(_, &r)| r >= pp) {
+        return Err(perr(
+            src,
+            0,
+            0,
+            format!("the given stage-to-rank map puts stage {s} on rank {r}, but the CSV has {pp} row(s)"),
+        ));
+    }
+    for (r, row) in rows.iter().enumerate() {
+        for (cell, sp) in row {
+            let mut bad: Option<String> = None;
+            cell.for_each_act(|a| {
+                if bad.is_some() {
+                    return;
+                }
+                match given.get(a.stage as usize) {
+                    None => {
+                        bad = Some(format!(
+                            "stage {} is out of range: the given stage-to-rank map has {} stages",
+                            a.stage,
+                            given.len()
+                        ))
+                    }
+                    Some(&want) if want as usize != r => {
+                        bad = Some(format!(
+                            "stage {} is on rank {want} by the given stage-to-rank map, but \
+                             appears on rank {r}",
+                            a.stage
+                        ))
+                    }
+                    _ => {}
+                }
+            });
+            if let Some(m) = bad {
+                return Err(perr_span(src, *sp, m));
+            }
+        }
+    }
+    Ok(given.to_vec())
+}
+
+fn infer_map(src: &str, rows: &[Vec<(Cell, Span)>]) -> Result<Vec<Rank>, ParseError> {
+    // stage -> (rank, first span)
+    let mut seen: BTreeMap<u32, (u32, Span)> = BTreeMap::new();
+    for (r, row) in rows.iter().enumerate() {
+        let r = r as u32;
+        for (cell, sp) in row {
+            let mut clash = None;
+            cell.for_each_act(|a| match seen.get(&a.stage) {
+                Some(&(r0, _)) if r0 != r => {
+                    if clash.is_none() {
+                        clash = Some((a.stage, r0));
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    seen.insert(a.stage, (r, *sp));
+                }
+            });
+            if let Some((s, r0)) = clash {
+                return Err(with_help(
+                    perr_span(src, *sp, format!("stage {s} appears on ranks {r0} and {r}")),
+                    "torch places each stage on exactly one rank: every action of a stage \
+                     must be in that rank's row",
+                ));
+            }
+        }
+    }
+    if seen.is_empty() {
+        return Err(with_help(
+            perr(src, 0, 0, "no actions: every row is empty"),
+            "a schedule needs at least one forward such as `0F0`",
+        ));
+    }
+    for (i, (&s, &(_, sp))) in seen.iter().enumerate() {
+        if s as usize != i {
+            return Err(with_help(
+                perr_span(
+                    src,
+                    sp,
+                    format!("stage {i} never appears, but stage {s} does"),
+                ),
+                format!(
+                    "stages are numbered from 0 without gaps; every stage below {s} needs \
+                     actions on its rank"
+                ),
+            ));
+        }
+    }
+    Ok(seen.values().map(|&(r, _)| r).collect())
+}
+
+/// A pipeline with the most specific placement kind that reproduces `map`.
+fn build_pipeline(
+    pp: u32,
+    stages: u32,
+    microbatches: u32,
+    map: Vec<Rank>,
+) -> Result<Pipeline, schedc_ir::PipelineError> {
+    for kind in [PlacementKind::Loop, PlacementKind::V] {
+        if let Ok(p) = Pipeline::new(pp, stages, microbatches, kind) {
+            if p.stage_to_rank == map {
+                return Ok(p);
+            }
+        }
+    }
+    Pipeline::explicit(pp, microbatches, map)
+}
+
+fn convert(src: &str, pl: &Pipeline, cell: &Cell, sp: Span) -> Result<Instr, ParseError> {
+    let a = match cell {
+        Cell::Idle => return Ok(Instr::Idle),
+        Cell::Overlap(f, b) => {
+            // Both are compute actions by construction.
+            return match (f.compute(), b.compute()) {
+                (Some(fwd), Some(bwd)) => Ok(Instr::Overlap { fwd, bwd }),
+                _ => Err(perr_span(src, sp, "expected one forward and one backward")),
+            };
+        }
+        Cell::One(a) => a,
+    };
+    let s = a.stage;
+    let m = a.mb;
+    let last = pl.stages - 1;
+    let at_end = |what: &str| perr_span(src, sp, format!("`{s}{}{m}` {what}", a.ty.token()));
+    let payload = |kind, stage| Payload { kind, stage, mb: m };
+    Ok(match a.ty {
+        Ty::Unshard => Instr::Unshard(s),
+        Ty::Reshard => Instr::Reshard(s),
+        Ty::ReduceGrad => Instr::ReduceGrad(s),
+        Ty::WaitReduceGrad => Instr::WaitReduceGrad(s),
+        Ty::WaitSendF => Instr::WaitSend(payload(PayloadKind::Act, s)),
+        Ty::WaitSendB => Instr::WaitSend(payload(PayloadKind::Grad, s)),
+        Ty::SendF => {
+            if s >= last {
+                return Err(at_end(&format!(
+                    "sends stage {s}'s activation forward, but stage {s} is the last stage"
+                )));
+            }
+            Instr::Comm(Comm::Send {
+                payload: payload(PayloadKind::Act, s),
+                peer: pl.rank_of(s + 1),
+            })
+        }
+        Ty::RecvF => {
+            if s == 0 {
+                return Err(at_end(
+                    "receives an activation into stage 0, but stage 0 is the first stage",
+                ));
+            }
+            Instr::Comm(Comm::Recv {
+                payload: payload(PayloadKind::Act, s - 1),
+                peer: pl.rank_of(s - 1),
+            })
+        }
+        Ty::SendB => {
+            if s == 0 {
+                return Err(at_end(
+                    "sends stage 0's input gradient backward, but stage 0 is the first stage",
+                ));
+            }
+            Instr::Comm(Comm::Send {
+                payload: payload(PayloadKind::Grad, s),
+                peer: pl.rank_of(s - 1),
+            })
+        }
+        Ty::RecvB => {
+            if s >= last {
+                return Err(at_end(&format!(
+                    "receives a gradient into stage {s}, but stage {s} is the last stage"
+                )));
+            }
+            Instr::Comm(Comm::Recv {
+                payload: payload(PayloadKind::Grad, s + 1),
+                peer: pl.rank_of(s + 1),
+            })
+        }
+        Ty::F => Instr::Compute(Compute::new(Kind::F, s, m)),
+        Ty::I => Instr::Compute(Compute::new(Kind::B, s, m)),
+        Ty::W => Instr::Compute(Compute::new(Kind::W, s, m)),
+        Ty::B => Instr::Compute(Compute::new(Kind::BW, s, m)),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Export
+// ---------------------------------------------------------------------------------------------
+
+/// Writes a program as a torch schedule CSV: one row per rank, cells joined by `,`, each row
+/// ended by `\n`.
+///
+/// * [`TorchFormat::ComputeOnly`] writes compute ops, overlaps (`(0F7;7B3)OVERLAP_F_B`), idle
+///   slots as empty cells, and `REDUCE_GRAD`, `WAIT_REDUCE_GRAD`, `UNSHARD`, `RESHARD`. A rank
+///   whose only instruction is an idle slot is written `""`, as Python's csv writer does.
+/// * [`TorchFormat::ComputeComms`] writes every instruction except idle slots (torch allows no
+///   empty cell there), flattening each [`Instr::Group`] into its members in order and
+///   converting sends and receives to torch's attachment (`Recv Act(s,m)` is
+///   `{s+1}RECV_F{m}`, `Recv Grad(s,m)` is `{s-1}RECV_B{m}`, `Send Act(s,m)` is `{s}SEND_F{m}`,
+///   `Send Grad(s,m)` is `{s}SEND_B{m}`).
+///
+/// `parse_csv(write_csv(p))` gives `p` back for any program this accepts (with `\n` line ends,
+/// the reference compute-only CSVs round-trip byte for byte).
+///
+/// Errors (a sentence naming the rank and instruction): what torch cannot run or express —
+/// a [`PlacementKind::Bidir`] pipeline (DualPipe's two copies of each stage), an MoE part
+/// (only whole-stage ops), a collective, an overlap that is not one forward and one backward,
+/// a send or receive whose peer is not the rank of the neighbouring stage (torch derives peers
+/// from the placement), or that sits on a rank not holding the stage torch attaches it to; a
+/// send, receive or send-wait in `ComputeOnly` (use `ComputeComms`); a rank count different
+/// from `pp`.
+pub fn write_csv(p: &Program, format: TorchFormat) -> Result<String, String> {
+    let pl = &p.pipeline;
+    if pl.placement == PlacementKind::Bidir {
+        return Err(
+            "torch cannot run a bidirectional (DualPipe) placement: every rank would hold two \
+             copies of a stage, and torch places each stage on exactly one rank; use the V \
+             placement (DualPipeV) for torch"
+                .into(),
+        );
+    }
+    if p.ranks.len() != pl.pp as usize {
+        return Err(format!(
+            "the program has {} rank programs but pp is {}; torch needs one row per rank",
+            p.ranks.len(),
+            pl.pp
+        ));
+    }
+    let mut out = String::with_capacity(p.len() * 8 + p.ranks.len());
+    for (r, instrs) in p.ranks.iter().enumerate() {
+        if format == TorchFormat::ComputeOnly && instrs.len() == 1 && instrs[0] == Instr::Idle {
+            out.push_str("\"\"\n");
+            continue;
+        }
+        let mut first = true;
+        for (i, instr) in instrs.iter().enumerate() {
+            let ctx = || format!("rank {r}, instruction {i} (`{}`)", instr_to_string(instr));
+            let mut cell = |out: &mut String| {
+                if !first {
+                    out.push(',');
+                }
+                first = false;
+            };
+            match instr {
+                Instr::Idle => {
+                    if format == TorchFormat::ComputeOnly {
+                        cell(&mut out);
+                    }
+                }
+                Instr::Compute(c) => {
+                    check_whole(c, &ctx)?;
+                    cell(&mut out);
+                    write_compute(&mut out, c);
+                }
+                Instr::Overlap { fwd, bwd } => {
+                    check_whole(fwd, &ctx)?;
+                    check_whole(bwd, &ctx)?;
+                    if fwd.kind != Kind::F || !bwd.kind.is_backward_input() {
+                        return Err(format!(
+                            "{}: torch's OVERLAP_F_B holds one forward and one backward (B or \
+                             BW)",
+                            ctx()
+                        ));
+                    }
+                    cell(&mut out);
+                    out.push('(');
+                    write_compute(&mut out, fwd);
+                    out.push(';');
+                    write_compute(&mut out, bwd);
+                    out.push(')');
+                    out.push_str(OVERLAP);
+                }
+                Instr::ReduceGrad(s) => {
+                    cell(&mut out);
+                    let _ = write!(out, "{s}REDUCE_GRAD");
+                }
+                Instr::WaitReduceGrad(s) => {
+                    cell(&mut out);
+                    let _ = write!(out, "{s}WAIT_REDUCE_GRAD");
+                }
+                Instr::Unshard(s) => {
+                    cell(&mut out);
+                    let _ = write!(out, "{s}UNSHARD");
+                }
+                Instr::Reshard(s) => {
+                    cell(&mut out);
+                    let _ = write!(out, "{s}RESHARD");
+                }
+                Instr::WaitSend(pay) => {
+                    if format == TorchFormat::ComputeOnly {
+                        return Err(comms_in_compute_only(&ctx()));
+                    }
+                    cell(&mut out);
+                    let k = if pay.kind == PayloadKind::Act {
+                        'F'
+                    } else {
+                        'B'
+                    };
+                    let _ = write!(out, "{}WAIT_SEND_{k}{}", pay.stage, pay.mb);
+                }
+                Instr::Comm(_) | Instr::Group(_) => {
+                    if format == TorchFormat::ComputeOnly {
+                        return Err(comms_in_compute_only(&ctx()));
+                    }
+                    for m in instr.comms() {
+                        cell(&mut out);
+                        write_comm(&mut out, pl, r as Rank, m, &ctx)?;
+                    }
+                }
+            }
+        }
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+fn comms_in_compute_only(ctx: &str) -> String {
+    format!(
+        "{ctx}: the compute_only format has no sends, receives or send waits; export with \
+         compute_comms"
+    )
+}
+
+fn check_whole(c: &Compute, ctx: &dyn Fn() -> String) -> Result<(), String> {
+    if c.part == Part::Whole {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: torch runs whole stages and has no MoE parts (`.{}`); fold the parts into \
+             whole-stage ops before exporting",
+            ctx(),
+            c.part.as_str()
+        ))
+    }
+}
+
+fn write_compute(out: &mut String, c: &Compute) {
+    let _ = write!(out, "{}{}{}", c.stage, torch_letter(c.kind), c.mb);
+}
+
+/// Writes one send or receive in torch's stage attachment, checking that torch's implicit
+/// peer (from the placement) is the program's peer.
+fn write_comm(
+    out: &mut String,
+    pl: &Pipeline,
+    rank: Rank,
+    m: &Comm,
+    ctx: &dyn Fn() -> String,
+) -> Result<(), String> {
+    let (send, payload, peer) = match m {
+        Comm::Send { payload, peer } => (true, payload, *peer),
+        Comm::Recv { payload, peer } => (false, payload, *peer),
+        Comm::Collective(_) => {
+            return Err(format!(
+                "{}: torch has no collectives (MoE all-to-all); fold the MoE parts into \
+                 whole-stage ops before exporting",
+                ctx()
+            ))
+        }
+    };
+    let s = payload.stage;
+    let act = payload.kind == PayloadKind::Act;
+    // The payload goes from its producer `s` to its consumer (the next stage for an
+    // activation, the previous one for a gradient); torch attaches a send to the producer and
+    // a receive to the consumer.
+    let consumer = if act {
+        s.checked_add(1).filter(|&t| t < pl.stages)
+    } else {
+        s.checked_sub(1)
+    };
+    let Some(consumer) = consumer.filter(|_| s < pl.stages) else {
+        return Err(format!(
+            "{}: stage {s} has no {} stage to exchange this with in a pipeline of {} stages",
+            ctx(),
+            if act { "next" } else { "previous" },
+            pl.stages
+        ));
+    };
+    let (attached, theirs) = if send { (s, consumer) } else { (consumer, s) };
+    if pl.rank_of(attached) != rank {
+        return Err(format!(
+            "{}: torch attaches this to stage {attached}, which is on rank {}, not rank {rank}",
+            ctx(),
+            pl.rank_of(attached)
+        ));
+    }
+    if pl.rank_of(theirs) != peer {
+        return Err(format!(
+            "{}: the peer is rank {peer}, but torch exchanges it with the rank of stage {theirs}, \
+             rank {}",
+            ctx(),
+            pl.rank_of(theirs)
+        ));
+    }
+    let dir = if act { 'F' } else { 'B' };
+    let verb = if send { "SEND" } else { "RECV" };
+    let _ = write!(out, "{attached}{verb}_{dir}{}", payload.mb);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn ref_dir() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/torch")
+    }
+
+    fn files(suffix: &str) -> Vec<PathBuf> {
+        let dir = ref_dir();
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            eprintln!("note: {} not found; skipping", dir.display());
+            return Vec::new();
+        };
+        let mut v: Vec<PathBuf> = rd
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.to_string_lossy().ends_with(suffix))
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn parse(src: &str) -> Result<TorchImport, ParseError> {
+        parse_csv(src, &TorchOptions::default())
+    }
+
+    /// Non-empty cells of a CSV text, counted independently of the parser.
+    fn cells(src: &str) -> (usize, usize) {
+        let mut nonempty = 0;
+        let mut all = 0;
+        for line in src.lines() {
+            if line.is_empty() {
+                continue;
+            }
+            for c in line.split(',') {
+                all += 1;
+                if !c.is_empty() {
+                    nonempty += 1;
+                }
+            }
+        }
+        (nonempty, all)
+    }
+
+    #[test]
+    fn compute_csvs_round_trip_byte_for_byte() {
+        let fs = files(".compute.csv");
+        assert!(
+            fs.len() > 100,
+            "expected the reference CSVs, found {}",
+            fs.len()
+        );
+        for f in fs {
+            let src = std::fs::read_to_string(&f).unwrap();
+            let imp = parse(&src).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+            assert_eq!(imp.format, TorchFormat::ComputeOnly, "{}", f.display());
+            let (_, all) = cells(&src);
+            assert_eq!(imp.program.len(), all, "{}", f.display());
+            assert_eq!(imp.program.pipeline.pp as usize, src.lines().count());
+            for (r, row) in imp.spans.ranks.iter().enumerate() {
+                assert_eq!(row.len(), imp.program.ranks[r].len());
+            }
+            let out = write_csv(&imp.program, TorchFormat::ComputeOnly).unwrap();
+            assert_eq!(out, src, "{}", f.display());
+        }
+    }
+
+    #[test]
+    fn comms_csvs_parse_and_round_trip() {
+        let fs = files(".comms.csv");
+        assert!(
+            fs.len() > 50,
+            "expected the reference CSVs, found {}",
+            fs.len()
+        );
+        for f in fs {
+            let src = std::fs::read_to_string(&f).unwrap();
+            let imp = parse(&src).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+            assert_eq!(imp.format, TorchFormat::ComputeComms, "{}", f.display());
+            let p = &imp.program;
+            let (nonempty, all) = cells(&src);
+            assert_eq!(
+                nonempty,
+                all,
+                "{}: comms CSVs have no empty cell",
+                f.display()
+            );
+            assert_eq!(p.len(), nonempty, "{}", f.display());
+            assert!(p.ranks.iter().flatten().all(|i| *i != Instr::Idle));
+            let count = |pat: &str| src.matches(pat).count();
+            let overlaps = count(OVERLAP);
+            let comms = count("SEND_F") + count("RECV_F") + count("SEND_B") + count("RECV_B")
+                - count("WAIT_SEND_F")
+                - count("WAIT_SEND_B");
+            assert_eq!(p.comm_ops(), comms, "{}", f.display());
+            let computes = src
+                .split([',', '\n'])
+                .filter(|c| {
+                    let t = c.trim_start_matches(|ch: char| ch.is_ascii_digit());
+                    t.len() < c.len()
+                        && matches!(t.chars().next(), Some('F' | 'I' | 'W' | 'B'))
+                        && t[1..].chars().all(|ch| ch.is_ascii_digit())
+                })
+                .count();
+            assert_eq!(p.compute_ops(), computes + 2 * overlaps, "{}", f.display());
+            let out = write_csv(p, TorchFormat::ComputeComms).unwrap();
+            assert_eq!(out, src, "{}", f.display());
+            // A program with sends cannot be written compute-only.
+            let e = write_csv(p, TorchFormat::ComputeOnly).unwrap_err();
+            assert!(e.contains("compute_comms"), "{e}");
+        }
+    }
+
+    #[test]
+    fn large_schedule() {
+        let dir = ref_dir().join("large");
+        for ext in ["compute", "comms"] {
+            let f = dir.join(format!("ScheduleInterleaved1F1B_P64_M1024_V2.{ext}.csv"));
+            let Ok(src) = std::fs::read_to_string(&f) else {
+                eprintln!("note: {} not found; skipping", f.display());
+                continue;
+            };
+            let imp = parse(&src).unwrap();
+            let pl = &imp.program.pipeline;
+            assert_eq!((pl.pp, pl.stages, pl.microbatches), (64, 128, 1024));
+            assert_eq!(pl.placement, PlacementKind::Loop);
+            let fmt = if ext == "compute" {
+                TorchFormat::ComputeOnly
+            } else {
+                TorchFormat::ComputeComms
+            };
+            assert_eq!(imp.format, fmt);
+            assert_eq!(write_csv(&imp.program, fmt).unwrap(), src);
+        }
+    }
+
+    #[test]
+    fn placement_matches_expected_json() {
+        let path = ref_dir().join("expected.json");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            eprintln!("note: {} not found; skipping", path.display());
+            return;
+        };
+        let recs: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+        let mut checked = 0;
+        for rec in recs {
+            let name = rec["name"].as_str().unwrap();
+            if rec["accepted"] != serde_json::Value::Bool(true) {
+                continue;
+            }
+            let pp = rec["pp"].as_u64().unwrap() as u32;
+            let v = rec["stages_per_rank"].as_u64().unwrap() as u32;
+            for ext in ["compute", "comms"] {
+                let f = ref_dir().join(format!("{name}.{ext}.csv"));
+                let Ok(src) = std::fs::read_to_string(&f) else {
+                    continue;
+                };
+                let imp = parse(&src).unwrap();
+                let pl = &imp.program.pipeline;
+                assert_eq!((pl.pp, pl.stages), (pp, pp * v), "{name}");
+                if let Some(map) = rec.get("stage_to_rank") {
+                    let map: Vec<u32> = serde_json::from_value(map.clone()).unwrap();
+                    assert_eq!(pl.stage_to_rank, map, "{name}");
+                    checked += 1;
+                }
+                let schedule = rec["schedule"].as_str().unwrap();
+                let want =
+                    if v > 1 && matches!(schedule, "ScheduleZBVZeroBubble" | "ScheduleDualPipeV") {
+                        PlacementKind::V
+                    } else {
+                        PlacementKind::Loop
+                    };
+                assert_eq!(pl.placement, want, "{name}");
+                // Re-parsing with the map given gives the same program.
+                let opts = TorchOptions {
+                    microbatches: Some(pl.microbatches),
+                    stage_to_rank: Some(pl.stage_to_rank.clone()),
+                };
+                assert_eq!(parse_csv(&src, &opts).unwrap().program, imp.program);
+            }
+        }
+        assert!(checked > 100, "only {checked} maps checked");
+    }
+
+    #[test]
+    fn letters_and_comms() {
+        let src = "0F0,0SEND_F0,0RECV_B0,0I0,0W0,(0F1;0B0)OVERLAP_F_B,0WAIT_SEND_F0\r\n\
+                   1RECV_F0,1F0,1B0,1SEND_B0,1WAIT_SEND_B0,1UNSHARD,1RESHARD,1REDUCE_GRAD\r\n";
+        let imp = parse(src).unwrap();
+        assert_eq!(imp.format, TorchFormat::ComputeComms);
+        let r0 = &imp.program.ranks[0];
+        let act = |s, m| Payload {
+            kind: PayloadKind::Act,
+            stage: s,
+            mb: m,
+        };
+        let grad = |s, m| Payload {
+            kind: PayloadKind::Grad,
+            stage: s,
+            mb: m,
+        };
+        assert_eq!(r0[0], Instr::Compute(Compute::new(Kind::F, 0, 0)));
+        assert_eq!(
+            r0[1],
+            Instr::Comm(Comm::Send {
+                payload: act(0, 0),
+                peer: 1
+            })
+        );
+        assert_eq!(
+            r0[2],
+            Instr::Comm(Comm::Recv {
+                payload: grad(1, 0),
+                peer: 1
+            })
+        );
+        assert_eq!(r0[3], Instr::Compute(Compute::new(Kind::B, 0, 0)));
+        assert_eq!(r0[4], Instr::Compute(Compute::new(Kind::W, 0, 0)));
+        assert_eq!(
+            r0[5],
+            Instr::Overlap {
+                fwd: Compute::new(Kind::F, 0, 1),
+                bwd: Compute::new(Kind::BW, 0, 0)
+            }
+        );
+        assert_eq!(r0[6], Instr::WaitSend(act(0, 0)));
+        let r1 = &imp.program.ranks[1];
+        assert_eq!(
+            r1[0],
+            Instr::Comm(Comm::Recv {
+                payload: act(0, 0),
+                peer: 0
+            })
+        );
+        assert_eq!(r1[2], Instr::Compute(Compute::new(Kind::BW, 1, 0)));
+        assert_eq!(
+            r1[3],
+            Instr::Comm(Comm::Send {
+                payload: grad(1, 0),
+                peer: 0
+            })
+        );
+        assert_eq!(r1[4], Instr::WaitSend(grad(1, 0)));
+        assert_eq!(r1[5], Instr::Unshard(1));
+        assert_eq!(r1[6], Instr::Reshard(1));
+        assert_eq!(r1[7], Instr::ReduceGrad(1));
+        assert_eq!(imp.program.pipeline.microbatches, 2);
+        // Spans point at the cells.
+        let sp = imp.spans.get(0, 5).unwrap();
+        assert_eq!(
+            &src[sp.start as usize..(sp.start + sp.len) as usize],
+            "(0F1;0B0)OVERLAP_F_B"
+        );
+        let out = write_csv(&imp.program, TorchFormat::ComputeComms).unwrap();
+        assert_eq!(out, src.replace("\r\n", "\n"));
+    }
+
+    #[test]
+    fn groups_flatten_on_export() {
+        let mut p = parse("0F0,0SEND_F0\n1RECV_F0,1F0\n").unwrap().program;
+        let m = p.ranks[0].remove(1);
+        let Instr::Comm(c) = m else { panic!() };
+        p.ranks[0].push(Instr::Group(vec![c.clone(), c]));
+        p.ranks[0].push(Instr::Idle);
+        assert_eq!(
+            write_csv(&p, TorchFormat::ComputeComms).unwrap(),
+            "0F0,0SEND_F0,0SEND_F0\n1RECV_F0,1F0\n"
+        );
+    }
+
+    #[test]
+    fn idle_cells() {
+        for src in [",1F0,,\n0F0\n", "\"\"\n0F0\n", "\n0F0\n", "0F0,\n1F0"] {
+            let imp = parse(src).unwrap();
+            let out = write_csv(&imp.program, TorchFormat::ComputeOnly).unwrap();
+            let want = if src.ends_with('\n') {
+                src.to_string()
+            } else {
+                format!("{src}\n")
+            };
+            assert_eq!(out, want);
+            assert_eq!(parse(&out).unwrap().program, imp.program);
+        }
+        let imp = parse(",0F0, ,\n").unwrap();
+        assert_eq!(imp.program.ranks[0][0], Instr::Idle);
+        assert_eq!(imp.spans.get(0, 0), Some(Span { start: 0, len: 0 }));
+        assert_eq!(imp.spans.get(0, 2), Some(Span { start: 5, len: 0 }));
+        assert_eq!(imp.spans.get(0, 3), Some(Span { start: 7, len: 0 }));
+        // An empty line is a rank with no instructions; a single quoted empty cell is an idle.
+        assert!(parse("\n0F0\n").unwrap().program.ranks[0].is_empty());
+        assert_eq!(
+            parse("\"\"\n0F0\n").unwrap().program.ranks[0],
+            vec![Instr::Idle]
+        );
+    }
+
+    #[test]
+    fn placement_kinds() {
+        let p = parse("0F0,2F0\n1F0,3F0\n").unwrap().program.pipeline;
+        assert_eq!(p.placement, PlacementKind::Loop);
+        let p = parse("0F0,3F0\n1F0,2F0\n").unwrap().program.pipeline;
+        assert_eq!(p.placement, PlacementKind::V);
+        let p = parse("0F0,1F0\n2F0,3F0\n").unwrap().program.pipeline;
+        assert_eq!(p.placement, PlacementKind::Explicit);
+        assert_eq!(p.stage_to_rank, vec![0, 0, 1, 1]);
+        // S == P: loop and V agree; loop wins.
+        let p = parse("0F0\n1F0\n").unwrap().program.pipeline;
+        assert_eq!(p.placement, PlacementKind::Loop);
+        // A stage adjacent on the same rank still gets a peer from the map.
+        let imp = parse("0F0,1F0,1SEND_F0\n2RECV_F0,2F0\n").unwrap();
+        assert_eq!(
+            imp.program.ranks[0][2],
+            Instr::Comm(Comm::Send {
+                payload: Payload {
+                    kind: PayloadKind::Act,
+                    stage: 1,
+                    mb: 0
+                },
+                peer: 1
+            })
+        );
+    }
+
+    #[test]
+    fn options() {
+        let o = TorchOptions {
+            microbatches: Some(4),
+            stage_to_rank: Some(vec![1, 0]),
+        };
+        let p = parse_csv("1F0\n0F0\n", &o).unwrap().program.pipeline;
+        assert_eq!(p.microbatches, 4);
+        assert_eq!(p.placement, PlacementKind::Explicit);
+        assert_eq!(p.stage_to_rank, vec![1, 0]);
+        let e = parse_csv("0F0\n1F0\n", &o).unwrap_err();
+        assert_eq!((e.line, e.col), (1, 1));
+        assert!(e.message.contains("stage 0 is on rank 1"), "{}", e.message);
+        let e = parse_csv("1F0\n0F4\n", &o).unwrap_err();
+        assert_eq!((e.line, e.col, e.len), (2, 1, 3));
+        assert!(e.message.contains("micro-batch 4"), "{}", e.message);
+        let o = TorchOptions {
+            microbatches: None,
+            stage_to_rank: Some(vec![0, 2]),
+        };
+        assert!(parse_csv("0F0\n1F0\n", &o).is_err());
+    }
+
+    fn err(src: &str) -> ParseError {
+        match parse(src) {
+            Ok(_) => panic!("`{src}` parsed"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn errors_with_locations() {
+        let e = err("0F0,0F1\n1F0,3X1\n");
+        assert_eq!((e.line, e.col, e.offset, e.len), (2, 5, 12, 3));
+        assert_eq!(e.message, "expected an action such as `3F12`, found `3X1`");
+
+        let e = err("0FOO\n");
+        assert_eq!((e.line, e.col, e.len), (1, 1, 4));
+        let h = e.help.unwrap();
+        assert!(h.contains("torch would read `0F`"), "{h}");
+
+        let e = err("0F0,0F12abc\n");
+        assert_eq!((e.line, e.col, e.len), (1, 5, 7));
+        assert!(e.help.unwrap().contains("unexpected `abc` after `0F12`"));
+
+        let e = err("0F0\r\n1F\r\n");
+        assert_eq!((e.line, e.col), (2, 1));
+        assert!(e.help.unwrap().contains("needs a micro-batch number"));
+
+        let e = err("0F0,((0F1;1B0)OVERLAP_F_B;1B1)OVERLAP_F_B\n");
+        assert_eq!((e.line, e.col), (1, 5));
+        assert!(e.message.contains("nested"), "{}", e.message);
+
+        let e = err("0F0,0F4294967296\n");
+        assert_eq!((e.line, e.col, e.len), (1, 5, 12));
+        assert!(e.message.contains("too large"), "{}", e.message);
+        let e = err("99999999999F0\n");
+        assert!(e.message.contains("too large"), "{}", e.message);
+
+        let e = err("0F0,1F0\n2F0,1B0\n");
+        assert_eq!((e.line, e.col), (2, 5));
+        assert_eq!(e.message, "stage 1 appears on ranks 0 and 1");
+
+        let e = err("0F0\n2F0\n");
+        assert_eq!((e.line, e.col), (2, 1));
+        assert_eq!(e.message, "stage 1 never appears, but stage 2 does");
+
+        let e = err("0F0,0SEND_F0\n");
+        assert_eq!((e.line, e.col), (1, 5));
+        assert!(e.message.contains("last stage"), "{}", e.message);
+        let e = err("0RECV_F0,0F0\n1F0\n");
+        assert!(e.message.contains("first stage"), "{}", e.message);
+
+        let e = err("0F0,(1B0;0F1)OVERLAP_F_B\n1B0\n");
+        assert_eq!((e.line, e.col), (1, 5));
+        assert!(e.help.unwrap().contains("(0F1;1B0)OVERLAP_F_B"));
+        assert!(err("(0F0;0W0)OVERLAP_F_B\n")
+            .message
+            .contains("one forward"));
+        assert!(err("(0F0;0B0;0F1)OVERLAP_F_B\n")
+            .message
+            .contains("exactly two"));
+        assert!(err("(0F0;0B0)OVERLAP\n").message.contains("OVERLAP_F_B"));
+        assert!(err("(0F0;0B0\n").message.contains("`)`"));
+        assert!(err("0OVERLAP_F_B\n").help.unwrap().contains("compound"));
+        assert!(err("0f0\n").help.unwrap().contains("upper case"));
+        assert!(err("0UNSHARD3\n").help.unwrap().contains("no micro-batch"));
+        assert!(err("F0\n").help.unwrap().contains("stage number"));
+        assert!(err("0F0;0F1\n").help.is_some());
+
+        let e = err("");
+        assert_eq!((e.line, e.col), (1, 1));
+        assert!(err("\n").message.contains("no actions"));
+        assert!(err("0UNSHARD\n").message.contains("no compute op"));
+        assert!(err("0F4294967295\n").message.contains("too large"));
+    }
+
+    #[test]
+    fn export_refusals() {
+        let mut p = parse("0F0,0B0\n").unwrap().program;
+        p.ranks[0][0] = Instr::Compute(Compute {
+            part: Part::Mlp,
+            ..Compute::new(Kind::F, 0, 0)
+        });
+        assert!(write_csv(&p, TorchFormat::ComputeOnly)
+            .unwrap_err()
+            .contains("fold"));
+        let mut p = parse("0F0,0B0\n").unwrap().program;
+        p.ranks[0].push(Instr::Comm(Comm::Collective(Box::new(
+            schedc_ir::Collective {
+                comm: "ep".into(),
+                label: "d0".into(),
+            },
+        ))));
+        assert!(write_csv(&p, TorchFormat::ComputeComms)
+            .unwrap_err()
+            .contains("collective"));
+        let mut p = parse("0F0\n1F0\n").unwrap().program;
+        p.pipeline = Pipeline::new(1, 2, 1, PlacementKind::Bidir).unwrap();
+        p.ranks.pop();
+        assert!(write_csv(&p, TorchFormat::ComputeOnly)
+            .unwrap_err()
+            .contains("DualPipe"));
+        // A peer torch would not derive.
+        let mut p = parse("0F0,0SEND_F0\n1RECV_F0,1F0\n2F0\n").unwrap().program;
+        p.ranks[0][1] = Instr::Comm(Comm::Send {
+            payload: Payload {
+                kind: PayloadKind::Act,
+                stage: 0,
+                mb: 0,
+            },
+            peer: 2,
+        });
+        assert!(write_csv(&p, TorchFormat::ComputeComms)
+            .unwrap_err()
+            .contains("peer is rank 2"));
+    }
+
+    #[test]
+    fn never_panics_on_junk() {
+        let junk = [
+            ",",
+            ",,\n,",
+            "\r\n",
+            "\r",
+            "0",
+            "0F",
+            "(",
+            ")",
+            "();",
+            "()OVERLAP_F_B",
+            "(;)OVERLAP_F_B",
+            "(0F0;)OVERLAP_F_B",
+            "0F0,\u{e9}",
+            "\u{e9}\n0F0",
+            "0RECV_B0",
+            "0F0\n\n\n",
+            "0SEND_B0",
+            "4294967295F0",
+            "0F0,4294967295RECV_F0",
+            "0F0 , 0F1",
+            "0F0\r",
+            "\"\"",
+            "\"\",\"\"",
+        ];
+        for j in junk {
+            if let Ok(imp) = parse(j) {
+                for f in [TorchFormat::ComputeOnly, TorchFormat::ComputeComms] {
+                    if let Ok(out) = write_csv(&imp.program, f) {
+                        assert_eq!(parse(&out).unwrap().program, imp.program, "{j:?}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! `schedc test`: runs `.case` files like a compiler's file tests, comparing the verdict,
+//! the error code and the expected figures with the file's `expect` lines.
+
+use crate::check::{self, Verdict};
+use crate::input::{load_path, LoadError, Overrides};
+use schedc_ir::text::Expect;
+
+/// The outcome of one case.
+#[derive(Clone, Debug)]
+pub struct CaseResult {
+    /// The file.
+    pub path: String,
+    /// True if every expectation held.
+    pub passed: bool,
+    /// One line per expectation that failed.
+    pub differences: Vec<String>,
+}
+
+fn fmt_list<T: std::fmt::Display>(v: &[T]) -> String {
+    v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ")
+}
+
+/// Runs one case file.
+pub fn run_case(path: &str) -> CaseResult {
+    let mut diffs = Vec::new();
+    let loaded = match load_path(path, &Overrides::default()) {
+        Ok(l) => l,
+        Err(e) => {
+            let msg = match e {
+                LoadError::Io(s) | LoadError::Usage(s) => s,
+                LoadError::Parse(p) => format!("{path}:{}:{}: {}", p.line, p.col, p.message),
+            };
+            return CaseResult {
+                path: path.into(),
+                passed: false,
+                differences: vec![format!("cannot load: {msg}")],
+            };
+        }
+    };
+    if loaded.expects.is_empty() {
+        diffs.push("the file has no `expect` line".into());
+    }
+    let opts = check::Options {
+        max_activations: loaded.budget,
+        ..Default::default()
+    };
+    let out = check::check(&loaded.program, loaded.spans.as_ref(), &opts);
+    let rep = &out.report;
+    let codes: Vec<&str> = rep
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error())
+        .map(|d| d.code.as_str())
+        .collect();
+    for (e, sp) in &loaded.expects {
+        let (line, _) = schedc_ir::text::line_col(&loaded.text, sp.start as usize);
+        let at = format!("{path}:{line}");
+        match e {
+            Expect::Accept => {
+                if rep.verdict != Verdict::Accepted {
+                    diffs.push(format!(
+                        "{at}: expected accept, got reject ({})",
+                        codes.join(", ")
+                    ));
+                }
+            }
+            Expect::Reject(code) => {
+                if rep.verdict != Verdict::Rejected {
+                    diffs.push(format!("{at}: expected reject {code}, got accept"));
+                } else if !codes.contains(&code.as_str()) {
+                    diffs.push(format!(
+                        "{at}: expected an error `{code}`, got {}",
+                        codes.join(", ")
+                    ));
+                }
+            }
+            Expect::PeakActivations(v) => {
+                let got: Vec<u64> = rep.ranks.iter().map(|r| r.peak_activations).collect();
+                if &got != v {
+                    diffs.push(format!(
+                        "{at}: peak_activations expected {}, got {}",
+                        fmt_list(v),
+                        fmt_list(&got)
+                    ));
+                }
+            }
+            Expect::Warmup(v) => {
+                let got: Vec<u64> = rep.ranks.iter().map(|r| r.warmup).collect();
+                if &got != v {
+                    diffs.push(format!(
+                        "{at}: warmup expected {}, got {}",
+                        fmt_list(v),
+                        fmt_list(&got)
+                    ));
+                }
+            }
+            Expect::Idle(v) => {
+                let got: Vec<f64> = rep.ranks.iter().map(|r| r.idle.unwrap_or(f64::NAN)).collect();
+                let ok = got.len() == v.len() && got.iter().zip(v).all(|(g, e)| (g - *e as f64).abs() < 1e-9);
+                if !ok {
+                    diffs.push(format!(
+                        "{at}: idle expected {}, got {}",
+                        fmt_list(v),
+                        fmt_list(&got)
+                    ));
+                }
+            }
+        }
+    }
+    CaseResult {
+        path: path.into(),
+        passed: diffs.is_empty(),
+        differences: diffs,
+    }
+}

@@ -1,0 +1,249 @@
+//! Reading any supported input: IR text (and `.case` files), IR JSON, PyTorch CSV (both
+//! forms), DeepSeek DualPipe traces. The format is chosen by extension, then by content.
+
+use crate::import::{dualpipe, torch};
+use schedc_ir::text::{self, Expect, ParseError, SourceMap, Span};
+use schedc_ir::{Pipeline, PlacementKind, Program};
+
+/// An input format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// IR text or `.case`.
+    IrText,
+    /// IR JSON.
+    IrJson,
+    /// PyTorch pipelining CSV (`compute_only` or `compute_comms`).
+    TorchCsv,
+    /// DeepSeek DualPipe / DualPipeV trace JSON.
+    DualPipe,
+}
+
+/// A placement given on the command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PlacementArg {
+    /// A standard kind.
+    Kind(PlacementKind),
+    /// An explicit stage-to-rank map.
+    Map(Vec<u32>),
+}
+
+impl std::str::FromStr for PlacementArg {
+    type Err = String;
+    /// `loop`, `v`, `bidir`, or a comma-separated list of ranks (`0,1,1,0`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "loop" => Ok(PlacementArg::Kind(PlacementKind::Loop)),
+            "v" | "V" => Ok(PlacementArg::Kind(PlacementKind::V)),
+            "bidir" => Ok(PlacementArg::Kind(PlacementKind::Bidir)),
+            _ => s
+                .split(',')
+                .map(|x| x.trim().parse::<u32>())
+                .collect::<Result<Vec<_>, _>>()
+                .map(PlacementArg::Map)
+                .map_err(|_| {
+                    format!("invalid placement `{s}`: expected loop, v, bidir or a list of ranks such as 0,1,1,0")
+                }),
+        }
+    }
+}
+
+/// Command-line overrides of what the input says or implies.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    /// `--mb M`.
+    pub microbatches: Option<u32>,
+    /// `--placement`.
+    pub placement: Option<PlacementArg>,
+}
+
+/// A loaded input.
+pub struct Loaded {
+    /// The program.
+    pub program: Program,
+    /// Where its instructions are in `text` (none for JSON inputs).
+    pub spans: Option<SourceMap>,
+    /// The file name, as given.
+    pub name: String,
+    /// The file's text.
+    pub text: String,
+    /// The format read.
+    pub format: Format,
+    /// For torch CSV: which form.
+    pub torch_format: Option<torch::TorchFormat>,
+    /// `.case` expectations.
+    pub expects: Vec<(Expect, Span)>,
+    /// `.case` activation budget.
+    pub budget: Option<u64>,
+}
+
+/// A load failure: unreadable file, or a syntax error with its location.
+#[derive(Debug)]
+pub enum LoadError {
+    /// The file could not be read.
+    Io(String),
+    /// A syntax error.
+    Parse(ParseError),
+    /// An override that does not fit the input.
+    Usage(String),
+}
+
+/// Detects the format from the name and the text.
+pub fn detect(name: &str, text: &str) -> Format {
+    let lower = name.to_ascii_lowercase();
+    if lower.ends_with(".csv") {
+        return Format::TorchCsv;
+    }
+    let t = text.trim_start();
+    if lower.ends_with(".json") || t.starts_with('{') {
+        if t.contains("\"num_chunks\"") && t.contains("\"num_ranks\"") {
+            return Format::DualPipe;
+        }
+        return Format::IrJson;
+    }
+    // Heuristic for CSV without the extension: a first line of torch actions.
+    let first = t.lines().next().unwrap_or("");
+    if !first.starts_with("pp") && !first.starts_with('#') && first.contains(',') && first.chars().next().is_some_and(|c| c.is_ascii_digit() || c == '(') {
+        return Format::TorchCsv;
+    }
+    Format::IrText
+}
+
+/// Loads a file from disk (`-` is standard input).
+pub fn load_path(path: &str, ov: &Overrides) -> Result<Loaded, LoadError> {
+    let text = if path == "-" {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+            .map_err(|e| LoadError::Io(format!("cannot read standard input: {e}")))?;
+        s
+    } else {
+        let bytes = std::fs::read(path).map_err(|e| LoadError::Io(format!("cannot read `{path}`: {e}")))?;
+        String::from_utf8(bytes).map_err(|e| {
+            LoadError::Io(format!(
+                "`{path}` is not UTF-8 text (invalid byte at offset {})",
+                e.utf8_error().valid_up_to()
+            ))
+        })?
+    };
+    load_str(path, text, ov)
+}
+
+fn json_error(text: &str, e: serde_json::Error) -> ParseError {
+    let (line, col) = (e.line().max(1), e.column().max(1));
+    let mut offset = 0usize;
+    for (i, l) in text.split_inclusive('\n').enumerate() {
+        if i + 1 == line {
+            offset += (col - 1).min(l.len());
+            break;
+        }
+        offset += l.len();
+    }
+    ParseError {
+        offset,
+        len: 1,
+        line,
+        col,
+        message: format!("invalid IR JSON: {e}"),
+        help: None,
+    }
+}
+
+/// Loads from text already in memory.
+pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, LoadError> {
+    let format = detect(name, &text);
+    let mut expects = Vec::new();
+    let mut budget = None;
+    let mut torch_format = None;
+    let (mut program, spans) = match format {
+        Format::IrText => {
+            let p = text::parse(&text).map_err(LoadError::Parse)?;
+            expects = p.expects;
+            budget = p.budget_activations;
+            (p.program, Some(p.spans))
+        }
+        Format::IrJson => {
+            let p: Program = serde_json::from_str(&text).map_err(|e| LoadError::Parse(json_error(&text, e)))?;
+            validate_pipeline(&p.pipeline).map_err(LoadError::Usage)?;
+            (p, None)
+        }
+        Format::DualPipe => (dualpipe::parse_trace(&text).map_err(LoadError::Parse)?, None),
+        Format::TorchCsv => {
+            let opts = torch::TorchOptions {
+                microbatches: ov.microbatches,
+                stage_to_rank: match &ov.placement {
+                    Some(PlacementArg::Map(m)) => Some(m.clone()),
+                    _ => None,
+                },
+            };
+            let t = torch::parse_csv(&text, &opts).map_err(LoadError::Parse)?;
+            torch_format = Some(t.format);
+            (t.program, Some(t.spans))
+        }
+    };
+    apply_overrides(&mut program, ov).map_err(LoadError::Usage)?;
+    Ok(Loaded {
+        program,
+        spans,
+        name: name.to_string(),
+        text,
+        format,
+        torch_format,
+        expects,
+        budget,
+    })
+}
+
+fn validate_pipeline(p: &Pipeline) -> Result<(), String> {
+    if p.pp == 0 || p.stages == 0 || p.microbatches == 0 {
+        return Err("pp, stages and microbatches must be at least 1".into());
+    }
+    if p.stage_to_rank.len() != p.stages as usize {
+        return Err(format!(
+            "stage_to_rank has {} entries but there are {} stages",
+            p.stage_to_rank.len(),
+            p.stages
+        ));
+    }
+    if let Some(r) = p.stage_to_rank.iter().find(|&&r| r >= p.pp) {
+        return Err(format!("stage_to_rank names rank {r}, but pp is {}", p.pp));
+    }
+    if p.placement == PlacementKind::Bidir && p.stages % 2 != 0 {
+        return Err("a bidirectional placement needs an even number of stages".into());
+    }
+    Ok(())
+}
+
+/// Applies `--mb` and `--placement` to a loaded program.
+pub fn apply_overrides(p: &mut Program, ov: &Overrides) -> Result<(), String> {
+    let pl = &p.pipeline;
+    if ov.microbatches.is_none() && ov.placement.is_none() {
+        return Ok(());
+    }
+    let mb = ov.microbatches.unwrap_or(pl.microbatches);
+    if mb == 0 {
+        return Err("--mb must be at least 1".into());
+    }
+    let comms = pl.communicators.clone();
+    let new = match &ov.placement {
+        None => {
+            let mut n = pl.clone();
+            n.microbatches = mb;
+            n
+        }
+        Some(PlacementArg::Kind(k)) => Pipeline::new(pl.pp, pl.stages, mb, *k).map_err(|e| format!("--placement: {e}"))?,
+        Some(PlacementArg::Map(m)) => {
+            if m.len() as u32 != pl.stages {
+                return Err(format!(
+                    "--placement lists {} ranks but the schedule has {} stages",
+                    m.len(),
+                    pl.stages
+                ));
+            }
+            Pipeline::explicit(pl.pp, mb, m.clone()).map_err(|e| format!("--placement: {e}"))?
+        }
+    };
+    p.pipeline = Pipeline {
+        communicators: comms,
+        ..new
+    };
+    Ok(())
+}

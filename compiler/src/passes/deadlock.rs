@@ -1,0 +1,1007 @@
+//! Pass 4: matching and deadlock freedom of a lowered program.
+//!
+//! ## The execution model (default semantics)
+//!
+//! Each rank runs two in-order streams:
+//! * a **compute stream**: its compute ops (F, B, W, BW, overlapped pairs, MoE parts,
+//!   `REDUCE_GRAD`, `WAIT_SA/SG`) in program order. A compute op waits only for the receives
+//!   that feed it (the activation of the previous stage for a forward, the gradient of the
+//!   next stage for a backward, when those stages are on another rank); `WAIT_SA/SG` waits for
+//!   its send to complete.
+//! * a **communication stream**: its sends, receives and collectives in program order, as
+//!   *groups*: a lone op is a group of one, `{...}` a group posted at once. A group is
+//!   *posted* once the previous group on the stream has completed and every op that produces
+//!   one of its sends' payloads has run on the compute stream.
+//!
+//! Matching is FIFO per ordered rank pair: the k-th send from a to b pairs with the k-th
+//! receive on b from a, and their labels (kind, stage, micro-batch) must agree
+//! (`label-mismatch` otherwise, even if the program would run to the end; `unmatched` for a
+//! surplus op). The k-th collective of a communicator on each member matches the k-th of
+//! every other member; their labels must agree (`collective-order`).
+//!
+//! Sends are **rendezvous**: a group completes, as a unit, only once every group connected to
+//! it through matched pairs (transitively) has been posted. Passing under rendezvous implies
+//! passing with any amount of buffering.
+//!
+//! [`Semantics`] relaxes one rule at a time: `eager` sends (a send completes as soon as it is
+//! posted, a group once its receives' partners are posted), `per_op_groups` (every group is
+//! split into lone ops), `buffer_slots = K` (the k-th send on a pair completes once receive
+//! k-K is posted).
+//!
+//! ## Algorithm
+//!
+//! Matching: one pass over all communication ops, O(ops). Simulation: a worklist of ranks;
+//! a rank advances its streams as far as it can and is woken when a group it waits on
+//! completes; each op is visited O(1) times: O(ops + P) overall. If ranks remain unfinished,
+//! each blocked stream waits for exactly one other stream; following those edges from any
+//! blocked stream ends in a cycle (`deadlock`, reported with every step) or in an op that
+//! can never complete (`stall`, e.g. a receive without a send).
+
+use super::{Ctx, Pos};
+use crate::diag::{Code, Diagnostic, Loc};
+use schedc_ir::text::{instr_to_string, write_comm};
+use schedc_ir::{Comm, Instr, Kind, PayloadKind, Program};
+use std::collections::HashMap;
+
+/// Communication semantics. The default is the strictest (rendezvous, groups as written).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Semantics {
+    /// Sends complete once posted (unbounded buffering).
+    pub eager: bool,
+    /// Split every group into lone ops.
+    pub per_op_groups: bool,
+    /// K buffer slots per ordered rank pair (`None`: rendezvous unless `eager`).
+    pub buffer_slots: Option<u32>,
+}
+
+/// Which stream of a rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stream {
+    /// Compute stream.
+    Compute,
+    /// Communication stream.
+    Comm,
+}
+
+/// One step of a wait-for chain.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WaitStep {
+    /// The blocked stream's rank.
+    pub rank: u32,
+    /// Which stream.
+    pub stream: Stream,
+    /// The instruction it is blocked at.
+    pub at: Pos,
+    /// What it waits for, in words.
+    pub waits_for: String,
+}
+
+/// A pass-4 error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CommError {
+    /// FIFO-matched pair with different labels.
+    LabelMismatch {
+        /// The send.
+        send: Pos,
+        /// Its FIFO partner.
+        recv: Pos,
+        /// Send text.
+        send_op: String,
+        /// Receive text.
+        recv_op: String,
+    },
+    /// A send or receive with no partner.
+    Unmatched {
+        /// Where.
+        at: Pos,
+        /// The op text.
+        op: String,
+        /// Explanation.
+        why: String,
+    },
+    /// Collectives issued in different orders.
+    CollectiveOrder {
+        /// Where.
+        at: Pos,
+        /// Explanation.
+        why: String,
+    },
+    /// A wait-for cycle.
+    Deadlock(Vec<WaitStep>),
+    /// A chain ending in an op that can never complete.
+    Stall(Vec<WaitStep>),
+}
+
+impl CommError {
+    /// Converts to a diagnostic.
+    pub fn to_diagnostic(&self, cx: &Ctx<'_>) -> Diagnostic {
+        let loc = |p: &Pos| cx.loc(p.rank as usize, p.pos as usize);
+        match self {
+            CommError::LabelMismatch {
+                send,
+                recv,
+                send_op,
+                recv_op,
+            } => Diagnostic::error(
+                Code::LabelMismatch,
+                format!(
+                    "FIFO matching pairs receive `{recv_op}` on rank {} with send `{send_op}` on rank {}, whose payload differs",
+                    recv.rank, send.rank
+                ),
+            )
+            .at(loc(recv))
+            .with_related(loc(send), "matched with this send")
+            .with_note("sends and receives between two ranks pair in program order; reorder them so the k-th send and the k-th receive carry the same payload"),
+            CommError::Unmatched { at, why, .. } => {
+                Diagnostic::error(Code::Unmatched, why.clone()).at(loc(at))
+            }
+            CommError::CollectiveOrder { at, why } => {
+                Diagnostic::error(Code::CollectiveOrder, why.clone()).at(loc(at))
+            }
+            CommError::Deadlock(steps) | CommError::Stall(steps) => {
+                let dl = matches!(self, CommError::Deadlock(_));
+                let first = &steps[0];
+                let ranks: Vec<String> = steps
+                    .iter()
+                    .map(|s| format!("{}", s.rank))
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
+                    .collect();
+                let mut d = Diagnostic::error(
+                    if dl { Code::Deadlock } else { Code::Stall },
+                    if dl && ranks.len() == 1 {
+                        format!(
+                            "deadlock: rank {} waits on its own communication stream in a cycle",
+                            ranks[0]
+                        )
+                    } else if dl {
+                        format!(
+                            "deadlock: ranks {} wait for each other in a cycle",
+                            ranks.join(", ")
+                        )
+                    } else {
+                        format!(
+                            "rank {} can never finish: it waits for an op that never completes",
+                            first.rank
+                        )
+                    },
+                )
+                .at(loc(&first.at));
+                for s in steps {
+                    let stream = match s.stream {
+                        Stream::Compute => "compute",
+                        Stream::Comm => "comm",
+                    };
+                    d = d.with_note(format!(
+                        "rank {} ({stream} stream) is blocked at position {} `{}`: {}",
+                        s.rank,
+                        s.at.pos,
+                        loc(&s.at).op,
+                        s.waits_for
+                    ));
+                }
+                for s in steps.iter().skip(1) {
+                    d = d.with_related(loc(&s.at), format!("rank {} blocked here", s.rank));
+                }
+                d
+            }
+        }
+    }
+
+    /// The steps of a deadlock or stall.
+    pub fn steps(&self) -> Option<&[WaitStep]> {
+        match self {
+            CommError::Deadlock(s) | CommError::Stall(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+const NONE: u32 = u32::MAX;
+
+/// Flattened communication ops.
+struct Ops {
+    rank: Vec<u32>,
+    pos: Vec<u32>,
+    group: Vec<u32>,
+    partner: Vec<u32>,
+    /// 0 send, 1 recv, 2 collective.
+    kind: Vec<u8>,
+    /// For sends: index within its (src, dst) channel.
+    chan_ix: Vec<u32>,
+}
+
+struct Groups {
+    rank: Vec<u32>,
+    pos: Vec<u32>,
+    ops: Vec<(u32, u32)>,
+    /// Compute-stream item index that must have run before the group is posted (exclusive
+    /// bound: requires `cpos > producer`), or NONE.
+    producer: Vec<u32>,
+}
+
+fn op_text(c: &Comm) -> String {
+    let mut s = String::new();
+    write_comm(&mut s, c);
+    s
+}
+
+/// Runs pass 4 on a lowered program. Returns the errors (empty if the program is proven
+/// deadlock-free with labels agreeing).
+pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
+    let pl = &p.pipeline;
+    let (s_n, m_n) = (pl.stages, pl.microbatches);
+    let np = p.ranks.len();
+    let mut errs = Vec::new();
+
+    // ---- Flatten comm ops into groups; compute items per rank. ----
+    let total_comm = p.comm_ops();
+    let mut ops = Ops {
+        rank: Vec::with_capacity(total_comm),
+        pos: Vec::with_capacity(total_comm),
+        group: Vec::with_capacity(total_comm),
+        partner: vec![NONE; total_comm],
+        kind: Vec::with_capacity(total_comm),
+        chan_ix: vec![0; total_comm],
+    };
+    let mut comm_ref: Vec<&Comm> = Vec::with_capacity(total_comm);
+    let mut groups = Groups {
+        rank: Vec::new(),
+        pos: Vec::new(),
+        ops: Vec::new(),
+        producer: Vec::new(),
+    };
+    let mut rank_groups: Vec<(u32, u32)> = Vec::with_capacity(np); // range into groups
+    // Compute items: per rank, a list of (instr pos, waits range into `waits`).
+    let mut items_pos: Vec<Vec<u32>> = Vec::with_capacity(np);
+    let mut items_waits: Vec<Vec<(u32, u32)>> = Vec::with_capacity(np);
+    let mut waits: Vec<u32> = Vec::new();
+
+    let n = s_n as usize * m_n as usize;
+    // Per rank scratch: producer item index per payload, recv op per payload, send op per payload.
+    let mut prod_item = vec![NONE; 2 * n];
+    let mut recv_op = vec![NONE; 2 * n];
+    let mut send_op: HashMap<(PayloadKind, u32, u32), u32> = HashMap::new();
+    let pk = |k: PayloadKind, s: u32, m: u32| -> Option<usize> {
+        if s < s_n && m < m_n {
+            Some(k as usize * n + (s * m_n + m) as usize)
+        } else {
+            None
+        }
+    };
+    for (r, instrs) in p.ranks.iter().enumerate() {
+        let g0 = groups.rank.len() as u32;
+        // First: comm ops (so recv ids are known before compute waits are built).
+        let mut touched: Vec<usize> = Vec::new();
+        for (i, ins) in instrs.iter().enumerate() {
+            let cs = ins.comms();
+            if cs.is_empty() {
+                continue;
+            }
+            let mut push_group = |members: &[Comm], ops: &mut Ops, comm_ref: &mut Vec<&'_ Comm>| {
+                let gid = groups.rank.len() as u32;
+                let start = ops.rank.len() as u32;
+                for _ in members {
+                    ops.rank.push(r as u32);
+                    ops.pos.push(i as u32);
+                    ops.group.push(gid);
+                }
+                let _ = comm_ref;
+                groups.rank.push(r as u32);
+                groups.pos.push(i as u32);
+                groups.ops.push((start, start + members.len() as u32));
+                groups.producer.push(NONE);
+            };
+            if sem.per_op_groups {
+                for m in cs {
+                    push_group(std::slice::from_ref(m), &mut ops, &mut comm_ref);
+                }
+            } else {
+                push_group(cs, &mut ops, &mut comm_ref);
+            }
+            for m in cs {
+                let id = comm_ref.len() as u32;
+                comm_ref.push(m);
+                match m {
+                    Comm::Send { payload, .. } => {
+                        ops.kind.push(0);
+                        send_op
+                            .entry((payload.kind, payload.stage, payload.mb))
+                            .or_insert(id);
+                    }
+                    Comm::Recv { payload, .. } => {
+                        ops.kind.push(1);
+                        if let Some(k) = pk(payload.kind, payload.stage, payload.mb) {
+                            if recv_op[k] == NONE {
+                                recv_op[k] = id;
+                                touched.push(k);
+                            }
+                        }
+                    }
+                    Comm::Collective(_) => ops.kind.push(2),
+                }
+            }
+        }
+        let g1 = groups.rank.len() as u32;
+        rank_groups.push((g0, g1));
+        // Compute items.
+        let mut ipos = Vec::new();
+        let mut iw = Vec::new();
+        for (i, ins) in instrs.iter().enumerate() {
+            if !super::on_compute_stream(ins) {
+                continue;
+            }
+            let item = ipos.len() as u32;
+            let w0 = waits.len() as u32;
+            ins.for_each_compute(|c| {
+                if c.stage >= s_n || c.mb >= m_n {
+                    return;
+                }
+                let need = match c.kind {
+                    Kind::F => pl.prev_stage(c.stage).map(|ps| (PayloadKind::Act, ps)),
+                    Kind::B | Kind::BW => pl.next_stage(c.stage).map(|ns| (PayloadKind::Grad, ns)),
+                    Kind::W => None,
+                };
+                if let Some((k, s)) = need {
+                    if pl.rank_of(s) as usize != r {
+                        if let Some(kk) = pk(k, s, c.mb) {
+                            if recv_op[kk] != NONE {
+                                waits.push(recv_op[kk]);
+                            }
+                        }
+                    }
+                }
+                if super::is_last_part(c) {
+                    let prod = match c.kind {
+                        Kind::F => Some(PayloadKind::Act),
+                        Kind::B | Kind::BW => Some(PayloadKind::Grad),
+                        Kind::W => None,
+                    };
+                    if let Some(k) = prod {
+                        if let Some(kk) = pk(k, c.stage, c.mb) {
+                            prod_item[kk] = item;
+                            touched.push(kk);
+                        }
+                    }
+                }
+            });
+            if let Instr::WaitSend(pl_) = ins {
+                if let Some(&id) = send_op.get(&(pl_.kind, pl_.stage, pl_.mb)) {
+                    waits.push(id);
+                }
+            }
+            ipos.push(i as u32);
+            iw.push((w0, waits.len() as u32));
+        }
+        // Group producers: the latest producer item among its sends.
+        for g in g0..g1 {
+            let (a, b) = groups.ops[g as usize];
+            let mut need = NONE;
+            for id in a..b {
+                if let Comm::Send { payload, .. } = comm_ref[id as usize] {
+                    if let Some(kk) = pk(payload.kind, payload.stage, payload.mb) {
+                        let it = prod_item[kk];
+                        if it != NONE && (need == NONE || it > need) {
+                            need = it;
+                        }
+                    }
+                }
+            }
+            groups.producer[g as usize] = need;
+        }
+        for k in touched {
+            prod_item[k] = NONE;
+            recv_op[k] = NONE;
+        }
+        send_op.clear();
+        items_pos.push(ipos);
+        items_waits.push(iw);
+    }
+
+    // ---- FIFO matching per ordered pair. ----
+    let mut chans: HashMap<(u32, u32), (Vec<u32>, Vec<u32>)> = HashMap::new();
+    for (id, c) in comm_ref.iter().enumerate() {
+        let r = ops.rank[id];
+        match c {
+            Comm::Send { peer, .. } => {
+                let e = chans.entry((r, *peer)).or_default();
+                ops.chan_ix[id] = e.0.len() as u32;
+                e.0.push(id as u32);
+            }
+            Comm::Recv { peer, .. } => {
+                let e = chans.entry((*peer, r)).or_default();
+                ops.chan_ix[id] = e.1.len() as u32;
+                e.1.push(id as u32);
+            }
+            Comm::Collective(_) => {}
+        }
+    }
+    let mut chan_keys: Vec<_> = chans.keys().copied().collect();
+    chan_keys.sort_unstable();
+    const CAP: usize = 50;
+    let mut n_mismatch = 0usize;
+    let mut n_unmatched = 0usize;
+    for key in &chan_keys {
+        let (sends, recvs) = &chans[key];
+        for (k, (&s, &rv)) in sends.iter().zip(recvs.iter()).enumerate() {
+            let _ = k;
+            ops.partner[s as usize] = rv;
+            ops.partner[rv as usize] = s;
+            let (Comm::Send { payload: ps, .. }, Comm::Recv { payload: pr, .. }) =
+                (comm_ref[s as usize], comm_ref[rv as usize])
+            else {
+                unreachable!("channel lists hold sends and receives")
+            };
+            if ps != pr {
+                n_mismatch += 1;
+                if n_mismatch <= CAP {
+                    errs.push(CommError::LabelMismatch {
+                        send: Pos {
+                            rank: ops.rank[s as usize],
+                            pos: ops.pos[s as usize],
+                        },
+                        recv: Pos {
+                            rank: ops.rank[rv as usize],
+                            pos: ops.pos[rv as usize],
+                        },
+                        send_op: op_text(comm_ref[s as usize]),
+                        recv_op: op_text(comm_ref[rv as usize]),
+                    });
+                }
+            }
+        }
+        let (a, b) = (sends.len(), recvs.len());
+        let surplus: &[u32] = if a > b { &sends[b..] } else { &recvs[a..] };
+        for &id in surplus {
+            n_unmatched += 1;
+            if n_unmatched <= CAP {
+                let c = comm_ref[id as usize];
+                let (r, peer) = (ops.rank[id as usize], c.peer().unwrap_or(0));
+                let why = match c {
+                    Comm::Send { .. } => format!(
+                        "send `{}` on rank {r} has no matching receive: rank {peer} posts {} receive(s) from rank {r} but rank {r} posts {} send(s) to it",
+                        op_text(c), b, a
+                    ),
+                    _ => format!(
+                        "receive `{}` on rank {r} has no matching send: rank {peer} posts {} send(s) to rank {r} but rank {r} posts {} receive(s) from it",
+                        op_text(c), a, b
+                    ),
+                };
+                errs.push(CommError::Unmatched {
+                    at: Pos {
+                        rank: r,
+                        pos: ops.pos[id as usize],
+                    },
+                    op: op_text(c),
+                    why,
+                });
+            }
+        }
+    }
+
+    // ---- Collectives: per communicator, per member, sequences must agree. ----
+    // coll_sets[k] = the op ids of one matched collective (one per member).
+    let mut coll_sets: Vec<Vec<u32>> = Vec::new();
+    let mut coll_never: Vec<bool> = Vec::new();
+    {
+        let mut per_comm: HashMap<&str, HashMap<u32, Vec<u32>>> = HashMap::new();
+        for (id, c) in comm_ref.iter().enumerate() {
+            if let Comm::Collective(col) = c {
+                per_comm
+                    .entry(col.comm.as_str())
+                    .or_default()
+                    .entry(ops.rank[id])
+                    .or_default()
+                    .push(id as u32);
+            }
+        }
+        let mut names: Vec<&str> = per_comm.keys().copied().collect();
+        names.sort_unstable();
+        for name in names {
+            let members: Vec<u32> = pl
+                .communicators
+                .iter()
+                .find(|g| g.name == name)
+                .map(|g| g.ranks.clone())
+                .unwrap_or_default();
+            let seqs = &per_comm[name];
+            let empty = Vec::new();
+            let longest = members
+                .iter()
+                .map(|r| seqs.get(r).map_or(0, Vec::len))
+                .max()
+                .unwrap_or(0);
+            let label = |id: u32| match comm_ref[id as usize] {
+                Comm::Collective(c) => c.label.as_str(),
+                _ => "",
+            };
+            let mut reported = std::collections::HashSet::new();
+            for k in 0..longest {
+                let mut set = Vec::new();
+                let mut never = false;
+                let mut ref_label: Option<&str> = None;
+                for &m in &members {
+                    let seq = seqs.get(&m).unwrap_or(&empty);
+                    match seq.get(k) {
+                        Some(&id) => {
+                            set.push(id);
+                            let l = label(id);
+                            match ref_label {
+                                None => ref_label = Some(l),
+                                Some(rl) if rl != l => {
+                                    if reported.insert(m) {
+                                        errs.push(CommError::CollectiveOrder {
+                                            at: Pos { rank: m, pos: ops.pos[id as usize] },
+                                            why: format!(
+                                                "collective #{k} on communicator `{name}` is `{l}` on rank {m} but `{rl}` on rank {}: members must issue the same sequence",
+                                                members[0]
+                                            ),
+                                        });
+                                    }
+                                }
+                                _ => {}
+                            }
+                        }
+                        None => {
+                            never = true;
+                            if reported.insert(m) {
+                                let at = set
+                                    .first()
+                                    .map(|&id| Pos { rank: ops.rank[id as usize], pos: ops.pos[id as usize] })
+                                    .unwrap_or(Pos { rank: m, pos: 0 });
+                                errs.push(CommError::CollectiveOrder {
+                                    at,
+                                    why: format!(
+                                        "rank {m} issues {} collective(s) on communicator `{name}`, fewer than the {longest} of other members",
+                                        seq.len()
+                                    ),
+                                });
+                            }
+                        }
+                    }
+                }
+                coll_sets.push(set);
+                coll_never.push(never);
+            }
+        }
+    }
+
+    // ---- Group requirements. ----
+    let ng = groups.rank.len();
+    let rendezvous = !sem.eager && sem.buffer_slots.is_none();
+    // never[g]: some op of g has no partner it must wait for.
+    let mut never = vec![false; ng];
+    // Union-find for rendezvous components.
+    let mut parent: Vec<u32> = (0..ng as u32).collect();
+    fn find(parent: &mut [u32], mut x: u32) -> u32 {
+        while parent[x as usize] != x {
+            parent[x as usize] = parent[parent[x as usize] as usize];
+            x = parent[x as usize];
+        }
+        x
+    }
+    // reqs for non-rendezvous: list of groups that must be posted.
+    let mut reqs: Vec<Vec<u32>> = if rendezvous { Vec::new() } else { vec![Vec::new(); ng] };
+    for id in 0..comm_ref.len() {
+        let g = ops.group[id];
+        let part = ops.partner[id];
+        match ops.kind[id] {
+            0 => {
+                // send
+                if rendezvous {
+                    if part == NONE {
+                        never[g as usize] = true;
+                    } else {
+                        let (a, b) = (find(&mut parent, g), find(&mut parent, ops.group[part as usize]));
+                        if a != b {
+                            parent[a as usize] = b;
+                        }
+                    }
+                } else if !sem.eager {
+                    let k = sem.buffer_slots.unwrap_or(0);
+                    let ix = ops.chan_ix[id];
+                    if ix >= k {
+                        // needs receive ix-k on this channel to be posted
+                        let (src, dst) = (ops.rank[id], comm_ref[id].peer().unwrap_or(0));
+                        let recvs = &chans[&(src, dst)].1;
+                        match recvs.get((ix - k) as usize) {
+                            Some(&rid) => reqs[g as usize].push(ops.group[rid as usize]),
+                            None => never[g as usize] = true,
+                        }
+                    }
+                }
+            }
+            1 => {
+                if part == NONE {
+                    never[g as usize] = true;
+                } else if rendezvous {
+                    let (a, b) = (find(&mut parent, g), find(&mut parent, ops.group[part as usize]));
+                    if a != b {
+                        parent[a as usize] = b;
+                    }
+                } else {
+                    reqs[g as usize].push(ops.group[part as usize]);
+                }
+            }
+            _ => {}
+        }
+    }
+    for (set, nev) in coll_sets.iter().zip(&coll_never) {
+        for &id in set {
+            let g = ops.group[id as usize];
+            if *nev {
+                never[g as usize] = true;
+            }
+            for &other in set {
+                let h = ops.group[other as usize];
+                if rendezvous {
+                    let (a, b) = (find(&mut parent, g), find(&mut parent, h));
+                    if a != b {
+                        parent[a as usize] = b;
+                    }
+                } else if h != g {
+                    reqs[g as usize].push(h);
+                }
+            }
+        }
+    }
+    // Components.
+    let mut comp_size = vec![0u32; if rendezvous { ng } else { 0 }];
+    let mut comp_never = vec![false; if rendezvous { ng } else { 0 }];
+    let mut comp_root = vec![0u32; if rendezvous { ng } else { 0 }];
+    // CSR of members per root.
+    let mut comp_start = vec![0u32; if rendezvous { ng + 1 } else { 0 }];
+    let mut comp_members = vec![0u32; if rendezvous { ng } else { 0 }];
+    if rendezvous {
+        for g in 0..ng {
+            let r = find(&mut parent, g as u32);
+            comp_root[g] = r;
+            comp_size[r as usize] += 1;
+            if never[g] {
+                comp_never[r as usize] = true;
+            }
+        }
+        let mut acc = 0u32;
+        for g in 0..ng {
+            comp_start[g] = acc;
+            acc += comp_size[g];
+        }
+        comp_start[ng] = acc;
+        let mut fill = comp_start.clone();
+        for g in 0..ng {
+            let r = comp_root[g] as usize;
+            comp_members[fill[r] as usize] = g as u32;
+            fill[r] += 1;
+        }
+    }
+    let mut rev_reqs: Vec<Vec<u32>> = if rendezvous { Vec::new() } else { vec![Vec::new(); ng] };
+    if !rendezvous {
+        for g in 0..ng {
+            for &h in &reqs[g] {
+                rev_reqs[h as usize].push(g as u32);
+            }
+        }
+    }
+
+    // ---- Simulation. ----
+    let mut cpos = vec![0u32; np];
+    let mut gpos: Vec<u32> = rank_groups.iter().map(|r| r.0).collect();
+    let mut posted = vec![false; ng];
+    let mut complete = vec![false; ng];
+    let mut posted_cnt = vec![0u32; if rendezvous { ng } else { 0 }];
+    let mut in_work = vec![true; np];
+    let mut work: Vec<u32> = (0..np as u32).rev().collect();
+
+    while let Some(r) = work.pop() {
+        let r = r as usize;
+        in_work[r] = false;
+        loop {
+            let mut progressed = false;
+            // Compute stream.
+            let items = &items_waits[r];
+            while (cpos[r] as usize) < items.len() {
+                let (a, b) = items[cpos[r] as usize];
+                let ready = waits[a as usize..b as usize]
+                    .iter()
+                    .all(|&id| complete[ops.group[id as usize] as usize]);
+                if !ready {
+                    break;
+                }
+                cpos[r] += 1;
+                progressed = true;
+            }
+            // Comm stream.
+            let (_, g_end) = rank_groups[r];
+            while gpos[r] < g_end {
+                let g = gpos[r] as usize;
+                if !posted[g] {
+                    let prod = groups.producer[g];
+                    if prod != NONE && cpos[r] <= prod {
+                        break;
+                    }
+                    posted[g] = true;
+                    progressed = true;
+                    if rendezvous {
+                        let root = comp_root[g] as usize;
+                        posted_cnt[root] += 1;
+                        if posted_cnt[root] == comp_size[root] && !comp_never[root] {
+                            for &h in &comp_members[comp_start[root] as usize..comp_start[root + 1] as usize] {
+                                complete[h as usize] = true;
+                                let hr = groups.rank[h as usize] as usize;
+                                if hr != r && !in_work[hr] {
+                                    in_work[hr] = true;
+                                    work.push(hr as u32);
+                                }
+                            }
+                        }
+                    } else {
+                        // Check g and everything that waits on g.
+                        let mut to_check = vec![g as u32];
+                        to_check.extend_from_slice(&rev_reqs[g]);
+                        for h in to_check {
+                            let h = h as usize;
+                            if posted[h] && !complete[h] && !never[h] && reqs[h].iter().all(|&x| posted[x as usize]) {
+                                complete[h] = true;
+                                let hr = groups.rank[h] as usize;
+                                if hr != r && !in_work[hr] {
+                                    in_work[hr] = true;
+                                    work.push(hr as u32);
+                                }
+                            }
+                        }
+                        // Posting g may let partners' groups (which list g) complete: done above.
+                        // Also wake ranks of groups that list g but are not yet posted: not needed.
+                    }
+                }
+                if complete[g] {
+                    gpos[r] += 1;
+                    progressed = true;
+                } else {
+                    break;
+                }
+            }
+            if !progressed {
+                break;
+            }
+        }
+    }
+
+    // ---- Stuck? ----
+    let blocked_c = |r: usize, cpos: &[u32]| (cpos[r] as usize) < items_waits[r].len();
+    let blocked_m = |r: usize, gpos: &[u32]| gpos[r] < rank_groups[r].1;
+    let any_stuck = (0..np).any(|r| blocked_c(r, &cpos) || blocked_m(r, &gpos));
+    if !any_stuck {
+        return errs;
+    }
+    // Node ids: 2r = compute(r), 2r+1 = comm(r).
+    let comm_at = |g: usize| Pos {
+        rank: groups.rank[g],
+        pos: groups.pos[g],
+    };
+    let instr_txt = |pos: Pos| instr_to_string(&p.ranks[pos.rank as usize][pos.pos as usize]);
+    let mut step_of = |node: usize, parent: &mut Vec<u32>| -> (WaitStep, Option<usize>) {
+        let r = node / 2;
+        if node % 2 == 0 {
+            let it = cpos[r] as usize;
+            let at = Pos {
+                rank: r as u32,
+                pos: items_pos[r][it],
+            };
+            let (a, b) = items_waits[r][it];
+            let id = waits[a as usize..b as usize]
+                .iter()
+                .copied()
+                .find(|&id| !complete[ops.group[id as usize] as usize])
+                .expect("blocked item has an incomplete wait");
+            let g = ops.group[id as usize] as usize;
+            let head = gpos[r] as usize;
+            let what = op_text(comm_ref[id as usize]);
+            let waits_for = if head == g {
+                format!("its input `{what}` has not completed")
+            } else {
+                format!(
+                    "its input `{what}` (position {}) is queued on the communication stream behind `{}` (position {})",
+                    groups.pos[g],
+                    instr_txt(comm_at(head)),
+                    groups.pos[head]
+                )
+            };
+            (
+                WaitStep {
+                    rank: r as u32,
+                    stream: Stream::Compute,
+                    at,
+                    waits_for,
+                },
+                Some(2 * r + 1),
+            )
+        } else {
+            let g = gpos[r] as usize;
+            let at = comm_at(g);
+            if !posted[g] {
+                let prod = groups.producer[g] as usize;
+                let ppos = Pos {
+                    rank: r as u32,
+                    pos: items_pos[r][prod],
+                };
+                let waits_for = format!(
+                    "it sends the output of `{}` (position {}), which has not run on the compute stream",
+                    instr_txt(ppos),
+                    ppos.pos
+                );
+                return (
+                    WaitStep {
+                        rank: r as u32,
+                        stream: Stream::Comm,
+                        at,
+                        waits_for,
+                    },
+                    Some(2 * r),
+                );
+            }
+            // Posted, not complete: find an unposted group it needs.
+            let mut need: Option<usize> = None;
+            if rendezvous {
+                let root = find(parent, g as u32) as usize;
+                let _ = root;
+                let root = comp_root[g] as usize;
+                let members = &comp_members[comp_start[root] as usize..comp_start[root + 1] as usize];
+                // A member queued behind this group on its own stream blocks it for good.
+                need = members
+                    .iter()
+                    .map(|&h| h as usize)
+                    .find(|&h| !posted[h] && groups.rank[h] as usize == r)
+                    .or_else(|| members.iter().map(|&h| h as usize).find(|&h| !posted[h]));
+            } else {
+                need = reqs[g].iter().map(|&h| h as usize).find(|&h| !posted[h]).or(need);
+            }
+            match need {
+                Some(h) => {
+                    let q = groups.rank[h] as usize;
+                    let via = if rendezvous { match_path(g, h, &groups, &ops) } else { Vec::new() };
+                    let via_txt = if via.len() > 2 {
+                        format!(
+                            " (matched with it through {})",
+                            via[1..via.len() - 1]
+                                .iter()
+                                .map(|&x| format!("rank {} `{}` (position {})", groups.rank[x], instr_txt(comm_at(x)), groups.pos[x]))
+                                .collect::<Vec<_>>()
+                                .join(", then ")
+                        )
+                    } else {
+                        String::new()
+                    };
+                    let qhead = gpos[q] as usize;
+                    let partner_txt = instr_txt(comm_at(h));
+                    let waits_for = if q == r {
+                        format!(
+                            "it completes only together with `{partner_txt}` (position {}) on its own stream{via_txt}, which cannot be posted before this group completes",
+                            groups.pos[h]
+                        )
+                    } else if qhead == h {
+                        format!(
+                            "rank {q} has not posted its matching `{partner_txt}` (position {}){via_txt}",
+                            groups.pos[h]
+                        )
+                    } else {
+                        format!(
+                            "rank {q} has not posted its matching `{partner_txt}` (position {}){via_txt}, queued behind `{}` (position {})",
+                            groups.pos[h],
+                            instr_txt(comm_at(qhead)),
+                            groups.pos[qhead]
+                        )
+                    };
+                    (
+                        WaitStep {
+                            rank: r as u32,
+                            stream: Stream::Comm,
+                            at,
+                            waits_for,
+                        },
+                        Some(2 * q + 1),
+                    )
+                }
+                None => (
+                    WaitStep {
+                        rank: r as u32,
+                        stream: Stream::Comm,
+                        at,
+                        waits_for: "one of its ops has no partner (see the matching errors), so it can never complete".into(),
+                    },
+                    None,
+                ),
+            }
+        }
+    };
+    let mut reported_cycles: std::collections::HashSet<Vec<usize>> = Default::default();
+    let mut visited = vec![false; 2 * np];
+    let mut n_reports = 0;
+    for start in 0..2 * np {
+        let r = start / 2;
+        let blocked = if start % 2 == 0 {
+            blocked_c(r, &cpos)
+        } else {
+            blocked_m(r, &gpos)
+        };
+        if !blocked || visited[start] {
+            continue;
+        }
+        let mut chain: Vec<(usize, WaitStep)> = Vec::new();
+        let mut idx_in_chain: HashMap<usize, usize> = HashMap::new();
+        let mut node = start;
+        loop {
+            if let Some(&i) = idx_in_chain.get(&node) {
+                let cyc: Vec<(usize, WaitStep)> = chain[i..].to_vec();
+                let mut key: Vec<usize> = cyc.iter().map(|c| c.0).collect();
+                key.sort_unstable();
+                if reported_cycles.insert(key) && n_reports < 10 {
+                    n_reports += 1;
+                    // Rotate so the lowest rank's step comes first.
+                    let mut steps: Vec<WaitStep> = cyc.into_iter().map(|c| c.1).collect();
+                    let min_i = steps
+                        .iter()
+                        .enumerate()
+                        .min_by_key(|(_, s)| (s.rank, s.stream == Stream::Compute))
+                        .map(|(i, _)| i)
+                        .unwrap_or(0);
+                    steps.rotate_left(min_i);
+                    errs.push(CommError::Deadlock(steps));
+                }
+                break;
+            }
+            if visited[node] {
+                break; // joins a chain already reported
+            }
+            visited[node] = true;
+            idx_in_chain.insert(node, chain.len());
+            let (step, next) = step_of(node, &mut parent);
+            chain.push((node, step));
+            match next {
+                Some(nx) => node = nx,
+                None => {
+                    if n_reports < 10 {
+                        n_reports += 1;
+                        errs.push(CommError::Stall(chain.into_iter().map(|c| c.1).collect()));
+                    }
+                    break;
+                }
+            }
+        }
+    }
+    errs
+}
+
+/// Shortest chain of groups from `g` to `h` through matched pairs (for explanations).
+fn match_path(g: usize, h: usize, groups: &Groups, ops: &Ops) -> Vec<usize> {
+    let mut prev: HashMap<usize, usize> = HashMap::new();
+    let mut queue = std::collections::VecDeque::from([g]);
+    prev.insert(g, g);
+    while let Some(x) = queue.pop_front() {
+        if x == h {
+            break;
+        }
+        let (a, b) = groups.ops[x];
+        for id in a..b {
+            let pt = ops.partner[id as usize];
+            if pt == NONE {
+                continue;
+            }
+            let y = ops.group[pt as usize] as usize;
+            if let std::collections::hash_map::Entry::Vacant(e) = prev.entry(y) {
+                e.insert(x);
+                queue.push_back(y);
+            }
+        }
+    }
+    if !prev.contains_key(&h) {
+        return vec![g, h];
+    }
+    let mut path = vec![h];
+    let mut x = h;
+    while x != g {
+        x = prev[&x];
+        path.push(x);
+    }
+    path.reverse();
+    path
+}

@@ -1,0 +1,120 @@
+//! Pass 6: activation lifetimes and peak memory in activations.
+//!
+//! On each rank, the activation of (stage, mb) is live from its `F` (its first MoE part)
+//! through its release, inclusive: `BW`, or `W` when the backward is split (`B` does not
+//! release it: the weight gradient still needs the stage's inputs). An overlapped pair
+//! allocates its forward before it releases its backward. The peak is the largest number live
+//! at once, in (stage, micro-batch) activations. This is the contract of torch 2.15's
+//! `analyze_pipeline_activation_liveness(granularity="stage_microbatch")`, whose `num_slots`
+//! equals this peak (optimal interval colouring).
+//!
+//! `--max-activations N` (a `.case` file's `budget activations N`) rejects a schedule whose
+//! peak exceeds N on any rank, naming the first op that goes over.
+
+use super::{is_first_part, is_last_part, Ctx, Pos};
+use crate::diag::{Code, Diagnostic};
+use schedc_ir::{Compute, Instr, Kind, Program};
+use serde::Serialize;
+
+/// Liveness figures for one rank.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RankLiveness {
+    /// Peak live activations (stage-microbatch units).
+    pub peak: u64,
+    /// Position of the first instruction at which the peak is reached.
+    pub peak_at: Option<usize>,
+}
+
+/// Over the activation budget.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OverBudget {
+    /// The first op that goes over.
+    pub at: Pos,
+    /// Live count there.
+    pub live: u64,
+    /// The rank's peak.
+    pub peak: u64,
+    /// The budget.
+    pub budget: u64,
+}
+
+impl OverBudget {
+    /// Converts to a diagnostic.
+    pub fn to_diagnostic(&self, cx: &Ctx<'_>) -> Diagnostic {
+        Diagnostic::error(
+            Code::Memory,
+            format!(
+                "rank {} holds {} live activations here, over the budget of {} (its peak is {})",
+                self.at.rank, self.live, self.budget, self.peak
+            ),
+        )
+        .at(cx.loc(self.at.rank as usize, self.at.pos as usize))
+        .with_help("run backwards (or W) earlier, or lower the warmup, to release activations sooner")
+    }
+}
+
+fn allocates(c: &Compute) -> bool {
+    c.kind == Kind::F && is_first_part(c)
+}
+
+fn releases(c: &Compute, split: bool) -> bool {
+    is_last_part(c) && (c.kind == Kind::BW || (c.kind == Kind::W && split))
+}
+
+/// Computes per-rank peaks; returns the over-budget errors when `budget` is given (one per
+/// rank, at the first op over).
+pub fn analyze(p: &Program, budget: Option<u64>) -> (Vec<RankLiveness>, Vec<OverBudget>) {
+    let mut out = Vec::with_capacity(p.ranks.len());
+    let mut errs = Vec::new();
+    for (r, instrs) in p.ranks.iter().enumerate() {
+        let mut live: u64 = 0;
+        let mut peak: u64 = 0;
+        let mut peak_at = None;
+        let mut over: Option<OverBudget> = None;
+        for (i, ins) in instrs.iter().enumerate() {
+            let mut alloc = 0u64;
+            let mut rel = 0u64;
+            let mut tally = |c: &Compute| {
+                if allocates(c) {
+                    alloc += 1;
+                }
+                if releases(c, true) {
+                    rel += 1;
+                }
+            };
+            match ins {
+                Instr::Compute(c) => tally(c),
+                Instr::Overlap { fwd, bwd } => {
+                    tally(fwd);
+                    tally(bwd);
+                }
+                _ => continue,
+            }
+            live += alloc;
+            if live > peak {
+                peak = live;
+                peak_at = Some(i);
+            }
+            if let Some(b) = budget {
+                if live > b && over.is_none() {
+                    over = Some(OverBudget {
+                        at: Pos {
+                            rank: r as u32,
+                            pos: i as u32,
+                        },
+                        live,
+                        peak: 0,
+                        budget: b,
+                    });
+                }
+            }
+            live = live.saturating_sub(rel);
+        }
+        if let Some(mut o) = over {
+            o.peak = peak;
+            errs.push(o);
+        }
+        out.push(RankLiveness { peak, peak_at });
+    }
+    (out, errs)
+}

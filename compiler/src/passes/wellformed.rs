@@ -1,0 +1,493 @@
+//! Pass 1: well-formedness.
+//!
+//! Proves, for every stage `s < S` and micro-batch `m < M`:
+//! * exactly one `F(s,m)`, and either exactly one `BW(s,m)` or exactly one `B(s,m)` and one
+//!   `W(s,m)` (an MoE-split op counts once when each of its four parts occurs exactly once);
+//! * every op names a stage and micro-batch in range, and runs on the rank that holds its
+//!   stage;
+//! * every send and receive names a payload in range, is on the rank that produces (send) or
+//!   consumes (receive) it, and names the right peer; no rank messages itself;
+//! * every collective names a declared communicator of which the rank is a member;
+//! * `REDUCE_GRAD(s)` appears at most once, on the rank holding `s`.
+//!
+//! It does not look at order (pass 2) or matching (pass 4).
+
+use super::{compute_str, Ctx, OpIndex, Pos};
+use crate::diag::{Code, Diagnostic};
+use schedc_ir::{Comm, Compute, Instr, Kind, Part, PayloadKind, Program};
+
+/// A well-formedness error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WfError {
+    /// A stage, micro-batch or rank out of range.
+    Range {
+        /// Where.
+        at: Pos,
+        /// What is out of range ("stage", "micro-batch", "peer rank").
+        what: &'static str,
+        /// The value.
+        value: u32,
+        /// The exclusive limit.
+        limit: u32,
+    },
+    /// An op on a rank that does not hold its stage.
+    WrongRank {
+        /// Where.
+        at: Pos,
+        /// The stage.
+        stage: u32,
+        /// The rank that holds it.
+        holder: u32,
+    },
+    /// A message to or from the wrong peer (or to itself).
+    WrongPeer {
+        /// Where.
+        at: Pos,
+        /// The peer it should name, if any.
+        expected: Option<u32>,
+        /// Why.
+        why: String,
+    },
+    /// An op given twice.
+    Duplicate {
+        /// The second occurrence.
+        at: Pos,
+        /// The first.
+        first: Pos,
+        /// The op.
+        op: Compute,
+    },
+    /// Missing op(s) for (stage, mb).
+    Missing {
+        /// Stage.
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+        /// What is missing, e.g. "F", "a backward (BW, or B and W)", "W (B is at rank 0 position 3)".
+        what: String,
+        /// A related position (e.g. the B without its W).
+        near: Option<Pos>,
+    },
+    /// A collective on an unknown communicator or by a non-member.
+    Collective {
+        /// Where.
+        at: Pos,
+        /// Why.
+        why: String,
+    },
+    /// The program's rank count differs from P.
+    RankCount {
+        /// Ranks in the program.
+        got: usize,
+        /// P.
+        pp: u32,
+    },
+}
+
+impl WfError {
+    /// Converts to a diagnostic.
+    pub fn to_diagnostic(&self, cx: &Ctx<'_>) -> Diagnostic {
+        let loc = |p: &Pos| cx.loc(p.rank as usize, p.pos as usize);
+        match self {
+            WfError::Range {
+                at,
+                what,
+                value,
+                limit,
+            } => Diagnostic::error(
+                Code::Range,
+                format!("{what} {value} is out of range: there are {limit} ({what}s 0..{limit})"),
+            )
+            .at(loc(at)),
+            WfError::WrongRank { at, stage, holder } => Diagnostic::error(
+                Code::Placement,
+                format!(
+                    "stage {stage} is placed on rank {holder}, but this op runs on rank {}",
+                    at.rank
+                ),
+            )
+            .at(loc(at)),
+            WfError::WrongPeer { at, expected, why } => {
+                let mut d = Diagnostic::error(Code::Placement, why.clone()).at(loc(at));
+                if let Some(e) = expected {
+                    d = d.with_help(format!("the peer should be rank {e}"));
+                }
+                d
+            }
+            WfError::Duplicate { at, first, op } => Diagnostic::error(
+                Code::DuplicateOp,
+                format!("{} appears more than once", compute_str(op)),
+            )
+            .at(loc(at))
+            .with_related(loc(first), "first occurrence"),
+            WfError::Missing {
+                stage,
+                mb,
+                what,
+                near,
+            } => {
+                let mut d = Diagnostic::error(
+                    Code::MissingOp,
+                    format!("stage {stage}, micro-batch {mb} has no {what}"),
+                );
+                if let Some(p) = near {
+                    d = d.at(loc(p));
+                } else {
+                    d.rank = cx.program.pipeline.stage_to_rank.get(*stage as usize).copied();
+                }
+                d
+            }
+            WfError::Collective { at, why } => {
+                Diagnostic::error(Code::CollectiveOrder, why.clone()).at(loc(at))
+            }
+            WfError::RankCount { got, pp } => Diagnostic::error(
+                Code::Range,
+                format!("the program has {got} ranks but pp is {pp}"),
+            ),
+        }
+    }
+}
+
+/// Runs pass 1. `idx` must be built from the same program.
+pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
+    let mut errs = Vec::new();
+    let pl = &p.pipeline;
+    let (s_n, m_n, pp) = (pl.stages, pl.microbatches, pl.pp);
+    if p.ranks.len() != pp as usize {
+        errs.push(WfError::RankCount {
+            got: p.ranks.len(),
+            pp,
+        });
+    }
+    // Per-op checks: ranges, placement, peers, duplicates.
+    let n = s_n as usize * m_n as usize;
+    // Seen bitmaps per (kind, part) to find second occurrences in program order.
+    let mut seen: Vec<Vec<u64>> = vec![vec![0u64; n.div_ceil(64)]; 4 * 5];
+    let mut reduce_seen = vec![Pos::NONE; s_n as usize];
+    for (r, instrs) in p.ranks.iter().enumerate() {
+        let r32 = r as u32;
+        for (i, ins) in instrs.iter().enumerate() {
+            let at = Pos {
+                rank: r32,
+                pos: i as u32,
+            };
+            let mut check_compute = |c: &Compute| {
+                if c.stage >= s_n {
+                    errs.push(WfError::Range {
+                        at,
+                        what: "stage",
+                        value: c.stage,
+                        limit: s_n,
+                    });
+                    return;
+                }
+                if c.mb >= m_n {
+                    errs.push(WfError::Range {
+                        at,
+                        what: "micro-batch",
+                        value: c.mb,
+                        limit: m_n,
+                    });
+                    return;
+                }
+                let holder = pl.rank_of(c.stage);
+                if holder != r32 {
+                    errs.push(WfError::WrongRank {
+                        at,
+                        stage: c.stage,
+                        holder,
+                    });
+                }
+                let k = match c.kind {
+                    Kind::F => 0,
+                    Kind::B => 1,
+                    Kind::W => 2,
+                    Kind::BW => 3,
+                };
+                let pi = match c.part {
+                    Part::Whole => 0,
+                    Part::Attn => 1,
+                    Part::Dispatch => 2,
+                    Part::Mlp => 3,
+                    Part::Combine => 4,
+                };
+                let key = (c.stage * m_n + c.mb) as usize;
+                let bits = &mut seen[k * 5 + pi];
+                let (w, b) = (key / 64, 1u64 << (key % 64));
+                if bits[w] & b != 0 {
+                    let first = idx
+                        .get(c.kind, c.stage, c.mb)
+                        .map(|s| s.first)
+                        .unwrap_or(Pos::NONE);
+                    errs.push(WfError::Duplicate { at, first, op: *c });
+                } else {
+                    bits[w] |= b;
+                }
+            };
+            match ins {
+                Instr::Compute(c) => check_compute(c),
+                Instr::Overlap { fwd, bwd } => {
+                    check_compute(fwd);
+                    check_compute(bwd);
+                }
+                Instr::Comm(m) => check_comm(p, at, m, &mut errs),
+                Instr::Group(g) => {
+                    for m in g {
+                        check_comm(p, at, m, &mut errs);
+                    }
+                }
+                Instr::ReduceGrad(s) => {
+                    if *s >= s_n {
+                        errs.push(WfError::Range {
+                            at,
+                            what: "stage",
+                            value: *s,
+                            limit: s_n,
+                        });
+                    } else {
+                        if pl.rank_of(*s) != r32 {
+                            errs.push(WfError::WrongRank {
+                                at,
+                                stage: *s,
+                                holder: pl.rank_of(*s),
+                            });
+                        }
+                        if reduce_seen[*s as usize].is_some() {
+                            errs.push(WfError::Duplicate {
+                                at,
+                                first: reduce_seen[*s as usize],
+                                op: Compute::new(Kind::W, *s, 0),
+                            });
+                        } else {
+                            reduce_seen[*s as usize] = at;
+                        }
+                    }
+                }
+                Instr::WaitReduceGrad(s) | Instr::Unshard(s) | Instr::Reshard(s) => {
+                    if *s >= s_n {
+                        errs.push(WfError::Range {
+                            at,
+                            what: "stage",
+                            value: *s,
+                            limit: s_n,
+                        });
+                    }
+                }
+                Instr::WaitSend(pl_) => {
+                    if pl_.stage >= s_n || pl_.mb >= m_n {
+                        errs.push(WfError::Range {
+                            at,
+                            what: if pl_.stage >= s_n { "stage" } else { "micro-batch" },
+                            value: if pl_.stage >= s_n { pl_.stage } else { pl_.mb },
+                            limit: if pl_.stage >= s_n { s_n } else { m_n },
+                        });
+                    }
+                }
+                Instr::Idle => {}
+            }
+        }
+    }
+    // Completeness.
+    for s in 0..s_n {
+        for m in 0..m_n {
+            let f = idx.get(Kind::F, s, m).expect("in range");
+            let b = idx.get(Kind::B, s, m).expect("in range");
+            let w = idx.get(Kind::W, s, m).expect("in range");
+            let bw = idx.get(Kind::BW, s, m).expect("in range");
+            if !f.present() {
+                errs.push(WfError::Missing {
+                    stage: s,
+                    mb: m,
+                    what: "forward F".into(),
+                    near: None,
+                });
+            }
+            for (kind, slot) in [(Kind::F, f), (Kind::B, b), (Kind::W, w), (Kind::BW, bw)] {
+                if !slot.present() {
+                    continue;
+                }
+                let any_part = slot.parts.iter().any(|&c| c > 0);
+                if slot.whole > 0 && any_part {
+                    errs.push(WfError::Duplicate {
+                        at: slot.last,
+                        first: slot.first,
+                        op: Compute::new(kind, s, m),
+                    });
+                } else if any_part {
+                    if kind == Kind::W {
+                        // W is never split; report the parts as a range-like misuse.
+                        errs.push(WfError::Missing {
+                            stage: s,
+                            mb: m,
+                            what: "whole W (W cannot be split in MoE parts)".into(),
+                            near: Some(slot.first),
+                        });
+                        continue;
+                    }
+                    let missing: Vec<&str> = Part::FORWARD_ORDER
+                        .iter()
+                        .zip(slot.parts.iter())
+                        .filter(|(_, &c)| c == 0)
+                        .map(|(p, _)| p.as_str())
+                        .collect();
+                    if !missing.is_empty() {
+                        errs.push(WfError::Missing {
+                            stage: s,
+                            mb: m,
+                            what: format!(
+                                "{} part(s) {} of its split {}",
+                                kind.as_str(),
+                                missing.join(", "),
+                                kind.as_str()
+                            ),
+                            near: Some(slot.first),
+                        });
+                    }
+                }
+            }
+            match (bw.present(), b.present(), w.present()) {
+                (true, false, false) | (false, true, true) => {}
+                (false, false, false) => errs.push(WfError::Missing {
+                    stage: s,
+                    mb: m,
+                    what: "backward (BW, or B then W)".into(),
+                    near: None,
+                }),
+                (false, true, false) => errs.push(WfError::Missing {
+                    stage: s,
+                    mb: m,
+                    what: "W after its B (the weight gradient is never computed)".into(),
+                    near: Some(b.first),
+                }),
+                (false, false, true) => errs.push(WfError::Missing {
+                    stage: s,
+                    mb: m,
+                    what: "B before its W (the input gradient is never computed)".into(),
+                    near: Some(w.first),
+                }),
+                (true, _, _) => {
+                    let other = if b.present() { b.first } else { w.first };
+                    errs.push(WfError::Duplicate {
+                        at: other,
+                        first: bw.first,
+                        op: Compute::new(if b.present() { Kind::B } else { Kind::W }, s, m),
+                    });
+                }
+            }
+        }
+    }
+    errs
+}
+
+fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
+    let pl = &p.pipeline;
+    let (s_n, m_n, pp) = (pl.stages, pl.microbatches, pl.pp);
+    match m {
+        Comm::Send { payload, peer } | Comm::Recv { payload, peer } => {
+            let send = matches!(m, Comm::Send { .. });
+            if *peer >= pp {
+                errs.push(WfError::Range {
+                    at,
+                    what: "peer rank",
+                    value: *peer,
+                    limit: pp,
+                });
+                return;
+            }
+            if payload.stage >= s_n {
+                errs.push(WfError::Range {
+                    at,
+                    what: "stage",
+                    value: payload.stage,
+                    limit: s_n,
+                });
+                return;
+            }
+            if payload.mb >= m_n {
+                errs.push(WfError::Range {
+                    at,
+                    what: "micro-batch",
+                    value: payload.mb,
+                    limit: m_n,
+                });
+                return;
+            }
+            if *peer == at.rank {
+                errs.push(WfError::WrongPeer {
+                    at,
+                    expected: None,
+                    why: format!("rank {} sends a message to itself", at.rank),
+                });
+                return;
+            }
+            let s = payload.stage;
+            let producer = pl.rank_of(s);
+            let consumer_stage = match payload.kind {
+                PayloadKind::Act => pl.next_stage(s),
+                PayloadKind::Grad => pl.prev_stage(s),
+            };
+            let what = match payload.kind {
+                PayloadKind::Act => "activation",
+                PayloadKind::Grad => "input gradient",
+            };
+            let Some(cs) = consumer_stage else {
+                errs.push(WfError::WrongPeer {
+                    at,
+                    expected: None,
+                    why: format!(
+                        "the {what} of stage {s} is consumed by no stage (stage {s} is the {} stage of its direction)",
+                        if payload.kind == PayloadKind::Act { "last" } else { "first" }
+                    ),
+                });
+                return;
+            };
+            let consumer = pl.rank_of(cs);
+            let (me_should, peer_should) = if send {
+                (producer, consumer)
+            } else {
+                (consumer, producer)
+            };
+            if me_should != at.rank {
+                errs.push(WfError::WrongPeer {
+                    at,
+                    expected: None,
+                    why: format!(
+                        "the {what} of stage {s} is {} by rank {me_should}, not rank {}",
+                        if send { "sent" } else { "received" },
+                        at.rank
+                    ),
+                });
+            } else if *peer != peer_should {
+                errs.push(WfError::WrongPeer {
+                    at,
+                    expected: Some(peer_should),
+                    why: format!(
+                        "the {what} of stage {s} goes {} rank {peer_should} (stage {}), not rank {peer}",
+                        if send { "to" } else { "from" },
+                        if send { cs } else { s }
+                    ),
+                });
+            } else if producer == consumer {
+                errs.push(WfError::WrongPeer {
+                    at,
+                    expected: None,
+                    why: format!("stages {s} and {cs} share rank {producer}: they hand over in memory, with no message"),
+                });
+            }
+        }
+        Comm::Collective(c) => match pl.communicators.iter().find(|g| g.name == c.comm) {
+            None => errs.push(WfError::Collective {
+                at,
+                why: format!("unknown communicator `{}` (declare it with `group {} <ranks>`)", c.comm, c.comm),
+            }),
+            Some(g) => {
+                if !g.ranks.contains(&at.rank) {
+                    errs.push(WfError::Collective {
+                        at,
+                        why: format!("rank {} is not a member of communicator `{}`", at.rank, c.comm),
+                    });
+                }
+            }
+        },
+    }
+}
