@@ -1029,4 +1029,42 @@ mod tests {
         .unwrap();
         assert_eq!(p.len(), 4);
     }
+
+    #[test]
+    fn fuzz_mutated_traces_never_panic() {
+        let Some((_, src)) = traces()
+            .into_iter()
+            .find(|(n, _)| n == "dualpipe_P2_N4.json")
+        else {
+            return;
+        };
+        let bytes = b"0123456789.&@r{},[]:\"FBIWCOMsendrecvActGrad \\\n";
+        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        for _ in 0..3_000 {
+            let mut b = src.clone().into_bytes();
+            for _ in 0..1 + next(4) {
+                let i = next(b.len());
+                match next(3) {
+                    0 => b[i] = bytes[next(bytes.len())],
+                    1 => {
+                        b.remove(i);
+                    }
+                    _ => b.insert(i, bytes[next(bytes.len())]),
+                }
+            }
+            let s = String::from_utf8(b).unwrap();
+            for r in [parse_trace(&s), parse_trace_compute_only(&s)] {
+                if let Err(e) = r {
+                    assert!(e.offset + e.len <= s.len(), "{e}");
+                    assert_eq!((e.line, e.col), line_col(&s, e.offset));
+                }
+            }
+        }
+    }
 }

@@ -870,8 +870,11 @@ fn convert(src: &str, pl: &Pipeline, cell: &Cell, sp: Span) -> Result<Instr, Par
 ///   `{s+1}RECV_F{m}`, `Recv Grad(s,m)` is `{s-1}RECV_B{m}`, `Send Act(s,m)` is `{s}SEND_F{m}`,
 ///   `Send Grad(s,m)` is `{s}SEND_B{m}`).
 ///
-/// `parse_csv(write_csv(p))` gives `p` back for any program this accepts (with `\n` line ends,
-/// the reference compute-only CSVs round-trip byte for byte).
+/// Round trips: `write_csv(parse_csv(s))` reproduces a torch-written CSV byte for byte (line
+/// ends aside: this writes `\n`). `parse_csv(write_csv(p))` gives `p` back except for what
+/// the CSV does not carry: idle slots and group boundaries under `ComputeComms`, a number of
+/// micro-batches above the largest id used, and an `Explicit` placement that equals a
+/// standard one.
 ///
 /// Errors (a sentence naming the rank and instruction): what torch cannot run or express —
 /// a [`PlacementKind::Bidir`] pipeline (DualPipe's two copies of each stage), an MoE part
@@ -1180,7 +1183,56 @@ mod tests {
             // A program with sends cannot be written compute-only.
             let e = write_csv(p, TorchFormat::ComputeOnly).unwrap_err();
             assert!(e.contains("compute_comms"), "{e}");
+            fifo_agrees(p, &f.display().to_string());
         }
+    }
+
+    /// The k-th send from rank a to rank b carries the payload of the k-th receive on b from
+    /// a, and every send is received.
+    fn fifo_agrees(p: &Program, name: &str) {
+        use std::collections::{HashMap, VecDeque};
+        let mut chan: HashMap<(u32, u32), VecDeque<Payload>> = HashMap::new();
+        for (a, prog) in p.ranks.iter().enumerate() {
+            for m in prog.iter().flat_map(Instr::comms) {
+                if let Comm::Send { payload, peer } = m {
+                    chan.entry((a as u32, *peer))
+                        .or_default()
+                        .push_back(*payload);
+                }
+            }
+        }
+        for (b, prog) in p.ranks.iter().enumerate() {
+            for m in prog.iter().flat_map(Instr::comms) {
+                if let Comm::Recv { payload, peer } = m {
+                    let got = chan
+                        .get_mut(&(*peer, b as u32))
+                        .and_then(VecDeque::pop_front);
+                    assert_eq!(got, Some(*payload), "{name}: rank {b} from {peer}");
+                }
+            }
+        }
+        assert!(chan.values().all(VecDeque::is_empty), "{name}");
+    }
+
+    /// Torch 2.15's `Schedule1F1B.pipeline_order` numbers the last rank's forwards 1..=M
+    /// instead of 0..M (`1F1,1B0,1F2,1B1,...` for P=2): imported faithfully, the inferred M is
+    /// one too many, and an explicit M rejects the file at the first out-of-range forward.
+    #[test]
+    fn torch_1f1b_last_rank_forward_ids_are_shifted() {
+        let f = ref_dir().join("Schedule1F1B_P2_M2_V1.compute.csv");
+        let Ok(src) = std::fs::read_to_string(&f) else {
+            eprintln!("note: {} not found; skipping", f.display());
+            return;
+        };
+        let p = parse(&src).unwrap().program;
+        assert_eq!(p.pipeline.microbatches, 3);
+        assert_eq!(p.ranks[1][0], Instr::Compute(Compute::new(Kind::F, 1, 1)));
+        let o = TorchOptions {
+            microbatches: Some(2),
+            stage_to_rank: None,
+        };
+        let e = parse_csv(&src, &o).unwrap_err();
+        assert_eq!((e.line, e.col), (2, 9), "{e}");
     }
 
     #[test]
@@ -1565,6 +1617,108 @@ mod tests {
                         assert_eq!(parse(&out).unwrap().program, imp.program, "{j:?}");
                     }
                 }
+            }
+        }
+    }
+
+    /// A tiny deterministic generator (xorshift), for the fuzz-style tests.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    #[test]
+    fn fuzz_random_cells_never_panic() {
+        let pieces = [
+            "0",
+            "1",
+            "2",
+            "3",
+            "12",
+            "4294967295",
+            "4294967296",
+            "F",
+            "I",
+            "W",
+            "B",
+            "SEND_F",
+            "RECV_F",
+            "SEND_B",
+            "RECV_B",
+            "WAIT_SEND_F",
+            "WAIT_SEND_B",
+            "UNSHARD",
+            "RESHARD",
+            "REDUCE_GRAD",
+            "WAIT_REDUCE_GRAD",
+            "OVERLAP_F_B",
+            "(",
+            ")",
+            ";",
+            ",",
+            ",",
+            "\n",
+            "\r\n",
+            " ",
+            "\"",
+            "x",
+            "\u{e9}",
+            "\r",
+        ];
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for _ in 0..20_000 {
+            let n = rng.below(12);
+            let src: String = (0..n).map(|_| pieces[rng.below(pieces.len())]).collect();
+            if let Ok(imp) = parse(&src) {
+                assert_eq!(imp.spans.ranks.len(), imp.program.ranks.len());
+                for f in [TorchFormat::ComputeOnly, TorchFormat::ComputeComms] {
+                    if let Ok(out) = write_csv(&imp.program, f) {
+                        let back = parse(&out);
+                        if f == TorchFormat::ComputeOnly {
+                            let back = back.unwrap().program;
+                            assert_eq!(back.ranks, imp.program.ranks, "{src:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fuzz_mutated_reference_never_panics() {
+        let f = ref_dir().join("ScheduleDualPipeV_P2_M4_V2.comms.csv");
+        let Ok(src) = std::fs::read_to_string(&f) else {
+            eprintln!("note: {} not found; skipping", f.display());
+            return;
+        };
+        let bytes = b"0123456789FIWBSEND_RECVOAPLH();,\n\r \"x";
+        let mut rng = Rng(12345);
+        for _ in 0..3_000 {
+            let mut b = src.clone().into_bytes();
+            for _ in 0..1 + rng.below(4) {
+                let i = rng.below(b.len());
+                match rng.below(3) {
+                    0 => b[i] = bytes[rng.below(bytes.len())],
+                    1 => {
+                        b.remove(i);
+                    }
+                    _ => b.insert(i, bytes[rng.below(bytes.len())]),
+                }
+            }
+            let s = String::from_utf8(b).unwrap();
+            if let Ok(imp) = parse(&s) {
+                let _ = write_csv(&imp.program, TorchFormat::ComputeComms);
+            } else if let Err(e) = parse(&s) {
+                assert!(e.offset + e.len <= s.len());
+                assert_eq!((e.line, e.col), line_col(&s, e.offset));
             }
         }
     }
