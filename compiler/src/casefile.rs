@@ -17,7 +17,10 @@ pub struct CaseResult {
 }
 
 fn fmt_list<T: std::fmt::Display>(v: &[T]) -> String {
-    v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ")
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Runs one case file.
@@ -95,8 +98,13 @@ pub fn run_case(path: &str) -> CaseResult {
                 }
             }
             Expect::Idle(v) => {
-                let got: Vec<f64> = rep.ranks.iter().map(|r| r.idle.unwrap_or(f64::NAN)).collect();
-                let ok = got.len() == v.len() && got.iter().zip(v).all(|(g, e)| (g - *e as f64).abs() < 1e-9);
+                let got: Vec<f64> = rep
+                    .ranks
+                    .iter()
+                    .map(|r| r.idle.unwrap_or(f64::NAN))
+                    .collect();
+                let ok = got.len() == v.len()
+                    && got.iter().zip(v).all(|(g, e)| (g - *e as f64).abs() < 1e-9);
                 if !ok {
                     diffs.push(format!(
                         "{at}: idle expected {}, got {}",

@@ -163,7 +163,11 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     let wu = warmup::analyze(p);
     let (live, over) = liveness::analyze(p, opts.max_activations);
     diags.extend(over.iter().map(|e| e.to_diagnostic(&cx)));
-    let ut = if structural { None } else { makespan::analyze(p) };
+    let ut = if structural {
+        None
+    } else {
+        makespan::analyze(p)
+    };
     let verdict = if diags.iter().any(Diagnostic::is_error) {
         Verdict::Rejected
     } else {

@@ -267,7 +267,10 @@ impl miette::Diagnostic for Rendered<'_> {
         for (loc, label) in &self.diag.related {
             if let Some(sp) = loc.span {
                 v.push(miette::LabeledSpan::new_with_span(
-                    Some(format!("{label} (rank {}, position {})", loc.rank, loc.position)),
+                    Some(format!(
+                        "{label} (rank {}, position {})",
+                        loc.rank, loc.position
+                    )),
                     (sp.start as usize, sp.len as usize),
                 ));
             }
@@ -284,9 +287,10 @@ impl miette::Diagnostic for Rendered<'_> {
 /// `src` is given. Deterministic: used for snapshots.
 pub fn render(diag: &Diagnostic, src: Option<(&str, &str)>, width: usize) -> String {
     let r = Rendered::new(diag, src);
-    let handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor())
-        .with_width(width)
-        .with_links(false);
+    let handler =
+        miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor())
+            .with_width(width)
+            .with_links(false);
     let mut out = String::new();
     let _ = handler.render_report(&mut out, &r);
     out

@@ -102,7 +102,14 @@ pub fn detect(name: &str, text: &str) -> Format {
     }
     // Heuristic for CSV without the extension: a first line of torch actions.
     let first = t.lines().next().unwrap_or("");
-    if !first.starts_with("pp") && !first.starts_with('#') && first.contains(',') && first.chars().next().is_some_and(|c| c.is_ascii_digit() || c == '(') {
+    if !first.starts_with("pp")
+        && !first.starts_with('#')
+        && first.contains(',')
+        && first
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_digit() || c == '(')
+    {
         return Format::TorchCsv;
     }
     Format::IrText
@@ -116,7 +123,8 @@ pub fn load_path(path: &str, ov: &Overrides) -> Result<Loaded, LoadError> {
             .map_err(|e| LoadError::Io(format!("cannot read standard input: {e}")))?;
         s
     } else {
-        let bytes = std::fs::read(path).map_err(|e| LoadError::Io(format!("cannot read `{path}`: {e}")))?;
+        let bytes =
+            std::fs::read(path).map_err(|e| LoadError::Io(format!("cannot read `{path}`: {e}")))?;
         String::from_utf8(bytes).map_err(|e| {
             LoadError::Io(format!(
                 "`{path}` is not UTF-8 text (invalid byte at offset {})",
@@ -161,11 +169,15 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
             (p.program, Some(p.spans))
         }
         Format::IrJson => {
-            let p: Program = serde_json::from_str(&text).map_err(|e| LoadError::Parse(json_error(&text, e)))?;
+            let p: Program =
+                serde_json::from_str(&text).map_err(|e| LoadError::Parse(json_error(&text, e)))?;
             validate_pipeline(&p.pipeline).map_err(LoadError::Usage)?;
             (p, None)
         }
-        Format::DualPipe => (dualpipe::parse_trace(&text).map_err(LoadError::Parse)?, None),
+        Format::DualPipe => (
+            dualpipe::parse_trace(&text).map_err(LoadError::Parse)?,
+            None,
+        ),
         Format::TorchCsv => {
             let opts = torch::TorchOptions {
                 microbatches: ov.microbatches,
@@ -206,7 +218,7 @@ fn validate_pipeline(p: &Pipeline) -> Result<(), String> {
     if let Some(r) = p.stage_to_rank.iter().find(|&&r| r >= p.pp) {
         return Err(format!("stage_to_rank names rank {r}, but pp is {}", p.pp));
     }
-    if p.placement == PlacementKind::Bidir && p.stages % 2 != 0 {
+    if p.placement == PlacementKind::Bidir && !p.stages.is_multiple_of(2) {
         return Err("a bidirectional placement needs an even number of stages".into());
     }
     Ok(())
@@ -229,7 +241,9 @@ pub fn apply_overrides(p: &mut Program, ov: &Overrides) -> Result<(), String> {
             n.microbatches = mb;
             n
         }
-        Some(PlacementArg::Kind(k)) => Pipeline::new(pl.pp, pl.stages, mb, *k).map_err(|e| format!("--placement: {e}"))?,
+        Some(PlacementArg::Kind(k)) => {
+            Pipeline::new(pl.pp, pl.stages, mb, *k).map_err(|e| format!("--placement: {e}"))?
+        }
         Some(PlacementArg::Map(m)) => {
             if m.len() as u32 != pl.stages {
                 return Err(format!(

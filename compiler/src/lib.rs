@@ -7,9 +7,9 @@
 
 #![warn(missing_docs)]
 
+pub mod casefile;
 pub mod check;
 pub mod diag;
-pub mod casefile;
 pub mod import;
 pub mod input;
 pub mod passes;

@@ -193,7 +193,10 @@ fn main() -> ExitCode {
             let rep = &out.report;
             match format {
                 OutFormat::Json => {
-                    println!("{}", serde_json::to_string_pretty(rep).expect("report serializes"));
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(rep).expect("report serializes")
+                    );
                 }
                 OutFormat::Human => print_human(&loaded, rep),
             }
@@ -234,9 +237,14 @@ fn main() -> ExitCode {
                         TorchForm::ComputeOnly => TorchFormat::ComputeOnly,
                         TorchForm::ComputeComms => TorchFormat::ComputeComms,
                     };
-                    let prog = if f == TorchFormat::ComputeComms && loaded.program.is_compute_only() {
+                    let prog = if f == TorchFormat::ComputeComms && loaded.program.is_compute_only()
+                    {
                         // Lower first so the communication order is the verified one.
-                        let out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
+                        let out = check::check(
+                            &loaded.program,
+                            loaded.spans.as_ref(),
+                            &Default::default(),
+                        );
                         if out.report.verdict != Verdict::Accepted {
                             eprintln!("error: the schedule does not pass `schedc check`; refusing to export it");
                             return ExitCode::from(1);
@@ -377,7 +385,7 @@ fn grid(p: &schedc_ir::Program) -> String {
     use schedc_ir::Instr;
     let ut = makespan::analyze(p);
     let mut rows: Vec<Vec<(usize, String, usize)>> = Vec::new(); // (start, text, width)
-    // Recompute start times with the same rule as the unit-time pass: program order per rank.
+                                                                 // Recompute start times with the same rule as the unit-time pass: program order per rank.
     let starts = ut.as_ref().map(|_| unit_starts(p));
     for (r, instrs) in p.ranks.iter().enumerate() {
         let mut row = Vec::new();
@@ -463,11 +471,12 @@ fn unit_starts(p: &schedc_ir::Program) -> Vec<Vec<usize>> {
                         return;
                     }
                     let dep = match c.kind {
-                        schedc_ir::Kind::F => pl.prev_stage(c.stage).map(|ps| end_f[(ps * m_n + c.mb) as usize]),
-                        schedc_ir::Kind::B | schedc_ir::Kind::BW => match pl.next_stage(c.stage) {
-                            Some(ns) => Some(end_b[(ns * m_n + c.mb) as usize]),
-                            None => None,
-                        },
+                        schedc_ir::Kind::F => pl
+                            .prev_stage(c.stage)
+                            .map(|ps| end_f[(ps * m_n + c.mb) as usize]),
+                        schedc_ir::Kind::B | schedc_ir::Kind::BW => pl
+                            .next_stage(c.stage)
+                            .map(|ns| end_b[(ns * m_n + c.mb) as usize]),
                         schedc_ir::Kind::W => None,
                     };
                     if let Some(d) = dep {

@@ -125,7 +125,7 @@ impl Pipeline {
         let stage_to_rank = match placement {
             PlacementKind::Loop => (0..stages).map(|s| s % pp).collect(),
             PlacementKind::V => {
-                if stages % pp != 0 {
+                if !stages.is_multiple_of(pp) {
                     return Err(PipelineError::Placement(format!(
                         "V placement needs the number of stages ({stages}) to be a multiple of pp ({pp})"
                     )));
@@ -134,7 +134,7 @@ impl Pipeline {
                     .map(|s| {
                         let round = s / pp;
                         let i = s % pp;
-                        if round % 2 == 0 {
+                        if round.is_multiple_of(2) {
                             i
                         } else {
                             pp - 1 - i
@@ -227,7 +227,7 @@ impl Pipeline {
     #[inline]
     pub fn next_stage(&self, s: Stage) -> Option<Stage> {
         let per = self.stages_per_direction();
-        if (s + 1) % per == 0 {
+        if (s + 1).is_multiple_of(per) {
             None
         } else {
             Some(s + 1)
@@ -239,7 +239,7 @@ impl Pipeline {
     #[inline]
     pub fn prev_stage(&self, s: Stage) -> Option<Stage> {
         let per = self.stages_per_direction();
-        if s % per == 0 {
+        if s.is_multiple_of(per) {
             None
         } else {
             Some(s - 1)
@@ -508,9 +508,10 @@ pub struct Program {
 impl Program {
     /// True if no rank has a send, receive or collective (the input of the lowering pass).
     pub fn is_compute_only(&self) -> bool {
-        self.ranks
-            .iter()
-            .all(|r| r.iter().all(|i| !matches!(i, Instr::Comm(_) | Instr::Group(_))))
+        self.ranks.iter().all(|r| {
+            r.iter()
+                .all(|i| !matches!(i, Instr::Comm(_) | Instr::Group(_)))
+        })
     }
 
     /// Total number of instructions over all ranks (idle slots included).

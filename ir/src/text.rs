@@ -135,7 +135,10 @@ impl<'a> Cur<'a> {
     }
     fn err_here(&self, expected: &str) -> ParseError {
         let found = self.found();
-        let len = self.token_len().max(1).min(self.b.len().saturating_sub(self.pos));
+        let len = self
+            .token_len()
+            .max(1)
+            .min(self.b.len().saturating_sub(self.pos));
         self.err(self.pos, len, format!("expected {expected}, found {found}"))
     }
     fn token_len(&self) -> usize {
@@ -698,7 +701,10 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
                     ),
                 );
                 if indented {
-                    e.help = Some("an indented line continues a rank's list only after a `rank N:` line".into());
+                    e.help = Some(
+                        "an indented line continues a rank's list only after a `rank N:` line"
+                            .into(),
+                    );
                 }
                 return Err(e);
             }
@@ -736,7 +742,8 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
             });
         }
     }
-    let stages_given = stages.is_some() || matches!(&placement, Some((PlacementKind::Explicit, ..)));
+    let stages_given =
+        stages.is_some() || matches!(&placement, Some((PlacementKind::Explicit, ..)));
     let microbatches_given = mbs.is_some();
     let mbs = mbs.unwrap_or(max_m.max(1));
     let (kind, map, p_at, p_end) = placement.unwrap_or((PlacementKind::Loop, Vec::new(), 0, 0));
@@ -833,11 +840,19 @@ pub fn write_compute(out: &mut String, c: &Compute) {
 pub fn write_comm(out: &mut String, m: &Comm) {
     match m {
         Comm::Send { payload, peer } => {
-            let k = if payload.kind == PayloadKind::Act { "SA" } else { "SG" };
+            let k = if payload.kind == PayloadKind::Act {
+                "SA"
+            } else {
+                "SG"
+            };
             let _ = write!(out, "{k}({},{}->{peer})", payload.stage, payload.mb);
         }
         Comm::Recv { payload, peer } => {
-            let k = if payload.kind == PayloadKind::Act { "RA" } else { "RG" };
+            let k = if payload.kind == PayloadKind::Act {
+                "RA"
+            } else {
+                "RG"
+            };
             let _ = write!(out, "{k}({},{}<-{peer})", payload.stage, payload.mb);
         }
         Comm::Collective(col) => {
@@ -879,7 +894,11 @@ pub fn write_instr(out: &mut String, i: &Instr) {
             let _ = write!(out, "RESHARD({s})");
         }
         Instr::WaitSend(p) => {
-            let k = if p.kind == PayloadKind::Act { "WAIT_SA" } else { "WAIT_SG" };
+            let k = if p.kind == PayloadKind::Act {
+                "WAIT_SA"
+            } else {
+                "WAIT_SG"
+            };
             let _ = write!(out, "{k}({},{})", p.stage, p.mb);
         }
         Instr::Idle => out.push('_'),

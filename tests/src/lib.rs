@@ -69,13 +69,17 @@ pub fn random_schedule(rng: &mut Rng, pl: Pipeline) -> Program {
                 let k = (s * m_n + m) as usize;
                 match state[k] {
                     0 => {
-                        let ok = pl.prev_stage(s).is_none_or(|ps| state[(ps * m_n + m) as usize] >= 1);
+                        let ok = pl
+                            .prev_stage(s)
+                            .is_none_or(|ps| state[(ps * m_n + m) as usize] >= 1);
                         if ok {
                             ready.push((Kind::F, s, m));
                         }
                     }
                     1 => {
-                        let ok = pl.next_stage(s).is_none_or(|ns| state[(ns * m_n + m) as usize] >= 2);
+                        let ok = pl
+                            .next_stage(s)
+                            .is_none_or(|ns| state[(ns * m_n + m) as usize] >= 2);
                         if ok {
                             ready.push((if split[k] { Kind::B } else { Kind::BW }, s, m));
                         }
@@ -98,7 +102,10 @@ pub fn random_schedule(rng: &mut Rng, pl: Pipeline) -> Program {
         ranks[pl.rank_of(s) as usize].push(Instr::Compute(Compute::new(kind, s, m)));
         emitted += 1;
     }
-    Program { pipeline: pl, ranks }
+    Program {
+        pipeline: pl,
+        ranks,
+    }
 }
 
 /// The fault kinds of the mutation test, with the diagnostic code each must produce.
@@ -143,7 +150,10 @@ impl Mutation {
     }
     /// True if the mutation applies to the lowered program (with communication).
     pub fn needs_comms(self) -> bool {
-        matches!(self, Mutation::DropRecv | Mutation::SwapRecvs | Mutation::SwapSendPayloads)
+        matches!(
+            self,
+            Mutation::DropRecv | Mutation::SwapRecvs | Mutation::SwapSendPayloads
+        )
     }
 }
 
@@ -175,11 +185,24 @@ pub fn mutate(p: &Program, mu: Mutation, rng: &mut Rng) -> Option<Program> {
             }
         }
         Mutation::BackwardBeforeForward | Mutation::WBeforeB => {
-            let want: &[Kind] = if mu == Mutation::WBeforeB { &[Kind::W] } else { &[Kind::B, Kind::BW] };
-            let sites = positions(p, |ins| matches!(ins, Instr::Compute(c) if want.contains(&c.kind)));
+            let want: &[Kind] = if mu == Mutation::WBeforeB {
+                &[Kind::W]
+            } else {
+                &[Kind::B, Kind::BW]
+            };
+            let sites = positions(
+                p,
+                |ins| matches!(ins, Instr::Compute(c) if want.contains(&c.kind)),
+            );
             let (r, i) = *sites.get(rng.below(sites.len().max(1)))?;
-            let Instr::Compute(c) = q.ranks[r][i] else { unreachable!() };
-            let dep_kind = if mu == Mutation::WBeforeB { Kind::B } else { Kind::F };
+            let Instr::Compute(c) = q.ranks[r][i] else {
+                unreachable!()
+            };
+            let dep_kind = if mu == Mutation::WBeforeB {
+                Kind::B
+            } else {
+                Kind::F
+            };
             let j = q.ranks[r].iter().position(|x| {
                 matches!(x, Instr::Compute(d) if d.kind == dep_kind && d.stage == c.stage && d.mb == c.mb)
             })?;
@@ -207,7 +230,9 @@ pub fn mutate(p: &Program, mu: Mutation, rng: &mut Rng) -> Option<Program> {
                 let peer = q.ranks[r][i].comms()[0].peer();
                 let others: Vec<usize> = sites
                     .iter()
-                    .filter(|&&(r2, i2)| r2 == r && i2 != i && q.ranks[r2][i2].comms()[0].peer() == peer)
+                    .filter(|&&(r2, i2)| {
+                        r2 == r && i2 != i && q.ranks[r2][i2].comms()[0].peer() == peer
+                    })
                     .map(|&(_, i2)| i2)
                     .collect();
                 if others.is_empty() {
@@ -217,8 +242,10 @@ pub fn mutate(p: &Program, mu: Mutation, rng: &mut Rng) -> Option<Program> {
                 if recv {
                     q.ranks[r].swap(i, j);
                 } else {
-                    let (Instr::Comm(Comm::Send { payload: a, .. }), Instr::Comm(Comm::Send { payload: b, .. })) =
-                        (q.ranks[r][i].clone(), q.ranks[r][j].clone())
+                    let (
+                        Instr::Comm(Comm::Send { payload: a, .. }),
+                        Instr::Comm(Comm::Send { payload: b, .. }),
+                    ) = (q.ranks[r][i].clone(), q.ranks[r][j].clone())
                     else {
                         unreachable!()
                     };

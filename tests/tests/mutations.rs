@@ -69,7 +69,9 @@ fn detection_rate_over_ten_thousand_mutants() {
                 continue;
             }
             let base = if mu.needs_comms() { &l } else { &p };
-            let Some(m) = mutate(base, *mu, &mut rng) else { continue };
+            let Some(m) = mutate(base, *mu, &mut rng) else {
+                continue;
+            };
             tried[k] += 1;
             let (v, c) = codes(&m);
             if v == Verdict::Rejected && c.contains(&mu.expected_code()) {
@@ -84,7 +86,10 @@ fn detection_rate_over_ten_thousand_mutants() {
     for (k, mu) in Mutation::ALL.iter().enumerate() {
         println!("{mu:?}: {}/{} detected", caught[k], tried[k]);
     }
-    println!("detection rate: {hit}/{total} = {:.4}", hit as f64 / total as f64);
+    println!(
+        "detection rate: {hit}/{total} = {:.4}",
+        hit as f64 / total as f64
+    );
     assert!(total >= 10_000);
     assert_eq!(hit, total, "missed mutants:\n{}", misses.join("\n"));
 }

@@ -537,7 +537,7 @@ fn parse_rows(src: &str) -> Result<Vec<Vec<(Cell, Span)>>, ParseError> {
 /// action, a missing or too large number, a compound that is not exactly
 /// `(<F>;<B or I>)OVERLAP_F_B`); a stage on two ranks ("stage 3 appears on ranks 0 and 2"), or
 /// on a rank other than the one `opts.stage_to_rank` gives; a stage id below the largest that
-/// never appears; a micro-batch id `>= opts.microbatches`; a send or receive with no
+/// never appears; a send or receive with no
 /// neighbouring stage (`SEND_F` or `RECV_B` on the last stage, `RECV_F` or `SEND_B` on stage
 /// 0); no micro-batch at all. Never panics.
 pub fn parse_csv(src: &str, opts: &TorchOptions) -> Result<TorchImport, ParseError> {
@@ -593,30 +593,8 @@ pub fn parse_csv(src: &str, opts: &TorchOptions) -> Result<TorchImport, ParseErr
                 "the number of micro-batches must be at least 1",
             ))
         }
-        Some(m) => {
-            for row in &rows {
-                for (cell, sp) in row {
-                    let mut bad = None;
-                    cell.for_each_act(|a| {
-                        if a.ty.has_mb() && a.mb >= m && bad.is_none() {
-                            bad = Some(a.mb);
-                        }
-                    });
-                    if let Some(mb) = bad {
-                        return Err(perr_span(
-                            src,
-                            *sp,
-                            format!(
-                                "micro-batch {mb} is out of range: the schedule was given {m} \
-                                 micro-batch{}",
-                                if m == 1 { "" } else { "es" }
-                            ),
-                        ));
-                    }
-                }
-            }
-            m
-        }
+        // Ids >= M are kept: the verifier reports them with their location (`range`).
+        Some(m) => m,
         None => match max_mb {
             None => {
                 return Err(with_help(
@@ -1231,8 +1209,11 @@ mod tests {
             microbatches: Some(2),
             stage_to_rank: None,
         };
-        let e = parse_csv(&src, &o).unwrap_err();
-        assert_eq!((e.line, e.col), (2, 9), "{e}");
+        // The importer keeps the out-of-range id; the verifier reports it (see the
+        // conformance tests).
+        let q = parse_csv(&src, &o).unwrap().program;
+        assert_eq!(q.pipeline.microbatches, 2);
+        assert_eq!(q.ranks[1][2], Instr::Compute(Compute::new(Kind::F, 1, 2)));
     }
 
     #[test]

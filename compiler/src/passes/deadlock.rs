@@ -37,8 +37,11 @@
 //! blocked stream ends in a cycle (`deadlock`, reported with every step) or in an op that
 //! can never complete (`stall`, e.g. a receive without a send).
 
+// Index loops over parallel arrays (ops, groups) read better than zipped iterators here.
+#![allow(clippy::needless_range_loop)]
+
 use super::{Ctx, Pos};
-use crate::diag::{Code, Diagnostic, Loc};
+use crate::diag::{Code, Diagnostic};
 use schedc_ir::text::{instr_to_string, write_comm};
 use schedc_ir::{Comm, Instr, Kind, PayloadKind, Program};
 use std::collections::HashMap;
@@ -252,7 +255,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
         producer: Vec::new(),
     };
     let mut rank_groups: Vec<(u32, u32)> = Vec::with_capacity(np); // range into groups
-    // Compute items: per rank, a list of (instr pos, waits range into `waits`).
+                                                                   // Compute items: per rank, a list of (instr pos, waits range into `waits`).
     let mut items_pos: Vec<Vec<u32>> = Vec::with_capacity(np);
     let mut items_waits: Vec<Vec<(u32, u32)>> = Vec::with_capacity(np);
     let mut waits: Vec<u32> = Vec::new();
@@ -528,16 +531,14 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                             let l = label(id);
                             match ref_label {
                                 None => ref_label = Some(l),
-                                Some(rl) if rl != l => {
-                                    if reported.insert(m) {
-                                        errs.push(CommError::CollectiveOrder {
+                                Some(rl) if rl != l && reported.insert(m) => {
+                                    errs.push(CommError::CollectiveOrder {
                                             at: Pos { rank: m, pos: ops.pos[id as usize] },
                                             why: format!(
                                                 "collective #{k} on communicator `{name}` is `{l}` on rank {m} but `{rl}` on rank {}: members must issue the same sequence",
                                                 members[0]
                                             ),
                                         });
-                                    }
                                 }
                                 _ => {}
                             }
@@ -547,7 +548,10 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                             if reported.insert(m) {
                                 let at = set
                                     .first()
-                                    .map(|&id| Pos { rank: ops.rank[id as usize], pos: ops.pos[id as usize] })
+                                    .map(|&id| Pos {
+                                        rank: ops.rank[id as usize],
+                                        pos: ops.pos[id as usize],
+                                    })
                                     .unwrap_or(Pos { rank: m, pos: 0 });
                                 errs.push(CommError::CollectiveOrder {
                                     at,
@@ -581,7 +585,11 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
         x
     }
     // reqs for non-rendezvous: list of groups that must be posted.
-    let mut reqs: Vec<Vec<u32>> = if rendezvous { Vec::new() } else { vec![Vec::new(); ng] };
+    let mut reqs: Vec<Vec<u32>> = if rendezvous {
+        Vec::new()
+    } else {
+        vec![Vec::new(); ng]
+    };
     for id in 0..comm_ref.len() {
         let g = ops.group[id];
         let part = ops.partner[id];
@@ -592,7 +600,10 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                     if part == NONE {
                         never[g as usize] = true;
                     } else {
-                        let (a, b) = (find(&mut parent, g), find(&mut parent, ops.group[part as usize]));
+                        let (a, b) = (
+                            find(&mut parent, g),
+                            find(&mut parent, ops.group[part as usize]),
+                        );
                         if a != b {
                             parent[a as usize] = b;
                         }
@@ -615,7 +626,10 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 if part == NONE {
                     never[g as usize] = true;
                 } else if rendezvous {
-                    let (a, b) = (find(&mut parent, g), find(&mut parent, ops.group[part as usize]));
+                    let (a, b) = (
+                        find(&mut parent, g),
+                        find(&mut parent, ops.group[part as usize]),
+                    );
                     if a != b {
                         parent[a as usize] = b;
                     }
@@ -674,7 +688,11 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
             fill[r] += 1;
         }
     }
-    let mut rev_reqs: Vec<Vec<u32>> = if rendezvous { Vec::new() } else { vec![Vec::new(); ng] };
+    let mut rev_reqs: Vec<Vec<u32>> = if rendezvous {
+        Vec::new()
+    } else {
+        vec![Vec::new(); ng]
+    };
     if !rendezvous {
         for g in 0..ng {
             for &h in &reqs[g] {
@@ -725,7 +743,9 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                         let root = comp_root[g] as usize;
                         posted_cnt[root] += 1;
                         if posted_cnt[root] == comp_size[root] && !comp_never[root] {
-                            for &h in &comp_members[comp_start[root] as usize..comp_start[root + 1] as usize] {
+                            for &h in &comp_members
+                                [comp_start[root] as usize..comp_start[root + 1] as usize]
+                            {
                                 complete[h as usize] = true;
                                 let hr = groups.rank[h as usize] as usize;
                                 if hr != r && !in_work[hr] {
@@ -740,7 +760,11 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                         to_check.extend_from_slice(&rev_reqs[g]);
                         for h in to_check {
                             let h = h as usize;
-                            if posted[h] && !complete[h] && !never[h] && reqs[h].iter().all(|&x| posted[x as usize]) {
+                            if posted[h]
+                                && !complete[h]
+                                && !never[h]
+                                && reqs[h].iter().all(|&x| posted[x as usize])
+                            {
                                 complete[h] = true;
                                 let hr = groups.rank[h] as usize;
                                 if hr != r && !in_work[hr] {
@@ -779,9 +803,9 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
         pos: groups.pos[g],
     };
     let instr_txt = |pos: Pos| instr_to_string(&p.ranks[pos.rank as usize][pos.pos as usize]);
-    let mut step_of = |node: usize, parent: &mut Vec<u32>| -> (WaitStep, Option<usize>) {
+    let step_of = |node: usize, parent: &mut Vec<u32>| -> (WaitStep, Option<usize>) {
         let r = node / 2;
-        if node % 2 == 0 {
+        if node.is_multiple_of(2) {
             let it = cpos[r] as usize;
             let at = Pos {
                 rank: r as u32,
@@ -845,7 +869,8 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 let root = find(parent, g as u32) as usize;
                 let _ = root;
                 let root = comp_root[g] as usize;
-                let members = &comp_members[comp_start[root] as usize..comp_start[root + 1] as usize];
+                let members =
+                    &comp_members[comp_start[root] as usize..comp_start[root + 1] as usize];
                 // A member queued behind this group on its own stream blocks it for good.
                 need = members
                     .iter()
@@ -853,7 +878,11 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                     .find(|&h| !posted[h] && groups.rank[h] as usize == r)
                     .or_else(|| members.iter().map(|&h| h as usize).find(|&h| !posted[h]));
             } else {
-                need = reqs[g].iter().map(|&h| h as usize).find(|&h| !posted[h]).or(need);
+                need = reqs[g]
+                    .iter()
+                    .map(|&h| h as usize)
+                    .find(|&h| !posted[h])
+                    .or(need);
             }
             match need {
                 Some(h) => {

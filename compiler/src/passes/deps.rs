@@ -109,7 +109,8 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                 if let Some(ps) = pl.prev_stage(s) {
                     let fp = idx.get(Kind::F, ps, m).expect("in range");
                     if pl.rank_of(ps) == r_s {
-                        if fp.present() && f.first.rank == fp.last.rank && !before(fp.last, f.first) {
+                        if fp.present() && f.first.rank == fp.last.rank && !before(fp.last, f.first)
+                        {
                             errs.push(DepError::Order {
                                 at: f.first,
                                 dep: fp.last,
@@ -206,7 +207,8 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
             }
             let b = idx.get(Kind::B, s, m).expect("in range");
             let w = idx.get(Kind::W, s, m).expect("in range");
-            if b.present() && w.present() && w.first.rank == b.last.rank && !before(b.last, w.first) {
+            if b.present() && w.present() && w.first.rank == b.last.rank && !before(b.last, w.first)
+            {
                 errs.push(DepError::Order {
                     at: w.first,
                     dep: b.last,
@@ -303,14 +305,14 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                         }
                     }
                 }
-                Instr::WaitSend(pl_) => {
-                    if !sent.contains_key(pl_) {
-                        errs.push(DepError::Order {
-                            at,
-                            dep: Pos::NONE,
-                            why: "this waits for a send that has not been issued before it on this rank".into(),
-                        });
-                    }
+                Instr::WaitSend(pl_) if !sent.contains_key(pl_) => {
+                    errs.push(DepError::Order {
+                        at,
+                        dep: Pos::NONE,
+                        why:
+                            "this waits for a send that has not been issued before it on this rank"
+                                .into(),
+                    });
                 }
                 _ => {}
             }

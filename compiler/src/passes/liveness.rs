@@ -49,7 +49,9 @@ impl OverBudget {
             ),
         )
         .at(cx.loc(self.at.rank as usize, self.at.pos as usize))
-        .with_help("run backwards (or W) earlier, or lower the warmup, to release activations sooner")
+        .with_help(
+            "run backwards (or W) earlier, or lower the warmup, to release activations sooner",
+        )
     }
 }
 

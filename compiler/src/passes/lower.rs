@@ -197,15 +197,17 @@ pub fn lower(p: &Program) -> Result<Program, LowerError> {
             };
             // Does the producer rank still have that op ahead of it?
             let has_ahead = producer_rank < np
-                && p.ranks[producer_rank][ptr[producer_rank]..].iter().any(|i| {
-                    let mut hit = false;
-                    i.for_each_compute(|c| {
-                        if c.stage == s && c.mb == m && produce_of(c) == Some(kind) {
-                            hit = true;
-                        }
+                && p.ranks[producer_rank][ptr[producer_rank]..]
+                    .iter()
+                    .any(|i| {
+                        let mut hit = false;
+                        i.for_each_compute(|c| {
+                            if c.stage == s && c.mb == m && produce_of(c) == Some(kind) {
+                                hit = true;
+                            }
+                        });
+                        hit
                     });
-                    hit
-                });
             (
                 LowerWait {
                     at: Pos {

@@ -96,7 +96,7 @@ impl WfError {
                 limit,
             } => Diagnostic::error(
                 Code::Range,
-                format!("{what} {value} is out of range: there are {limit} ({what}s 0..{limit})"),
+                format!("{what} {value} is out of range 0..{limit}"),
             )
             .at(loc(at)),
             WfError::WrongRank { at, stage, holder } => Diagnostic::error(
@@ -133,7 +133,12 @@ impl WfError {
                 if let Some(p) = near {
                     d = d.at(loc(p));
                 } else {
-                    d.rank = cx.program.pipeline.stage_to_rank.get(*stage as usize).copied();
+                    d.rank = cx
+                        .program
+                        .pipeline
+                        .stage_to_rank
+                        .get(*stage as usize)
+                        .copied();
                 }
                 d
             }
@@ -277,7 +282,11 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                     if pl_.stage >= s_n || pl_.mb >= m_n {
                         errs.push(WfError::Range {
                             at,
-                            what: if pl_.stage >= s_n { "stage" } else { "micro-batch" },
+                            what: if pl_.stage >= s_n {
+                                "stage"
+                            } else {
+                                "micro-batch"
+                            },
                             value: if pl_.stage >= s_n { pl_.stage } else { pl_.mb },
                             limit: if pl_.stage >= s_n { s_n } else { m_n },
                         });
@@ -478,13 +487,19 @@ fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
         Comm::Collective(c) => match pl.communicators.iter().find(|g| g.name == c.comm) {
             None => errs.push(WfError::Collective {
                 at,
-                why: format!("unknown communicator `{}` (declare it with `group {} <ranks>`)", c.comm, c.comm),
+                why: format!(
+                    "unknown communicator `{}` (declare it with `group {} <ranks>`)",
+                    c.comm, c.comm
+                ),
             }),
             Some(g) => {
                 if !g.ranks.contains(&at.rank) {
                     errs.push(WfError::Collective {
                         at,
-                        why: format!("rank {} is not a member of communicator `{}`", at.rank, c.comm),
+                        why: format!(
+                            "rank {} is not a member of communicator `{}`",
+                            at.rank, c.comm
+                        ),
                     });
                 }
             }
