@@ -1439,9 +1439,8 @@ mod tests {
         let e = parse_csv("0F0\n1F0\n", &o).unwrap_err();
         assert_eq!((e.line, e.col), (1, 1));
         assert!(e.message.contains("stage 0 is on rank 1"), "{}", e.message);
-        let e = parse_csv("1F0\n0F4\n", &o).unwrap_err();
-        assert_eq!((e.line, e.col, e.len), (2, 1, 3));
-        assert!(e.message.contains("micro-batch 4"), "{}", e.message);
+        // Out-of-range ids are left to the verifier, which reports them with their span.
+        assert!(parse_csv("1F0\n0F4\n", &o).is_ok());
         let o = TorchOptions {
             microbatches: None,
             stage_to_rank: Some(vec![0, 2]),
