@@ -44,6 +44,8 @@ pub enum Code {
     CollectiveOrder,
     /// An `expect` line of a spec or case that does not hold.
     Expectation,
+    /// Input that does not parse (exit status 2, not a verdict).
+    Syntax,
 }
 
 impl Code {
@@ -62,11 +64,12 @@ impl Code {
             Code::Memory => "memory",
             Code::CollectiveOrder => "collective-order",
             Code::Expectation => "expectation",
+            Code::Syntax => "syntax",
         }
     }
 
     /// Every code, for listings.
-    pub const ALL: [Code; 12] = [
+    pub const ALL: [Code; 13] = [
         Code::Deadlock,
         Code::Stall,
         Code::LabelMismatch,
@@ -79,6 +82,7 @@ impl Code {
         Code::Memory,
         Code::CollectiveOrder,
         Code::Expectation,
+        Code::Syntax,
     ];
 }
 
@@ -308,4 +312,17 @@ pub fn render_color(diag: &Diagnostic, src: Option<(&str, &str)>, color: bool) -
     let mut out = String::new();
     let _ = handler.render_report(&mut out, &r);
     out
+}
+
+/// A diagnostic for a syntax error of an importer, spanning the offending text.
+pub fn syntax(e: &schedc_ir::text::ParseError) -> Diagnostic {
+    let mut d = Diagnostic::error(Code::Syntax, e.message.clone());
+    d.span = Some(Span {
+        start: e.offset as u32,
+        len: e.len as u32,
+    });
+    if let Some(h) = &e.help {
+        d = d.with_help(h.clone());
+    }
+    d
 }

@@ -84,7 +84,8 @@ enum Cmd {
         /// Sends complete as soon as they are posted (unbounded buffering).
         #[arg(long)]
         eager_sends: bool,
-        /// Treat every op of a group as its own group.
+        /// A group's ops complete one by one, each once its partner is posted, instead of the
+        /// group completing as a unit together with every group matched to it.
         #[arg(long)]
         per_op_groups: bool,
     },
@@ -131,21 +132,11 @@ fn read_source(name: &str) -> Option<String> {
 }
 
 fn render_parse_error(p: &ParseError, name: &str) -> String {
-    let mut d = diag::Diagnostic::error(diag::Code::Range, p.message.clone());
-    d.span = Some(schedc_ir::text::Span {
-        start: p.offset as u32,
-        len: p.len as u32,
-    });
-    if let Some(h) = &p.help {
-        d = d.with_help(h.clone());
-    }
-    let src = read_source(name);
+    let d = diag::syntax(p);
     let head = format!("error: {name}:{}:{}: {}\n", p.line, p.col, p.message);
-    match src {
+    match read_source(name) {
         Some(s) if p.offset <= s.len() => {
-            // Render the excerpt with miette, replacing its generic code.
             let body = diag::render_color(&d, Some((name, &s)), std::io::stderr().is_terminal());
-            let body = body.replace("schedc::range", "schedc::syntax");
             format!("{head}{body}")
         }
         _ => head,
@@ -198,7 +189,7 @@ fn main() -> ExitCode {
                         serde_json::to_string_pretty(rep).expect("report serializes")
                     );
                 }
-                OutFormat::Human => print_human(&loaded, rep),
+                OutFormat::Human => emit(&print_human(&loaded, rep)),
             }
             if rep.verdict == Verdict::Accepted {
                 ExitCode::SUCCESS
@@ -211,7 +202,7 @@ fn main() -> ExitCode {
                 Ok(l) => l,
                 Err(c) => return c,
             };
-            print!("{}", grid(&loaded.program));
+            emit(&grid(&loaded.program));
             ExitCode::SUCCESS
         }
         Cmd::Convert {
@@ -264,7 +255,7 @@ fn main() -> ExitCode {
             };
             match output {
                 None => {
-                    let _ = std::io::stdout().write_all(text.as_bytes());
+                    emit(&text);
                 }
                 Some(path) => {
                     if !force && std::path::Path::new(&path).exists() {
@@ -280,21 +271,24 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Cmd::Test { files } => {
+            use std::fmt::Write as _;
+            let mut o = String::new();
             let (mut pass, mut fail) = (0, 0);
             for f in &files {
                 let r = schedc::casefile::run_case(f);
                 if r.passed {
                     pass += 1;
-                    println!("PASS {f}");
+                    let _ = writeln!(o, "PASS {f}");
                 } else {
                     fail += 1;
-                    println!("FAIL {f}");
+                    let _ = writeln!(o, "FAIL {f}");
                     for d in &r.differences {
-                        println!("    {d}");
+                        let _ = writeln!(o, "    {d}");
                     }
                 }
             }
-            println!("{pass} passed, {fail} failed");
+            let _ = writeln!(o, "{pass} passed, {fail} failed");
+            emit(&o);
             if fail == 0 {
                 ExitCode::SUCCESS
             } else {
@@ -304,14 +298,17 @@ fn main() -> ExitCode {
     }
 }
 
-fn print_human(loaded: &Loaded, rep: &check::Report) {
+fn print_human(loaded: &Loaded, rep: &check::Report) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
     let color = std::io::stdout().is_terminal();
     let verdict = match rep.verdict {
         Verdict::Accepted => "accepted",
         Verdict::Rejected => "rejected",
     };
     let p = &loaded.program;
-    println!(
+    let _ =
+        writeln!(o,
         "{}: {verdict} — pp {}, {} stages ({:?} placement), {} micro-batches{}, {} compute ops{}",
         loaded.name,
         rep.pp,
@@ -334,18 +331,21 @@ fn print_human(loaded: &Loaded, rep: &check::Report) {
         }
     );
     if let Some(m) = rep.makespan {
-        println!(
+        let _ = writeln!(
+            o,
             "unit-time makespan {m} (F=B=W=1, BW=2), bubble {:.1}%",
             100.0 * rep.bubble.unwrap_or(0.0)
         );
     }
-    println!();
-    println!(
+    o.push('\n');
+    let _ = writeln!(
+        o,
         "{:>5} {:>8} {:>7} {:>7} {:>9} {:>10} {:>9} {:>8}",
         "rank", "compute", "comm", "warmup", "steady", "cooldown", "peak_act", "idle"
     );
     for r in &rep.ranks {
-        println!(
+        let _ = writeln!(
+            o,
             "{:>5} {:>8} {:>7} {:>7} {:>9} {:>10} {:>9} {:>8}",
             r.rank,
             r.ops,
@@ -360,24 +360,26 @@ fn print_human(loaded: &Loaded, rep: &check::Report) {
     let errors = rep.diagnostics.iter().filter(|d| d.is_error()).count();
     let shown = 20;
     if !rep.diagnostics.is_empty() {
-        println!();
+        o.push('\n');
     }
     let src = loaded
         .spans
         .as_ref()
         .map(|_| (loaded.name.as_str(), loaded.text.as_str()));
     for d in rep.diagnostics.iter().take(shown) {
-        print!("{}", diag::render_color(d, src, color));
+        let _ = write!(o, "{}", diag::render_color(d, src, color));
     }
     if rep.diagnostics.len() > shown {
-        println!(
+        let _ = writeln!(
+            o,
             "... and {} more (use --format json for all)",
             rep.diagnostics.len() - shown
         );
     }
     if errors > 0 {
-        println!("{errors} error(s)");
+        let _ = writeln!(o, "{errors} error(s)");
     }
+    o
 }
 
 /// The rank-by-step grid with unit-time spacing.
@@ -510,4 +512,11 @@ fn unit_starts(p: &schedc_ir::Program) -> Vec<Vec<usize>> {
         }
     }
     starts
+}
+
+/// Writes to standard output; a closed pipe (`schedc ... | head`) is not an error.
+fn emit(s: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(s.as_bytes());
+    let _ = out.flush();
 }

@@ -24,9 +24,10 @@
 //! passing with any amount of buffering.
 //!
 //! [`Semantics`] relaxes one rule at a time: `eager` sends (a send completes as soon as it is
-//! posted, a group once its receives' partners are posted), `per_op_groups` (every group is
-//! split into lone ops), `buffer_slots = K` (the k-th send on a pair completes once receive
-//! k-K is posted).
+//! posted, a group once its receives' partners are posted), `per_op_groups` (a group is still
+//! posted at once, but each of its ops completes on its own as soon as its partner is posted,
+//! rather than the group completing as a unit with everything matched to it),
+//! `buffer_slots = K` (the k-th send on a pair completes once receive k-K is posted).
 //!
 //! ## Algorithm
 //!
@@ -51,7 +52,8 @@ use std::collections::HashMap;
 pub struct Semantics {
     /// Sends complete once posted (unbounded buffering).
     pub eager: bool,
-    /// Split every group into lone ops.
+    /// Each op of a group completes on its own once its partner is posted (the group is
+    /// still posted at once).
     pub per_op_groups: bool,
     /// K buffer slots per ordered rank pair (`None`: rendezvous unless `eager`).
     pub buffer_slots: Option<u32>,
@@ -295,13 +297,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 groups.ops.push((start, start + members.len() as u32));
                 groups.producer.push(NONE);
             };
-            if sem.per_op_groups {
-                for m in cs {
-                    push_group(std::slice::from_ref(m), &mut ops, &mut comm_ref);
-                }
-            } else {
-                push_group(cs, &mut ops, &mut comm_ref);
-            }
+            push_group(cs, &mut ops, &mut comm_ref);
             for m in cs {
                 let id = comm_ref.len() as u32;
                 comm_ref.push(m);
@@ -572,7 +568,15 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
 
     // ---- Group requirements. ----
     let ng = groups.rank.len();
-    let rendezvous = !sem.eager && sem.buffer_slots.is_none();
+    let rendezvous = !sem.eager && sem.buffer_slots.is_none() && !sem.per_op_groups;
+    // Outside rendezvous mode, each send/receive completes on its own once the group named
+    // here is posted (NONE: at once; NEVER: never).
+    const NEVER: u32 = u32::MAX - 1;
+    let mut op_req: Vec<u32> = if rendezvous {
+        Vec::new()
+    } else {
+        vec![NONE; comm_ref.len()]
+    };
     // never[g]: some op of g has no partner it must wait for.
     let mut never = vec![false; ng];
     // Union-find for rendezvous components.
@@ -608,23 +612,40 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                             parent[a as usize] = b;
                         }
                     }
-                } else if !sem.eager {
-                    let k = sem.buffer_slots.unwrap_or(0);
+                } else if sem.eager {
+                    // Buffered: completes once posted.
+                } else if let Some(k) = sem.buffer_slots {
                     let ix = ops.chan_ix[id];
                     if ix >= k {
                         // needs receive ix-k on this channel to be posted
                         let (src, dst) = (ops.rank[id], comm_ref[id].peer().unwrap_or(0));
                         let recvs = &chans[&(src, dst)].1;
                         match recvs.get((ix - k) as usize) {
-                            Some(&rid) => reqs[g as usize].push(ops.group[rid as usize]),
-                            None => never[g as usize] = true,
+                            Some(&rid) => {
+                                reqs[g as usize].push(ops.group[rid as usize]);
+                                op_req[id] = ops.group[rid as usize];
+                            }
+                            None => {
+                                never[g as usize] = true;
+                                op_req[id] = NEVER;
+                            }
                         }
                     }
+                } else if part == NONE {
+                    // Per-op completion, rendezvous per op.
+                    never[g as usize] = true;
+                    op_req[id] = NEVER;
+                } else {
+                    reqs[g as usize].push(ops.group[part as usize]);
+                    op_req[id] = ops.group[part as usize];
                 }
             }
             1 => {
                 if part == NONE {
                     never[g as usize] = true;
+                    if !rendezvous {
+                        op_req[id] = NEVER;
+                    }
                 } else if rendezvous {
                     let (a, b) = (
                         find(&mut parent, g),
@@ -635,6 +656,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                     }
                 } else {
                     reqs[g as usize].push(ops.group[part as usize]);
+                    op_req[id] = ops.group[part as usize];
                 }
             }
             _ => {}
@@ -710,6 +732,20 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
     let mut in_work = vec![true; np];
     let mut work: Vec<u32> = (0..np as u32).rev().collect();
 
+    let op_done = |id: u32, posted: &[bool], complete: &[bool]| -> bool {
+        let g = ops.group[id as usize] as usize;
+        if rendezvous {
+            return complete[g];
+        }
+        if !posted[g] {
+            return false;
+        }
+        match op_req[id as usize] {
+            NONE => true,
+            NEVER => false,
+            h => posted[h as usize],
+        }
+    };
     while let Some(r) = work.pop() {
         let r = r as usize;
         in_work[r] = false;
@@ -721,7 +757,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 let (a, b) = items[cpos[r] as usize];
                 let ready = waits[a as usize..b as usize]
                     .iter()
-                    .all(|&id| complete[ops.group[id as usize] as usize]);
+                    .all(|&id| op_done(id, &posted, &complete));
                 if !ready {
                     break;
                 }
@@ -773,8 +809,15 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                                 }
                             }
                         }
-                        // Posting g may let partners' groups (which list g) complete: done above.
-                        // Also wake ranks of groups that list g but are not yet posted: not needed.
+                        // Ops that wait on g (receives whose partner is in g) may be done
+                        // now even if their group is not: wake their ranks' compute streams.
+                        for &h in &rev_reqs[g] {
+                            let hr = groups.rank[h as usize] as usize;
+                            if hr != r && !in_work[hr] {
+                                in_work[hr] = true;
+                                work.push(hr as u32);
+                            }
+                        }
                     }
                 }
                 if complete[g] {
@@ -815,7 +858,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
             let id = waits[a as usize..b as usize]
                 .iter()
                 .copied()
-                .find(|&id| !complete[ops.group[id as usize] as usize])
+                .find(|&id| !op_done(id, &posted, &complete))
                 .expect("blocked item has an incomplete wait");
             let g = ops.group[id as usize] as usize;
             let head = gpos[r] as usize;

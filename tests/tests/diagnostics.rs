@@ -1,0 +1,142 @@
+//! insta snapshots of the human rendering of each error kind (rustc-style, with the source
+//! excerpt), so a change in wording or location shows up in review.
+
+use schedc::check::{check, Options};
+use schedc::diag::{render, Code};
+use schedc_ir::text::parse;
+
+/// Checks `src` and renders every error of kind `code`.
+fn rendered(name: &str, src: &str, code: Code, opts: &Options) -> String {
+    let p = parse(src).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let out = check(&p.program, Some(&p.spans), opts);
+    let ds: Vec<_> = out
+        .report
+        .diagnostics
+        .iter()
+        .filter(|d| d.code == code)
+        .collect();
+    assert!(
+        !ds.is_empty(),
+        "{name}: no `{}` diagnostic; got {:?}",
+        code.as_str(),
+        out.report.diagnostics
+    );
+    ds.iter()
+        .map(|d| render(d, Some((name, src)), 100))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn snap(name: &str, src: &str, code: Code) -> String {
+    rendered(name, src, code, &Options::default())
+}
+
+#[test]
+fn deadlock() {
+    let src = "pp 2\nstages 2\nmicrobatches 2\nplacement loop\n\
+rank 0: F(0,0) SA(0,0->1) F(0,1) SA(0,1->1) RG(1,0<-1) BW(0,0) RG(1,1<-1) BW(0,1)\n\
+rank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0) RA(0,1<-0) F(1,1) BW(1,1) SG(1,1->0)\n";
+    insta::assert_snapshot!(snap("naive-1f1b.ir", src, Code::Deadlock));
+}
+
+#[test]
+fn deadlock_in_compute_order() {
+    // Rank 0 runs F(0,1) only after BW(0,0); rank 1 wants F(1,1) before BW(1,0): no execution.
+    let src = "pp 2\nstages 2\nmicrobatches 2\nplacement loop\n\
+rank 0: F(0,0) BW(0,0) F(0,1) BW(0,1)\n\
+rank 1: F(1,0) F(1,1) BW(1,0) BW(1,1)\n";
+    insta::assert_snapshot!(snap("cycle.ir", src, Code::Deadlock));
+}
+
+#[test]
+fn stall() {
+    let src = "pp 2\nstages 2\nmicrobatches 1\nplacement loop\n\
+rank 0: F(0,0) SA(0,0->1) RG(1,0<-1) RG(1,0<-1) BW(0,0)\n\
+rank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n";
+    insta::assert_snapshot!(snap("extra-recv.ir", src, Code::Stall));
+}
+
+#[test]
+fn label_mismatch() {
+    let src = "pp 2\nstages 2\nmicrobatches 2\nplacement loop\n\
+rank 0: F(0,0) F(0,1) SA(0,1->1) SA(0,0->1) RG(1,0<-1) BW(0,0) RG(1,1<-1) BW(0,1)\n\
+rank 1: RA(0,0<-0) RA(0,1<-0) F(1,0) BW(1,0) SG(1,0->0) F(1,1) BW(1,1) SG(1,1->0)\n";
+    insta::assert_snapshot!(snap("swapped-sends.ir", src, Code::LabelMismatch));
+}
+
+#[test]
+fn unmatched() {
+    let src = "pp 2\nstages 2\nmicrobatches 1\nplacement loop\n\
+rank 0: F(0,0) SA(0,0->1) BW(0,0)\n\
+rank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n";
+    insta::assert_snapshot!(snap("no-grad-recv.ir", src, Code::Unmatched));
+}
+
+#[test]
+fn missing_op() {
+    let src = "pp 1\nstages 1\nmicrobatches 2\nplacement loop\nrank 0: F(0,0) F(0,1) B(0,0) W(0,0) B(0,1)\n";
+    insta::assert_snapshot!(snap("missing-w.ir", src, Code::MissingOp));
+}
+
+#[test]
+fn duplicate_op() {
+    let src = "pp 1\nstages 1\nmicrobatches 1\nplacement loop\nrank 0: F(0,0) F(0,0) BW(0,0)\n";
+    insta::assert_snapshot!(snap("dup.ir", src, Code::DuplicateOp));
+}
+
+#[test]
+fn order() {
+    let src = "pp 1\nstages 1\nmicrobatches 1\nplacement loop\nrank 0: F(0,0) W(0,0) B(0,0)\n";
+    insta::assert_snapshot!(snap("w-before-b.ir", src, Code::Order));
+}
+
+#[test]
+fn order_moe_parts() {
+    let src = "pp 1\nstages 1\nmicrobatches 1\nplacement loop\nrank 0: F(0,0).attn F(0,0).mlp F(0,0).dispatch F(0,0).combine BW(0,0)\n";
+    insta::assert_snapshot!(snap("moe.ir", src, Code::Order));
+}
+
+#[test]
+fn placement() {
+    let src = "pp 2\nstages 2\nmicrobatches 1\nplacement loop\nrank 0: F(0,0) F(1,0) BW(1,0) BW(0,0)\nrank 1:\n";
+    insta::assert_snapshot!(snap("wrong-rank.ir", src, Code::Placement));
+}
+
+#[test]
+fn range() {
+    let src = "pp 1\nstages 1\nmicrobatches 1\nplacement loop\nrank 0: F(0,0) F(0,1) BW(0,0)\n";
+    insta::assert_snapshot!(snap("mb-range.ir", src, Code::Range));
+}
+
+#[test]
+fn memory() {
+    let src = "pp 1\nstages 1\nmicrobatches 3\nplacement loop\nbudget activations 2\nrank 0: F(0,0) F(0,1) F(0,2) BW(0,0) BW(0,1) BW(0,2)\n";
+    let p = parse(src).unwrap();
+    let opts = Options {
+        max_activations: p.budget_activations,
+        ..Default::default()
+    };
+    insta::assert_snapshot!(rendered("gpipe.ir", src, Code::Memory, &opts));
+}
+
+#[test]
+fn collective_order() {
+    let src = "pp 2\nstages 2\nmicrobatches 1\nplacement loop\ngroup ep 0 1\n\
+rank 0: F(0,0) SA(0,0->1) A2A(ep,a) A2A(ep,b) RG(1,0<-1) BW(0,0)\n\
+rank 1: RA(0,0<-0) F(1,0) A2A(ep,b) A2A(ep,a) BW(1,0) SG(1,0->0)\n";
+    insta::assert_snapshot!(snap("a2a.ir", src, Code::CollectiveOrder));
+}
+
+#[test]
+fn syntax_error() {
+    let src = "pp 2\nrank 0: F(0,0) I(0,0)\n";
+    let e = parse(src).unwrap_err();
+    let d = schedc::diag::syntax(&e);
+    insta::assert_snapshot!(format!(
+        "{}:{}: {}\n{}",
+        e.line,
+        e.col,
+        e.message,
+        render(&d, Some(("torch-letters.ir", src)), 100)
+    ));
+}
