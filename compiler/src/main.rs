@@ -428,6 +428,8 @@ fn grid(p: &schedc_ir::Program) -> String {
     for s in 0..steps {
         out.push_str(&format!("{:<cellw$} ", s));
     }
+    let trimmed = out.trim_end().len();
+    out.truncate(trimmed);
     out.push('\n');
     for (r, row) in rows.iter().enumerate() {
         let mut line = format!("{:>7} ", format!("rank {r}"));

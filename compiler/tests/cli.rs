@@ -1,0 +1,257 @@
+//! The `schedc` binary end to end: exit statuses, output formats, conversions.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn schedc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_schedc"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("runs")
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("schedc-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+const ZB: &str = "tests/data/torch/ScheduleInterleavedZeroBubble_P4_M8_V2.compute.csv";
+
+#[test]
+fn check_exit_statuses() {
+    assert_eq!(schedc(&["check", ZB]).status.code(), Some(0));
+    assert_eq!(
+        schedc(&["check", "tests/cases/a2a-order-mismatch.case"])
+            .status
+            .code(),
+        Some(1)
+    );
+    let missing = schedc(&["check", "tests/data/no-such-file.csv"]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("cannot read"));
+    assert_eq!(schedc(&["check"]).status.code(), Some(2));
+    assert_eq!(schedc(&["frobnicate"]).status.code(), Some(2));
+}
+
+#[test]
+fn syntax_error_has_location_and_exit_2() {
+    let d = tmpdir("syntax");
+    let f = d.join("bad.ir");
+    std::fs::write(&f, "pp 2\nrank 0: F(0,0) I(0,0)\n").unwrap();
+    let out = schedc(&["check", f.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.ir:2:16: unknown op `I`"), "{err}");
+    assert!(err.contains("torch's `I`"), "{err}");
+}
+
+#[test]
+fn json_report_has_the_documented_fields() {
+    let out = schedc(&["check", ZB, "--format", "json"]);
+    assert_eq!(out.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["verdict"], "accepted");
+    assert_eq!(v["pp"], 4);
+    assert_eq!(v["stages"], 8);
+    assert_eq!(v["microbatches"], 8);
+    let ranks = v["ranks"].as_array().unwrap();
+    let warm: Vec<u64> = ranks
+        .iter()
+        .map(|r| r["warmup"].as_u64().unwrap())
+        .collect();
+    let peak: Vec<u64> = ranks
+        .iter()
+        .map(|r| r["peak_activations"].as_u64().unwrap())
+        .collect();
+    // torch 2.15's own figures for this config (shared/reference/torch/expected.json).
+    assert_eq!(warm, vec![8, 7, 6, 5]);
+    assert_eq!(peak, vec![8, 8, 8, 8]);
+    for r in ranks {
+        for k in ["rank", "ops", "idle"] {
+            assert!(r.get(k).is_some(), "missing {k}");
+        }
+    }
+    assert!(v["diagnostics"].as_array().unwrap().is_empty());
+
+    let out = schedc(&[
+        "check",
+        "tests/cases/a2a-order-mismatch.case",
+        "--format",
+        "json",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["verdict"], "rejected");
+    let d = &v["diagnostics"][0];
+    assert_eq!(d["severity"], "error");
+    assert_eq!(d["code"], "collective-order");
+    assert_eq!(d["rank"], 1);
+    assert_eq!(d["position"], 2);
+}
+
+#[test]
+fn torch_csv_round_trips_byte_for_byte_through_the_ir() {
+    let d = tmpdir("roundtrip");
+    for f in [
+        ZB,
+        "tests/data/torch/ScheduleDualPipeV_P4_M8_V2.compute.csv",
+    ] {
+        let ir = d.join("x.ir");
+        let json = d.join("x.json");
+        let back = d.join("back.csv");
+        for p in [&ir, &json, &back] {
+            let _ = std::fs::remove_file(p);
+        }
+        let run = |args: &[&str]| {
+            let r = schedc(args);
+            assert!(
+                r.status.success(),
+                "{args:?}: {}",
+                String::from_utf8_lossy(&r.stderr)
+            );
+        };
+        run(&["convert", f, "--to", "ir-text", "-o", ir.to_str().unwrap()]);
+        run(&[
+            "convert",
+            ir.to_str().unwrap(),
+            "--to",
+            "ir-json",
+            "-o",
+            json.to_str().unwrap(),
+        ]);
+        run(&[
+            "convert",
+            json.to_str().unwrap(),
+            "--to",
+            "torch-csv",
+            "-o",
+            back.to_str().unwrap(),
+        ]);
+        let a = std::fs::read(root().join(f)).unwrap();
+        let b = std::fs::read(&back).unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&a),
+            String::from_utf8_lossy(&b),
+            "{f}"
+        );
+    }
+}
+
+#[test]
+fn convert_never_overwrites_without_force() {
+    let d = tmpdir("overwrite");
+    let out = d.join("keep.ir");
+    std::fs::write(&out, "precious").unwrap();
+    let r = schedc(&[
+        "convert",
+        ZB,
+        "--to",
+        "ir-text",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("--force"));
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), "precious");
+    let r = schedc(&[
+        "convert",
+        ZB,
+        "--to",
+        "ir-text",
+        "-o",
+        out.to_str().unwrap(),
+        "--force",
+    ]);
+    assert!(r.status.success());
+    assert!(std::fs::read_to_string(&out).unwrap().starts_with("pp 4\n"));
+}
+
+#[test]
+fn compute_comms_export_is_the_verified_lowering() {
+    let d = tmpdir("comms");
+    let out = d.join("x.comms.csv");
+    let r = schedc(&[
+        "convert",
+        ZB,
+        "--to",
+        "torch-csv",
+        "--torch-format",
+        "compute-comms",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.contains("SEND_F") && text.contains("RECV_B"));
+    assert!(!text.contains(",,"), "compute_comms has no empty cells");
+    // It checks, as torch's lowered form, with the same figures.
+    let r = schedc(&["check", out.to_str().unwrap(), "--format", "json"]);
+    assert_eq!(r.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    assert_eq!(v["lowered"], false);
+    let warm: Vec<u64> = v["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["warmup"].as_u64().unwrap())
+        .collect();
+    assert_eq!(warm, vec![8, 7, 6, 5]);
+}
+
+#[test]
+fn test_command_runs_case_files() {
+    let cases: Vec<String> = std::fs::read_dir(root().join("tests/cases"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "case"))
+        .map(|p| p.to_str().unwrap().to_string())
+        .collect();
+    assert!(cases.len() >= 10);
+    let args: Vec<&str> = std::iter::once("test")
+        .chain(cases.iter().map(String::as_str))
+        .collect();
+    let r = schedc(&args);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{out}");
+    assert!(
+        out.contains(&format!("{} passed, 0 failed", cases.len())),
+        "{out}"
+    );
+    // A case whose expectation does not hold fails, with the difference shown.
+    let d = tmpdir("case");
+    let f = d.join("wrong.case");
+    std::fs::write(
+        &f,
+        "pp 1\nstages 1\nmicrobatches 1\nexpect reject deadlock\nexpect warmup 3\nrank 0: F(0,0) BW(0,0)\n",
+    )
+    .unwrap();
+    let r = schedc(&["test", f.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert_eq!(r.status.code(), Some(1));
+    assert!(
+        out.contains("expected reject deadlock, got accept"),
+        "{out}"
+    );
+    assert!(out.contains("warmup expected 3, got 1"), "{out}");
+    assert!(out.contains("0 passed, 1 failed"), "{out}");
+}
+
+#[test]
+fn show_prints_the_rank_by_step_grid() {
+    let r = schedc(&["show", "tests/cases/overlap-pair.case"]);
+    assert!(r.status.success());
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn repository_inputs_exist_in_a_fresh_clone() {
+    // The README's main command reads only files in the repository.
+    assert!(Path::new(&root().join(ZB)).exists());
+}
