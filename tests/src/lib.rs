@@ -263,3 +263,19 @@ pub fn mutate(p: &Program, mu: Mutation, rng: &mut Rng) -> Option<Program> {
     }
     Some(q)
 }
+
+/// The `shared/` folder beside the repository (reference data and cases), if present.
+///
+/// CI always has it and sets `SCHEDC_REQUIRE_SHARED=1`, which turns its absence into a test
+/// failure; a developer's clone without it skips the conformance tests with a note.
+pub fn shared_dir() -> Option<std::path::PathBuf> {
+    let d = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared");
+    if d.is_dir() {
+        return Some(d);
+    }
+    if std::env::var_os("SCHEDC_REQUIRE_SHARED").is_some_and(|v| v != "0") {
+        panic!("{} is missing and SCHEDC_REQUIRE_SHARED is set", d.display());
+    }
+    eprintln!("note: {} not found; skipping the tests that need it", d.display());
+    None
+}
