@@ -120,6 +120,9 @@ pub struct Diagnostic {
     /// Primary span in the source file.
     #[serde(skip)]
     pub span: Option<Span>,
+    /// `file:line:col` of the primary span, filled in by [`Diagnostic::locate`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
     /// Secondary locations (the other end of a message, the first of a duplicate, each step
     /// of a wait-for cycle), each with a label.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -143,6 +146,7 @@ impl Diagnostic {
             position: None,
             op: None,
             span: None,
+            location: None,
             related: Vec::new(),
             notes: Vec::new(),
             help: None,
@@ -175,6 +179,13 @@ impl Diagnostic {
     pub fn with_help(mut self, help: impl Into<String>) -> Self {
         self.help = Some(help.into());
         self
+    }
+    /// Fills [`Diagnostic::location`] (`file:line:col`) from the span, given the source.
+    pub fn locate(&mut self, file: &str, src: &str) {
+        if let Some(sp) = self.span {
+            let (l, c) = schedc_ir::text::line_col(src, sp.start as usize);
+            self.location = Some(format!("{file}:{l}:{c}"));
+        }
     }
     /// True for errors.
     pub fn is_error(&self) -> bool {

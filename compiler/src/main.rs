@@ -180,7 +180,12 @@ fn main() -> ExitCode {
                 },
                 max_activations: max_activations.or(loaded.budget),
             };
-            let out = check::check(&loaded.program, loaded.spans.as_ref(), &opts);
+            let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &opts);
+            if loaded.spans.is_some() {
+                for d in &mut out.report.diagnostics {
+                    d.locate(&loaded.name, &loaded.text);
+                }
+            }
             let rep = &out.report;
             match format {
                 OutFormat::Json => {

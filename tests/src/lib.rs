@@ -274,8 +274,14 @@ pub fn shared_dir() -> Option<std::path::PathBuf> {
         return Some(d);
     }
     if std::env::var_os("SCHEDC_REQUIRE_SHARED").is_some_and(|v| v != "0") {
-        panic!("{} is missing and SCHEDC_REQUIRE_SHARED is set", d.display());
+        panic!(
+            "{} is missing and SCHEDC_REQUIRE_SHARED is set",
+            d.display()
+        );
     }
-    eprintln!("note: {} not found; skipping the tests that need it", d.display());
+    eprintln!(
+        "note: {} not found; skipping the tests that need it",
+        d.display()
+    );
     None
 }

@@ -24,7 +24,9 @@ fn run_dir(dir: &Path) -> usize {
 
 #[test]
 fn shared_cases() {
-    let Some(d) = schedc_tests::shared_dir() else { return };
+    let Some(d) = schedc_tests::shared_dir() else {
+        return;
+    };
     assert_eq!(run_dir(&d.join("cases")), 30);
 }
 

@@ -39,7 +39,9 @@ fn is_torch_1f1b_off_by_one(name: &str) -> bool {
 
 #[test]
 fn every_accepted_torch_config_checks_with_torch_figures() {
-    let Some(dir) = shared().map(|d| d.join("torch")) else { return };
+    let Some(dir) = shared().map(|d| d.join("torch")) else {
+        return;
+    };
     let text = std::fs::read_to_string(dir.join("expected.json")).expect("expected.json");
     let records: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
     let (mut n_files, mut n_configs, mut n_refused, mut n_quirk) = (0, 0, 0, 0);
@@ -131,7 +133,9 @@ fn every_accepted_torch_config_checks_with_torch_figures() {
 
 #[test]
 fn every_dualpipe_trace_is_accepted() {
-    let Some(dir) = shared().map(|d| d.join("dualpipe")) else { return };
+    let Some(dir) = shared().map(|d| d.join("dualpipe")) else {
+        return;
+    };
     let mut n = 0;
     for e in std::fs::read_dir(&dir).unwrap() {
         let path = e.unwrap().path();
@@ -175,7 +179,9 @@ fn every_dualpipe_trace_is_accepted() {
 /// figures so a regression in the liveness pass shows.
 #[test]
 fn dualpipe_peaks_are_stable() {
-    let Some(dir) = shared().map(|d| d.join("dualpipe")) else { return };
+    let Some(dir) = shared().map(|d| d.join("dualpipe")) else {
+        return;
+    };
     let loaded = load_path(
         dir.join("dualpipe_P4_N8.json").to_str().unwrap(),
         &Overrides::default(),
