@@ -32,6 +32,11 @@ pub fn run_case(path: &str) -> CaseResult {
             let msg = match e {
                 LoadError::Io(s) | LoadError::Usage(s) => s,
                 LoadError::Parse(p) => format!("{path}:{}:{}: {}", p.line, p.col, p.message),
+                LoadError::Spec { diags, .. } => diags
+                    .iter()
+                    .map(|d| d.message.clone())
+                    .collect::<Vec<_>>()
+                    .join("; "),
             };
             return CaseResult {
                 path: path.into(),

@@ -46,6 +46,11 @@ pub enum Code {
     Expectation,
     /// Input that does not parse (exit status 2, not a verdict).
     Syntax,
+    /// A spec's `require` refuses the instance (exit status 1).
+    Refused,
+    /// A spec that cannot be elaborated (unknown name, division by zero, a chunk with no
+    /// micro-batch left, ...; exit status 2).
+    Elaboration,
 }
 
 impl Code {
@@ -65,11 +70,13 @@ impl Code {
             Code::CollectiveOrder => "collective-order",
             Code::Expectation => "expectation",
             Code::Syntax => "syntax",
+            Code::Refused => "refused",
+            Code::Elaboration => "elaboration",
         }
     }
 
     /// Every code, for listings.
-    pub const ALL: [Code; 13] = [
+    pub const ALL: [Code; 15] = [
         Code::Deadlock,
         Code::Stall,
         Code::LabelMismatch,
@@ -83,6 +90,8 @@ impl Code {
         Code::CollectiveOrder,
         Code::Expectation,
         Code::Syntax,
+        Code::Refused,
+        Code::Elaboration,
     ];
 }
 

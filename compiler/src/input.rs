@@ -16,6 +16,9 @@ pub enum Format {
     TorchCsv,
     /// DeepSeek DualPipe / DualPipeV trace JSON.
     DualPipe,
+    /// A `.sched` spec (elaborated for the instance given by `--pp`, `--mb`, `--vpp`,
+    /// `--param`).
+    Spec,
 }
 
 /// A placement given on the command line.
@@ -54,6 +57,12 @@ pub struct Overrides {
     pub microbatches: Option<u32>,
     /// `--placement`.
     pub placement: Option<PlacementArg>,
+    /// `--pp` (specs only).
+    pub pp: Option<u32>,
+    /// `--vpp` (specs only).
+    pub vpp: Option<u32>,
+    /// `--param NAME=VALUE` (specs only).
+    pub params: Vec<(String, i64)>,
 }
 
 /// A loaded input.
@@ -74,6 +83,8 @@ pub struct Loaded {
     pub expects: Vec<(Expect, Span)>,
     /// `.case` activation budget.
     pub budget: Option<u64>,
+    /// A spec's per-rank expectations (evaluated for this instance).
+    pub spec_expects: Vec<crate::dsl::elab::Expectation>,
 }
 
 /// A load failure: unreadable file, or a syntax error with its location.
@@ -85,11 +96,24 @@ pub enum LoadError {
     Parse(ParseError),
     /// An override that does not fit the input.
     Usage(String),
+    /// A spec that does not parse or elaborate (exit 2), or an instance its `require`s
+    /// refuse (exit 1); the diagnostics point into `text`.
+    Spec {
+        /// The diagnostics.
+        diags: Vec<crate::diag::Diagnostic>,
+        /// The spec's text.
+        text: String,
+        /// True if a `require` refused the instance.
+        refused: bool,
+    },
 }
 
 /// Detects the format from the name and the text.
 pub fn detect(name: &str, text: &str) -> Format {
     let lower = name.to_ascii_lowercase();
+    if lower.ends_with(".sched") {
+        return Format::Spec;
+    }
     if lower.ends_with(".csv") {
         return Format::TorchCsv;
     }
@@ -161,7 +185,18 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     let mut expects = Vec::new();
     let mut budget = None;
     let mut torch_format = None;
+    let mut spec_expects = Vec::new();
+    if format != Format::Spec && (ov.pp.is_some() || ov.vpp.is_some() || !ov.params.is_empty()) {
+        return Err(LoadError::Usage(
+            "--pp, --vpp and --param apply to .sched specs only".into(),
+        ));
+    }
     let (mut program, spans) = match format {
+        Format::Spec => {
+            let e = load_spec(&text, ov)?;
+            spec_expects = e.expects;
+            (e.program, Some(e.spans))
+        }
         Format::IrText => {
             let p = text::parse(&text).map_err(LoadError::Parse)?;
             expects = p.expects;
@@ -191,7 +226,9 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
             (t.program, Some(t.spans))
         }
     };
-    apply_overrides(&mut program, ov).map_err(LoadError::Usage)?;
+    if format != Format::Spec {
+        apply_overrides(&mut program, ov).map_err(LoadError::Usage)?;
+    }
     Ok(Loaded {
         program,
         spans,
@@ -201,7 +238,70 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
         torch_format,
         expects,
         budget,
+        spec_expects,
     })
+}
+
+/// Parses and elaborates a spec for the instance in `ov`.
+pub fn load_spec(text: &str, ov: &Overrides) -> Result<crate::dsl::Elaborated, LoadError> {
+    use crate::diag::{Code, Diagnostic};
+    let file = crate::dsl::parse_file(text).map_err(|e| LoadError::Spec {
+        diags: vec![{
+            let mut d = Diagnostic::error(Code::Syntax, e.message.clone());
+            d.span = Some(Span {
+                start: e.offset as u32,
+                len: e.len as u32,
+            });
+            d.help = e.help.clone();
+            d
+        }],
+        text: text.to_string(),
+        refused: false,
+    })?;
+    let (Some(pp), Some(mb)) = (ov.pp, ov.microbatches) else {
+        return Err(LoadError::Usage(
+            "a .sched spec describes a family of schedules: give the instance with --pp P --mb M (and --vpp V where the spec allows it)".into(),
+        ));
+    };
+    if ov.placement.is_some() {
+        return Err(LoadError::Usage(
+            "--placement does not apply to a spec: its `placement` item decides".into(),
+        ));
+    }
+    let inst = crate::dsl::Instance {
+        pp,
+        mb,
+        vpp: ov.vpp,
+        params: ov.params.clone(),
+    };
+    crate::dsl::elaborate(&file, &inst).map_err(|errs| {
+        let refused = errs.iter().all(|e| e.refused);
+        LoadError::Spec {
+            diags: errs.iter().map(elab_diag).collect(),
+            text: text.to_string(),
+            refused,
+        }
+    })
+}
+
+/// The diagnostic of an elaboration error.
+pub fn elab_diag(e: &crate::dsl::ElabError) -> crate::diag::Diagnostic {
+    use crate::diag::{Code, Diagnostic};
+    let code = if e.refused {
+        Code::Refused
+    } else {
+        Code::Elaboration
+    };
+    let mut d = Diagnostic::error(code, e.message.clone());
+    if e.sp.end > e.sp.start || e.sp.start > 0 {
+        d.span = Some(Span {
+            start: e.sp.start as u32,
+            len: (e.sp.end - e.sp.start) as u32,
+        });
+    }
+    d.rank = e.rank;
+    d.help = e.help.clone();
+    d
 }
 
 fn validate_pipeline(p: &Pipeline) -> Result<(), String> {

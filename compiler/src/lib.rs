@@ -10,6 +10,7 @@
 pub mod casefile;
 pub mod check;
 pub mod diag;
+pub mod dsl;
 pub mod import;
 pub mod input;
 pub mod passes;

@@ -41,14 +41,73 @@ enum TorchForm {
     ComputeComms,
 }
 
+/// A value or a range of values: `8`, `2..=16`, `2..=16:2` (step), `1..9`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct RangeArg(Vec<u32>);
+
+impl std::str::FromStr for RangeArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || {
+            format!("invalid value `{s}`: expected a number or a range such as 2..=16 or 2..=16:2")
+        };
+        let (body, step) = match s.split_once(':') {
+            Some((b, st)) => (b, st.trim().parse::<u32>().map_err(|_| bad())?),
+            None => (s, 1),
+        };
+        if step == 0 {
+            return Err(format!("invalid value `{s}`: the step must be at least 1"));
+        }
+        if let Some((a, b)) = body.split_once("..") {
+            let (incl, b) = match b.strip_prefix('=') {
+                Some(b) => (true, b),
+                None => (false, b),
+            };
+            let a: u32 = a.trim().parse().map_err(|_| bad())?;
+            let b: u32 = b.trim().parse().map_err(|_| bad())?;
+            let end = if incl {
+                b
+            } else {
+                b.checked_sub(1).ok_or_else(bad)?
+            };
+            if end < a {
+                return Err(format!("invalid range `{s}`: it is empty"));
+            }
+            return Ok(RangeArg((a..=end).step_by(step as usize).collect()));
+        }
+        Ok(RangeArg(vec![body.trim().parse().map_err(|_| bad())?]))
+    }
+}
+
+fn parse_param(s: &str) -> Result<(String, i64), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("invalid --param `{s}`: expected NAME=VALUE"))?;
+    let v: i64 = v
+        .trim()
+        .parse()
+        .map_err(|_| format!("invalid --param `{s}`: the value must be an integer"))?;
+    Ok((k.trim().to_string(), v))
+}
+
 #[derive(clap::Args)]
 struct InputArgs {
-    /// Input: IR text (.ir, .case), IR JSON, PyTorch CSV (compute_only or compute_comms),
-    /// or a DualPipe trace (.json); `-` reads standard input.
+    /// Input: a `.sched` spec, IR text (.ir, .case), IR JSON, PyTorch CSV (compute_only or
+    /// compute_comms), or a DualPipe trace (.json); `-` reads standard input.
     input: String,
-    /// Number of micro-batches (default: from the input, else max id + 1).
+    /// Number of micro-batches M (for a spec: the instance's M, a range to sweep with
+    /// `check`; otherwise an override of what the input implies).
     #[arg(long = "mb", value_name = "M")]
-    mb: Option<u32>,
+    mb: Option<RangeArg>,
+    /// Pipeline ranks P of a spec's instance (a range such as 2..=16:2 sweeps with `check`).
+    #[arg(long, value_name = "P")]
+    pp: Option<RangeArg>,
+    /// Virtual stages per rank V of a spec's instance (a range sweeps with `check`).
+    #[arg(long, value_name = "V")]
+    vpp: Option<RangeArg>,
+    /// A spec parameter, NAME=VALUE (repeatable).
+    #[arg(long = "param", value_name = "NAME=VALUE", value_parser = parse_param)]
+    params: Vec<(String, i64)>,
     /// Placement of stages on ranks: loop, v, bidir, or a list such as 0,1,1,0
     /// (default: from the input, else inferred from which rank runs each stage).
     #[arg(long, value_name = "PLACEMENT")]
@@ -56,11 +115,28 @@ struct InputArgs {
 }
 
 impl InputArgs {
-    fn overrides(&self) -> Overrides {
-        Overrides {
-            microbatches: self.mb,
-            placement: self.placement.clone(),
+    fn is_sweep(&self) -> bool {
+        [&self.pp, &self.mb, &self.vpp]
+            .iter()
+            .any(|r| r.as_ref().is_some_and(|r| r.0.len() > 1))
+    }
+    fn single(r: &Option<RangeArg>, flag: &str) -> Result<Option<u32>, String> {
+        match r {
+            None => Ok(None),
+            Some(RangeArg(v)) if v.len() == 1 => Ok(Some(v[0])),
+            Some(_) => Err(format!(
+                "{flag} takes one value here; ranges sweep with `schedc check`"
+            )),
         }
+    }
+    fn overrides(&self) -> Result<Overrides, String> {
+        Ok(Overrides {
+            microbatches: Self::single(&self.mb, "--mb")?,
+            placement: self.placement.clone(),
+            pp: Self::single(&self.pp, "--pp")?,
+            vpp: Self::single(&self.vpp, "--vpp")?,
+            params: self.params.clone(),
+        })
     }
 }
 
@@ -112,6 +188,17 @@ enum Cmd {
         #[arg(long)]
         force: bool,
     },
+    /// Print a `.sched` spec in canonical layout (to standard output unless --write).
+    Fmt {
+        /// The spec.
+        file: String,
+        /// Rewrite the file in place (only if it parses; the original is replaced atomically).
+        #[arg(long)]
+        write: bool,
+        /// Exit 1 if the file is not in canonical layout (for CI); print nothing.
+        #[arg(long)]
+        check: bool,
+    },
     /// Run `.case` files and compare their verdicts and figures with their `expect` lines.
     Test {
         /// The case files.
@@ -124,6 +211,19 @@ fn print_load_error(e: &LoadError, name: &str) {
     match e {
         LoadError::Io(s) | LoadError::Usage(s) => eprintln!("error: {s}"),
         LoadError::Parse(p) => eprint!("{}", render_parse_error(p, name)),
+        LoadError::Spec {
+            diags,
+            text,
+            refused,
+        } => {
+            let color = std::io::stderr().is_terminal();
+            if *refused {
+                eprintln!("error: {name}: this instance is outside the schedule's family");
+            }
+            for d in diags {
+                eprint!("{}", diag::render_color(d, Some((name, text)), color));
+            }
+        }
     }
 }
 
@@ -144,9 +244,16 @@ fn render_parse_error(p: &ParseError, name: &str) -> String {
 }
 
 fn load(args: &InputArgs) -> Result<Loaded, ExitCode> {
-    load_path(&args.input, &args.overrides()).map_err(|e| {
-        print_load_error(&e, &args.input);
+    let ov = args.overrides().map_err(|e| {
+        eprintln!("error: {e}");
         ExitCode::from(2)
+    })?;
+    load_path(&args.input, &ov).map_err(|e| {
+        print_load_error(&e, &args.input);
+        match e {
+            LoadError::Spec { refused: true, .. } => ExitCode::from(1),
+            _ => ExitCode::from(2),
+        }
     })
 }
 
@@ -168,6 +275,16 @@ fn main() -> ExitCode {
             eager_sends,
             per_op_groups,
         } => {
+            if input.is_sweep() {
+                return sweep(
+                    &input,
+                    eager_sends,
+                    per_op_groups,
+                    buffer_slots,
+                    max_activations,
+                    format,
+                );
+            }
             let loaded = match load(&input) {
                 Ok(l) => l,
                 Err(c) => return c,
@@ -181,6 +298,7 @@ fn main() -> ExitCode {
                 max_activations: max_activations.or(loaded.budget),
             };
             let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &opts);
+            check::check_expectations(&mut out.report, &loaded.spec_expects);
             if loaded.spans.is_some() {
                 for d in &mut out.report.diagnostics {
                     d.locate(&loaded.name, &loaded.text);
@@ -272,6 +390,54 @@ fn main() -> ExitCode {
                         return ExitCode::from(2);
                     }
                 }
+            }
+            ExitCode::SUCCESS
+        }
+        Cmd::Fmt { file, write, check } => {
+            let text = match std::fs::read_to_string(&file) {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("error: cannot read `{file}`: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let parsed = match schedc::dsl::parse_file(&text) {
+                Ok(f) => f,
+                Err(e) => {
+                    let pe = ParseError {
+                        offset: e.offset,
+                        len: e.len,
+                        line: text::line_col(&text, e.offset).0,
+                        col: text::line_col(&text, e.offset).1,
+                        message: e.message,
+                        help: e.help,
+                    };
+                    eprint!("{}", render_parse_error(&pe, &file));
+                    return ExitCode::from(2);
+                }
+            };
+            let out = schedc::dsl::fmt::format_file(&parsed, &text);
+            if check {
+                return if out == text {
+                    ExitCode::SUCCESS
+                } else {
+                    eprintln!("{file} is not formatted (run `schedc fmt --write {file}`)");
+                    ExitCode::from(1)
+                };
+            }
+            if write {
+                if out != text {
+                    let tmp = format!("{file}.schedc-fmt.tmp");
+                    if let Err(e) =
+                        std::fs::write(&tmp, &out).and_then(|_| std::fs::rename(&tmp, &file))
+                    {
+                        let _ = std::fs::remove_file(&tmp);
+                        eprintln!("error: cannot write `{file}`: {e}");
+                        return ExitCode::from(2);
+                    }
+                }
+            } else {
+                emit(&out);
             }
             ExitCode::SUCCESS
         }
@@ -526,4 +692,158 @@ fn emit(s: &str) {
     let mut out = std::io::stdout().lock();
     let _ = out.write_all(s.as_bytes());
     let _ = out.flush();
+}
+
+/// One instance's outcome: (P, M, V, passed / refused by `require` / failed with a message).
+type SweepResult = (u32, u32, Option<u32>, Result<bool, String>);
+
+/// `schedc check SPEC` over ranges of `--pp`, `--mb`, `--vpp`: every instance in parallel,
+/// failures smallest first.
+fn sweep(
+    input: &InputArgs,
+    eager: bool,
+    per_op: bool,
+    slots: Option<u32>,
+    max_act: Option<u64>,
+    format: OutFormat,
+) -> ExitCode {
+    use indicatif::{ProgressBar, ProgressStyle};
+    use rayon::prelude::*;
+    if !input.input.ends_with(".sched") {
+        eprintln!(
+            "error: ranges of --pp/--mb/--vpp sweep a .sched spec; `{}` is a single schedule",
+            input.input
+        );
+        return ExitCode::from(2);
+    }
+    let text = match std::fs::read_to_string(&input.input) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read `{}`: {e}", input.input);
+            return ExitCode::from(2);
+        }
+    };
+    let Some(pps) = input.pp.as_ref() else {
+        eprintln!("error: a sweep needs --pp");
+        return ExitCode::from(2);
+    };
+    let Some(mbs) = input.mb.as_ref() else {
+        eprintln!("error: a sweep needs --mb");
+        return ExitCode::from(2);
+    };
+    let vpps: Vec<Option<u32>> = match &input.vpp {
+        None => vec![None],
+        Some(r) => r.0.iter().map(|v| Some(*v)).collect(),
+    };
+    let mut insts = Vec::new();
+    for &p in &pps.0 {
+        for &m in &mbs.0 {
+            for &v in &vpps {
+                insts.push((p, m, v));
+            }
+        }
+    }
+    let bar = ProgressBar::new(insts.len() as u64);
+    if std::io::stderr().is_terminal() {
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} instances, {elapsed} elapsed, eta {eta}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+    } else {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let opts = check::Options {
+        semantics: Semantics {
+            eager,
+            per_op_groups: per_op,
+            buffer_slots: slots,
+        },
+        max_activations: max_act,
+    };
+    // (pp, mb, vpp, outcome): None = passed, Some(Ok(())) = refused by `require`, Some(Err(msg)) = failed.
+    let results: Vec<SweepResult> = insts
+        .par_iter()
+        .map(|&(p, m, v)| {
+            let ov = Overrides {
+                microbatches: Some(m),
+                pp: Some(p),
+                vpp: v,
+                params: input.params.clone(),
+                placement: None,
+            };
+            let r = match schedc::input::load_spec(&text, &ov) {
+                Err(LoadError::Spec { refused: true, .. }) => Ok(false),
+                Err(LoadError::Spec { diags, .. }) => {
+                    Err(diags.first().map(|d| d.message.clone()).unwrap_or_default())
+                }
+                Err(LoadError::Usage(u)) | Err(LoadError::Io(u)) => Err(u),
+                Err(LoadError::Parse(e)) => Err(e.message),
+                Ok(e) => {
+                    let mut out = check::check(&e.program, Some(&e.spans), &opts);
+                    check::check_expectations(&mut out.report, &e.expects);
+                    match out.report.diagnostics.iter().find(|d| d.is_error()) {
+                        None => Ok(true),
+                        Some(d) => Err(format!("[{}] {}", d.code.as_str(), d.message)),
+                    }
+                }
+            };
+            bar.inc(1);
+            (p, m, v, r)
+        })
+        .collect();
+    bar.finish_and_clear();
+    let mut failed: Vec<_> = results.iter().filter(|r| r.3.is_err()).collect();
+    failed.sort_by_key(|r| (r.0, r.1, r.2));
+    let passed = results.iter().filter(|r| matches!(r.3, Ok(true))).count();
+    let refused = results.iter().filter(|r| matches!(r.3, Ok(false))).count();
+    let inst_str = |p: u32, m: u32, v: Option<u32>| match v {
+        Some(v) => format!("--pp {p} --mb {m} --vpp {v}"),
+        None => format!("--pp {p} --mb {m}"),
+    };
+    match format {
+        OutFormat::Json => {
+            let v = serde_json::json!({
+                "instances": results.len(),
+                "passed": passed,
+                "refused": refused,
+                "failed": failed.iter().map(|(p, m, v, r)| serde_json::json!({
+                    "pp": p, "mb": m, "vpp": v, "error": r.as_ref().err()
+                })).collect::<Vec<_>>(),
+            });
+            emit(&format!(
+                "{}\n",
+                serde_json::to_string_pretty(&v).expect("json")
+            ));
+        }
+        OutFormat::Human => {
+            use std::fmt::Write as _;
+            let mut o = String::new();
+            for (p, m, v, r) in failed.iter().take(20) {
+                let _ = writeln!(
+                    o,
+                    "FAIL {}: {}",
+                    inst_str(*p, *m, *v),
+                    r.as_ref().err().map_or("", String::as_str)
+                );
+            }
+            if failed.len() > 20 {
+                let _ = writeln!(o, "... and {} more failing instances", failed.len() - 20);
+            }
+            let _ = writeln!(
+                o,
+                "{}: {} instances: {passed} passed, {} failed, {refused} outside the family (refused by `require`)",
+                input.input,
+                results.len(),
+                failed.len()
+            );
+            emit(&o);
+        }
+    }
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
 }

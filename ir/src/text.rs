@@ -692,6 +692,10 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
                 parse_rank_body(&mut c, instrs, spans)?;
             }
             _ => {
+                // Measure the token from its start: the identifier may stop inside it, and
+                // `token_len` counts from the cursor (slicing `kw_start..` by a length taken
+                // from the cursor could end inside a multi-byte character).
+                c.pos = kw_start;
                 let mut e = c.err(
                     kw_start,
                     c.token_len(),
@@ -993,5 +997,18 @@ mod tests {
         assert!(e.message.contains("missing header"));
         let e = parse("pp 1\nrank 0: I(0,0)\n").unwrap_err();
         assert!(e.help.unwrap().contains("torch"));
+    }
+
+    /// Found by `cargo fuzz run ir_text`: an unknown header word whose identifier part stops
+    /// before a multi-byte character used to slice the source inside that character (panic
+    /// "byte index 3 is not a char boundary").
+    #[test]
+    fn unknown_header_word_with_multibyte_char_is_an_error() {
+        let e = parse("p\u{4c2de}").unwrap_err();
+        assert_eq!((e.offset, e.len, e.line, e.col), (0, 5, 1, 1));
+        assert!(e.message.contains("found `p\u{4c2de}`"), "{}", e.message);
+        let e = parse("pp 1\na\u{20ac}b x\n").unwrap_err();
+        assert_eq!((e.offset, e.len, e.line, e.col), (5, 5, 2, 1));
+        assert!(e.message.contains("found `a\u{20ac}b`"), "{}", e.message);
     }
 }

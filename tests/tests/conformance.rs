@@ -76,7 +76,7 @@ fn every_accepted_torch_config_checks_with_torch_figures() {
             n_files += 1;
             let ov = Overrides {
                 microbatches: Some(mb),
-                placement: None,
+                ..Default::default()
             };
             let loaded = load_path(path.to_str().unwrap(), &ov)
                 .unwrap_or_else(|_| panic!("{name} {form} loads"));

@@ -1,0 +1,278 @@
+//! The syntax tree of a `.sched` file. Every node carries its [`Sp`] (byte range), which
+//! compares equal to any other span so that trees compare by structure alone (the `fmt`
+//! round-trip property).
+
+/// A byte range in the source; equality ignores it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sp {
+    /// First byte.
+    pub start: usize,
+    /// One past the last byte.
+    pub end: usize,
+}
+
+impl PartialEq for Sp {
+    fn eq(&self, _: &Sp) -> bool {
+        true
+    }
+}
+impl Eq for Sp {}
+
+impl Sp {
+    /// The span from `a`'s start to `b`'s end.
+    pub fn to(self, b: Sp) -> Sp {
+        Sp {
+            start: self.start,
+            end: b.end,
+        }
+    }
+}
+
+/// A whole spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct File {
+    /// Top-level items in order.
+    pub items: Vec<Item>,
+}
+
+/// Binary operators, by precedence group (lowest first): `||`; `&&`; comparisons; `+ -`;
+/// `* / %`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BinOp {
+    /// `||`
+    Or,
+    /// `&&`
+    And,
+    /// `==`
+    Eq,
+    /// `!=`
+    Ne,
+    /// `<`
+    Lt,
+    /// `<=`
+    Le,
+    /// `>`
+    Gt,
+    /// `>=`
+    Ge,
+    /// `+`
+    Add,
+    /// `-`
+    Sub,
+    /// `*`
+    Mul,
+    /// `/` (floor division: rounds toward negative infinity)
+    Div,
+    /// `%` (floor modulo: the result has the divisor's sign)
+    Mod,
+}
+
+impl BinOp {
+    /// The token.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BinOp::Or => "||",
+            BinOp::And => "&&",
+            BinOp::Eq => "==",
+            BinOp::Ne => "!=",
+            BinOp::Lt => "<",
+            BinOp::Le => "<=",
+            BinOp::Gt => ">",
+            BinOp::Ge => ">=",
+            BinOp::Add => "+",
+            BinOp::Sub => "-",
+            BinOp::Mul => "*",
+            BinOp::Div => "/",
+            BinOp::Mod => "%",
+        }
+    }
+    /// Precedence level, higher binds tighter.
+    pub fn prec(self) -> u8 {
+        match self {
+            BinOp::Or => 1,
+            BinOp::And => 2,
+            BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge => 3,
+            BinOp::Add | BinOp::Sub => 4,
+            BinOp::Mul | BinOp::Div | BinOp::Mod => 5,
+        }
+    }
+}
+
+/// An expression: integers and booleans (booleans are 0/1 integers where an integer is
+/// expected is an error).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Expr {
+    /// An integer literal.
+    Int(i64, Sp),
+    /// `true` / `false`.
+    Bool(bool, Sp),
+    /// A name: a parameter, `let`, loop variable, or built-in (`P`, `M`, `V`, `S`, the rank).
+    Var(String, Sp),
+    /// `-e`
+    Neg(Box<Expr>, Sp),
+    /// `!e`
+    Not(Box<Expr>, Sp),
+    /// `a op b`
+    Bin(BinOp, Box<Expr>, Box<Expr>, Sp),
+    /// A call: `min(a, b)`, `max(a, b)`, `done(F, c)`, `left(F, c)`.
+    Call(String, Vec<Arg>, Sp),
+}
+
+/// An argument of a call: an expression or an op kind (`F`, `B`, `W`, `BW`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Arg {
+    /// An expression.
+    Expr(Expr),
+    /// An op kind.
+    Kind(schedc_ir::Kind, Sp),
+}
+
+impl Expr {
+    /// The span.
+    pub fn sp(&self) -> Sp {
+        match self {
+            Expr::Int(_, s)
+            | Expr::Bool(_, s)
+            | Expr::Var(_, s)
+            | Expr::Neg(_, s)
+            | Expr::Not(_, s)
+            | Expr::Bin(_, _, _, s)
+            | Expr::Call(_, _, s) => *s,
+        }
+    }
+}
+
+/// Which micro-batch an op names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// `F(c)`: local chunk `c`, the next micro-batch of that chunk's counter for the kind.
+    /// `W()` (no chunk): the oldest pending weight gradient of any chunk.
+    Next(Option<Expr>),
+    /// `F(c, m)`: local chunk `c`, micro-batch `m` (counters untouched).
+    Chunk(Expr, Expr),
+    /// `F(stage s, m)`: a global stage id and micro-batch.
+    Stage(Expr, Expr),
+}
+
+/// One compute op statement.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpStmt {
+    /// F, B, W or BW.
+    pub kind: schedc_ir::Kind,
+    /// `F?(c)`: emit only if the chunk has a micro-batch left for this kind.
+    pub optional: bool,
+    /// What it names.
+    pub target: Target,
+    /// Span.
+    pub sp: Sp,
+}
+
+/// A send or receive statement: `SA(s, m -> peer)` etc. (payload stage, micro-batch, peer).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommStmt {
+    /// `SA`, `RA`, `SG` or `RG`.
+    pub op: String,
+    /// Producing stage.
+    pub stage: Expr,
+    /// Micro-batch.
+    pub mb: Expr,
+    /// Peer rank.
+    pub peer: Expr,
+    /// Span.
+    pub sp: Sp,
+}
+
+/// A statement of a rank program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Stmt {
+    /// `let x = e` (immutable; shadows).
+    Let(String, Expr, Sp),
+    /// `var x = e` (mutable).
+    Var(String, Expr, Sp),
+    /// `x = e` (assigns a `var`).
+    Assign(String, Expr, Sp),
+    /// `for i in a..b { }` (half-open; `..=` inclusive), optional `step k`.
+    For {
+        /// Loop variable.
+        var: String,
+        /// Start.
+        from: Expr,
+        /// End.
+        to: Expr,
+        /// `..=`.
+        inclusive: bool,
+        /// `step k` (k > 0).
+        step: Option<Expr>,
+        /// Body.
+        body: Vec<Stmt>,
+        /// Span of the header.
+        sp: Sp,
+    },
+    /// `repeat n { }`.
+    Repeat(Expr, Vec<Stmt>, Sp),
+    /// `if c { } else { }` (`else if` nests).
+    If(Expr, Vec<Stmt>, Vec<Stmt>, Sp),
+    /// A compute op.
+    Op(OpStmt),
+    /// `F(..) & B(..)`: an overlapped pair (forward first).
+    Overlap(OpStmt, OpStmt, Sp),
+    /// An explicit send or receive (a lone op).
+    Comm(CommStmt),
+    /// `{ SA(..) RG(..) }`-style group: `group { comm* }`.
+    Group(Vec<CommStmt>, Sp),
+    /// `idle`: an idle slot.
+    Idle(Sp),
+}
+
+/// The placement item.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PlacementSpec {
+    /// `placement loop`
+    Loop,
+    /// `placement v`
+    V,
+    /// `placement bidir`
+    Bidir,
+    /// `placement [e0, e1, ...]` (rank of each stage).
+    List(Vec<Expr>),
+    /// `placement s => e` (rank of stage `s`, for `s` in `0..stages`).
+    Map(String, Expr),
+}
+
+/// What an `expect` line asserts, per rank (the rank variable is bound).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExpectKind {
+    /// `expect warmup == e`
+    Warmup,
+    /// `expect peak_activations <= e`
+    PeakActivations,
+    /// `expect idle == e` (unit time, F=B=W=1, BW=2)
+    Idle,
+}
+
+/// A top-level item.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Item {
+    /// `schedule "name"`
+    Name(String, Sp),
+    /// `param NAME = default` (an integer the user sets with `--param NAME=VALUE`).
+    Param(String, Option<Expr>, Sp),
+    /// `vpp e`: the spec accepts only this number of virtual stages per rank.
+    Vpp(Expr, Sp),
+    /// `stages e`: number of stage ids (default `P*V`; `2P` for `bidir`).
+    Stages(Expr, Sp),
+    /// `microbatches e`: micro-batches per stage (default `M`; `M/2` for `bidir`).
+    Microbatches(Expr, Sp),
+    /// `placement ...`
+    Placement(PlacementSpec, Sp),
+    /// `let x = e` at top level.
+    Let(String, Expr, Sp),
+    /// `require cond, "message"`.
+    Require(Expr, String, Sp),
+    /// `rank r { ... }`: the program of every rank, `r` bound to its id.
+    Rank(String, Vec<Stmt>, Sp),
+    /// `literal { rank 0: ... }`: hand-written IR text lines.
+    Literal(String, Sp),
+    /// `expect ...`
+    Expect(ExpectKind, Expr, Sp),
+}

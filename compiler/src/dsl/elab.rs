@@ -1,0 +1,919 @@
+//! Elaboration: a parsed spec and an instance (P, M, V, parameters) to the IR.
+
+use super::ast::*;
+use schedc_ir::text::{SourceMap, Span};
+use schedc_ir::{
+    Comm, Compute, Instr, Kind, Payload, PayloadKind, Pipeline, PlacementKind, Program,
+};
+use std::collections::VecDeque;
+
+/// One instance of a family: the values of the built-in and user parameters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Instance {
+    /// `--pp`: number of pipeline ranks P.
+    pub pp: u32,
+    /// `--mb`: micro-batches in one step M (DualPipe: both directions together).
+    pub mb: u32,
+    /// `--vpp`: virtual stages per rank V (default: the spec's `vpp`, else 1).
+    pub vpp: Option<u32>,
+    /// `--param NAME=VALUE`.
+    pub params: Vec<(String, i64)>,
+}
+
+/// An elaboration error: where in the spec, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ElabError {
+    /// The offending construct.
+    pub sp: Sp,
+    /// What went wrong.
+    pub message: String,
+    /// A hint.
+    pub help: Option<String>,
+    /// The rank being elaborated, if any.
+    pub rank: Option<u32>,
+    /// True for a failed `require` (the instance is outside the family: exit 1, not 2).
+    pub refused: bool,
+}
+
+/// A per-rank expectation, evaluated: `values[r]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Expectation {
+    /// What.
+    pub kind: ExpectKind,
+    /// The expected value (or bound) per rank.
+    pub values: Vec<i64>,
+    /// The `expect` item.
+    pub sp: Sp,
+}
+
+/// The result of elaborating one instance.
+#[derive(Clone, Debug)]
+pub struct Elaborated {
+    /// The schedule.
+    pub program: Program,
+    /// For each instruction, the span of the spec statement that emitted it.
+    pub spans: SourceMap,
+    /// The expectations to check.
+    pub expects: Vec<Expectation>,
+    /// The spec's name, if it has one.
+    pub name: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Val {
+    Int(i64),
+    Bool(bool),
+}
+
+struct Binding {
+    name: String,
+    val: Val,
+    mutable: bool,
+}
+
+struct Env {
+    vars: Vec<Binding>,
+}
+
+impl Env {
+    fn get(&self, n: &str) -> Option<Val> {
+        self.vars.iter().rev().find(|b| b.name == n).map(|b| b.val)
+    }
+    fn push(&mut self, n: &str, v: Val, mutable: bool) {
+        self.vars.push(Binding {
+            name: n.to_string(),
+            val: v,
+            mutable,
+        });
+    }
+}
+
+fn err(sp: Sp, message: impl Into<String>) -> ElabError {
+    ElabError {
+        sp,
+        message: message.into(),
+        help: None,
+        rank: None,
+        refused: false,
+    }
+}
+
+/// Per-rank elaboration state.
+struct RankState<'a> {
+    rank: u32,
+    /// Stage of each local chunk.
+    chunks: Vec<u32>,
+    mbs: u32,
+    fwd: Vec<u32>,
+    bwd: Vec<u32>,
+    wdone: Vec<u32>,
+    /// Pending weight gradients: (chunk, mb), oldest first.
+    pending: VecDeque<(usize, u32)>,
+    out: Vec<Instr>,
+    spans: Vec<Span>,
+    budget: &'a mut u64,
+}
+
+const STEP_BUDGET: u64 = 200_000_000;
+
+fn eval(e: &Expr, env: &Env, st: Option<&RankState<'_>>) -> Result<Val, ElabError> {
+    Ok(match e {
+        Expr::Int(v, _) => Val::Int(*v),
+        Expr::Bool(b, _) => Val::Bool(*b),
+        Expr::Var(n, sp) => env.get(n).ok_or_else(|| {
+            let mut e = err(*sp, format!("unknown name `{n}`"));
+            e.help = Some(
+                "names in scope: P, M, V, S, the rank variable inside `rank r { }`, parameters, and `let`/`var`/loop variables"
+                    .into(),
+            );
+            e
+        })?,
+        Expr::Neg(x, sp) => Val::Int(
+            int(eval(x, env, st)?, *sp)?
+                .checked_neg()
+                .ok_or_else(|| err(*sp, "integer overflow"))?,
+        ),
+        Expr::Not(x, sp) => Val::Bool(!boolean(eval(x, env, st)?, *sp)?),
+        Expr::Bin(op, a, b, sp) => {
+            let va = eval(a, env, st)?;
+            // Short-circuit logic.
+            if *op == BinOp::And {
+                return Ok(Val::Bool(boolean(va, a.sp())? && boolean(eval(b, env, st)?, b.sp())?));
+            }
+            if *op == BinOp::Or {
+                return Ok(Val::Bool(boolean(va, a.sp())? || boolean(eval(b, env, st)?, b.sp())?));
+            }
+            let vb = eval(b, env, st)?;
+            match op {
+                BinOp::Eq | BinOp::Ne => {
+                    let eq = match (va, vb) {
+                        (Val::Int(x), Val::Int(y)) => x == y,
+                        (Val::Bool(x), Val::Bool(y)) => x == y,
+                        _ => return Err(err(*sp, "cannot compare an integer with a boolean")),
+                    };
+                    Val::Bool(if *op == BinOp::Eq { eq } else { !eq })
+                }
+                _ => {
+                    let (x, y) = (int(va, a.sp())?, int(vb, b.sp())?);
+                    let ov = || err(*sp, "integer overflow");
+                    match op {
+                        BinOp::Lt => Val::Bool(x < y),
+                        BinOp::Le => Val::Bool(x <= y),
+                        BinOp::Gt => Val::Bool(x > y),
+                        BinOp::Ge => Val::Bool(x >= y),
+                        BinOp::Add => Val::Int(x.checked_add(y).ok_or_else(ov)?),
+                        BinOp::Sub => Val::Int(x.checked_sub(y).ok_or_else(ov)?),
+                        BinOp::Mul => Val::Int(x.checked_mul(y).ok_or_else(ov)?),
+                        BinOp::Div | BinOp::Mod => {
+                            if y == 0 {
+                                return Err(err(b.sp(), "division by zero"));
+                            }
+                            if x == i64::MIN && y == -1 {
+                                return Err(ov());
+                            }
+                            let q = x.div_euclid(y);
+                            let r = x.rem_euclid(y);
+                            // Floor semantics: the remainder takes the divisor's sign.
+                            let (q, r) = if r != 0 && y < 0 { (q + 1, r + y) } else { (q, r) };
+                            Val::Int(if *op == BinOp::Div { q } else { r })
+                        }
+                        _ => unreachable!(),
+                    }
+                }
+            }
+        }
+        Expr::Call(name, args, sp) => call(name, args, *sp, env, st)?,
+    })
+}
+
+fn int(v: Val, sp: Sp) -> Result<i64, ElabError> {
+    match v {
+        Val::Int(x) => Ok(x),
+        Val::Bool(_) => Err(err(sp, "expected an integer, found a boolean")),
+    }
+}
+
+fn boolean(v: Val, sp: Sp) -> Result<bool, ElabError> {
+    match v {
+        Val::Bool(x) => Ok(x),
+        Val::Int(_) => {
+            let mut e = err(sp, "expected a boolean, found an integer");
+            e.help = Some("compare it, e.g. `x > 0`".into());
+            Err(e)
+        }
+    }
+}
+
+fn call(
+    name: &str,
+    args: &[Arg],
+    sp: Sp,
+    env: &Env,
+    st: Option<&RankState<'_>>,
+) -> Result<Val, ElabError> {
+    let ints = |args: &[Arg]| -> Result<Vec<i64>, ElabError> {
+        args.iter()
+            .map(|a| match a {
+                Arg::Expr(e) => int(eval(e, env, st)?, e.sp()),
+                Arg::Kind(_, s) => Err(err(*s, "expected an integer, found an op kind")),
+            })
+            .collect()
+    };
+    match name {
+        "min" | "max" => {
+            let v = ints(args)?;
+            if v.is_empty() {
+                return Err(err(sp, format!("`{name}` needs at least one argument")));
+            }
+            Ok(Val::Int(if name == "min" {
+                *v.iter().min().expect("non-empty")
+            } else {
+                *v.iter().max().expect("non-empty")
+            }))
+        }
+        "abs" => {
+            let v = ints(args)?;
+            if v.len() != 1 {
+                return Err(err(sp, "`abs` takes one argument"));
+            }
+            Ok(Val::Int(v[0].abs()))
+        }
+        "done" | "left" => {
+            let st = st.ok_or_else(|| {
+                err(
+                    sp,
+                    format!("`{name}` is only defined inside `rank r {{ }}`"),
+                )
+            })?;
+            let (Some(Arg::Kind(k, _)), Some(Arg::Expr(c)), 2) =
+                (args.first(), args.get(1), args.len())
+            else {
+                return Err(err(
+                    sp,
+                    format!("`{name}` takes an op kind and a chunk, e.g. `{name}(F, 0)`"),
+                ));
+            };
+            let c = chunk(st, int(eval(c, env, Some(st))?, c.sp())?, c.sp())?;
+            let d = match k {
+                Kind::F => st.fwd[c],
+                Kind::B | Kind::BW => st.bwd[c],
+                Kind::W => st.wdone[c],
+            } as i64;
+            Ok(Val::Int(if name == "done" { d } else { st.mbs as i64 - d }))
+        }
+        "pending" => {
+            let st = st.ok_or_else(|| err(sp, "`pending` is only defined inside `rank r { }`"))?;
+            let v = ints(args)?;
+            Ok(Val::Int(match v.as_slice() {
+                [] => st.pending.len() as i64,
+                [c] => {
+                    let c = chunk(st, *c, sp)?;
+                    st.pending.iter().filter(|p| p.0 == c).count() as i64
+                }
+                _ => return Err(err(sp, "`pending` takes at most one chunk")),
+            }))
+        }
+        "stage" => {
+            let st = st.ok_or_else(|| err(sp, "`stage` is only defined inside `rank r { }`"))?;
+            let v = ints(args)?;
+            if v.len() != 1 {
+                return Err(err(sp, "`stage` takes one chunk"));
+            }
+            Ok(Val::Int(st.chunks[chunk(st, v[0], sp)?] as i64))
+        }
+        _ => {
+            let mut e = err(sp, format!("unknown function `{name}`"));
+            e.help = Some(
+                "functions: min, max, abs, done(K, c), left(K, c), pending(), pending(c), stage(c)"
+                    .into(),
+            );
+            Err(e)
+        }
+    }
+}
+
+fn chunk(st: &RankState<'_>, c: i64, sp: Sp) -> Result<usize, ElabError> {
+    if c < 0 || c as usize >= st.chunks.len() {
+        return Err(err(
+            sp,
+            format!(
+                "chunk {c} does not exist on rank {}: it holds {} chunk(s) (stages {:?})",
+                st.rank,
+                st.chunks.len(),
+                st.chunks
+            ),
+        ));
+    }
+    Ok(c as usize)
+}
+
+fn u32_of(v: i64, sp: Sp, what: &str) -> Result<u32, ElabError> {
+    u32::try_from(v).map_err(|_| err(sp, format!("{what} {v} is out of range")))
+}
+
+fn op_compute(o: &OpStmt, env: &Env, st: &mut RankState<'_>) -> Result<Option<Compute>, ElabError> {
+    let kind = o.kind;
+    let (stage, mb) = match &o.target {
+        Target::Stage(s, m) => {
+            let s = u32_of(int(eval(s, env, Some(st))?, s.sp())?, s.sp(), "stage")?;
+            let m = u32_of(int(eval(m, env, Some(st))?, m.sp())?, m.sp(), "micro-batch")?;
+            if let Some(c) = st.chunks.iter().position(|&x| x == s) {
+                note_explicit(st, kind, c, m);
+            }
+            (s, m)
+        }
+        Target::Chunk(c, m) => {
+            let ci = chunk(st, int(eval(c, env, Some(st))?, c.sp())?, c.sp())?;
+            let m = u32_of(int(eval(m, env, Some(st))?, m.sp())?, m.sp(), "micro-batch")?;
+            note_explicit(st, kind, ci, m);
+            (st.chunks[ci], m)
+        }
+        Target::Next(None) => {
+            if kind != Kind::W {
+                return Err(err(
+                    o.sp,
+                    format!(
+                        "{}() needs a chunk: {}(c) runs the next micro-batch of local chunk c",
+                        kind.as_str(),
+                        kind.as_str()
+                    ),
+                ));
+            }
+            match st.pending.pop_front() {
+                Some((c, m)) => {
+                    st.wdone[c] += 1;
+                    (st.chunks[c], m)
+                }
+                None if o.optional => return Ok(None),
+                None => {
+                    return Err(err(o.sp, format!("W() on rank {}: no weight gradient is pending (every B so far already has its W)", st.rank)))
+                }
+            }
+        }
+        Target::Next(Some(c)) => {
+            let ci = chunk(st, int(eval(c, env, Some(st))?, c.sp())?, c.sp())?;
+            let s = st.chunks[ci];
+            match kind {
+                Kind::F | Kind::B | Kind::BW => {
+                    let ctr = if kind == Kind::F { &mut st.fwd[ci] } else { &mut st.bwd[ci] };
+                    if *ctr >= st.mbs {
+                        if o.optional {
+                            return Ok(None);
+                        }
+                        let mut e = err(o.sp, format!(
+                            "{}({ci}) on rank {}: chunk {ci} (stage {s}) has no micro-batch left; all {} already have their {}",
+                            kind.as_str(), st.rank, st.mbs,
+                            if kind == Kind::F { "forward" } else { "backward" }
+                        ));
+                        e.help = Some(format!("`{}?({ci})` runs it only while micro-batches remain", kind.as_str()));
+                        return Err(e);
+                    }
+                    let m = *ctr;
+                    *ctr += 1;
+                    if kind == Kind::B {
+                        st.pending.push_back((ci, m));
+                    }
+                    if kind == Kind::BW {
+                        st.wdone[ci] += 1;
+                    }
+                    (s, m)
+                }
+                Kind::W => match st.pending.iter().position(|p| p.0 == ci) {
+                    Some(k) => {
+                        let (_, m) = st.pending.remove(k).expect("present");
+                        st.wdone[ci] += 1;
+                        (s, m)
+                    }
+                    None if o.optional => return Ok(None),
+                    None => {
+                        return Err(err(o.sp, format!(
+                            "W({ci}) on rank {}: chunk {ci} has no pending weight gradient (run B({ci}) first)",
+                            st.rank
+                        )))
+                    }
+                },
+            }
+        }
+    };
+    Ok(Some(Compute::new(kind, stage, mb)))
+}
+
+/// Keeps counters and pending Ws consistent when a spec names micro-batches explicitly.
+fn note_explicit(st: &mut RankState<'_>, kind: Kind, c: usize, m: u32) {
+    match kind {
+        Kind::F => st.fwd[c] = st.fwd[c].max(m + 1),
+        Kind::B => {
+            st.bwd[c] = st.bwd[c].max(m + 1);
+            st.pending.push_back((c, m));
+        }
+        Kind::BW => {
+            st.bwd[c] = st.bwd[c].max(m + 1);
+            st.wdone[c] += 1;
+        }
+        Kind::W => {
+            if let Some(k) = st.pending.iter().position(|p| *p == (c, m)) {
+                st.pending.remove(k);
+            }
+            st.wdone[c] += 1;
+        }
+    }
+}
+
+fn span(sp: Sp) -> Span {
+    Span {
+        start: sp.start as u32,
+        len: (sp.end - sp.start) as u32,
+    }
+}
+
+fn comm(c: &CommStmt, env: &Env, st: &RankState<'_>) -> Result<Comm, ElabError> {
+    let s = u32_of(
+        int(eval(&c.stage, env, Some(st))?, c.stage.sp())?,
+        c.stage.sp(),
+        "stage",
+    )?;
+    let m = u32_of(
+        int(eval(&c.mb, env, Some(st))?, c.mb.sp())?,
+        c.mb.sp(),
+        "micro-batch",
+    )?;
+    let p = u32_of(
+        int(eval(&c.peer, env, Some(st))?, c.peer.sp())?,
+        c.peer.sp(),
+        "peer rank",
+    )?;
+    let kind = if c.op.ends_with('A') {
+        PayloadKind::Act
+    } else {
+        PayloadKind::Grad
+    };
+    let payload = Payload {
+        kind,
+        stage: s,
+        mb: m,
+    };
+    Ok(if c.op.starts_with('S') {
+        Comm::Send { payload, peer: p }
+    } else {
+        Comm::Recv { payload, peer: p }
+    })
+}
+
+fn exec(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<(), ElabError> {
+    let mark = env.vars.len();
+    let r = exec_inner(body, env, st);
+    env.vars.truncate(mark);
+    r
+}
+
+fn tick(st: &mut RankState<'_>, sp: Sp) -> Result<(), ElabError> {
+    *st.budget += 1;
+    if *st.budget > STEP_BUDGET {
+        return Err(err(
+            sp,
+            format!("elaboration exceeds {STEP_BUDGET} steps (a loop that does not end?)"),
+        ));
+    }
+    Ok(())
+}
+
+fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<(), ElabError> {
+    for s in body {
+        match s {
+            Stmt::Let(n, e, _) => {
+                let v = eval(e, env, Some(st))?;
+                env.push(n, v, false);
+            }
+            Stmt::Var(n, e, _) => {
+                let v = eval(e, env, Some(st))?;
+                env.push(n, v, true);
+            }
+            Stmt::Assign(n, e, sp) => {
+                let v = eval(e, env, Some(st))?;
+                match env.vars.iter_mut().rev().find(|b| &b.name == n) {
+                    Some(b) if b.mutable => b.val = v,
+                    Some(_) => {
+                        let mut e = err(*sp, format!("`{n}` is not mutable"));
+                        e.help = Some(format!("declare it with `var {n} = ...`"));
+                        return Err(e);
+                    }
+                    None => return Err(err(*sp, format!("unknown name `{n}`"))),
+                }
+            }
+            Stmt::For {
+                var,
+                from,
+                to,
+                inclusive,
+                step,
+                body,
+                sp,
+            } => {
+                let a = int(eval(from, env, Some(st))?, from.sp())?;
+                let b = int(eval(to, env, Some(st))?, to.sp())?;
+                let k = match step {
+                    Some(e) => int(eval(e, env, Some(st))?, e.sp())?,
+                    None => 1,
+                };
+                if k <= 0 {
+                    return Err(err(*sp, format!("`step` must be positive, got {k}")));
+                }
+                let end = if *inclusive { b } else { b - 1 };
+                let mut i = a;
+                while i <= end {
+                    tick(st, *sp)?;
+                    env.push(var, Val::Int(i), false);
+                    let r = exec(body, env, st);
+                    env.vars.pop();
+                    r?;
+                    i += k;
+                }
+            }
+            Stmt::Repeat(n, body, sp) => {
+                let n = int(eval(n, env, Some(st))?, n.sp())?;
+                for _ in 0..n.max(0) {
+                    tick(st, *sp)?;
+                    exec(body, env, st)?;
+                }
+            }
+            Stmt::If(c, a, b, _) => {
+                if boolean(eval(c, env, Some(st))?, c.sp())? {
+                    exec(a, env, st)?;
+                } else {
+                    exec(b, env, st)?;
+                }
+            }
+            Stmt::Op(o) => {
+                tick(st, o.sp)?;
+                if let Some(c) = op_compute(o, env, st)? {
+                    st.out.push(Instr::Compute(c));
+                    st.spans.push(span(o.sp));
+                }
+            }
+            Stmt::Overlap(a, b, sp) => {
+                tick(st, *sp)?;
+                if a.kind != Kind::F || !matches!(b.kind, Kind::B | Kind::BW) {
+                    return Err(err(
+                        *sp,
+                        "an overlapped pair is a forward then a backward: `F(c) & BW(c2)`",
+                    ));
+                }
+                let f = op_compute(a, env, st)?;
+                let bw = op_compute(b, env, st)?;
+                match (f, bw) {
+                    (Some(f), Some(bw)) => st.out.push(Instr::Overlap { fwd: f, bwd: bw }),
+                    (Some(c), None) | (None, Some(c)) => st.out.push(Instr::Compute(c)),
+                    (None, None) => continue,
+                }
+                st.spans.push(span(*sp));
+            }
+            Stmt::Comm(c) => {
+                tick(st, c.sp)?;
+                let m = comm(c, env, st)?;
+                st.out.push(Instr::Comm(m));
+                st.spans.push(span(c.sp));
+            }
+            Stmt::Group(v, sp) => {
+                tick(st, *sp)?;
+                let g = v
+                    .iter()
+                    .map(|c| comm(c, env, st))
+                    .collect::<Result<Vec<_>, _>>()?;
+                st.out.push(Instr::Group(g));
+                st.spans.push(span(*sp));
+            }
+            Stmt::Idle(sp) => {
+                st.out.push(Instr::Idle);
+                st.spans.push(span(*sp));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Elaborates `file` for `inst`.
+///
+/// Errors: every failed `require` (with `refused` set), or the first elaboration error
+/// (unknown name, division by zero, a chunk with no micro-batch left, ...), each with its span.
+pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabError>> {
+    let mut env = Env { vars: Vec::new() };
+    let mut name = None;
+    let any_sp = Sp::default();
+    // Fixed V.
+    let mut fixed_v: Option<(Expr, Sp)> = None;
+    let mut stages_e: Option<&Expr> = None;
+    let mut mbs_e: Option<&Expr> = None;
+    let mut placement: Option<(&PlacementSpec, Sp)> = None;
+    for it in &file.items {
+        match it {
+            Item::Name(n, _) => name = Some(n.clone()),
+            Item::Vpp(e, sp) => fixed_v = Some((e.clone(), *sp)),
+            Item::Stages(e, _) => stages_e = Some(e),
+            Item::Microbatches(e, _) => mbs_e = Some(e),
+            Item::Placement(p, sp) => placement = Some((p, *sp)),
+            _ => {}
+        }
+    }
+    if inst.pp == 0 {
+        return Err(vec![err(any_sp, "--pp must be at least 1")]);
+    }
+    if inst.mb == 0 {
+        return Err(vec![err(any_sp, "--mb must be at least 1")]);
+    }
+    env.push("P", Val::Int(inst.pp as i64), false);
+    env.push("M", Val::Int(inst.mb as i64), false);
+    // V: fixed by the spec (possibly an expression of P and M), else --vpp, else 1.
+    let v = match &fixed_v {
+        Some((e, sp)) => {
+            let fv = int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp()).map_err(|e| vec![e])?;
+            if let Some(given) = inst.vpp {
+                if given as i64 != fv {
+                    let mut e = err(*sp, format!("this schedule has {fv} virtual stage(s) per rank; --vpp {given} is not accepted"));
+                    e.help = Some(format!("drop --vpp or pass --vpp {fv}"));
+                    e.refused = true;
+                    return Err(vec![e]);
+                }
+            }
+            fv
+        }
+        None => inst.vpp.unwrap_or(1) as i64,
+    };
+    if v < 1 {
+        return Err(vec![err(
+            any_sp,
+            "the number of virtual stages per rank must be at least 1",
+        )]);
+    }
+    env.push("V", Val::Int(v), false);
+    // Parameters.
+    let declared: Vec<&str> = file
+        .items
+        .iter()
+        .filter_map(|it| match it {
+            Item::Param(n, _, _) => Some(n.as_str()),
+            _ => None,
+        })
+        .collect();
+    for (n, _) in &inst.params {
+        if !declared.contains(&n.as_str()) {
+            let mut e = err(any_sp, format!("unknown parameter `{n}`"));
+            e.help = Some(if declared.is_empty() {
+                "this spec declares no parameters".into()
+            } else {
+                format!("this spec's parameters: {}", declared.join(", "))
+            });
+            return Err(vec![e]);
+        }
+    }
+    let is_bidir = matches!(placement, Some((PlacementSpec::Bidir, _)));
+    let s_default = if is_bidir {
+        2 * inst.pp as i64
+    } else {
+        inst.pp as i64 * v
+    };
+    // Items in order: params, lets, stages, requires.
+    let mut errors = Vec::new();
+    let mut s_val = s_default;
+    env.push("S", Val::Int(s_val), false);
+    for it in &file.items {
+        match it {
+            Item::Param(n, d, sp) => {
+                let val = match inst.params.iter().find(|(k, _)| k == n) {
+                    Some((_, v)) => *v,
+                    None => match d {
+                        Some(e) => int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp())
+                            .map_err(|e| vec![e])?,
+                        None => {
+                            let mut e = err(*sp, format!("parameter `{n}` has no default"));
+                            e.help = Some(format!("pass --param {n}=VALUE"));
+                            return Err(vec![e]);
+                        }
+                    },
+                };
+                env.push(n, Val::Int(val), false);
+            }
+            Item::Let(n, e, _) => {
+                let v = eval(e, &env, None).map_err(|e| vec![e])?;
+                env.push(n, v, false);
+            }
+            Item::Stages(e, _) => {
+                s_val =
+                    int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp()).map_err(|e| vec![e])?;
+                env.push("S", Val::Int(s_val), false);
+            }
+            Item::Require(c, msg, sp) => match eval(c, &env, None).and_then(|v| boolean(v, c.sp()))
+            {
+                Ok(true) => {}
+                Ok(false) => {
+                    let mut e = err(*sp, msg.clone());
+                    e.refused = true;
+                    errors.push(e);
+                }
+                Err(e) => errors.push(e),
+            },
+            _ => {}
+        }
+    }
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    let _ = stages_e;
+    let pp = inst.pp;
+    if s_val < 1 || s_val > u32::MAX as i64 {
+        return Err(vec![err(
+            any_sp,
+            format!("the number of stages must be at least 1, got {s_val}"),
+        )]);
+    }
+    let s_n = s_val as u32;
+    let mps = match mbs_e {
+        Some(e) => int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp()).map_err(|e| vec![e])?,
+        None if is_bidir => {
+            if !inst.mb.is_multiple_of(2) {
+                let mut e = err(placement.map_or(any_sp, |p| p.1), format!("a bidirectional schedule splits the micro-batches between two directions; --mb {} is odd", inst.mb));
+                e.refused = true;
+                return Err(vec![e]);
+            }
+            inst.mb as i64 / 2
+        }
+        None => inst.mb as i64,
+    };
+    if mps < 1 {
+        return Err(vec![err(
+            any_sp,
+            "the number of micro-batches per stage must be at least 1",
+        )]);
+    }
+    let pipeline = match placement {
+        None | Some((PlacementSpec::Loop, _)) => {
+            Pipeline::new(pp, s_n, mps as u32, PlacementKind::Loop)
+        }
+        Some((PlacementSpec::V, _)) => Pipeline::new(pp, s_n, mps as u32, PlacementKind::V),
+        Some((PlacementSpec::Bidir, _)) => Pipeline::new(pp, s_n, mps as u32, PlacementKind::Bidir),
+        Some((PlacementSpec::List(v), _)) => {
+            let mut map = Vec::new();
+            for e in v {
+                map.push(
+                    u32_of(
+                        int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp())
+                            .map_err(|e| vec![e])?,
+                        e.sp(),
+                        "rank",
+                    )
+                    .map_err(|e| vec![e])?,
+                );
+            }
+            if map.len() as u32 != s_n {
+                return Err(vec![err(
+                    placement.expect("some").1,
+                    format!(
+                        "the placement lists {} ranks but there are {s_n} stages",
+                        map.len()
+                    ),
+                )]);
+            }
+            Pipeline::explicit(pp, mps as u32, map)
+        }
+        Some((PlacementSpec::Map(var, e), _)) => {
+            let mut map = Vec::with_capacity(s_n as usize);
+            for s in 0..s_n {
+                env.push(var, Val::Int(s as i64), false);
+                let r = eval(e, &env, None)
+                    .and_then(|v| int(v, e.sp()))
+                    .and_then(|v| u32_of(v, e.sp(), "rank"));
+                env.vars.pop();
+                map.push(r.map_err(|e| vec![e])?);
+            }
+            Pipeline::explicit(pp, mps as u32, map)
+        }
+    }
+    .map_err(|e| vec![err(placement.map_or(any_sp, |p| p.1), e.to_string())])?;
+
+    // Rank programs.
+    let mut ranks: Vec<Vec<Instr>> = vec![Vec::new(); pp as usize];
+    let mut spans: Vec<Vec<Span>> = vec![Vec::new(); pp as usize];
+    let mut budget = 0u64;
+    let rank_items: Vec<&Item> = file
+        .items
+        .iter()
+        .filter(|i| matches!(i, Item::Rank(..)))
+        .collect();
+    let literal_items: Vec<&Item> = file
+        .items
+        .iter()
+        .filter(|i| matches!(i, Item::Literal(..)))
+        .collect();
+    if rank_items.len() > 1 {
+        if let Item::Rank(_, _, sp) = rank_items[1] {
+            return Err(vec![err(
+                *sp,
+                "a spec has one `rank r { }` program (branch on the rank inside it)",
+            )]);
+        }
+    }
+    if let (Some(Item::Rank(_, _, sp)), Some(_)) = (rank_items.first(), literal_items.first()) {
+        return Err(vec![err(
+            *sp,
+            "a spec has either a `rank r { }` program or `literal { }` blocks, not both",
+        )]);
+    }
+    if let Some(Item::Rank(var, body, _)) = rank_items.first() {
+        for r in 0..pp {
+            let chunks = pipeline.stages_of(r);
+            let nc = chunks.len();
+            let mut st = RankState {
+                rank: r,
+                chunks,
+                mbs: mps as u32,
+                fwd: vec![0; nc],
+                bwd: vec![0; nc],
+                wdone: vec![0; nc],
+                pending: VecDeque::new(),
+                out: Vec::new(),
+                spans: Vec::new(),
+                budget: &mut budget,
+            };
+            env.push(var, Val::Int(r as i64), false);
+            let res = exec(body, &mut env, &mut st);
+            env.vars.pop();
+            if let Err(mut e) = res {
+                e.rank = Some(r);
+                return Err(vec![e]);
+            }
+            ranks[r as usize] = st.out;
+            spans[r as usize] = st.spans;
+        }
+    }
+    for it in &literal_items {
+        let Item::Literal(body, sp) = it else {
+            continue;
+        };
+        let header = schedc_ir::text::print(&Program {
+            pipeline: pipeline.clone(),
+            ranks: Vec::new(),
+        });
+        let text = format!("{header}{body}");
+        let parsed = schedc_ir::text::parse(&text).map_err(|e| {
+            // Map the error back into the spec: the body starts after `literal {`.
+            let body_start = sp.start + "literal {".len();
+            let off = e.offset.saturating_sub(header.len()) + body_start;
+            vec![ElabError {
+                sp: Sp {
+                    start: off,
+                    end: off + e.len.max(1),
+                },
+                message: e.message,
+                help: e.help,
+                rank: None,
+                refused: false,
+            }]
+        })?;
+        let body_start = sp.start + "literal {".len();
+        for (r, instrs) in parsed.program.ranks.into_iter().enumerate() {
+            if instrs.is_empty() {
+                continue;
+            }
+            ranks[r].extend(instrs);
+            spans[r].extend(parsed.spans.ranks[r].iter().map(|s| Span {
+                start: (s.start as usize - header.len() + body_start) as u32,
+                len: s.len,
+            }));
+        }
+    }
+
+    // Expectations.
+    let mut expects = Vec::new();
+    for it in &file.items {
+        if let Item::Expect(kind, e, sp) = it {
+            let mut values = Vec::with_capacity(pp as usize);
+            for r in 0..pp {
+                let var = rank_items
+                    .first()
+                    .and_then(|i| match i {
+                        Item::Rank(v, _, _) => Some(v.as_str()),
+                        _ => None,
+                    })
+                    .unwrap_or("r");
+                env.push(var, Val::Int(r as i64), false);
+                let v = eval(e, &env, None).and_then(|v| int(v, e.sp()));
+                env.vars.pop();
+                values.push(v.map_err(|mut e| {
+                    e.rank = Some(r);
+                    vec![e]
+                })?);
+            }
+            expects.push(Expectation {
+                kind: kind.clone(),
+                values,
+                sp: *sp,
+            });
+        }
+    }
+
+    Ok(Elaborated {
+        program: Program { pipeline, ranks },
+        spans: SourceMap { ranks: spans },
+        expects,
+        name,
+    })
+}

@@ -1,0 +1,361 @@
+//! `schedc fmt`: the canonical layout of a `.sched` file. Comments are kept: each goes before
+//! the item or statement that follows it in the source (a comment at the end of a line moves
+//! above that line's statement). Formatting is idempotent and `parse(fmt(f)) == parse(f)`.
+
+use super::ast::*;
+use std::fmt::Write as _;
+
+/// The `#` comments of `src` with their byte offsets (outside strings and literal blocks).
+fn comments(src: &str, skip: &[(usize, usize)]) -> Vec<(usize, String)> {
+    let b = src.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if let Some(&(_, e)) = skip.iter().find(|(s, e)| i >= *s && i < *e) {
+            i = e;
+            continue;
+        }
+        match b[i] {
+            b'"' => {
+                i += 1;
+                while i < b.len() && b[i] != b'"' && b[i] != b'\n' {
+                    i += 1;
+                }
+                i += 1;
+            }
+            b'#' => {
+                let s = i;
+                while i < b.len() && b[i] != b'\n' {
+                    i += 1;
+                }
+                out.push((s, src[s..i].trim_end().to_string()));
+            }
+            _ => i += 1,
+        }
+    }
+    out
+}
+
+struct Fmt {
+    out: String,
+    comments: Vec<(usize, String)>,
+    next: usize,
+}
+
+impl Fmt {
+    fn flush_comments(&mut self, before: usize, indent: usize) {
+        while self.next < self.comments.len() && self.comments[self.next].0 < before {
+            let c = self.comments[self.next].1.clone();
+            let _ = writeln!(self.out, "{:indent$}{c}", "");
+            self.next += 1;
+        }
+    }
+}
+
+/// Prints an expression with the fewest parentheses that keep its structure.
+pub fn expr_str(e: &Expr) -> String {
+    let mut s = String::new();
+    write_expr(&mut s, e, 0);
+    s
+}
+
+fn write_expr(s: &mut String, e: &Expr, parent: u8) {
+    match e {
+        Expr::Int(v, _) => {
+            let _ = write!(s, "{v}");
+        }
+        Expr::Bool(b, _) => {
+            let _ = write!(s, "{b}");
+        }
+        Expr::Var(n, _) => s.push_str(n),
+        Expr::Neg(x, _) => {
+            s.push('-');
+            write_expr(s, x, 6);
+        }
+        Expr::Not(x, _) => {
+            s.push('!');
+            write_expr(s, x, 6);
+        }
+        Expr::Bin(op, a, b, _) => {
+            let p = op.prec();
+            let paren = p < parent;
+            if paren {
+                s.push('(');
+            }
+            write_expr(s, a, p);
+            let _ = write!(s, " {} ", op.as_str());
+            write_expr(s, b, p + 1);
+            if paren {
+                s.push(')');
+            }
+        }
+        Expr::Call(n, args, _) => {
+            s.push_str(n);
+            s.push('(');
+            for (k, a) in args.iter().enumerate() {
+                if k > 0 {
+                    s.push_str(", ");
+                }
+                match a {
+                    Arg::Expr(x) => write_expr(s, x, 0),
+                    Arg::Kind(k, _) => s.push_str(k.as_str()),
+                }
+            }
+            s.push(')');
+        }
+    }
+}
+
+fn op_str(o: &OpStmt) -> String {
+    let mut s = o.kind.as_str().to_string();
+    if o.optional {
+        s.push('?');
+    }
+    s.push('(');
+    match &o.target {
+        Target::Next(None) => {}
+        Target::Next(Some(c)) => s.push_str(&expr_str(c)),
+        Target::Chunk(c, m) => {
+            let _ = write!(s, "{}, {}", expr_str(c), expr_str(m));
+        }
+        Target::Stage(st, m) => {
+            let _ = write!(s, "stage {}, {}", expr_str(st), expr_str(m));
+        }
+    }
+    s.push(')');
+    s
+}
+
+fn comm_str(c: &CommStmt) -> String {
+    let arrow = if c.op.starts_with('S') { "->" } else { "<-" };
+    format!(
+        "{}({}, {} {arrow} {})",
+        c.op,
+        expr_str(&c.stage),
+        expr_str(&c.mb),
+        expr_str(&c.peer)
+    )
+}
+
+fn stmt_start(s: &Stmt) -> usize {
+    match s {
+        Stmt::Let(_, _, sp) | Stmt::Var(_, _, sp) | Stmt::Assign(_, _, sp) => sp.start,
+        Stmt::For { sp, .. } => sp.start,
+        Stmt::Repeat(_, _, sp) | Stmt::If(_, _, _, sp) => sp.start,
+        Stmt::Op(o) => o.sp.start,
+        Stmt::Overlap(_, _, sp) | Stmt::Group(_, sp) | Stmt::Idle(sp) => sp.start,
+        Stmt::Comm(c) => c.sp.start,
+    }
+}
+
+fn write_block(f: &mut Fmt, body: &[Stmt], indent: usize, end: usize) {
+    for s in body {
+        write_stmt(f, s, indent);
+    }
+    f.flush_comments(end, indent);
+}
+
+/// The offset just past a statement (for comments at the end of a block).
+fn stmt_end(s: &Stmt) -> usize {
+    match s {
+        Stmt::For { body, sp, .. } | Stmt::Repeat(_, body, sp) => {
+            body.last().map_or(sp.end, stmt_end)
+        }
+        Stmt::If(_, a, b, sp) => b.last().or(a.last()).map_or(sp.end, stmt_end),
+        Stmt::Let(_, _, sp) | Stmt::Var(_, _, sp) | Stmt::Assign(_, _, sp) => sp.end,
+        Stmt::Op(o) => o.sp.end,
+        Stmt::Overlap(_, _, sp) | Stmt::Group(_, sp) | Stmt::Idle(sp) => sp.end,
+        Stmt::Comm(c) => c.sp.end,
+    }
+}
+
+fn write_stmt(f: &mut Fmt, s: &Stmt, indent: usize) {
+    f.flush_comments(stmt_start(s), indent);
+    let pad = " ".repeat(indent);
+    match s {
+        Stmt::Let(n, e, _) => {
+            let _ = writeln!(f.out, "{pad}let {n} = {}", expr_str(e));
+        }
+        Stmt::Var(n, e, _) => {
+            let _ = writeln!(f.out, "{pad}var {n} = {}", expr_str(e));
+        }
+        Stmt::Assign(n, e, _) => {
+            let _ = writeln!(f.out, "{pad}{n} = {}", expr_str(e));
+        }
+        Stmt::For {
+            var,
+            from,
+            to,
+            inclusive,
+            step,
+            body,
+            ..
+        } => {
+            let _ = write!(
+                f.out,
+                "{pad}for {var} in {}{}{}",
+                expr_str(from),
+                if *inclusive { "..=" } else { ".." },
+                expr_str(to)
+            );
+            if let Some(st) = step {
+                let _ = write!(f.out, " step {}", expr_str(st));
+            }
+            f.out.push_str(" {\n");
+            write_block(f, body, indent + 4, stmt_end(s) + 1);
+            let _ = writeln!(f.out, "{pad}}}");
+        }
+        Stmt::Repeat(n, body, _) => {
+            let _ = writeln!(f.out, "{pad}repeat {} {{", expr_str(n));
+            write_block(f, body, indent + 4, stmt_end(s) + 1);
+            let _ = writeln!(f.out, "{pad}}}");
+        }
+        Stmt::If(c, a, b, _) => {
+            let _ = writeln!(f.out, "{pad}if {} {{", expr_str(c));
+            let a_end = a.last().map_or(0, stmt_end) + 1;
+            write_block(f, a, indent + 4, a_end);
+            // `else if` chains print flat.
+            let mut els = b;
+            loop {
+                if els.is_empty() {
+                    let _ = writeln!(f.out, "{pad}}}");
+                    break;
+                }
+                if let [Stmt::If(c2, a2, b2, _)] = els.as_slice() {
+                    let _ = writeln!(f.out, "{pad}}} else if {} {{", expr_str(c2));
+                    let end = a2.last().map_or(0, stmt_end) + 1;
+                    write_block(f, a2, indent + 4, end);
+                    els = b2;
+                    continue;
+                }
+                let _ = writeln!(f.out, "{pad}}} else {{");
+                let end = els.last().map_or(0, stmt_end) + 1;
+                write_block(f, els, indent + 4, end);
+                let _ = writeln!(f.out, "{pad}}}");
+                break;
+            }
+        }
+        Stmt::Op(o) => {
+            let _ = writeln!(f.out, "{pad}{}", op_str(o));
+        }
+        Stmt::Overlap(a, b, _) => {
+            let _ = writeln!(f.out, "{pad}{} & {}", op_str(a), op_str(b));
+        }
+        Stmt::Comm(c) => {
+            let _ = writeln!(f.out, "{pad}{}", comm_str(c));
+        }
+        Stmt::Group(v, _) => {
+            let inner: Vec<String> = v.iter().map(comm_str).collect();
+            let _ = writeln!(f.out, "{pad}group {{ {} }}", inner.join(" "));
+        }
+        Stmt::Idle(_) => {
+            let _ = writeln!(f.out, "{pad}idle");
+        }
+    }
+}
+
+fn item_sp(it: &Item) -> Sp {
+    match it {
+        Item::Name(_, s)
+        | Item::Param(_, _, s)
+        | Item::Vpp(_, s)
+        | Item::Stages(_, s)
+        | Item::Microbatches(_, s)
+        | Item::Placement(_, s)
+        | Item::Let(_, _, s)
+        | Item::Require(_, _, s)
+        | Item::Rank(_, _, s)
+        | Item::Literal(_, s)
+        | Item::Expect(_, _, s) => *s,
+    }
+}
+
+/// Formats a parsed file; `src` is its text (for the comments).
+pub fn format_file(file: &File, src: &str) -> String {
+    let skip: Vec<(usize, usize)> = file
+        .items
+        .iter()
+        .filter_map(|it| match it {
+            Item::Literal(_, sp) => Some((sp.start, sp.end)),
+            _ => None,
+        })
+        .collect();
+    let mut f = Fmt {
+        out: String::new(),
+        comments: comments(src, &skip),
+        next: 0,
+    };
+    let mut prev_block = false;
+    for (k, it) in file.items.iter().enumerate() {
+        let is_block = matches!(it, Item::Rank(..) | Item::Literal(..));
+        let starts_expects = matches!(it, Item::Expect(..))
+            && !matches!(file.items.get(k.wrapping_sub(1)), Some(Item::Expect(..)));
+        if k > 0 && (is_block || prev_block || starts_expects) && !f.out.ends_with("\n\n") {
+            f.out.push('\n');
+        }
+        f.flush_comments(item_sp(it).start, 0);
+        match it {
+            Item::Name(n, _) => {
+                let _ = writeln!(f.out, "schedule \"{n}\"");
+            }
+            Item::Param(n, d, _) => match d {
+                Some(e) => {
+                    let _ = writeln!(f.out, "param {n} = {}", expr_str(e));
+                }
+                None => {
+                    let _ = writeln!(f.out, "param {n}");
+                }
+            },
+            Item::Vpp(e, _) => {
+                let _ = writeln!(f.out, "vpp {}", expr_str(e));
+            }
+            Item::Stages(e, _) => {
+                let _ = writeln!(f.out, "stages {}", expr_str(e));
+            }
+            Item::Microbatches(e, _) => {
+                let _ = writeln!(f.out, "microbatches {}", expr_str(e));
+            }
+            Item::Placement(p, _) => {
+                let t = match p {
+                    PlacementSpec::Loop => "loop".to_string(),
+                    PlacementSpec::V => "v".to_string(),
+                    PlacementSpec::Bidir => "bidir".to_string(),
+                    PlacementSpec::List(v) => format!(
+                        "[{}]",
+                        v.iter().map(expr_str).collect::<Vec<_>>().join(", ")
+                    ),
+                    PlacementSpec::Map(n, e) => format!("{n} => {}", expr_str(e)),
+                };
+                let _ = writeln!(f.out, "placement {t}");
+            }
+            Item::Let(n, e, _) => {
+                let _ = writeln!(f.out, "let {n} = {}", expr_str(e));
+            }
+            Item::Require(c, m, _) => {
+                let _ = writeln!(f.out, "require {}, \"{m}\"", expr_str(c));
+            }
+            Item::Rank(n, body, sp) => {
+                let _ = writeln!(f.out, "rank {n} {{");
+                let end = body.last().map_or(sp.end, stmt_end) + 1;
+                write_block(&mut f, body, 4, end);
+                f.out.push_str("}\n");
+            }
+            Item::Literal(body, _) => {
+                f.out.push_str("literal {");
+                f.out.push_str(body);
+                f.out.push_str("}\n");
+            }
+            Item::Expect(k, e, _) => {
+                let (w, op) = match k {
+                    ExpectKind::Warmup => ("warmup", "=="),
+                    ExpectKind::PeakActivations => ("peak_activations", "<="),
+                    ExpectKind::Idle => ("idle", "=="),
+                };
+                let _ = writeln!(f.out, "expect {w} {op} {}", expr_str(e));
+            }
+        }
+        prev_block = is_block;
+    }
+    f.flush_comments(usize::MAX, 0);
+    f.out
+}

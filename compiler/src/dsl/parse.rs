@@ -1,0 +1,769 @@
+//! The `.sched` parser: nom 8 combinators over `nom_locate` spans, errors with the furthest
+//! position reached and what was expected there.
+
+use super::ast::*;
+use nom::branch::alt;
+use nom::bytes::complete::{tag, take_while, take_while1};
+use nom::character::complete::{char, digit1, multispace1, not_line_ending};
+use nom::combinator::{cut, map, opt, recognize, value};
+use nom::error::{ErrorKind, ParseError as NomParseError};
+use nom::multi::many0;
+use nom::sequence::{pair, preceded};
+use nom::{IResult, Parser};
+use nom_locate::LocatedSpan;
+use schedc_ir::Kind;
+
+type In<'a> = LocatedSpan<&'a str>;
+type R<'a, T> = IResult<In<'a>, T, PErr>;
+
+/// A parse error: where, what was expected, what was found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PErr {
+    /// Byte offset.
+    pub offset: usize,
+    /// What the parser expected there ("an expression", "`}`", ...).
+    pub expected: String,
+    /// A hint.
+    pub help: Option<String>,
+    /// True once committed (`cut`): alternatives are not tried.
+    generic: bool,
+}
+
+impl<'a> NomParseError<In<'a>> for PErr {
+    fn from_error_kind(input: In<'a>, kind: ErrorKind) -> Self {
+        PErr {
+            offset: input.location_offset(),
+            expected: format!("{kind:?}"),
+            help: None,
+            generic: true,
+        }
+    }
+    fn append(_: In<'a>, _: ErrorKind, other: Self) -> Self {
+        other
+    }
+    fn or(self, other: Self) -> Self {
+        // Keep the error that got furthest; prefer a specific message at equal offsets.
+        if other.offset > self.offset || (other.offset == self.offset && self.generic) {
+            other
+        } else {
+            self
+        }
+    }
+}
+
+fn fail<'a, T>(i: In<'a>, expected: &str) -> R<'a, T> {
+    Err(nom::Err::Error(PErr {
+        offset: i.location_offset(),
+        expected: expected.to_string(),
+        help: None,
+        generic: false,
+    }))
+}
+
+/// Wraps a parser so that its failure reports `what` at the position it started.
+fn expect<'a, T>(
+    what: &'static str,
+    mut p: impl Parser<In<'a>, Output = T, Error = PErr>,
+) -> impl Parser<In<'a>, Output = T, Error = PErr> {
+    move |i: In<'a>| match p.parse(i) {
+        Ok(x) => Ok(x),
+        Err(nom::Err::Error(e)) if e.generic || e.offset <= i.location_offset() => fail(i, what),
+        Err(e) => Err(e),
+    }
+}
+
+/// White space and `#` comments.
+fn ws(i: In<'_>) -> R<'_, ()> {
+    value(
+        (),
+        many0(alt((
+            value((), multispace1),
+            value((), pair(char('#'), not_line_ending)),
+            value((), char(';')),
+        ))),
+    )
+    .parse(i)
+}
+
+/// A token followed by white space.
+fn tok<'a>(t: &'static str) -> impl Parser<In<'a>, Output = In<'a>, Error = PErr> {
+    move |i: In<'a>| {
+        let (i2, x) = tag(t).parse(i)?;
+        let (i3, _) = ws(i2)?;
+        Ok((i3, x))
+    }
+}
+
+fn is_ident_start(c: char) -> bool {
+    c.is_ascii_alphabetic() || c == '_'
+}
+fn is_ident(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+fn raw_ident(i: In<'_>) -> R<'_, In<'_>> {
+    recognize(pair(take_while1(is_ident_start), take_while(is_ident))).parse(i)
+}
+
+/// A keyword: the word, not a prefix of a longer identifier.
+fn kw<'a>(k: &'static str) -> impl Parser<In<'a>, Output = Sp, Error = PErr> {
+    move |i: In<'a>| {
+        let (i2, w) = raw_ident(i)?;
+        if *w.fragment() != k {
+            return fail(i, k);
+        }
+        let sp = sp_of(i, i2);
+        let (i3, _) = ws(i2)?;
+        Ok((i3, sp))
+    }
+}
+
+const KEYWORDS: &[&str] = &[
+    "let",
+    "var",
+    "for",
+    "in",
+    "repeat",
+    "if",
+    "else",
+    "step",
+    "rank",
+    "literal",
+    "expect",
+    "param",
+    "vpp",
+    "stages",
+    "microbatches",
+    "placement",
+    "require",
+    "schedule",
+    "idle",
+    "group",
+    "true",
+    "false",
+    "stage",
+];
+
+fn ident(i: In<'_>) -> R<'_, (String, Sp)> {
+    let (i2, w) = raw_ident(i)?;
+    if KEYWORDS.contains(w.fragment()) {
+        return fail(i, "a name");
+    }
+    let sp = sp_of(i, i2);
+    let (i3, _) = ws(i2)?;
+    Ok((i3, (w.fragment().to_string(), sp)))
+}
+
+fn sp_of(a: In<'_>, b: In<'_>) -> Sp {
+    Sp {
+        start: a.location_offset(),
+        end: b.location_offset(),
+    }
+}
+
+fn int(i: In<'_>) -> R<'_, (i64, Sp)> {
+    let (i2, d) = digit1(i)?;
+    let v: i64 = match d.fragment().parse() {
+        Ok(v) => v,
+        Err(_) => {
+            return Err(nom::Err::Failure(PErr {
+                offset: i.location_offset(),
+                expected: "an integer that fits in 64 bits".into(),
+                help: None,
+                generic: false,
+            }))
+        }
+    };
+    let sp = sp_of(i, i2);
+    let (i3, _) = ws(i2)?;
+    Ok((i3, (v, sp)))
+}
+
+fn string(i: In<'_>) -> R<'_, String> {
+    let (i2, _) = char('"').parse(i)?;
+    let (i3, s) = cut(take_while(|c| c != '"' && c != '\n')).parse(i2)?;
+    let (i4, _) = cut(expect("`\"` closing the string", char('"'))).parse(i3)?;
+    let (i5, _) = ws(i4)?;
+    Ok((i5, s.fragment().to_string()))
+}
+
+fn op_kind(i: In<'_>) -> R<'_, (Kind, Sp)> {
+    let (i2, w) = raw_ident(i)?;
+    let k = match *w.fragment() {
+        "F" => Kind::F,
+        "B" => Kind::B,
+        "W" => Kind::W,
+        "BW" => Kind::BW,
+        _ => return fail(i, "an op (F, B, W or BW)"),
+    };
+    let sp = sp_of(i, i2);
+    let (i3, _) = ws(i2)?;
+    Ok((i3, (k, sp)))
+}
+
+// ---------------------------------------------------------------- expressions
+
+fn primary(i: In<'_>) -> R<'_, Expr> {
+    let start = i;
+    if let Ok((i2, (v, sp))) = int(i) {
+        return Ok((i2, Expr::Int(v, sp)));
+    }
+    if let Ok((i2, _)) = tok("(").parse(i) {
+        let (i3, e) = cut(expr).parse(i2)?;
+        let (i4, _) = cut(expect("`)`", tok(")"))).parse(i3)?;
+        return Ok((i4, e));
+    }
+    if let Ok((i2, _)) = tok("-").parse(i) {
+        let (i3, e) = cut(expect("an expression after `-`", unary)).parse(i2)?;
+        return Ok((i3, Expr::Neg(Box::new(e), sp_of(start, i3))));
+    }
+    if let Ok((i2, _)) = tok("!").parse(i) {
+        let (i3, e) = cut(expect("an expression after `!`", unary)).parse(i2)?;
+        return Ok((i3, Expr::Not(Box::new(e), sp_of(start, i3))));
+    }
+    if let Ok((i2, sp)) = kw("true").parse(i) {
+        return Ok((i2, Expr::Bool(true, sp)));
+    }
+    if let Ok((i2, sp)) = kw("false").parse(i) {
+        return Ok((i2, Expr::Bool(false, sp)));
+    }
+    let (i2, (name, nsp)) = expect("an expression", ident).parse(i)?;
+    if let Ok((i3, _)) = tok("(").parse(i2) {
+        let mut args = Vec::new();
+        let mut cur = i3;
+        if let Ok((i4, _)) = tok(")").parse(cur) {
+            return Ok((i4, Expr::Call(name, args, sp_of(start, i4))));
+        }
+        loop {
+            let (i4, a) = cut(call_arg).parse(cur)?;
+            args.push(a);
+            if let Ok((i5, _)) = tok(",").parse(i4) {
+                cur = i5;
+                continue;
+            }
+            let (i5, _) = cut(expect("`,` or `)`", tok(")"))).parse(i4)?;
+            return Ok((i5, Expr::Call(name, args, sp_of(start, i5))));
+        }
+    }
+    Ok((i2, Expr::Var(name, nsp)))
+}
+
+fn call_arg(i: In<'_>) -> R<'_, Arg> {
+    if let Ok((i2, (k, sp))) = op_kind(i) {
+        // `F` alone (not `F(`): a kind argument.
+        if !i2.fragment().starts_with('(') {
+            return Ok((i2, Arg::Kind(k, sp)));
+        }
+    }
+    map(expect("an expression or an op kind", expr), Arg::Expr).parse(i)
+}
+
+fn unary(i: In<'_>) -> R<'_, Expr> {
+    primary(i)
+}
+
+fn binop(i: In<'_>) -> R<'_, BinOp> {
+    alt((
+        value(BinOp::Or, tok("||")),
+        value(BinOp::And, tok("&&")),
+        value(BinOp::Eq, tok("==")),
+        value(BinOp::Ne, tok("!=")),
+        value(BinOp::Le, tok("<=")),
+        value(BinOp::Ge, tok(">=")),
+        value(BinOp::Lt, tok("<")),
+        value(BinOp::Gt, tok(">")),
+        value(BinOp::Add, tok("+")),
+        value(BinOp::Sub, tok("-")),
+        value(BinOp::Mul, tok("*")),
+        value(BinOp::Div, tok("/")),
+        value(BinOp::Mod, tok("%")),
+    ))
+    .parse(i)
+}
+
+/// Precedence climbing.
+fn expr_prec(i: In<'_>, min: u8) -> R<'_, Expr> {
+    let (mut i, mut lhs) = unary(i)?;
+    loop {
+        // Do not read `->`/`<-` (comm arrows) or `..` as operators.
+        let f = i.fragment();
+        if f.starts_with("->") || f.starts_with("<-") {
+            break;
+        }
+        let Ok((i2, op)) = binop(i) else { break };
+        if op.prec() < min {
+            break;
+        }
+        let (i3, rhs) = cut(expect("an expression", |x| expr_prec(x, op.prec() + 1))).parse(i2)?;
+        let sp = lhs.sp().to(rhs.sp());
+        lhs = Expr::Bin(op, Box::new(lhs), Box::new(rhs), sp);
+        i = i3;
+    }
+    Ok((i, lhs))
+}
+
+/// An expression.
+pub fn expr(i: In<'_>) -> R<'_, Expr> {
+    expr_prec(i, 1)
+}
+
+// ---------------------------------------------------------------- statements
+
+fn block(i: In<'_>) -> R<'_, Vec<Stmt>> {
+    let (i, _) = expect("`{`", tok("{")).parse(i)?;
+    let mut out = Vec::new();
+    let mut cur = i;
+    loop {
+        if let Ok((i2, _)) = tok("}").parse(cur) {
+            return Ok((i2, out));
+        }
+        if cur.fragment().is_empty() {
+            return Err(nom::Err::Failure(PErr {
+                offset: cur.location_offset(),
+                expected: "`}` closing the block".into(),
+                help: None,
+                generic: false,
+            }));
+        }
+        let (i2, s) = cut(stmt).parse(cur)?;
+        out.push(s);
+        cur = i2;
+    }
+}
+
+fn op_stmt(i: In<'_>) -> R<'_, OpStmt> {
+    let start = i;
+    let (i, (kind, _)) = op_kind(i)?;
+    let (i, q) = opt(tok("?")).parse(i)?;
+    let (i, _) = expect("`(` after the op", tok("(")).parse(i)?;
+    // Committed from here.
+    let (i, target) = cut(|i| -> R<'_, Target> {
+        if let Ok((i2, _)) = tok(")").parse(i) {
+            return Ok((i2, Target::Next(None)));
+        }
+        if let Ok((i2, _)) = kw("stage").parse(i) {
+            let (i3, s) = expect("a stage expression", expr).parse(i2)?;
+            let (i4, _) = expect("`,` and a micro-batch", tok(",")).parse(i3)?;
+            let (i5, m) = expect("a micro-batch expression", expr).parse(i4)?;
+            let (i6, _) = expect("`)`", tok(")")).parse(i5)?;
+            return Ok((i6, Target::Stage(s, m)));
+        }
+        let (i2, c) = expect("a chunk expression, `stage`, or `)`", expr).parse(i)?;
+        if let Ok((i3, _)) = tok(",").parse(i2) {
+            let (i4, m) = expect("a micro-batch expression", expr).parse(i3)?;
+            let (i5, _) = expect("`)`", tok(")")).parse(i4)?;
+            return Ok((i5, Target::Chunk(c, m)));
+        }
+        let (i3, _) = expect("`,` or `)`", tok(")")).parse(i2)?;
+        Ok((i3, Target::Next(Some(c))))
+    })
+    .parse(i)?;
+    Ok((
+        i,
+        OpStmt {
+            kind,
+            optional: q.is_some(),
+            target,
+            sp: sp_of(start, i),
+        },
+    ))
+}
+
+fn comm_stmt(i: In<'_>) -> R<'_, CommStmt> {
+    let start = i;
+    let (i2, w) = raw_ident(i)?;
+    let op = *w.fragment();
+    if !matches!(op, "SA" | "RA" | "SG" | "RG") {
+        return fail(i, "a send or receive (SA, RA, SG, RG)");
+    }
+    let (i, _) = ws(i2)?;
+    let (i, _) = expect("`(`", tok("(")).parse(i)?;
+    let arrow = if op.starts_with('S') { "->" } else { "<-" };
+    let (i, (stage, mb, peer)) = cut(|i| -> R<'_, (Expr, Expr, Expr)> {
+        let (i, s) = expect("the payload's stage", expr).parse(i)?;
+        let (i, _) = expect("`,`", tok(",")).parse(i)?;
+        let (i, m) = expect("the payload's micro-batch", expr).parse(i)?;
+        let (i, _) = expect(
+            if arrow == "->" {
+                "`->` and the peer"
+            } else {
+                "`<-` and the peer"
+            },
+            tok(arrow),
+        )
+        .parse(i)?;
+        let (i, p) = expect("the peer rank", expr).parse(i)?;
+        let (i, _) = expect("`)`", tok(")")).parse(i)?;
+        Ok((i, (s, m, p)))
+    })
+    .parse(i)?;
+    Ok((
+        i,
+        CommStmt {
+            op: op.to_string(),
+            stage,
+            mb,
+            peer,
+            sp: sp_of(start, i),
+        },
+    ))
+}
+
+fn stmt(i: In<'_>) -> R<'_, Stmt> {
+    let start = i;
+    if let Ok((i2, _)) = kw("let").parse(i) {
+        let (i3, (n, _)) = cut(expect("a name after `let`", ident)).parse(i2)?;
+        let (i4, _) = cut(expect("`=`", tok("="))).parse(i3)?;
+        let (i5, e) = cut(expect("an expression", expr)).parse(i4)?;
+        return Ok((i5, Stmt::Let(n, e, sp_of(start, i5))));
+    }
+    if let Ok((i2, _)) = kw("var").parse(i) {
+        let (i3, (n, _)) = cut(expect("a name after `var`", ident)).parse(i2)?;
+        let (i4, _) = cut(expect("`=`", tok("="))).parse(i3)?;
+        let (i5, e) = cut(expect("an expression", expr)).parse(i4)?;
+        return Ok((i5, Stmt::Var(n, e, sp_of(start, i5))));
+    }
+    if let Ok((i2, _)) = kw("for").parse(i) {
+        let (i3, (var, _)) = cut(expect("a loop variable", ident)).parse(i2)?;
+        let (i4, _) = cut(expect("`in`", kw("in"))).parse(i3)?;
+        let (i5, from) = cut(expect("the start of the range", expr)).parse(i4)?;
+        let (i6, incl) = cut(expect(
+            "`..` or `..=`",
+            alt((value(true, tok("..=")), value(false, tok("..")))),
+        ))
+        .parse(i5)?;
+        let (i7, to) = cut(expect("the end of the range", expr)).parse(i6)?;
+        let (i8, step) = opt(preceded(kw("step"), cut(expect("a step", expr)))).parse(i7)?;
+        let sp = sp_of(start, i8);
+        let (i9, body) = cut(block).parse(i8)?;
+        return Ok((
+            i9,
+            Stmt::For {
+                var,
+                from,
+                to,
+                inclusive: incl,
+                step,
+                body,
+                sp,
+            },
+        ));
+    }
+    if let Ok((i2, _)) = kw("repeat").parse(i) {
+        let (i3, n) = cut(expect("a count after `repeat`", expr)).parse(i2)?;
+        let sp = sp_of(start, i3);
+        let (i4, body) = cut(block).parse(i3)?;
+        return Ok((i4, Stmt::Repeat(n, body, sp)));
+    }
+    if let Ok((i2, _)) = kw("if").parse(i) {
+        return cut(|i| if_rest(i, start)).parse(i2);
+    }
+    if let Ok((i2, sp)) = kw("idle").parse(i) {
+        return Ok((i2, Stmt::Idle(sp)));
+    }
+    if let Ok((i2, _)) = kw("group").parse(i) {
+        let (i3, _) = cut(expect("`{`", tok("{"))).parse(i2)?;
+        let mut v = Vec::new();
+        let mut cur = i3;
+        loop {
+            if let Ok((i4, _)) = tok("}").parse(cur) {
+                if v.is_empty() {
+                    return Err(nom::Err::Failure(PErr {
+                        offset: cur.location_offset(),
+                        expected: "a send or receive in the group".into(),
+                        help: None,
+                        generic: false,
+                    }));
+                }
+                return Ok((i4, Stmt::Group(v, sp_of(start, i4))));
+            }
+            let (i4, c) = cut(expect(
+                "a send or receive (SA, RA, SG, RG) or `}`",
+                comm_stmt,
+            ))
+            .parse(cur)?;
+            v.push(c);
+            cur = i4;
+        }
+    }
+    if let Ok((i2, c)) = comm_stmt(i) {
+        return Ok((i2, Stmt::Comm(c)));
+    }
+    if let Ok((i2, a)) = op_stmt(i) {
+        if let Ok((i3, _)) = tok("&").parse(i2) {
+            let (i4, b) = cut(expect("a backward op after `&`", op_stmt)).parse(i3)?;
+            return Ok((i4, Stmt::Overlap(a, b, sp_of(start, i4))));
+        }
+        return Ok((i2, Stmt::Op(a)));
+    }
+    // Propagate committed errors from inside an op.
+    if let Err(nom::Err::Failure(e)) = op_stmt(i) {
+        return Err(nom::Err::Failure(e));
+    }
+    if let Ok((i2, (n, _))) = ident(i) {
+        if let Ok((i3, _)) = tok("=").parse(i2) {
+            if !i3.fragment().starts_with('=') {
+                let (i4, e) = cut(expect("an expression", expr)).parse(i3)?;
+                return Ok((i4, Stmt::Assign(n, e, sp_of(start, i4))));
+            }
+        }
+    }
+    fail(
+        i,
+        "a statement (let, var, for, repeat, if, an op such as F(0), a send or receive, group, idle)",
+    )
+}
+
+fn if_rest<'a>(i: In<'a>, start: In<'a>) -> R<'a, Stmt> {
+    let (i, c) = expect("a condition after `if`", expr).parse(i)?;
+    let sp = sp_of(start, i);
+    let (i, then) = block(i)?;
+    if let Ok((i2, _)) = kw("else").parse(i) {
+        if let Ok((i3, _)) = kw("if").parse(i2) {
+            let (i4, nested) = if_rest(i3, i2)?;
+            return Ok((i4, Stmt::If(c, then, vec![nested], sp)));
+        }
+        let (i3, els) = block(i2)?;
+        return Ok((i3, Stmt::If(c, then, els, sp)));
+    }
+    Ok((i, Stmt::If(c, then, Vec::new(), sp)))
+}
+
+// ---------------------------------------------------------------- items
+
+fn literal_body(i: In<'_>) -> R<'_, String> {
+    // `{` ... matching `}`; the text between is IR text (which has its own braces).
+    let (i, _) = expect("`{`", char('{')).parse(i)?;
+    let s = i.fragment();
+    let mut depth = 1usize;
+    let mut end = None;
+    for (k, ch) in s.char_indices() {
+        match ch {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    end = Some(k);
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    let Some(end) = end else {
+        return Err(nom::Err::Failure(PErr {
+            offset: i.location_offset() + s.len(),
+            expected: "`}` closing the literal block".into(),
+            help: None,
+            generic: false,
+        }));
+    };
+    let body = s[..end].to_string();
+    let (rest, _) = nom::bytes::complete::take::<usize, In<'_>, PErr>(end + 1).parse(i)?;
+    let (rest, _) = ws(rest)?;
+    Ok((rest, body))
+}
+
+fn item(i: In<'_>) -> R<'_, Item> {
+    let start = i;
+    if let Ok((i2, _)) = kw("schedule").parse(i) {
+        let (i3, s) = cut(expect("a quoted name", string)).parse(i2)?;
+        return Ok((i3, Item::Name(s, sp_of(start, i3))));
+    }
+    if let Ok((i2, _)) = kw("param").parse(i) {
+        let (i3, (n, _)) = cut(expect("a parameter name", ident)).parse(i2)?;
+        let (i4, d) = opt(preceded(tok("="), cut(expect("a default value", expr)))).parse(i3)?;
+        return Ok((i4, Item::Param(n, d, sp_of(start, i4))));
+    }
+    if let Ok((i2, _)) = kw("vpp").parse(i) {
+        let (i3, e) = cut(expect("the number of virtual stages per rank", expr)).parse(i2)?;
+        return Ok((i3, Item::Vpp(e, sp_of(start, i3))));
+    }
+    if let Ok((i2, _)) = kw("stages").parse(i) {
+        let (i3, e) = cut(expect("the number of stages", expr)).parse(i2)?;
+        return Ok((i3, Item::Stages(e, sp_of(start, i3))));
+    }
+    if let Ok((i2, _)) = kw("microbatches").parse(i) {
+        let (i3, e) = cut(expect("the number of micro-batches per stage", expr)).parse(i2)?;
+        return Ok((i3, Item::Microbatches(e, sp_of(start, i3))));
+    }
+    if let Ok((i2, _)) = kw("placement").parse(i) {
+        let (i3, p) = cut(|i| -> R<'_, PlacementSpec> {
+            if let Ok((i2, _)) = kw("loop").parse(i) {
+                return Ok((i2, PlacementSpec::Loop));
+            }
+            if let Ok((i2, _)) = kw("v").parse(i) {
+                return Ok((i2, PlacementSpec::V));
+            }
+            if let Ok((i2, _)) = kw("bidir").parse(i) {
+                return Ok((i2, PlacementSpec::Bidir));
+            }
+            if let Ok((i2, _)) = tok("[").parse(i) {
+                let mut v = Vec::new();
+                let mut cur = i2;
+                loop {
+                    if let Ok((i3, _)) = tok("]").parse(cur) {
+                        return Ok((i3, PlacementSpec::List(v)));
+                    }
+                    let (i3, e) = expect("a rank expression or `]`", expr).parse(cur)?;
+                    v.push(e);
+                    cur = match tok(",").parse(i3) {
+                        Ok((i4, _)) => i4,
+                        Err(_) => {
+                            let (i4, _) = expect("`,` or `]`", tok("]")).parse(i3)?;
+                            return Ok((i4, PlacementSpec::List(v)));
+                        }
+                    };
+                }
+            }
+            let (i2, (n, _)) = expect(
+                "loop, v, bidir, a list `[r0, r1, ...]` or `s => rank`",
+                ident,
+            )
+            .parse(i)?;
+            let (i3, _) = expect("`=>`", tok("=>")).parse(i2)?;
+            let (i4, e) = expect("the rank of the stage", expr).parse(i3)?;
+            Ok((i4, PlacementSpec::Map(n, e)))
+        })
+        .parse(i2)?;
+        return Ok((i3, Item::Placement(p, sp_of(start, i3))));
+    }
+    if let Ok((i2, _)) = kw("let").parse(i) {
+        let (i3, (n, _)) = cut(expect("a name after `let`", ident)).parse(i2)?;
+        let (i4, _) = cut(expect("`=`", tok("="))).parse(i3)?;
+        let (i5, e) = cut(expect("an expression", expr)).parse(i4)?;
+        return Ok((i5, Item::Let(n, e, sp_of(start, i5))));
+    }
+    if let Ok((i2, _)) = kw("require").parse(i) {
+        let (i3, c) = cut(expect("a condition", expr)).parse(i2)?;
+        let (i4, _) = cut(expect("`,` and a message in quotes", tok(","))).parse(i3)?;
+        let (i5, m) = cut(expect("a message in quotes", string)).parse(i4)?;
+        return Ok((i5, Item::Require(c, m, sp_of(start, i5))));
+    }
+    if let Ok((i2, _)) = kw("rank").parse(i) {
+        let (i3, (n, _)) =
+            cut(expect("the rank variable's name, e.g. `rank r {`", ident)).parse(i2)?;
+        let sp = sp_of(start, i3);
+        let (i4, body) = cut(block).parse(i3)?;
+        return Ok((i4, Item::Rank(n, body, sp)));
+    }
+    if let Ok((i2, _)) = kw("literal").parse(i) {
+        let (i3, body) = cut(literal_body).parse(i2)?;
+        return Ok((i3, Item::Literal(body, sp_of(start, i3))));
+    }
+    if let Ok((i2, _)) = kw("expect").parse(i) {
+        let (i3, k) = cut(|i| -> R<'_, (ExpectKind, &'static str)> {
+            if let Ok((i2, _)) = kw("warmup").parse(i) {
+                return Ok((i2, (ExpectKind::Warmup, "==")));
+            }
+            if let Ok((i2, _)) = kw("peak_activations").parse(i) {
+                return Ok((i2, (ExpectKind::PeakActivations, "<=")));
+            }
+            if let Ok((i2, _)) = kw("idle").parse(i) {
+                return Ok((i2, (ExpectKind::Idle, "==")));
+            }
+            fail(i, "warmup, peak_activations or idle")
+        })
+        .parse(i2)?;
+        let (kind, op) = k;
+        let (i4, _) = cut(expect(if op == "==" { "`==`" } else { "`<=`" }, tok(op))).parse(i3)?;
+        let (i5, e) = cut(expect("an expression", expr)).parse(i4)?;
+        return Ok((i5, Item::Expect(kind, e, sp_of(start, i5))));
+    }
+    fail(
+        i,
+        "an item (schedule, param, vpp, stages, microbatches, placement, let, require, rank, literal, expect)",
+    )
+}
+
+/// A syntax error, located.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyntaxError {
+    /// Byte offset.
+    pub offset: usize,
+    /// Length of the offending token (at least 1 unless at the end).
+    pub len: usize,
+    /// "expected X, found Y".
+    pub message: String,
+    /// A hint.
+    pub help: Option<String>,
+}
+
+fn found_at(src: &str, off: usize) -> (String, usize) {
+    let rest = &src[off.min(src.len())..];
+    if rest.is_empty() {
+        return ("end of file".into(), 0);
+    }
+    let first = rest.chars().next().unwrap_or(' ');
+    if first == '\n' {
+        return ("end of line".into(), 1);
+    }
+    let len = if is_ident(first) {
+        rest.find(|c: char| !is_ident(c)).unwrap_or(rest.len())
+    } else {
+        first.len_utf8()
+    };
+    (format!("`{}`", &rest[..len]), len)
+}
+
+fn help_for(expected: &str, found: &str) -> Option<String> {
+    if found == "`I`" {
+        return Some(
+            "torch's `I` (input-only backward) is `B` here; torch's `B` (full backward) is `BW`"
+                .into(),
+        );
+    }
+    if expected.starts_with("an item") && found == "`for`" {
+        return Some("statements go inside `rank r { ... }`".into());
+    }
+    if found == "`=`" && expected.contains("`==`") {
+        return Some("comparisons use `==`".into());
+    }
+    None
+}
+
+/// Parses a whole `.sched` file.
+///
+/// Errors: the first syntax error, at the furthest position the parser reached, with what
+/// it expected and what it found.
+pub fn parse_file(src: &str) -> Result<File, SyntaxError> {
+    let input = In::new(src);
+    let (mut cur, _) = ws(input).map_err(|_| SyntaxError {
+        offset: 0,
+        len: 0,
+        message: "unreadable input".into(),
+        help: None,
+    })?;
+    let mut items = Vec::new();
+    while !cur.fragment().is_empty() {
+        match item(cur) {
+            Ok((rest, it)) => {
+                items.push(it);
+                cur = rest;
+            }
+            Err(nom::Err::Error(e)) | Err(nom::Err::Failure(e)) => {
+                let (found, len) = found_at(src, e.offset);
+                let expected = if e.generic {
+                    "a valid token".to_string()
+                } else {
+                    e.expected
+                };
+                return Err(SyntaxError {
+                    offset: e.offset,
+                    len,
+                    help: e.help.or_else(|| help_for(&expected, &found)),
+                    message: format!("expected {expected}, found {found}"),
+                });
+            }
+            Err(nom::Err::Incomplete(_)) => {
+                return Err(SyntaxError {
+                    offset: src.len(),
+                    len: 0,
+                    message: "unexpected end of file".into(),
+                    help: None,
+                })
+            }
+        }
+    }
+    Ok(File { items })
+}
