@@ -285,3 +285,256 @@ pub fn shared_dir() -> Option<std::path::PathBuf> {
     );
     None
 }
+
+/// Conformance of `specs/*.sched` with reference schedules.
+pub mod conform {
+    use schedc::input::{load_spec, LoadError, Overrides};
+    use schedc_ir::{Compute, Instr, Kind, Program};
+    use std::path::PathBuf;
+
+    /// The repository root.
+    pub fn root() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    }
+
+    /// Elaborates `specs/<spec>.sched` for (P, M, V). `Ok(None)` if a `require` refuses it.
+    pub fn elaborate(
+        spec: &str,
+        pp: u32,
+        mb: u32,
+        vpp: Option<u32>,
+    ) -> Result<Option<Program>, String> {
+        let path = root().join("specs").join(format!("{spec}.sched"));
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let ov = Overrides {
+            pp: Some(pp),
+            microbatches: Some(mb),
+            vpp,
+            ..Default::default()
+        };
+        match load_spec(&text, &ov) {
+            Ok(e) => Ok(Some(e.program)),
+            Err(LoadError::Spec { refused: true, .. }) => Ok(None),
+            Err(LoadError::Spec { diags, .. }) => Err(diags
+                .iter()
+                .map(|d| format!("{}: {}", d.code.as_str(), d.message))
+                .collect::<Vec<_>>()
+                .join("; ")),
+            Err(LoadError::Usage(u)) | Err(LoadError::Io(u)) => Err(u),
+            Err(LoadError::Parse(p)) => Err(p.message),
+        }
+    }
+
+    fn torch_tok(c: &Compute) -> String {
+        let k = match c.kind {
+            Kind::F => "F",
+            Kind::B => "I",
+            Kind::W => "W",
+            Kind::BW => "B",
+        };
+        format!("{}{k}{}", c.stage, c.mb)
+    }
+
+    /// A rank's compute ops in torch's action syntax (idle slots and other ops dropped).
+    pub fn torch_order(p: &Program, r: usize) -> Vec<String> {
+        p.ranks[r]
+            .iter()
+            .filter_map(|i| match i {
+                Instr::Compute(c) => Some(torch_tok(c)),
+                Instr::Overlap { fwd, bwd } => Some(format!(
+                    "({};{})OVERLAP_F_B",
+                    torch_tok(fwd),
+                    torch_tok(bwd)
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Compares `spec` with every config of torch `class` in shared/reference/torch: the
+    /// compute order of every rank (idle cells ignored) for accepted configs, refusal for
+    /// refused ones. Returns one line per difference (empty: conformant), and the number of
+    /// configs compared.
+    ///
+    /// `torch_1f1b`: the two documented departures from torch's Schedule1F1B. Its
+    /// compute order numbers the last rank's forwards 1..=M (see
+    /// tests/tests/conformance.rs), which the comparison undoes; and it refuses M < P only to
+    /// dodge a hang in its own send/receive pairing (pytorch/torchtitan#775), so for those
+    /// configs the spec must *accept* and its lowering must pass `schedc check`.
+    pub fn torch(spec: &str, class: &str, torch_1f1b: bool) -> (Vec<String>, usize) {
+        let last_rank_fwd_shift = torch_1f1b;
+        let Some(shared) = crate::shared_dir() else {
+            return (Vec::new(), 0);
+        };
+        let dir = shared.join("reference/torch");
+        let recs: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
+                .unwrap();
+        let mut diffs = Vec::new();
+        let mut n = 0;
+        for rec in recs.iter().filter(|r| r["schedule"] == class) {
+            n += 1;
+            let name = rec["name"].as_str().unwrap();
+            let pp = rec["pp"].as_u64().unwrap() as u32;
+            let mb = rec["microbatches"].as_u64().unwrap() as u32;
+            let v = rec["stages_per_rank"].as_u64().unwrap() as u32;
+            let got = match elaborate(spec, pp, mb, Some(v)) {
+                Ok(g) => g,
+                Err(e) => {
+                    diffs.push(format!("{name}: elaboration error: {e}"));
+                    continue;
+                }
+            };
+            let accepted = rec["accepted"].as_bool().unwrap();
+            match (accepted, got) {
+                (false, None) => {}
+                (false, Some(p)) if torch_1f1b && mb < pp => {
+                    let out = schedc::check::check(&p, None, &Default::default());
+                    if out.report.verdict != schedc::check::Verdict::Accepted {
+                        diffs.push(format!("{name}: M < P must be accepted and pass check"));
+                    }
+                }
+                (false, Some(_)) => diffs.push(format!(
+                    "{name}: torch refuses ({}) but the spec accepts",
+                    rec["reason"]
+                )),
+                (true, None) => diffs.push(format!("{name}: torch accepts but the spec refuses")),
+                (true, Some(p)) => {
+                    let csv =
+                        std::fs::read_to_string(dir.join(format!("{name}.compute.csv"))).unwrap();
+                    for (r, line) in csv.lines().enumerate() {
+                        let want: Vec<String> = line
+                            .split(',')
+                            .map(str::trim)
+                            .filter(|c| {
+                                !c.is_empty() && !c.contains("REDUCE_GRAD") && !c.contains("SHARD")
+                            })
+                            .map(|c| {
+                                if last_rank_fwd_shift && r + 1 == pp as usize {
+                                    if let Some((s, m)) = c.split_once('F') {
+                                        return format!("{s}F{}", m.parse::<u32>().unwrap() - 1);
+                                    }
+                                }
+                                c.to_string()
+                            })
+                            .collect();
+                        let have = if r < p.ranks.len() {
+                            torch_order(&p, r)
+                        } else {
+                            Vec::new()
+                        };
+                        if have != want {
+                            let k = have
+                                .iter()
+                                .zip(&want)
+                                .position(|(a, b)| a != b)
+                                .unwrap_or(have.len().min(want.len()));
+                            diffs.push(format!(
+                                "{name} rank {r}: differs at op {k}: spec {:?} torch {:?} (lengths {} vs {})",
+                                &have[k.min(have.len())..(k + 4).min(have.len())],
+                                &want[k.min(want.len())..(k + 4).min(want.len())],
+                                have.len(),
+                                want.len()
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        (diffs, n)
+    }
+
+    /// Compares `spec` with DeepSeek's reference traces of `schedule` ("dualpipe" or
+    /// "dualpipev"): the compute order of every rank, op for op, and the refusals of
+    /// constraints.json. Returns the differences and the number of traces compared.
+    pub fn dualpipe(spec: &str, schedule: &str) -> (Vec<String>, usize) {
+        let Some(shared) = crate::shared_dir() else {
+            return (Vec::new(), 0);
+        };
+        let dir = shared.join("reference/dualpipe");
+        let mut diffs = Vec::new();
+        let mut n = 0;
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        files.sort();
+        for f in files {
+            let fname = f.file_name().unwrap().to_str().unwrap().to_string();
+            if !fname.starts_with(&format!("{schedule}_P")) {
+                continue;
+            }
+            n += 1;
+            let src = std::fs::read_to_string(&f).unwrap();
+            let want = schedc::import::dualpipe::parse_trace_compute_only(&src).unwrap();
+            let v: serde_json::Value = serde_json::from_str(&src).unwrap();
+            let (pp, nchunks) = (
+                v["num_ranks"].as_u64().unwrap() as u32,
+                v["num_chunks"].as_u64().unwrap() as u32,
+            );
+            match elaborate(spec, pp, nchunks, None) {
+                Err(e) => diffs.push(format!("{fname}: elaboration error: {e}")),
+                Ok(None) => diffs.push(format!(
+                    "{fname}: the reference runs it but the spec refuses"
+                )),
+                Ok(Some(p)) => {
+                    if p.pipeline != want.pipeline {
+                        diffs.push(format!(
+                            "{fname}: pipeline differs: spec {:?} reference {:?}",
+                            p.pipeline, want.pipeline
+                        ));
+                    }
+                    for r in 0..pp as usize {
+                        let have: Vec<&Instr> =
+                            p.ranks[r].iter().filter(|i| i.is_compute()).collect();
+                        let wants: Vec<&Instr> =
+                            want.ranks[r].iter().filter(|i| i.is_compute()).collect();
+                        if have != wants {
+                            let k = have
+                                .iter()
+                                .zip(&wants)
+                                .position(|(a, b)| a != b)
+                                .unwrap_or(have.len().min(wants.len()));
+                            let t = |v: &[&Instr]| {
+                                v.iter()
+                                    .map(|i| schedc_ir::text::instr_to_string(i))
+                                    .collect::<Vec<_>>()
+                            };
+                            diffs.push(format!(
+                                "{fname} rank {r}: differs at op {k}: spec {:?} reference {:?} (lengths {} vs {})",
+                                t(&have[k.min(have.len())..(k + 4).min(have.len())]),
+                                t(&wants[k.min(wants.len())..(k + 4).min(wants.len())]),
+                                have.len(),
+                                wants.len()
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        let cons: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("constraints.json")).unwrap())
+                .unwrap();
+        for c in cons.iter().filter(|c| c["schedule"] == schedule) {
+            n += 1;
+            let (pp, nch) = (
+                c["P"].as_u64().unwrap() as u32,
+                c["N"].as_u64().unwrap() as u32,
+            );
+            let refused = c["probe"].as_str().unwrap().starts_with("rejected");
+            match (refused, elaborate(spec, pp, nch, None)) {
+                (true, Ok(None)) | (false, Ok(Some(_))) => {}
+                (true, r) => diffs.push(format!(
+                    "P={pp} N={nch}: the reference refuses but the spec gives {:?}",
+                    r.map(|p| p.is_some())
+                )),
+                (false, r) => diffs.push(format!(
+                    "P={pp} N={nch}: the reference accepts but the spec gives {:?}",
+                    r.map(|p| p.is_some())
+                )),
+            }
+        }
+        (diffs, n)
+    }
+}
