@@ -231,56 +231,52 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     }
 }
 
-/// Checks a spec's expectations against a report, adding an `expectation` error per rank
-/// where one does not hold.
+/// Checks a spec's expectations against a report: one `expectation` error per `expect`
+/// line that fails on some rank, naming the ranks (up to eight) with their figures.
 pub fn check_expectations(report: &mut Report, expects: &[crate::dsl::elab::Expectation]) {
     use crate::dsl::ast::ExpectKind;
     for e in expects {
+        let mut bad: Vec<String> = Vec::new();
+        let (what, rel) = match e.kind {
+            ExpectKind::Warmup => ("warmup", "=="),
+            ExpectKind::PeakActivations => ("peak activations", "<="),
+            ExpectKind::Idle => ("unit-time idle", "=="),
+        };
         for (r, rr) in report.ranks.iter().enumerate() {
             let want = e.values[r];
-            let (ok, what, got) = match e.kind {
-                ExpectKind::Warmup => {
-                    (rr.warmup as i64 == want, "warmup is", rr.warmup.to_string())
-                }
+            let (ok, got) = match e.kind {
+                ExpectKind::Warmup => (rr.warmup as i64 == want, rr.warmup.to_string()),
                 ExpectKind::PeakActivations => (
                     rr.peak_activations as i64 <= want,
-                    "peak activations are",
                     rr.peak_activations.to_string(),
                 ),
                 ExpectKind::Idle => match rr.idle {
-                    Some(i) => (
-                        (i - want as f64).abs() < 1e-9,
-                        "unit-time idle is",
-                        i.to_string(),
-                    ),
-                    None => (false, "unit-time idle is", "undefined".to_string()),
+                    Some(i) => ((i - want as f64).abs() < 1e-9, i.to_string()),
+                    None => (false, "undefined".to_string()),
                 },
             };
             if !ok {
-                let rel = if e.kind == ExpectKind::PeakActivations {
-                    "at most"
-                } else {
-                    ""
-                };
-                let mut d = Diagnostic::error(
-                    Code::Expectation,
-                    format!(
-                        "rank {r}: {what} {got}, but the spec expects {}{want}",
-                        if rel.is_empty() {
-                            String::new()
-                        } else {
-                            format!("{rel} ")
-                        }
-                    ),
-                )
-                .on_rank(r as u32);
-                d.span = Some(schedc_ir::text::Span {
-                    start: e.sp.start as u32,
-                    len: (e.sp.end - e.sp.start) as u32,
-                });
-                report.diagnostics.push(d);
+                bad.push(format!("rank {r}: {got}, expected {rel} {want}"));
             }
         }
+        if bad.is_empty() {
+            continue;
+        }
+        let n = bad.len();
+        bad.truncate(8);
+        let mut d = Diagnostic::error(
+            Code::Expectation,
+            format!(
+                "{what} does not hold on {n} rank(s): {}{}",
+                bad.join("; "),
+                if n > 8 { "; ..." } else { "" }
+            ),
+        );
+        d.span = Some(schedc_ir::text::Span {
+            start: e.sp.start as u32,
+            len: (e.sp.end - e.sp.start) as u32,
+        });
+        report.diagnostics.push(d);
     }
     if report.diagnostics.iter().any(Diagnostic::is_error) {
         report.verdict = Verdict::Rejected;

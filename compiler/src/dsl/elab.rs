@@ -174,7 +174,7 @@ fn eval(e: &Expr, env: &Env, st: Option<&RankState<'_>>) -> Result<Val, ElabErro
                             let q = x.div_euclid(y);
                             let r = x.rem_euclid(y);
                             // Floor semantics: the remainder takes the divisor's sign.
-                            let (q, r) = if r != 0 && y < 0 { (q + 1, r + y) } else { (q, r) };
+                            let (q, r) = if r != 0 && y < 0 { (q - 1, r + y) } else { (q, r) };
                             Val::Int(if *op == BinOp::Div { q } else { r })
                         }
                         _ => unreachable!(),
@@ -273,6 +273,13 @@ fn call(
                 _ => return Err(err(sp, "`pending` takes at most one chunk")),
             }))
         }
+        "chunks" => {
+            let st = st.ok_or_else(|| err(sp, "`chunks` is only defined inside `rank r { }`"))?;
+            if !args.is_empty() {
+                return Err(err(sp, "`chunks()` takes no argument"));
+            }
+            Ok(Val::Int(st.chunks.len() as i64))
+        }
         "stage" => {
             let st = st.ok_or_else(|| err(sp, "`stage` is only defined inside `rank r { }`"))?;
             let v = ints(args)?;
@@ -284,7 +291,7 @@ fn call(
         _ => {
             let mut e = err(sp, format!("unknown function `{name}`"));
             e.help = Some(
-                "functions: min, max, abs, done(K, c), left(K, c), pending(), pending(c), stage(c)"
+                "functions: min, max, abs, done(K, c), left(K, c), pending(), pending(c), stage(c), chunks()"
                     .into(),
             );
             Err(e)

@@ -36,13 +36,33 @@ fn comments(src: &str, skip: &[(usize, usize)]) -> Vec<(usize, String)> {
     out
 }
 
-struct Fmt {
+struct Fmt<'s> {
     out: String,
     comments: Vec<(usize, String)>,
     next: usize,
+    src: &'s str,
 }
 
-impl Fmt {
+/// True if the source has a blank line somewhere in `a..b` (kept as one blank line).
+fn blank_between(src: &str, a: usize, b: usize) -> bool {
+    if a >= b || b > src.len() || !src.is_char_boundary(a) || !src.is_char_boundary(b) {
+        return false;
+    }
+    let mut newline = false;
+    for c in src[a..b].chars() {
+        if c == '\n' {
+            if newline {
+                return true;
+            }
+            newline = true;
+        } else if !c.is_whitespace() {
+            newline = false;
+        }
+    }
+    false
+}
+
+impl Fmt<'_> {
     fn flush_comments(&mut self, before: usize, indent: usize) {
         while self.next < self.comments.len() && self.comments[self.next].0 < before {
             let c = self.comments[self.next].1.clone();
@@ -82,7 +102,15 @@ fn write_expr(s: &mut String, e: &Expr, parent: u8) {
             if paren {
                 s.push('(');
             }
-            write_expr(s, a, p);
+            // Keep `(a / b) % c`-style groupings visible: mixed `* / %` read ambiguously.
+            match &**a {
+                Expr::Bin(aop, ..) if aop.prec() == p && p == 5 && aop != op => {
+                    s.push('(');
+                    write_expr(s, a, 0);
+                    s.push(')');
+                }
+                _ => write_expr(s, a, p),
+            }
             let _ = write!(s, " {} ", op.as_str());
             write_expr(s, b, p + 1);
             if paren {
@@ -148,8 +176,38 @@ fn stmt_start(s: &Stmt) -> usize {
     }
 }
 
-fn write_block(f: &mut Fmt, body: &[Stmt], indent: usize, end: usize) {
-    for s in body {
+/// The offset of the `}` that closes a block whose last statement ends before `pos`
+/// (skipping white space and comments); `pos` if none is found.
+fn close_brace_after(src: &str, pos: usize) -> usize {
+    let b = src.as_bytes();
+    let mut i = pos.min(b.len());
+    while i < b.len() {
+        match b[i] {
+            b'}' => return i,
+            b'#' => {
+                while i < b.len() && b[i] != b'\n' {
+                    i += 1;
+                }
+            }
+            c if c.is_ascii_whitespace() || c == b';' => i += 1,
+            _ => return pos,
+        }
+    }
+    pos
+}
+
+fn write_block(f: &mut Fmt<'_>, body: &[Stmt], indent: usize, end: usize) {
+    let end = close_brace_after(f.src, end.saturating_sub(1)).max(end);
+    for (k, s) in body.iter().enumerate() {
+        if k > 0
+            && blank_between(
+                f.src,
+                stmt_end(&body[k - 1]),
+                first_comment_or(f, stmt_start(s)),
+            )
+        {
+            f.out.push('\n');
+        }
         write_stmt(f, s, indent);
     }
     f.flush_comments(end, indent);
@@ -169,7 +227,7 @@ fn stmt_end(s: &Stmt) -> usize {
     }
 }
 
-fn write_stmt(f: &mut Fmt, s: &Stmt, indent: usize) {
+fn write_stmt(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
     f.flush_comments(stmt_start(s), indent);
     let pad = " ".repeat(indent);
     match s {
@@ -284,13 +342,19 @@ pub fn format_file(file: &File, src: &str) -> String {
         out: String::new(),
         comments: comments(src, &skip),
         next: 0,
+        src,
     };
     let mut prev_block = false;
     for (k, it) in file.items.iter().enumerate() {
         let is_block = matches!(it, Item::Rank(..) | Item::Literal(..));
         let starts_expects = matches!(it, Item::Expect(..))
             && !matches!(file.items.get(k.wrapping_sub(1)), Some(Item::Expect(..)));
-        if k > 0 && (is_block || prev_block || starts_expects) && !f.out.ends_with("\n\n") {
+        let start = first_comment_or(&f, item_sp(it).start);
+        let blank_in_src = k > 0 && blank_between(src, item_sp(&file.items[k - 1]).end, start);
+        if k > 0
+            && (is_block || prev_block || starts_expects || blank_in_src)
+            && !f.out.ends_with("\n\n")
+        {
             f.out.push('\n');
         }
         f.flush_comments(item_sp(it).start, 0);
@@ -358,4 +422,13 @@ pub fn format_file(file: &File, src: &str) -> String {
     }
     f.flush_comments(usize::MAX, 0);
     f.out
+}
+
+/// The offset of the first pending comment if it comes before `pos`, else `pos` (a blank line
+/// is looked for before the comments that lead an item or statement).
+fn first_comment_or(f: &Fmt<'_>, pos: usize) -> usize {
+    match f.comments.get(f.next) {
+        Some((off, _)) if *off < pos => *off,
+        _ => pos,
+    }
 }

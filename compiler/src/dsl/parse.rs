@@ -154,10 +154,27 @@ fn ident(i: In<'_>) -> R<'_, (String, Sp)> {
     Ok((i3, (w.fragment().to_string(), sp)))
 }
 
+/// The span from `a` to `b`, without the white space, `;` and comments that `b` skipped.
 fn sp_of(a: In<'_>, b: In<'_>) -> Sp {
+    let len = b.location_offset() - a.location_offset();
+    let mut text = &a.fragment()[..len.min(a.fragment().len())];
+    loop {
+        let t = text.trim_end_matches(|c: char| c.is_whitespace() || c == ';');
+        // A trailing comment: the last line's `#` (outside a string) starts it.
+        let line_start = t.rfind('\n').map_or(0, |k| k + 1);
+        let last = &t[line_start..];
+        let cut = match last.find('#') {
+            Some(k) if last[..k].matches('"').count() % 2 == 0 => line_start + k,
+            _ => t.len(),
+        };
+        if cut == text.len() {
+            break;
+        }
+        text = &t[..cut];
+    }
     Sp {
         start: a.location_offset(),
-        end: b.location_offset(),
+        end: a.location_offset() + text.len(),
     }
 }
 
@@ -310,6 +327,7 @@ pub fn expr(i: In<'_>) -> R<'_, Expr> {
 // ---------------------------------------------------------------- statements
 
 fn block(i: In<'_>) -> R<'_, Vec<Stmt>> {
+    let open = i.location_offset();
     let (i, _) = expect("`{`", tok("{")).parse(i)?;
     let mut out = Vec::new();
     let mut cur = i;
@@ -319,9 +337,9 @@ fn block(i: In<'_>) -> R<'_, Vec<Stmt>> {
         }
         if cur.fragment().is_empty() {
             return Err(nom::Err::Failure(PErr {
-                offset: cur.location_offset(),
+                offset: open,
                 expected: "`}` closing the block".into(),
-                help: None,
+                help: Some("add `}` where this block should end".into()),
                 generic: false,
             }));
         }
@@ -716,7 +734,7 @@ fn help_for(expected: &str, found: &str) -> Option<String> {
     if expected.starts_with("an item") && found == "`for`" {
         return Some("statements go inside `rank r { ... }`".into());
     }
-    if found == "`=`" && expected.contains("`==`") {
+    if found == "`=`" {
         return Some("comparisons use `==`".into());
     }
     None
@@ -748,11 +766,16 @@ pub fn parse_file(src: &str) -> Result<File, SyntaxError> {
                 } else {
                     e.expected
                 };
+                let message = if expected.starts_with("`}` closing the block") {
+                    "unclosed block: the file ends before its `}`".to_string()
+                } else {
+                    format!("expected {expected}, found {found}")
+                };
                 return Err(SyntaxError {
                     offset: e.offset,
                     len,
                     help: e.help.or_else(|| help_for(&expected, &found)),
-                    message: format!("expected {expected}, found {found}"),
+                    message,
                 });
             }
             Err(nom::Err::Incomplete(_)) => {

@@ -1,0 +1,548 @@
+//! The schedule language: `fmt` round-trips (property test over random syntax trees), the
+//! errors users are most likely to hit (snapshots), and elaboration semantics.
+
+use proptest::prelude::*;
+use schedc::dsl::ast::*;
+use schedc::dsl::{elaborate, fmt::format_file, parse_file, Instance};
+use schedc::input::{elab_diag, load_spec, LoadError, Overrides};
+use schedc_ir::Kind;
+
+fn sp() -> Sp {
+    Sp::default()
+}
+
+// ------------------------------------------------------------------ generators
+
+fn name() -> impl Strategy<Value = String> {
+    prop::sample::select(vec!["a", "b", "x", "warmup", "k2", "n_1"]).prop_map(str::to_string)
+}
+
+fn expr() -> impl Strategy<Value = Expr> {
+    let leaf = prop_oneof![
+        (0i64..1000).prop_map(|v| Expr::Int(v, sp())),
+        any::<bool>().prop_map(|b| Expr::Bool(b, sp())),
+        name().prop_map(|n| Expr::Var(n, sp())),
+        prop::sample::select(vec!["P", "M", "V", "S", "r"]).prop_map(|n| Expr::Var(n.into(), sp())),
+    ];
+    leaf.prop_recursive(4, 24, 3, |inner| {
+        let ops = prop::sample::select(vec![
+            BinOp::Or,
+            BinOp::And,
+            BinOp::Eq,
+            BinOp::Ne,
+            BinOp::Lt,
+            BinOp::Le,
+            BinOp::Gt,
+            BinOp::Ge,
+            BinOp::Add,
+            BinOp::Sub,
+            BinOp::Mul,
+            BinOp::Div,
+            BinOp::Mod,
+        ]);
+        prop_oneof![
+            inner.clone().prop_map(|e| Expr::Neg(Box::new(e), sp())),
+            inner.clone().prop_map(|e| Expr::Not(Box::new(e), sp())),
+            (ops, inner.clone(), inner.clone()).prop_map(|(o, a, b)| Expr::Bin(
+                o,
+                Box::new(a),
+                Box::new(b),
+                sp()
+            )),
+            (
+                prop::sample::select(vec!["min", "max"]),
+                prop::collection::vec(inner.clone(), 1..3)
+            )
+                .prop_map(|(n, v)| Expr::Call(
+                    n.into(),
+                    v.into_iter().map(Arg::Expr).collect(),
+                    sp()
+                )),
+            (
+                prop::sample::select(vec![Kind::F, Kind::B, Kind::W, Kind::BW]),
+                inner
+            )
+                .prop_map(|(k, c)| Expr::Call(
+                    "left".into(),
+                    vec![Arg::Kind(k, sp()), Arg::Expr(c)],
+                    sp()
+                )),
+        ]
+    })
+}
+
+fn op() -> impl Strategy<Value = OpStmt> {
+    let kind = prop::sample::select(vec![Kind::F, Kind::B, Kind::W, Kind::BW]);
+    let target = prop_oneof![
+        Just(Target::Next(None)),
+        expr().prop_map(|e| Target::Next(Some(e))),
+        (expr(), expr()).prop_map(|(a, b)| Target::Chunk(a, b)),
+        (expr(), expr()).prop_map(|(a, b)| Target::Stage(a, b)),
+    ];
+    (kind, any::<bool>(), target).prop_map(|(kind, optional, target)| OpStmt {
+        kind,
+        optional,
+        target,
+        sp: sp(),
+    })
+}
+
+fn comm() -> impl Strategy<Value = CommStmt> {
+    (
+        prop::sample::select(vec!["SA", "RA", "SG", "RG"]),
+        expr(),
+        expr(),
+        expr(),
+    )
+        .prop_map(|(o, s, m, p)| CommStmt {
+            op: o.into(),
+            stage: s,
+            mb: m,
+            peer: p,
+            sp: sp(),
+        })
+}
+
+fn stmt() -> impl Strategy<Value = Stmt> {
+    let leaf = prop_oneof![
+        (name(), expr()).prop_map(|(n, e)| Stmt::Let(n, e, sp())),
+        (name(), expr()).prop_map(|(n, e)| Stmt::Var(n, e, sp())),
+        (name(), expr()).prop_map(|(n, e)| Stmt::Assign(n, e, sp())),
+        op().prop_map(Stmt::Op),
+        (op(), op()).prop_map(|(a, b)| Stmt::Overlap(a, b, sp())),
+        comm().prop_map(Stmt::Comm),
+        prop::collection::vec(comm(), 1..3).prop_map(|v| Stmt::Group(v, sp())),
+        Just(Stmt::Idle(sp())),
+    ];
+    leaf.prop_recursive(3, 20, 4, |inner| {
+        let body = prop::collection::vec(inner, 0..4);
+        prop_oneof![
+            (
+                name(),
+                expr(),
+                expr(),
+                any::<bool>(),
+                prop::option::of(expr()),
+                body.clone()
+            )
+                .prop_map(|(var, from, to, inclusive, step, body)| Stmt::For {
+                    var,
+                    from,
+                    to,
+                    inclusive,
+                    step,
+                    body,
+                    sp: sp()
+                }),
+            (expr(), body.clone()).prop_map(|(e, b)| Stmt::Repeat(e, b, sp())),
+            (expr(), body.clone(), body).prop_map(|(c, a, b)| Stmt::If(c, a, b, sp())),
+        ]
+    })
+}
+
+fn item() -> impl Strategy<Value = Item> {
+    prop_oneof![
+        "[a-z][a-z0-9_ ]{0,10}".prop_map(|s| Item::Name(s, sp())),
+        (name(), prop::option::of(expr())).prop_map(|(n, d)| Item::Param(n, d, sp())),
+        expr().prop_map(|e| Item::Vpp(e, sp())),
+        expr().prop_map(|e| Item::Stages(e, sp())),
+        expr().prop_map(|e| Item::Microbatches(e, sp())),
+        prop_oneof![
+            Just(PlacementSpec::Loop),
+            Just(PlacementSpec::V),
+            Just(PlacementSpec::Bidir),
+            prop::collection::vec(expr(), 0..4).prop_map(PlacementSpec::List),
+            (name(), expr()).prop_map(|(n, e)| PlacementSpec::Map(n, e)),
+        ]
+        .prop_map(|p| Item::Placement(p, sp())),
+        (name(), expr()).prop_map(|(n, e)| Item::Let(n, e, sp())),
+        (expr(), "[a-zA-Z0-9 ,.()=<>+-]{0,20}").prop_map(|(e, m)| Item::Require(e, m, sp())),
+        (name(), prop::collection::vec(stmt(), 0..5)).prop_map(|(n, b)| Item::Rank(n, b, sp())),
+        Just(Item::Literal(
+            "\nrank 0: F(0,0) {SA(0,0->1) RG(1,0<-1)} BW(0,0)\n".into(),
+            sp()
+        )),
+        (
+            prop::sample::select(vec![
+                ExpectKind::Warmup,
+                ExpectKind::PeakActivations,
+                ExpectKind::Idle
+            ]),
+            expr()
+        )
+            .prop_map(|(k, e)| Item::Expect(k, e, sp())),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::WithSource("regressions"))), ..ProptestConfig::default() })]
+
+    /// Formatting any syntax tree and parsing the text gives the same tree; formatting is
+    /// idempotent.
+    #[test]
+    fn fmt_round_trips(items in prop::collection::vec(item(), 0..6)) {
+        let file = File { items };
+        let text = format_file(&file, "");
+        let back = parse_file(&text).map_err(|e| TestCaseError::fail(format!("{e:?}\n{text}")))?;
+        prop_assert_eq!(&back, &file, "\n{}", text);
+        prop_assert_eq!(format_file(&back, &text), text);
+    }
+}
+
+#[test]
+fn fmt_keeps_comments_and_every_spec_is_canonical() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_none_or(|x| x != "sched") {
+            continue;
+        }
+        n += 1;
+        let text = std::fs::read_to_string(&p).unwrap();
+        let f = parse_file(&text).unwrap_or_else(|e| panic!("{}: {e:?}", p.display()));
+        let out = format_file(&f, &text);
+        assert_eq!(
+            out,
+            text,
+            "{} is not in canonical layout (run `schedc fmt --write`)",
+            p.display()
+        );
+        let comments_in = text
+            .lines()
+            .filter(|l| l.trim_start().starts_with('#'))
+            .count();
+        let comments_out = out
+            .lines()
+            .filter(|l| l.trim_start().starts_with('#'))
+            .count();
+        assert_eq!(comments_in, comments_out);
+        assert!(
+            text.lines().count() <= 70,
+            "{} is longer than ~60 lines",
+            p.display()
+        );
+    }
+    assert!(n >= 2);
+}
+
+// ------------------------------------------------------------------ diagnostics
+
+/// The rendered error for a spec and an instance.
+fn spec_error(name: &str, src: &str, pp: u32, mb: u32) -> String {
+    let ov = Overrides {
+        pp: Some(pp),
+        microbatches: Some(mb),
+        ..Default::default()
+    };
+    match load_spec(src, &ov) {
+        Ok(_) => panic!("{name}: no error"),
+        Err(LoadError::Spec { diags, text, .. }) => diags
+            .iter()
+            .map(|d| schedc::diag::render(d, Some((name, &text)), 100))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Err(LoadError::Usage(u)) => u,
+        Err(e) => panic!("{name}: {e:?}"),
+    }
+}
+
+#[test]
+fn error_missing_brace() {
+    insta::assert_snapshot!(spec_error(
+        "brace.sched",
+        "placement loop\nrank r {\n    F(0)\n    BW(0)\n",
+        2,
+        2
+    ));
+}
+
+#[test]
+fn error_torch_letter() {
+    insta::assert_snapshot!(spec_error(
+        "letters.sched",
+        "rank r {\n    F(0)\n    I(0)\n}\n",
+        2,
+        2
+    ));
+}
+
+#[test]
+fn error_assignment_in_require() {
+    insta::assert_snapshot!(spec_error(
+        "req.sched",
+        "require M = 2 * P, \"need 2P micro-batches\"\n",
+        2,
+        4
+    ));
+}
+
+#[test]
+fn error_missing_message() {
+    insta::assert_snapshot!(spec_error(
+        "req2.sched",
+        "require M >= P\nrank r { F(0) BW(0) }\n",
+        2,
+        4
+    ));
+}
+
+#[test]
+fn error_unknown_name() {
+    insta::assert_snapshot!(spec_error(
+        "name.sched",
+        "rank r {\n    repeat warmup { F(0) }\n}\n",
+        2,
+        2
+    ));
+}
+
+#[test]
+fn error_microbatches_exhausted() {
+    insta::assert_snapshot!(spec_error(
+        "exhausted.sched",
+        "rank r {\n    repeat M + 1 { F(0) }\n    repeat M { BW(0) }\n}\n",
+        2,
+        3
+    ));
+}
+
+#[test]
+fn error_chunk_out_of_range() {
+    insta::assert_snapshot!(spec_error(
+        "chunk.sched",
+        "placement loop\nrank r {\n    F(1)\n}\n",
+        2,
+        2
+    ));
+}
+
+#[test]
+fn error_require_refuses() {
+    insta::assert_snapshot!(spec_error(
+        "req3.sched",
+        "require M % 2 == 0, \"DualPipe splits the micro-batches in two halves: M must be even\"\nrequire M >= 2 * P, \"needs at least 2P micro-batches\"\n",
+        4,
+        5
+    ));
+}
+
+#[test]
+fn error_fixed_vpp() {
+    let ov = Overrides {
+        pp: Some(2),
+        microbatches: Some(4),
+        vpp: Some(3),
+        ..Default::default()
+    };
+    let src = "vpp 2\nplacement v\nrank r { }\n";
+    let Err(LoadError::Spec {
+        diags,
+        text,
+        refused,
+    }) = load_spec(src, &ov)
+    else {
+        panic!()
+    };
+    assert!(refused);
+    insta::assert_snapshot!(schedc::diag::render(
+        &diags[0],
+        Some(("v.sched", &text)),
+        100
+    ));
+}
+
+#[test]
+fn error_not_mutable() {
+    insta::assert_snapshot!(spec_error(
+        "let.sched",
+        "rank r {\n    let n = 0\n    n = n + 1\n}\n",
+        2,
+        2
+    ));
+}
+
+#[test]
+fn error_division_by_zero() {
+    insta::assert_snapshot!(spec_error(
+        "div.sched",
+        "let k = M / (P - 2)\nrank r { }\n",
+        2,
+        2
+    ));
+}
+
+#[test]
+fn error_spec_without_instance() {
+    let ov = Overrides::default();
+    let Err(LoadError::Usage(u)) = load_spec("rank r { }\n", &ov) else {
+        panic!()
+    };
+    assert!(u.contains("--pp P --mb M"), "{u}");
+}
+
+#[test]
+fn error_failed_expectation_points_at_the_expect_line() {
+    let src = "placement loop\nrank r {\n    repeat M { F(0) }\n    repeat M { BW(0) }\n}\nexpect warmup == M - 1\n";
+    let ov = Overrides {
+        pp: Some(2),
+        microbatches: Some(3),
+        ..Default::default()
+    };
+    let e = load_spec(src, &ov).unwrap();
+    let mut out = schedc::check::check(&e.program, Some(&e.spans), &Default::default());
+    schedc::check::check_expectations(&mut out.report, &e.expects);
+    let d: Vec<String> = out
+        .report
+        .diagnostics
+        .iter()
+        .map(|d| schedc::diag::render(d, Some(("expect.sched", src)), 100))
+        .collect();
+    insta::assert_snapshot!(d.join("\n"));
+}
+
+#[test]
+fn check_errors_point_into_the_spec() {
+    // A spec whose order is wrong: the backward before the forward on every rank.
+    let src = "placement loop\nrank r {\n    repeat M {\n        BW(0)\n        F(0)\n    }\n}\n";
+    let ov = Overrides {
+        pp: Some(1),
+        microbatches: Some(1),
+        ..Default::default()
+    };
+    let e = load_spec(src, &ov).unwrap();
+    let out = schedc::check::check(&e.program, Some(&e.spans), &Default::default());
+    let d = out
+        .report
+        .diagnostics
+        .iter()
+        .find(|d| d.code == schedc::diag::Code::Order)
+        .unwrap();
+    insta::assert_snapshot!(schedc::diag::render(d, Some(("order.sched", src)), 100));
+}
+
+// ------------------------------------------------------------------ semantics
+
+fn run(src: &str, pp: u32, mb: u32) -> Vec<Vec<String>> {
+    let f = parse_file(src).unwrap();
+    let e = elaborate(
+        &f,
+        &Instance {
+            pp,
+            mb,
+            vpp: None,
+            params: vec![],
+        },
+    )
+    .map_err(|e| {
+        e.iter()
+            .map(elab_diag)
+            .map(|d| d.message)
+            .collect::<Vec<_>>()
+    })
+    .unwrap();
+    e.program
+        .ranks
+        .iter()
+        .map(|r| r.iter().map(schedc_ir::text::instr_to_string).collect())
+        .collect()
+}
+
+#[test]
+fn floor_division_and_modulo_on_negatives() {
+    let src = "rank r {\n  if -7 / 2 == -4 && -7 % 2 == 1 && 7 / -2 == -4 && 7 % -2 == -1 && -7 % -2 == -1 { F(0) }\n}\n";
+    assert_eq!(run(src, 1, 1), vec![vec!["F(0,0)".to_string()]]);
+}
+
+#[test]
+fn chunks_counters_and_the_pending_w_queue() {
+    // Two chunks on a loop placement: chunk 1 is stage P + r.
+    let src = "vpp 2\nplacement loop\nrank r {\n  F(0) F(1) F(0) B(1) B(0) W(0) W() F(1, 1) W(1, 1) B(stage r, 1)\n}\n";
+    let got = run(src, 2, 2);
+    assert_eq!(
+        got[1],
+        [
+            "F(1,0)", "F(3,0)", "F(1,1)", "B(3,0)", "B(1,0)", "W(1,0)", "W(3,0)", "F(3,1)",
+            "W(3,1)", "B(1,1)"
+        ]
+    );
+}
+
+#[test]
+fn optional_ops_stop_at_the_last_micro_batch() {
+    let src = "rank r {\n  repeat 5 { F?(0) }\n  repeat M { BW(0) }\n  W?()\n}\n";
+    let got = run(src, 1, 2);
+    assert_eq!(got[0], ["F(0,0)", "F(0,1)", "BW(0,0)", "BW(0,1)"]);
+}
+
+#[test]
+fn loops_vars_and_else_if() {
+    let src = "rank r {\n  var n = 0\n  for i in 0..=6 step 3 { n = n + i }\n  if n == 9 { F(0) } else if n == 0 { idle } else { idle idle }\n  for i in 0..0 { F(0) }\n  BW(0)\n}\n";
+    assert_eq!(run(src, 1, 1)[0], ["F(0,0)", "BW(0,0)"]);
+}
+
+#[test]
+fn placements() {
+    let src =
+        "stages 3\nplacement s => (s + 1) % P\nrank r {\n  for c in 0..chunks() { F(c) }\n}\n";
+    let f = parse_file(src).unwrap();
+    let e = elaborate(
+        &f,
+        &Instance {
+            pp: 2,
+            mb: 1,
+            vpp: None,
+            params: vec![],
+        },
+    )
+    .unwrap();
+    assert_eq!(e.program.pipeline.stage_to_rank, vec![1, 0, 1]);
+    let src = "placement bidir\nrank r { F(0) F(1) }\n";
+    let f = parse_file(src).unwrap();
+    let e = elaborate(
+        &f,
+        &Instance {
+            pp: 2,
+            mb: 4,
+            vpp: None,
+            params: vec![],
+        },
+    )
+    .unwrap();
+    assert_eq!(e.program.pipeline.microbatches, 2);
+    assert_eq!(e.program.ranks[0].len(), 2);
+    // Rank 0 holds direction 0's stage 0 (id 0) and direction 1's last stage (id 3).
+    assert_eq!(
+        schedc_ir::text::instr_to_string(&e.program.ranks[0][1]),
+        "F(3,0)"
+    );
+}
+
+#[test]
+fn params_and_unknown_params() {
+    let src = "param extra = 1\nrank r {\n  repeat extra { F(0) }\n}\n";
+    let f = parse_file(src).unwrap();
+    let inst = Instance {
+        pp: 1,
+        mb: 4,
+        vpp: None,
+        params: vec![("extra".into(), 3)],
+    };
+    assert_eq!(elaborate(&f, &inst).unwrap().program.ranks[0].len(), 3);
+    let inst = Instance {
+        pp: 1,
+        mb: 4,
+        vpp: None,
+        params: vec![("nope".into(), 3)],
+    };
+    let e = elaborate(&f, &inst).unwrap_err();
+    assert!(e[0].message.contains("unknown parameter `nope`"));
+    assert!(e[0].help.as_ref().unwrap().contains("extra"));
+}
+
+#[test]
+fn literal_blocks_are_ir_text() {
+    let src = "placement loop\nliteral {\nrank 0: F(0,0) SA(0,0->1) RG(1,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n}\n";
+    let got = run(src, 2, 1);
+    assert_eq!(got[1], ["RA(0,0<-0)", "F(1,0)", "BW(1,0)", "SG(1,0->0)"]);
+}
