@@ -14,5 +14,6 @@ pub mod dsl;
 pub mod import;
 pub mod input;
 pub mod passes;
+pub mod sim;
 
 pub use schedc_ir as ir;

@@ -188,6 +188,53 @@ enum Cmd {
         #[arg(long)]
         force: bool,
     },
+    /// Simulate a schedule under a cost model: makespan, bubble (both conventions), busy,
+    /// idle, exposed communication and peak memory per rank; timelines.
+    Sim {
+        #[command(flatten)]
+        input: InputArgs,
+        /// Cost model: a preset (unit, dualpipe-readme, dsv3-h800), a TOML file, or inline
+        /// overrides such as F=1,B=1,W=1,FB=3.
+        #[arg(long, value_name = "FILE|PRESET|K=V,...", default_value = "unit")]
+        cost: String,
+        /// Further inline overrides applied on top of --cost (e.g. --set latency=1e-5).
+        #[arg(long = "set", value_name = "K=V,...")]
+        set: Option<String>,
+        /// Output format.
+        #[arg(long, value_enum, default_value = "human")]
+        format: OutFormat,
+        /// Write a Chrome trace (open in Perfetto or chrome://tracing).
+        #[arg(long, value_name = "FILE")]
+        trace: Option<String>,
+        /// Write an SVG Gantt chart.
+        #[arg(long, value_name = "FILE")]
+        svg: Option<String>,
+        /// Overwrite existing --trace/--svg files.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Compare every spec in a directory that accepts --pp/--mb: makespan, bubble in both
+    /// conventions, peak activations, parameter copies.
+    Compare {
+        /// Pipeline ranks.
+        #[arg(long)]
+        pp: u32,
+        /// Micro-batches per step.
+        #[arg(long)]
+        mb: u32,
+        /// Virtual stages per rank for specs whose V is free (interleaved schedules).
+        #[arg(long, default_value_t = 2)]
+        vpp: u32,
+        /// Cost model (as for `sim`).
+        #[arg(long, default_value = "unit")]
+        cost: String,
+        /// Where the specs are.
+        #[arg(long, default_value = "specs")]
+        specs: String,
+        /// Output format.
+        #[arg(long, value_enum, default_value = "human")]
+        format: OutFormat,
+    },
     /// Print a `.sched` spec in canonical layout (to standard output unless --write).
     Fmt {
         /// The spec.
@@ -393,6 +440,91 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+        Cmd::Sim {
+            input,
+            cost,
+            set,
+            format,
+            trace,
+            svg,
+            force,
+        } => {
+            let mut model = match schedc::sim::cost::CostModel::resolve(&cost) {
+                Ok(m) => m,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            if let Some(kv) = set {
+                if let Err(e) = model.apply_overrides(&kv) {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+            for f in [&trace, &svg].into_iter().flatten() {
+                if !force && std::path::Path::new(f).exists() {
+                    eprintln!(
+                        "error: `{f}` exists; not overwriting it (pass --force to replace it)"
+                    );
+                    return ExitCode::from(2);
+                }
+            }
+            let loaded = match load(&input) {
+                Ok(l) => l,
+                Err(c) => return c,
+            };
+            let checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
+            if checked.report.verdict != Verdict::Accepted {
+                eprintln!(
+                    "error: the schedule does not pass `schedc check`; run it for the diagnostics"
+                );
+                return ExitCode::from(1);
+            }
+            let prog = checked.checked.expect("accepted schedules are lowered");
+            let res = match schedc::sim::simulate(&prog, &model) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+            if let Some(f) = &trace {
+                if let Err(e) = std::fs::write(f, schedc::sim::render::chrome_trace(&res)) {
+                    eprintln!("error: cannot write `{f}`: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+            if let Some(f) = &svg {
+                let title = format!(
+                    "{} — P={}, {} micro-batches",
+                    loaded.name,
+                    prog.pipeline.pp,
+                    prog.pipeline.total_microbatches()
+                );
+                if let Err(e) = std::fs::write(f, schedc::sim::render::svg(&res, &title)) {
+                    eprintln!("error: cannot write `{f}`: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+            match format {
+                OutFormat::Json => {
+                    let mut j = serde_json::to_string_pretty(&res).expect("json");
+                    j.push('\n');
+                    emit(&j);
+                }
+                OutFormat::Human => emit(&schedc::sim::render::text_report(&res, 100)),
+            }
+            ExitCode::SUCCESS
+        }
+        Cmd::Compare {
+            pp,
+            mb,
+            vpp,
+            cost,
+            specs,
+            format,
+        } => compare(pp, mb, vpp, &cost, &specs, format),
         Cmd::Fmt { file, write, check } => {
             let text = match std::fs::read_to_string(&file) {
                 Ok(t) => t,
@@ -846,4 +978,157 @@ fn sweep(
     } else {
         ExitCode::from(1)
     }
+}
+
+/// `schedc compare`: every spec of `dir` that accepts (P, M), simulated under `cost`.
+fn compare(pp: u32, mb: u32, vpp: u32, cost: &str, dir: &str, format: OutFormat) -> ExitCode {
+    let model = match schedc::sim::cost::CostModel::resolve(cost) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut files: Vec<std::path::PathBuf> = match std::fs::read_dir(dir) {
+        Ok(d) => d
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "sched"))
+            .collect(),
+        Err(e) => {
+            eprintln!("error: cannot read the spec directory `{dir}`: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    files.sort();
+    let mut rows = Vec::new();
+    let mut skipped = Vec::new();
+    for f in &files {
+        let name = f
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("?")
+            .to_string();
+        let Ok(text) = std::fs::read_to_string(f) else {
+            continue;
+        };
+        // Specs with a fixed V decide it; the others get --vpp.
+        let fixed_v = schedc::dsl::parse_file(&text)
+            .map(|f| {
+                f.items
+                    .iter()
+                    .any(|i| matches!(i, schedc::dsl::ast::Item::Vpp(..)))
+            })
+            .unwrap_or(false);
+        let ov = Overrides {
+            pp: Some(pp),
+            microbatches: Some(mb),
+            vpp: if fixed_v { None } else { Some(vpp) },
+            ..Default::default()
+        };
+        let e = match schedc::input::load_spec(&text, &ov) {
+            Ok(e) => e,
+            Err(LoadError::Spec {
+                diags,
+                refused: true,
+                ..
+            }) => {
+                skipped.push((
+                    name,
+                    diags.first().map(|d| d.message.clone()).unwrap_or_default(),
+                ));
+                continue;
+            }
+            Err(_) => {
+                skipped.push((name, "does not elaborate".into()));
+                continue;
+            }
+        };
+        let out = check::check(&e.program, None, &Default::default());
+        if out.report.verdict != Verdict::Accepted {
+            skipped.push((name, "does not pass schedc check".into()));
+            continue;
+        }
+        let prog = out.checked.expect("lowered");
+        let mut model = model.clone();
+        model.op_scale =
+            Some(prog.pipeline.pp as f64 / prog.pipeline.stages_per_direction() as f64);
+        let res = match schedc::sim::simulate(&prog, &model) {
+            Ok(r) => r,
+            Err(err) => {
+                skipped.push((name, err));
+                continue;
+            }
+        };
+        // Peak activations in units of one micro-batch on a stage of 1/P of the model.
+        let peak = out
+            .report
+            .ranks
+            .iter()
+            .map(|r| r.peak_activations)
+            .max()
+            .unwrap_or(0) as f64
+            * prog.pipeline.pp as f64
+            / prog.pipeline.stages_per_direction() as f64;
+        let copies = if prog.pipeline.directions() == 2 {
+            2
+        } else {
+            1
+        };
+        let stages_per_rank = prog.pipeline.stages as f64 / prog.pipeline.pp as f64;
+        rows.push(serde_json::json!({
+            "schedule": name,
+            "makespan": res.makespan,
+            "bubble_ratio": res.bubble_ratio,
+            "bubble_ratio_busy": res.bubble_ratio_busy,
+            "peak_activations": peak,
+            "param_copies": copies,
+            "stages_per_rank": stages_per_rank,
+        }));
+    }
+    rows.sort_by(|a, b| {
+        a["makespan"]
+            .as_f64()
+            .unwrap_or(0.0)
+            .total_cmp(&b["makespan"].as_f64().unwrap_or(0.0))
+    });
+    match format {
+        OutFormat::Json => emit(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(&serde_json::json!({"pp": pp, "mb": mb, "schedules": rows, "skipped": skipped.iter().map(|(n, w)| serde_json::json!({"schedule": n, "why": w})).collect::<Vec<_>>()})).expect("json")
+        )),
+        OutFormat::Human => {
+            use std::fmt::Write as _;
+            let mut o = String::new();
+            let _ = writeln!(
+                o,
+                "P = {pp}, M = {mb}, cost model `{cost}` (op times per stage of 1/P of the model; a stage of a V-way split takes 1/V)\n"
+            );
+            let _ = writeln!(
+                o,
+                "{:<18} {:>12} {:>14} {:>14} {:>10} {:>8}",
+                "schedule", "makespan", "bubble/(b+i)", "bubble/busy", "peak_act", "params"
+            );
+            let _ = writeln!(o, "{:<18} {:>12} {:>14} {:>14} {:>10} {:>8}", "", "", "", "", "(1/P units)", "");
+            for r in &rows {
+                let _ = writeln!(
+                    o,
+                    "{:<18} {:>12.4} {:>13.1}% {:>13.1}% {:>10.1} {:>7}x",
+                    r["schedule"].as_str().unwrap_or(""),
+                    r["makespan"].as_f64().unwrap_or(0.0),
+                    100.0 * r["bubble_ratio"].as_f64().unwrap_or(0.0),
+                    100.0 * r["bubble_ratio_busy"].as_f64().unwrap_or(0.0),
+                    r["peak_activations"].as_f64().unwrap_or(0.0),
+                    r["param_copies"]
+                );
+            }
+            if !skipped.is_empty() {
+                let _ = writeln!(o, "\nnot applicable at this size:");
+                for (n, w) in &skipped {
+                    let _ = writeln!(o, "  {n}: {w}");
+                }
+            }
+            emit(&o);
+        }
+    }
+    ExitCode::SUCCESS
 }

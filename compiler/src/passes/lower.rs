@@ -80,7 +80,23 @@ fn produce_of(c: &Compute) -> Option<PayloadKind> {
 
 /// Lowers a compute-only program (pass 1 must have accepted its ranges). Existing
 /// communication ops are kept in place; idle slots are dropped.
+///
+/// The global interleaving follows the unit-time schedule (pass 7): ops are emitted in order
+/// of their unit-time start, so each rank's communication stream lists its messages in the
+/// order they happen and the program runs at the unit-time makespan when communication is
+/// free. Use [`lower_timed`] to follow other durations.
 pub fn lower(p: &Program) -> Result<Program, LowerError> {
+    let timing = super::makespan::schedule_with(p, &super::makespan::unit_cost, &|f, b| {
+        super::makespan::unit_cost(f) + super::makespan::unit_cost(b)
+    });
+    lower_timed(p, timing.as_ref().map(|t| &t.starts[..]))
+}
+
+/// Lowers with a given start time per instruction (`starts[r][i]`, e.g. from
+/// [`super::makespan::schedule_with`] under a cost model); `None` emits rank by rank.
+pub fn lower_timed(p: &Program, starts: Option<&[Vec<f64>]>) -> Result<Program, LowerError> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
     let pl = &p.pipeline;
     let (s_n, m_n) = (pl.stages, pl.microbatches);
     let np = p.ranks.len();
@@ -94,12 +110,26 @@ pub fn lower(p: &Program) -> Result<Program, LowerError> {
         .map(|r| Vec::with_capacity(r.len() * 2))
         .collect();
     let mut ptr = vec![0usize; np];
-    let mut work: Vec<u32> = (0..np as u32).rev().collect();
+    // The time key of rank r's next compute op (non-negative floats order as their bits).
+    let key_of = |r: usize, from: usize| -> u64 {
+        let Some(st) = starts else { return 0 };
+        st.get(r)
+            .and_then(|v| v[from.min(v.len())..].iter().find(|t| !t.is_nan()))
+            .map_or(u64::MAX, |t| t.max(0.0).to_bits())
+    };
+    let mut work: BinaryHeap<Reverse<(u64, u32)>> =
+        (0..np).map(|r| Reverse((key_of(r, 0), r as u32))).collect();
     let in_range = |c: &Compute| c.stage < s_n && c.mb < m_n;
 
-    while let Some(r) = work.pop() {
+    while let Some(Reverse((_, r))) = work.pop() {
         let r = r as usize;
+        let mut emitted_compute = false;
         'rank: while ptr[r] < p.ranks[r].len() {
+            // One compute op per turn, so that ranks interleave in time order.
+            if emitted_compute && p.ranks[r][ptr[r]].is_compute() {
+                work.push(Reverse((key_of(r, ptr[r]), r as u32)));
+                break 'rank;
+            }
             let ins = &p.ranks[r][ptr[r]];
             // Readiness.
             let mut blocked = None;
@@ -170,9 +200,12 @@ pub fn lower(p: &Program) -> Result<Program, LowerError> {
                 while w != u32::MAX {
                     let nx = next_waiter[w as usize];
                     next_waiter[w as usize] = u32::MAX;
-                    work.push(w);
+                    work.push(Reverse((key_of(w as usize, ptr[w as usize]), w)));
                     w = nx;
                 }
+            }
+            if ins.is_compute() {
+                emitted_compute = true;
             }
             ptr[r] += 1;
         }

@@ -44,6 +44,33 @@ pub fn unit_cost(c: &Compute) -> f64 {
 /// Runs the unit-time schedule. Returns `None` if the compute order admits no execution
 /// (a cross-rank cycle; pass 3 reports it) or if an op's stage or micro-batch is out of range.
 pub fn analyze(p: &Program) -> Option<UnitTime> {
+    let t = schedule_with(p, &unit_cost, &|f, b| unit_cost(f) + unit_cost(b))?;
+    Some(UnitTime {
+        makespan: t.makespan,
+        idle: t.busy.iter().map(|b| t.makespan - b).collect(),
+        busy: t.busy,
+    })
+}
+
+/// Start and end times of every instruction under given op durations.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Timing {
+    /// Latest end.
+    pub makespan: f64,
+    /// Busy time per rank.
+    pub busy: Vec<f64>,
+    /// `starts[r][i]`: start of rank r's instruction i (NaN for non-compute instructions).
+    pub starts: Vec<Vec<f64>>,
+}
+
+/// Schedules the compute ops of `p` as early as possible in program order per rank with the
+/// given durations (communication free): the unit-time rule with any costs. `None` when the
+/// order admits no execution or an op is out of range.
+pub fn schedule_with(
+    p: &Program,
+    dur: &dyn Fn(&Compute) -> f64,
+    pair: &dyn Fn(&Compute, &Compute) -> f64,
+) -> Option<Timing> {
     let pl = &p.pipeline;
     let (s_n, m_n) = (pl.stages, pl.microbatches);
     let n = s_n as usize * m_n as usize;
@@ -73,6 +100,7 @@ pub fn analyze(p: &Program) -> Option<UnitTime> {
             }
         }
     }
+    let mut starts: Vec<Vec<f64>> = p.ranks.iter().map(|r| vec![f64::NAN; r.len()]).collect();
     let mut clock = vec![0.0f64; np];
     let mut busy = vec![0.0f64; np];
     let mut ptr = vec![0usize; np];
@@ -123,8 +151,25 @@ pub fn analyze(p: &Program) -> Option<UnitTime> {
             let mut dur_total = 0.0;
             let mut ends: [(Option<usize>, f64); 2] = [(None, 0.0); 2];
             let mut ne = 0;
+            let pair_total = match ins {
+                Instr::Overlap { fwd, bwd } => Some(pair(fwd, bwd)),
+                _ => None,
+            };
+            if ins.is_compute() {
+                starts[r][ptr[r]] = ready_at;
+            }
             ins.for_each_compute(|c| {
-                let d = unit_cost(c);
+                let d = match pair_total {
+                    // Both ops of a pair finish with the pair.
+                    Some(total) => {
+                        if c.kind == Kind::F {
+                            total
+                        } else {
+                            0.0
+                        }
+                    }
+                    None => dur(c),
+                };
                 if is_first_part(c) && c.part != Part::Whole {
                     part_start[r] = t;
                 }
@@ -162,10 +207,9 @@ pub fn analyze(p: &Program) -> Option<UnitTime> {
         return None;
     }
     let makespan = clock.iter().cloned().fold(0.0, f64::max);
-    let idle = busy.iter().map(|b| makespan - b).collect();
-    Some(UnitTime {
+    Some(Timing {
         makespan,
         busy,
-        idle,
+        starts,
     })
 }

@@ -1,0 +1,348 @@
+//! The cost model: what each op takes (seconds), how big messages are (bytes), how much memory
+//! a rank holds (bytes). Read from TOML; presets ship in `compiler/presets/`; `k=v` overrides.
+//!
+//! ```toml
+//! [compute]            # seconds per op on every stage
+//! F = 1.0              # forward
+//! B = 1.0              # input-gradient backward (torch `I`)
+//! W = 1.0              # weight-gradient backward
+//! # BW = 2.0           # fused backward; default B + W
+//! # FB = 3.0           # an overlapped F&B pair; default F + (the backward's time)
+//! [compute.stage.0]    # per-stage overrides (embedding), [compute.stage.N] ...
+//! F = 1.2
+//! [p2p]
+//! latency = 0.0        # seconds per message
+//! bandwidth = 0.0      # bytes per second; 0 = free
+//! # bytes = 0         # message size; default from [model]
+//! [model]              # message size = hidden * seq * micro_batch * dtype_bytes
+//! hidden = 7168
+//! seq = 4096
+//! micro_batch = 1
+//! dtype_bytes = 2
+//! [moe]
+//! dispatch = 0.0       # seconds per dispatch all-to-all (an MoE op's `.dispatch` part)
+//! combine = 0.0        # seconds per combine all-to-all
+//! overlap = true       # on a separate communication stream that overlaps compute
+//! a2a = 0.0            # seconds per explicit A2A collective
+//! [memory]
+//! activation_bytes = 0.0      # per (stage, micro-batch)
+//! released_at_b = 0.5         # fraction freed by B; the rest at W (Zero Bubble's accounting)
+//! param_bytes = 0.0           # per stage (a rank holding two stages holds two copies)
+//! grad_bytes = 0.0            # per stage
+//! optimizer_bytes = 0.0       # per stage
+//! ```
+//!
+//! Defaults: unit compute (F = B = W = 1), free communication, no memory figures.
+
+use schedc_ir::{Compute, Kind, Part};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Per-op times, seconds. `None` falls back to the model-wide value.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpCosts {
+    /// Forward.
+    #[serde(rename = "F")]
+    pub f: Option<f64>,
+    /// Input-gradient backward.
+    #[serde(rename = "B")]
+    pub b: Option<f64>,
+    /// Weight-gradient backward.
+    #[serde(rename = "W")]
+    pub w: Option<f64>,
+    /// Fused backward (default B + W).
+    #[serde(rename = "BW")]
+    pub bw: Option<f64>,
+    /// Overlapped F&B pair (default F + the backward's time).
+    #[serde(rename = "FB")]
+    pub fb: Option<f64>,
+}
+
+/// Compute costs.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeCosts {
+    /// Model-wide times.
+    #[serde(flatten)]
+    pub all: OpCosts,
+    /// Per-stage overrides, keyed by stage id.
+    #[serde(default)]
+    pub stage: BTreeMap<String, OpCosts>,
+}
+
+/// Point-to-point communication.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct P2p {
+    /// Seconds per message.
+    #[serde(default)]
+    pub latency: f64,
+    /// Bytes per second; 0 means free.
+    #[serde(default)]
+    pub bandwidth: f64,
+    /// Message size in bytes (default: from `[model]`).
+    pub bytes: Option<f64>,
+}
+
+/// Model shape, for message sizes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelShape {
+    /// Hidden size.
+    pub hidden: f64,
+    /// Sequence length.
+    pub seq: f64,
+    /// Micro-batch size (sequences).
+    pub micro_batch: f64,
+    /// Bytes per element.
+    pub dtype_bytes: f64,
+}
+
+/// MoE all-to-all costs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Moe {
+    /// Seconds per dispatch.
+    #[serde(default)]
+    pub dispatch: f64,
+    /// Seconds per combine.
+    #[serde(default)]
+    pub combine: f64,
+    /// Whether dispatch/combine run on their own stream, overlapping compute.
+    #[serde(default = "yes")]
+    pub overlap: bool,
+    /// Seconds per explicit `A2A` collective.
+    #[serde(default)]
+    pub a2a: f64,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for Moe {
+    fn default() -> Self {
+        Moe {
+            dispatch: 0.0,
+            combine: 0.0,
+            overlap: true,
+            a2a: 0.0,
+        }
+    }
+}
+
+/// Memory accounting (bytes).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Memory {
+    /// Activation bytes of one (stage, micro-batch).
+    #[serde(default)]
+    pub activation_bytes: f64,
+    /// Fraction of it freed by B (the rest by W); BW frees all. Zero Bubble (arXiv
+    /// 2401.10241, §2) keeps W's inputs alive until W.
+    #[serde(default = "half")]
+    pub released_at_b: f64,
+    /// Parameter bytes per stage.
+    #[serde(default)]
+    pub param_bytes: f64,
+    /// Gradient bytes per stage.
+    #[serde(default)]
+    pub grad_bytes: f64,
+    /// Optimizer-state bytes per stage.
+    #[serde(default)]
+    pub optimizer_bytes: f64,
+}
+
+fn half() -> f64 {
+    0.5
+}
+
+impl Default for Memory {
+    fn default() -> Self {
+        Memory {
+            activation_bytes: 0.0,
+            released_at_b: 0.5,
+            param_bytes: 0.0,
+            grad_bytes: 0.0,
+            optimizer_bytes: 0.0,
+        }
+    }
+}
+
+/// The whole cost model.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CostModel {
+    /// Compute times.
+    #[serde(default)]
+    pub compute: ComputeCosts,
+    /// Point-to-point communication.
+    #[serde(default)]
+    pub p2p: P2p,
+    /// Model shape.
+    pub model: Option<ModelShape>,
+    /// MoE all-to-alls.
+    #[serde(default)]
+    pub moe: Moe,
+    /// Memory.
+    #[serde(default)]
+    pub memory: Memory,
+    /// Multiplies every compute time (not set from TOML). `schedc compare` sets it to
+    /// `P / stages per direction` so that schedules splitting the model into more, smaller
+    /// stages (interleaved, ZB-V, DualPipeV) are charged for the layers they hold: the
+    /// configured times are for a stage of 1/P of the model.
+    #[serde(skip)]
+    pub op_scale: Option<f64>,
+}
+
+/// Presets shipped with schedc: `(name, TOML)`.
+pub const PRESETS: &[(&str, &str)] = &[
+    ("unit", include_str!("../../presets/unit.toml")),
+    (
+        "dualpipe-readme",
+        include_str!("../../presets/dualpipe-readme.toml"),
+    ),
+    ("dsv3-h800", include_str!("../../presets/dsv3-h800.toml")),
+];
+
+impl CostModel {
+    /// Parses TOML. Errors: the TOML error with its line and column.
+    pub fn from_toml(s: &str) -> Result<Self, String> {
+        toml::from_str(s).map_err(|e| e.to_string())
+    }
+
+    /// A preset by name, a TOML file path, or inline `k=v,...` overrides on the unit model
+    /// (`F=1,B=1,W=1,FB=3`, `latency=1e-5`, `bandwidth=5e10`, `bytes=1e6`, `dispatch=..`,
+    /// `combine=..`, `activation_bytes=..`, `param_bytes=..`).
+    ///
+    /// Errors: an unknown key, a value that is not a number, an unreadable or invalid file.
+    pub fn resolve(spec: &str) -> Result<Self, String> {
+        if let Some((_, t)) = PRESETS.iter().find(|(n, _)| *n == spec) {
+            return Self::from_toml(t).map_err(|e| format!("preset `{spec}`: {e}"));
+        }
+        if spec.contains('=') && !std::path::Path::new(spec).exists() {
+            let mut m = CostModel::default();
+            m.apply_overrides(spec)?;
+            return Ok(m);
+        }
+        let text = std::fs::read_to_string(spec).map_err(|e| {
+            format!(
+                "cannot read cost model `{spec}`: {e} (presets: {})",
+                PRESETS.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
+            )
+        })?;
+        Self::from_toml(&text).map_err(|e| format!("{spec}: {e}"))
+    }
+
+    /// Applies `k=v,...` overrides.
+    pub fn apply_overrides(&mut self, kv: &str) -> Result<(), String> {
+        for part in kv.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| format!("cost override `{part}`: expected KEY=VALUE"))?;
+            let k = k.trim();
+            let v: f64 = v
+                .trim()
+                .parse()
+                .map_err(|_| format!("cost override `{part}`: `{}` is not a number", v.trim()))?;
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!(
+                    "cost override `{part}`: must be a finite non-negative number"
+                ));
+            }
+            match k {
+                "F" => self.compute.all.f = Some(v),
+                "B" => self.compute.all.b = Some(v),
+                "W" => self.compute.all.w = Some(v),
+                "BW" => self.compute.all.bw = Some(v),
+                "FB" => self.compute.all.fb = Some(v),
+                "latency" => self.p2p.latency = v,
+                "bandwidth" => self.p2p.bandwidth = v,
+                "bytes" => self.p2p.bytes = Some(v),
+                "dispatch" => self.moe.dispatch = v,
+                "combine" => self.moe.combine = v,
+                "a2a" => self.moe.a2a = v,
+                "activation_bytes" => self.memory.activation_bytes = v,
+                "released_at_b" => self.memory.released_at_b = v.min(1.0),
+                "param_bytes" => self.memory.param_bytes = v,
+                "grad_bytes" => self.memory.grad_bytes = v,
+                "optimizer_bytes" => self.memory.optimizer_bytes = v,
+                _ => {
+                    return Err(format!(
+                        "unknown cost key `{k}`: expected F, B, W, BW, FB, latency, bandwidth, bytes, dispatch, combine, a2a, activation_bytes, released_at_b, param_bytes, grad_bytes, optimizer_bytes"
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn stage_costs(&self, stage: u32) -> Option<&OpCosts> {
+        self.compute.stage.get(&stage.to_string())
+    }
+
+    fn pick(&self, stage: u32, f: impl Fn(&OpCosts) -> Option<f64>) -> Option<f64> {
+        self.stage_costs(stage)
+            .and_then(&f)
+            .or_else(|| f(&self.compute.all))
+    }
+
+    /// Seconds of a whole op of `kind` on `stage`.
+    pub fn op_time(&self, kind: Kind, stage: u32) -> f64 {
+        let f = self.pick(stage, |c| c.f).unwrap_or(1.0);
+        let b = self.pick(stage, |c| c.b).unwrap_or(1.0);
+        let w = self.pick(stage, |c| c.w).unwrap_or(1.0);
+        match kind {
+            Kind::F => f,
+            Kind::B => b,
+            Kind::W => w,
+            Kind::BW => self.pick(stage, |c| c.bw).unwrap_or(b + w),
+        }
+    }
+
+    /// Seconds of one compute op (an MoE part: a quarter of its op for attention and MLP;
+    /// the `[moe]` time for dispatch and combine).
+    pub fn compute_time(&self, c: &Compute) -> f64 {
+        self.op_scale.unwrap_or(1.0) * self.compute_time_unscaled(c)
+    }
+
+    fn compute_time_unscaled(&self, c: &Compute) -> f64 {
+        match c.part {
+            Part::Whole => self.op_time(c.kind, c.stage),
+            Part::Attn | Part::Mlp => self.op_time(c.kind, c.stage) / 2.0,
+            Part::Dispatch => self.moe.dispatch,
+            Part::Combine => self.moe.combine,
+        }
+    }
+
+    /// Seconds of an overlapped pair.
+    pub fn pair_time(&self, fwd: &Compute, bwd: &Compute) -> f64 {
+        match self.pick(bwd.stage, |c| c.fb) {
+            Some(t) => self.op_scale.unwrap_or(1.0) * t,
+            None => self.compute_time(fwd) + self.compute_time(bwd),
+        }
+    }
+
+    /// Bytes of one activation or gradient message.
+    pub fn message_bytes(&self) -> f64 {
+        if let Some(b) = self.p2p.bytes {
+            return b;
+        }
+        match &self.model {
+            Some(m) => m.hidden * m.seq * m.micro_batch * m.dtype_bytes,
+            None => 0.0,
+        }
+    }
+
+    /// Seconds of one P2P message.
+    pub fn message_time(&self) -> f64 {
+        let bytes = self.message_bytes();
+        let xfer = if self.p2p.bandwidth > 0.0 {
+            bytes / self.p2p.bandwidth
+        } else {
+            0.0
+        };
+        self.p2p.latency + xfer
+    }
+}

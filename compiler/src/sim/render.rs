@@ -1,0 +1,276 @@
+//! Pictures of a simulation: a terminal table and ASCII timeline, Chrome trace JSON (Perfetto,
+//! chrome://tracing), and an SVG Gantt chart.
+
+use super::{Event, EventKind, SimResult, StreamKind};
+use std::fmt::Write as _;
+
+/// The letter of an event kind in the ASCII timeline.
+fn letter(k: EventKind) -> char {
+    match k {
+        EventKind::F => 'F',
+        EventKind::B => 'B',
+        EventKind::W => 'W',
+        EventKind::BW => 'X',
+        EventKind::Overlap => 'O',
+        EventKind::A2a => 'a',
+        EventKind::Comm => '~',
+        EventKind::Other => '+',
+    }
+}
+
+/// Per-rank table and an ASCII timeline of the compute streams, `width` columns wide.
+pub fn text_report(r: &SimResult, width: usize) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "makespan {:.6}  bubble {:.2}% of busy+idle, {:.2}% of busy",
+        r.makespan,
+        100.0 * r.bubble_ratio,
+        100.0 * r.bubble_ratio_busy
+    );
+    let _ = writeln!(
+        o,
+        "\n{:>5} {:>12} {:>12} {:>14} {:>18}",
+        "rank", "busy", "idle", "exposed_comm", "peak_memory_bytes"
+    );
+    for x in &r.ranks {
+        let _ = writeln!(
+            o,
+            "{:>5} {:>12.6} {:>12.6} {:>14.6} {:>18.4e}",
+            x.rank, x.busy, x.idle, x.exposed_comm, x.peak_memory_bytes
+        );
+    }
+    if r.makespan <= 0.0 {
+        return o;
+    }
+    let w = width.max(10);
+    let scale = w as f64 / r.makespan;
+    let _ = writeln!(
+        o,
+        "\ntimeline (compute streams; F forward, B input-grad, W weight-grad, X fused backward, O overlapped F&B, . idle):"
+    );
+    let np = r.ranks.len();
+    let mut rows = vec![vec!['.'; w]; np];
+    for e in r.events.iter().filter(|e| e.stream == StreamKind::Compute) {
+        let a = ((e.start * scale).round() as usize).min(w);
+        let b = ((e.end * scale).round() as usize)
+            .min(w)
+            .max(a + usize::from(e.end > e.start));
+        for c in rows[e.rank as usize].iter_mut().take(b.min(w)).skip(a) {
+            *c = letter(e.kind);
+        }
+    }
+    for (rk, row) in rows.iter().enumerate() {
+        let _ = writeln!(o, "{:>5} |{}|", rk, row.iter().collect::<String>());
+    }
+    o
+}
+
+/// Chrome trace JSON: one process per rank, a thread per stream, events in microseconds,
+/// flow arrows from each send to its receive.
+pub fn chrome_trace(r: &SimResult) -> String {
+    use serde_json::json;
+    let us = 1e6;
+    let mut ev = Vec::new();
+    for x in &r.ranks {
+        ev.push(json!({"ph": "M", "name": "process_name", "pid": x.rank, "args": {"name": format!("rank {}", x.rank)}}));
+        ev.push(json!({"ph": "M", "name": "process_sort_index", "pid": x.rank, "args": {"sort_index": x.rank}}));
+        for (tid, n) in [(0, "compute"), (1, "p2p"), (2, "ep all-to-all")] {
+            ev.push(json!({"ph": "M", "name": "thread_name", "pid": x.rank, "tid": tid, "args": {"name": n}}));
+        }
+    }
+    let tid = |s: StreamKind| match s {
+        StreamKind::Compute => 0,
+        StreamKind::Comm => 1,
+        StreamKind::Ep => 2,
+    };
+    for e in &r.events {
+        ev.push(json!({
+            "ph": "X", "name": e.name, "cat": format!("{:?}", e.kind),
+            "pid": e.rank, "tid": tid(e.stream),
+            "ts": e.start * us, "dur": (e.end - e.start) * us,
+        }));
+    }
+    for (k, (a, b)) in r.flows.iter().enumerate() {
+        let (ea, eb): (&Event, &Event) = (&r.events[*a], &r.events[*b]);
+        ev.push(json!({"ph": "s", "id": k, "name": "p2p", "cat": "p2p", "pid": ea.rank, "tid": 1, "ts": ea.start * us}));
+        ev.push(json!({"ph": "f", "bp": "e", "id": k, "name": "p2p", "cat": "p2p", "pid": eb.rank, "tid": 1, "ts": eb.end * us}));
+    }
+    serde_json::to_string(&json!({"traceEvents": ev, "displayTimeUnit": "ms"}))
+        .expect("trace serializes")
+}
+
+fn colour(k: EventKind) -> &'static str {
+    match k {
+        EventKind::F => "#4e79a7",
+        EventKind::B => "#59a14f",
+        EventKind::W => "#8cd17d",
+        EventKind::BW => "#f28e2b",
+        EventKind::Overlap => "#b07aa1",
+        EventKind::A2a => "#e15759",
+        EventKind::Comm => "#bab0ac",
+        EventKind::Other => "#79706e",
+    }
+}
+
+fn label(k: EventKind) -> &'static str {
+    match k {
+        EventKind::F => "F (forward)",
+        EventKind::B => "B (input gradient)",
+        EventKind::W => "W (weight gradient)",
+        EventKind::BW => "BW (full backward)",
+        EventKind::Overlap => "F&B (overlapped pair)",
+        EventKind::A2a => "dispatch / combine",
+        EventKind::Comm => "send / receive",
+        EventKind::Other => "other",
+    }
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// An SVG Gantt chart: a row per rank (its compute stream, with a thin communication lane
+/// below it), colours by op kind, the micro-batch written in each box wide enough, a time
+/// axis and a legend.
+pub fn svg(r: &SimResult, title: &str) -> String {
+    let np = r.ranks.len();
+    let (left, top, row_h, lane_h, gap) = (70.0, 50.0, 26.0, 6.0, 8.0);
+    let width = 1200.0;
+    let plot_w = width - left - 20.0;
+    let scale = if r.makespan > 0.0 {
+        plot_w / r.makespan
+    } else {
+        0.0
+    };
+    let height = top + np as f64 * (row_h + lane_h + gap) + 80.0;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif">"#
+    );
+    let _ = writeln!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        o,
+        r#"<text x="{left}" y="24" font-size="15" font-weight="bold">{}</text>"#,
+        esc(title)
+    );
+    let _ = writeln!(
+        o,
+        r##"<text x="{left}" y="40" font-size="11" fill="#555">makespan {:.4}, bubble {:.1}% (idle / (busy + idle))</text>"##,
+        r.makespan,
+        100.0 * r.bubble_ratio
+    );
+    let row_y = |rank: u32| top + rank as f64 * (row_h + lane_h + gap);
+    for x in &r.ranks {
+        let y = row_y(x.rank);
+        let _ = writeln!(
+            o,
+            r#"<text x="{}" y="{}" font-size="12" text-anchor="end">rank {}</text>"#,
+            left - 8.0,
+            y + row_h * 0.68,
+            x.rank
+        );
+        let _ = writeln!(
+            o,
+            r##"<rect x="{left}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f4f4f4"/>"##
+        );
+    }
+    let mut used = Vec::new();
+    for e in &r.events {
+        let w = ((e.end - e.start) * scale).max(0.0);
+        if w <= 0.0 {
+            continue;
+        }
+        if !used.contains(&e.kind) {
+            used.push(e.kind);
+        }
+        let x = left + e.start * scale;
+        let (y, h) = match e.stream {
+            StreamKind::Compute => (row_y(e.rank), row_h),
+            StreamKind::Ep => (row_y(e.rank) + row_h * 0.55, row_h * 0.45),
+            StreamKind::Comm => (row_y(e.rank) + row_h + 1.0, lane_h - 1.0),
+        };
+        let _ = writeln!(
+            o,
+            r#"<rect x="{x:.2}" y="{y:.2}" width="{w:.2}" height="{h:.2}" fill="{}" stroke="white" stroke-width="0.6"><title>{} [{:.4}, {:.4}]</title></rect>"#,
+            colour(e.kind),
+            esc(&e.name),
+            e.start,
+            e.end
+        );
+        if e.stream == StreamKind::Compute && w >= 14.0 {
+            let text = match e.kind {
+                EventKind::Overlap => esc(&e.name.replace('&', " "))
+                    .chars()
+                    .filter(|c| c.is_ascii_digit() || *c == ' ' || *c == ',')
+                    .collect::<String>(),
+                _ => e.mb.map(|m| m.to_string()).unwrap_or_default(),
+            };
+            let text = if e.kind == EventKind::Overlap {
+                String::new()
+            } else {
+                text
+            };
+            if !text.is_empty() {
+                let _ = writeln!(
+                    o,
+                    r#"<text x="{:.2}" y="{:.2}" font-size="10" fill="white" text-anchor="middle">{}</text>"#,
+                    x + w / 2.0,
+                    y + h * 0.66,
+                    text
+                );
+            }
+        }
+    }
+    // Time axis.
+    let axis_y = top + np as f64 * (row_h + lane_h + gap) + 4.0;
+    let _ = writeln!(
+        o,
+        r##"<line x1="{left}" y1="{axis_y}" x2="{}" y2="{axis_y}" stroke="#333"/>"##,
+        left + plot_w
+    );
+    let ticks = 10;
+    for k in 0..=ticks {
+        let t = r.makespan * k as f64 / ticks as f64;
+        let x = left + t * scale;
+        let _ = writeln!(
+            o,
+            r##"<line x1="{x:.2}" y1="{axis_y}" x2="{x:.2}" y2="{}" stroke="#333"/><text x="{x:.2}" y="{}" font-size="10" text-anchor="middle">{}</text>"##,
+            axis_y + 4.0,
+            axis_y + 16.0,
+            fmt_t(t)
+        );
+    }
+    // Legend.
+    let mut lx = left;
+    let ly = axis_y + 34.0;
+    for k in used {
+        let _ = writeln!(
+            o,
+            r#"<rect x="{lx}" y="{}" width="14" height="12" fill="{}"/><text x="{}" y="{}" font-size="11">{}</text>"#,
+            ly - 10.0,
+            colour(k),
+            lx + 18.0,
+            ly,
+            label(k)
+        );
+        lx += 30.0 + 7.0 * label(k).len() as f64;
+    }
+    o.push_str("</svg>\n");
+    o
+}
+
+fn fmt_t(t: f64) -> String {
+    if t == 0.0 {
+        "0".into()
+    } else if t >= 100.0 || (t - t.round()).abs() < 1e-9 {
+        format!("{t:.0}")
+    } else if t >= 1.0 {
+        format!("{t:.1}")
+    } else {
+        format!("{t:.3}")
+    }
+}
