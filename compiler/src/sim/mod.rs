@@ -76,8 +76,12 @@ pub struct Event {
     pub start: f64,
     /// End, seconds.
     pub end: f64,
-    /// Micro-batch of a compute op (for labels).
+    /// Micro-batch of a compute op (for labels); for an overlapped pair, the forward's.
     pub mb: Option<u32>,
+    /// For an overlapped pair, the backward's micro-batch.
+    pub mb2: Option<u32>,
+    /// Direction of a bidirectional (DualPipe) compute op: 0 or 1.
+    pub direction: u8,
 }
 
 /// Per-rank results.
@@ -454,9 +458,17 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                     }
                 };
                 let mut mbv = None;
+                let mut mb2 = None;
+                let mut direction = 0u8;
+                let per_dir = pl.stages_per_direction();
                 let mut kind = EventKind::Other;
                 ins.for_each_compute(|c| {
-                    mbv = Some(c.mb);
+                    if mbv.is_none() {
+                        mbv = Some(c.mb);
+                        direction = u8::from(pl.directions() == 2 && c.stage >= per_dir);
+                    } else {
+                        mb2 = Some(c.mb);
+                    }
                     kind = kind_of(c);
                     part_end.insert((c.kind, c.stage, c.mb), end);
                     // Memory accounting.
@@ -484,6 +496,8 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                         start: ev_start,
                         end,
                         mb: mbv,
+                        mb2,
+                        direction,
                     });
                 }
                 item_end[r][cpos[r]] = end;
@@ -547,6 +561,8 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                         start: post_time[g],
                         end: t,
                         mb: None,
+                        mb2: None,
+                        direction: 0,
                     });
                     gpos[r] += 1;
                     progressed = true;

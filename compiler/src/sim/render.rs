@@ -100,6 +100,20 @@ pub fn chrome_trace(r: &SimResult) -> String {
         .expect("trace serializes")
 }
 
+/// Direction 1 of a bidirectional schedule is drawn in a darker shade of the same hue.
+fn colour_dir(k: EventKind, direction: u8) -> &'static str {
+    if direction == 0 {
+        return colour(k);
+    }
+    match k {
+        EventKind::F => "#2c4a6e",
+        EventKind::B => "#336b2c",
+        EventKind::W => "#4f8f43",
+        EventKind::BW => "#b4600f",
+        other => colour(other),
+    }
+}
+
 fn colour(k: EventKind) -> &'static str {
     match k {
         EventKind::F => "#4e79a7",
@@ -196,23 +210,16 @@ pub fn svg(r: &SimResult, title: &str) -> String {
         let _ = writeln!(
             o,
             r#"<rect x="{x:.2}" y="{y:.2}" width="{w:.2}" height="{h:.2}" fill="{}" stroke="white" stroke-width="0.6"><title>{} [{:.4}, {:.4}]</title></rect>"#,
-            colour(e.kind),
+            colour_dir(e.kind, e.direction),
             esc(&e.name),
             e.start,
             e.end
         );
         if e.stream == StreamKind::Compute && w >= 14.0 {
-            let text = match e.kind {
-                EventKind::Overlap => esc(&e.name.replace('&', " "))
-                    .chars()
-                    .filter(|c| c.is_ascii_digit() || *c == ' ' || *c == ',')
-                    .collect::<String>(),
-                _ => e.mb.map(|m| m.to_string()).unwrap_or_default(),
-            };
-            let text = if e.kind == EventKind::Overlap {
-                String::new()
-            } else {
-                text
+            let text = match (e.mb, e.mb2) {
+                (Some(a), Some(b)) => format!("{a} | {b}"),
+                (Some(a), None) => a.to_string(),
+                _ => String::new(),
             };
             if !text.is_empty() {
                 let _ = writeln!(
@@ -232,9 +239,17 @@ pub fn svg(r: &SimResult, title: &str) -> String {
         r##"<line x1="{left}" y1="{axis_y}" x2="{}" y2="{axis_y}" stroke="#333"/>"##,
         left + plot_w
     );
-    let ticks = 10;
+    // Ticks at 1, 2 or 5 times a power of ten, about ten of them.
+    let raw = (r.makespan / 10.0).max(f64::MIN_POSITIVE);
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    let ticks = (r.makespan / step).floor() as usize;
     for k in 0..=ticks {
-        let t = r.makespan * k as f64 / ticks as f64;
+        let t = step * k as f64;
         let x = left + t * scale;
         let _ = writeln!(
             o,
@@ -247,6 +262,13 @@ pub fn svg(r: &SimResult, title: &str) -> String {
     // Legend.
     let mut lx = left;
     let ly = axis_y + 34.0;
+    if r.events.iter().any(|e| e.direction == 1) {
+        let _ = writeln!(
+            o,
+            r##"<text x="{left}" y="{}" font-size="11" fill="#555">darker shade: direction 1 (micro-batches entering at the last rank); an F&amp;B box reads "forward mb | backward mb"</text>"##,
+            ly + 18.0
+        );
+    }
     for k in used {
         let _ = writeln!(
             o,
@@ -255,7 +277,7 @@ pub fn svg(r: &SimResult, title: &str) -> String {
             colour(k),
             lx + 18.0,
             ly,
-            label(k)
+            esc(label(k))
         );
         lx += 30.0 + 7.0 * label(k).len() as f64;
     }
