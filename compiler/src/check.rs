@@ -48,8 +48,18 @@ pub struct RankReport {
     pub comm_ops: u64,
     /// Unit-time idle (F=B=W=1, BW=2); `null` if the order admits no execution.
     pub idle: Option<f64>,
-    /// `(stage, warmup)` per stage held.
+    /// Warmup of each stage the rank holds. JSON: `[{"stage": s, "warmup": w}, ...]`.
+    #[serde(serialize_with = "ser_stage_warmup")]
     pub stage_warmup: Vec<(u32, u64)>,
+}
+
+fn ser_stage_warmup<S: serde::Serializer>(v: &[(u32, u64)], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeSeq;
+    let mut seq = s.serialize_seq(Some(v.len()))?;
+    for (stage, w) in v {
+        seq.serialize_element(&serde_json::json!({"stage": stage, "warmup": w}))?;
+    }
+    seq.end()
 }
 
 /// The result of `schedc check`.
@@ -110,17 +120,28 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
         let target = if compute_only {
             match lower::lower(p) {
                 Ok(l) => Some(l),
+                Err(lower::LowerError::Cycle(steps))
+                    if steps.len() == 1 && diags.iter().any(|d| d.code == Code::Order) =>
+                {
+                    // A rank waiting for its own later op: the order error above says it.
+                    None
+                }
                 Err(lower::LowerError::Cycle(steps)) => {
                     let ranks: std::collections::BTreeSet<u32> =
                         steps.iter().map(|s| s.at.rank).collect();
-                    let mut d = Diagnostic::error(
-                        Code::Deadlock,
+                    let msg = if ranks.len() == 1 {
+                        format!(
+                            "no execution exists: rank {} waits for an op it runs only later",
+                            steps[0].at.rank
+                        )
+                    } else {
                         format!(
                             "no execution exists: ranks {} each wait for a compute op that the next one has queued behind its own",
                             ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
-                        ),
-                    )
-                    .at(cx.loc(steps[0].at.rank as usize, steps[0].at.pos as usize));
+                        )
+                    };
+                    let mut d = Diagnostic::error(Code::Deadlock, msg)
+                        .at(cx.loc(steps[0].at.rank as usize, steps[0].at.pos as usize));
                     for s in &steps {
                         d = d.with_note(format!(
                             "rank {} is blocked at position {} `{}`: it needs {} from rank {}",
@@ -151,7 +172,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
                 let lcx = Ctx::new(&t);
                 diags.extend(errs.iter().map(|e| {
                     e.to_diagnostic(&lcx)
-                        .with_note("positions refer to the lowered program (`schedc convert --to ir-text` prints it)")
+                        .with_note("positions refer to the lowered program (`schedc convert INPUT --lowered --to ir-text` prints it)")
                 }));
             } else {
                 diags.extend(errs.iter().map(|e| e.to_diagnostic(&cx)));
@@ -163,10 +184,11 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     let wu = warmup::analyze(p);
     let (live, over) = liveness::analyze(p, opts.max_activations);
     diags.extend(over.iter().map(|e| e.to_diagnostic(&cx)));
-    let ut = if structural {
-        None
-    } else {
+    // Unit-time figures mean something only for a well-formed schedule.
+    let ut = if wf.is_empty() {
         makespan::analyze(p)
+    } else {
+        None
     };
     let verdict = if diags.iter().any(Diagnostic::is_error) {
         Verdict::Rejected
@@ -221,7 +243,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
             microbatches: pl.total_microbatches(),
             placement: pl.placement,
             stage_to_rank: pl.stage_to_rank.clone(),
-            lowered: compute_only,
+            lowered: compute_only && checked.is_some(),
             makespan: ut.as_ref().map(|u| u.makespan),
             bubble,
             ranks,
@@ -240,6 +262,7 @@ pub fn check_expectations(report: &mut Report, expects: &[crate::dsl::elab::Expe
         let (what, rel) = match e.kind {
             ExpectKind::Warmup => ("warmup", "=="),
             ExpectKind::PeakActivations => ("peak activations", "<="),
+            ExpectKind::PeakActivationsExact => ("peak activations", "=="),
             ExpectKind::Idle => ("unit-time idle", "=="),
         };
         for (r, rr) in report.ranks.iter().enumerate() {
@@ -248,6 +271,10 @@ pub fn check_expectations(report: &mut Report, expects: &[crate::dsl::elab::Expe
                 ExpectKind::Warmup => (rr.warmup as i64 == want, rr.warmup.to_string()),
                 ExpectKind::PeakActivations => (
                     rr.peak_activations as i64 <= want,
+                    rr.peak_activations.to_string(),
+                ),
+                ExpectKind::PeakActivationsExact => (
+                    rr.peak_activations as i64 == want,
                     rr.peak_activations.to_string(),
                 ),
                 ExpectKind::Idle => match rr.idle {

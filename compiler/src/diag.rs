@@ -95,6 +95,21 @@ impl Code {
     ];
 }
 
+fn ser_related<S: serde::Serializer>(v: &[(Loc, String)], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeSeq;
+    let mut seq = s.serialize_seq(Some(v.len()))?;
+    for (loc, label) in v {
+        seq.serialize_element(&serde_json::json!({
+            "rank": loc.rank,
+            "position": loc.position,
+            "op": loc.op,
+            "label": label,
+            "location": loc.location,
+        }))?;
+    }
+    seq.end()
+}
+
 /// A location in a schedule: rank and position in that rank's instruction list (0-based), the
 /// op's text, and its span in the source file when there is one.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -108,6 +123,9 @@ pub struct Loc {
     /// Byte span in the input file, if the input was a file with known spans.
     #[serde(skip)]
     pub span: Option<Span>,
+    /// `file:line:col` of the span, filled in by [`Diagnostic::locate`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
 }
 
 /// One finding of a pass.
@@ -133,8 +151,9 @@ pub struct Diagnostic {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub location: Option<String>,
     /// Secondary locations (the other end of a message, the first of a duplicate, each step
-    /// of a wait-for cycle), each with a label.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    /// of a wait-for cycle), each with a label. JSON: objects with `rank`, `position`, `op`,
+    /// `label` and, for a file, `location`.
+    #[serde(skip_serializing_if = "Vec::is_empty", serialize_with = "ser_related")]
     pub related: Vec<(Loc, String)>,
     /// Further lines of explanation.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -191,9 +210,13 @@ impl Diagnostic {
     }
     /// Fills [`Diagnostic::location`] (`file:line:col`) from the span, given the source.
     pub fn locate(&mut self, file: &str, src: &str) {
-        if let Some(sp) = self.span {
+        let at = |sp: Span| {
             let (l, c) = schedc_ir::text::line_col(src, sp.start as usize);
-            self.location = Some(format!("{file}:{l}:{c}"));
+            format!("{file}:{l}:{c}")
+        };
+        self.location = self.span.map(at);
+        for (loc, _) in &mut self.related {
+            loc.location = loc.span.map(at);
         }
     }
     /// True for errors.

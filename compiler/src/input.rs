@@ -124,15 +124,13 @@ pub fn detect(name: &str, text: &str) -> Format {
         }
         return Format::IrJson;
     }
-    // Heuristic for CSV without the extension: a first line of torch actions.
+    // Without an extension: IR text lines start with a keyword, torch CSV rows with a stage
+    // number or a compound `(`, or a comma (an idle first cell).
     let first = t.lines().next().unwrap_or("");
-    if !first.starts_with("pp")
-        && !first.starts_with('#')
-        && first.contains(',')
-        && first
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_digit() || c == '(')
+    if first
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_digit() || c == '(' || c == ',')
     {
         return Format::TorchCsv;
     }
@@ -174,7 +172,7 @@ fn json_error(text: &str, e: serde_json::Error) -> ParseError {
         len: 1,
         line,
         col,
-        message: format!("invalid IR JSON: {e}"),
+        message: format!("invalid IR JSON: {}", strip_serde_location(&e.to_string())),
         help: None,
     }
 }
@@ -360,4 +358,12 @@ pub fn apply_overrides(p: &mut Program, ov: &Overrides) -> Result<(), String> {
         ..new
     };
     Ok(())
+}
+
+/// serde_json appends " at line L column C"; the location is reported separately.
+fn strip_serde_location(msg: &str) -> String {
+    match msg.rfind(" at line ") {
+        Some(k) if msg[k..].contains(" column ") => msg[..k].to_string(),
+        _ => msg.to_string(),
+    }
 }

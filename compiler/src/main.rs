@@ -184,6 +184,10 @@ enum Cmd {
         /// unless --force is given.
         #[arg(short, long, value_name = "FILE")]
         output: Option<String>,
+        /// Convert the program as `schedc check` lowers it (sends and receives inserted in
+        /// the verified order) rather than as written.
+        #[arg(long)]
+        lowered: bool,
         /// Overwrite an existing output file.
         #[arg(long)]
         force: bool,
@@ -280,13 +284,16 @@ fn read_source(name: &str) -> Option<String> {
 
 fn render_parse_error(p: &ParseError, name: &str) -> String {
     let d = diag::syntax(p);
-    let head = format!("error: {name}:{}:{}: {}\n", p.line, p.col, p.message);
     match read_source(name) {
         Some(s) if p.offset <= s.len() => {
+            // miette's header carries the message and file:line:col.
             let body = diag::render_color(&d, Some((name, &s)), std::io::stderr().is_terminal());
-            format!("{head}{body}")
+            format!(
+                "error: cannot read {name}: syntax error at {}:{}\n{body}",
+                p.line, p.col
+            )
         }
-        _ => head,
+        _ => format!("error: {name}:{}:{}: {}\n", p.line, p.col, p.message),
     }
 }
 
@@ -380,12 +387,23 @@ fn main() -> ExitCode {
             to,
             torch_format,
             output,
+            lowered,
             force,
         } => {
-            let loaded = match load(&input) {
+            let mut loaded = match load(&input) {
                 Ok(l) => l,
                 Err(c) => return c,
             };
+            if lowered {
+                let out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
+                match out.checked {
+                    Some(l) if out.report.verdict == Verdict::Accepted => loaded.program = l,
+                    _ => {
+                        eprintln!("error: the schedule does not pass `schedc check`; run it for the diagnostics");
+                        return ExitCode::from(1);
+                    }
+                }
+            }
             let text = match to {
                 ConvertTo::IrText => text::print(&loaded.program),
                 ConvertTo::IrJson => {
@@ -612,12 +630,14 @@ fn print_human(loaded: &Loaded, rep: &check::Report) -> String {
     let p = &loaded.program;
     let _ =
         writeln!(o,
-        "{}: {verdict} — pp {}, {} stages ({:?} placement), {} micro-batches{}, {} compute ops{}",
+        "{}: {verdict} — pp {}, {} stage{} ({} placement), {} micro-batch{}{}, {} compute ops{}",
         loaded.name,
         rep.pp,
         rep.stages,
-        rep.placement,
+        if rep.stages == 1 { "" } else { "s" },
+        placement_name(rep.placement),
         rep.microbatches,
+        if rep.microbatches == 1 { "" } else { "es" },
         if p.pipeline.directions() == 2 {
             format!(" ({} per direction)", p.pipeline.microbatches)
         } else {
@@ -685,13 +705,20 @@ fn print_human(loaded: &Loaded, rep: &check::Report) -> String {
     o
 }
 
-/// The rank-by-step grid with unit-time spacing.
+/// The rank-by-step grid with unit-time spacing (pass 7's schedule: F = B = W = 1, BW = 2,
+/// an MoE part a quarter step); ops in program order where the order admits no execution.
 fn grid(p: &schedc_ir::Program) -> String {
-    use schedc_ir::Instr;
-    let ut = makespan::analyze(p);
-    let mut rows: Vec<Vec<(usize, String, usize)>> = Vec::new(); // (start, text, width)
-                                                                 // Recompute start times with the same rule as the unit-time pass: program order per rank.
-    let starts = ut.as_ref().map(|_| unit_starts(p));
+    let has_parts = p
+        .ranks
+        .iter()
+        .flatten()
+        .any(|i| matches!(i, schedc_ir::Instr::Compute(c) if c.part != schedc_ir::Part::Whole));
+    // Grid resolution: one column per unit, or per quarter when MoE parts are present.
+    let res = if has_parts { 0.25 } else { 1.0 };
+    let timing = makespan::schedule_with(p, &makespan::unit_cost, &|f, b| {
+        makespan::unit_cost(f) + makespan::unit_cost(b)
+    });
+    let mut rows: Vec<Vec<(usize, String, usize)>> = Vec::new(); // (start col, text, width)
     for (r, instrs) in p.ranks.iter().enumerate() {
         let mut row = Vec::new();
         let mut t = 0usize;
@@ -699,19 +726,16 @@ fn grid(p: &schedc_ir::Program) -> String {
             if !ins.is_compute() {
                 continue;
             }
-            let w = {
-                let mut d = 0.0;
-                ins.for_each_compute(|c| d += makespan::unit_cost(c));
-                d.ceil().max(1.0) as usize
-            };
-            let start = match &starts {
-                Some(s) => s[r][i],
+            let mut d = 0.0;
+            ins.for_each_compute(|c| d += makespan::unit_cost(c));
+            let w = ((d / res).round() as usize).max(1);
+            let start = match &timing {
+                Some(tm) => (tm.starts[r][i] / res).round() as usize,
                 None => t,
             };
             row.push((start, text::instr_to_string(ins), w));
             t = start + w;
         }
-        let _ = Instr::Idle;
         rows.push(row);
     }
     let steps = rows
@@ -727,7 +751,10 @@ fn grid(p: &schedc_ir::Program) -> String {
         .unwrap_or(4)
         .max(4);
     let mut out = String::new();
-    out.push_str(&format!("{:>7} ", "step"));
+    if timing.is_none() {
+        out.push_str("(the order admits no execution: ops shown in program order)\n");
+    }
+    out.push_str(&format!("{:>7} ", if res < 1.0 { "t*4" } else { "step" }));
     for s in 0..steps {
         out.push_str(&format!("{:<cellw$} ", s));
     }
@@ -744,79 +771,12 @@ fn grid(p: &schedc_ir::Program) -> String {
             }
             let width = w * (cellw + 1) - 1;
             line.push_str(&format!("{:<width$} ", txt));
-            t += w;
+            t = (*start).max(t) + w;
         }
         out.push_str(line.trim_end());
         out.push('\n');
     }
     out
-}
-
-/// Unit-time start of each instruction (by position), per rank.
-fn unit_starts(p: &schedc_ir::Program) -> Vec<Vec<usize>> {
-    // A small re-run of the unit-time rule that records starts (integers: whole ops only;
-    // parts are rounded up).
-    let pl = &p.pipeline;
-    let (s_n, m_n) = (pl.stages, pl.microbatches);
-    let n = (s_n * m_n) as usize;
-    let mut end_f = vec![usize::MAX; n];
-    let mut end_b = vec![usize::MAX; n];
-    let np = p.ranks.len();
-    let mut starts: Vec<Vec<usize>> = p.ranks.iter().map(|r| vec![0; r.len()]).collect();
-    let mut ptr = vec![0usize; np];
-    let mut clock = vec![0usize; np];
-    let mut progress = true;
-    while progress {
-        progress = false;
-        for r in 0..np {
-            while ptr[r] < p.ranks[r].len() {
-                let ins = &p.ranks[r][ptr[r]];
-                let mut ready = clock[r];
-                let mut blocked = false;
-                ins.for_each_compute(|c| {
-                    if c.stage >= s_n || c.mb >= m_n {
-                        return;
-                    }
-                    let dep = match c.kind {
-                        schedc_ir::Kind::F => pl
-                            .prev_stage(c.stage)
-                            .map(|ps| end_f[(ps * m_n + c.mb) as usize]),
-                        schedc_ir::Kind::B | schedc_ir::Kind::BW => pl
-                            .next_stage(c.stage)
-                            .map(|ns| end_b[(ns * m_n + c.mb) as usize]),
-                        schedc_ir::Kind::W => None,
-                    };
-                    if let Some(d) = dep {
-                        if d == usize::MAX {
-                            blocked = true;
-                        } else {
-                            ready = ready.max(d);
-                        }
-                    }
-                });
-                if blocked {
-                    break;
-                }
-                let mut t = ready;
-                ins.for_each_compute(|c| {
-                    t += makespan::unit_cost(c).ceil() as usize;
-                    if c.stage < s_n && c.mb < m_n {
-                        let k = (c.stage * m_n + c.mb) as usize;
-                        match c.kind {
-                            schedc_ir::Kind::F => end_f[k] = t,
-                            schedc_ir::Kind::B | schedc_ir::Kind::BW => end_b[k] = t,
-                            _ => {}
-                        }
-                    }
-                });
-                starts[r][ptr[r]] = ready;
-                clock[r] = t;
-                ptr[r] += 1;
-                progress = true;
-            }
-        }
-    }
-    starts
 }
 
 /// Writes to standard output; a closed pipe (`schedc ... | head`) is not an error.
@@ -1131,4 +1091,13 @@ fn compare(pp: u32, mb: u32, vpp: u32, cost: &str, dir: &str, format: OutFormat)
         }
     }
     ExitCode::SUCCESS
+}
+
+fn placement_name(k: schedc_ir::PlacementKind) -> &'static str {
+    match k {
+        schedc_ir::PlacementKind::Loop => "loop",
+        schedc_ir::PlacementKind::V => "v",
+        schedc_ir::PlacementKind::Bidir => "bidir",
+        schedc_ir::PlacementKind::Explicit => "explicit",
+    }
 }

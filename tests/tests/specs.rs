@@ -31,6 +31,7 @@ macro_rules! torch_conformance {
 
 torch_conformance!(gpipe_matches_torch, "gpipe", "ScheduleGPipe", false);
 torch_conformance!(one_f_one_b_matches_torch, "1f1b", "Schedule1F1B", true);
+torch_conformance!(zbv_matches_torch, "zbv", "ScheduleZBVZeroBubble", false);
 
 /// Every instance over P in `pps` and M in 1..=8P (or the spec's allowed values) passes
 /// `schedc check` with the spec's expectations; refused instances are counted.
@@ -99,4 +100,115 @@ fn one_f_one_b_sweep() {
     let (ok, refused) = sweep("1f1b", 2..=16, None);
     assert_eq!(refused, 0, "1f1b accepts M < P");
     assert!(ok > 1000);
+}
+
+torch_conformance!(
+    interleaved_1f1b_matches_torch,
+    "interleaved_1f1b",
+    "ScheduleInterleaved1F1B",
+    false
+);
+torch_conformance!(
+    looped_bfs_matches_torch,
+    "looped_bfs",
+    "ScheduleLoopedBFS",
+    false
+);
+torch_conformance!(
+    interleaved_zb_matches_torch,
+    "interleaved_zb",
+    "ScheduleInterleavedZeroBubble",
+    false
+);
+
+#[test]
+fn dualpipe_matches_deepseek() {
+    let (d, n) = conform::dualpipe("dualpipe", "dualpipe");
+    assert_conformant(d, n, "dualpipe vs DeepSeek dualpipe.py");
+}
+
+#[test]
+fn dualpipev_matches_deepseek() {
+    let (d, n) = conform::dualpipe("dualpipev", "dualpipev");
+    assert_conformant(d, n, "dualpipev vs DeepSeek dualpipev.py");
+}
+
+torch_conformance!(
+    dualpipev_matches_torch,
+    "dualpipev",
+    "ScheduleDualPipeV",
+    false
+);
+
+#[test]
+fn dualpipe_sweep() {
+    let (ok, refused) = sweep("dualpipe", (2..=16).step_by(2), None);
+    // Accepted: the even M in 2P..=8P, 3P + 1 per P; refused: the other 5P - 1.
+    assert_eq!((ok, refused), (224, 352));
+}
+
+#[test]
+fn dualpipev_sweep() {
+    let (ok, refused) = sweep("dualpipev", 2..=16, None);
+    // Accepted: M in 2P..=8P, 6P + 1 per P; refused: M < 2P.
+    assert_eq!((ok, refused), (825, 255));
+}
+
+#[test]
+fn zbv_sweep() {
+    let (ok, refused) = sweep("zbv", 2..=16, None);
+    assert_eq!(refused, 0, "zbv accepts every M >= 1, as torch does");
+    assert!(ok > 1000);
+}
+
+#[test]
+fn zb_h1_sweep() {
+    let (ok, refused) = sweep("zb_h1", 2..=16, None);
+    assert_eq!(refused, 0, "zb_h1's order is legal for M < P too");
+    assert!(ok > 1000);
+}
+
+#[test]
+fn zb_h2_sweep() {
+    let (ok, refused) = sweep("zb_h2", 2..=16, None);
+    assert_eq!(refused, 0, "zb_h2's order is legal for M < 2P - 1 too");
+    assert!(ok > 1000);
+}
+
+/// Instances of P in `pps`, M in 1..=8P that torch's rounds rule (Interleaved1F1B,
+/// InterleavedZeroBubble) refuses: M is not a multiple of max(1, M / P).
+fn torch_rounds_refusals(pps: impl Iterator<Item = u32>) -> usize {
+    pps.map(|p| (1..=8 * p).filter(|m| m % (m / p).max(1) != 0).count())
+        .sum()
+}
+
+#[test]
+fn interleaved_1f1b_sweep() {
+    // V = 3 (odd) on P <= 8 only: debug builds are slow.
+    for (v, pmax) in [(2, 16), (4, 16), (3, 8)] {
+        let (ok, refused) = sweep("interleaved_1f1b", 2..=pmax, Some(v));
+        let want = torch_rounds_refusals(2..=pmax);
+        assert_eq!(refused, want, "only the rounds rule refuses");
+        assert!(ok > 100);
+    }
+}
+
+#[test]
+fn looped_bfs_sweep() {
+    for (v, pmax) in [(2, 16), (4, 16), (3, 8)] {
+        let (ok, refused) = sweep("looped_bfs", 2..=pmax, Some(v));
+        assert_eq!(refused, 0, "looped_bfs accepts every M >= 1, as torch does");
+        assert!(ok > 200);
+    }
+}
+
+#[test]
+fn interleaved_zb_sweep() {
+    // V = 3 (odd) on P <= 8 only: debug builds are slow.
+    for (v, pmax) in [(2, 16), (4, 16), (3, 8)] {
+        let (ok, refused) = sweep("interleaved_zb", 2..=pmax, Some(v));
+        let want = torch_rounds_refusals(2..=pmax);
+        assert_eq!(refused, want, "only the rounds rule refuses");
+        assert!(ok > 100);
+    }
 }

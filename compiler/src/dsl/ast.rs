@@ -210,6 +210,8 @@ pub enum Stmt {
     },
     /// `repeat n { }`.
     Repeat(Expr, Vec<Stmt>, Sp),
+    /// `while cond { }` (bounded by the elaboration step budget).
+    While(Expr, Vec<Stmt>, Sp),
     /// `if c { } else { }` (`else if` nests).
     If(Expr, Vec<Stmt>, Vec<Stmt>, Sp),
     /// A compute op.
@@ -246,6 +248,8 @@ pub enum ExpectKind {
     Warmup,
     /// `expect peak_activations <= e`
     PeakActivations,
+    /// `expect peak_activations == e`
+    PeakActivationsExact,
     /// `expect idle == e` (unit time, F=B=W=1, BW=2)
     Idle,
 }

@@ -543,6 +543,12 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                     exec(body, env, st)?;
                 }
             }
+            Stmt::While(c, body, sp) => {
+                while boolean(eval(c, env, Some(st))?, c.sp())? {
+                    tick(st, *sp)?;
+                    exec(body, env, st)?;
+                }
+            }
             Stmt::If(c, a, b, _) => {
                 if boolean(eval(c, env, Some(st))?, c.sp())? {
                     exec(a, env, st)?;
@@ -712,7 +718,7 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
             {
                 Ok(true) => {}
                 Ok(false) => {
-                    let mut e = err(*sp, msg.clone());
+                    let mut e = err(*sp, interpolate(msg, &env));
                     e.refused = true;
                     errors.push(e);
                 }
@@ -923,4 +929,36 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
         expects,
         name,
     })
+}
+
+/// Replaces `{NAME}` in a `require` message with the value of `NAME` (P, M, V, S, a
+/// parameter or a `let`); unknown names stay as written.
+fn interpolate(msg: &str, env: &Env) -> String {
+    let mut out = String::with_capacity(msg.len());
+    let mut rest = msg;
+    while let Some(a) = rest.find('{') {
+        out.push_str(&rest[..a]);
+        let after = &rest[a + 1..];
+        match after.find('}') {
+            Some(b)
+                if !after[..b].is_empty()
+                    && after[..b]
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_') =>
+            {
+                match env.get(&after[..b]) {
+                    Some(Val::Int(v)) => out.push_str(&v.to_string()),
+                    Some(Val::Bool(v)) => out.push_str(&v.to_string()),
+                    None => out.push_str(&rest[a..a + b + 2]),
+                }
+                rest = &after[b + 1..];
+            }
+            _ => {
+                out.push('{');
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }

@@ -169,7 +169,7 @@ fn stmt_start(s: &Stmt) -> usize {
     match s {
         Stmt::Let(_, _, sp) | Stmt::Var(_, _, sp) | Stmt::Assign(_, _, sp) => sp.start,
         Stmt::For { sp, .. } => sp.start,
-        Stmt::Repeat(_, _, sp) | Stmt::If(_, _, _, sp) => sp.start,
+        Stmt::Repeat(_, _, sp) | Stmt::While(_, _, sp) | Stmt::If(_, _, _, sp) => sp.start,
         Stmt::Op(o) => o.sp.start,
         Stmt::Overlap(_, _, sp) | Stmt::Group(_, sp) | Stmt::Idle(sp) => sp.start,
         Stmt::Comm(c) => c.sp.start,
@@ -196,9 +196,55 @@ fn close_brace_after(src: &str, pos: usize) -> usize {
     pos
 }
 
+fn is_simple(s: &Stmt) -> bool {
+    matches!(
+        s,
+        Stmt::Op(_) | Stmt::Overlap(..) | Stmt::Idle(_) | Stmt::Comm(_) | Stmt::Group(..)
+    )
+}
+
+/// The one-line text of a simple statement.
+fn simple_str(s: &Stmt) -> String {
+    match s {
+        Stmt::Op(o) => op_str(o),
+        Stmt::Overlap(a, b, _) => format!("{} & {}", op_str(a), op_str(b)),
+        Stmt::Idle(_) => "idle".into(),
+        Stmt::Comm(c) => comm_str(c),
+        Stmt::Group(v, _) => format!(
+            "group {{ {} }}",
+            v.iter().map(comm_str).collect::<Vec<_>>().join(" ")
+        ),
+        _ => unreachable!("not simple"),
+    }
+}
+
+/// True if `src[a..b]` has no line break (both in range).
+fn same_line(src: &str, a: usize, b: usize) -> bool {
+    let (a, b) = (a.min(b), a.max(b));
+    b <= src.len()
+        && src.is_char_boundary(a)
+        && src.is_char_boundary(b)
+        && !src[a..b].contains('\n')
+}
+
+/// A block the source wrote on one line, holding only ops: printed on one line too.
+fn one_line_block(f: &Fmt<'_>, header_start: usize, body: &[Stmt]) -> bool {
+    if body.is_empty() || !body.iter().all(is_simple) {
+        return false;
+    }
+    let last = stmt_end(body.last().expect("non-empty"));
+    let close = close_brace_after(f.src, last);
+    let no_comment = !f.comments[f.next..]
+        .iter()
+        .any(|(o, _)| *o >= header_start && *o <= close);
+    no_comment && same_line(f.src, header_start, close)
+}
+
 fn write_block(f: &mut Fmt<'_>, body: &[Stmt], indent: usize, end: usize) {
     let end = close_brace_after(f.src, end.saturating_sub(1)).max(end);
-    for (k, s) in body.iter().enumerate() {
+    let mut k = 0;
+    while k < body.len() {
+        let s = &body[k];
         if k > 0
             && blank_between(
                 f.src,
@@ -208,7 +254,26 @@ fn write_block(f: &mut Fmt<'_>, body: &[Stmt], indent: usize, end: usize) {
         {
             f.out.push('\n');
         }
+        // Ops that the source wrote on one line stay on one line.
+        if is_simple(s) {
+            let mut j = k + 1;
+            while j < body.len()
+                && is_simple(&body[j])
+                && same_line(f.src, stmt_end(&body[j - 1]), stmt_start(&body[j]))
+                && first_comment_or(f, stmt_start(&body[j])) == stmt_start(&body[j])
+            {
+                j += 1;
+            }
+            if j > k + 1 {
+                f.flush_comments(stmt_start(s), indent);
+                let line: Vec<String> = body[k..j].iter().map(simple_str).collect();
+                let _ = writeln!(f.out, "{}{}", " ".repeat(indent), line.join(" "));
+                k = j;
+                continue;
+            }
+        }
         write_stmt(f, s, indent);
+        k += 1;
     }
     f.flush_comments(end, indent);
 }
@@ -216,7 +281,7 @@ fn write_block(f: &mut Fmt<'_>, body: &[Stmt], indent: usize, end: usize) {
 /// The offset just past a statement (for comments at the end of a block).
 fn stmt_end(s: &Stmt) -> usize {
     match s {
-        Stmt::For { body, sp, .. } | Stmt::Repeat(_, body, sp) => {
+        Stmt::For { body, sp, .. } | Stmt::Repeat(_, body, sp) | Stmt::While(_, body, sp) => {
             body.last().map_or(sp.end, stmt_end)
         }
         Stmt::If(_, a, b, sp) => b.last().or(a.last()).map_or(sp.end, stmt_end),
@@ -247,6 +312,29 @@ fn write_stmt(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
             inclusive,
             step,
             body,
+            sp,
+        } if one_line_block(f, sp.start, body) => {
+            let line: Vec<String> = body.iter().map(simple_str).collect();
+            let step = step
+                .as_ref()
+                .map(|st| format!(" step {}", expr_str(st)))
+                .unwrap_or_default();
+            let _ = writeln!(
+                f.out,
+                "{pad}for {var} in {}{}{}{step} {{ {} }}",
+                expr_str(from),
+                if *inclusive { "..=" } else { ".." },
+                expr_str(to),
+                line.join(" ")
+            );
+        }
+        Stmt::For {
+            var,
+            from,
+            to,
+            inclusive,
+            step,
+            body,
             ..
         } => {
             let _ = write!(
@@ -263,8 +351,50 @@ fn write_stmt(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
             write_block(f, body, indent + 4, stmt_end(s) + 1);
             let _ = writeln!(f.out, "{pad}}}");
         }
+        Stmt::Repeat(n, body, sp) if one_line_block(f, sp.start, body) => {
+            let line: Vec<String> = body.iter().map(simple_str).collect();
+            let _ = writeln!(
+                f.out,
+                "{pad}repeat {} {{ {} }}",
+                expr_str(n),
+                line.join(" ")
+            );
+        }
+        Stmt::While(c, body, sp) if one_line_block(f, sp.start, body) => {
+            let line: Vec<String> = body.iter().map(simple_str).collect();
+            let _ = writeln!(f.out, "{pad}while {} {{ {} }}", expr_str(c), line.join(" "));
+        }
+        Stmt::If(c, a, b, sp) if b.is_empty() && one_line_block(f, sp.start, a) => {
+            let line: Vec<String> = a.iter().map(simple_str).collect();
+            let _ = writeln!(f.out, "{pad}if {} {{ {} }}", expr_str(c), line.join(" "));
+        }
+        Stmt::If(c, a, b, sp)
+            if !b.is_empty()
+                && one_line_block(f, sp.start, a)
+                && b.iter().all(is_simple)
+                && same_line(
+                    f.src,
+                    sp.start,
+                    close_brace_after(f.src, stmt_end(b.last().expect("non-empty"))),
+                ) =>
+        {
+            let la: Vec<String> = a.iter().map(simple_str).collect();
+            let lb: Vec<String> = b.iter().map(simple_str).collect();
+            let _ = writeln!(
+                f.out,
+                "{pad}if {} {{ {} }} else {{ {} }}",
+                expr_str(c),
+                la.join(" "),
+                lb.join(" ")
+            );
+        }
         Stmt::Repeat(n, body, _) => {
             let _ = writeln!(f.out, "{pad}repeat {} {{", expr_str(n));
+            write_block(f, body, indent + 4, stmt_end(s) + 1);
+            let _ = writeln!(f.out, "{pad}}}");
+        }
+        Stmt::While(c, body, _) => {
+            let _ = writeln!(f.out, "{pad}while {} {{", expr_str(c));
             write_block(f, body, indent + 4, stmt_end(s) + 1);
             let _ = writeln!(f.out, "{pad}}}");
         }
@@ -413,6 +543,7 @@ pub fn format_file(file: &File, src: &str) -> String {
                 let (w, op) = match k {
                     ExpectKind::Warmup => ("warmup", "=="),
                     ExpectKind::PeakActivations => ("peak_activations", "<="),
+                    ExpectKind::PeakActivationsExact => ("peak_activations", "=="),
                     ExpectKind::Idle => ("idle", "=="),
                 };
                 let _ = writeln!(f.out, "expect {w} {op} {}", expr_str(e));

@@ -467,6 +467,12 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
             },
         ));
     }
+    if let Ok((i2, _)) = kw("while").parse(i) {
+        let (i3, c) = cut(expect("a condition after `while`", expr)).parse(i2)?;
+        let sp = sp_of(start, i3);
+        let (i4, body) = cut(block).parse(i3)?;
+        return Ok((i4, Stmt::While(c, body, sp)));
+    }
     if let Ok((i2, _)) = kw("repeat").parse(i) {
         let (i3, n) = cut(expect("a count after `repeat`", expr)).parse(i2)?;
         let sp = sp_of(start, i3);
@@ -528,7 +534,7 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
     }
     fail(
         i,
-        "a statement (let, var, for, repeat, if, an op such as F(0), a send or receive, group, idle)",
+        "a statement (let, var, for, while, repeat, if, an op such as F(0), a send or receive, group, idle)",
     )
 }
 
@@ -675,6 +681,9 @@ fn item(i: In<'_>) -> R<'_, Item> {
                 return Ok((i2, (ExpectKind::Warmup, "==")));
             }
             if let Ok((i2, _)) = kw("peak_activations").parse(i) {
+                if let Ok((i3, _)) = tok("==").parse(i2) {
+                    return Ok((i3, (ExpectKind::PeakActivationsExact, "")));
+                }
                 return Ok((i2, (ExpectKind::PeakActivations, "<=")));
             }
             if let Ok((i2, _)) = kw("idle").parse(i) {
@@ -684,7 +693,15 @@ fn item(i: In<'_>) -> R<'_, Item> {
         })
         .parse(i2)?;
         let (kind, op) = k;
-        let (i4, _) = cut(expect(if op == "==" { "`==`" } else { "`<=`" }, tok(op))).parse(i3)?;
+        let (i4, _) = if op.is_empty() {
+            (i3, i3)
+        } else {
+            cut(expect(
+                if op == "==" { "`==`" } else { "`<=` (or `==`)" },
+                tok(op),
+            ))
+            .parse(i3)?
+        };
         let (i5, e) = cut(expect("an expression", expr)).parse(i4)?;
         return Ok((i5, Item::Expect(kind, e, sp_of(start, i5))));
     }

@@ -535,7 +535,8 @@ fn parse_rows(src: &str) -> Result<Vec<Vec<(Cell, Span)>>, ParseError> {
 /// Errors (each a [`ParseError`] with the byte offset, length and 1-based line and column of
 /// the offending cell): empty input; a malformed cell (unknown action type, text after an
 /// action, a missing or too large number, a compound that is not exactly
-/// `(<F>;<B or I>)OVERLAP_F_B`); a stage on two ranks ("stage 3 appears on ranks 0 and 2"), or
+/// `(<F>;<B or I>)OVERLAP_F_B`); (a stage on two ranks is not an import error: the first rank
+/// to run it holds it, and `schedc check` reports the others as `placement` errors), or
 /// on a rank other than the one `opts.stage_to_rank` gives; a stage id below the largest that
 /// never appears; a send or receive with no
 /// neighbouring stage (`SEND_F` or `RECV_B` on the last stage, `RECV_F` or `SEND_B` on stage
@@ -695,25 +696,12 @@ fn infer_map(src: &str, rows: &[Vec<(Cell, Span)>]) -> Result<Vec<Rank>, ParseEr
     for (r, row) in rows.iter().enumerate() {
         let r = r as u32;
         for (cell, sp) in row {
-            let mut clash = None;
-            cell.for_each_act(|a| match seen.get(&a.stage) {
-                Some(&(r0, _)) if r0 != r => {
-                    if clash.is_none() {
-                        clash = Some((a.stage, r0));
-                    }
-                }
-                Some(_) => {}
-                None => {
-                    seen.insert(a.stage, (r, *sp));
-                }
+            // The first rank to run a stage holds it; actions of that stage on other rows
+            // stay where they are, and the verifier reports them (`placement`, with their
+            // location) instead of the import failing.
+            cell.for_each_act(|a| {
+                seen.entry(a.stage).or_insert((r, *sp));
             });
-            if let Some((s, r0)) = clash {
-                return Err(with_help(
-                    perr_span(src, *sp, format!("stage {s} appears on ranks {r0} and {r}")),
-                    "torch places each stage on exactly one rank: every action of a stage \
-                     must be in that rank's row",
-                ));
-            }
         }
     }
     if seen.is_empty() {
@@ -1484,9 +1472,9 @@ mod tests {
         let e = err("99999999999F0\n");
         assert!(e.message.contains("too large"), "{}", e.message);
 
-        let e = err("0F0,1F0\n2F0,1B0\n");
-        assert_eq!((e.line, e.col), (2, 5));
-        assert_eq!(e.message, "stage 1 appears on ranks 0 and 1");
+        // A stage on two rows imports; the verifier reports the second row's op.
+        let p = parse("0F0,1F0\n2F0,1B0\n").unwrap().program;
+        assert_eq!(p.pipeline.stage_to_rank, vec![0, 0, 1]);
 
         let e = err("0F0\n2F0\n");
         assert_eq!((e.line, e.col), (2, 1));

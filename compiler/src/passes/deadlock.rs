@@ -568,6 +568,11 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
 
     // ---- Group requirements. ----
     let ng = groups.rank.len();
+    // Zero buffer slots is plain rendezvous.
+    let sem = Semantics {
+        buffer_slots: sem.buffer_slots.filter(|&k| k > 0),
+        ..sem
+    };
     let rendezvous = !sem.eager && sem.buffer_slots.is_none() && !sem.per_op_groups;
     // Outside rendezvous mode, each send/receive completes on its own once the group named
     // here is posted (NONE: at once; NEVER: never).
@@ -986,6 +991,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
         }
     };
     let mut reported_cycles: std::collections::HashSet<Vec<usize>> = Default::default();
+    let mut reported_comps: std::collections::HashSet<u32> = Default::default();
     let mut visited = vec![false; 2 * np];
     let mut n_reports = 0;
     for start in 0..2 * np {
@@ -1006,7 +1012,20 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 let cyc: Vec<(usize, WaitStep)> = chain[i..].to_vec();
                 let mut key: Vec<usize> = cyc.iter().map(|c| c.0).collect();
                 key.sort_unstable();
-                if reported_cycles.insert(key) && n_reports < 10 {
+                // Under rendezvous, cycles through the same matched set of groups are one
+                // fault seen from several ranks: report it once.
+                let comps: Vec<u32> = if rendezvous {
+                    cyc.iter()
+                        .filter(|c| c.0 % 2 == 1)
+                        .map(|c| comp_root[gpos[c.0 / 2] as usize])
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let seen_comp =
+                    !comps.is_empty() && comps.iter().all(|c| reported_comps.contains(c));
+                reported_comps.extend(comps);
+                if !seen_comp && reported_cycles.insert(key) && n_reports < 10 {
                     n_reports += 1;
                     // Rotate so the lowest rank's step comes first.
                     let mut steps: Vec<WaitStep> = cyc.into_iter().map(|c| c.1).collect();

@@ -9,8 +9,8 @@
 //! together, so the result is deadlock-free under rendezvous sends, FIFO matching and a
 //! single in-order communication stream (pass 4 re-proves it).
 //!
-//! Stages adjacent on one rank (the fold of a V, DualPipe's direction change never is)
-//! hand over in memory with no message. Idle slots are dropped.
+//! Consecutive stages held by one rank (the fold of a V) hand over in memory, with no
+//! message; DualPipe's two directions never hand over to each other. Idle slots are dropped.
 //!
 //! Cost: O(ops + P) time: a rank that cannot go on waits on the one op it needs and is woken
 //! when that op is emitted.

@@ -54,6 +54,7 @@ impl<'a> Ctx<'a> {
             position: pos,
             op,
             span: self.spans.and_then(|s| s.get(r, pos)),
+            location: None,
         }
     }
 }

@@ -4,7 +4,7 @@
 //! * **warmup**: the number of forwards before the first backward (`B` or `BW`; a forward
 //!   inside the same overlapped pair as that backward counts). This is the convention of
 //!   `shared/reference/torch/expected.json` (torch's `warmup[r]`); Megatron's count for 1F1B
-//!   (`P-r-1`) is one less on every rank but the last.
+//!   (`P-r-1`, the forwards of its warm-up loop) is one less on every rank.
 //! * **cooldown**: the compute ops after the last forward (backwards and weight gradients).
 //! * **steady**: the compute ops in between (from the first backward up to and including the
 //!   last forward).
