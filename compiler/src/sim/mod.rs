@@ -600,8 +600,10 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
             let stat = held
                 * (cost.memory.param_bytes + cost.memory.grad_bytes + cost.memory.optimizer_bytes);
             let mut ev = std::mem::take(&mut mem[r]);
-            // Allocations before frees at the same instant (inclusive lifetimes).
-            ev.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.total_cmp(&a.1)));
+            // A free at the instant of an allocation happens first (the op that frees ends
+            // as the next one starts); an overlapped pair allocates at its start and frees at
+            // its end, so it still holds both.
+            ev.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
             let (mut live, mut peak) = (0f64, 0f64);
             for (_, d) in ev {
                 live += d;
