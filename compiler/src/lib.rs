@@ -14,6 +14,7 @@ pub mod dsl;
 pub mod import;
 pub mod input;
 pub mod passes;
+pub mod plan;
 pub mod sim;
 
 pub use schedc_ir as ir;
