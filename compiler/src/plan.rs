@@ -222,7 +222,7 @@ pub fn plan(model: &ModelSpec, c: &Cluster, specs: &str) -> Result<Plan, String>
     let mut out = Vec::new();
     let mut pp = 1u32;
     while pp <= nodes.min(model.layers) {
-        if nodes % pp != 0 {
+        if !nodes.is_multiple_of(pp) {
             pp *= 2;
             continue;
         }
@@ -398,7 +398,7 @@ pub fn report(model: &ModelSpec, c: &Cluster, p: &Plan) -> String {
         "PP", "schedule", "M", "step (s)", "bubble", "mem (GB)", "fits", "GPU-h / Mtok"
     );
     let mut rows: Vec<&Candidate> = p.candidates.iter().collect();
-    rows.sort_by(|a, b| (a.pp, a.step_seconds.to_bits()).cmp(&(b.pp, b.step_seconds.to_bits())));
+    rows.sort_by_key(|a| (a.pp, a.step_seconds.to_bits()));
     for x in rows {
         let _ = writeln!(
             o,
