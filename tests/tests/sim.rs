@@ -208,3 +208,41 @@ fn pictures() {
     assert_eq!(svg.matches("<rect").count(), 1 + 4 + drawn + kinds.len());
     insta::assert_snapshot!(schedc::sim::render::text_report(&r, 78));
 }
+
+/// schedc's lowering lists each rank's messages in the order their data becomes ready, so
+/// with free communication nothing is exposed and the makespan is the unit-time one; PyTorch's
+/// own lowering (its compute_comms CSVs) posts receives early on one stream and does expose
+/// some (pytorch/pytorch#165664, #188833).
+#[test]
+fn lowering_exposes_no_communication_when_it_is_free() {
+    let Some(shared) = schedc_tests::shared_dir() else {
+        return;
+    };
+    let dir = shared.join("reference/torch");
+    let cost = CostModel::resolve("unit").unwrap();
+    let mut torch_exposed = 0.0;
+    for name in [
+        "ScheduleInterleaved1F1B_P4_M8_V2",
+        "ScheduleInterleaved1F1B_P8_M16_V2",
+        "ScheduleInterleavedZeroBubble_P4_M8_V2",
+        "ScheduleZBVZeroBubble_P4_M8_V2",
+        "ScheduleDualPipeV_P4_M8_V2",
+    ] {
+        for form in ["compute", "comms"] {
+            let path = dir.join(format!("{name}.{form}.csv"));
+            let l = schedc::input::load_path(path.to_str().unwrap(), &Default::default()).unwrap();
+            let out = check(&l.program, None, &Default::default());
+            assert_eq!(out.report.verdict, Verdict::Accepted, "{name} {form}");
+            let r = simulate(out.checked.as_ref().unwrap(), &cost).unwrap();
+            let exposed: f64 = r.ranks.iter().map(|x| x.exposed_comm).sum();
+            if form == "compute" {
+                assert_eq!(Some(r.makespan), out.report.makespan, "{name}");
+                assert_eq!(exposed, 0.0, "{name}");
+            } else {
+                assert!(r.makespan >= out.report.makespan.unwrap());
+                torch_exposed += exposed;
+            }
+        }
+    }
+    assert!(torch_exposed > 0.0);
+}

@@ -82,19 +82,38 @@ fn produce_of(c: &Compute) -> Option<PayloadKind> {
 /// communication ops are kept in place; idle slots are dropped.
 ///
 /// The global interleaving follows the unit-time schedule (pass 7): ops are emitted in order
-/// of their unit-time start, so each rank's communication stream lists its messages in the
-/// order they happen and the program runs at the unit-time makespan when communication is
-/// free. Use [`lower_timed`] to follow other durations.
+/// of their unit-time end, so each rank's communication stream lists its messages in the
+/// order their data becomes ready and the program runs at the unit-time makespan when
+/// communication is free. Use [`lower_timed`] to follow other durations.
 pub fn lower(p: &Program) -> Result<Program, LowerError> {
-    let timing = super::makespan::schedule_with(p, &super::makespan::unit_cost, &|f, b| {
-        super::makespan::unit_cost(f) + super::makespan::unit_cost(b)
+    use super::makespan::unit_cost;
+    let timing = super::makespan::schedule_with(p, &unit_cost, &|f, b| unit_cost(f) + unit_cost(b));
+    // Key each op by its unit-time end: that is when its messages are posted, so every
+    // communication stream lists its messages in the order their data becomes ready.
+    let ends = timing.map(|t| {
+        p.ranks
+            .iter()
+            .zip(t.starts)
+            .map(|(instrs, st)| {
+                instrs
+                    .iter()
+                    .zip(st)
+                    .map(|(i, s)| {
+                        let mut d = 0.0;
+                        i.for_each_compute(|c| d += unit_cost(c));
+                        s + d
+                    })
+                    .collect::<Vec<f64>>()
+            })
+            .collect::<Vec<_>>()
     });
-    lower_timed(p, timing.as_ref().map(|t| &t.starts[..]))
+    lower_timed(p, ends.as_deref())
 }
 
-/// Lowers with a given start time per instruction (`starts[r][i]`, e.g. from
-/// [`super::makespan::schedule_with`] under a cost model); `None` emits rank by rank.
-pub fn lower_timed(p: &Program, starts: Option<&[Vec<f64>]>) -> Result<Program, LowerError> {
+/// Lowers with a given time key per instruction (`keys[r][i]`: when its messages are posted,
+/// e.g. its end under [`super::makespan::schedule_with`]; NaN for non-compute instructions);
+/// `None` emits rank by rank.
+pub fn lower_timed(p: &Program, keys: Option<&[Vec<f64>]>) -> Result<Program, LowerError> {
     use std::cmp::Reverse;
     use std::collections::BinaryHeap;
     let pl = &p.pipeline;
@@ -112,7 +131,7 @@ pub fn lower_timed(p: &Program, starts: Option<&[Vec<f64>]>) -> Result<Program, 
     let mut ptr = vec![0usize; np];
     // The time key of rank r's next compute op (non-negative floats order as their bits).
     let key_of = |r: usize, from: usize| -> u64 {
-        let Some(st) = starts else { return 0 };
+        let Some(st) = keys else { return 0 };
         st.get(r)
             .and_then(|v| v[from.min(v.len())..].iter().find(|t| !t.is_nan()))
             .map_or(u64::MAX, |t| t.max(0.0).to_bits())
