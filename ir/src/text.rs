@@ -113,6 +113,11 @@ pub fn line_col(src: &str, offset: usize) -> (usize, usize) {
     (line, col)
 }
 
+/// The largest number of ranks (`pp`) or stages the parser accepts. The program holds a list
+/// per rank and the pipeline an entry per stage, so without a bound a few bytes of input
+/// (`pp 4000000000`) would allocate gigabytes.
+pub const MAX_RANKS_OR_STAGES: u32 = 1 << 20;
+
 struct Cur<'a> {
     src: &'a str,
     b: &'a [u8],
@@ -556,6 +561,13 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
                 if v == 0 {
                     return Err(c.err(kw_start, c.pos - kw_start, "pp must be at least 1"));
                 }
+                if v > MAX_RANKS_OR_STAGES {
+                    return Err(c.err(
+                        kw_start,
+                        c.pos - kw_start,
+                        format!("pp is too large (at most {MAX_RANKS_OR_STAGES})"),
+                    ));
+                }
                 pp = Some((v, kw_start));
                 c.end_header_line()?;
             }
@@ -564,6 +576,13 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
                 let v = c.uint("the number of stages")?;
                 if v == 0 {
                     return Err(c.err(kw_start, c.pos - kw_start, "stages must be at least 1"));
+                }
+                if v > MAX_RANKS_OR_STAGES {
+                    return Err(c.err(
+                        kw_start,
+                        c.pos - kw_start,
+                        format!("stages is too large (at most {MAX_RANKS_OR_STAGES})"),
+                    ));
                 }
                 stages = Some(v);
                 c.end_header_line()?;
@@ -741,8 +760,8 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
     for (_, _, instrs, _) in &ranks {
         for i in instrs {
             i.for_each_compute(|c| {
-                max_s = max_s.max(c.stage + 1);
-                max_m = max_m.max(c.mb + 1);
+                max_s = max_s.max(c.stage.saturating_add(1));
+                max_m = max_m.max(c.mb.saturating_add(1));
             });
         }
     }
@@ -755,7 +774,30 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
         (Some(s), _) => s,
         (None, PlacementKind::Explicit) => map.len() as u32,
         (None, PlacementKind::Bidir) => 2 * pp,
-        (None, _) => max_s.max(1),
+        (None, _) => {
+            if max_s > MAX_RANKS_OR_STAGES {
+                // Point at the first op whose stage id makes S too large.
+                let at = ranks
+                    .iter()
+                    .flat_map(|(_, _, instrs, spans)| instrs.iter().zip(spans))
+                    .find(|(i, _)| {
+                        let mut big = false;
+                        i.for_each_compute(|c| big |= c.stage >= MAX_RANKS_OR_STAGES);
+                        big
+                    })
+                    .map_or(Span::default(), |(_, sp)| *sp);
+                let mut e = c.err(
+                    at.start as usize,
+                    at.len as usize,
+                    format!(
+                        "stage id too large: the number of stages would be {max_s} (at most {MAX_RANKS_OR_STAGES})"
+                    ),
+                );
+                e.help = Some("give `stages <S>` to make large ids range errors".into());
+                return Err(e);
+            }
+            max_s.max(1)
+        }
     };
     let pipeline = if kind == PlacementKind::Explicit {
         if map.len() as u32 != stages {
@@ -1010,5 +1052,31 @@ mod tests {
         let e = parse("pp 1\na\u{20ac}b x\n").unwrap_err();
         assert_eq!((e.offset, e.len, e.line, e.col), (5, 5, 2, 1));
         assert!(e.message.contains("found `a\u{20ac}b`"), "{}", e.message);
+    }
+
+    /// Found by `cargo fuzz run ir_text` (out-of-memory): `pp 311111111` made the parser
+    /// allocate a list per rank (7.4 GB) from a 40-byte input; a huge `stages` (given or
+    /// inferred from an op) did the same for the stage-to-rank map, and inferring S or M from
+    /// an op with id `u32::MAX` overflowed.
+    #[test]
+    fn huge_pp_or_stages_is_an_error_not_an_allocation() {
+        let e = parse("#.\npp 311111111#11111111111111111\u{11}11111#").unwrap_err();
+        assert_eq!((e.line, e.col), (2, 1));
+        assert!(e.message.contains("too large"), "{}", e.message);
+        let e = parse("pp 3000000000\nplacement bidir\n").unwrap_err();
+        assert!(e.message.contains("too large"), "{}", e.message);
+        let e = parse("pp 1\nstages 4294967295\n").unwrap_err();
+        assert_eq!((e.line, e.col), (2, 1));
+        assert!(e.message.contains("too large"), "{}", e.message);
+        let e = parse("pp 1\nrank 0: F(0,0) F(4294967295,0)\n").unwrap_err();
+        assert_eq!((e.offset, e.len, e.line, e.col), (20, 15, 2, 16));
+        assert!(e.message.contains("too large"), "{}", e.message);
+        // A given S makes large stage ids a range error for the verifier, not a parse error;
+        // a large micro-batch id only sets M (no allocation here).
+        let p = parse("pp 1\nstages 1\nrank 0: F(4294967295,4294967295)\n").unwrap();
+        assert_eq!(p.program.pipeline.stages, 1);
+        assert_eq!(p.program.pipeline.microbatches, u32::MAX);
+        let p = parse("pp 1048576\nstages 1048576\n").unwrap();
+        assert_eq!(p.program.ranks.len(), 1 << 20);
     }
 }
