@@ -353,6 +353,10 @@ pub struct Compute {
     pub part: Part,
 }
 
+fn is_zero(c: &u32) -> bool {
+    *c == 0
+}
+
 fn is_whole(p: &Part) -> bool {
     *p == Part::Whole
 }
@@ -393,19 +397,29 @@ pub struct Payload {
 /// A communication op.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Comm {
-    /// Send `payload` to `peer` (text `SA(s,m->r)`, `SG(s,m->r)`).
+    /// Send `payload` to `peer` (text `SA(s,m->r)`, `SG(s,m->r)`; on channel c:
+    /// `SA(s,m->r@c)`).
     Send {
         /// What is sent.
         payload: Payload,
         /// The receiving rank.
         peer: Rank,
+        /// The channel (communicator) the message travels on; 0 unless given. Messages match
+        /// FIFO per (sender, receiver, channel), and each channel of a rank is its own
+        /// in-order communication stream.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        channel: u32,
     },
-    /// Receive `payload` from `peer` (text `RA(s,m<-r)`, `RG(s,m<-r)`).
+    /// Receive `payload` from `peer` (text `RA(s,m<-r)`, `RG(s,m<-r)`; on channel c:
+    /// `RA(s,m<-r@c)`).
     Recv {
         /// What is received.
         payload: Payload,
         /// The sending rank.
         peer: Rank,
+        /// The channel; see [`Comm::Send`].
+        #[serde(default, skip_serializing_if = "is_zero")]
+        channel: u32,
     },
     /// A collective on a communicator (text `A2A(<comm>,<label>)`); every member must issue
     /// the same sequence of labels.
@@ -422,11 +436,34 @@ pub struct Collective {
 }
 
 impl Comm {
+    /// A send on channel 0.
+    pub fn send(payload: Payload, peer: Rank) -> Self {
+        Comm::Send {
+            payload,
+            peer,
+            channel: 0,
+        }
+    }
+    /// A receive on channel 0.
+    pub fn recv(payload: Payload, peer: Rank) -> Self {
+        Comm::Recv {
+            payload,
+            peer,
+            channel: 0,
+        }
+    }
     /// The peer rank of a send or receive.
     pub fn peer(&self) -> Option<Rank> {
         match self {
             Comm::Send { peer, .. } | Comm::Recv { peer, .. } => Some(*peer),
             Comm::Collective(_) => None,
+        }
+    }
+    /// The channel of a send or receive (0 for a collective).
+    pub fn channel(&self) -> u32 {
+        match self {
+            Comm::Send { channel, .. } | Comm::Recv { channel, .. } => *channel,
+            Comm::Collective(_) => 0,
         }
     }
 }

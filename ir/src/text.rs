@@ -384,12 +384,25 @@ fn parse_one(c: &mut Cur<'_>) -> PResult<Item> {
             c.skip_inline_ws();
             let peer = c.uint("a peer rank")?;
             c.skip_inline_ws();
-            c.expect_byte(b')', "`)`")?;
+            let mut channel = 0;
+            if c.eat(b'@') {
+                channel = c.uint("a channel number after `@`")?;
+                c.skip_inline_ws();
+            }
+            c.expect_byte(b')', "`)` (or `@channel`)")?;
             let payload = Payload { kind, stage, mb };
             Item::Comm(if send {
-                Comm::Send { payload, peer }
+                Comm::Send {
+                    payload,
+                    peer,
+                    channel,
+                }
             } else {
-                Comm::Recv { payload, peer }
+                Comm::Recv {
+                    payload,
+                    peer,
+                    channel,
+                }
             })
         }
         "A2A" => {
@@ -882,29 +895,46 @@ pub fn write_compute(out: &mut String, c: &Compute) {
     }
 }
 
-/// Writes one communication op (`SA(0,1->1)`, `A2A(ep,d0)`).
+/// Writes one communication op (`SA(0,1->1)`, `SA(0,1->1@2)` on channel 2, `A2A(ep,d0)`).
 pub fn write_comm(out: &mut String, m: &Comm) {
     match m {
-        Comm::Send { payload, peer } => {
+        Comm::Send {
+            payload,
+            peer,
+            channel,
+        } => {
             let k = if payload.kind == PayloadKind::Act {
                 "SA"
             } else {
                 "SG"
             };
-            let _ = write!(out, "{k}({},{}->{peer})", payload.stage, payload.mb);
+            let _ = write!(out, "{k}({},{}->{peer}", payload.stage, payload.mb);
+            write_channel(out, *channel);
         }
-        Comm::Recv { payload, peer } => {
+        Comm::Recv {
+            payload,
+            peer,
+            channel,
+        } => {
             let k = if payload.kind == PayloadKind::Act {
                 "RA"
             } else {
                 "RG"
             };
-            let _ = write!(out, "{k}({},{}<-{peer})", payload.stage, payload.mb);
+            let _ = write!(out, "{k}({},{}<-{peer}", payload.stage, payload.mb);
+            write_channel(out, *channel);
         }
         Comm::Collective(col) => {
             let _ = write!(out, "A2A({},{})", col.comm, col.label);
         }
     }
+}
+
+fn write_channel(out: &mut String, channel: u32) {
+    if channel != 0 {
+        let _ = write!(out, "@{channel}");
+    }
+    out.push(')');
 }
 
 /// Writes one instruction in text form.

@@ -460,9 +460,17 @@ fn comm(c: &CommStmt, env: &Env, st: &RankState<'_>) -> Result<Comm, ElabError> 
         mb: m,
     };
     Ok(if c.op.starts_with('S') {
-        Comm::Send { payload, peer: p }
+        Comm::Send {
+            payload,
+            peer: p,
+            channel: 0,
+        }
     } else {
-        Comm::Recv { payload, peer: p }
+        Comm::Recv {
+            payload,
+            peer: p,
+            channel: 0,
+        }
     })
 }
 

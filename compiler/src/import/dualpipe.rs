@@ -535,9 +535,17 @@ fn comm_entry(ctx: &Ctx, r: u32, e: &str, whole: &str) -> Result<Comm, OpErr> {
         mb,
     };
     Ok(if send {
-        Comm::Send { payload, peer }
+        Comm::Send {
+            payload,
+            peer,
+            channel: 0,
+        }
     } else {
-        Comm::Recv { payload, peer }
+        Comm::Recv {
+            payload,
+            peer,
+            channel: 0,
+        }
     })
 }
 
@@ -776,7 +784,7 @@ mod tests {
             let mut sends = 0;
             for (a, prog) in p.ranks.iter().enumerate() {
                 for m in prog.iter().flat_map(Instr::comms) {
-                    if let Comm::Send { payload, peer } = m {
+                    if let Comm::Send { payload, peer, .. } = m {
                         assert_ne!(*peer as usize, a, "{name}: send to self");
                         chan.entry((a, *peer as usize))
                             .or_default()
@@ -788,7 +796,7 @@ mod tests {
             let mut recvs = 0;
             for (b, prog) in p.ranks.iter().enumerate() {
                 for m in prog.iter().flat_map(Instr::comms) {
-                    if let Comm::Recv { payload, peer } = m {
+                    if let Comm::Recv { payload, peer, .. } = m {
                         let got = chan
                             .get_mut(&(*peer as usize, b))
                             .and_then(VecDeque::pop_front);
@@ -809,7 +817,7 @@ mod tests {
             // Every message goes between the producer's rank and the consumer's rank.
             for (a, prog) in p.ranks.iter().enumerate() {
                 for m in prog.iter().flat_map(Instr::comms) {
-                    if let Comm::Send { payload, peer } = m {
+                    if let Comm::Send { payload, peer, .. } = m {
                         let pl = &p.pipeline;
                         assert_eq!(pl.rank_of(payload.stage) as usize, a, "{name}");
                         let consumer = match payload.kind {
@@ -855,11 +863,13 @@ mod tests {
             Instr::Group(vec![
                 Comm::Send {
                     payload: act(0, 0),
-                    peer: 1
+                    peer: 1,
+                    channel: 0,
                 },
                 Comm::Recv {
                     payload: act(2, 1),
-                    peer: 1
+                    peer: 1,
+                    channel: 0,
                 },
             ])
         );
@@ -875,7 +885,8 @@ mod tests {
             p.ranks[1][0],
             Instr::Group(vec![Comm::Recv {
                 payload: act(0, 0),
-                peer: 0
+                peer: 0,
+                channel: 0,
             }])
         );
         // Rank 1: module 1 = stage 2 (direction 1's stage 0).
@@ -900,15 +911,18 @@ mod tests {
             Instr::Group(vec![
                 Comm::Recv {
                     payload: pay(PayloadKind::Act, 2, 2),
-                    peer: 1
+                    peer: 1,
+                    channel: 0,
                 },
                 Comm::Recv {
                     payload: pay(PayloadKind::Grad, 1, 1),
-                    peer: 1
+                    peer: 1,
+                    channel: 0,
                 },
                 Comm::Send {
                     payload: pay(PayloadKind::Grad, 3, 0),
-                    peer: 1
+                    peer: 1,
+                    channel: 0,
                 },
             ])
         );

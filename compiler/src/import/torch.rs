@@ -778,6 +778,7 @@ fn convert(src: &str, pl: &Pipeline, cell: &Cell, sp: Span) -> Result<Instr, Par
             Instr::Comm(Comm::Send {
                 payload: payload(PayloadKind::Act, s),
                 peer: pl.rank_of(s + 1),
+                channel: 0,
             })
         }
         Ty::RecvF => {
@@ -789,6 +790,7 @@ fn convert(src: &str, pl: &Pipeline, cell: &Cell, sp: Span) -> Result<Instr, Par
             Instr::Comm(Comm::Recv {
                 payload: payload(PayloadKind::Act, s - 1),
                 peer: pl.rank_of(s - 1),
+                channel: 0,
             })
         }
         Ty::SendB => {
@@ -800,6 +802,7 @@ fn convert(src: &str, pl: &Pipeline, cell: &Cell, sp: Span) -> Result<Instr, Par
             Instr::Comm(Comm::Send {
                 payload: payload(PayloadKind::Grad, s),
                 peer: pl.rank_of(s - 1),
+                channel: 0,
             })
         }
         Ty::RecvB => {
@@ -811,6 +814,7 @@ fn convert(src: &str, pl: &Pipeline, cell: &Cell, sp: Span) -> Result<Instr, Par
             Instr::Comm(Comm::Recv {
                 payload: payload(PayloadKind::Grad, s + 1),
                 peer: pl.rank_of(s + 1),
+                channel: 0,
             })
         }
         Ty::F => Instr::Compute(Compute::new(Kind::F, s, m)),
@@ -988,8 +992,8 @@ fn write_comm(
     ctx: &dyn Fn() -> String,
 ) -> Result<(), String> {
     let (send, payload, peer) = match m {
-        Comm::Send { payload, peer } => (true, payload, *peer),
-        Comm::Recv { payload, peer } => (false, payload, *peer),
+        Comm::Send { payload, peer, .. } => (true, payload, *peer),
+        Comm::Recv { payload, peer, .. } => (false, payload, *peer),
         Comm::Collective(_) => {
             return Err(format!(
                 "{}: torch has no collectives (MoE all-to-all); fold the MoE parts into \
@@ -1160,7 +1164,7 @@ mod tests {
         let mut chan: HashMap<(u32, u32), VecDeque<Payload>> = HashMap::new();
         for (a, prog) in p.ranks.iter().enumerate() {
             for m in prog.iter().flat_map(Instr::comms) {
-                if let Comm::Send { payload, peer } = m {
+                if let Comm::Send { payload, peer, .. } = m {
                     chan.entry((a as u32, *peer))
                         .or_default()
                         .push_back(*payload);
@@ -1169,7 +1173,7 @@ mod tests {
         }
         for (b, prog) in p.ranks.iter().enumerate() {
             for m in prog.iter().flat_map(Instr::comms) {
-                if let Comm::Recv { payload, peer } = m {
+                if let Comm::Recv { payload, peer, .. } = m {
                     let got = chan
                         .get_mut(&(*peer, b as u32))
                         .and_then(VecDeque::pop_front);
@@ -1297,14 +1301,16 @@ mod tests {
             r0[1],
             Instr::Comm(Comm::Send {
                 payload: act(0, 0),
-                peer: 1
+                peer: 1,
+                channel: 0,
             })
         );
         assert_eq!(
             r0[2],
             Instr::Comm(Comm::Recv {
                 payload: grad(1, 0),
-                peer: 1
+                peer: 1,
+                channel: 0,
             })
         );
         assert_eq!(r0[3], Instr::Compute(Compute::new(Kind::B, 0, 0)));
@@ -1322,7 +1328,8 @@ mod tests {
             r1[0],
             Instr::Comm(Comm::Recv {
                 payload: act(0, 0),
-                peer: 0
+                peer: 0,
+                channel: 0,
             })
         );
         assert_eq!(r1[2], Instr::Compute(Compute::new(Kind::BW, 1, 0)));
@@ -1330,7 +1337,8 @@ mod tests {
             r1[3],
             Instr::Comm(Comm::Send {
                 payload: grad(1, 0),
-                peer: 0
+                peer: 0,
+                channel: 0,
             })
         );
         assert_eq!(r1[4], Instr::WaitSend(grad(1, 0)));
@@ -1409,7 +1417,8 @@ mod tests {
                     stage: 1,
                     mb: 0
                 },
-                peer: 1
+                peer: 1,
+                channel: 0,
             })
         );
     }
@@ -1545,6 +1554,7 @@ mod tests {
                 mb: 0,
             },
             peer: 2,
+            channel: 0,
         });
         assert!(write_csv(&p, TorchFormat::ComputeComms)
             .unwrap_err()

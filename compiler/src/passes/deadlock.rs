@@ -257,7 +257,14 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
         producer: Vec::new(),
     };
     let mut rank_groups: Vec<(u32, u32)> = Vec::with_capacity(np); // range into groups
-                                                                   // Compute items: per rank, a list of (instr pos, waits range into `waits`).
+                                                                   // Communication streams: one per (rank, channel); a group runs on the stream of its first
+                                                                   // op's channel.
+    let mut stream_of: HashMap<(u32, u32), usize> = HashMap::new();
+    let mut stream_rank: Vec<u32> = Vec::new();
+    let mut stream_groups: Vec<Vec<u32>> = Vec::new();
+    let mut rank_streams: Vec<Vec<usize>> = vec![Vec::new(); np];
+    let mut g_stream: Vec<u32> = Vec::new();
+    // Compute items: per rank, a list of (instr pos, waits range into `waits`).
     let mut items_pos: Vec<Vec<u32>> = Vec::with_capacity(np);
     let mut items_waits: Vec<Vec<(u32, u32)>> = Vec::with_capacity(np);
     let mut waits: Vec<u32> = Vec::new();
@@ -298,6 +305,15 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 groups.producer.push(NONE);
             };
             push_group(cs, &mut ops, &mut comm_ref);
+            let key = (r as u32, cs[0].channel());
+            let k = *stream_of.entry(key).or_insert_with(|| {
+                stream_rank.push(r as u32);
+                stream_groups.push(Vec::new());
+                rank_streams[r].push(stream_groups.len() - 1);
+                stream_groups.len() - 1
+            });
+            stream_groups[k].push(groups.rank.len() as u32 - 1);
+            g_stream.push(k as u32);
             for m in cs {
                 let id = comm_ref.len() as u32;
                 comm_ref.push(m);
@@ -398,17 +414,18 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
     }
 
     // ---- FIFO matching per ordered pair. ----
-    let mut chans: HashMap<(u32, u32), (Vec<u32>, Vec<u32>)> = HashMap::new();
+    // Keyed by (sender, receiver, channel).
+    let mut chans: HashMap<(u32, u32, u32), (Vec<u32>, Vec<u32>)> = HashMap::new();
     for (id, c) in comm_ref.iter().enumerate() {
         let r = ops.rank[id];
         match c {
-            Comm::Send { peer, .. } => {
-                let e = chans.entry((r, *peer)).or_default();
+            Comm::Send { peer, channel, .. } => {
+                let e = chans.entry((r, *peer, *channel)).or_default();
                 ops.chan_ix[id] = e.0.len() as u32;
                 e.0.push(id as u32);
             }
-            Comm::Recv { peer, .. } => {
-                let e = chans.entry((*peer, r)).or_default();
+            Comm::Recv { peer, channel, .. } => {
+                let e = chans.entry((*peer, r, *channel)).or_default();
                 ops.chan_ix[id] = e.1.len() as u32;
                 e.1.push(id as u32);
             }
@@ -624,7 +641,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                     if ix >= k {
                         // needs receive ix-k on this channel to be posted
                         let (src, dst) = (ops.rank[id], comm_ref[id].peer().unwrap_or(0));
-                        let recvs = &chans[&(src, dst)].1;
+                        let recvs = &chans[&(src, dst, comm_ref[id].channel())].1;
                         match recvs.get((ix - k) as usize) {
                             Some(&rid) => {
                                 reqs[g as usize].push(ops.group[rid as usize]);
@@ -730,7 +747,12 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
 
     // ---- Simulation. ----
     let mut cpos = vec![0u32; np];
-    let mut gpos: Vec<u32> = rank_groups.iter().map(|r| r.0).collect();
+    let _ = &rank_groups;
+    let ns = stream_groups.len();
+    // Position of each communication stream in its list of groups.
+    let mut spos: Vec<usize> = vec![0; ns];
+    // The group at the head of stream k (valid while spos[k] < len).
+    let head_of = |k: usize, spos: &[usize]| stream_groups[k][spos[k]] as usize;
     let mut posted = vec![false; ng];
     let mut complete = vec![false; ng];
     let mut posted_cnt = vec![0u32; if rendezvous { ng } else { 0 }];
@@ -769,25 +791,54 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 cpos[r] += 1;
                 progressed = true;
             }
-            // Comm stream.
-            let (_, g_end) = rank_groups[r];
-            while gpos[r] < g_end {
-                let g = gpos[r] as usize;
-                if !posted[g] {
-                    let prod = groups.producer[g];
-                    if prod != NONE && cpos[r] <= prod {
-                        break;
-                    }
-                    posted[g] = true;
-                    progressed = true;
-                    if rendezvous {
-                        let root = comp_root[g] as usize;
-                        posted_cnt[root] += 1;
-                        if posted_cnt[root] == comp_size[root] && !comp_never[root] {
-                            for &h in &comp_members
-                                [comp_start[root] as usize..comp_start[root + 1] as usize]
-                            {
-                                complete[h as usize] = true;
+            // Comm streams (one per channel).
+            for &k in &rank_streams[r] {
+                while spos[k] < stream_groups[k].len() {
+                    let g = stream_groups[k][spos[k]] as usize;
+                    if !posted[g] {
+                        let prod = groups.producer[g];
+                        if prod != NONE && cpos[r] <= prod {
+                            break;
+                        }
+                        posted[g] = true;
+                        progressed = true;
+                        if rendezvous {
+                            let root = comp_root[g] as usize;
+                            posted_cnt[root] += 1;
+                            if posted_cnt[root] == comp_size[root] && !comp_never[root] {
+                                for &h in &comp_members
+                                    [comp_start[root] as usize..comp_start[root + 1] as usize]
+                                {
+                                    complete[h as usize] = true;
+                                    let hr = groups.rank[h as usize] as usize;
+                                    if hr != r && !in_work[hr] {
+                                        in_work[hr] = true;
+                                        work.push(hr as u32);
+                                    }
+                                }
+                            }
+                        } else {
+                            // Check g and everything that waits on g.
+                            let mut to_check = vec![g as u32];
+                            to_check.extend_from_slice(&rev_reqs[g]);
+                            for h in to_check {
+                                let h = h as usize;
+                                if posted[h]
+                                    && !complete[h]
+                                    && !never[h]
+                                    && reqs[h].iter().all(|&x| posted[x as usize])
+                                {
+                                    complete[h] = true;
+                                    let hr = groups.rank[h] as usize;
+                                    if hr != r && !in_work[hr] {
+                                        in_work[hr] = true;
+                                        work.push(hr as u32);
+                                    }
+                                }
+                            }
+                            // Ops that wait on g (receives whose partner is in g) may be done
+                            // now even if their group is not: wake their ranks' compute streams.
+                            for &h in &rev_reqs[g] {
                                 let hr = groups.rank[h as usize] as usize;
                                 if hr != r && !in_work[hr] {
                                     in_work[hr] = true;
@@ -795,41 +846,13 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                                 }
                             }
                         }
-                    } else {
-                        // Check g and everything that waits on g.
-                        let mut to_check = vec![g as u32];
-                        to_check.extend_from_slice(&rev_reqs[g]);
-                        for h in to_check {
-                            let h = h as usize;
-                            if posted[h]
-                                && !complete[h]
-                                && !never[h]
-                                && reqs[h].iter().all(|&x| posted[x as usize])
-                            {
-                                complete[h] = true;
-                                let hr = groups.rank[h] as usize;
-                                if hr != r && !in_work[hr] {
-                                    in_work[hr] = true;
-                                    work.push(hr as u32);
-                                }
-                            }
-                        }
-                        // Ops that wait on g (receives whose partner is in g) may be done
-                        // now even if their group is not: wake their ranks' compute streams.
-                        for &h in &rev_reqs[g] {
-                            let hr = groups.rank[h as usize] as usize;
-                            if hr != r && !in_work[hr] {
-                                in_work[hr] = true;
-                                work.push(hr as u32);
-                            }
-                        }
                     }
-                }
-                if complete[g] {
-                    gpos[r] += 1;
-                    progressed = true;
-                } else {
-                    break;
+                    if complete[g] {
+                        spos[k] += 1;
+                        progressed = true;
+                    } else {
+                        break;
+                    }
                 }
             }
             if !progressed {
@@ -840,20 +863,20 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
 
     // ---- Stuck? ----
     let blocked_c = |r: usize, cpos: &[u32]| (cpos[r] as usize) < items_waits[r].len();
-    let blocked_m = |r: usize, gpos: &[u32]| gpos[r] < rank_groups[r].1;
-    let any_stuck = (0..np).any(|r| blocked_c(r, &cpos) || blocked_m(r, &gpos));
+    let blocked_m = |k: usize, spos: &[usize]| spos[k] < stream_groups[k].len();
+    let any_stuck = (0..np).any(|r| blocked_c(r, &cpos)) || (0..ns).any(|k| blocked_m(k, &spos));
     if !any_stuck {
         return errs;
     }
-    // Node ids: 2r = compute(r), 2r+1 = comm(r).
+    // Node ids: r = compute stream of rank r; np + k = communication stream k.
     let comm_at = |g: usize| Pos {
         rank: groups.rank[g],
         pos: groups.pos[g],
     };
     let instr_txt = |pos: Pos| instr_to_string(&p.ranks[pos.rank as usize][pos.pos as usize]);
     let step_of = |node: usize, parent: &mut Vec<u32>| -> (WaitStep, Option<usize>) {
-        let r = node / 2;
-        if node.is_multiple_of(2) {
+        if node < np {
+            let r = node;
             let it = cpos[r] as usize;
             let at = Pos {
                 rank: r as u32,
@@ -866,7 +889,8 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 .find(|&id| !op_done(id, &posted, &complete))
                 .expect("blocked item has an incomplete wait");
             let g = ops.group[id as usize] as usize;
-            let head = gpos[r] as usize;
+            let k = g_stream[g] as usize;
+            let head = head_of(k, &spos);
             let what = op_text(comm_ref[id as usize]);
             let waits_for = if head == g {
                 format!("its input `{what}` has not completed")
@@ -885,10 +909,12 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                     at,
                     waits_for,
                 },
-                Some(2 * r + 1),
+                Some(np + k),
             )
         } else {
-            let g = gpos[r] as usize;
+            let k = node - np;
+            let r = stream_rank[k] as usize;
+            let g = head_of(k, &spos);
             let at = comm_at(g);
             if !posted[g] {
                 let prod = groups.producer[g] as usize;
@@ -908,7 +934,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                         at,
                         waits_for,
                     },
-                    Some(2 * r),
+                    Some(r),
                 );
             }
             // Posted, not complete: find an unposted group it needs.
@@ -923,7 +949,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 need = members
                     .iter()
                     .map(|&h| h as usize)
-                    .find(|&h| !posted[h] && groups.rank[h] as usize == r)
+                    .find(|&h| !posted[h] && g_stream[h] as usize == k)
                     .or_else(|| members.iter().map(|&h| h as usize).find(|&h| !posted[h]));
             } else {
                 need = reqs[g]
@@ -948,9 +974,10 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                     } else {
                         String::new()
                     };
-                    let qhead = gpos[q] as usize;
+                    let qk = g_stream[h] as usize;
+                    let qhead = head_of(qk, &spos);
                     let partner_txt = instr_txt(comm_at(h));
-                    let waits_for = if q == r {
+                    let waits_for = if qk == k {
                         format!(
                             "it completes only together with `{partner_txt}` (position {}) on its own stream{via_txt}, which cannot be posted before this group completes",
                             groups.pos[h]
@@ -975,7 +1002,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                             at,
                             waits_for,
                         },
-                        Some(2 * q + 1),
+                        Some(np + qk),
                     )
                 }
                 None => (
@@ -992,14 +1019,13 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
     };
     let mut reported_cycles: std::collections::HashSet<Vec<usize>> = Default::default();
     let mut reported_comps: std::collections::HashSet<u32> = Default::default();
-    let mut visited = vec![false; 2 * np];
+    let mut visited = vec![false; np + ns];
     let mut n_reports = 0;
-    for start in 0..2 * np {
-        let r = start / 2;
-        let blocked = if start % 2 == 0 {
-            blocked_c(r, &cpos)
+    for start in 0..np + ns {
+        let blocked = if start < np {
+            blocked_c(start, &cpos)
         } else {
-            blocked_m(r, &gpos)
+            blocked_m(start - np, &spos)
         };
         if !blocked || visited[start] {
             continue;
@@ -1016,8 +1042,8 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 // fault seen from several ranks: report it once.
                 let comps: Vec<u32> = if rendezvous {
                     cyc.iter()
-                        .filter(|c| c.0 % 2 == 1)
-                        .map(|c| comp_root[gpos[c.0 / 2] as usize])
+                        .filter(|c| c.0 >= np)
+                        .map(|c| comp_root[head_of(c.0 - np, &spos)])
                         .collect()
                 } else {
                     Vec::new()

@@ -207,10 +207,12 @@ pub fn lower_timed(p: &Program, keys: Option<&[Vec<f64>]>) -> Result<Program, Lo
                         out[r].push(Instr::Comm(Comm::Send {
                             payload,
                             peer: dst as u32,
+                            channel: 0,
                         }));
                         out[dst].push(Instr::Comm(Comm::Recv {
                             payload,
                             peer: r as u32,
+                            channel: 0,
                         }));
                     }
                 }

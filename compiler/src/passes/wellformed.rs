@@ -392,7 +392,7 @@ fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
     let pl = &p.pipeline;
     let (s_n, m_n, pp) = (pl.stages, pl.microbatches, pl.pp);
     match m {
-        Comm::Send { payload, peer } | Comm::Recv { payload, peer } => {
+        Comm::Send { payload, peer, .. } | Comm::Recv { payload, peer, .. } => {
             let send = matches!(m, Comm::Send { .. });
             if *peer >= pp {
                 errs.push(WfError::Range {

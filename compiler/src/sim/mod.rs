@@ -167,6 +167,11 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     let mut g_ops: Vec<(u32, u32)> = Vec::new();
     let mut g_prod: Vec<u32> = Vec::new();
     let mut rank_groups: Vec<(u32, u32)> = Vec::new();
+    // Communication streams, one per (rank, channel); a group runs on its first op's channel.
+    let mut stream_of: HashMap<(u32, u32), usize> = HashMap::new();
+    let mut stream_groups: Vec<Vec<u32>> = Vec::new();
+    let mut rank_streams: Vec<Vec<usize>> = vec![Vec::new(); np];
+    let mut g_stream: Vec<usize> = Vec::new();
     // Items: (instr pos, waits range)
     let mut items: Vec<Vec<(u32, (u32, u32))>> = Vec::new();
     let mut waits: Vec<u32> = Vec::new();
@@ -183,6 +188,15 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
             }
             let gid = g_rank.len() as u32;
             let start = op_comm.len() as u32;
+            let k = *stream_of
+                .entry((r as u32, cs[0].channel()))
+                .or_insert_with(|| {
+                    stream_groups.push(Vec::new());
+                    rank_streams[r].push(stream_groups.len() - 1);
+                    stream_groups.len() - 1
+                });
+            stream_groups[k].push(gid);
+            g_stream.push(k);
             for m in cs {
                 let id = op_comm.len() as u32;
                 op_comm.push(m);
@@ -282,13 +296,21 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     // ---- FIFO matching and components. ----
     let ng = g_rank.len();
     let mut partner = vec![NONE; op_comm.len()];
-    let mut chans: HashMap<(u32, u32), (Vec<u32>, Vec<u32>)> = HashMap::new();
+    let mut chans: HashMap<(u32, u32, u32), (Vec<u32>, Vec<u32>)> = HashMap::new();
     let mut colls: HashMap<&str, HashMap<u32, Vec<u32>>> = HashMap::new();
     for (id, c) in op_comm.iter().enumerate() {
         let r = op_rank[id];
         match c {
-            Comm::Send { peer, .. } => chans.entry((r, *peer)).or_default().0.push(id as u32),
-            Comm::Recv { peer, .. } => chans.entry((*peer, r)).or_default().1.push(id as u32),
+            Comm::Send { peer, channel, .. } => chans
+                .entry((r, *peer, *channel))
+                .or_default()
+                .0
+                .push(id as u32),
+            Comm::Recv { peer, channel, .. } => chans
+                .entry((*peer, r, *channel))
+                .or_default()
+                .1
+                .push(id as u32),
             Comm::Collective(col) => colls
                 .entry(col.comm.as_str())
                 .or_default()
@@ -372,9 +394,11 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     let mut events: Vec<Event> = Vec::new();
     let mut g_event = vec![usize::MAX; ng];
     let mut cpos = vec![0usize; np];
-    let mut gpos: Vec<u32> = rank_groups.iter().map(|x| x.0).collect();
+    let _ = &rank_groups;
+    let ns = stream_groups.len();
+    let mut spos = vec![0usize; ns];
     let mut cfree = vec![0f64; np];
-    let mut mfree = vec![0f64; np];
+    let mut mfree = vec![0f64; ns];
     let mut epfree = vec![0f64; np];
     let mut busy = vec![0f64; np];
     let mut exposed = vec![0f64; np];
@@ -504,70 +528,71 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                 cpos[r] += 1;
                 progressed = true;
             }
-            let (_, g_end) = rank_groups[r];
-            while gpos[r] < g_end {
-                let g = gpos[r] as usize;
-                if !posted[g] {
-                    let prod = g_prod[g];
-                    if prod != NONE && (cpos[r] as u32) <= prod {
-                        break;
-                    }
-                    let pe = if prod == NONE {
-                        0.0
-                    } else {
-                        item_end[r][prod as usize]
-                    };
-                    ready_time[g] = pe;
-                    post_time[g] = mfree[r].max(pe);
-                    posted[g] = true;
-                    progressed = true;
-                    let root = comp_root[g] as usize;
-                    posted_cnt[root] += 1;
-                    if posted_cnt[root] == comp_size[root] && !comp_never[root] {
-                        let members = &comp_members[&(root as u32)];
-                        let t = members
-                            .iter()
-                            .map(|&h| post_time[h as usize])
-                            .fold(0.0, f64::max)
-                            + comp_dur[root];
-                        for &h in members {
-                            let h = h as usize;
-                            complete[h] = t;
-                            let hr = g_rank[h] as usize;
-                            if hr != r && !in_work[hr] {
-                                in_work[hr] = true;
-                                work.push(hr as u32);
+            for &k in &rank_streams[r] {
+                while spos[k] < stream_groups[k].len() {
+                    let g = stream_groups[k][spos[k]] as usize;
+                    if !posted[g] {
+                        let prod = g_prod[g];
+                        if prod != NONE && (cpos[r] as u32) <= prod {
+                            break;
+                        }
+                        let pe = if prod == NONE {
+                            0.0
+                        } else {
+                            item_end[r][prod as usize]
+                        };
+                        ready_time[g] = pe;
+                        post_time[g] = mfree[k].max(pe);
+                        posted[g] = true;
+                        progressed = true;
+                        let root = comp_root[g] as usize;
+                        posted_cnt[root] += 1;
+                        if posted_cnt[root] == comp_size[root] && !comp_never[root] {
+                            let members = &comp_members[&(root as u32)];
+                            let t = members
+                                .iter()
+                                .map(|&h| post_time[h as usize])
+                                .fold(0.0, f64::max)
+                                + comp_dur[root];
+                            for &h in members {
+                                let h = h as usize;
+                                complete[h] = t;
+                                let hr = g_rank[h] as usize;
+                                if hr != r && !in_work[hr] {
+                                    in_work[hr] = true;
+                                    work.push(hr as u32);
+                                }
                             }
                         }
                     }
-                }
-                if !complete[g].is_nan() {
-                    let t = complete[g];
-                    mfree[r] = t;
-                    let (a, b) = g_ops[g];
-                    let mut name = String::new();
-                    for id in a..b {
-                        if !name.is_empty() {
-                            name.push(' ');
+                    if !complete[g].is_nan() {
+                        let t = complete[g];
+                        mfree[k] = t;
+                        let (a, b) = g_ops[g];
+                        let mut name = String::new();
+                        for id in a..b {
+                            if !name.is_empty() {
+                                name.push(' ');
+                            }
+                            write_comm(&mut name, op_comm[id as usize]);
                         }
-                        write_comm(&mut name, op_comm[id as usize]);
+                        g_event[g] = events.len();
+                        events.push(Event {
+                            rank: r as u32,
+                            stream: StreamKind::Comm,
+                            kind: EventKind::Comm,
+                            name,
+                            start: post_time[g],
+                            end: t,
+                            mb: None,
+                            mb2: None,
+                            direction: 0,
+                        });
+                        spos[k] += 1;
+                        progressed = true;
+                    } else {
+                        break;
                     }
-                    g_event[g] = events.len();
-                    events.push(Event {
-                        rank: r as u32,
-                        stream: StreamKind::Comm,
-                        kind: EventKind::Comm,
-                        name,
-                        start: post_time[g],
-                        end: t,
-                        mb: None,
-                        mb2: None,
-                        direction: 0,
-                    });
-                    gpos[r] += 1;
-                    progressed = true;
-                } else {
-                    break;
                 }
             }
             if !progressed {
@@ -575,7 +600,11 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
             }
         }
     }
-    if let Some(r) = (0..np).find(|&r| cpos[r] < items[r].len() || gpos[r] < rank_groups[r].1) {
+    let stuck_stream = (0..ns).find(|&k| spos[k] < stream_groups[k].len());
+    if let Some(r) = (0..np)
+        .find(|&r| cpos[r] < items[r].len())
+        .or(stuck_stream.map(|k| g_rank[stream_groups[k][spos[k]] as usize] as usize))
+    {
         return Err(format!(
             "the program does not run to the end (rank {r} stops); run `schedc check` for the diagnosis"
         ));
