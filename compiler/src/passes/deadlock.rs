@@ -204,6 +204,9 @@ impl CommError {
 
 const NONE: u32 = u32::MAX;
 
+/// (sender, receiver, channel): the unit of FIFO matching.
+type ChannelKey = (u32, u32, u32);
+
 /// Flattened communication ops.
 struct Ops {
     rank: Vec<u32>,
@@ -415,7 +418,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
 
     // ---- FIFO matching per ordered pair. ----
     // Keyed by (sender, receiver, channel).
-    let mut chans: HashMap<(u32, u32, u32), (Vec<u32>, Vec<u32>)> = HashMap::new();
+    let mut chans: HashMap<ChannelKey, (Vec<u32>, Vec<u32>)> = HashMap::new();
     for (id, c) in comm_ref.iter().enumerate() {
         let r = ops.rank[id];
         match c {

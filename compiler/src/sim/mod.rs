@@ -123,6 +123,9 @@ pub struct SimResult {
 
 const NONE: u32 = u32::MAX;
 
+/// (sender, receiver, channel): the unit of FIFO matching.
+type ChannelKey = (u32, u32, u32);
+
 fn kind_of(c: &Compute) -> EventKind {
     if c.part.is_all_to_all() {
         return EventKind::A2a;
@@ -296,7 +299,7 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     // ---- FIFO matching and components. ----
     let ng = g_rank.len();
     let mut partner = vec![NONE; op_comm.len()];
-    let mut chans: HashMap<(u32, u32, u32), (Vec<u32>, Vec<u32>)> = HashMap::new();
+    let mut chans: HashMap<ChannelKey, (Vec<u32>, Vec<u32>)> = HashMap::new();
     let mut colls: HashMap<&str, HashMap<u32, Vec<u32>>> = HashMap::new();
     for (id, c) in op_comm.iter().enumerate() {
         let r = op_rank[id];
