@@ -156,6 +156,12 @@ fn item() -> impl Strategy<Value = Item> {
         ]
         .prop_map(|p| Item::Placement(p, sp())),
         (name(), expr()).prop_map(|(n, e)| Item::Let(n, e, sp())),
+        (name(), prop::collection::vec(name(), 0..3), expr()).prop_map(|(n, ps, e)| Item::Fn(
+            n,
+            ps,
+            e,
+            sp()
+        )),
         (expr(), "[a-zA-Z0-9 ,.()=<>+-]{0,20}").prop_map(|(e, m)| Item::Require(e, m, sp())),
         (name(), prop::collection::vec(stmt(), 0..5)).prop_map(|(n, b)| Item::Rank(n, b, sp())),
         Just(Item::Literal(
@@ -545,4 +551,67 @@ fn literal_blocks_are_ir_text() {
     let src = "placement loop\nliteral {\nrank 0: F(0,0) SA(0,0->1) RG(1,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n}\n";
     let got = run(src, 2, 1);
     assert_eq!(got[1], ["RA(0,0<-0)", "F(1,0)", "BW(1,0)", "SG(1,0->0)"]);
+}
+
+#[test]
+fn functions_and_descending_ranges() {
+    let src = "let k = 2\nfn twice(x) = k * x\nfn warm(r) = min(P - r, M)\nrank r {\n  for i in warm(r)..=1 step -1 { F(0, i - 1) }\n  for i in 0..twice(0) { idle }\n}\nexpect warmup == warm(r)\n";
+    let f = parse_file(src).unwrap();
+    let e = elaborate(
+        &f,
+        &Instance {
+            pp: 3,
+            mb: 2,
+            vpp: None,
+            params: vec![],
+        },
+    )
+    .unwrap();
+    let r0: Vec<String> = e.program.ranks[0]
+        .iter()
+        .map(schedc_ir::text::instr_to_string)
+        .collect();
+    assert_eq!(r0, ["F(0,1)", "F(0,0)"]);
+    assert_eq!(e.expects[0].values, vec![2, 2, 1]);
+    // A function cannot shadow a built-in, and runaway recursion is an error, not a crash.
+    let f = parse_file("fn min(a) = a\n").unwrap();
+    assert!(elaborate(
+        &f,
+        &Instance {
+            pp: 1,
+            mb: 1,
+            vpp: None,
+            params: vec![]
+        }
+    )
+    .is_err());
+    let f = parse_file("fn f(x) = f(x + 1)\nlet y = f(0)\n").unwrap();
+    let err = elaborate(
+        &f,
+        &Instance {
+            pp: 1,
+            mb: 1,
+            vpp: None,
+            params: vec![],
+        },
+    )
+    .unwrap_err();
+    assert!(err[0].message.contains("too deeply"), "{}", err[0].message);
+    // Arity.
+    let f = parse_file("fn f(x) = x\nlet y = f(1, 2)\n").unwrap();
+    let err = elaborate(
+        &f,
+        &Instance {
+            pp: 1,
+            mb: 1,
+            vpp: None,
+            params: vec![],
+        },
+    )
+    .unwrap_err();
+    assert!(
+        err[0].message.contains("takes 1 argument"),
+        "{}",
+        err[0].message
+    );
 }

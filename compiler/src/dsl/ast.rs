@@ -271,6 +271,9 @@ pub enum Item {
     Placement(PlacementSpec, Sp),
     /// `let x = e` at top level.
     Let(String, Expr, Sp),
+    /// `fn name(a, b) = e`: a function of integers, visible to everything after it (rank
+    /// programs and `expect` lines); it sees the items before it and its parameters.
+    Fn(String, Vec<String>, Expr, Sp),
     /// `require cond, "message"`.
     Require(Expr, String, Sp),
     /// `rank r { ... }`: the program of every rank, `r` bound to its id.

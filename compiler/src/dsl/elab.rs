@@ -71,8 +71,19 @@ struct Binding {
     mutable: bool,
 }
 
+/// A user function: parameters, body, and how many bindings were in scope where it was
+/// defined (it sees those, and its parameters).
+struct FnDef {
+    name: String,
+    params: Vec<String>,
+    body: Expr,
+    scope: usize,
+}
+
 struct Env {
     vars: Vec<Binding>,
+    fns: std::rc::Rc<Vec<FnDef>>,
+    depth: u32,
 }
 
 impl Env {
@@ -287,6 +298,47 @@ fn call(
                 return Err(err(sp, "`stage` takes one chunk"));
             }
             Ok(Val::Int(st.chunks[chunk(st, v[0], sp)?] as i64))
+        }
+        _ if env.fns.iter().any(|f| f.name == name) => {
+            let f = env
+                .fns
+                .iter()
+                .rev()
+                .find(|f| f.name == name)
+                .expect("present");
+            if args.len() != f.params.len() {
+                return Err(err(
+                    sp,
+                    format!(
+                        "`{name}` takes {} argument(s), given {}",
+                        f.params.len(),
+                        args.len()
+                    ),
+                ));
+            }
+            if env.depth >= 64 {
+                return Err(err(
+                    sp,
+                    format!("`{name}` calls itself too deeply (64 levels)"),
+                ));
+            }
+            let vals = ints(args)?;
+            let mut inner = Env {
+                vars: env.vars[..f.scope.min(env.vars.len())]
+                    .iter()
+                    .map(|b| Binding {
+                        name: b.name.clone(),
+                        val: b.val,
+                        mutable: false,
+                    })
+                    .collect(),
+                fns: env.fns.clone(),
+                depth: env.depth + 1,
+            };
+            for (p, v) in f.params.iter().zip(vals) {
+                inner.push(p, Val::Int(v), false);
+            }
+            eval(&f.body, &inner, st)
         }
         _ => {
             let mut e = err(sp, format!("unknown function `{name}`"));
@@ -530,18 +582,27 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                     Some(e) => int(eval(e, env, Some(st))?, e.sp())?,
                     None => 1,
                 };
-                if k <= 0 {
-                    return Err(err(*sp, format!("`step` must be positive, got {k}")));
+                if k == 0 {
+                    return Err(err(*sp, "`step` must not be 0"));
                 }
-                let end = if *inclusive { b } else { b - 1 };
+                // A negative step counts down: `for i in 5..=0 step -1` runs 5, 4, ..., 0.
+                let in_range = |i: i64| match (k > 0, *inclusive) {
+                    (true, true) => i <= b,
+                    (true, false) => i < b,
+                    (false, true) => i >= b,
+                    (false, false) => i > b,
+                };
                 let mut i = a;
-                while i <= end {
+                while in_range(i) {
                     tick(st, *sp)?;
                     env.push(var, Val::Int(i), false);
                     let r = exec(body, env, st);
                     env.vars.pop();
                     r?;
-                    i += k;
+                    i = match i.checked_add(k) {
+                        Some(x) => x,
+                        None => break,
+                    };
                 }
             }
             Stmt::Repeat(n, body, sp) => {
@@ -617,7 +678,11 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
 /// Errors: every failed `require` (with `refused` set), or the first elaboration error
 /// (unknown name, division by zero, a chunk with no micro-batch left, ...), each with its span.
 pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabError>> {
-    let mut env = Env { vars: Vec::new() };
+    let mut env = Env {
+        vars: Vec::new(),
+        fns: std::rc::Rc::new(Vec::new()),
+        depth: 0,
+    };
     let mut name = None;
     let any_sp = Sp::default();
     // Fixed V.
@@ -716,6 +781,34 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
             Item::Let(n, e, _) => {
                 let v = eval(e, &env, None).map_err(|e| vec![e])?;
                 env.push(n, v, false);
+            }
+            Item::Fn(n, params, body, sp) => {
+                const BUILTINS: [&str; 9] = [
+                    "min", "max", "abs", "done", "left", "pending", "stage", "chunks", "fn",
+                ];
+                if BUILTINS.contains(&n.as_str()) {
+                    return Err(vec![err(
+                        *sp,
+                        format!("`{n}` is a built-in function; pick another name"),
+                    )]);
+                }
+                let mut fns: Vec<FnDef> = env
+                    .fns
+                    .iter()
+                    .map(|f| FnDef {
+                        name: f.name.clone(),
+                        params: f.params.clone(),
+                        body: f.body.clone(),
+                        scope: f.scope,
+                    })
+                    .collect();
+                fns.push(FnDef {
+                    name: n.clone(),
+                    params: params.clone(),
+                    body: body.clone(),
+                    scope: env.vars.len(),
+                });
+                env.fns = std::rc::Rc::new(fns);
             }
             Item::Stages(e, _) => {
                 s_val =

@@ -451,6 +451,7 @@ fn item_sp(it: &Item) -> Sp {
         | Item::Microbatches(_, s)
         | Item::Placement(_, s)
         | Item::Let(_, _, s)
+        | Item::Fn(_, _, _, s)
         | Item::Require(_, _, s)
         | Item::Rank(_, _, s)
         | Item::Literal(_, s)
@@ -524,6 +525,9 @@ pub fn format_file(file: &File, src: &str) -> String {
             }
             Item::Let(n, e, _) => {
                 let _ = writeln!(f.out, "let {n} = {}", expr_str(e));
+            }
+            Item::Fn(n, params, e, _) => {
+                let _ = writeln!(f.out, "fn {n}({}) = {}", params.join(", "), expr_str(e));
             }
             Item::Require(c, m, _) => {
                 let _ = writeln!(f.out, "require {}, \"{m}\"", expr_str(c));

@@ -658,6 +658,29 @@ fn item(i: In<'_>) -> R<'_, Item> {
         let (i5, e) = cut(expect("an expression", expr)).parse(i4)?;
         return Ok((i5, Item::Let(n, e, sp_of(start, i5))));
     }
+    if let Ok((i2, _)) = kw("fn").parse(i) {
+        let (i3, (n, _)) = cut(expect("a function name after `fn`", ident)).parse(i2)?;
+        let (mut cur, _) = cut(expect("`(` and the parameters", tok("("))).parse(i3)?;
+        let mut params = Vec::new();
+        if let Ok((i4, _)) = tok(")").parse(cur) {
+            cur = i4;
+        } else {
+            loop {
+                let (i4, (pn, _)) = cut(expect("a parameter name", ident)).parse(cur)?;
+                params.push(pn);
+                if let Ok((i5, _)) = tok(",").parse(i4) {
+                    cur = i5;
+                    continue;
+                }
+                let (i5, _) = cut(expect("`,` or `)`", tok(")"))).parse(i4)?;
+                cur = i5;
+                break;
+            }
+        }
+        let (i6, _) = cut(expect("`=` and the function's expression", tok("="))).parse(cur)?;
+        let (i7, e) = cut(expect("an expression", expr)).parse(i6)?;
+        return Ok((i7, Item::Fn(n, params, e, sp_of(start, i7))));
+    }
     if let Ok((i2, _)) = kw("require").parse(i) {
         let (i3, c) = cut(expect("a condition", expr)).parse(i2)?;
         let (i4, _) = cut(expect("`,` and a message in quotes", tok(","))).parse(i3)?;
@@ -707,7 +730,7 @@ fn item(i: In<'_>) -> R<'_, Item> {
     }
     fail(
         i,
-        "an item (schedule, param, vpp, stages, microbatches, placement, let, require, rank, literal, expect)",
+        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, require, rank, literal, expect)",
     )
 }
 
