@@ -97,10 +97,52 @@ pub struct Outcome {
     pub checked: Option<Program>,
 }
 
+/// The most (stage, micro-batch) pairs a schedule may have: the passes keep tables of that
+/// size (a production schedule has well under a million; a typo such as
+/// `microbatches 4000000000` must not exhaust memory).
+pub const MAX_STAGE_MICROBATCHES: u64 = 1 << 24;
+
 /// Runs every pass. `spans` locates the program's instructions in its source file.
+///
+/// A schedule with more than [`MAX_STAGE_MICROBATCHES`] (stage, micro-batch) pairs, or whose
+/// placement does not list one rank per stage, is rejected with one `range` error before any
+/// pass runs.
 pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome {
     let cx = Ctx { program: p, spans };
     let mut diags: Vec<Diagnostic> = Vec::new();
+    let pl = &p.pipeline;
+    let pairs = pl.stages as u64 * pl.microbatches as u64;
+    if pairs > MAX_STAGE_MICROBATCHES || pl.stage_to_rank.len() != pl.stages as usize {
+        let msg = if pairs > MAX_STAGE_MICROBATCHES {
+            format!(
+                "the schedule is too large to check: {} stages x {} micro-batches = {pairs} (stage, micro-batch) pairs, more than {MAX_STAGE_MICROBATCHES}",
+                pl.stages, pl.microbatches
+            )
+        } else {
+            format!(
+                "the placement lists {} ranks for {} stages",
+                pl.stage_to_rank.len(),
+                pl.stages
+            )
+        };
+        diags.push(Diagnostic::error(Code::Range, msg));
+        return Outcome {
+            report: Report {
+                verdict: Verdict::Rejected,
+                pp: pl.pp,
+                stages: pl.stages,
+                microbatches: pl.total_microbatches(),
+                placement: pl.placement,
+                stage_to_rank: pl.stage_to_rank.clone(),
+                lowered: false,
+                makespan: None,
+                bubble: None,
+                ranks: Vec::new(),
+                diagnostics: diags,
+            },
+            checked: None,
+        };
+    }
     let idx = OpIndex::build(p);
     // Pass 1.
     let wf = wellformed::check(p, &idx);

@@ -125,7 +125,15 @@ struct RankState<'a> {
     budget: &'a mut u64,
 }
 
-const STEP_BUDGET: u64 = 200_000_000;
+/// Elaboration steps (loop iterations and ops) allowed per instance; see
+/// [`set_step_budget`].
+static STEP_BUDGET: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(200_000_000);
+
+/// Sets the number of elaboration steps allowed per instance (default 200 million): a spec
+/// whose loops run longer is an error, not a hang. Fuzzing lowers it.
+pub fn set_step_budget(steps: u64) {
+    STEP_BUDGET.store(steps, std::sync::atomic::Ordering::Relaxed);
+}
 
 fn eval(e: &Expr, env: &Env, st: Option<&RankState<'_>>) -> Result<Val, ElabError> {
     Ok(match e {
@@ -535,10 +543,11 @@ fn exec(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<(), Elab
 
 fn tick(st: &mut RankState<'_>, sp: Sp) -> Result<(), ElabError> {
     *st.budget += 1;
-    if *st.budget > STEP_BUDGET {
+    let limit = STEP_BUDGET.load(std::sync::atomic::Ordering::Relaxed);
+    if *st.budget > limit {
         return Err(err(
             sp,
-            format!("elaboration exceeds {STEP_BUDGET} steps (a loop that does not end?)"),
+            format!("elaboration exceeds {limit} steps (a loop that does not end?)"),
         ));
     }
     Ok(())
