@@ -8,6 +8,7 @@ use schedc::input::{load_path, LoadError, Loaded, Overrides, PlacementArg};
 use schedc::passes::deadlock::Semantics;
 use schedc::passes::makespan;
 use schedc_ir::text::{self, ParseError};
+use schedc_ir::Instr;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
@@ -453,23 +454,41 @@ fn main() -> ExitCode {
                         TorchForm::ComputeOnly => TorchFormat::ComputeOnly,
                         TorchForm::ComputeComms => TorchFormat::ComputeComms,
                     };
-                    let prog = if f == TorchFormat::ComputeComms && loaded.program.is_compute_only()
-                    {
-                        // Lower first so the communication order is the verified one.
+                    let prog = if f == TorchFormat::ComputeComms {
+                        // Torch runs a compute_comms CSV as written and checks none of its
+                        // communication: export only what `schedc check` accepts, lowered,
+                        // so the send/receive order is the verified one.
                         let out = check::check(
                             &loaded.program,
                             loaded.spans.as_ref(),
                             &Default::default(),
                         );
-                        if out.report.verdict != Verdict::Accepted {
-                            eprintln!("error: the schedule does not pass `schedc check`; refusing to export it");
-                            return ExitCode::from(1);
+                        match out.checked {
+                            // Add what torch's runtime needs to run it (REDUCE_GRAD, send
+                            // waits, ...).
+                            Some(l) if out.report.verdict == Verdict::Accepted => {
+                                torch::for_runtime(&l, f)
+                            }
+                            _ => {
+                                eprintln!("error: the schedule does not pass `schedc check`; refusing to export it (run `schedc check` for the diagnostics)");
+                                return ExitCode::from(1);
+                            }
                         }
-                        out.checked.expect("accepted schedules are lowered")
                     } else {
-                        loaded.program.clone()
+                        if loaded.program.ranks.iter().flatten().any(|i| {
+                            matches!(
+                                i,
+                                Instr::ReduceGrad(_)
+                                    | Instr::WaitReduceGrad(_)
+                                    | Instr::Unshard(_)
+                                    | Instr::Reshard(_)
+                            )
+                        }) {
+                            eprintln!("warning: the program has REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD or RESHARD actions, which are written as they are; torch's compute_only loader refuses them (it inserts its own): drop them, or export with --torch-format compute-comms");
+                        }
+                        Ok(loaded.program.clone())
                     };
-                    match torch::write_csv(&prog, f) {
+                    match prog.and_then(|p| torch::write_csv(&p, f)) {
                         Ok(s) => s,
                         Err(e) => {
                             eprintln!("error: cannot export to torch CSV: {e}");
@@ -545,7 +564,7 @@ fn main() -> ExitCode {
                 }
             };
             if let Some(f) = &trace {
-                if let Err(e) = std::fs::write(f, schedc::sim::render::chrome_trace(&res)) {
+                if let Err(e) = std::fs::write(f, schedc::sim::render::chrome_trace(&res, &prog)) {
                     eprintln!("error: cannot write `{f}`: {e}");
                     return ExitCode::from(2);
                 }
@@ -557,7 +576,7 @@ fn main() -> ExitCode {
                     prog.pipeline.pp,
                     prog.pipeline.total_microbatches()
                 );
-                if let Err(e) = std::fs::write(f, schedc::sim::render::svg(&res, &title)) {
+                if let Err(e) = std::fs::write(f, schedc::sim::render::svg(&res, &prog, &title)) {
                     eprintln!("error: cannot write `{f}`: {e}");
                     return ExitCode::from(2);
                 }

@@ -7,6 +7,10 @@ use schedc::sim::cost::CostModel;
 use schedc::sim::{simulate, SimResult};
 
 fn run(spec: &str, pp: u32, mb: u32, cost: &str) -> SimResult {
+    run_with_program(spec, pp, mb, cost).0
+}
+
+fn run_with_program(spec: &str, pp: u32, mb: u32, cost: &str) -> (SimResult, schedc_ir::Program) {
     let path = schedc_tests::conform::root()
         .join("specs")
         .join(format!("{spec}.sched"));
@@ -20,7 +24,8 @@ fn run(spec: &str, pp: u32, mb: u32, cost: &str) -> SimResult {
     let out = check(&e.program, None, &Default::default());
     assert_eq!(out.report.verdict, Verdict::Accepted);
     let model = CostModel::resolve(cost).unwrap();
-    simulate(&out.checked.unwrap(), &model).unwrap()
+    let prog = out.checked.unwrap();
+    (simulate(&prog, &model).unwrap(), prog)
 }
 
 fn assert_idle(r: &SimResult, want: f64, what: &str) {
@@ -176,9 +181,9 @@ fn memory_accounting() {
 /// flow arrows from each send to its receive), the SVG Gantt chart, the ASCII timeline.
 #[test]
 fn pictures() {
-    let r = run("dualpipe", 4, 8, "dualpipe-readme");
+    let (r, prog) = run_with_program("dualpipe", 4, 8, "dualpipe-readme");
     let trace: serde_json::Value =
-        serde_json::from_str(&schedc::sim::render::chrome_trace(&r)).unwrap();
+        serde_json::from_str(&schedc::sim::render::chrome_trace(&r, &prog)).unwrap();
     let ev = trace["traceEvents"].as_array().unwrap();
     let x = ev.iter().filter(|e| e["ph"] == "X").count();
     assert_eq!(x, r.events.len());
@@ -193,7 +198,7 @@ fn pictures() {
         .map(|e| e["args"]["name"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["rank 0", "rank 1", "rank 2", "rank 3"]);
-    let svg = schedc::sim::render::svg(&r, "DualPipe, P=4, M=8");
+    let svg = schedc::sim::render::svg(&r, &prog, "DualPipe, P=4, M=8");
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     assert!(!svg.contains("F&B "), "text must be escaped");
     // Background, one lane per rank, one box per event that takes time (free messages take

@@ -991,6 +991,15 @@ fn write_comm(
     m: &Comm,
     ctx: &dyn Fn() -> String,
 ) -> Result<(), String> {
+    if m.channel() != 0 {
+        return Err(format!(
+            "{}: the message is on channel {}, but torch has one in-order channel per pair of \
+             ranks (its P2P process group); export a program whose sends and receives are all \
+             on channel 0",
+            ctx(),
+            m.channel()
+        ));
+    }
     let (send, payload, peer) = match m {
         Comm::Send { payload, peer, .. } => (true, payload, *peer),
         Comm::Recv { payload, peer, .. } => (false, payload, *peer),
@@ -1040,6 +1049,193 @@ fn write_comm(
     let verb = if send { "SEND" } else { "RECV" };
     let _ = write!(out, "{attached}{verb}_{dir}{}", payload.mb);
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runtime completion
+// ---------------------------------------------------------------------------------------------
+
+/// Prepares a program for torch 2.15's `_PipelineScheduleRuntime._load_csv(path, format)`:
+/// what [`write_csv`] should be given to get a CSV that the runtime loads **and runs**.
+///
+/// * [`TorchFormat::ComputeOnly`]: drops `REDUCE_GRAD`, `WAIT_REDUCE_GRAD`, `UNSHARD` and
+///   `RESHARD` (torch's `compute_only` loader refuses every non-compute action and inserts
+///   these itself); everything else is kept as written.
+/// * [`TorchFormat::ComputeComms`]: keeps every compute op, send and receive in place (the
+///   order `schedc check` verified) and adds what the runtime runs a `compute_comms` schedule
+///   with but does not insert itself, on each rank:
+///   - `UNSHARD` of every stage the rank holds, first (in the order the rank first uses
+///     them), and `RESHARD` right after the stage's last op: FSDP's parameter all-gather and
+///     release, no-ops for a stage that is not FSDP-wrapped (only on a rank with neither);
+///   - `REDUCE_GRAD` then `WAIT_REDUCE_GRAD` right after each stage's last weight gradient
+///     (its last `W` or fused backward, past the sends that directly follow it): the only
+///     place the runtime scales gradients by 1/M (`scale_grads`) and reduces them across
+///     data-parallel replicas; a `REDUCE_GRAD` already present without its wait gets the wait
+///     right after it (torch allows one pending reduction per rank);
+///   - `WAIT_SEND_F`/`WAIT_SEND_B` for every send without one, as torch's own lowering places
+///     them: an activation send of (s, m) waits right after the rank's input backward of
+///     (s, m) (`B` or fused backward), which cannot run before the peer has received the
+///     activation, so the wait never blocks; any other send waits at the end of the rank.
+///     Torch refuses a `compute_comms` schedule with a send that has no wait.
+///
+///   Idle slots are dropped (`compute_comms` has no empty cells).
+///
+/// The result still passes `schedc check` when the input does, with the same warmup and
+/// activation peaks (none of the added actions moves a compute op, a send or a receive).
+/// Errors: none yet beyond those of [`write_csv`], which the caller still runs; the `Result`
+/// leaves room for refusals.
+pub fn for_runtime(p: &Program, format: TorchFormat) -> Result<Program, String> {
+    let ranks = match format {
+        TorchFormat::ComputeOnly => p
+            .ranks
+            .iter()
+            .map(|instrs| {
+                instrs
+                    .iter()
+                    .filter(|i| {
+                        !matches!(
+                            i,
+                            Instr::ReduceGrad(_)
+                                | Instr::WaitReduceGrad(_)
+                                | Instr::Unshard(_)
+                                | Instr::Reshard(_)
+                        )
+                    })
+                    .cloned()
+                    .collect()
+            })
+            .collect(),
+        TorchFormat::ComputeComms => p.ranks.iter().map(|r| complete_rank(r)).collect(),
+    };
+    Ok(Program {
+        pipeline: p.pipeline.clone(),
+        ranks,
+    })
+}
+
+/// What [`complete_rank`] adds after an instruction, in this order at one anchor.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Added {
+    WaitSend,
+    ReduceGrad,
+    WaitReduceGrad,
+    Reshard,
+}
+
+/// One rank of [`for_runtime`] for `compute_comms`.
+fn complete_rank(instrs: &[Instr]) -> Vec<Instr> {
+    let n = instrs.len();
+    let is_send = |i: &Instr| {
+        !i.comms().is_empty() && i.comms().iter().all(|c| matches!(c, Comm::Send { .. }))
+    };
+    // An op's bookkeeping goes after the sends (and idle slots) that directly follow it, so
+    // that they are issued first.
+    let anchor = |i: usize| {
+        let mut j = i;
+        while j + 1 < n && (is_send(&instrs[j + 1]) || instrs[j + 1] == Instr::Idle) {
+            j += 1;
+        }
+        j
+    };
+
+    // Stages in the order of first use; last op and last weight gradient of each.
+    let mut stages: Vec<u32> = Vec::new();
+    let mut last_op: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut last_wgrad: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut has_fsdp = false;
+    let mut reduced: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut reduce_waited: Vec<u32> = Vec::new();
+    let mut waited: Vec<Payload> = Vec::new();
+    for (i, ins) in instrs.iter().enumerate() {
+        ins.for_each_compute(|c| {
+            if !stages.contains(&c.stage) {
+                stages.push(c.stage);
+            }
+            last_op.insert(c.stage, i);
+            if matches!(c.kind, Kind::W | Kind::BW) {
+                last_wgrad.insert(c.stage, i);
+            }
+        });
+        match ins {
+            Instr::Unshard(_) | Instr::Reshard(_) => has_fsdp = true,
+            Instr::ReduceGrad(s) => {
+                reduced.entry(*s).or_insert(i);
+            }
+            Instr::WaitReduceGrad(s) => reduce_waited.push(*s),
+            Instr::WaitSend(pay) => waited.push(*pay),
+            _ => {}
+        }
+    }
+
+    let mut adds: Vec<(usize, Added, Instr)> = Vec::new();
+    for (i, ins) in instrs.iter().enumerate() {
+        for m in ins.comms() {
+            let Comm::Send { payload, .. } = m else {
+                continue;
+            };
+            if waited.contains(payload) {
+                continue;
+            }
+            waited.push(*payload);
+            let wait = Instr::WaitSend(*payload);
+            let after_bwd = (payload.kind == PayloadKind::Act)
+                .then(|| {
+                    (i + 1..n).find(|&k| {
+                        let mut hit = false;
+                        instrs[k].for_each_compute(|c| {
+                            hit |= c.kind.is_backward_input()
+                                && c.stage == payload.stage
+                                && c.mb == payload.mb;
+                        });
+                        hit
+                    })
+                })
+                .flatten();
+            // `n` stands for the end of the rank.
+            adds.push((after_bwd.map_or(n, anchor), Added::WaitSend, wait));
+        }
+    }
+    for (&s, &i) in &last_wgrad {
+        if !reduced.contains_key(&s) {
+            let at = anchor(i);
+            adds.push((at, Added::ReduceGrad, Instr::ReduceGrad(s)));
+            adds.push((at, Added::WaitReduceGrad, Instr::WaitReduceGrad(s)));
+        }
+    }
+    for (&s, &i) in &reduced {
+        if !reduce_waited.contains(&s) {
+            adds.push((i, Added::WaitReduceGrad, Instr::WaitReduceGrad(s)));
+        }
+    }
+    if !has_fsdp {
+        for (&s, &i) in &last_op {
+            // After the stage's reduction when that follows its last op.
+            let at = if !reduced.contains_key(&s) && last_wgrad.get(&s) == Some(&i) {
+                anchor(i)
+            } else {
+                i
+            };
+            adds.push((at, Added::Reshard, Instr::Reshard(s)));
+        }
+    }
+    // Stable: same anchor and kind keep the order they were found in.
+    adds.sort_by_key(|(at, kind, _)| (*at, *kind));
+
+    let mut out = Vec::with_capacity(n + adds.len() + stages.len());
+    if !has_fsdp {
+        out.extend(stages.iter().map(|&s| Instr::Unshard(s)));
+    }
+    let mut next = adds.into_iter().peekable();
+    for (i, ins) in instrs.iter().enumerate() {
+        if *ins != Instr::Idle {
+            out.push(ins.clone());
+        }
+        while let Some((_, _, add)) = next.next_if(|(at, _, _)| *at == i) {
+            out.push(add);
+        }
+    }
+    out.extend(next.map(|(_, _, add)| add));
+    out
 }
 
 #[cfg(test)]
@@ -1699,5 +1895,315 @@ mod tests {
                 assert_eq!((e.line, e.col), line_col(&s, e.offset));
             }
         }
+    }
+
+    // ---- Export for torch 2.15's `_PipelineScheduleRuntime` ----
+
+    /// The spec instances the PyTorch end-to-end test (backends/torch/test_e2e.py) runs, and
+    /// more sizes: (spec path from the repository root, P, V, M).
+    const RUNTIME_INSTANCES: &[(&str, u32, u32, u32)] = &[
+        ("specs/1f1b.sched", 4, 1, 8),
+        ("specs/1f1b.sched", 3, 1, 2),
+        ("specs/interleaved_1f1b.sched", 4, 2, 8),
+        ("specs/interleaved_1f1b.sched", 2, 3, 6),
+        ("specs/interleaved_zb.sched", 2, 2, 4),
+        ("specs/interleaved_zb.sched", 4, 2, 8),
+        ("specs/zbv.sched", 4, 2, 8),
+        ("specs/zbv.sched", 3, 2, 2),
+        ("specs/dualpipev.sched", 2, 2, 4),
+        ("specs/dualpipev.sched", 4, 2, 10),
+        ("backends/torch/specs/custom.sched", 2, 2, 4),
+        ("backends/torch/specs/custom.sched", 4, 2, 8),
+    ];
+
+    fn load_instance(spec: &str, pp: u32, vpp: u32, mb: u32) -> crate::input::Loaded {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(spec);
+        let ov = crate::input::Overrides {
+            pp: Some(pp),
+            vpp: Some(vpp),
+            microbatches: Some(mb),
+            ..Default::default()
+        };
+        match crate::input::load_path(&path.to_string_lossy(), &ov) {
+            Ok(l) => l,
+            Err(_) => panic!("{spec} P={pp} V={vpp} M={mb} does not load"),
+        }
+    }
+
+    fn figures(r: &crate::check::Report) -> Vec<(u64, u64)> {
+        r.ranks
+            .iter()
+            .map(|k| (k.warmup, k.peak_activations))
+            .collect()
+    }
+
+    /// What torch 2.15's `_PipelineScheduleRuntime` needs of a `compute_comms` program beyond
+    /// its loader's checks, rank by rank: every send has exactly one later wait (torch's
+    /// `_validate_send_waits`, and the runtime retires sends only there); an activation send
+    /// waits after the rank's own input backward of it, if the rank runs one (so the wait
+    /// never blocks); at most one pending reduction, each `REDUCE_GRAD` waited (torch's
+    /// load-time check), after the stage's M-th weight gradient (where the runtime's
+    /// "last backward" count ends) and exactly once per stage; `UNSHARD` before a stage's
+    /// first op, `RESHARD` after its last; no idle slot.
+    fn assert_runnable_by_torch(p: &Program, name: &str) {
+        let m = p.pipeline.microbatches;
+        for (r, instrs) in p.ranks.iter().enumerate() {
+            let at = |i: usize| format!("{name}: rank {r}, instruction {i}");
+            let mut pending: Vec<Payload> = Vec::new();
+            let mut sent: Vec<Payload> = Vec::new();
+            let mut wgrads: BTreeMap<u32, u32> = BTreeMap::new();
+            let mut reduced: Vec<u32> = Vec::new();
+            let mut open_reduce: Option<u32> = None;
+            let mut unsharded: Vec<u32> = Vec::new();
+            let mut resharded: Vec<u32> = Vec::new();
+            let mut bwd_done: Vec<(u32, u32)> = Vec::new();
+            for (i, ins) in instrs.iter().enumerate() {
+                assert_ne!(*ins, Instr::Idle, "{}", at(i));
+                ins.for_each_compute(|c| {
+                    assert!(unsharded.contains(&c.stage), "{}: before UNSHARD", at(i));
+                    assert!(!resharded.contains(&c.stage), "{}: after RESHARD", at(i));
+                    assert!(!reduced.contains(&c.stage), "{}: after REDUCE_GRAD", at(i));
+                    if matches!(c.kind, Kind::W | Kind::BW) {
+                        *wgrads.entry(c.stage).or_default() += 1;
+                    }
+                    if c.kind.is_backward_input() {
+                        bwd_done.push((c.stage, c.mb));
+                    }
+                });
+                for c in ins.comms() {
+                    if let Comm::Send { payload, .. } = c {
+                        assert!(!sent.contains(payload), "{}: sent twice", at(i));
+                        sent.push(*payload);
+                        pending.push(*payload);
+                    }
+                }
+                match ins {
+                    Instr::WaitSend(pay) => {
+                        let k = pending.iter().position(|q| q == pay);
+                        assert!(k.is_some(), "{}: a wait with no pending send", at(i));
+                        pending.remove(k.unwrap_or(0));
+                        let local_bwd = instrs.iter().any(|x| {
+                            let mut hit = false;
+                            x.for_each_compute(|c| {
+                                hit |= c.kind.is_backward_input()
+                                    && (c.stage, c.mb) == (pay.stage, pay.mb)
+                            });
+                            hit
+                        });
+                        if pay.kind == PayloadKind::Act && local_bwd {
+                            assert!(
+                                bwd_done.contains(&(pay.stage, pay.mb)),
+                                "{}: waits for an activation send before the backward that \
+                                 proves it was received",
+                                at(i)
+                            );
+                        }
+                    }
+                    Instr::ReduceGrad(s) => {
+                        assert_eq!(open_reduce, None, "{}: two pending reductions", at(i));
+                        assert_eq!(wgrads.get(s), Some(&m), "{}: before the M-th dW", at(i));
+                        assert!(!reduced.contains(s), "{}: reduced twice", at(i));
+                        reduced.push(*s);
+                        open_reduce = Some(*s);
+                    }
+                    Instr::WaitReduceGrad(s) => {
+                        assert_eq!(open_reduce, Some(*s), "{}", at(i));
+                        open_reduce = None;
+                    }
+                    Instr::Unshard(s) => unsharded.push(*s),
+                    Instr::Reshard(s) => {
+                        assert!(unsharded.contains(s), "{}", at(i));
+                        resharded.push(*s);
+                    }
+                    _ => {}
+                }
+            }
+            assert!(
+                pending.is_empty(),
+                "{name}: rank {r}: sends never waited: {pending:?}"
+            );
+            assert_eq!(
+                open_reduce, None,
+                "{name}: rank {r}: a reduction never waited"
+            );
+            let mut held: Vec<u32> = wgrads.keys().copied().collect();
+            held.sort_unstable();
+            reduced.sort_unstable();
+            resharded.sort_unstable();
+            assert_eq!(reduced, held, "{name}: rank {r}: one REDUCE_GRAD per stage");
+            assert_eq!(resharded, held, "{name}: rank {r}: one RESHARD per stage");
+        }
+    }
+
+    /// `schedc convert --to torch-csv --torch-format compute-comms` (check, lower,
+    /// `for_runtime`, `write_csv`) imports back to a program that `schedc check` accepts with
+    /// the same warmup and peak activations on every rank, the same sends and receives in the
+    /// same order on every rank, and everything torch's runtime needs; likewise compute-only.
+    #[test]
+    fn runtime_export_round_trips_through_check() {
+        for &(spec, pp, vpp, mb) in RUNTIME_INSTANCES {
+            let name = format!("{spec} P={pp} V={vpp} M={mb}");
+            let loaded = load_instance(spec, pp, vpp, mb);
+            let out =
+                crate::check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
+            assert_eq!(
+                out.report.verdict,
+                crate::check::Verdict::Accepted,
+                "{name}"
+            );
+            let want = figures(&out.report);
+            let lowered = out.checked.unwrap();
+
+            let prog = for_runtime(&lowered, TorchFormat::ComputeComms).unwrap();
+            let csv = write_csv(&prog, TorchFormat::ComputeComms).unwrap();
+            assert!(
+                csv.lines().all(|l| l.split(',').all(|c| !c.is_empty())),
+                "{name}: an empty cell"
+            );
+            for needed in ["REDUCE_GRAD", "WAIT_REDUCE_GRAD", "UNSHARD", "RESHARD"] {
+                assert!(csv.contains(needed), "{name}: no {needed}");
+            }
+            let back = parse(&csv).unwrap();
+            assert_eq!(back.format, TorchFormat::ComputeComms, "{name}");
+            assert_eq!(back.program.pipeline, lowered.pipeline, "{name}");
+            let again = crate::check::check(&back.program, Some(&back.spans), &Default::default());
+            assert_eq!(
+                again.report.verdict,
+                crate::check::Verdict::Accepted,
+                "{name}"
+            );
+            assert_eq!(figures(&again.report), want, "{name}");
+            for r in 0..pp as usize {
+                let comms = |p: &Program| -> Vec<Comm> {
+                    p.ranks[r].iter().flat_map(|i| i.comms().to_vec()).collect()
+                };
+                assert_eq!(comms(&back.program), comms(&lowered), "{name}: rank {r}");
+                let computes = |p: &Program| -> Vec<Compute> {
+                    let mut v = Vec::new();
+                    p.ranks[r]
+                        .iter()
+                        .for_each(|i| i.for_each_compute(|c| v.push(*c)));
+                    v
+                };
+                assert_eq!(
+                    computes(&back.program),
+                    computes(&lowered),
+                    "{name}: rank {r}"
+                );
+            }
+            assert_runnable_by_torch(&back.program, &name);
+            // Completing twice adds nothing.
+            assert_eq!(
+                for_runtime(&back.program, TorchFormat::ComputeComms)
+                    .unwrap()
+                    .ranks,
+                back.program.ranks,
+                "{name}"
+            );
+
+            let co = write_csv(
+                &for_runtime(&loaded.program, TorchFormat::ComputeOnly).unwrap(),
+                TorchFormat::ComputeOnly,
+            )
+            .unwrap();
+            let back = parse(&co).unwrap();
+            assert_eq!(back.format, TorchFormat::ComputeOnly, "{name}");
+            let again = crate::check::check(&back.program, Some(&back.spans), &Default::default());
+            assert_eq!(
+                again.report.verdict,
+                crate::check::Verdict::Accepted,
+                "{name}"
+            );
+            assert_eq!(figures(&again.report), want, "{name}");
+        }
+    }
+
+    /// 1F1B with P = 2, M = 2, exactly: torch's own lowering places the same actions (its
+    /// `_add_wait_send` puts an activation send's wait right after the backward instead of
+    /// after the backward's own sends; here there are none in between).
+    #[test]
+    fn runtime_export_golden_1f1b() {
+        let loaded = load_instance("specs/1f1b.sched", 2, 1, 2);
+        let out = crate::check::check(&loaded.program, None, &Default::default());
+        let prog = for_runtime(&out.checked.unwrap(), TorchFormat::ComputeComms).unwrap();
+        assert_eq!(
+            write_csv(&prog, TorchFormat::ComputeComms).unwrap(),
+            "0UNSHARD,0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0WAIT_SEND_F0,0RECV_B1,0B1,\
+             0WAIT_SEND_F1,0REDUCE_GRAD,0WAIT_REDUCE_GRAD,0RESHARD\n\
+             1UNSHARD,1RECV_F0,1RECV_F1,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1REDUCE_GRAD,\
+             1WAIT_REDUCE_GRAD,1RESHARD,1WAIT_SEND_B0,1WAIT_SEND_B1\n"
+        );
+    }
+
+    /// Torch's own lowered programs (the reference `*.comms.csv`), stripped of the actions
+    /// `for_runtime` adds, get them all back: the same number of each on every rank, and a
+    /// program torch's runtime can run.
+    #[test]
+    fn runtime_completion_restores_torch_bookkeeping() {
+        let mut n = 0;
+        for f in files(".comms.csv") {
+            let src = std::fs::read_to_string(&f).unwrap();
+            let full = parse(&src).unwrap().program;
+            let added = |i: &Instr| {
+                matches!(
+                    i,
+                    Instr::ReduceGrad(_)
+                        | Instr::WaitReduceGrad(_)
+                        | Instr::Unshard(_)
+                        | Instr::Reshard(_)
+                        | Instr::WaitSend(_)
+                )
+            };
+            let mut bare = full.clone();
+            for r in &mut bare.ranks {
+                r.retain(|i| !added(i));
+            }
+            let done = for_runtime(&bare, TorchFormat::ComputeComms).unwrap();
+            let name = f.display().to_string();
+            for (a, b) in full.ranks.iter().zip(&done.ranks) {
+                let mut want: Vec<&Instr> = a.iter().filter(|i| added(i)).collect();
+                let mut got: Vec<&Instr> = b.iter().filter(|i| added(i)).collect();
+                want.sort_by_key(|i| instr_to_string(i));
+                got.sort_by_key(|i| instr_to_string(i));
+                assert_eq!(got, want, "{name}");
+            }
+            assert_runnable_by_torch(&done, &name);
+            // Torch's own lowering is runnable by the same standard.
+            assert_runnable_by_torch(&full, &name);
+            n += 1;
+        }
+        assert!(n == 0 || n > 50, "{n}");
+    }
+
+    #[test]
+    fn runtime_compute_only_drops_bookkeeping() {
+        let p = parse("0F0,0B0,0REDUCE_GRAD,0WAIT_REDUCE_GRAD,0UNSHARD,0RESHARD\n")
+            .unwrap()
+            .program;
+        let q = for_runtime(&p, TorchFormat::ComputeOnly).unwrap();
+        assert_eq!(
+            write_csv(&q, TorchFormat::ComputeOnly).unwrap(),
+            "0F0,0B0\n"
+        );
+        // An existing REDUCE_GRAD without its wait gets one right after it.
+        let p = parse("0F0,0B0,0REDUCE_GRAD,0F1,0B1\n").unwrap().program;
+        let q = for_runtime(&p, TorchFormat::ComputeComms).unwrap();
+        assert_eq!(
+            write_csv(&q, TorchFormat::ComputeComms).unwrap(),
+            "0UNSHARD,0F0,0B0,0REDUCE_GRAD,0WAIT_REDUCE_GRAD,0F1,0B1,0RESHARD\n"
+        );
+    }
+
+    #[test]
+    fn channels_are_refused() {
+        let mut p = parse("0F0,0SEND_F0\n1RECV_F0,1F0\n").unwrap().program;
+        if let Instr::Comm(Comm::Send { channel, .. }) = &mut p.ranks[0][1] {
+            *channel = 1;
+        }
+        let e = write_csv(&p, TorchFormat::ComputeComms).unwrap_err();
+        assert!(e.contains("channel 1"), "{e}");
+        assert!(e.starts_with("rank 0, instruction 1"), "{e}");
     }
 }

@@ -23,8 +23,8 @@ pub mod render;
 
 use crate::passes::{is_first_part, is_last_part};
 use cost::CostModel;
-use schedc_ir::text::{instr_to_string, write_comm};
-use schedc_ir::{Comm, Compute, Instr, Kind, PayloadKind, Program};
+use schedc_ir::text::instr_to_string;
+use schedc_ir::{Comm, Compute, Instr, Kind, Part, PayloadKind, Program};
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -70,8 +70,9 @@ pub struct Event {
     pub stream: StreamKind,
     /// Kind.
     pub kind: EventKind,
-    /// Label (IR text of the instruction).
-    pub name: String,
+    /// Index of the instruction in the rank's program (render its text with
+    /// [`Event::name`]).
+    pub pos: u32,
     /// Start, seconds.
     pub start: f64,
     /// End, seconds.
@@ -82,6 +83,17 @@ pub struct Event {
     pub mb2: Option<u32>,
     /// Direction of a bidirectional (DualPipe) compute op: 0 or 1.
     pub direction: u8,
+}
+
+impl Event {
+    /// The label: the IR text of the instruction, from the simulated program.
+    pub fn name(&self, p: &Program) -> String {
+        p.ranks
+            .get(self.rank as usize)
+            .and_then(|r| r.get(self.pos as usize))
+            .map(instr_to_string)
+            .unwrap_or_default()
+    }
 }
 
 /// Per-rank results.
@@ -180,7 +192,7 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     let mut waits: Vec<u32> = Vec::new();
     let mut prod_item = vec![NONE; 2 * n];
     let mut recv_op = vec![NONE; 2 * n];
-    let mut send_op: HashMap<(PayloadKind, u32, u32), u32> = HashMap::new();
+    let mut send_op = vec![NONE; 2 * n];
     for (r, instrs) in p.ranks.iter().enumerate() {
         let g0 = g_rank.len() as u32;
         let mut touched = Vec::new();
@@ -215,9 +227,12 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                         }
                     }
                     Comm::Send { payload, .. } => {
-                        send_op
-                            .entry((payload.kind, payload.stage, payload.mb))
-                            .or_insert(id);
+                        if let Some(k) = pk(payload.kind, payload.stage, payload.mb) {
+                            if send_op[k] == NONE {
+                                send_op[k] = id;
+                                touched.push(k);
+                            }
+                        }
                     }
                     Comm::Collective(_) => {}
                 }
@@ -267,7 +282,10 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                 }
             });
             if let Instr::WaitSend(pl_) = ins {
-                if let Some(&id) = send_op.get(&(pl_.kind, pl_.stage, pl_.mb)) {
+                if let Some(id) = pk(pl_.kind, pl_.stage, pl_.mb)
+                    .map(|k| send_op[k])
+                    .filter(|&id| id != NONE)
+                {
                     waits.push(id);
                 }
             }
@@ -291,8 +309,8 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
         for k in touched {
             prod_item[k] = NONE;
             recv_op[k] = NONE;
+            send_op[k] = NONE;
         }
-        send_op.clear();
         items.push(its);
     }
 
@@ -387,10 +405,22 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
             comp_dur[root as usize] = comp_dur[root as usize].max(op_dur[id as usize]);
         }
     }
-    let mut comp_members: HashMap<u32, Vec<u32>> = HashMap::new();
+    // Members of each component, as CSR arrays indexed by the root.
+    let mut comp_start = vec![0u32; ng + 1];
     for g in 0..ng {
-        comp_members.entry(comp_root[g]).or_default().push(g as u32);
+        comp_start[comp_root[g] as usize + 1] += 1;
     }
+    for g in 0..ng {
+        comp_start[g + 1] += comp_start[g];
+    }
+    let mut comp_members = vec![0u32; ng];
+    let mut fill = comp_start.clone();
+    for g in 0..ng {
+        let r = comp_root[g] as usize;
+        comp_members[fill[r] as usize] = g as u32;
+        fill[r] += 1;
+    }
+    drop(fill);
     op_dur.clear();
 
     // ---- Run. ----
@@ -453,8 +483,10 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                 let mut start = before.max(data);
                 let (end, on_ep) = match ins {
                     Instr::Compute(c) => {
-                        if let Some(&pe) = part_end.get(&(c.kind, c.stage, c.mb)) {
-                            start = start.max(pe);
+                        if c.part != Part::Whole {
+                            if let Some(&pe) = part_end.get(&(c.kind, c.stage, c.mb)) {
+                                start = start.max(pe);
+                            }
                         }
                         let d = cost.compute_time(c);
                         if c.part.is_all_to_all() && cost.moe.overlap {
@@ -497,7 +529,9 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                         mb2 = Some(c.mb);
                     }
                     kind = kind_of(c);
-                    part_end.insert((c.kind, c.stage, c.mb), end);
+                    if c.part != Part::Whole {
+                        part_end.insert((c.kind, c.stage, c.mb), end);
+                    }
                     // Memory accounting.
                     if c.kind == Kind::F && is_first_part(c) {
                         mem[r].push((ev_start, act));
@@ -519,7 +553,7 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                         rank: r as u32,
                         stream,
                         kind,
-                        name: instr_to_string(ins),
+                        pos,
                         start: ev_start,
                         end,
                         mb: mbv,
@@ -551,7 +585,8 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                         let root = comp_root[g] as usize;
                         posted_cnt[root] += 1;
                         if posted_cnt[root] == comp_size[root] && !comp_never[root] {
-                            let members = &comp_members[&(root as u32)];
+                            let members = &comp_members
+                                [comp_start[root] as usize..comp_start[root + 1] as usize];
                             let t = members
                                 .iter()
                                 .map(|&h| post_time[h as usize])
@@ -571,20 +606,12 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                     if !complete[g].is_nan() {
                         let t = complete[g];
                         mfree[k] = t;
-                        let (a, b) = g_ops[g];
-                        let mut name = String::new();
-                        for id in a..b {
-                            if !name.is_empty() {
-                                name.push(' ');
-                            }
-                            write_comm(&mut name, op_comm[id as usize]);
-                        }
                         g_event[g] = events.len();
                         events.push(Event {
                             rank: r as u32,
                             stream: StreamKind::Comm,
                             kind: EventKind::Comm,
-                            name,
+                            pos: g_pos[g],
                             start: post_time[g],
                             end: t,
                             mb: None,

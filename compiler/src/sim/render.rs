@@ -2,6 +2,7 @@
 //! chrome://tracing), and an SVG Gantt chart.
 
 use super::{Event, EventKind, SimResult, StreamKind};
+use schedc_ir::Program;
 use std::fmt::Write as _;
 
 /// The letter of an event kind in the ASCII timeline.
@@ -68,7 +69,7 @@ pub fn text_report(r: &SimResult, width: usize) -> String {
 
 /// Chrome trace JSON: one process per rank, a thread per stream, events in microseconds,
 /// flow arrows from each send to its receive.
-pub fn chrome_trace(r: &SimResult) -> String {
+pub fn chrome_trace(r: &SimResult, p: &Program) -> String {
     use serde_json::json;
     let us = 1e6;
     let mut ev = Vec::new();
@@ -86,7 +87,7 @@ pub fn chrome_trace(r: &SimResult) -> String {
     };
     for e in &r.events {
         ev.push(json!({
-            "ph": "X", "name": e.name, "cat": format!("{:?}", e.kind),
+            "ph": "X", "name": e.name(p), "cat": format!("{:?}", e.kind),
             "pid": e.rank, "tid": tid(e.stream),
             "ts": e.start * us, "dur": (e.end - e.start) * us,
         }));
@@ -149,7 +150,7 @@ fn esc(s: &str) -> String {
 /// An SVG Gantt chart: a row per rank (its compute stream, with a thin communication lane
 /// below it), colours by op kind, the micro-batch written in each box wide enough, a time
 /// axis and a legend.
-pub fn svg(r: &SimResult, title: &str) -> String {
+pub fn svg(r: &SimResult, p: &Program, title: &str) -> String {
     let np = r.ranks.len();
     let (left, top, row_h, lane_h, gap) = (70.0, 50.0, 26.0, 6.0, 8.0);
     let width = 1200.0;
@@ -211,7 +212,7 @@ pub fn svg(r: &SimResult, title: &str) -> String {
             o,
             r#"<rect x="{x:.2}" y="{y:.2}" width="{w:.2}" height="{h:.2}" fill="{}" stroke="white" stroke-width="0.6"><title>{} [{:.4}, {:.4}]</title></rect>"#,
             colour_dir(e.kind, e.direction),
-            esc(&e.name),
+            esc(&e.name(p)),
             e.start,
             e.end
         );
