@@ -277,6 +277,25 @@ enum Cmd {
         #[arg(long, value_enum, default_value = "human")]
         format: OutFormat,
     },
+    /// Train a small MoE transformer under the schedule on a backend (`--backend cpu`: one
+    /// thread per global rank), optionally comparing with sequential training (`--verify`).
+    /// Runs the `schedc-cpu` binary installed next to `schedc`; see `schedc run --help-backend`.
+    #[command(disable_help_flag = true)]
+    Run {
+        /// Arguments for the backend: INPUT --pp P --mb M [--vpp V] [--mesh pp=..,dp=..,ep=..,tp=..,sp=..]
+        /// --backend cpu [--dtype f32|f64] [--steps N] [--data FILE] [--verify] [--format human|json].
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Lower the schedule to per-rank stream programs (compute, p2p and EP streams, events,
+    /// buffers, gradient reduction, optimizer step), verify them and write one file per rank
+    /// and a manifest: INPUT --pp P --mb M [--vpp V] [--mesh ...] -o DIR. Runs `schedc-cpu`.
+    #[command(disable_help_flag = true)]
+    Compile {
+        /// Arguments for the backend.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Print a `.sched` spec in canonical layout (to standard output unless --write).
     Fmt {
         /// The spec.
@@ -669,6 +688,8 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+        Cmd::Run { args } => backend("run", &args),
+        Cmd::Compile { args } => backend("compile", &args),
         Cmd::Fmt { file, write, check } => {
             let text = match std::fs::read_to_string(&file) {
                 Ok(t) => t,
@@ -1225,5 +1246,41 @@ fn placement_name(k: schedc_ir::PlacementKind) -> &'static str {
         schedc_ir::PlacementKind::V => "v",
         schedc_ir::PlacementKind::Bidir => "bidir",
         schedc_ir::PlacementKind::Explicit => "explicit",
+    }
+}
+
+/// Runs a backend command (`run`, `compile`) with the `schedc-cpu` binary that sits next to
+/// this one (the backend crate depends on this crate's library, so it is its own binary).
+fn backend(cmd: &str, args: &[String]) -> ExitCode {
+    let args: Vec<String> = args
+        .iter()
+        .map(|a| {
+            if a == "--help-backend" {
+                "--help".to_string()
+            } else {
+                a.clone()
+            }
+        })
+        .collect();
+    let exe = std::env::current_exe().ok().and_then(|p| {
+        p.parent()
+            .map(|d| d.join(format!("schedc-cpu{}", std::env::consts::EXE_SUFFIX)))
+    });
+    let Some(exe) = exe.filter(|p| p.exists()) else {
+        eprintln!(
+            "error: `schedc {cmd}` needs the CPU backend binary `schedc-cpu` next to `schedc`; build both with `cargo build --release --workspace`"
+        );
+        return ExitCode::from(2);
+    };
+    match std::process::Command::new(&exe)
+        .arg(cmd)
+        .args(&args)
+        .status()
+    {
+        Ok(st) => ExitCode::from(st.code().unwrap_or(1).clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("error: cannot run {}: {e}", exe.display());
+            ExitCode::from(2)
+        }
     }
 }

@@ -1060,7 +1060,9 @@ fn write_comm(
 ///
 /// * [`TorchFormat::ComputeOnly`]: drops `REDUCE_GRAD`, `WAIT_REDUCE_GRAD`, `UNSHARD` and
 ///   `RESHARD` (torch's `compute_only` loader refuses every non-compute action and inserts
-///   these itself); everything else is kept as written.
+///   these itself); everything else is kept as written. (`schedc convert` does not call this:
+///   it writes a compute-only program as it is, so that torch's own files convert back byte
+///   for byte, and warns when one of these actions is present.)
 /// * [`TorchFormat::ComputeComms`]: keeps every compute op, send and receive in place (the
 ///   order `schedc check` verified) and adds what the runtime runs a `compute_comms` schedule
 ///   with but does not insert itself, on each rank:
@@ -1074,16 +1076,17 @@ fn write_comm(
 ///     right after it (torch allows one pending reduction per rank);
 ///   - `WAIT_SEND_F`/`WAIT_SEND_B` for every send without one, as torch's own lowering places
 ///     them: an activation send of (s, m) waits right after the rank's input backward of
-///     (s, m) (`B` or fused backward), which cannot run before the peer has received the
-///     activation, so the wait never blocks; any other send waits at the end of the rank.
+///     (s, m) (`B` or fused backward) and the sends that directly follow it (torch puts the
+///     wait before those sends); that backward cannot run before the peer has received the
+///     activation, so the wait never blocks. Any other send waits at the end of the rank.
 ///     Torch refuses a `compute_comms` schedule with a send that has no wait.
 ///
 ///   Idle slots are dropped (`compute_comms` has no empty cells).
 ///
 /// The result still passes `schedc check` when the input does, with the same warmup and
 /// activation peaks (none of the added actions moves a compute op, a send or a receive).
-/// Errors: none yet beyond those of [`write_csv`], which the caller still runs; the `Result`
-/// leaves room for refusals.
+/// Never fails today (the `Result` leaves room for refusals); [`write_csv`] still refuses what
+/// torch cannot express.
 pub fn for_runtime(p: &Program, format: TorchFormat) -> Result<Program, String> {
     let ranks = match format {
         TorchFormat::ComputeOnly => p

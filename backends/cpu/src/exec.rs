@@ -1,0 +1,1517 @@
+//! The CPU executor: one OS thread per global rank runs its [`RankProgram`] with real
+//! message passing (`std::sync::mpsc`), and the plain sequential reference it is checked
+//! against.
+//!
+//! ## How a rank runs its streams
+//! A rank's thread interprets its streams cooperatively: it runs the head instruction of any
+//! stream that is ready (a `wait` whose event has been recorded, a `recv` whose message is
+//! in the mailbox, a collective whose members' messages have all arrived; everything else
+//! is always ready) and otherwise blocks on its channel. Sends are eager (unbounded
+//! channels). Collectives are two-phase: the first visit posts this rank's messages, the
+//! op completes once every member's message is in.
+//!
+//! ## Faults
+//! Every rank shares an abort flag. A rank that panics (caught with `catch_unwind`), fails a
+//! kernel, or waits longer than [`ExecOptions::timeout`] without running any instruction,
+//! records the error (rank, step, stream, instruction, what it waited for) and raises the
+//! flag; every other rank sees it within [`POLL`] and stops. The run returns the first
+//! error and the list of ranks stopped: never a hang.
+//!
+//! ## The reference
+//! [`reference`](fn@reference) trains the whole model on one thread: for every data shard and every
+//! micro-batch (both directions' for DualPipe) the full forward and backward with all
+//! experts local, gradients summed, then the same optimizer and balancing update. Same
+//! initial weights (by name), same data, same routing groups (one micro-batch of one
+//! shard), so in exact arithmetic it computes the same numbers as any schedule; in floating
+//! point only the order of the gradient sums differs.
+
+use crate::model::{
+    stage_backward_local, stage_forward_local, Grads, ModelConfig, Packet, RouterState, Scope,
+    StageKernels, StageParams, Stash,
+};
+use crate::program::{A2a, Buf, LocalStage, Op, Part, Pass, ProgramSet, RankProgram};
+use crate::tensor::Real;
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How often a blocked rank looks at the abort flag.
+pub const POLL: Duration = Duration::from_millis(5);
+
+/// The optimizer.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Optimizer {
+    /// `p -= lr g`.
+    Sgd {
+        /// Learning rate.
+        lr: f64,
+    },
+    /// Adam (Kingma & Ba, arXiv 1412.6980, Algorithm 1) with bias correction.
+    Adam {
+        /// Learning rate.
+        lr: f64,
+        /// First-moment decay.
+        beta1: f64,
+        /// Second-moment decay.
+        beta2: f64,
+        /// Denominator epsilon.
+        eps: f64,
+    },
+}
+
+impl Optimizer {
+    /// Adam with the usual constants and learning rate `lr`.
+    pub fn adam(lr: f64) -> Self {
+        Optimizer::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+    }
+}
+
+/// Optimizer state of one stage copy: Adam's moments per tensor (visit order).
+#[derive(Clone, Debug, Default)]
+struct OptState<T> {
+    m: Vec<Vec<T>>,
+    v: Vec<Vec<T>>,
+    t: u32,
+}
+
+fn optimizer_step<T: Real>(
+    opt: &Optimizer,
+    st: &mut OptState<T>,
+    p: &mut StageParams<T>,
+    g: &StageParams<T>,
+) {
+    let mut grads: Vec<Vec<T>> = Vec::new();
+    g.visit(&mut |_, _, t| grads.push(t.to_vec()));
+    st.t += 1;
+    let mut i = 0;
+    match *opt {
+        Optimizer::Sgd { lr } => {
+            let lr = T::of(lr);
+            p.visit_mut(&mut |_, _, w| {
+                for (x, d) in w.iter_mut().zip(&grads[i]) {
+                    *x = *x - lr * *d;
+                }
+                i += 1;
+            });
+        }
+        Optimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => {
+            if st.m.is_empty() {
+                st.m = grads.iter().map(|g| vec![T::zero(); g.len()]).collect();
+                st.v = st.m.clone();
+            }
+            let c1 = T::of(1.0 - beta1.powi(st.t as i32));
+            let c2 = T::of(1.0 - beta2.powi(st.t as i32));
+            let (b1, b2, lr, eps) = (T::of(beta1), T::of(beta2), T::of(lr), T::of(eps));
+            let (ms, vs) = (&mut st.m, &mut st.v);
+            p.visit_mut(&mut |_, _, w| {
+                for (j, x) in w.iter_mut().enumerate() {
+                    let d = grads[i][j];
+                    let m = b1 * ms[i][j] + (T::one() - b1) * d;
+                    let v = b2 * vs[i][j] + (T::one() - b2) * d * d;
+                    ms[i][j] = m;
+                    vs[i][j] = v;
+                    *x = *x - lr * (m / c1) / ((v / c2).sqrt() + eps);
+                }
+                i += 1;
+            });
+        }
+    }
+}
+
+/// Training data: a token stream cut into sequences.
+#[derive(Clone, Debug)]
+pub struct Data {
+    tokens: Vec<u32>,
+}
+
+impl Data {
+    /// Byte-level tokens of `bytes` (vocabulary 256).
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        Data {
+            tokens: bytes.iter().map(|b| *b as u32).collect(),
+        }
+    }
+
+    /// Reads a file as bytes. Errors: the file cannot be read.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, String> {
+        std::fs::read(path)
+            .map(|b| Data::from_bytes(&b))
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))
+    }
+
+    /// A built-in text (a few sentences), for runs without `--data`.
+    pub fn builtin() -> Self {
+        Data::from_bytes(BUILTIN.as_bytes())
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// True if there are no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The largest token id plus one.
+    pub fn vocab_needed(&self) -> usize {
+        self.tokens.iter().max().map_or(0, |m| *m as usize + 1)
+    }
+
+    /// Sequence number `index` (a global counter over steps, shards and micro-batches):
+    /// `(inputs, targets)` of `seq_len` tokens each, targets shifted by one. Consecutive
+    /// indices take consecutive windows, wrapping around. Errors: fewer than `seq_len + 1`
+    /// tokens.
+    pub fn sequence(&self, index: usize, seq_len: usize) -> Result<(Vec<u32>, Vec<u32>), String> {
+        if self.tokens.len() < seq_len + 1 {
+            return Err(format!(
+                "the data has {} tokens, fewer than one sequence of {} plus its target",
+                self.tokens.len(),
+                seq_len
+            ));
+        }
+        let windows = self.tokens.len() - seq_len;
+        let start = (index * seq_len) % windows;
+        Ok((
+            self.tokens[start..start + seq_len].to_vec(),
+            self.tokens[start + 1..start + seq_len + 1].to_vec(),
+        ))
+    }
+}
+
+const BUILTIN: &str = "First Citizen: Before we proceed any further, hear me speak. \
+All: Speak, speak. First Citizen: You are all resolved rather to die than to famish? \
+All: Resolved. resolved. First Citizen: First, you know Caius Marcius is chief enemy to \
+the people. All: We know't, we know't. First Citizen: Let us kill him, and we'll have corn \
+at our own price. Is't a verdict? All: No more talking on't; let it be done: away, away!";
+
+/// Where the data of one micro-batch comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Batching {
+    /// Data shards (`dp * ep`).
+    pub shards: usize,
+    /// Micro-batches per step per shard over all directions.
+    pub microbatches: usize,
+    /// Sequence-parallel chunks per sequence (each routes as its own group).
+    pub sp: usize,
+}
+
+impl Batching {
+    /// The sequence index of `(step, shard, global micro-batch)`.
+    pub fn index(&self, step: usize, shard: usize, mb: usize) -> usize {
+        (step * self.shards + shard) * self.microbatches + mb
+    }
+    /// Tokens in one step's global batch.
+    pub fn tokens(&self, seq_len: usize) -> usize {
+        self.shards * self.microbatches * seq_len
+    }
+}
+
+/// A callback after each step: `(step, loss)`.
+pub type OnStep = Arc<dyn Fn(usize, f64) + Send + Sync>;
+
+/// Executor options.
+#[derive(Clone)]
+pub struct ExecOptions {
+    /// Training steps (each runs the whole schedule once).
+    pub steps: usize,
+    /// Optimizer.
+    pub optimizer: Optimizer,
+    /// Longest a rank may wait without running an instruction before it fails.
+    pub timeout: Duration,
+    /// Record every reduced gradient and the final parameters (for [`compare`]).
+    pub record: bool,
+    /// Injected faults (tests).
+    pub faults: Faults,
+    /// Called after every step with (step, loss) from the main thread (progress).
+    pub on_step: Option<OnStep>,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions {
+            steps: 1,
+            optimizer: Optimizer::Sgd { lr: 0.1 },
+            timeout: Duration::from_secs(60),
+            record: false,
+            faults: Faults::default(),
+            on_step: None,
+        }
+    }
+}
+
+/// Faults to inject (tests of the failure paths).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// `(rank, step, index)`: the rank panics when it reaches that compute-stream
+    /// instruction of that step.
+    pub panic_at: Option<(u32, usize, usize)>,
+    /// `(from, to, n)`: the `n`-th message (0-based, over the run) from `from` to `to` is
+    /// never delivered.
+    pub drop_message: Option<(u32, u32, usize)>,
+}
+
+/// Where a rank was.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct At {
+    /// Global rank.
+    pub rank: u32,
+    /// Step.
+    pub step: usize,
+    /// Stream name (`compute`, `comm`, `comm@c`).
+    pub stream: String,
+    /// Index in the stream.
+    pub index: usize,
+    /// The instruction.
+    pub op: String,
+}
+
+impl fmt::Display for At {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} at step {}, {} op #{} `{}`",
+            self.rank, self.step, self.stream, self.index, self.op
+        )
+    }
+}
+
+/// Why a rank stopped.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ExecError {
+    /// The rank panicked.
+    Panic {
+        /// Where.
+        at: Box<At>,
+        /// The panic message.
+        message: String,
+    },
+    /// A kernel or message was invalid.
+    Failed {
+        /// Where.
+        at: Box<At>,
+        /// What.
+        message: String,
+    },
+    /// The rank waited too long.
+    Timeout {
+        /// Where (a blocked instruction that waits for another rank, if any).
+        at: Box<At>,
+        /// What it waited for.
+        waiting_for: String,
+        /// The timeout.
+        seconds: f64,
+        /// Every blocked stream of the rank.
+        blocked: Vec<String>,
+    },
+    /// The rank stopped because another failed.
+    Aborted {
+        /// Where it stopped.
+        at: Box<At>,
+        /// The failed rank.
+        cause: u32,
+    },
+}
+
+impl ExecError {
+    /// The rank the error is about.
+    pub fn rank(&self) -> u32 {
+        match self {
+            ExecError::Panic { at, .. }
+            | ExecError::Failed { at, .. }
+            | ExecError::Timeout { at, .. }
+            | ExecError::Aborted { at, .. } => at.rank,
+        }
+    }
+}
+
+impl fmt::Display for ExecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExecError::Panic { at, message } => write!(f, "{at} panicked: {message}"),
+            ExecError::Failed { at, message } => write!(f, "{at} failed: {message}"),
+            ExecError::Timeout {
+                at,
+                waiting_for,
+                seconds,
+                ..
+            } => write!(
+                f,
+                "{at} waited {seconds:.1} s for {waiting_for}, which never came"
+            ),
+            ExecError::Aborted { at, cause } => {
+                write!(f, "{at} stopped because rank {cause} failed")
+            }
+        }
+    }
+}
+
+/// A failed run: the first error and what every other rank did.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RunFailure {
+    /// The root cause.
+    pub cause: ExecError,
+    /// The other ranks' stops.
+    pub stopped: Vec<ExecError>,
+    /// Seconds from the failure to the last rank's stop.
+    pub stop_seconds: f64,
+}
+
+impl fmt::Display for RunFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.cause)?;
+        if !self.stopped.is_empty() {
+            let ranks: Vec<String> = self.stopped.iter().map(|e| e.rank().to_string()).collect();
+            write!(
+                f,
+                "; ranks {} stopped within {:.2} s",
+                ranks.join(", "),
+                self.stop_seconds
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for RunFailure {}
+
+/// Named tensors, in a fixed order.
+pub type Named = Vec<(String, Vec<f64>)>;
+
+/// What one executor run produced.
+#[derive(Clone, Debug, Default)]
+pub struct ExecResult {
+    /// Loss of each step (the global batch's mean token loss).
+    pub losses: Vec<f64>,
+    /// With [`ExecOptions::record`]: per step, per rank and stage copy, the reduced
+    /// gradients (`(rank, stage, tensors)`).
+    pub grads: Vec<Vec<(u32, u32, Named)>>,
+    /// With [`ExecOptions::record`]: the final parameters of every copy.
+    pub params: Vec<(u32, u32, Named)>,
+    /// Seconds of the whole run (threads started to joined).
+    pub seconds: f64,
+    /// Instructions executed over all ranks.
+    pub instructions: u64,
+}
+
+// ---------------------------------------------------------------------------------------
+// Messages.
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Tag {
+    P2p(Buf),
+    A2a(u32, u32, u32, A2a),
+    Replica(u32),
+    AllReduce(u32, Scope),
+}
+
+enum Body<T> {
+    Tensor(Vec<T>),
+    Packet(Packet<T>),
+}
+
+struct Msg<T> {
+    from: u32,
+    step: usize,
+    tag: Tag,
+    body: Body<T>,
+}
+
+type Key = (u32, usize, Tag);
+
+struct Abort {
+    flag: AtomicBool,
+    first: Mutex<Option<(ExecError, Instant)>>,
+}
+
+impl Abort {
+    fn fail(&self, e: ExecError) {
+        let mut f = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        if f.is_none() {
+            *f = Some((e, Instant::now()));
+        }
+        self.flag.store(true, Ordering::SeqCst);
+    }
+    fn cause(&self) -> u32 {
+        self.first
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or(u32::MAX, |(e, _)| e.rank())
+    }
+}
+
+enum Report {
+    Loss(usize, f64),
+    Grads(usize, u32, u32, Named),
+    Params(u32, u32, Named),
+    Ops(u64),
+    Exit,
+}
+
+struct Shared<'a, T> {
+    set: &'a ProgramSet,
+    data: &'a Data,
+    batching: Batching,
+    opts: &'a ExecOptions,
+    senders: Vec<Sender<Msg<T>>>,
+    abort: Abort,
+    reports: Mutex<Sender<Report>>,
+}
+
+enum Value<T> {
+    Empty,
+    Tensor(Vec<T>),
+    Stash(Box<Stash<T>>),
+    Grads(Box<Grads<T>>),
+}
+
+struct StageState<T> {
+    info: LocalStage,
+    params: StageParams<T>,
+    routers: Vec<RouterState<T>>,
+    opt: OptState<T>,
+}
+
+struct Rank<'a, T> {
+    sh: &'a Shared<'a, T>,
+    prog: &'a RankProgram,
+    cfg: &'a ModelConfig,
+    ep: usize,
+    sp: usize,
+    stages: Vec<StageState<T>>,
+    bufs: HashMap<Buf, Value<T>>,
+    mailbox: HashMap<Key, VecDeque<Body<T>>>,
+    rx: Receiver<Msg<T>>,
+    sent_to: HashMap<u32, usize>,
+    recorded: HashSet<u32>,
+    step: usize,
+    loss: f64,
+    ops: u64,
+}
+
+/// The position a rank is at (kept outside the unwinding closure).
+#[derive(Clone, Copy, Default)]
+struct Cursor {
+    step: usize,
+    stream: usize,
+    index: usize,
+}
+
+fn at_of(prog: &RankProgram, c: Cursor) -> Box<At> {
+    let op = prog
+        .streams
+        .get(c.stream)
+        .and_then(|s| s.ops.get(c.index))
+        .map(|o| o.to_string())
+        .unwrap_or_default();
+    Box::new(At {
+        rank: prog.rank,
+        step: c.step,
+        stream: prog
+            .streams
+            .get(c.stream)
+            .map_or("compute".into(), |s| s.kind.to_string()),
+        index: c.index,
+        op,
+    })
+}
+
+enum Outcome {
+    Done,
+    Blocked(String),
+}
+
+impl<'a, T: Real> Rank<'a, T> {
+    fn stage_ix(&self, s: u32) -> Result<usize, String> {
+        self.stages
+            .iter()
+            .position(|x| x.info.stage == s)
+            .ok_or_else(|| format!("stage {s} is not held by this rank"))
+    }
+
+    fn drain(&mut self) {
+        while let Ok(m) = self.rx.try_recv() {
+            self.deposit(m);
+        }
+    }
+
+    fn deposit(&mut self, m: Msg<T>) {
+        self.mailbox
+            .entry((m.from, m.step, m.tag))
+            .or_default()
+            .push_back(m.body);
+    }
+
+    fn take(&mut self, from: u32, tag: &Tag) -> Option<Body<T>> {
+        let k = (from, self.step, tag.clone());
+        let q = self.mailbox.get_mut(&k)?;
+        let b = q.pop_front();
+        if q.is_empty() {
+            self.mailbox.remove(&k);
+        }
+        b
+    }
+
+    fn has(&self, from: u32, tag: &Tag) -> bool {
+        self.mailbox.contains_key(&(from, self.step, tag.clone()))
+    }
+
+    fn send(&mut self, to: u32, tag: Tag, body: Body<T>) {
+        let me = self.prog.rank;
+        if to == me {
+            self.deposit(Msg {
+                from: me,
+                step: self.step,
+                tag,
+                body,
+            });
+            return;
+        }
+        let n = self.sent_to.entry(to).or_default();
+        let nth = *n;
+        *n += 1;
+        if self.sh.opts.faults.drop_message == Some((me, to, nth)) {
+            return;
+        }
+        if let Some(s) = self.sh.senders.get(to as usize) {
+            // A closed channel means the peer has stopped; its error is reported.
+            let _ = s.send(Msg {
+                from: me,
+                step: self.step,
+                tag,
+                body,
+            });
+        }
+    }
+
+    fn tensor(&self, b: &Buf) -> Result<Vec<T>, String> {
+        match self.bufs.get(b) {
+            Some(Value::Tensor(t)) => Ok(t.clone()),
+            Some(_) => Err(format!("{b} holds no tensor")),
+            None => Err(format!("{b} is not allocated")),
+        }
+    }
+
+    fn take_stash(&mut self, b: Buf) -> Result<Box<Stash<T>>, String> {
+        match self.bufs.insert(b, Value::Empty) {
+            Some(Value::Stash(s)) => Ok(s),
+            Some(_) => Err(format!("{b} holds no stash")),
+            None => {
+                self.bufs.remove(&b);
+                Err(format!("{b} is not allocated"))
+            }
+        }
+    }
+
+    fn take_grads(&mut self, stage: u32) -> Result<Box<Grads<T>>, String> {
+        let b = Buf::WeightGrad { stage };
+        match self.bufs.insert(b, Value::Empty) {
+            Some(Value::Grads(g)) => Ok(g),
+            _ => Err(format!("{b} is not allocated")),
+        }
+    }
+
+    fn put(&mut self, b: Buf, v: Value<T>) -> Result<(), String> {
+        match self.bufs.get_mut(&b) {
+            Some(slot) => {
+                *slot = v;
+                Ok(())
+            }
+            None => Err(format!("{b} is written but not allocated")),
+        }
+    }
+
+    fn new_stash(&self, si: usize, mb: u32) -> Result<Stash<T>, String> {
+        let st = &self.stages[si];
+        let m = self.sh.set.manifest.microbatches as usize;
+        let gmb = st.info.direction as usize * m + mb as usize;
+        let idx = self
+            .sh
+            .batching
+            .index(self.step, self.prog.data_shard as usize, gmb);
+        let (tokens, targets) = self.sh.data.sequence(idx, self.cfg.seq_len)?;
+        // This rank's sequence-parallel chunk.
+        let c = self.cfg.seq_len / self.sp;
+        let lo = self.prog.coords.sp as usize * c;
+        let (tokens, targets) = (tokens[lo..lo + c].to_vec(), targets[lo..lo + c].to_vec());
+        let scale = 1.0 / self.sh.batching.tokens(self.cfg.seq_len) as f64;
+        let k = self.kernels(si);
+        Ok(k.new_stash(
+            if st.info.first { tokens } else { Vec::new() },
+            if st.info.last { targets } else { Vec::new() },
+            scale,
+        ))
+    }
+
+    fn kernels(&self, si: usize) -> StageKernels<'_, T> {
+        StageKernels {
+            cfg: self.cfg,
+            params: &self.stages[si].params,
+            ep: self.ep,
+            sp: self.sp,
+            pos0: self.prog.coords.sp as usize * (self.cfg.seq_len / self.sp),
+            route_groups: 1,
+        }
+    }
+
+    fn kernel(&mut self, k: &crate::program::Kernel) -> Result<(), String> {
+        let si = self.stage_ix(k.stage)?;
+        let sb = Buf::Stash {
+            stage: k.stage,
+            mb: k.mb,
+        };
+        let cfg = self.cfg;
+        // The stash: created by the first forward kernel.
+        let mut st = match (k.pass, k.part) {
+            (Pass::F, Part::Embed) => Box::new(self.new_stash(si, k.mb)?),
+            (Pass::F, Part::Qkv { layer: 0 }) if !self.stages[si].info.first => {
+                let input = k
+                    .reads
+                    .iter()
+                    .find(|b| matches!(b, Buf::Act { .. }))
+                    .ok_or("the first layer's forward reads no input")?;
+                let x = self.tensor(input)?;
+                let mut s = self.new_stash(si, k.mb)?;
+                s.x = x;
+                if !matches!(self.bufs.get(&sb), Some(Value::Empty)) {
+                    return Err(format!("{sb} is not allocated"));
+                }
+                Box::new(s)
+            }
+            _ => self.take_stash(sb)?,
+        };
+        let (ep, sp) = (self.ep, self.sp);
+        let pos0 = self.prog.coords.sp as usize * (cfg.seq_len / sp);
+        let stage = &self.stages[si];
+        let kern = StageKernels {
+            cfg,
+            params: &stage.params,
+            ep,
+            sp,
+            pos0,
+            route_groups: 1,
+        };
+        let mut out: Option<(Buf, Vec<T>)> = None;
+        match (k.pass, k.part) {
+            (Pass::F, Part::Embed) => kern.fwd_embed(&mut st)?,
+            (Pass::F, Part::Attn { layer }) => {
+                let g = match self.bufs.get_mut(&Buf::WeightGrad { stage: k.stage }) {
+                    Some(Value::Grads(g)) => g,
+                    _ => return Err(format!("weight_grad({}) is not allocated", k.stage)),
+                };
+                let l = layer as usize;
+                kern.fwd_attn(l, &mut st, &stage.routers[l], &mut g.loads[l])?;
+            }
+            (Pass::F, Part::Qkv { layer }) => kern.fwd_qkv(layer as usize, &mut st),
+            (Pass::F, Part::Experts { layer }) => kern.fwd_experts(layer as usize, &mut st)?,
+            (Pass::F, Part::Combine { layer }) => {
+                kern.fwd_combine(layer as usize, &mut st)?;
+                if let Some(b) = k.writes.iter().find(|b| matches!(b, Buf::Act { .. })) {
+                    out = Some((*b, st.x.clone()));
+                }
+            }
+            (Pass::F, Part::Head) => {
+                self.loss += kern.fwd_head(&mut st)?;
+            }
+            (Pass::B, Part::Head) => kern.bwd_head(&mut st)?,
+            (Pass::B, Part::Combine { layer }) => {
+                if let Some(b) = k.reads.iter().find(|b| matches!(b, Buf::Grad { .. })) {
+                    st.grad = self.tensor(b)?;
+                }
+                kern.bwd_combine(layer as usize, &mut st)?;
+            }
+            (Pass::B, Part::Experts { layer }) => kern.bwd_experts(layer as usize, &mut st)?,
+            (Pass::B, Part::Attn { layer }) => kern.bwd_attn(layer as usize, &mut st)?,
+            (Pass::B, Part::Qkv { layer }) => {
+                kern.bwd_qkv(layer as usize, &mut st)?;
+                if let Some(b) = k.writes.iter().find(|b| matches!(b, Buf::Grad { .. })) {
+                    out = Some((*b, st.grad.clone()));
+                }
+            }
+            (Pass::W, Part::Weights) => {
+                let mut g = self.take_grads(k.stage)?;
+                let r = self.kernels(si).weights(&st, &mut g.params);
+                self.put(Buf::WeightGrad { stage: k.stage }, Value::Grads(g))?;
+                r?;
+            }
+            (p, part) => return Err(format!("no kernel {p:?} {part:?}")),
+        }
+        self.put(sb, Value::Stash(st))?;
+        if let Some((b, t)) = out {
+            self.put(b, Value::Tensor(t))?;
+        }
+        Ok(())
+    }
+
+    /// Runs op `op` of stream `s` if it is ready.
+    fn exec(&mut self, s: usize, op: &Op, posted: &mut [bool]) -> Result<Outcome, String> {
+        let me = self.prog.rank;
+        match op {
+            Op::Alloc { buf, zero } => {
+                let v = match (buf, zero) {
+                    (Buf::WeightGrad { stage }, true) => {
+                        let si = self.stage_ix(*stage)?;
+                        Value::Grads(Box::new(Grads::zeros(self.cfg, &self.stages[si].params)))
+                    }
+                    _ => Value::Empty,
+                };
+                if self.bufs.insert(*buf, v).is_some() {
+                    return Err(format!("{buf} is allocated twice"));
+                }
+            }
+            Op::Free { buf } => {
+                if self.bufs.remove(buf).is_none() {
+                    return Err(format!("{buf} is freed but not allocated"));
+                }
+            }
+            Op::Record { event } => {
+                self.recorded.insert(*event);
+            }
+            Op::Wait { event } => {
+                if !self.recorded.contains(event) {
+                    return Ok(Outcome::Blocked(format!("event e{event}")));
+                }
+            }
+            Op::Kernel(k) => self.kernel(k)?,
+            Op::Send { buf, peer } => {
+                let t = self.tensor(buf)?;
+                self.send(*peer, Tag::P2p(*buf), Body::Tensor(t));
+            }
+            Op::Recv { buf, peer } => {
+                let tag = Tag::P2p(*buf);
+                match self.take(*peer, &tag) {
+                    Some(Body::Tensor(t)) => self.put(*buf, Value::Tensor(t))?,
+                    Some(Body::Packet(_)) => return Err(format!("{buf} arrived as a packet")),
+                    None => {
+                        return Ok(Outcome::Blocked(format!(
+                            "{} from rank {peer}",
+                            buf.describe()
+                        )))
+                    }
+                }
+            }
+            Op::AllToAll {
+                stage,
+                mb,
+                layer,
+                phase,
+                group,
+            } => {
+                let tag = Tag::A2a(*stage, *mb, *layer, *phase);
+                let sb = Buf::Stash {
+                    stage: *stage,
+                    mb: *mb,
+                };
+                if !posted[s] {
+                    let mut st = self.take_stash(sb)?;
+                    let out = std::mem::take(&mut st.outbox);
+                    self.put(sb, Value::Stash(st))?;
+                    if out.len() != group.len() {
+                        return Err(format!(
+                            "{} packets for an all-to-all over {} ranks",
+                            out.len(),
+                            group.len()
+                        ));
+                    }
+                    for (to, pk) in group.iter().zip(out) {
+                        self.send(*to, tag.clone(), Body::Packet(pk));
+                    }
+                    posted[s] = true;
+                }
+                self.drain();
+                let missing: Vec<u32> = group
+                    .iter()
+                    .copied()
+                    .filter(|m| !self.has(*m, &tag))
+                    .collect();
+                if !missing.is_empty() {
+                    return Ok(Outcome::Blocked(format!(
+                        "the {phase:?} all-to-all of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
+                    )));
+                }
+                let mut inbox = Vec::with_capacity(group.len());
+                for m in group {
+                    match self.take(*m, &tag) {
+                        Some(Body::Packet(p)) => inbox.push(p),
+                        _ => return Err("an all-to-all message is not a packet".into()),
+                    }
+                }
+                let mut st = self.take_stash(sb)?;
+                st.inbox = inbox;
+                self.put(sb, Value::Stash(st))?;
+                posted[s] = false;
+            }
+            Op::ReplicaSum {
+                stage,
+                model_stage,
+                peer,
+            } => {
+                let tag = Tag::Replica(*model_stage);
+                if !posted[s] {
+                    let g = self.take_grads(*stage)?;
+                    let mut v = g.flatten(Scope::Dense);
+                    v.extend(g.flatten(Scope::Expert));
+                    self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
+                    self.send(*peer, tag.clone(), Body::Tensor(v));
+                    posted[s] = true;
+                }
+                self.drain();
+                let Some(body) = self.take(*peer, &tag) else {
+                    return Ok(Outcome::Blocked(format!(
+                        "the gradients of model stage {model_stage} from its other copy on rank {peer}"
+                    )));
+                };
+                let Body::Tensor(theirs) = body else {
+                    return Err("a replica message is not a tensor".into());
+                };
+                let mut g = self.take_grads(*stage)?;
+                let mut mine = g.flatten(Scope::Dense);
+                let nd = mine.len();
+                mine.extend(g.flatten(Scope::Expert));
+                if theirs.len() != mine.len() {
+                    return Err(format!(
+                        "the other copy sent {} values, this one has {}",
+                        theirs.len(),
+                        mine.len()
+                    ));
+                }
+                for (a, b) in mine.iter_mut().zip(&theirs) {
+                    *a += *b;
+                }
+                g.unflatten(Scope::Dense, &mine[..nd]);
+                g.unflatten(Scope::Expert, &mine[nd..]);
+                self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
+                posted[s] = false;
+            }
+            Op::AllReduce {
+                stage,
+                scope,
+                group,
+            } => {
+                let tag = Tag::AllReduce(*stage, *scope);
+                if !posted[s] {
+                    let g = self.take_grads(*stage)?;
+                    let v = g.flatten(*scope);
+                    self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
+                    for m in group {
+                        self.send(*m, tag.clone(), Body::Tensor(v.clone()));
+                    }
+                    posted[s] = true;
+                }
+                self.drain();
+                let missing: Vec<u32> = group
+                    .iter()
+                    .copied()
+                    .filter(|m| !self.has(*m, &tag))
+                    .collect();
+                if !missing.is_empty() {
+                    return Ok(Outcome::Blocked(format!(
+                        "the {scope:?} gradients of stage {stage} from ranks {missing:?}"
+                    )));
+                }
+                // Sum in group order: every member adds the same numbers in the same order.
+                let mut sum: Option<Vec<T>> = None;
+                for m in group {
+                    let Some(Body::Tensor(t)) = self.take(*m, &tag) else {
+                        return Err("an all-reduce message is not a tensor".into());
+                    };
+                    match &mut sum {
+                        None => sum = Some(t),
+                        Some(acc) => {
+                            if acc.len() != t.len() {
+                                return Err(format!(
+                                    "rank {m} sent {} values, expected {}",
+                                    t.len(),
+                                    acc.len()
+                                ));
+                            }
+                            for (a, b) in acc.iter_mut().zip(&t) {
+                                *a += *b;
+                            }
+                        }
+                    }
+                }
+                let mut g = self.take_grads(*stage)?;
+                g.unflatten(*scope, &sum.unwrap_or_default());
+                self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
+                posted[s] = false;
+            }
+            Op::OptimizerStep { stage } => {
+                let g = self.take_grads(*stage)?;
+                let si = self.stage_ix(*stage)?;
+                if self.sh.opts.record {
+                    let mut named = Vec::new();
+                    g.params.visit(&mut |n, _, t| {
+                        named.push((n.to_string(), t.iter().map(|x| x.f64()).collect()))
+                    });
+                    self.report(Report::Grads(self.step, me, *stage, named));
+                }
+                let cfg = self.cfg;
+                let opt = self.sh.opts.optimizer;
+                let st = &mut self.stages[si];
+                optimizer_step(&opt, &mut st.opt, &mut st.params, &g.params);
+                for (r, load) in st.routers.iter_mut().zip(&g.loads) {
+                    r.update(cfg, load);
+                }
+                self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
+            }
+        }
+        Ok(Outcome::Done)
+    }
+
+    fn report(&self, r: Report) {
+        let tx = self.sh.reports.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = tx.send(r);
+    }
+}
+
+/// Runs one rank to the end of every step.
+fn run_rank<T: Real>(
+    sh: &Shared<'_, T>,
+    g: usize,
+    rx: Receiver<Msg<T>>,
+    cursor: &Mutex<Cursor>,
+) -> Result<(), ExecError> {
+    let prog = &sh.set.ranks[g];
+    let cfg = &sh.set.manifest.model;
+    let n_model = sh.set.manifest.model_stages as usize;
+    let stages = prog
+        .stages
+        .iter()
+        .map(|info| StageState {
+            info: info.clone(),
+            params: StageParams::init(
+                cfg,
+                info.model_stage as usize,
+                n_model,
+                info.expert_lo as usize,
+                info.expert_hi as usize,
+            ),
+            routers: (0..cfg.layers_per_stage)
+                .map(|_| RouterState::new(cfg))
+                .collect(),
+            opt: OptState::default(),
+        })
+        .collect();
+    let mut rank = Rank {
+        sh,
+        prog,
+        cfg,
+        ep: sh.set.manifest.mesh.size(crate::mesh::Dim::Ep) as usize,
+        sp: sh.set.manifest.mesh.size(crate::mesh::Dim::Sp) as usize,
+        stages,
+        bufs: HashMap::new(),
+        mailbox: HashMap::new(),
+        rx,
+        sent_to: HashMap::new(),
+        step: 0,
+        loss: 0.0,
+        ops: 0,
+        recorded: HashSet::new(),
+    };
+    let ns = prog.streams.len();
+    let set_cursor = |c: Cursor| {
+        *cursor.lock().unwrap_or_else(|p| p.into_inner()) = c;
+    };
+    for step in 0..sh.opts.steps {
+        rank.step = step;
+        rank.loss = 0.0;
+        rank.recorded.clear();
+        let mut ptr = vec![0usize; ns];
+        let mut posted = vec![false; ns];
+        let mut blocked: Vec<Option<String>> = vec![None; ns];
+        let mut last_progress = Instant::now();
+        loop {
+            if sh.abort.flag.load(Ordering::SeqCst) {
+                let s = (0..ns)
+                    .find(|&s| ptr[s] < prog.streams[s].ops.len())
+                    .unwrap_or(0);
+                return Err(ExecError::Aborted {
+                    at: at_of(
+                        prog,
+                        Cursor {
+                            step,
+                            stream: s,
+                            index: ptr[s],
+                        },
+                    ),
+                    cause: sh.abort.cause(),
+                });
+            }
+            rank.drain();
+            let mut moved = false;
+            for s in 0..ns {
+                while ptr[s] < prog.streams[s].ops.len() {
+                    let c = Cursor {
+                        step,
+                        stream: s,
+                        index: ptr[s],
+                    };
+                    set_cursor(c);
+                    if s == 0 && sh.opts.faults.panic_at == Some((prog.rank, step, ptr[s])) {
+                        panic!("injected fault");
+                    }
+                    let op = &prog.streams[s].ops[ptr[s]];
+                    match rank.exec(s, op, &mut posted) {
+                        Ok(Outcome::Done) => {
+                            ptr[s] += 1;
+                            blocked[s] = None;
+                            moved = true;
+                            rank.ops += 1;
+                        }
+                        Ok(Outcome::Blocked(what)) => {
+                            blocked[s] = Some(what);
+                            break;
+                        }
+                        Err(message) => {
+                            return Err(ExecError::Failed {
+                                at: at_of(prog, c),
+                                message,
+                            })
+                        }
+                    }
+                }
+            }
+            if (0..ns).all(|s| ptr[s] == prog.streams[s].ops.len()) {
+                break;
+            }
+            if moved {
+                last_progress = Instant::now();
+                continue;
+            }
+            let waited = last_progress.elapsed();
+            if waited >= sh.opts.timeout {
+                // Report the stream that waits on another rank (not on an event).
+                let s = (0..ns)
+                    .find(|&s| {
+                        blocked[s]
+                            .as_ref()
+                            .is_some_and(|w| !w.starts_with("event "))
+                    })
+                    .or_else(|| (0..ns).find(|&s| blocked[s].is_some()))
+                    .unwrap_or(0);
+                let all = (0..ns)
+                    .filter_map(|t| {
+                        blocked[t].as_ref().map(|w| {
+                            let a = at_of(
+                                prog,
+                                Cursor {
+                                    step,
+                                    stream: t,
+                                    index: ptr[t],
+                                },
+                            );
+                            format!("{} op #{} `{}` waits for {w}", a.stream, a.index, a.op)
+                        })
+                    })
+                    .collect();
+                return Err(ExecError::Timeout {
+                    at: at_of(
+                        prog,
+                        Cursor {
+                            step,
+                            stream: s,
+                            index: ptr[s],
+                        },
+                    ),
+                    waiting_for: blocked[s].clone().unwrap_or_default(),
+                    seconds: sh.opts.timeout.as_secs_f64(),
+                    blocked: all,
+                });
+            }
+            match rank.rx.recv_timeout(POLL.min(sh.opts.timeout - waited)) {
+                Ok(m) => rank.deposit(m),
+                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {}
+            }
+        }
+        if !rank.bufs.is_empty() {
+            let mut left: Vec<String> = rank.bufs.keys().map(|b| b.to_string()).collect();
+            left.sort();
+            return Err(ExecError::Failed {
+                at: at_of(
+                    prog,
+                    Cursor {
+                        step,
+                        stream: 0,
+                        index: prog.streams[0].ops.len().saturating_sub(1),
+                    },
+                ),
+                message: format!(
+                    "buffers still allocated at the end of the step: {}",
+                    left.join(", ")
+                ),
+            });
+        }
+        rank.report(Report::Loss(step, rank.loss));
+    }
+    if sh.opts.record {
+        for st in &rank.stages {
+            let mut named = Vec::new();
+            st.params.visit(&mut |n, _, t| {
+                named.push((n.to_string(), t.iter().map(|x| x.f64()).collect()))
+            });
+            rank.report(Report::Params(prog.rank, st.info.stage, named));
+        }
+    }
+    rank.report(Report::Ops(rank.ops));
+    Ok(())
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
+    }
+}
+
+/// Runs `opts.steps` training steps of `set` on one thread per global rank. Errors: the
+/// first rank failure, with every other rank's stop ([`RunFailure`]).
+pub fn execute<T: Real>(
+    set: &ProgramSet,
+    data: &Data,
+    opts: &ExecOptions,
+) -> Result<ExecResult, RunFailure> {
+    let world = set.ranks.len();
+    let batching = Batching {
+        shards: set.manifest.mesh.data_shards() as usize,
+        microbatches: (set.manifest.microbatches * set.manifest.directions) as usize,
+        sp: set.manifest.mesh.size(crate::mesh::Dim::Sp) as usize,
+    };
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..world).map(|_| channel::<Msg<T>>()).unzip();
+    let (rep_tx, rep_rx) = channel::<Report>();
+    let sh = Shared {
+        set,
+        data,
+        batching,
+        opts,
+        senders: txs,
+        abort: Abort {
+            flag: AtomicBool::new(false),
+            first: Mutex::new(None),
+        },
+        reports: Mutex::new(rep_tx),
+    };
+    let start = Instant::now();
+    let mut result = ExecResult {
+        losses: vec![0.0; opts.steps],
+        grads: vec![Vec::new(); if opts.record { opts.steps } else { 0 }],
+        ..ExecResult::default()
+    };
+    let mut stopped: Vec<(ExecError, Instant)> = Vec::new();
+    std::thread::scope(|scope| {
+        let sh = &sh;
+        let handles: Vec<_> = rxs
+            .into_iter()
+            .enumerate()
+            .map(|(g, rx)| {
+                scope.spawn(move || {
+                    let cursor = Mutex::new(Cursor::default());
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        run_rank(sh, g, rx, &cursor)
+                    }));
+                    let err = match r {
+                        Ok(Ok(())) => None,
+                        Ok(Err(e)) => Some(e),
+                        Err(p) => Some(ExecError::Panic {
+                            at: at_of(
+                                &sh.set.ranks[g],
+                                *cursor.lock().unwrap_or_else(|p| p.into_inner()),
+                            ),
+                            message: panic_message(&*p),
+                        }),
+                    };
+                    if let Some(e) = &err {
+                        if !matches!(e, ExecError::Aborted { .. }) {
+                            sh.abort.fail(e.clone());
+                        }
+                    }
+                    let stop = err.map(|e| (e, Instant::now()));
+                    let _ = sh
+                        .reports
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .send(Report::Exit);
+                    stop
+                })
+            })
+            .collect();
+        // Progress: a step is done when every rank reported its loss.
+        let mut seen = vec![0usize; opts.steps];
+        let mut next_step = 0;
+        let mut done_threads = 0;
+        while done_threads < world {
+            match rep_rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(Report::Exit) => done_threads += 1,
+                Ok(Report::Loss(step, l)) => {
+                    result.losses[step] += l;
+                    seen[step] += 1;
+                    while next_step < opts.steps && seen[next_step] == world {
+                        if let Some(f) = &opts.on_step {
+                            f(next_step, result.losses[next_step]);
+                        }
+                        next_step += 1;
+                    }
+                }
+                Ok(Report::Grads(step, r, s, named)) => result.grads[step].push((r, s, named)),
+                Ok(Report::Params(r, s, named)) => result.params.push((r, s, named)),
+                Ok(Report::Ops(n)) => result.instructions += n,
+                Err(_) => {
+                    // A thread that died without reporting (it cannot: the exit report is
+                    // sent after catch_unwind) would otherwise be waited for forever.
+                    if handles.iter().all(|h| h.is_finished()) {
+                        break;
+                    }
+                }
+            }
+        }
+        while let Ok(r) = rep_rx.try_recv() {
+            match r {
+                Report::Loss(step, l) => result.losses[step] += l,
+                Report::Grads(step, r, s, named) => result.grads[step].push((r, s, named)),
+                Report::Params(r, s, named) => result.params.push((r, s, named)),
+                Report::Ops(n) => result.instructions += n,
+                Report::Exit => {}
+            }
+        }
+        for h in handles {
+            if let Ok(Some(e)) = h.join() {
+                stopped.push(e);
+            }
+        }
+    });
+    result.seconds = start.elapsed().as_secs_f64();
+    let first = sh
+        .abort
+        .first
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    if let Some((cause, t0)) = first {
+        let last = stopped.iter().map(|(_, t)| *t).max().unwrap_or(t0);
+        let others = stopped
+            .into_iter()
+            .map(|(e, _)| e)
+            .filter(|e| *e != cause)
+            .collect();
+        return Err(RunFailure {
+            cause,
+            stopped: others,
+            stop_seconds: last.saturating_duration_since(t0).as_secs_f64(),
+        });
+    }
+    for p in result.grads.iter_mut() {
+        p.sort_by_key(|(r, s, _)| (*r, *s));
+    }
+    result.params.sort_by_key(|(r, s, _)| (*r, *s));
+    Ok(result)
+}
+
+// ---------------------------------------------------------------------------------------
+// The sequential reference.
+
+/// What the reference produced.
+#[derive(Clone, Debug, Default)]
+pub struct Reference {
+    /// Loss per step.
+    pub losses: Vec<f64>,
+    /// Per step, every parameter's gradient (all model stages, all experts).
+    pub grads: Vec<Named>,
+    /// The final parameters.
+    pub params: Named,
+    /// Seconds.
+    pub seconds: f64,
+}
+
+/// Plain sequential training of the whole model: `model_stages` stages, every expert
+/// local, whole sequences (routed in `batching.sp` groups, as the SP ranks route their
+/// chunks), the batching of the executor. Errors: data too short, a bad token.
+pub fn reference<T: Real>(
+    cfg: &ModelConfig,
+    model_stages: usize,
+    batching: Batching,
+    data: &Data,
+    steps: usize,
+    optimizer: &Optimizer,
+) -> Result<Reference, String> {
+    let start = Instant::now();
+    let mut params: Vec<StageParams<T>> = (0..model_stages)
+        .map(|k| StageParams::init(cfg, k, model_stages, 0, cfg.experts))
+        .collect();
+    let mut routers: Vec<Vec<RouterState<T>>> = (0..model_stages)
+        .map(|_| {
+            (0..cfg.layers_per_stage)
+                .map(|_| RouterState::new(cfg))
+                .collect()
+        })
+        .collect();
+    let mut opts: Vec<OptState<T>> = vec![OptState::default(); model_stages];
+    let scale = 1.0 / batching.tokens(cfg.seq_len) as f64;
+    let mut out = Reference::default();
+    for step in 0..steps {
+        let mut grads: Vec<Grads<T>> = params.iter().map(|p| Grads::zeros(cfg, p)).collect();
+        let mut loss = 0.0;
+        for shard in 0..batching.shards {
+            for mb in 0..batching.microbatches {
+                let (tokens, targets) =
+                    data.sequence(batching.index(step, shard, mb), cfg.seq_len)?;
+                let mut stashes = Vec::with_capacity(model_stages);
+                let mut x = None;
+                for k in 0..model_stages {
+                    let kern = StageKernels {
+                        cfg,
+                        params: &params[k],
+                        ep: 1,
+                        sp: 1,
+                        pos0: 0,
+                        route_groups: batching.sp.max(1),
+                    };
+                    let mut st = kern.new_stash(
+                        if k == 0 { tokens.clone() } else { Vec::new() },
+                        if k + 1 == model_stages {
+                            targets.clone()
+                        } else {
+                            Vec::new()
+                        },
+                        scale,
+                    );
+                    stage_forward_local(
+                        &kern,
+                        &mut st,
+                        x.take(),
+                        &routers[k],
+                        &mut grads[k].loads,
+                    )?;
+                    loss += st.loss;
+                    x = Some(std::mem::take(&mut st.x));
+                    stashes.push(st);
+                }
+                let mut dy = None;
+                for k in (0..model_stages).rev() {
+                    let kern = StageKernels {
+                        cfg,
+                        params: &params[k],
+                        ep: 1,
+                        sp: 1,
+                        pos0: 0,
+                        route_groups: batching.sp.max(1),
+                    };
+                    let st = &mut stashes[k];
+                    stage_backward_local(&kern, st, dy.take())?;
+                    kern.weights(st, &mut grads[k].params)?;
+                    dy = Some(std::mem::take(&mut st.grad));
+                }
+            }
+        }
+        out.losses.push(loss);
+        let mut named = Vec::new();
+        for g in &grads {
+            g.params.visit(&mut |n, _, t| {
+                named.push((n.to_string(), t.iter().map(|x| x.f64()).collect()))
+            });
+        }
+        out.grads.push(named);
+        for k in 0..model_stages {
+            optimizer_step(optimizer, &mut opts[k], &mut params[k], &grads[k].params);
+            for (r, load) in routers[k].iter_mut().zip(&grads[k].loads) {
+                r.update(cfg, load);
+            }
+        }
+    }
+    for p in &params {
+        p.visit(&mut |n, _, t| {
+            out.params
+                .push((n.to_string(), t.iter().map(|x| x.f64()).collect()))
+        });
+    }
+    out.seconds = start.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+/// How far an executor run is from the reference.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Comparison {
+    /// Largest relative difference (infinity norm per tensor) of any gradient of any copy
+    /// on any step.
+    pub max_rel_grad_err: f64,
+    /// Largest absolute difference of the step loss.
+    pub max_abs_loss_err: f64,
+    /// Largest relative difference of any parameter of any copy after the last step.
+    pub max_rel_param_err: f64,
+    /// Where the largest gradient error is (tensor, step, rank).
+    pub worst_grad: String,
+    /// Gradient tensors compared (over copies and steps).
+    pub tensors_compared: usize,
+}
+
+fn rel(a: &[f64], b: &[f64]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    crate::tensor::rel_err(a, b, 1e-300)
+}
+
+/// Compares an executor run (recorded) with the reference. Errors: a tensor of the run
+/// that the reference lacks, or a reference tensor no copy holds.
+pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
+    let mut c = Comparison::default();
+    for (a, b) in run.losses.iter().zip(&r.losses) {
+        c.max_abs_loss_err = c.max_abs_loss_err.max((a - b).abs());
+    }
+    for (step, copies) in run.grads.iter().enumerate() {
+        let want: HashMap<&str, &Vec<f64>> =
+            r.grads[step].iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let mut covered: HashSet<&str> = HashSet::new();
+        for (rank, _, named) in copies {
+            for (n, t) in named {
+                let w = want
+                    .get(n.as_str())
+                    .ok_or_else(|| format!("the reference has no {n}"))?;
+                covered.insert(w_name(&want, n));
+                let e = rel(t, w);
+                c.tensors_compared += 1;
+                if e > c.max_rel_grad_err || c.worst_grad.is_empty() {
+                    c.max_rel_grad_err = c.max_rel_grad_err.max(e);
+                    c.worst_grad = format!("{n} at step {step} on rank {rank}");
+                }
+            }
+        }
+        if let Some(n) = want.keys().find(|n| !covered.contains(*n)) {
+            return Err(format!("no rank holds {n}"));
+        }
+    }
+    let want: HashMap<&str, &Vec<f64>> = r.params.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    for (_, _, named) in &run.params {
+        for (n, t) in named {
+            let w = want
+                .get(n.as_str())
+                .ok_or_else(|| format!("the reference has no {n}"))?;
+            c.max_rel_param_err = c.max_rel_param_err.max(rel(t, w));
+        }
+    }
+    Ok(c)
+}
+
+fn w_name<'a>(want: &HashMap<&'a str, &Vec<f64>>, n: &str) -> &'a str {
+    want.get_key_value(n).map_or("", |(k, _)| *k)
+}

@@ -1,0 +1,113 @@
+//! The `schedc-cpu` binary (what `schedc run` and `schedc compile` execute).
+
+use std::process::Command;
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_schedc-cpu"));
+    c.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
+    c
+}
+
+#[test]
+fn run_verify_json() {
+    let out = bin()
+        .args([
+            "run",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--steps",
+            "2",
+            "--verify",
+            "--format",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let err = v["max_rel_grad_err"].as_f64().unwrap();
+    assert!(err < 1e-10, "{err}");
+    assert!(v["max_abs_loss_err"].as_f64().unwrap() < 1e-10);
+    assert_eq!(v["loss"].as_array().unwrap().len(), 2);
+    assert_eq!(v["reference_loss"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn compile_writes_one_file_per_rank_and_a_manifest() {
+    let dir = std::env::temp_dir().join(format!("schedc-cpu-compile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = bin()
+        .args([
+            "compile",
+            "specs/zbv.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--mesh",
+            "pp=2,ep=2",
+            "-o",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "manifest.json",
+            "rank0.json",
+            "rank1.json",
+            "rank2.json",
+            "rank3.json"
+        ]
+    );
+    // A second compile into the same directory is refused; nothing is overwritten.
+    let out = bin()
+        .args(["compile", "specs/zbv.sched", "--pp", "2", "--mb", "4", "-o"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let out = bin()
+        .args(["run", "specs/dualpipe.sched", "--pp", "3", "--mb", "8"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("even --pp"));
+    let out = bin()
+        .args([
+            "run",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--mesh",
+            "pp=2,ep=3",
+        ])
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+}

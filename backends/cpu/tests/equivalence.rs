@@ -1,0 +1,429 @@
+//! Pipelined training equals sequential training: every spec, P in {2, 4}, M up to 3P,
+//! with and without expert and data parallelism; f64 loss and every gradient within 1e-10
+//! relative, and the parameters after several optimizer steps.
+
+use schedc::input::{load_spec, Overrides};
+use schedc_cpu::exec::{
+    compare, execute, reference, Batching, Comparison, Data, ExecOptions, Optimizer,
+};
+use schedc_cpu::mesh::{Dim, Mesh};
+use schedc_cpu::model::ModelConfig;
+use schedc_cpu::program::{LowerOptions, ProgramSet};
+
+fn spec(name: &str, pp: u32, mb: u32, vpp: Option<u32>) -> Option<schedc_ir::Program> {
+    let path = format!("{}/../../specs/{name}.sched", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let ov = Overrides {
+        pp: Some(pp),
+        microbatches: Some(mb),
+        vpp,
+        ..Default::default()
+    };
+    load_spec(&text, &ov).ok().map(|e| e.program)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_case(
+    name: &str,
+    pp: u32,
+    mb: u32,
+    vpp: Option<u32>,
+    mesh: &str,
+    steps: usize,
+    opt: Optimizer,
+    lower: LowerOptions,
+) -> Option<Comparison> {
+    run_case_with(
+        &ModelConfig::tiny(),
+        name,
+        pp,
+        mb,
+        vpp,
+        mesh,
+        steps,
+        opt,
+        lower,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_case_with(
+    cfg: &ModelConfig,
+    name: &str,
+    pp: u32,
+    mb: u32,
+    vpp: Option<u32>,
+    mesh: &str,
+    steps: usize,
+    opt: Optimizer,
+    lower: LowerOptions,
+) -> Option<Comparison> {
+    let src = spec(name, pp, mb, vpp)?;
+    let mesh: Mesh = mesh.parse().unwrap();
+    let set = ProgramSet::lower(&src, &mesh, cfg, lower).unwrap();
+    let data = Data::builtin();
+    let opts = ExecOptions {
+        steps,
+        optimizer: opt,
+        record: true,
+        ..ExecOptions::default()
+    };
+    let run = execute::<f64>(&set, &data, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let b = Batching {
+        shards: mesh.data_shards() as usize,
+        microbatches: (set.manifest.microbatches * set.manifest.directions) as usize,
+        sp: mesh.size(Dim::Sp) as usize,
+    };
+    let r = reference::<f64>(
+        cfg,
+        set.manifest.model_stages as usize,
+        b,
+        &data,
+        steps,
+        &opt,
+    )
+    .unwrap();
+    Some(compare(&run, &r).unwrap())
+}
+
+const TOL: f64 = 1e-10;
+
+/// The specs the issue names, with the `--vpp` each needs.
+const SPECS: [(&str, Option<u32>); 6] = [
+    ("gpipe", None),
+    ("1f1b", None),
+    ("interleaved_1f1b", Some(2)),
+    ("zbv", None),
+    ("dualpipev", None),
+    ("dualpipe", None),
+];
+
+/// Runs every instance the spec accepts for P in `pps`, M in `1..=3P` (all M for the
+/// pipeline-only mesh; M in {min accepted, P, 2P, 3P} with expert and data parallelism),
+/// 2 SGD steps each; returns the table lines and the number of instances run.
+fn sweep(pps: &[u32], meshes: &[&str]) -> (Vec<String>, usize) {
+    let mut lines = Vec::new();
+    let mut n = 0;
+    for (name, vpp) in SPECS {
+        for &pp in pps {
+            for mesh in meshes {
+                let mesh = mesh.replace("P", &pp.to_string());
+                let full = !mesh.contains(',');
+                let mut first = None;
+                for mb in 1..=3 * pp {
+                    if spec(name, pp, mb, vpp).is_none() {
+                        continue;
+                    }
+                    let f = *first.get_or_insert(mb);
+                    if !(full || mb == f || mb == pp || mb == 2 * pp || mb == 3 * pp) {
+                        continue;
+                    }
+                    let c = run_case(
+                        name,
+                        pp,
+                        mb,
+                        vpp,
+                        &mesh,
+                        2,
+                        Optimizer::Sgd { lr: 0.2 },
+                        LowerOptions::default(),
+                    )
+                    .unwrap();
+                    n += 1;
+                    lines.push(format!(
+                        "{name:<17} P={pp} M={mb:<2} mesh={mesh:<14} grad {:.2e} loss {:.2e} params {:.2e}",
+                        c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+                    ));
+                    assert!(
+                        c.max_rel_grad_err < TOL
+                            && c.max_abs_loss_err < TOL
+                            && c.max_rel_param_err < TOL,
+                        "{name} P={pp} M={mb} mesh={mesh}: {c:?}"
+                    );
+                    assert!(c.tensors_compared > 0);
+                }
+            }
+        }
+    }
+    (lines, n)
+}
+
+#[test]
+fn every_schedule_p2_equals_sequential() {
+    let (lines, n) = sweep(&[2], &["pp=P", "pp=P,ep=2", "pp=P,dp=2,ep=2"]);
+    println!("{}", lines.join("\n"));
+    assert!(n >= 40, "only {n} instances");
+}
+
+#[test]
+fn every_schedule_p4_equals_sequential() {
+    let (lines, n) = sweep(&[4], &["pp=P", "pp=P,ep=2"]);
+    println!("{}", lines.join("\n"));
+    assert!(n >= 60, "only {n} instances");
+}
+
+#[test]
+fn several_steps_keep_parameters_equal_sgd_and_adam() {
+    for (name, pp, mb, mesh) in [
+        ("1f1b", 4, 8, "pp=4,ep=2"),
+        ("zbv", 2, 4, "pp=2,dp=2,ep=2"),
+        ("dualpipe", 2, 4, "pp=2,ep=2"),
+        ("dualpipev", 2, 4, "pp=2"),
+    ] {
+        for opt in [Optimizer::Sgd { lr: 0.2 }, Optimizer::adam(1e-3)] {
+            let c = run_case(name, pp, mb, None, mesh, 5, opt, LowerOptions::default()).unwrap();
+            println!(
+                "{name} P={pp} M={mb} {mesh} {opt:?}: grad {:.2e} loss {:.2e} params {:.2e}",
+                c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+            );
+            assert!(c.max_rel_grad_err < TOL, "{name} {opt:?}: {c:?}");
+            assert!(c.max_abs_loss_err < TOL, "{name} {opt:?}: {c:?}");
+            assert!(c.max_rel_param_err < TOL, "{name} {opt:?}: {c:?}");
+        }
+    }
+}
+
+#[test]
+fn a_few_schedules_at_p8() {
+    for (name, mb) in [("1f1b", 8), ("dualpipe", 16), ("zbv", 8)] {
+        let c = run_case(
+            name,
+            8,
+            mb,
+            None,
+            "pp=8",
+            2,
+            Optimizer::Sgd { lr: 0.2 },
+            LowerOptions::default(),
+        )
+        .unwrap();
+        println!(
+            "{name} P=8 M={mb}: grad {:.2e} loss {:.2e}",
+            c.max_rel_grad_err, c.max_abs_loss_err
+        );
+        assert!(
+            c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+            "{name}: {c:?}"
+        );
+    }
+}
+
+#[test]
+fn silent_failure_dualpipe_replica_gradient_is_the_sum_of_both_copies() {
+    // Correct: ranks r and P-1-r add their copies' gradients before the step.
+    let ok = run_case(
+        "dualpipe",
+        4,
+        8,
+        None,
+        "pp=4",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        LowerOptions::default(),
+    )
+    .unwrap();
+    assert!(ok.max_rel_grad_err < TOL, "{ok:?}");
+    // Injected bug: each copy keeps its own gradient. Every stage's gradient is then wrong
+    // (each copy saw only its direction's half of the batch), and the test must see it.
+    let bug = LowerOptions {
+        bug_skip_replica_sum: true,
+    };
+    let bad = run_case(
+        "dualpipe",
+        4,
+        8,
+        None,
+        "pp=4",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        bug,
+    )
+    .unwrap();
+    assert!(
+        bad.max_rel_grad_err > 1e-2,
+        "the missing replica sum went unnoticed: {bad:?}"
+    );
+    // DualPipeV holds one copy per stage: nothing to sum, and the option changes nothing.
+    let v = run_case(
+        "dualpipev",
+        2,
+        4,
+        None,
+        "pp=2",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        bug,
+    )
+    .unwrap();
+    assert!(v.max_rel_grad_err < TOL, "{v:?}");
+}
+
+#[test]
+fn f32_runs_close_to_its_own_sequential_reference() {
+    let src = spec("1f1b", 2, 4, None).unwrap();
+    let cfg = schedc_cpu::RunConfig {
+        mesh: Some("pp=2,ep=2".parse().unwrap()),
+        dtype: schedc_cpu::DType::F32,
+        steps: 3,
+        verify: true,
+        model: ModelConfig::tiny(),
+        ..Default::default()
+    };
+    let rep = schedc_cpu::run(&src, &cfg).unwrap();
+    let g = rep.max_rel_grad_err.unwrap();
+    println!(
+        "f32 1f1b P=2 M=4 ep=2: grad {g:.2e} loss {:.2e}",
+        rep.max_abs_loss_err.unwrap()
+    );
+    assert!(g > 0.0 && g < 1e-4, "{g}");
+    assert!(rep.max_abs_loss_err.unwrap() < 1e-5);
+}
+
+#[test]
+fn run_reports_json_and_human() {
+    let src = spec("dualpipe", 2, 4, None).unwrap();
+    let cfg = schedc_cpu::RunConfig {
+        steps: 4,
+        verify: true,
+        model: ModelConfig::tiny(),
+        optimizer: Optimizer::adam(1e-2),
+        ..Default::default()
+    };
+    let rep = schedc_cpu::run(&src, &cfg).unwrap();
+    assert_eq!(rep.loss.len(), 4);
+    assert!(rep.loss[3] < rep.loss[0], "{:?}", rep.loss);
+    // The initial loss of a near-uniform model over 128 tokens is about ln(128).
+    assert!((rep.loss[0] - (128f64).ln()).abs() < 0.5, "{}", rep.loss[0]);
+    let v: serde_json::Value = serde_json::from_str(&rep.to_json()).unwrap();
+    assert!(v["max_rel_grad_err"].as_f64().unwrap() < TOL);
+    assert!(v["max_abs_loss_err"].as_f64().unwrap() < TOL);
+    assert_eq!(v["loss"].as_array().unwrap().len(), 4);
+    assert_eq!(v["world"], 2);
+    let h = rep.to_human();
+    assert!(h.contains("verify: max_rel_grad_err"), "{h}");
+    assert!(h.contains("P=2 M=2 per direction (4 in all)"), "{h}");
+}
+
+#[test]
+fn run_refuses_what_it_cannot_do() {
+    let src = spec("1f1b", 2, 2, None).unwrap();
+    let mut cfg = schedc_cpu::RunConfig {
+        model: ModelConfig::tiny(),
+        mesh: None,
+        ..Default::default()
+    };
+    cfg.mesh = Some("pp=2,tp=2".parse().unwrap());
+    let e = schedc_cpu::run(&src, &cfg).unwrap_err().to_string();
+    assert!(e.contains("no tensor-parallel kernels: use tp=1"), "{e}");
+    cfg.mesh = Some("pp=2,sp=3".parse().unwrap());
+    let e = schedc_cpu::run(&src, &cfg).unwrap_err().to_string();
+    assert!(
+        e.contains("sp=3 does not divide the sequence length (8)"),
+        "{e}"
+    );
+    cfg.mesh = Some("pp=2,ep=3".parse().unwrap());
+    let e = schedc_cpu::run(&src, &cfg).unwrap_err().to_string();
+    assert!(
+        e.contains("ep=3 does not divide the model's 4 experts"),
+        "{e}"
+    );
+    cfg.mesh = None;
+    let dir = std::env::temp_dir().join(format!("schedc-cpu-data-{}", std::process::id()));
+    std::fs::write(&dir, [200u8; 64]).unwrap();
+    cfg.data = Some(dir.clone());
+    let e = schedc_cpu::run(&src, &cfg).unwrap_err().to_string();
+    assert!(
+        e.contains("token 200 but the model's vocabulary is 128"),
+        "{e}"
+    );
+    std::fs::write(&dir, b"short").unwrap();
+    let e = schedc_cpu::run(&src, &cfg).unwrap_err().to_string();
+    assert!(e.contains("fewer than one sequence of 8"), "{e}");
+    std::fs::remove_file(&dir).unwrap();
+}
+
+#[test]
+fn sequence_parallel_equals_sequential() {
+    // SP splits each sequence over 2 (or 4) ranks: keys and values all-gathered, their
+    // gradients reduce-scattered, RoPE and the causal mask at global positions.
+    for (name, pp, mb, mesh) in [
+        ("1f1b", 2, 4, "pp=2,sp=2"),
+        ("gpipe", 2, 2, "pp=2,sp=4"),
+        ("zbv", 2, 3, "pp=2,sp=2,ep=2"),
+        ("dualpipe", 2, 4, "pp=2,dp=2,sp=2"),
+        ("interleaved_1f1b", 2, 4, "sp=2,pp=2"),
+    ] {
+        let vpp = (name == "interleaved_1f1b").then_some(2);
+        let c = run_case(
+            name,
+            pp,
+            mb,
+            vpp,
+            mesh,
+            2,
+            Optimizer::Sgd { lr: 0.2 },
+            LowerOptions::default(),
+        )
+        .unwrap();
+        println!(
+            "{name} P={pp} M={mb} {mesh}: grad {:.2e} loss {:.2e} params {:.2e}",
+            c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+        );
+        assert!(
+            c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+            "{name} {mesh}: {c:?}"
+        );
+    }
+}
+
+#[test]
+fn silent_failure_sp_causal_mask_uses_global_positions_end_to_end() {
+    let ok = run_case(
+        "1f1b",
+        2,
+        2,
+        None,
+        "pp=2,sp=2",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        LowerOptions::default(),
+    )
+    .unwrap();
+    assert!(ok.max_rel_grad_err < TOL, "{ok:?}");
+    // The bug: a query compares its index within its chunk, not its global position, with
+    // the keys' positions; the second chunk's queries lose most of their past. The
+    // reference sees whole sequences, where local and global positions coincide, so the
+    // bug shows only under SP, and the comparison must catch it.
+    let mut bug = ModelConfig::tiny();
+    bug.bugs.local_causal_mask = true;
+    let bad = run_case_with(
+        &bug,
+        "1f1b",
+        2,
+        2,
+        None,
+        "pp=2,sp=2",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        LowerOptions::default(),
+    )
+    .unwrap();
+    assert!(
+        bad.max_rel_grad_err > 1e-3 && bad.max_abs_loss_err > 1e-6,
+        "the local causal mask went unnoticed: {bad:?}"
+    );
+    // Without SP the bug is harmless (every chunk is the whole sequence).
+    let same = run_case_with(
+        &bug,
+        "1f1b",
+        2,
+        2,
+        None,
+        "pp=2",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        LowerOptions::default(),
+    )
+    .unwrap();
+    assert!(same.max_rel_grad_err < TOL, "{same:?}");
+}
