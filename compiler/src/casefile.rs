@@ -72,6 +72,16 @@ pub fn run_case(path: &str) -> CaseResult {
                     ));
                 }
             }
+            Expect::Reject(code) if !crate::diag::Code::ALL.iter().any(|c| c.as_str() == code) => {
+                diffs.push(format!(
+                    "{at}: unknown error code `{code}` (codes: {})",
+                    crate::diag::Code::ALL
+                        .iter()
+                        .map(|c| c.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            }
             Expect::Reject(code) => {
                 if rep.verdict != Verdict::Rejected {
                     diffs.push(format!("{at}: expected reject {code}, got accept"));
@@ -81,6 +91,15 @@ pub fn run_case(path: &str) -> CaseResult {
                         codes.join(", ")
                     ));
                 }
+            }
+            Expect::PeakActivations(v) | Expect::Warmup(v) | Expect::Idle(v)
+                if v.len() != rep.ranks.len() =>
+            {
+                diffs.push(format!(
+                    "{at}: {} values for {} ranks (one per rank)",
+                    v.len(),
+                    rep.ranks.len()
+                ));
             }
             Expect::PeakActivations(v) => {
                 let got: Vec<u64> = rep.ranks.iter().map(|r| r.peak_activations).collect();

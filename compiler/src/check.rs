@@ -100,7 +100,7 @@ pub struct Outcome {
 /// The most (stage, micro-batch) pairs a schedule may have: the passes keep tables of that
 /// size (a production schedule has well under a million; a typo such as
 /// `microbatches 4000000000` must not exhaust memory).
-pub const MAX_STAGE_MICROBATCHES: u64 = 1 << 24;
+pub const MAX_STAGE_MICROBATCHES: u64 = 1 << 22;
 
 /// Runs every pass. `spans` locates the program's instructions in its source file.
 ///

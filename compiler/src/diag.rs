@@ -225,6 +225,24 @@ impl Diagnostic {
     }
 }
 
+/// Lines longer than this (bytes) are not shown as excerpts.
+const MAX_EXCERPT_LINE: usize = 4096;
+
+/// The length of the line containing byte `off`.
+fn line_len_at(text: &str, off: usize) -> usize {
+    let off = off.min(text.len());
+    let b = text.as_bytes();
+    let start = b[..off]
+        .iter()
+        .rposition(|&c| c == b'\n')
+        .map_or(0, |k| k + 1);
+    let end = b[off..]
+        .iter()
+        .position(|&c| c == b'\n')
+        .map_or(b.len(), |k| off + k);
+    end - start
+}
+
 /// A miette view of a diagnostic over its source file, for rustc-style rendering.
 #[derive(Debug)]
 pub struct Rendered<'a> {
@@ -236,6 +254,17 @@ pub struct Rendered<'a> {
 impl<'a> Rendered<'a> {
     /// Wraps `diag`; `src` is `(file name, file text)` when spans refer to a file.
     pub fn new(diag: &'a Diagnostic, src: Option<(&str, &str)>) -> Self {
+        // An excerpt of a very long line (torch's CSV rows run to 150 KB) is unreadable, and
+        // the renderer cannot draw columns past 65535: such diagnostics print without one.
+        let spans = diag
+            .span
+            .into_iter()
+            .chain(diag.related.iter().filter_map(|(l, _)| l.span));
+        let src = src.filter(|(_, text)| {
+            spans
+                .clone()
+                .all(|sp| line_len_at(text, sp.start as usize) <= MAX_EXCERPT_LINE)
+        });
         Rendered {
             diag,
             src: src.map(|(n, t)| miette::NamedSource::new(n, t.to_string())),
@@ -249,6 +278,9 @@ impl std::fmt::Display for Rendered<'_> {
         let d = self.diag;
         write!(f, "{}", d.message)?;
         if d.span.is_none() || self.src.is_none() {
+            if let Some(loc) = &d.location {
+                write!(f, " at {loc}")?;
+            }
             if let (Some(r), Some(p)) = (d.rank, d.position) {
                 write!(f, " (rank {r}, position {p}")?;
                 if let Some(op) = &d.op {

@@ -154,6 +154,11 @@ pub fn load_path(path: &str, ov: &Overrides) -> Result<Loaded, LoadError> {
             ))
         })?
     };
+    // A UTF-8 byte-order mark is not part of the text.
+    let text = match text.strip_prefix('\u{feff}') {
+        Some(t) => t.to_string(),
+        None => text,
+    };
     load_str(path, text, ov)
 }
 
@@ -328,10 +333,25 @@ pub fn apply_overrides(p: &mut Program, ov: &Overrides) -> Result<(), String> {
     if ov.microbatches.is_none() && ov.placement.is_none() {
         return Ok(());
     }
-    let mb = ov.microbatches.unwrap_or(pl.microbatches);
-    if mb == 0 {
-        return Err("--mb must be at least 1".into());
-    }
+    // `--mb` is the micro-batches of one step, as for a spec: for a bidirectional (DualPipe)
+    // pipeline that is both directions together, M per direction being half of it.
+    let bidir = matches!(
+        (&ov.placement, pl.placement),
+        (Some(PlacementArg::Kind(PlacementKind::Bidir)), _) | (None, PlacementKind::Bidir)
+    );
+    let mb = match ov.microbatches {
+        Some(0) => return Err("--mb must be at least 1".into()),
+        Some(m) if bidir => {
+            if m % 2 != 0 {
+                return Err(format!(
+                    "--mb {m}: a bidirectional (DualPipe) schedule runs half its micro-batches each way, so --mb must be even"
+                ));
+            }
+            m / 2
+        }
+        Some(m) => m,
+        None => pl.microbatches,
+    };
     let comms = pl.communicators.clone();
     let new = match &ov.placement {
         None => {

@@ -159,7 +159,7 @@ enum Cmd {
         #[arg(long, value_name = "K")]
         buffer_slots: Option<u32>,
         /// Sends complete as soon as they are posted (unbounded buffering).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "buffer_slots")]
         eager_sends: bool,
         /// A group's ops complete one by one, each once its partner is posted, instead of the
         /// group completing as a unit together with every group matched to it.
@@ -301,7 +301,7 @@ enum Cmd {
         /// The spec.
         file: String,
         /// Rewrite the file in place (only if it parses; the original is replaced atomically).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "check")]
         write: bool,
         /// Exit 1 if the file is not in canonical layout (for CI); print nothing.
         #[arg(long)]
@@ -346,7 +346,7 @@ fn render_parse_error(p: &ParseError, name: &str) -> String {
             // miette's header carries the message and file:line:col.
             let body = diag::render_color(&d, Some((name, &s)), std::io::stderr().is_terminal());
             format!(
-                "error: cannot read {name}: syntax error at {}:{}\n{body}",
+                "error: syntax error in {name} at {}:{}\n{body}",
                 p.line, p.col
             )
         }
@@ -369,6 +369,23 @@ fn load(args: &InputArgs) -> Result<Loaded, ExitCode> {
 }
 
 fn main() -> ExitCode {
+    // Deeply nested inputs recurse in the parsers and passes: give them room (the parsers
+    // also bound their nesting, so this is a margin, not the limit).
+    match std::thread::Builder::new()
+        .stack_size(256 << 20)
+        .spawn(real_main)
+        .map(|h| h.join())
+    {
+        Ok(Ok(code)) => code,
+        Ok(Err(_)) => ExitCode::from(101),
+        Err(e) => {
+            eprintln!("error: cannot start: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn real_main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -520,6 +537,7 @@ fn main() -> ExitCode {
                 None => {
                     emit(&text);
                 }
+                Some(path) if path == "-" => emit(&text),
                 Some(path) => {
                     if !force && std::path::Path::new(&path).exists() {
                         eprintln!("error: `{path}` exists; not overwriting it (pass --force to replace it)");
@@ -554,6 +572,10 @@ fn main() -> ExitCode {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
                 }
+            }
+            if trace.is_some() && trace == svg {
+                eprintln!("error: --trace and --svg name the same file");
+                return ExitCode::from(2);
             }
             for f in [&trace, &svg].into_iter().flatten() {
                 if !force && std::path::Path::new(f).exists() {
@@ -608,6 +630,12 @@ fn main() -> ExitCode {
                 }
                 OutFormat::Human => emit(&schedc::sim::render::text_report(&res, 100)),
             }
+            let exposed: f64 = res.ranks.iter().map(|r| r.exposed_comm).sum();
+            if exposed > 0.0 && model.message_time() == 0.0 && model.moe.a2a == 0.0 {
+                eprintln!(
+                    "note: {exposed:.4} s of communication is exposed although messages are free: this program's message order makes ranks wait on one in-order stream per channel (schedc's lowering of the compute-only form orders messages as their data becomes ready)"
+                );
+            }
             ExitCode::SUCCESS
         }
         Cmd::Compare {
@@ -647,6 +675,10 @@ fn main() -> ExitCode {
                     }
                 },
             };
+            if let Err(e) = spec.validate() {
+                eprintln!("error: model `{model}`: {e}");
+                return ExitCode::from(2);
+            }
             let Some((bw, lat)) = schedc::plan::interconnect(&interconnect) else {
                 eprintln!(
                     "error: unknown interconnect `{interconnect}`: ib800, ib400, ib200, roce100"
@@ -655,6 +687,10 @@ fn main() -> ExitCode {
             };
             if gpus == 0 || gpus_per_node == 0 || gpus % gpus_per_node != 0 {
                 eprintln!("error: --gpus must be a positive multiple of --gpus-per-node");
+                return ExitCode::from(2);
+            }
+            if ep == Some(0) {
+                eprintln!("error: --ep must be at least 1");
                 return ExitCode::from(2);
             }
             if !(mfu > 0.0 && mfu <= 1.0) {
@@ -724,12 +760,18 @@ fn main() -> ExitCode {
             }
             if write {
                 if out != text {
-                    let tmp = format!("{file}.schedc-fmt.tmp");
-                    if let Err(e) =
-                        std::fs::write(&tmp, &out).and_then(|_| std::fs::rename(&tmp, &file))
-                    {
+                    // Write the file a symbolic link points to, keep its permissions, and
+                    // replace it atomically.
+                    let target =
+                        std::fs::canonicalize(&file).unwrap_or_else(|_| file.clone().into());
+                    let tmp = target.with_extension("schedc-fmt.tmp");
+                    let res = std::fs::write(&tmp, &out)
+                        .and_then(|_| std::fs::metadata(&target))
+                        .and_then(|m| std::fs::set_permissions(&tmp, m.permissions()))
+                        .and_then(|_| std::fs::rename(&tmp, &target));
+                    if let Err(e) = res {
                         let _ = std::fs::remove_file(&tmp);
-                        eprintln!("error: cannot write `{file}`: {e}");
+                        eprintln!("error: cannot write `{}`: {e}", target.display());
                         return ExitCode::from(2);
                     }
                 }
@@ -741,7 +783,7 @@ fn main() -> ExitCode {
         Cmd::Test { files } => {
             use std::fmt::Write as _;
             let mut o = String::new();
-            let (mut pass, mut fail) = (0, 0);
+            let (mut pass, mut fail, mut unreadable) = (0, 0, false);
             for f in &files {
                 let r = schedc::casefile::run_case(f);
                 if r.passed {
@@ -749,6 +791,7 @@ fn main() -> ExitCode {
                     let _ = writeln!(o, "PASS {f}");
                 } else {
                     fail += 1;
+                    unreadable |= r.differences.iter().any(|d| d.starts_with("cannot load"));
                     let _ = writeln!(o, "FAIL {f}");
                     for d in &r.differences {
                         let _ = writeln!(o, "    {d}");
@@ -757,7 +800,9 @@ fn main() -> ExitCode {
             }
             let _ = writeln!(o, "{pass} passed, {fail} failed");
             emit(&o);
-            if fail == 0 {
+            if unreadable {
+                ExitCode::from(2)
+            } else if fail == 0 {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)
@@ -1080,15 +1125,22 @@ fn sweep(
             emit(&o);
         }
     }
-    if failed.is_empty() {
+    if failed.is_empty() && passed > 0 {
         ExitCode::SUCCESS
     } else {
+        if passed == 0 && failed.is_empty() {
+            eprintln!("error: every instance is outside the family: nothing was checked");
+        }
         ExitCode::from(1)
     }
 }
 
 /// `schedc compare`: every spec of `dir` that accepts (P, M), simulated under `cost`.
 fn compare(pp: u32, mb: u32, vpp: u32, cost: &str, dir: &str, format: OutFormat) -> ExitCode {
+    if pp == 0 || mb == 0 || vpp == 0 {
+        eprintln!("error: --pp, --mb and --vpp must be at least 1");
+        return ExitCode::from(2);
+    }
     let model = match schedc::sim::cost::CostModel::resolve(cost) {
         Ok(m) => m,
         Err(e) => {
@@ -1102,7 +1154,7 @@ fn compare(pp: u32, mb: u32, vpp: u32, cost: &str, dir: &str, format: OutFormat)
             .filter(|p| p.extension().is_some_and(|x| x == "sched"))
             .collect(),
         Err(e) => {
-            eprintln!("error: cannot read the spec directory `{dir}`: {e}");
+            eprintln!("error: cannot read the spec directory `{dir}`: {e} (run from the repository root or pass --specs DIR)");
             return ExitCode::from(2);
         }
     };

@@ -61,6 +61,41 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// Checks the figures: sizes positive, expert parameters within the total, top-k within
+    /// the experts. Errors name the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.layers == 0 || self.hidden == 0 || self.seq == 0 {
+            return Err("layers, hidden and seq must be at least 1".into());
+        }
+        for (n, v) in [
+            ("total_params", self.total_params),
+            ("active_params", self.active_params),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("`{n}` must be a positive number, got {v}"));
+            }
+        }
+        if !(self.expert_params.is_finite()
+            && self.expert_params >= 0.0
+            && self.expert_params < self.total_params)
+        {
+            return Err(format!(
+                "`expert_params` must be at least 0 and below total_params, got {}",
+                self.expert_params
+            ));
+        }
+        if self.active_params > self.total_params {
+            return Err("`active_params` cannot exceed `total_params`".into());
+        }
+        if self.experts > 0 && (self.top_k == 0 || self.top_k > self.experts) {
+            return Err(format!(
+                "`top_k` must be in 1..={} for {} experts",
+                self.experts, self.experts
+            ));
+        }
+        Ok(())
+    }
+
     /// True for MoE.
     pub fn is_moe(&self) -> bool {
         self.experts > 0

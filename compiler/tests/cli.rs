@@ -48,7 +48,10 @@ fn syntax_error_has_location_and_exit_2() {
     let out = schedc(&["check", f.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("syntax error at 2:16"), "{err}");
+    assert!(
+        err.contains("syntax error in") && err.contains("at 2:16"),
+        "{err}"
+    );
     assert!(err.contains("bad.ir:2:16"), "{err}");
     assert!(err.contains("unknown op `I`"), "{err}");
     assert!(err.contains("torch's `I`"), "{err}");

@@ -581,6 +581,14 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
                         format!("pp is too large (at most {MAX_RANKS_OR_STAGES})"),
                     ));
                 }
+                if let Some((_, at)) = pp {
+                    let (l, _) = line_col(src, at);
+                    return Err(c.err(
+                        kw_start,
+                        c.pos - kw_start,
+                        format!("`pp` is given twice (first on line {l})"),
+                    ));
+                }
                 pp = Some((v, kw_start));
                 c.end_header_line()?;
             }

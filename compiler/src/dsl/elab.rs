@@ -127,9 +127,10 @@ struct RankState<'a> {
 
 /// Elaboration steps (loop iterations and ops) allowed per instance; see
 /// [`set_step_budget`].
-static STEP_BUDGET: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(200_000_000);
+static STEP_BUDGET: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(20_000_000);
 
-/// Sets the number of elaboration steps allowed per instance (default 200 million): a spec
+/// Sets the number of elaboration steps allowed per instance (default 20 million; every
+/// emitted op and idle slot is a step, so this also bounds the program's size): a spec
 /// whose loops run longer is an error, not a hang. Fuzzing lowers it.
 pub fn set_step_budget(steps: u64) {
     STEP_BUDGET.store(steps, std::sync::atomic::Ordering::Relaxed);
@@ -255,7 +256,10 @@ fn call(
             if v.len() != 1 {
                 return Err(err(sp, "`abs` takes one argument"));
             }
-            Ok(Val::Int(v[0].abs()))
+            Ok(Val::Int(
+                v[0].checked_abs()
+                    .ok_or_else(|| err(sp, "integer overflow"))?,
+            ))
         }
         "done" | "left" => {
             let st = st.ok_or_else(|| {
@@ -674,6 +678,7 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                 st.spans.push(span(*sp));
             }
             Stmt::Idle(sp) => {
+                tick(st, *sp)?;
                 st.out.push(Instr::Idle);
                 st.spans.push(span(*sp));
             }
@@ -712,6 +717,16 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
     if inst.pp == 0 {
         return Err(vec![err(any_sp, "--pp must be at least 1")]);
     }
+    if inst.pp > schedc_ir::text::MAX_RANKS_OR_STAGES {
+        return Err(vec![err(
+            any_sp,
+            format!(
+                "--pp {} is too large (at most {})",
+                inst.pp,
+                schedc_ir::text::MAX_RANKS_OR_STAGES
+            ),
+        )]);
+    }
     if inst.mb == 0 {
         return Err(vec![err(any_sp, "--mb must be at least 1")]);
     }
@@ -733,10 +748,13 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
         }
         None => inst.vpp.unwrap_or(1) as i64,
     };
-    if v < 1 {
+    if v < 1 || v > schedc_ir::text::MAX_RANKS_OR_STAGES as i64 {
         return Err(vec![err(
             any_sp,
-            "the number of virtual stages per rank must be at least 1",
+            format!(
+                "the number of virtual stages per rank must be in 1..={}, got {v}",
+                schedc_ir::text::MAX_RANKS_OR_STAGES
+            ),
         )]);
     }
     env.push("V", Val::Int(v), false);
@@ -842,10 +860,11 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
     }
     let _ = stages_e;
     let pp = inst.pp;
-    if s_val < 1 || s_val > u32::MAX as i64 {
+    let max_s = schedc_ir::text::MAX_RANKS_OR_STAGES as i64;
+    if s_val < 1 || s_val > max_s {
         return Err(vec![err(
             any_sp,
-            format!("the number of stages must be at least 1, got {s_val}"),
+            format!("the number of stages must be in 1..={max_s}, got {s_val}"),
         )]);
     }
     let s_n = s_val as u32;
@@ -861,10 +880,13 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
         }
         None => inst.mb as i64,
     };
-    if mps < 1 {
+    if mps < 1 || mps > u32::MAX as i64 {
         return Err(vec![err(
             any_sp,
-            "the number of micro-batches per stage must be at least 1",
+            format!(
+                "the number of micro-batches per stage must be in 1..={}, got {mps}",
+                u32::MAX
+            ),
         )]);
     }
     let pipeline = match placement {

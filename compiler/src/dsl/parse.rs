@@ -14,6 +14,44 @@ use nom_locate::LocatedSpan;
 use schedc_ir::Kind;
 
 type In<'a> = LocatedSpan<&'a str>;
+
+/// How deeply expressions and blocks may nest, and how many terms one expression may have:
+/// the parser and the elaborator recurse on the tree, so a generated file with 100,000
+/// nested parentheses must be an error, not a stack overflow.
+const MAX_DEPTH: u32 = 128;
+const MAX_TERMS: u32 = 10_000;
+
+thread_local! {
+    static DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts one level of nesting while alive.
+struct Nest;
+
+impl Nest {
+    fn enter(i: In<'_>) -> Result<Nest, nom::Err<PErr>> {
+        let d = DEPTH.with(|d| {
+            d.set(d.get() + 1);
+            d.get()
+        });
+        if d > MAX_DEPTH {
+            DEPTH.with(|c| c.set(c.get() - 1));
+            return Err(nom::Err::Failure(PErr {
+                offset: i.location_offset(),
+                expected: format!("at most {MAX_DEPTH} levels of nesting"),
+                help: Some("split the expression or the block with `let` or `fn`".into()),
+                generic: false,
+            }));
+        }
+        Ok(Nest)
+    }
+}
+
+impl Drop for Nest {
+    fn drop(&mut self) {
+        DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
 type R<'a, T> = IResult<In<'a>, T, PErr>;
 
 /// A parse error: where, what was expected, what was found.
@@ -221,6 +259,7 @@ fn op_kind(i: In<'_>) -> R<'_, (Kind, Sp)> {
 // ---------------------------------------------------------------- expressions
 
 fn primary(i: In<'_>) -> R<'_, Expr> {
+    let _nest = Nest::enter(i)?;
     let start = i;
     if let Ok((i2, (v, sp))) = int(i) {
         return Ok((i2, Expr::Int(v, sp)));
@@ -301,7 +340,17 @@ fn binop(i: In<'_>) -> R<'_, BinOp> {
 /// Precedence climbing.
 fn expr_prec(i: In<'_>, min: u8) -> R<'_, Expr> {
     let (mut i, mut lhs) = unary(i)?;
+    let mut terms = 1u32;
     loop {
+        terms += 1;
+        if terms > MAX_TERMS {
+            return Err(nom::Err::Failure(PErr {
+                offset: i.location_offset(),
+                expected: format!("at most {MAX_TERMS} terms in one expression"),
+                help: Some("split it with `let` or `fn`".into()),
+                generic: false,
+            }));
+        }
         // Do not read `->`/`<-` (comm arrows) or `..` as operators.
         let f = i.fragment();
         if f.starts_with("->") || f.starts_with("<-") {
@@ -327,6 +376,7 @@ pub fn expr(i: In<'_>) -> R<'_, Expr> {
 // ---------------------------------------------------------------- statements
 
 fn block(i: In<'_>) -> R<'_, Vec<Stmt>> {
+    let _nest = Nest::enter(i)?;
     let open = i.location_offset();
     let (i, _) = expect("`{`", tok("{")).parse(i)?;
     let mut out = Vec::new();
@@ -785,6 +835,7 @@ fn help_for(expected: &str, found: &str) -> Option<String> {
 /// Errors: the first syntax error, at the furthest position the parser reached, with what
 /// it expected and what it found.
 pub fn parse_file(src: &str) -> Result<File, SyntaxError> {
+    DEPTH.with(|d| d.set(0));
     let input = In::new(src);
     let (mut cur, _) = ws(input).map_err(|_| SyntaxError {
         offset: 0,
@@ -808,6 +859,8 @@ pub fn parse_file(src: &str) -> Result<File, SyntaxError> {
                 };
                 let message = if expected.starts_with("`}` closing the block") {
                     "unclosed block: the file ends before its `}`".to_string()
+                } else if expected.starts_with("at most ") {
+                    format!("too complex: {expected}")
                 } else {
                     format!("expected {expected}, found {found}")
                 };

@@ -75,6 +75,26 @@ pub enum WfError {
         /// Why.
         why: String,
     },
+    /// A non-compute instruction given twice (e.g. `REDUCE_GRAD(s)`).
+    DuplicateOther {
+        /// The second occurrence.
+        at: Pos,
+        /// The first.
+        first: Pos,
+        /// What, e.g. "REDUCE_GRAD(0)".
+        what: String,
+    },
+    /// Both a fused BW and a split B or W for one (stage, mb).
+    FusedAndSplit {
+        /// The split op.
+        at: Pos,
+        /// The BW.
+        bw: Pos,
+        /// The split op's text.
+        op: String,
+        /// The BW's text.
+        bw_op: String,
+    },
     /// The program's rank count differs from P.
     RankCount {
         /// Ranks in the program.
@@ -142,6 +162,18 @@ impl WfError {
                 }
                 d
             }
+            WfError::DuplicateOther { at, first, what } => {
+                Diagnostic::error(Code::DuplicateOp, format!("{what} appears more than once"))
+                    .at(loc(at))
+                    .with_related(loc(first), "first occurrence")
+            }
+            WfError::FusedAndSplit { at, bw, op, bw_op } => Diagnostic::error(
+                Code::DuplicateOp,
+                format!("{op} repeats work that {bw_op} already does: BW is the fused B + W"),
+            )
+            .at(loc(at))
+            .with_related(loc(bw), "the fused backward")
+            .with_help("keep either the fused BW or the split B and W"),
             WfError::Collective { at, why } => {
                 Diagnostic::error(Code::CollectiveOrder, why.clone()).at(loc(at))
             }
@@ -258,10 +290,10 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                             });
                         }
                         if reduce_seen[*s as usize].is_some() {
-                            errs.push(WfError::Duplicate {
+                            errs.push(WfError::DuplicateOther {
                                 at,
                                 first: reduce_seen[*s as usize],
-                                op: Compute::new(Kind::W, *s, 0),
+                                what: format!("REDUCE_GRAD({s})"),
                             });
                         } else {
                             reduce_seen[*s as usize] = at;
@@ -375,11 +407,16 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                     near: Some(w.first),
                 }),
                 (true, _, _) => {
-                    let other = if b.present() { b.first } else { w.first };
-                    errs.push(WfError::Duplicate {
+                    let (other, k) = if b.present() {
+                        (b.first, Kind::B)
+                    } else {
+                        (w.first, Kind::W)
+                    };
+                    errs.push(WfError::FusedAndSplit {
                         at: other,
-                        first: bw.first,
-                        op: Compute::new(if b.present() { Kind::B } else { Kind::W }, s, m),
+                        bw: bw.first,
+                        op: compute_str(&Compute::new(k, s, m)),
+                        bw_op: compute_str(&Compute::new(Kind::BW, s, m)),
                     });
                 }
             }

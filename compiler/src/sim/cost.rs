@@ -207,9 +207,92 @@ pub const PRESETS: &[(&str, &str)] = &[
 ];
 
 impl CostModel {
-    /// Parses TOML. Errors: the TOML error with its line and column.
+    /// Parses TOML. Errors: the TOML error with its line and column, or a value
+    /// [`CostModel::validate`] refuses.
     pub fn from_toml(s: &str) -> Result<Self, String> {
-        toml::from_str(s).map_err(|e| e.to_string())
+        let m: CostModel = toml::from_str(s).map_err(|e| e.to_string())?;
+        m.validate()?;
+        Ok(m)
+    }
+
+    /// Checks every value: times, sizes and bandwidth finite and non-negative,
+    /// `released_at_b` in [0, 1], per-stage keys stage numbers.
+    pub fn validate(&self) -> Result<(), String> {
+        let ok = |name: &str, v: f64| {
+            if v.is_finite() && v >= 0.0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "`{name}` must be a finite non-negative number, got {v}"
+                ))
+            }
+        };
+        let ops = |pre: &str, c: &OpCosts| -> Result<(), String> {
+            for (n, v) in [
+                ("F", c.f),
+                ("B", c.b),
+                ("W", c.w),
+                ("BW", c.bw),
+                ("FB", c.fb),
+            ] {
+                if let Some(v) = v {
+                    ok(&format!("{pre}{n}"), v)?;
+                }
+            }
+            Ok(())
+        };
+        ops("compute.", &self.compute.all)?;
+        for (k, c) in &self.compute.stage {
+            if k.parse::<u32>().is_err() {
+                return Err(format!(
+                    "[compute.stage.{k}]: the key must be a stage number"
+                ));
+            }
+            ops(&format!("compute.stage.{k}."), c)?;
+        }
+        ok("p2p.latency", self.p2p.latency)?;
+        ok("p2p.bandwidth", self.p2p.bandwidth)?;
+        if let Some(b) = self.p2p.bytes {
+            ok("p2p.bytes", b)?;
+        }
+        if let Some(m) = &self.model {
+            for (n, v) in [
+                ("hidden", m.hidden),
+                ("seq", m.seq),
+                ("micro_batch", m.micro_batch),
+                ("dtype_bytes", m.dtype_bytes),
+            ] {
+                ok(&format!("model.{n}"), v)?;
+            }
+        }
+        for (n, v) in [
+            ("moe.dispatch", self.moe.dispatch),
+            ("moe.combine", self.moe.combine),
+            ("moe.a2a", self.moe.a2a),
+        ] {
+            ok(n, v)?;
+        }
+        let mem = &self.memory;
+        for (n, v) in [
+            ("memory.activation_bytes", mem.activation_bytes),
+            ("memory.param_bytes", mem.param_bytes),
+            ("memory.grad_bytes", mem.grad_bytes),
+            ("memory.optimizer_bytes", mem.optimizer_bytes),
+        ] {
+            ok(n, v)?;
+        }
+        if !(0.0..=1.0).contains(&mem.released_at_b) {
+            return Err(format!(
+                "`memory.released_at_b` must be in [0, 1], got {}",
+                mem.released_at_b
+            ));
+        }
+        // Sums of times must stay finite too.
+        let total = self.op_time(Kind::F, 0) + self.op_time(Kind::BW, 0) + self.message_time();
+        if !total.is_finite() {
+            return Err("the cost model's times are too large: their sums overflow".into());
+        }
+        Ok(())
     }
 
     /// A preset by name, a TOML file path, or inline `k=v,...` overrides on the unit model
@@ -264,7 +347,7 @@ impl CostModel {
                 "combine" => self.moe.combine = v,
                 "a2a" => self.moe.a2a = v,
                 "activation_bytes" => self.memory.activation_bytes = v,
-                "released_at_b" => self.memory.released_at_b = v.min(1.0),
+                "released_at_b" => self.memory.released_at_b = v,
                 "param_bytes" => self.memory.param_bytes = v,
                 "grad_bytes" => self.memory.grad_bytes = v,
                 "optimizer_bytes" => self.memory.optimizer_bytes = v,
@@ -275,7 +358,7 @@ impl CostModel {
                 }
             }
         }
-        Ok(())
+        self.validate()
     }
 
     fn stage_costs(&self, stage: u32) -> Option<&OpCosts> {
