@@ -415,7 +415,21 @@ fn real_main() -> ExitCode {
             }
             let loaded = match load(&input) {
                 Ok(l) => l,
-                Err(c) => return c,
+                Err(c) => {
+                    // With --format json, standard output still carries one object.
+                    if format == OutFormat::Json {
+                        let verdict = if c == ExitCode::from(1) {
+                            "refused"
+                        } else {
+                            "unreadable"
+                        };
+                        emit(&format!(
+                            "{}\n",
+                            serde_json::json!({"verdict": verdict, "input": input.input, "diagnostics": [], "note": "see standard error"})
+                        ));
+                    }
+                    return c;
+                }
             };
             let opts = check::Options {
                 semantics: Semantics {
@@ -453,6 +467,14 @@ fn real_main() -> ExitCode {
                 Ok(l) => l,
                 Err(c) => return c,
             };
+            let out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
+            if out.report.verdict == Verdict::Rejected {
+                let first = out.report.diagnostics.iter().find(|d| d.is_error());
+                eprintln!(
+                    "note: `schedc check` rejects this schedule ({}); the grid shows the compute order only",
+                    first.map(|d| format!("{}: {}", d.code.as_str(), d.message)).unwrap_or_default()
+                );
+            }
             emit(&grid(&loaded.program));
             ExitCode::SUCCESS
         }
@@ -727,7 +749,17 @@ fn real_main() -> ExitCode {
         Cmd::Run { args } => backend("run", &args),
         Cmd::Compile { args } => backend("compile", &args),
         Cmd::Fmt { file, write, check } => {
-            let text = match std::fs::read_to_string(&file) {
+            if file == "-" && write {
+                eprintln!("error: --write needs a file, not standard input");
+                return ExitCode::from(2);
+            }
+            let read = if file == "-" {
+                let mut t = String::new();
+                std::io::Read::read_to_string(&mut std::io::stdin(), &mut t).map(|_| t)
+            } else {
+                std::fs::read_to_string(&file)
+            };
+            let text = match read {
                 Ok(t) => t,
                 Err(e) => {
                     eprintln!("error: cannot read `{file}`: {e}");

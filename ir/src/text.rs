@@ -256,10 +256,14 @@ impl<'a> Cur<'a> {
             Err(self.err_here("end of line"))
         }
     }
+    /// Numbers separated by white space or commas (`0 1 1 0`, `0,1,1,0`).
     fn uint_list(&mut self, what: &str) -> PResult<Vec<u32>> {
         let mut v = Vec::new();
         loop {
             self.skip_inline_ws();
+            if !v.is_empty() && self.eat(b',') {
+                self.skip_inline_ws();
+            }
             if self.at_line_end() {
                 break;
             }
