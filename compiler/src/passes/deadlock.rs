@@ -41,10 +41,11 @@
 // Index loops over parallel arrays (ops, groups) read better than zipped iterators here.
 #![allow(clippy::needless_range_loop)]
 
+use super::streams::{flatten, Streams, NONE};
 use super::{Ctx, Pos};
 use crate::diag::{Code, Diagnostic};
 use schedc_ir::text::{instr_to_string, write_comm};
-use schedc_ir::{Comm, Instr, Kind, PayloadKind, Program};
+use schedc_ir::{Comm, Program};
 use std::collections::HashMap;
 
 /// Communication semantics. The default is the strictest (rendezvous, groups as written).
@@ -202,19 +203,12 @@ impl CommError {
     }
 }
 
-const NONE: u32 = u32::MAX;
-
-/// (sender, receiver, channel): the unit of FIFO matching.
-type ChannelKey = (u32, u32, u32);
-
 /// Flattened communication ops.
 struct Ops {
     rank: Vec<u32>,
     pos: Vec<u32>,
     group: Vec<u32>,
     partner: Vec<u32>,
-    /// 0 send, 1 recv, 2 collective.
-    kind: Vec<u8>,
     /// For sends: index within its (src, dst) channel.
     chan_ix: Vec<u32>,
 }
@@ -238,203 +232,51 @@ fn op_text(c: &Comm) -> String {
 /// deadlock-free with labels agreeing).
 pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
     let pl = &p.pipeline;
-    let (s_n, m_n) = (pl.stages, pl.microbatches);
     let np = p.ranks.len();
     let mut errs = Vec::new();
 
     // ---- Flatten comm ops into groups; compute items per rank. ----
-    let total_comm = p.comm_ops();
+    let flat = flatten(p);
+    let chans = flat.channels();
+    let Streams {
+        comm: comm_ref,
+        op_rank,
+        op_pos,
+        op_group,
+        g_rank,
+        g_pos,
+        g_ops,
+        g_producer,
+        g_stream,
+        stream_rank,
+        stream_groups,
+        rank_streams,
+        items,
+        waits,
+    } = flat;
+    let n_ops = comm_ref.len();
     let mut ops = Ops {
-        rank: Vec::with_capacity(total_comm),
-        pos: Vec::with_capacity(total_comm),
-        group: Vec::with_capacity(total_comm),
-        partner: vec![NONE; total_comm],
-        kind: Vec::with_capacity(total_comm),
-        chan_ix: vec![0; total_comm],
+        rank: op_rank,
+        pos: op_pos,
+        group: op_group,
+        partner: vec![NONE; n_ops],
+        chan_ix: vec![0; n_ops],
     };
-    let mut comm_ref: Vec<&Comm> = Vec::with_capacity(total_comm);
-    let mut groups = Groups {
-        rank: Vec::new(),
-        pos: Vec::new(),
-        ops: Vec::new(),
-        producer: Vec::new(),
+    let groups = Groups {
+        rank: g_rank,
+        pos: g_pos,
+        ops: g_ops,
+        producer: g_producer,
     };
-    let mut rank_groups: Vec<(u32, u32)> = Vec::with_capacity(np); // range into groups
-                                                                   // Communication streams: one per (rank, channel); a group runs on the stream of its first
-                                                                   // op's channel.
-    let mut stream_of: HashMap<(u32, u32), usize> = HashMap::new();
-    let mut stream_rank: Vec<u32> = Vec::new();
-    let mut stream_groups: Vec<Vec<u32>> = Vec::new();
-    let mut rank_streams: Vec<Vec<usize>> = vec![Vec::new(); np];
-    let mut g_stream: Vec<u32> = Vec::new();
-    // Compute items: per rank, a list of (instr pos, waits range into `waits`).
-    let mut items_pos: Vec<Vec<u32>> = Vec::with_capacity(np);
-    let mut items_waits: Vec<Vec<(u32, u32)>> = Vec::with_capacity(np);
-    let mut waits: Vec<u32> = Vec::new();
-
-    let n = s_n as usize * m_n as usize;
-    // Per rank scratch: producer item index per payload, recv op per payload, send op per payload.
-    let mut prod_item = vec![NONE; 2 * n];
-    let mut recv_op = vec![NONE; 2 * n];
-    let mut send_op: HashMap<(PayloadKind, u32, u32), u32> = HashMap::new();
-    let pk = |k: PayloadKind, s: u32, m: u32| -> Option<usize> {
-        if s < s_n && m < m_n {
-            Some(k as usize * n + (s * m_n + m) as usize)
-        } else {
-            None
-        }
-    };
-    for (r, instrs) in p.ranks.iter().enumerate() {
-        let g0 = groups.rank.len() as u32;
-        // First: comm ops (so recv ids are known before compute waits are built).
-        let mut touched: Vec<usize> = Vec::new();
-        for (i, ins) in instrs.iter().enumerate() {
-            let cs = ins.comms();
-            if cs.is_empty() {
-                continue;
-            }
-            let mut push_group = |members: &[Comm], ops: &mut Ops, comm_ref: &mut Vec<&'_ Comm>| {
-                let gid = groups.rank.len() as u32;
-                let start = ops.rank.len() as u32;
-                for _ in members {
-                    ops.rank.push(r as u32);
-                    ops.pos.push(i as u32);
-                    ops.group.push(gid);
-                }
-                let _ = comm_ref;
-                groups.rank.push(r as u32);
-                groups.pos.push(i as u32);
-                groups.ops.push((start, start + members.len() as u32));
-                groups.producer.push(NONE);
-            };
-            push_group(cs, &mut ops, &mut comm_ref);
-            let key = (r as u32, cs[0].channel());
-            let k = *stream_of.entry(key).or_insert_with(|| {
-                stream_rank.push(r as u32);
-                stream_groups.push(Vec::new());
-                rank_streams[r].push(stream_groups.len() - 1);
-                stream_groups.len() - 1
-            });
-            stream_groups[k].push(groups.rank.len() as u32 - 1);
-            g_stream.push(k as u32);
-            for m in cs {
-                let id = comm_ref.len() as u32;
-                comm_ref.push(m);
-                match m {
-                    Comm::Send { payload, .. } => {
-                        ops.kind.push(0);
-                        send_op
-                            .entry((payload.kind, payload.stage, payload.mb))
-                            .or_insert(id);
-                    }
-                    Comm::Recv { payload, .. } => {
-                        ops.kind.push(1);
-                        if let Some(k) = pk(payload.kind, payload.stage, payload.mb) {
-                            if recv_op[k] == NONE {
-                                recv_op[k] = id;
-                                touched.push(k);
-                            }
-                        }
-                    }
-                    Comm::Collective(_) => ops.kind.push(2),
-                }
+    for (sends, recvs) in chans.values() {
+        for list in [sends, recvs] {
+            for (ix, &id) in list.iter().enumerate() {
+                ops.chan_ix[id as usize] = ix as u32;
             }
         }
-        let g1 = groups.rank.len() as u32;
-        rank_groups.push((g0, g1));
-        // Compute items.
-        let mut ipos = Vec::new();
-        let mut iw = Vec::new();
-        for (i, ins) in instrs.iter().enumerate() {
-            if !super::on_compute_stream(ins) {
-                continue;
-            }
-            let item = ipos.len() as u32;
-            let w0 = waits.len() as u32;
-            ins.for_each_compute(|c| {
-                if c.stage >= s_n || c.mb >= m_n {
-                    return;
-                }
-                let need = match c.kind {
-                    Kind::F => pl.prev_stage(c.stage).map(|ps| (PayloadKind::Act, ps)),
-                    Kind::B | Kind::BW => pl.next_stage(c.stage).map(|ns| (PayloadKind::Grad, ns)),
-                    Kind::W => None,
-                };
-                if let Some((k, s)) = need {
-                    if pl.rank_of(s) as usize != r {
-                        if let Some(kk) = pk(k, s, c.mb) {
-                            if recv_op[kk] != NONE {
-                                waits.push(recv_op[kk]);
-                            }
-                        }
-                    }
-                }
-                if super::is_last_part(c) {
-                    let prod = match c.kind {
-                        Kind::F => Some(PayloadKind::Act),
-                        Kind::B | Kind::BW => Some(PayloadKind::Grad),
-                        Kind::W => None,
-                    };
-                    if let Some(k) = prod {
-                        if let Some(kk) = pk(k, c.stage, c.mb) {
-                            prod_item[kk] = item;
-                            touched.push(kk);
-                        }
-                    }
-                }
-            });
-            if let Instr::WaitSend(pl_) = ins {
-                if let Some(&id) = send_op.get(&(pl_.kind, pl_.stage, pl_.mb)) {
-                    waits.push(id);
-                }
-            }
-            ipos.push(i as u32);
-            iw.push((w0, waits.len() as u32));
-        }
-        // Group producers: the latest producer item among its sends.
-        for g in g0..g1 {
-            let (a, b) = groups.ops[g as usize];
-            let mut need = NONE;
-            for id in a..b {
-                if let Comm::Send { payload, .. } = comm_ref[id as usize] {
-                    if let Some(kk) = pk(payload.kind, payload.stage, payload.mb) {
-                        let it = prod_item[kk];
-                        if it != NONE && (need == NONE || it > need) {
-                            need = it;
-                        }
-                    }
-                }
-            }
-            groups.producer[g as usize] = need;
-        }
-        for k in touched {
-            prod_item[k] = NONE;
-            recv_op[k] = NONE;
-        }
-        send_op.clear();
-        items_pos.push(ipos);
-        items_waits.push(iw);
     }
 
     // ---- FIFO matching per ordered pair. ----
-    // Keyed by (sender, receiver, channel).
-    let mut chans: HashMap<ChannelKey, (Vec<u32>, Vec<u32>)> = HashMap::new();
-    for (id, c) in comm_ref.iter().enumerate() {
-        let r = ops.rank[id];
-        match c {
-            Comm::Send { peer, channel, .. } => {
-                let e = chans.entry((r, *peer, *channel)).or_default();
-                ops.chan_ix[id] = e.0.len() as u32;
-                e.0.push(id as u32);
-            }
-            Comm::Recv { peer, channel, .. } => {
-                let e = chans.entry((*peer, r, *channel)).or_default();
-                ops.chan_ix[id] = e.1.len() as u32;
-                e.1.push(id as u32);
-            }
-            Comm::Collective(_) => {}
-        }
-    }
     let mut chan_keys: Vec<_> = chans.keys().copied().collect();
     chan_keys.sort_unstable();
     const CAP: usize = 50;
@@ -622,9 +464,8 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
     for id in 0..comm_ref.len() {
         let g = ops.group[id];
         let part = ops.partner[id];
-        match ops.kind[id] {
-            0 => {
-                // send
+        match comm_ref[id] {
+            Comm::Send { .. } => {
                 if rendezvous {
                     if part == NONE {
                         never[g as usize] = true;
@@ -665,7 +506,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                     op_req[id] = ops.group[part as usize];
                 }
             }
-            1 => {
+            Comm::Recv { .. } => {
                 if part == NONE {
                     never[g as usize] = true;
                     if !rendezvous {
@@ -684,7 +525,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                     op_req[id] = ops.group[part as usize];
                 }
             }
-            _ => {}
+            Comm::Collective(_) => {}
         }
     }
     for (set, nev) in coll_sets.iter().zip(&coll_never) {
@@ -750,7 +591,6 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
 
     // ---- Simulation. ----
     let mut cpos = vec![0u32; np];
-    let _ = &rank_groups;
     let ns = stream_groups.len();
     // Position of each communication stream in its list of groups.
     let mut spos: Vec<usize> = vec![0; ns];
@@ -782,9 +622,9 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
         loop {
             let mut progressed = false;
             // Compute stream.
-            let items = &items_waits[r];
+            let items = &items[r];
             while (cpos[r] as usize) < items.len() {
-                let (a, b) = items[cpos[r] as usize];
+                let (_, (a, b)) = items[cpos[r] as usize];
                 let ready = waits[a as usize..b as usize]
                     .iter()
                     .all(|&id| op_done(id, &posted, &complete));
@@ -865,7 +705,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
     }
 
     // ---- Stuck? ----
-    let blocked_c = |r: usize, cpos: &[u32]| (cpos[r] as usize) < items_waits[r].len();
+    let blocked_c = |r: usize, cpos: &[u32]| (cpos[r] as usize) < items[r].len();
     let blocked_m = |k: usize, spos: &[usize]| spos[k] < stream_groups[k].len();
     let any_stuck = (0..np).any(|r| blocked_c(r, &cpos)) || (0..ns).any(|k| blocked_m(k, &spos));
     if !any_stuck {
@@ -883,9 +723,9 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
             let it = cpos[r] as usize;
             let at = Pos {
                 rank: r as u32,
-                pos: items_pos[r][it],
+                pos: items[r][it].0,
             };
-            let (a, b) = items_waits[r][it];
+            let (a, b) = items[r][it].1;
             let id = waits[a as usize..b as usize]
                 .iter()
                 .copied()
@@ -923,7 +763,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 let prod = groups.producer[g] as usize;
                 let ppos = Pos {
                     rank: r as u32,
-                    pos: items_pos[r][prod],
+                    pos: items[r][prod].0,
                 };
                 let waits_for = format!(
                     "it sends the output of `{}` (position {}), which has not run on the compute stream",

@@ -17,6 +17,7 @@ pub mod deps;
 pub mod liveness;
 pub mod lower;
 pub mod makespan;
+pub mod streams;
 pub mod warmup;
 pub mod wellformed;
 

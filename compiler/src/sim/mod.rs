@@ -24,7 +24,7 @@ pub mod render;
 use crate::passes::{is_first_part, is_last_part};
 use cost::CostModel;
 use schedc_ir::text::instr_to_string;
-use schedc_ir::{Comm, Compute, Instr, Kind, Part, PayloadKind, Program};
+use schedc_ir::{Comm, Compute, Instr, Kind, Part, Program};
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -133,10 +133,7 @@ pub struct SimResult {
     pub flows: Vec<(usize, usize)>,
 }
 
-const NONE: u32 = u32::MAX;
-
-/// (sender, receiver, channel): the unit of FIFO matching.
-type ChannelKey = (u32, u32, u32);
+use crate::passes::streams::NONE;
 
 fn kind_of(c: &Compute) -> EventKind {
     if c.part.is_all_to_all() {
@@ -165,179 +162,30 @@ fn find(parent: &mut [u32], mut x: u32) -> u32 {
 /// `schedc check` for the diagnosis).
 pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     let pl = &p.pipeline;
-    let (s_n, m_n) = (pl.stages, pl.microbatches);
     let np = p.ranks.len();
-    let n = s_n as usize * m_n as usize;
-    let pk = |k: PayloadKind, s: u32, m: u32| -> Option<usize> {
-        (s < s_n && m < m_n).then(|| k as usize * n + (s * m_n + m) as usize)
-    };
     let msg_time = cost.message_time();
 
     // ---- Flatten: comm ops and groups; compute items. ----
-    let mut op_group: Vec<u32> = Vec::new();
-    let mut op_rank: Vec<u32> = Vec::new();
-    let mut op_comm: Vec<&Comm> = Vec::new();
-    let mut g_rank: Vec<u32> = Vec::new();
-    let mut g_pos: Vec<u32> = Vec::new();
-    let mut g_ops: Vec<(u32, u32)> = Vec::new();
-    let mut g_prod: Vec<u32> = Vec::new();
-    let mut rank_groups: Vec<(u32, u32)> = Vec::new();
-    // Communication streams, one per (rank, channel); a group runs on its first op's channel.
-    let mut stream_of: HashMap<(u32, u32), usize> = HashMap::new();
-    let mut stream_groups: Vec<Vec<u32>> = Vec::new();
-    let mut rank_streams: Vec<Vec<usize>> = vec![Vec::new(); np];
-    let mut g_stream: Vec<usize> = Vec::new();
-    // Items: (instr pos, waits range)
-    let mut items: Vec<Vec<(u32, (u32, u32))>> = Vec::new();
-    let mut waits: Vec<u32> = Vec::new();
-    let mut prod_item = vec![NONE; 2 * n];
-    let mut recv_op = vec![NONE; 2 * n];
-    let mut send_op = vec![NONE; 2 * n];
-    for (r, instrs) in p.ranks.iter().enumerate() {
-        let g0 = g_rank.len() as u32;
-        let mut touched = Vec::new();
-        for (i, ins) in instrs.iter().enumerate() {
-            let cs = ins.comms();
-            if cs.is_empty() {
-                continue;
-            }
-            let gid = g_rank.len() as u32;
-            let start = op_comm.len() as u32;
-            let k = *stream_of
-                .entry((r as u32, cs[0].channel()))
-                .or_insert_with(|| {
-                    stream_groups.push(Vec::new());
-                    rank_streams[r].push(stream_groups.len() - 1);
-                    stream_groups.len() - 1
-                });
-            stream_groups[k].push(gid);
-            g_stream.push(k);
-            for m in cs {
-                let id = op_comm.len() as u32;
-                op_comm.push(m);
-                op_group.push(gid);
-                op_rank.push(r as u32);
-                match m {
-                    Comm::Recv { payload, .. } => {
-                        if let Some(k) = pk(payload.kind, payload.stage, payload.mb) {
-                            if recv_op[k] == NONE {
-                                recv_op[k] = id;
-                                touched.push(k);
-                            }
-                        }
-                    }
-                    Comm::Send { payload, .. } => {
-                        if let Some(k) = pk(payload.kind, payload.stage, payload.mb) {
-                            if send_op[k] == NONE {
-                                send_op[k] = id;
-                                touched.push(k);
-                            }
-                        }
-                    }
-                    Comm::Collective(_) => {}
-                }
-            }
-            g_rank.push(r as u32);
-            g_pos.push(i as u32);
-            g_ops.push((start, op_comm.len() as u32));
-            g_prod.push(NONE);
-        }
-        let g1 = g_rank.len() as u32;
-        rank_groups.push((g0, g1));
-        let mut its = Vec::new();
-        for (i, ins) in instrs.iter().enumerate() {
-            if !crate::passes::on_compute_stream(ins) {
-                continue;
-            }
-            let item = its.len() as u32;
-            let w0 = waits.len() as u32;
-            ins.for_each_compute(|c| {
-                if c.stage >= s_n || c.mb >= m_n {
-                    return;
-                }
-                let need = match c.kind {
-                    Kind::F => pl.prev_stage(c.stage).map(|ps| (PayloadKind::Act, ps)),
-                    Kind::B | Kind::BW => pl.next_stage(c.stage).map(|ns| (PayloadKind::Grad, ns)),
-                    Kind::W => None,
-                };
-                if let Some((k, s)) = need {
-                    if pl.rank_of(s) as usize != r {
-                        if let Some(kk) = pk(k, s, c.mb) {
-                            if recv_op[kk] != NONE {
-                                waits.push(recv_op[kk]);
-                            }
-                        }
-                    }
-                }
-                if is_last_part(c) {
-                    let prod = match c.kind {
-                        Kind::F => Some(PayloadKind::Act),
-                        Kind::B | Kind::BW => Some(PayloadKind::Grad),
-                        Kind::W => None,
-                    };
-                    if let Some(kk) = prod.and_then(|k| pk(k, c.stage, c.mb)) {
-                        prod_item[kk] = item;
-                        touched.push(kk);
-                    }
-                }
-            });
-            if let Instr::WaitSend(pl_) = ins {
-                if let Some(id) = pk(pl_.kind, pl_.stage, pl_.mb)
-                    .map(|k| send_op[k])
-                    .filter(|&id| id != NONE)
-                {
-                    waits.push(id);
-                }
-            }
-            its.push((i as u32, (w0, waits.len() as u32)));
-        }
-        for g in g0..g1 {
-            let (a, b) = g_ops[g as usize];
-            let mut need = NONE;
-            for id in a..b {
-                if let Comm::Send { payload, .. } = op_comm[id as usize] {
-                    if let Some(kk) = pk(payload.kind, payload.stage, payload.mb) {
-                        let it = prod_item[kk];
-                        if it != NONE && (need == NONE || it > need) {
-                            need = it;
-                        }
-                    }
-                }
-            }
-            g_prod[g as usize] = need;
-        }
-        for k in touched {
-            prod_item[k] = NONE;
-            recv_op[k] = NONE;
-            send_op[k] = NONE;
-        }
-        items.push(its);
-    }
+    let flat = crate::passes::streams::flatten(p);
+    let op_comm = &flat.comm;
+    let (op_rank, op_group) = (&flat.op_rank, &flat.op_group);
+    let (g_rank, g_pos, g_ops, g_prod) = (&flat.g_rank, &flat.g_pos, &flat.g_ops, &flat.g_producer);
+    let (stream_groups, rank_streams) = (&flat.stream_groups, &flat.rank_streams);
+    let (items, waits) = (&flat.items, &flat.waits);
 
     // ---- FIFO matching and components. ----
     let ng = g_rank.len();
     let mut partner = vec![NONE; op_comm.len()];
-    let mut chans: HashMap<ChannelKey, (Vec<u32>, Vec<u32>)> = HashMap::new();
+    let chans = flat.channels();
     let mut colls: HashMap<&str, HashMap<u32, Vec<u32>>> = HashMap::new();
     for (id, c) in op_comm.iter().enumerate() {
-        let r = op_rank[id];
-        match c {
-            Comm::Send { peer, channel, .. } => chans
-                .entry((r, *peer, *channel))
-                .or_default()
-                .0
-                .push(id as u32),
-            Comm::Recv { peer, channel, .. } => chans
-                .entry((*peer, r, *channel))
-                .or_default()
-                .1
-                .push(id as u32),
-            Comm::Collective(col) => colls
+        if let Comm::Collective(col) = c {
+            colls
                 .entry(col.comm.as_str())
                 .or_default()
-                .entry(r)
+                .entry(op_rank[id])
                 .or_default()
-                .push(id as u32),
+                .push(id as u32);
         }
     }
     let mut parent: Vec<u32> = (0..ng as u32).collect();
@@ -427,7 +275,6 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     let mut events: Vec<Event> = Vec::new();
     let mut g_event = vec![usize::MAX; ng];
     let mut cpos = vec![0usize; np];
-    let _ = &rank_groups;
     let ns = stream_groups.len();
     let mut spos = vec![0usize; ns];
     let mut cfree = vec![0f64; np];
