@@ -14,7 +14,7 @@
 
 use super::{compute_str, Ctx, OpIndex, Pos};
 use crate::diag::{Code, Diagnostic};
-use schedc_ir::{Comm, Compute, Instr, Kind, Part, PayloadKind, Program};
+use schedc_ir::{Comm, Compute, Instr, Kind, Part, PayloadKind, Pipeline, Program};
 
 /// A well-formedness error.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -209,22 +209,8 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                 pos: i as u32,
             };
             let mut check_compute = |c: &Compute| {
-                if c.stage >= s_n {
-                    errs.push(WfError::Range {
-                        at,
-                        what: "stage",
-                        value: c.stage,
-                        limit: s_n,
-                    });
-                    return;
-                }
-                if c.mb >= m_n {
-                    errs.push(WfError::Range {
-                        at,
-                        what: "micro-batch",
-                        value: c.mb,
-                        limit: m_n,
-                    });
+                if let Some(e) = range_error(pl, at, c.stage, c.mb) {
+                    errs.push(e);
                     return;
                 }
                 let holder = pl.rank_of(c.stage);
@@ -311,18 +297,7 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                     }
                 }
                 Instr::WaitSend(pl_) => {
-                    if pl_.stage >= s_n || pl_.mb >= m_n {
-                        errs.push(WfError::Range {
-                            at,
-                            what: if pl_.stage >= s_n {
-                                "stage"
-                            } else {
-                                "micro-batch"
-                            },
-                            value: if pl_.stage >= s_n { pl_.stage } else { pl_.mb },
-                            limit: if pl_.stage >= s_n { s_n } else { m_n },
-                        });
-                    }
+                    errs.extend(range_error(pl, at, pl_.stage, pl_.mb));
                 }
                 Instr::Idle => {}
             }
@@ -425,9 +400,26 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
     errs
 }
 
+/// The `range` error for a (stage, micro-batch) pair at `at`, stage checked first.
+fn range_error(pl: &Pipeline, at: Pos, stage: u32, mb: u32) -> Option<WfError> {
+    let (what, value, limit) = if stage >= pl.stages {
+        ("stage", stage, pl.stages)
+    } else if mb >= pl.microbatches {
+        ("micro-batch", mb, pl.microbatches)
+    } else {
+        return None;
+    };
+    Some(WfError::Range {
+        at,
+        what,
+        value,
+        limit,
+    })
+}
+
 fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
     let pl = &p.pipeline;
-    let (s_n, m_n, pp) = (pl.stages, pl.microbatches, pl.pp);
+    let pp = pl.pp;
     match m {
         Comm::Send { payload, peer, .. } | Comm::Recv { payload, peer, .. } => {
             let send = matches!(m, Comm::Send { .. });
@@ -440,22 +432,8 @@ fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
                 });
                 return;
             }
-            if payload.stage >= s_n {
-                errs.push(WfError::Range {
-                    at,
-                    what: "stage",
-                    value: payload.stage,
-                    limit: s_n,
-                });
-                return;
-            }
-            if payload.mb >= m_n {
-                errs.push(WfError::Range {
-                    at,
-                    what: "micro-batch",
-                    value: payload.mb,
-                    limit: m_n,
-                });
+            if let Some(e) = range_error(pl, at, payload.stage, payload.mb) {
+                errs.push(e);
                 return;
             }
             if *peer == at.rank {
