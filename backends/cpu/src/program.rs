@@ -701,6 +701,15 @@ impl Builder {
         self.events += 1;
         self.events - 1
     }
+
+    /// The op list of communication stream `channel` (0: the default comm stream).
+    fn comm_stream(&mut self, channel: u32) -> &mut Vec<Op> {
+        if channel == 0 {
+            &mut self.comm
+        } else {
+            self.channels.entry(channel).or_default()
+        }
+    }
 }
 
 fn lower_rank(
@@ -807,11 +816,7 @@ fn lower_rank(
                     } = c
                     {
                         let buf = Buf::of_payload(payload);
-                        let ops = if *channel == 0 {
-                            &mut b.comm
-                        } else {
-                            b.channels.entry(*channel).or_default()
-                        };
+                        let ops = b.comm_stream(*channel);
                         ops.push(Op::Wait {
                             event: send_ev[&buf],
                         });
@@ -830,11 +835,7 @@ fn lower_rank(
                     } = c
                     {
                         let buf = Buf::of_payload(payload);
-                        let ops = if *channel == 0 {
-                            &mut b.comm
-                        } else {
-                            b.channels.entry(*channel).or_default()
-                        };
+                        let ops = b.comm_stream(*channel);
                         ops.push(Op::Alloc { buf, zero: false });
                         ops.push(Op::Recv {
                             buf,
