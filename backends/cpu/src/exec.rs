@@ -574,6 +574,17 @@ impl<'a, T: Real> Rank<'a, T> {
         self.mailbox.contains_key(&(from, self.step, tag.clone()))
     }
 
+    /// Drains the transport, then lists the members of `group` whose `tag` message has not
+    /// arrived (in group order).
+    fn missing_from(&mut self, group: &[u32], tag: &Tag) -> Vec<u32> {
+        self.drain();
+        group
+            .iter()
+            .copied()
+            .filter(|m| !self.has(*m, tag))
+            .collect()
+    }
+
     fn send(&mut self, to: u32, tag: Tag, body: Body<T>) {
         let me = self.prog.rank;
         if to == me {
@@ -836,12 +847,7 @@ impl<'a, T: Real> Rank<'a, T> {
                     }
                     posted[s] = true;
                 }
-                self.drain();
-                let missing: Vec<u32> = group
-                    .iter()
-                    .copied()
-                    .filter(|m| !self.has(*m, &tag))
-                    .collect();
+                let missing = self.missing_from(group, &tag);
                 if !missing.is_empty() {
                     return Ok(Outcome::Blocked(format!(
                         "the {phase:?} all-to-all of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
@@ -916,12 +922,7 @@ impl<'a, T: Real> Rank<'a, T> {
                     }
                     posted[s] = true;
                 }
-                self.drain();
-                let missing: Vec<u32> = group
-                    .iter()
-                    .copied()
-                    .filter(|m| !self.has(*m, &tag))
-                    .collect();
+                let missing = self.missing_from(group, &tag);
                 if !missing.is_empty() {
                     return Ok(Outcome::Blocked(format!(
                         "the {scope:?} gradients of stage {stage} from ranks {missing:?}"
