@@ -12,6 +12,11 @@ pub struct Args {
     /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`).
     #[arg(long)]
     pub mesh: Option<String>,
+    /// What the kernels are: `model` (schedc's MoE transformer per layer, what `schedc run`
+    /// trains) or `stage` (one kernel per F/B/W/BW of a stage or MoE part, for a runtime that
+    /// runs the user's model: `backends/torch/schedc_torch_runtime.py`).
+    #[arg(long, default_value = "model", value_parser = ["model", "stage"])]
+    pub granularity: String,
     /// Output directory (created; existing files in it are not overwritten).
     #[arg(short, long)]
     pub output: std::path::PathBuf,
@@ -39,10 +44,21 @@ pub fn run(args: Args) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    let opts = schedc_program::LowerOptions {
+        granularity: match args.granularity.parse() {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("error: --granularity: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        ..Default::default()
+    };
     match schedc_program::compile(
         &program,
         mesh.as_ref(),
         &schedc_program::ModelConfig::small(),
+        opts,
         &output,
     ) {
         Ok((rep, files)) => {

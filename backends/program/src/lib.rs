@@ -59,24 +59,35 @@ pub fn lower_verified(
     mesh: Option<&Mesh>,
     model: &ModelConfig,
 ) -> Result<(ProgramSet, VerifyReport), ProgramError> {
+    lower_verified_with(source, mesh, model, LowerOptions::default())
+}
+
+/// [`lower_verified`] with lowering options (e.g. [`Granularity::Stage`]).
+pub fn lower_verified_with(
+    source: &Program,
+    mesh: Option<&Mesh>,
+    model: &ModelConfig,
+    opts: LowerOptions,
+) -> Result<(ProgramSet, VerifyReport), ProgramError> {
     let mesh = mesh
         .cloned()
         .unwrap_or_else(|| Mesh::pipeline(source.pipeline.pp));
-    let set = ProgramSet::lower(source, &mesh, model, LowerOptions::default())?;
+    let set = ProgramSet::lower(source, &mesh, model, opts)?;
     let rep = verify(&set, source)?;
     Ok((set, rep))
 }
 
-/// `schedc compile INPUT ... -o DIR`: lowers, verifies, writes `manifest.json` and one
-/// `rankG.json` per global rank ([`ProgramSet::write_dir`]); returns the verification and
-/// the files written. Errors: [`CompileError`].
+/// `schedc compile INPUT ... [--granularity stage] -o DIR`: lowers, verifies, writes
+/// `manifest.json` and one `rankG.json` per global rank ([`ProgramSet::write_dir`]);
+/// returns the verification and the files written. Errors: [`CompileError`].
 pub fn compile(
     source: &Program,
     mesh: Option<&Mesh>,
     model: &ModelConfig,
+    opts: LowerOptions,
     dir: &Path,
 ) -> Result<(VerifyReport, Vec<PathBuf>), CompileError> {
-    let (set, rep) = lower_verified(source, mesh, model)?;
+    let (set, rep) = lower_verified_with(source, mesh, model, opts)?;
     let files = set.write_dir(dir)?;
     Ok((rep, files))
 }
