@@ -722,6 +722,7 @@ class ProgramRuntime:
         self._pending_sends = {si: [] for si in range(len(self.program.streams))}
         self._posted = {si: {} for si in range(len(self.program.streams))}
         t0 = time.perf_counter()
+        self._mark, self._carry, self._samples_step = t0, 0.0, []
         threads = [
             threading.Thread(target=self._thread_main, args=(si,), daemon=True,
                              name=f"schedc-rank{self.rank}-{self.program.streams[si][0]}")
@@ -730,6 +731,12 @@ class ProgramRuntime:
         for t in threads:
             t.start()
         self._thread_main(0)
+        if self.profile and not self._cuda and self._samples_step:
+            # What the compute stream did after its last kernel (the optimizer, releases)
+            # is shared by the step's kernels.
+            tail = (time.perf_counter() - self._mark + self._carry) / len(self._samples_step)
+            for key, t in self._samples_step:
+                self.times.setdefault(key, []).append((self._step, t + tail))
         deadline = time.monotonic() + self.timeout + 5.0
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -878,7 +885,13 @@ class ProgramRuntime:
         if c == KERNEL:
             self._timed_kernel(op[1])
         elif c == WAIT:
-            self._wait_event(op[1])
+            if si == 0 and self.profile:
+                t = time.perf_counter()
+                self._carry += t - self._mark
+                self._wait_event(op[1])
+                self._mark = time.perf_counter()
+            else:
+                self._wait_event(op[1])
             if self._cuda:
                 torch.cuda.current_stream().wait_event(self._cuda_events[op[1]])
         elif c == RECORD:
@@ -949,9 +962,15 @@ class ProgramRuntime:
             e1.record()
             self._cuda_timings.append((key, e0, e1))
         else:
-            t0 = time.perf_counter()
             self._kernel(k)
-            self.times.setdefault(key, []).append((self._step, time.perf_counter() - t0))
+            self._attribute(key)
+
+    def _attribute(self, key: tuple) -> None:
+        """CPU profile: the compute stream's time since its last op or wait ends with this op
+        (so the runtime's own bookkeeping between kernels is counted; waiting is not)."""
+        now = time.perf_counter()
+        self._samples_step.append((key, now - self._mark + self._carry))
+        self._mark, self._carry = now, 0.0
 
     def _stage_input(self, st: _Stage, mb: int) -> tuple:
         if st.info.first:
@@ -1055,7 +1074,6 @@ class ProgramRuntime:
             self._timed_kernel(kf)
             self._timed_kernel(kb)
             return
-        t0 = time.perf_counter()
         sf, sb = self.stages[kf.stage], self.stages[kb.stage]
         stf: _Stash = self._bufs[("stash", kf.stage, kf.mb)]
         stb: _Stash = self._bufs[("stash", kb.stage, kb.mb)]
@@ -1071,7 +1089,14 @@ class ProgramRuntime:
             b.outputs, b.output_grads = (), ()
         for xx in seg.inputs:
             xx.grad = None
-        self.overlap_fn(f, b)
+        if self.profile and self._cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            self.overlap_fn(f, b)
+            e1.record()
+            self._cuda_timings.append((("FB", kb.stage, None), e0, e1))
+        else:
+            self.overlap_fn(f, b)
         if f.outputs is None:
             raise ValueError("overlapped_forward_backward did not set the forward's outputs "
                              "(call f.forward() or set f.outputs)")
@@ -1086,8 +1111,8 @@ class ProgramRuntime:
             self._bufs[key] = tuple(o.detach() for o in stf.segs[-1].outputs)
         per_input = [xx.grad if xx.requires_grad else None for xx in seg.inputs]
         self._emit_input_grads(sb, kb, stb, seg, per_input)
-        if self.profile:
-            self.times.setdefault(("FB", kb.stage, None), []).append((self._step, time.perf_counter() - t0))
+        if self.profile and not self._cuda:
+            self._attribute(("FB", kb.stage, None))
 
     # -- messages ---------------------------------------------------------------------------
 

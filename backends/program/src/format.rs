@@ -37,6 +37,20 @@
 //! `experts`, `dispatch_grad`, `attn`, `scatter_kv_grad`, `qkv`); `W` is one `weights`
 //! kernel. With a group of one, an all-to-all hands the packet to the rank itself.
 //!
+//! ### Stage granularity ([`Granularity::Stage`])
+//!
+//! For a runtime that runs the user's own model (opaque to schedc), the kernels are the
+//! schedule's ops themselves: one [`Kernel`] with [`Part::Stage`] per `F`, `B`, `W` and `BW`
+//! of a (stage, micro-batch) (a `BW` stays one kernel, [`Pass::BW`]), or per MoE part
+//! (`attn`, `dispatch`, `mlp`, `combine`) when the schedule splits the op, in the schedule's
+//! order. A forward's first piece waits for its input and allocates the stash, its last
+//! writes the output activation; a backward's first piece waits for the received gradient,
+//! its last writes the input gradient; `BW` and `W` release the stash. An overlapped pair
+//! (`F&BW`, DualPipe's F&B chunk) is one [`Op::Overlap`], which a runtime may interleave;
+//! the schedule's own collectives (`A2A(comm, label)`) are [`Op::Collective`]s on the comm
+//! stream, in program order. No [`Op::AllToAll`]: the user's MoE pieces do their own. The
+//! manifest has no model; the mesh may have `pp`, `dp` and `ep` dimensions.
+//!
 //! One step: `alloc weight_grad` (zeroed) for every local stage; the schedule's compute ops
 //! and messages; `ReplicaSum` (DualPipe: ranks `r` and `P-1-r` exchange and add the
 //! gradients of the model stage they both hold), `AllReduce` of the dense gradients over
@@ -51,7 +65,8 @@
 //!   before it, and no two accesses of which one writes are unordered (no race between
 //!   streams);
 //! * all ranks together run to completion (sends eager, receives and collectives
-//!   blocking): every message and collective is matched, no wait-for cycle;
+//!   blocking): every message and collective is matched (the k-th [`Op::Collective`] of a
+//!   communicator on one member with the k-th on every other), no wait-for cycle;
 //! * the source IR program passes schedc's checker (deadlock freedom under rendezvous
 //!   semantics, which the programs keep: each rank's messages are in the IR's order).
 
