@@ -55,6 +55,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import moe_model as mm  # noqa: E402
+from moe_split import split_moe  # noqa: E402
 import schedc_autograd as sag  # noqa: E402
 import schedc_torch_runtime as rtm  # noqa: E402
 
@@ -129,42 +130,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def split_moe(ir_text: str) -> str:
-    """Splits every F, B, BW of a compute-only IR program into the four MoE parts, in the
-    order of schedc's ``--moe`` lowering: a plain forward attn, dispatch, mlp, combine; a
-    backward the reverse; an overlapped pair in the order of DeepSeek-V3's Figure 4
-    (B.combine F.attn F.dispatch B.mlp B.dispatch F.mlp F.combine B.attn); W whole."""
-    fwd, bwd = ["attn", "dispatch", "mlp", "combine"], ["combine", "mlp", "dispatch", "attn"]
-    op = re.compile(r"(F|BW|B|W)\((\d+),(\d+)\)")
-
-    def plain(tok: str) -> list[str]:
-        m = op.fullmatch(tok)
-        if m is None or m.group(1) == "W":
-            return [tok]
-        return [f"{tok}.{p}" for p in (fwd if m.group(1) == "F" else bwd)]
-
-    out_lines = []
-    for line in ir_text.splitlines():
-        if not line.startswith("rank "):
-            out_lines.append(line)
-            continue
-        head, body = line.split(":", 1)
-        toks = []
-        for tok in body.split():
-            if "&" in tok:
-                f, b = tok.split("&")
-                mf, mb_ = op.fullmatch(f), op.fullmatch(b)
-                if (mf.group(2), mf.group(3)) == (mb_.group(2), mb_.group(3)):
-                    toks += plain(f) + plain(b)
-                else:
-                    toks += [f"{b}.combine", f"{f}.attn", f"{f}.dispatch", f"{b}.mlp",
-                             f"{b}.dispatch", f"{f}.mlp", f"{f}.combine", f"{b}.attn"]
-            else:
-                toks += plain(tok)
-        out_lines.append(f"{head}: {' '.join(toks)}")
-    return "\n".join(out_lines) + "\n"
 
 
 def compile_program(exe: str, name: str, inp: str, args: list[str], mesh: str | None,
