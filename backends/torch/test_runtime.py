@@ -659,7 +659,6 @@ def check_faults(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None
         if only and "faults" not in only:
             continue
         c = dict(spec, dir=d, timeout=t_out)
-        t0 = time.time()
         got, errors, secs = spawn(4, fault_worker, c, timeout)
         for e in errors.values():
             print(e, file=sys.stderr)
