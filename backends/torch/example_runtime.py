@@ -13,7 +13,8 @@ into MoE parts, the block's ``attn``/``dispatch``/``mlp``/``combine`` methods ru
 ``--overlap`` passes a sequential ``overlapped_forward_backward`` (DualPipe's contract) for
 the F&B pairs. ``--profile FILE`` writes the measured cost model for ``schedc sim --cost``.
 
-The rank(s) holding a last stage print the mean loss of their micro-batches at each step.
+Rank 0 prints each step's mean loss over every micro-batch (of both directions for DualPipe,
+of every data-parallel replica) and its own step time.
 """
 
 from __future__ import annotations
@@ -87,15 +88,20 @@ def worker(rank: int, world: int, port: int, args) -> None:
         x, y = text_batches(data, rows, cfg.seq, step, prog.data_shard, shards)
         t0 = time.perf_counter()
         losses = rt.step(x, y)
-        if losses:
-            loss = torch.stack(losses).mean().item()
-            print(f"rank {rank} step {step}: loss {loss:.4f} over micro-batches "
-                  f"{rt.loss_chunks} ({(time.perf_counter() - t0) * 1e3:.0f} ms)", flush=True)
+        ms = (time.perf_counter() - t0) * 1e3
+        # The step's mean loss over every micro-batch of every pipeline (sum, count).
+        tot = torch.tensor([float(sum(l.item() for l in losses)), float(len(losses))], dtype=torch.float64)
+        dist.all_reduce(tot)
+        if rank == 0:
+            print(f"step {step}: loss {tot[0].item() / tot[1].item():.4f} "
+                  f"({int(tot[1].item())} micro-batches, {ms:.0f} ms)", flush=True)
     if args.profile:
         if rt.write_profile(args.profile) is not None:
             print(f"wrote {args.profile}", flush=True)
-    if args.overlap and calls:
-        print(f"rank {rank}: overlapped_forward_backward ran {len(calls)} F&B pairs in {args.steps} steps", flush=True)
+    n = torch.tensor([len(calls)])
+    dist.all_reduce(n)
+    if args.overlap and rank == 0:
+        print(f"overlapped_forward_backward ran {n.item()} F&B pairs in {args.steps} steps", flush=True)
     dist.destroy_process_group()
 
 
