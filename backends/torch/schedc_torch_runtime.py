@@ -72,6 +72,7 @@ __all__ = [
     "BChunk",
 ]
 
+
 class SchedcRuntimeError(RuntimeError):
     """A step that failed: where (rank, step, stream, op), with whom (``peer``), and why."""
 
@@ -240,8 +241,9 @@ class _Stash:
 class _Stage:
     info: LocalStage
     module: torch.nn.Module
-    params: list
+    params: list  # the parameters that require grad, in named_parameters() order
     names: list
+    expert: list  # per parameter: reduced over the expert data-parallel group
     optimizer: Any = None
 
 
@@ -252,7 +254,12 @@ class _Stage:
 
 def load_program(path_or_dir: str | os.PathLike, rank: int | None = None, **kwargs) -> "ProgramRuntime":
     """Reads rank ``rank``'s program (default: this process's rank in the default process
-    group) and builds its runtime; ``kwargs`` go to :class:`ProgramRuntime`."""
+    group) and builds its runtime; ``kwargs`` go to :class:`ProgramRuntime`.
+
+    Collective over the default process group (it creates the programs' process groups):
+    every rank calls it. Raises :class:`ProgramFormatError` for programs it cannot run (see
+    :func:`read_program`) and :class:`SchedcRuntimeError` for a process group or stages that
+    do not fit them."""
     if rank is None:
         if not dist.is_initialized():
             raise SchedcRuntimeError(
@@ -364,16 +371,11 @@ class ProgramRuntime:
                     f"rank {self.rank} holds stages {[s.stage for s in program.stages]}: pass "
                     "`stages={stage: module}` or `make_stage`", rank=self.rank, step=-1)
             named = [(n, p) for n, p in mod.named_parameters() if p.requires_grad]
-            st = _Stage(info, mod, [p for _, p in named], [n for n, _ in named])
+            st = _Stage(info, mod, [p for _, p in named], [n for n, _ in named],
+                        [bool(is_expert and is_expert(n, p)) for n, p in named])
             if optimizer is not None and st.params:
                 st.optimizer = optimizer(st.params)
             self.stages[info.stage] = st
-        if is_expert is not None:
-            for st in self.stages.values():
-                st.expert = [is_expert(n, p) for n, p in zip(st.names, st.params)]
-        for st in self.stages.values():
-            if not hasattr(st, "expert"):
-                st.expert = [False] * len(st.params)
         self._check_program()
 
         # Process groups: one per channel, one per collective group; every rank creates all
@@ -593,13 +595,14 @@ class ProgramRuntime:
         peer = _peer_of(op) if op is not None else None
         msg = str(e).strip()
         low = msg.lower()
+        comm = op is not None and op[0] in (SEND, RECV, COLLECTIVE, REPLICA, ALLREDUCE)
         if isinstance(e, TimeoutError) and op is not None and op[0] == WAIT:
             why = msg
-        elif "timed out" in low or "timeout" in low:
+        elif comm and ("timed out" in low or "timeout" in low):
             why = (f"no message from rank {peer} within {self.timeout:.1f} s (the peer is stuck, "
                    "or never sent it)") if peer is not None and op[0] == RECV else (
                    f"not completed within {self.timeout:.1f} s" + (f" by rank {peer}" if peer is not None else ""))
-        elif "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
+        elif comm and any(w in low for w in ("closed", "reset", "broken pipe", "connection", "abort")):
             why = (f"rank {peer}'s connection closed (its process died or stopped after an error)"
                    if peer is not None else "a peer's connection closed (its process died or stopped)")
         else:
@@ -705,6 +708,8 @@ class ProgramRuntime:
         v = self._bufs.pop(key, None)
         if key[0] == "stash":
             self._live_stash -= 1
+            if v is not None and self._faults.get("keep_stashes"):  # negative control
+                self._faults.setdefault("kept", []).append(v.segs[-1].outputs if v.segs else ())
             if v is not None and self._faults.get("check_leaks"):
                 outs = [o for seg in v.segs for o in seg.outputs if isinstance(o, torch.Tensor)]
                 refs = [weakref.ref(o) for o in outs]

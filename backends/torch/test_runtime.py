@@ -88,9 +88,12 @@ CONFIGS = [
 # Negative controls: a runtime fault that must make the gradient comparison fail.
 CONTROLS = [
     ("control-no-replica-sum", "specs/dualpipe.sched", ["--pp", "2", "--mb", "4"], None, False, False),
+    ("control-kept-stash", "specs/zbv.sched", ["--pp", "2", "--mb", "4"], None, False, False),
 ]
-CONTROL_FAULTS = {"control-no-replica-sum": {"skip_replica_sum": True}}
-CONTROL_WHY = {"control-no-replica-sum": "DualPipe without the replica gradient sum"}
+CONTROL_FAULTS = {"control-no-replica-sum": {"skip_replica_sum": True},
+                  "control-kept-stash": {"keep_stashes": True}}
+CONTROL_WHY = {"control-no-replica-sum": "DualPipe without the replica gradient sum",
+               "control-kept-stash": "a runtime that keeps a reference to every freed stash"}
 TORCH_CONFIGS = [  # (name, spec, P, V, M): schedules torch's runtime also runs
     ("1f1b", "specs/1f1b.sched", 2, 1, 8),
     ("interleaved_1f1b", "specs/interleaved_1f1b.sched", 2, 2, 8),
@@ -426,6 +429,12 @@ def report_equivalence(tally: Tally, c: dict, world: int, got: dict, errors: dic
         why = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errors.items()))
         missing = sorted(r for r, v in got.items() if v is None)
         tally.record(f"{name} training", False, why or f"no result from ranks {missing}")
+        return
+    if name == "control-kept-stash":
+        leaks = sum(r["leaks"] for r in got.values())
+        tally.record(f"{name} (negative control)", leaks > 0,
+                     f"{CONTROL_WHY[name]}: {leaks} stashes alive after their free "
+                     f"(the memory check {'notices' if leaks else 'MISSES'} it)")
         return
     if name in CONTROL_FAULTS:
         ge = max(r["dtypes"]["torch.float64"]["grad_err"] for r in got.values())
