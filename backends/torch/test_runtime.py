@@ -23,7 +23,7 @@ What it checks (one line per check, then ``N passed, M failed``; exit status 1 o
    times (ours / torch's) is reported (goal <= 1.2).
 4. **calibration**: ``profile=True``, ``write_profile``, ``schedc sim --cost`` of the
    profile: the simulated makespan against the measured mean step time (within 25%), for
-   1F1B, ZB-V and DualPipeV.
+   1F1B, ZB-V, DualPipeV and DualPipeV in MoE parts.
 5. **faults**: a rank killed in the middle of a step, and a message that is never sent: every
    rank ends with a SchedcRuntimeError naming its rank, op and peer, within the timeout.
 """
@@ -100,9 +100,10 @@ TORCH_CONFIGS = [  # (name, spec, P, V, M): schedules torch's runtime also runs
     ("zbv", "specs/zbv.sched", 2, 2, 8),
     ("dualpipev", "specs/dualpipev.sched", 2, 2, 8),
 ]
-CALIBRATION = [("1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", "8"]),
-               ("zbv", "specs/zbv.sched", ["--pp", "2", "--mb", "8"]),
-               ("dualpipev", "specs/dualpipev.sched", ["--pp", "2", "--mb", "8"])]
+CALIBRATION = [("1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", "8"], False),
+               ("zbv", "specs/zbv.sched", ["--pp", "2", "--mb", "8"], False),
+               ("dualpipev", "specs/dualpipev.sched", ["--pp", "2", "--mb", "8"], False),
+               ("dualpipev-moe-parts", "specs/dualpipev.sched", ["--pp", "2", "--mb", "8"], True)]
 
 
 # ------------------------------------------------------------------------------------------
@@ -470,6 +471,7 @@ TORCH_ROWS = 4
 # Calibration: ops of a few milliseconds, so that compute, not the machine's scheduling
 # noise, makes the step.
 CAL_CFG = mm.Config(vocab=64, dim=128, heads=4, seq=64, experts=0)
+CAL_MOE_CFG = mm.Config(vocab=64, dim=128, heads=4, seq=64, experts=4, expert_dim=256)
 
 
 def torch_worker(rank: int, world: int, port: int, c: dict, results) -> None:
@@ -570,12 +572,12 @@ def calib_worker(rank: int, world: int, port: int, c: dict, results) -> None:
     try:
         init(rank, world, port)
         torch.set_default_dtype(torch.float32)
-        cfg = CAL_CFG
+        cfg = CAL_MOE_CFG if c["moe"] else CAL_CFG
         prog = rtm.read_program(c["dir"], rank)
         n = prog.manifest["model_stages"]
         rt = rtm.ProgramRuntime(prog, make_stage=mm.maker(cfg, n, SEED, torch.float32),
                                 loss_fn=mm.loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
-                                timeout=60.0, profile=True)
+                                moe_parts=rtm.MoEParts.methods(), timeout=60.0, profile=True)
         times = []
         for step in range(c["steps"]):
             x, y = mm.batch(cfg, prog.total_microbatches * TORCH_ROWS, SEED + step)
@@ -596,30 +598,44 @@ def calib_worker(rank: int, world: int, port: int, c: dict, results) -> None:
 
 
 def check_calibration(tally: Tally, exe: str, tmp: str, only, timeout: float, steps: int) -> None:
-    for name, spec, args in CALIBRATION:
+    for name, spec, args, moe in CALIBRATION:
         key = f"calibration-{name}"
         if only and key not in only:
             continue
         d = os.path.join(tmp, key)
         toml = os.path.join(tmp, f"{key}.toml")
-        schedc(exe, ["compile", spec, *args, "--granularity", "stage", "-o", d])
+        compile_program(exe, key, spec, args, None, moe, d)
+        if moe:  # simulate what was compiled: the schedule split into parts
+            spec, args = os.path.join(tmp, f"{key}.ir"), []
         world = json.load(open(os.path.join(d, "manifest.json")))["world"]
-        got, errors, _ = spawn(world, calib_worker, {"dir": d, "toml": toml, "steps": steps}, timeout)
-        if errors or len(got) < world:
-            for e in errors.values():
-                print(e, file=sys.stderr)
-            tally.record(key, False, "; ".join(e.strip().splitlines()[-1] for e in errors.values()) or "no result")
+        # A shared machine's load moves single steps by a factor of two: one rerun when the
+        # first attempt is outside the bound, and both ratios reported.
+        ratios, detail, failed = [], "", None
+        for attempt in range(2):
+            got, errors, _ = spawn(world, calib_worker, {"dir": d, "toml": toml, "steps": steps, "moe": moe},
+                                   timeout)
+            if errors or len(got) < world:
+                for e in errors.values():
+                    print(e, file=sys.stderr)
+                failed = "; ".join(e.strip().splitlines()[-1] for e in errors.values()) or "no result"
+                break
+            try:
+                sim = json.loads(schedc(exe, ["sim", spec, *args, "--cost", toml, "--format", "json"]))
+            except Exception as e:  # noqa: BLE001
+                failed = f"schedc sim --cost {toml}: {e}"
+                break
+            measured = got[0]["mean"]
+            ratios.append(sim["makespan"] / measured)
+            detail = (f"simulated makespan {sim['makespan'] * 1e3:.1f} ms from the profile, measured step "
+                      f"{measured * 1e3:.1f} ms (mean of {steps - 2})")
+            if abs(ratios[-1] - 1) <= 0.25:
+                break
+        if failed:
+            tally.record(key, False, failed)
             continue
-        try:
-            sim = json.loads(schedc(exe, ["sim", spec, *args, "--cost", toml, "--format", "json"]))
-        except Exception as e:  # noqa: BLE001
-            tally.record(key, False, f"schedc sim --cost {toml}: {e}")
-            continue
-        measured = got[0]["mean"]
-        ratio = sim["makespan"] / measured
-        tally.record(key, abs(ratio - 1) <= 0.25,
-                     f"simulated makespan {sim['makespan'] * 1e3:.1f} ms from the profile, measured step "
-                     f"{measured * 1e3:.1f} ms (mean of {steps - 2}): ratio {ratio:.2f} (within 25%)")
+        tally.record(key, abs(ratios[-1] - 1) <= 0.25,
+                     f"{detail}: ratio {ratios[-1]:.2f} (within 25%)"
+                     + (f"; first attempt {ratios[0]:.2f}" if len(ratios) > 1 else ""))
 
 
 # ------------------------------------------------------------------------------------------
