@@ -57,7 +57,7 @@
 //! `dp x ep x sp` and of the expert gradients over `dp x sp`; `OptimizerStep`. Every
 //! replica then holds the sum over the whole global batch and takes the same step.
 //!
-//! ## Verification ([`verify`])
+//! ## Verification ([`verify`](crate::verify()))
 //!
 //! * every `wait` has exactly one `record` of its event on the rank;
 //! * per rank, under happens-before (stream order plus record→wait edges): every buffer is

@@ -1,10 +1,12 @@
 //! # schedc-program: per-rank stream programs, the contract between schedc and its backends
 //!
 //! A verified schedule (an IR [`Program`]) becomes one stream program per global rank of a
-//! device [`Mesh`]; every backend (the CPU reference executor in `schedc-cpu`, the coming
-//! CUDA/NCCL and torch.distributed runtimes) runs exactly these programs.
+//! device [`Mesh`]; every backend runs exactly these programs: the CPU reference executor in
+//! `schedc-cpu` at [`Granularity::Model`] (kernels of schedc's own model), the
+//! `torch.distributed` runtime of `backends/torch/schedc_torch_runtime.py` at
+//! [`Granularity::Stage`] (one kernel per op of the user's own stages).
 //!
-//! * [`format`]: the programs (streams, events, buffers, kernels, messages, collectives), the
+//! * [`format`](mod@format): the programs (streams, events, buffers, kernels, messages, collectives), the
 //!   manifest and their JSON files (`schedc compile -o DIR`), with [`FORMAT_VERSION`];
 //! * [`lower`](mod@lower): [`ProgramSet::lower`], from an IR program, a mesh and a
 //!   [`ModelConfig`];
