@@ -77,7 +77,7 @@ pub struct Report {
     pub placement: PlacementKind,
     /// Rank of each stage.
     pub stage_to_rank: Vec<u32>,
-    /// True if the input had no communication and pass 3 inserted it.
+    /// True if the input had no sends or receives and pass 3 inserted them.
     pub lowered: bool,
     /// Unit-time makespan; `null` if the order admits no execution.
     pub makespan: Option<f64>,
@@ -156,7 +156,8 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     // Pass 2.
     diags.extend(deps::check(p, &idx).iter().map(|e| e.to_diagnostic(&cx)));
     // Passes 3 and 4.
-    let compute_only = p.is_compute_only();
+    // Collectives alone do not make a program lowered: its messages still need inserting.
+    let compute_only = !p.has_p2p();
     let mut checked = None;
     if p.ranks.len() == p.pipeline.pp as usize && !structural {
         let target = if compute_only {

@@ -113,6 +113,12 @@ struct InputArgs {
     /// (default: from the input, else inferred from which rank runs each stage).
     #[arg(long, value_name = "PLACEMENT")]
     placement: Option<PlacementArg>,
+    /// Split every F, B and BW of the MoE stages into attention, dispatch, MLP and combine
+    /// parts (DeepSeek-V3's order in an overlapped pair). STAGES: auto (the input's `moe`
+    /// declaration, else all), all, dense-ends (embedding and head stages stay whole),
+    /// declared, or ids and ranges such as 1-6,9.
+    #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
+    moe: Option<schedc::moe::MoeStages>,
 }
 
 impl InputArgs {
@@ -137,6 +143,7 @@ impl InputArgs {
             pp: Self::single(&self.pp, "--pp")?,
             vpp: Self::single(&self.vpp, "--vpp")?,
             params: self.params.clone(),
+            moe: self.moe.clone(),
         })
     }
 }
@@ -1088,6 +1095,7 @@ fn sweep(
                 vpp: v,
                 params: input.params.clone(),
                 placement: None,
+                moe: None,
             };
             let r = match schedc::input::load_spec(&text, &ov) {
                 Err(LoadError::Spec { refused: true, .. }) => Ok(false),
@@ -1096,14 +1104,19 @@ fn sweep(
                 }
                 Err(LoadError::Usage(u)) | Err(LoadError::Io(u)) => Err(u),
                 Err(LoadError::Parse(e)) => Err(e.message),
-                Ok(e) => {
-                    let mut out = check::check(&e.program, Some(&e.spans), &opts);
+                Ok(e) => match &input.moe {
+                    Some(sel) => schedc::input::apply_moe(&e.program, Some(&e.spans), sel)
+                        .map(|(p, s)| (p, s.unwrap_or_default())),
+                    None => Ok((e.program, e.spans)),
+                }
+                .and_then(|(prog, spans)| {
+                    let mut out = check::check(&prog, Some(&spans), &opts);
                     check::check_expectations(&mut out.report, &e.expects);
                     match out.report.diagnostics.iter().find(|d| d.is_error()) {
                         None => Ok(true),
                         Some(d) => Err(format!("[{}] {}", d.code.as_str(), d.message)),
                     }
-                }
+                }),
             };
             bar.inc(1);
             (p, m, v, r)

@@ -71,7 +71,7 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
     let pl = &p.pipeline;
     let (s_n, m_n) = (pl.stages, pl.microbatches);
     let mut errs = Vec::new();
-    let lowered = !p.is_compute_only();
+    let lowered = p.has_p2p();
     let n = s_n as usize * m_n as usize;
     // Receive and send positions by payload (first occurrence).
     let mut recv_at = [vec![Pos::NONE; n], vec![Pos::NONE; n]];

@@ -1,0 +1,1 @@
+//! `schedc compare` (placeholder).
