@@ -81,7 +81,8 @@ pub struct Report {
     pub lowered: bool,
     /// Unit-time makespan; `null` if the order admits no execution.
     pub makespan: Option<f64>,
-    /// Unit-time bubble fraction, idle / (busy + idle) over all ranks.
+    /// Unit-time bubble fraction in the `from_start` convention: idle / (busy + idle) over
+    /// all ranks, every rank charged from time 0 to the makespan.
     pub bubble: Option<f64>,
     /// Per-rank facts.
     pub ranks: Vec<RankReport>,
@@ -301,12 +302,17 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
 pub fn check_expectations(report: &mut Report, expects: &[crate::dsl::elab::Expectation]) {
     use crate::dsl::ast::ExpectKind;
     for e in expects {
+        if e.kind.is_timing() {
+            // Evaluated under a cost model: `check_timing_expectations`.
+            continue;
+        }
         let mut bad: Vec<String> = Vec::new();
         let (what, rel) = match e.kind {
             ExpectKind::Warmup => ("warmup", "=="),
             ExpectKind::PeakActivations => ("peak activations", "<="),
             ExpectKind::PeakActivationsExact => ("peak activations", "=="),
             ExpectKind::Idle => ("unit-time idle", "=="),
+            _ => unreachable!("timing expectations are skipped above"),
         };
         for (r, rr) in report.ranks.iter().enumerate() {
             let want = e.values[r];
@@ -324,6 +330,7 @@ pub fn check_expectations(report: &mut Report, expects: &[crate::dsl::elab::Expe
                     Some(i) => ((i - want as f64).abs() < 1e-9, i.to_string()),
                     None => (false, "undefined".to_string()),
                 },
+                _ => unreachable!("timing expectations are skipped above"),
             };
             if !ok {
                 bad.push(format!("rank {r}: {got}, expected {rel} {want}"));
@@ -351,4 +358,127 @@ pub fn check_expectations(report: &mut Report, expects: &[crate::dsl::elab::Expe
     if report.diagnostics.iter().any(Diagnostic::is_error) {
         report.verdict = Verdict::Rejected;
     }
+}
+
+/// True if some expectation is on the simulated timeline (makespan, bubble, exposed
+/// communication): [`check_timing_expectations`] then needs a simulation.
+pub fn has_timing_expectations(expects: &[crate::dsl::elab::Expectation]) -> bool {
+    expects.iter().any(|e| e.kind.is_timing())
+}
+
+/// The names a timing expectation's bound sees for the cost model: seconds of a whole F, B,
+/// W, BW (model-wide, scaled like the simulated ops), an unsplit overlapped pair FB, one
+/// dispatch and one combine all-to-all (0 when `moe_parts` is false: a schedule without MoE
+/// parts issues none).
+pub fn cost_names(cost: &crate::sim::cost::CostModel, moe_parts: bool) -> Vec<(&'static str, f64)> {
+    use schedc_ir::{Compute, Kind, Part};
+    // A stage id no per-stage override names: the model-wide times.
+    let any = u32::MAX;
+    let op = |k: Kind| cost.compute_time(&Compute::new(k, any, 0));
+    let f = Compute::new(Kind::F, any, 0);
+    let bw = Compute::new(Kind::BW, any, 0);
+    let a2a = |p: Part| {
+        if !moe_parts {
+            return 0.0;
+        }
+        cost.compute_time(&Compute {
+            part: p,
+            ..Compute::new(Kind::F, any, 0)
+        })
+    };
+    vec![
+        ("F", op(Kind::F)),
+        ("B", op(Kind::B)),
+        ("W", op(Kind::W)),
+        ("BW", op(Kind::BW)),
+        ("FB", cost.pair_time(&f, &bw)),
+        ("DISPATCH", a2a(Part::Dispatch)),
+        ("COMBINE", a2a(Part::Combine)),
+    ]
+}
+
+/// Checks a spec's timing expectations (makespan, bubble under a named convention, exposed
+/// all-to-all, exposed communication) against a simulation under `cost`: one `expectation`
+/// error per failing `expect` line, with the figure and the bound. A bound that cannot be
+/// evaluated (an unknown name, a division by zero) is an `expectation` error too, pointing
+/// at the expression.
+///
+/// `sim` is `None` when the schedule could not be simulated (it was rejected): the
+/// expectations are then not checked (the rejection says why).
+pub fn check_timing_expectations(
+    report: &mut Report,
+    expects: &[crate::dsl::elab::Expectation],
+    sim: Option<&crate::sim::SimResult>,
+    cost: &crate::sim::cost::CostModel,
+) {
+    use crate::dsl::ast::{ExpectKind, Rel};
+    let Some(sim) = sim else { return };
+    let names = cost_names(cost, sim.a2a.total > 0.0);
+    let span_of = |sp: crate::dsl::ast::Sp| schedc_ir::text::Span {
+        start: sp.start as u32,
+        len: (sp.end - sp.start) as u32,
+    };
+    for e in expects {
+        let Some(f) = &e.formula else { continue };
+        let bound = match f.eval(&names) {
+            Ok(b) => b,
+            Err((sp, msg)) => {
+                let mut d = Diagnostic::error(Code::Expectation, msg);
+                d.span = Some(span_of(sp));
+                report.diagnostics.push(d);
+                continue;
+            }
+        };
+        let (what, got, rel) = match &e.kind {
+            ExpectKind::Makespan(r) => ("makespan".to_string(), sim.makespan, *r),
+            ExpectKind::Bubble(c, r) => (
+                format!("bubble ({} convention)", c.as_str()),
+                sim.bubble.get(*c),
+                *r,
+            ),
+            ExpectKind::ExposedA2a(r) => (
+                "exposed all-to-all (fraction of the all-to-all time)".to_string(),
+                sim.a2a.exposed_fraction(),
+                *r,
+            ),
+            ExpectKind::ExposedComm(r) => (
+                "exposed communication (seconds, all ranks)".to_string(),
+                sim.ranks.iter().map(|x| x.exposed_comm).sum(),
+                *r,
+            ),
+            _ => continue,
+        };
+        let tol = 1e-9 * bound.abs().max(got.abs()).max(1e-12);
+        let ok = match rel {
+            Rel::Le => got <= bound + tol,
+            Rel::Eq => (got - bound).abs() <= tol,
+        };
+        if !ok {
+            let mut d = Diagnostic::error(
+                Code::Expectation,
+                format!("{what} is {got:.6}, expected {} {bound:.6}", rel.as_str()),
+            );
+            d.span = Some(span_of(e.sp));
+            report.diagnostics.push(d);
+        }
+    }
+    if report.diagnostics.iter().any(Diagnostic::is_error) {
+        report.verdict = Verdict::Rejected;
+    }
+}
+
+/// Simulates `checked` under `cost` and checks the timing expectations, when `expects` has
+/// any (otherwise nothing is simulated: `schedc check` stays as fast as the passes). A
+/// program that does not simulate leaves the expectations unchecked.
+pub fn evaluate_timing_expectations(
+    report: &mut Report,
+    checked: Option<&Program>,
+    expects: &[crate::dsl::elab::Expectation],
+    cost: &crate::sim::cost::CostModel,
+) {
+    if !has_timing_expectations(expects) || report.verdict == Verdict::Rejected {
+        return;
+    }
+    let sim = checked.and_then(|p| crate::sim::simulate(p, cost).ok());
+    check_timing_expectations(report, expects, sim.as_ref(), cost);
 }

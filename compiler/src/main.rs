@@ -168,6 +168,10 @@ enum Cmd {
         /// Sends complete as soon as they are posted (unbounded buffering).
         #[arg(long, conflicts_with = "buffer_slots")]
         eager_sends: bool,
+        /// Cost model for a spec's timing expectations (`expect makespan`, `bubble(..)`,
+        /// `exposed_a2a`, `exposed_comm`), as for `sim` (default: unit).
+        #[arg(long, value_name = "FILE|PRESET|K=V,...")]
+        cost: Option<String>,
         /// A group's ops complete one by one, each once its partner is posted, instead of the
         /// group completing as a unit together with every group matched to it.
         #[arg(long)]
@@ -225,9 +229,13 @@ enum Cmd {
         #[arg(long)]
         force: bool,
     },
-    /// Compare every spec in a directory that accepts --pp/--mb: makespan, bubble in both
-    /// conventions, peak activations, parameter copies.
+    /// Compare schedules at one size under one cost model: makespan, bubble under each
+    /// convention, exposed all-to-all, peak activations, parameter copies; rejected specs and
+    /// failed expectations reported as such. Exit 1 if any input fails.
     Compare {
+        /// Spec files, directories of specs, or other schedule files (IR, torch CSV, DualPipe
+        /// traces, at their own size); default `specs`.
+        inputs: Vec<String>,
         /// Pipeline ranks.
         #[arg(long)]
         pp: u32,
@@ -237,12 +245,21 @@ enum Cmd {
         /// Virtual stages per rank for specs whose V is free (interleaved schedules).
         #[arg(long, default_value_t = 2)]
         vpp: u32,
+        /// A spec parameter, NAME=VALUE, given to the specs that declare it (repeatable).
+        #[arg(long = "param", value_name = "NAME=VALUE", value_parser = parse_param)]
+        params: Vec<(String, i64)>,
+        /// Split the MoE stages into parts, as for `check` (needs a cost model with [moe]).
+        #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
+        moe: Option<schedc::moe::MoeStages>,
         /// Cost model (as for `sim`).
         #[arg(long, default_value = "unit")]
         cost: String,
-        /// Where the specs are.
-        #[arg(long, default_value = "specs")]
-        specs: String,
+        /// Further inline overrides applied on top of --cost.
+        #[arg(long = "set", value_name = "K=V,...")]
+        set: Option<String>,
+        /// A directory of specs (the same as naming it as an input).
+        #[arg(long, value_name = "DIR")]
+        specs: Option<String>,
         /// Output format.
         #[arg(long, value_enum, default_value = "human")]
         format: OutFormat,
@@ -409,7 +426,18 @@ fn real_main() -> ExitCode {
             buffer_slots,
             eager_sends,
             per_op_groups,
+            cost,
         } => {
+            let model = match resolve_cost(cost.as_deref().unwrap_or("unit"), None) {
+                Ok(m) => m,
+                Err(c) => return c,
+            };
+            if let (Some(_), Some(name)) = (&input.moe, &cost) {
+                if let Err(e) = schedc::moe::require_moe_costs(&model, name) {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(1);
+                }
+            }
             if input.is_sweep() {
                 return sweep(
                     &input,
@@ -418,6 +446,7 @@ fn real_main() -> ExitCode {
                     buffer_slots,
                     max_activations,
                     format,
+                    &model,
                 );
             }
             let loaded = match load(&input) {
@@ -448,6 +477,12 @@ fn real_main() -> ExitCode {
             };
             let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &opts);
             check::check_expectations(&mut out.report, &loaded.spec_expects);
+            check::evaluate_timing_expectations(
+                &mut out.report,
+                out.checked.as_ref(),
+                &loaded.spec_expects,
+                &model,
+            );
             if loaded.spans.is_some() {
                 for d in &mut out.report.diagnostics {
                     d.locate(&loaded.name, &loaded.text);
@@ -589,17 +624,14 @@ fn real_main() -> ExitCode {
             svg,
             force,
         } => {
-            let mut model = match schedc::sim::cost::CostModel::resolve(&cost) {
+            let model = match resolve_cost(&cost, set.as_deref()) {
                 Ok(m) => m,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return ExitCode::from(2);
-                }
+                Err(c) => return c,
             };
-            if let Some(kv) = set {
-                if let Err(e) = model.apply_overrides(&kv) {
+            if input.moe.is_some() {
+                if let Err(e) = schedc::moe::require_moe_costs(&model, &cost) {
                     eprintln!("error: {e}");
-                    return ExitCode::from(2);
+                    return ExitCode::from(1);
                 }
             }
             if trace.is_some() && trace == svg {
@@ -618,8 +650,12 @@ fn real_main() -> ExitCode {
                 Ok(l) => l,
                 Err(c) => return c,
             };
-            let checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
-            if checked.report.verdict != Verdict::Accepted {
+            let mut checked =
+                check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
+            // The spec's expectations are the check's; its timing ones hold under this model.
+            let structural = checked.report.verdict != Verdict::Accepted;
+            check::check_expectations(&mut checked.report, &loaded.spec_expects);
+            if structural {
                 eprintln!(
                     "error: the schedule does not pass `schedc check`; run it for the diagnostics"
                 );
@@ -659,6 +695,34 @@ fn real_main() -> ExitCode {
                 }
                 OutFormat::Human => emit(&schedc::sim::render::text_report(&res, 100)),
             }
+            check::check_timing_expectations(
+                &mut checked.report,
+                &loaded.spec_expects,
+                Some(&res),
+                &model,
+            );
+            let failed: Vec<_> = checked
+                .report
+                .diagnostics
+                .iter_mut()
+                .filter(|d| d.is_error())
+                .collect();
+            let n_failed = failed.len();
+            for d in failed {
+                d.locate(&loaded.name, &loaded.text);
+                eprint!(
+                    "{}",
+                    diag::render_color(
+                        d,
+                        Some((loaded.name.as_str(), loaded.text.as_str())),
+                        std::io::stderr().is_terminal()
+                    )
+                );
+            }
+            if n_failed > 0 {
+                eprintln!("error: {n_failed} expectation(s) of the spec do not hold under this cost model");
+                return ExitCode::from(1);
+            }
             let exposed: f64 = res.ranks.iter().map(|r| r.exposed_comm).sum();
             if exposed > 0.0 && model.message_time() == 0.0 && model.moe.a2a == 0.0 {
                 eprintln!(
@@ -668,13 +732,69 @@ fn real_main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Cmd::Compare {
+            mut inputs,
             pp,
             mb,
             vpp,
+            params,
+            moe,
             cost,
+            set,
             specs,
             format,
-        } => compare(pp, mb, vpp, &cost, &specs, format),
+        } => {
+            if pp == 0 || mb == 0 || vpp == 0 {
+                eprintln!("error: --pp, --mb and --vpp must be at least 1");
+                return ExitCode::from(2);
+            }
+            let model = match resolve_cost(&cost, set.as_deref()) {
+                Ok(m) => m,
+                Err(c) => return c,
+            };
+            inputs.extend(specs);
+            if inputs.is_empty() {
+                inputs.push("specs".into());
+            }
+            let files = match schedc::compare::expand(&inputs) {
+                Ok(f) => f,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let opts = schedc::compare::Options {
+                pp,
+                mb,
+                vpp,
+                params,
+                moe,
+                cost: model,
+                cost_name: cost,
+            };
+            let report = match schedc::compare::compare(&files, &opts) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(if opts.moe.is_some() && e.starts_with("--moe") {
+                        1
+                    } else {
+                        2
+                    });
+                }
+            };
+            match format {
+                OutFormat::Json => emit(&format!(
+                    "{}\n",
+                    serde_json::to_string_pretty(&report).expect("json")
+                )),
+                OutFormat::Human => emit(&schedc::compare::render(&report)),
+            }
+            if report.has_failures() {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
         Cmd::Plan {
             gpus,
             gpus_per_node,
@@ -887,7 +1007,7 @@ fn print_human(loaded: &Loaded, rep: &check::Report) -> String {
     if let Some(m) = rep.makespan {
         let _ = writeln!(
             o,
-            "unit-time makespan {m} (F=B=W=1, BW=2), bubble {:.1}%",
+            "unit-time makespan {m} (F=B=W=1, BW=2), bubble {:.1}% (from_start)",
             100.0 * rep.bubble.unwrap_or(0.0)
         );
     }
@@ -1029,6 +1149,7 @@ fn sweep(
     slots: Option<u32>,
     max_act: Option<u64>,
     format: OutFormat,
+    model: &schedc::sim::cost::CostModel,
 ) -> ExitCode {
     use indicatif::{ProgressBar, ProgressStyle};
     use rayon::prelude::*;
@@ -1112,6 +1233,12 @@ fn sweep(
                 .and_then(|(prog, spans)| {
                     let mut out = check::check(&prog, Some(&spans), &opts);
                     check::check_expectations(&mut out.report, &e.expects);
+                    check::evaluate_timing_expectations(
+                        &mut out.report,
+                        out.checked.as_ref(),
+                        &e.expects,
+                        model,
+                    );
                     match out.report.diagnostics.iter().find(|d| d.is_error()) {
                         None => Ok(true),
                         Some(d) => Err(format!("[{}] {}", d.code.as_str(), d.message)),
@@ -1180,161 +1307,19 @@ fn sweep(
     }
 }
 
-/// `schedc compare`: every spec of `dir` that accepts (P, M), simulated under `cost`.
-fn compare(pp: u32, mb: u32, vpp: u32, cost: &str, dir: &str, format: OutFormat) -> ExitCode {
-    if pp == 0 || mb == 0 || vpp == 0 {
-        eprintln!("error: --pp, --mb and --vpp must be at least 1");
-        return ExitCode::from(2);
-    }
-    let model = match schedc::sim::cost::CostModel::resolve(cost) {
-        Ok(m) => m,
-        Err(e) => {
+/// A cost model by name (preset, file, `K=V,...`) with `--set` overrides; exit 2 on error.
+fn resolve_cost(name: &str, set: Option<&str>) -> Result<schedc::sim::cost::CostModel, ExitCode> {
+    let mut model = schedc::sim::cost::CostModel::resolve(name).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(2)
+    })?;
+    if let Some(kv) = set {
+        model.apply_overrides(kv).map_err(|e| {
             eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let mut files: Vec<std::path::PathBuf> = match std::fs::read_dir(dir) {
-        Ok(d) => d
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "sched"))
-            .collect(),
-        Err(e) => {
-            eprintln!("error: cannot read the spec directory `{dir}`: {e} (run from the repository root or pass --specs DIR)");
-            return ExitCode::from(2);
-        }
-    };
-    files.sort();
-    let mut rows = Vec::new();
-    let mut skipped = Vec::new();
-    for f in &files {
-        let name = f
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or("?")
-            .to_string();
-        let Ok(text) = std::fs::read_to_string(f) else {
-            continue;
-        };
-        // Specs with a fixed V decide it; the others get --vpp.
-        let fixed_v = schedc::dsl::parse_file(&text)
-            .map(|f| {
-                f.items
-                    .iter()
-                    .any(|i| matches!(i, schedc::dsl::ast::Item::Vpp(..)))
-            })
-            .unwrap_or(false);
-        let ov = Overrides {
-            pp: Some(pp),
-            microbatches: Some(mb),
-            vpp: if fixed_v { None } else { Some(vpp) },
-            ..Default::default()
-        };
-        let e = match schedc::input::load_spec(&text, &ov) {
-            Ok(e) => e,
-            Err(LoadError::Spec {
-                diags,
-                refused: true,
-                ..
-            }) => {
-                skipped.push((
-                    name,
-                    diags.first().map(|d| d.message.clone()).unwrap_or_default(),
-                ));
-                continue;
-            }
-            Err(_) => {
-                skipped.push((name, "does not elaborate".into()));
-                continue;
-            }
-        };
-        let out = check::check(&e.program, None, &Default::default());
-        if out.report.verdict != Verdict::Accepted {
-            skipped.push((name, "does not pass schedc check".into()));
-            continue;
-        }
-        let prog = out.checked.expect("lowered");
-        let mut model = model.clone();
-        model.op_scale =
-            Some(prog.pipeline.pp as f64 / prog.pipeline.stages_per_direction() as f64);
-        let res = match schedc::sim::simulate(&prog, &model) {
-            Ok(r) => r,
-            Err(err) => {
-                skipped.push((name, err));
-                continue;
-            }
-        };
-        // Peak activations in units of one micro-batch on a stage of 1/P of the model.
-        let peak = out
-            .report
-            .ranks
-            .iter()
-            .map(|r| r.peak_activations)
-            .max()
-            .unwrap_or(0) as f64
-            * prog.pipeline.pp as f64
-            / prog.pipeline.stages_per_direction() as f64;
-        let copies = if prog.pipeline.directions() == 2 {
-            2
-        } else {
-            1
-        };
-        let stages_per_rank = prog.pipeline.stages as f64 / prog.pipeline.pp as f64;
-        rows.push(serde_json::json!({
-            "schedule": name,
-            "makespan": res.makespan,
-            "bubble_ratio": res.bubble_ratio,
-            "bubble_ratio_busy": res.bubble_ratio_busy,
-            "peak_activations": peak,
-            "param_copies": copies,
-            "stages_per_rank": stages_per_rank,
-        }));
+            ExitCode::from(2)
+        })?;
     }
-    rows.sort_by(|a, b| {
-        a["makespan"]
-            .as_f64()
-            .unwrap_or(0.0)
-            .total_cmp(&b["makespan"].as_f64().unwrap_or(0.0))
-    });
-    match format {
-        OutFormat::Json => emit(&format!(
-            "{}\n",
-            serde_json::to_string_pretty(&serde_json::json!({"pp": pp, "mb": mb, "schedules": rows, "skipped": skipped.iter().map(|(n, w)| serde_json::json!({"schedule": n, "why": w})).collect::<Vec<_>>()})).expect("json")
-        )),
-        OutFormat::Human => {
-            use std::fmt::Write as _;
-            let mut o = String::new();
-            let _ = writeln!(
-                o,
-                "P = {pp}, M = {mb}, cost model `{cost}` (op times per stage of 1/P of the model; a stage of a V-way split takes 1/V)\n"
-            );
-            let _ = writeln!(
-                o,
-                "{:<18} {:>12} {:>14} {:>14} {:>10} {:>8}",
-                "schedule", "makespan", "bubble/(b+i)", "bubble/busy", "peak_act", "params"
-            );
-            let _ = writeln!(o, "{:<18} {:>12} {:>14} {:>14} {:>10} {:>8}", "", "", "", "", "(1/P units)", "");
-            for r in &rows {
-                let _ = writeln!(
-                    o,
-                    "{:<18} {:>12.4} {:>13.1}% {:>13.1}% {:>10.1} {:>7}x",
-                    r["schedule"].as_str().unwrap_or(""),
-                    r["makespan"].as_f64().unwrap_or(0.0),
-                    100.0 * r["bubble_ratio"].as_f64().unwrap_or(0.0),
-                    100.0 * r["bubble_ratio_busy"].as_f64().unwrap_or(0.0),
-                    r["peak_activations"].as_f64().unwrap_or(0.0),
-                    r["param_copies"]
-                );
-            }
-            if !skipped.is_empty() {
-                let _ = writeln!(o, "\nnot applicable at this size:");
-                for (n, w) in &skipped {
-                    let _ = writeln!(o, "  {n}: {w}");
-                }
-            }
-            emit(&o);
-        }
-    }
-    ExitCode::SUCCESS
+    Ok(model)
 }
 
 fn placement_name(k: schedc_ir::PlacementKind) -> &'static str {

@@ -137,6 +137,20 @@ impl MoeStages {
     }
 }
 
+/// Refuses a cost model without all-to-all costs for `--moe`: its dispatch and combine
+/// parts would be free, and every schedule would look as good as DualPipe.
+///
+/// Errors: the model has no `[moe]` section (and no `dispatch=`/`combine=`/`ep_bandwidth=`
+/// override); the message names the model.
+pub fn require_moe_costs(cost: &crate::sim::cost::CostModel, name: &str) -> Result<(), String> {
+    if cost.moe.present {
+        return Ok(());
+    }
+    Err(format!(
+        "--moe with the cost model `{name}`, which has no [moe] section: its dispatch and combine all-to-alls would take no time. Give their times ([moe] dispatch = S, combine = S, or an EP bandwidth: [moe] bandwidth = BYTES_PER_S with [model]), e.g. --cost ../shared/costs/moe-1to1.toml, or --set dispatch=S,combine=S"
+    ))
+}
+
 fn part(c: &Compute, p: Part) -> Instr {
     Instr::Compute(Compute { part: p, ..*c })
 }

@@ -24,21 +24,36 @@ pub fn text_report(r: &SimResult, width: usize) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "makespan {:.6}  bubble {:.2}% of busy+idle, {:.2}% of busy",
-        r.makespan,
-        100.0 * r.bubble_ratio,
-        100.0 * r.bubble_ratio_busy
+        "makespan {:.6}  steady-state step {:.6}",
+        r.makespan, r.steady_step
     );
     let _ = writeln!(
         o,
-        "\n{:>5} {:>12} {:>12} {:>14} {:>18}",
-        "rank", "busy", "idle", "exposed_comm", "peak_memory_bytes"
+        "bubble: from_start {:.2}%, per_rank_span {:.2}%, steady_state {:.2}% (idle / (busy + idle)); from_start idle / busy {:.2}%",
+        100.0 * r.bubble.from_start,
+        100.0 * r.bubble.per_rank_span,
+        100.0 * r.bubble.steady_state,
+        100.0 * r.bubble_ratio_busy
+    );
+    if r.a2a.total > 0.0 {
+        let _ = writeln!(
+            o,
+            "all-to-all: {:.6} s, {:.6} s exposed ({:.1}%, not under compute)",
+            r.a2a.total,
+            r.a2a.exposed,
+            100.0 * r.a2a.exposed_fraction()
+        );
+    }
+    let _ = writeln!(
+        o,
+        "\n{:>5} {:>12} {:>12} {:>12} {:>14} {:>12} {:>18}",
+        "rank", "busy", "idle", "span", "exposed_comm", "exposed_a2a", "peak_memory_bytes"
     );
     for x in &r.ranks {
         let _ = writeln!(
             o,
-            "{:>5} {:>12.6} {:>12.6} {:>14.6} {:>18.4e}",
-            x.rank, x.busy, x.idle, x.exposed_comm, x.peak_memory_bytes
+            "{:>5} {:>12.6} {:>12.6} {:>12.6} {:>14.6} {:>12.6} {:>18.4e}",
+            x.rank, x.busy, x.idle, x.span, x.exposed_comm, x.exposed_a2a, x.peak_memory_bytes
         );
     }
     if r.makespan <= 0.0 {
@@ -48,7 +63,7 @@ pub fn text_report(r: &SimResult, width: usize) -> String {
     let scale = w as f64 / r.makespan;
     let _ = writeln!(
         o,
-        "\ntimeline (compute streams; F forward, B input-grad, W weight-grad, X fused backward, O overlapped F&B, . idle):"
+        "\ntimeline (compute streams; F forward, B input-grad, W weight-grad, X fused backward, O overlapped F&B, a all-to-all on the compute stream, . idle):"
     );
     let np = r.ranks.len();
     let mut rows = vec![vec!['.'; w]; np];
