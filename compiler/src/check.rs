@@ -213,7 +213,13 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
         if let Some(t) = target {
             let errs = deadlock::check(&t, opts.semantics);
             if compute_only {
-                let lcx = Ctx::new(&t);
+                // Spans for the lowered program: its own instructions keep theirs, an inserted
+                // message takes that of the op that sends or consumes it.
+                let lspans = spans.map(|sm| lowered_spans(p, sm, &t));
+                let lcx = Ctx {
+                    program: &t,
+                    spans: lspans.as_ref(),
+                };
                 diags.extend(errs.iter().map(|e| {
                     e.to_diagnostic(&lcx)
                         .with_note("positions refer to the lowered program (`schedc convert INPUT --lowered --to ir-text` prints it)")
@@ -295,6 +301,70 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
         },
         checked,
     }
+}
+
+/// Source spans for `lowered`, the lowering of `orig` (pass 3 keeps `orig`'s instructions in
+/// order, drops idle slots and inserts sends and receives): each kept instruction gets its
+/// own span, a send that of the op before it (its producer), a receive that of the op on its
+/// rank that consumes the payload.
+fn lowered_spans(orig: &Program, spans: &SourceMap, lowered: &Program) -> SourceMap {
+    use schedc_ir::{Comm, Instr, Kind, PayloadKind};
+    use std::collections::HashMap;
+    let pl = &orig.pipeline;
+    let mut out = Vec::with_capacity(lowered.ranks.len());
+    for (r, instrs) in lowered.ranks.iter().enumerate() {
+        let src: Vec<(usize, &Instr)> = orig
+            .ranks
+            .get(r)
+            .map(|v| {
+                v.iter()
+                    .enumerate()
+                    .filter(|(_, i)| !matches!(i, Instr::Idle))
+                    .collect()
+            })
+            .unwrap_or_default();
+        // The first instruction of each op on this rank: (is backward-input, stage, mb).
+        let mut first: HashMap<(bool, u32, u32), usize> = HashMap::new();
+        for &(pos, ins) in &src {
+            ins.for_each_compute(|c| {
+                if c.kind != Kind::W {
+                    first
+                        .entry((c.kind != Kind::F, c.stage, c.mb))
+                        .or_insert(pos);
+                }
+            });
+        }
+        let mut next = 0;
+        let mut last = schedc_ir::text::Span::default();
+        let mut v = Vec::with_capacity(instrs.len());
+        for ins in instrs {
+            let sp = match ins {
+                Instr::Comm(Comm::Send { .. }) => last,
+                Instr::Comm(Comm::Recv { payload, .. }) => {
+                    let consumer = match payload.kind {
+                        PayloadKind::Act => pl.next_stage(payload.stage).map(|s| (false, s)),
+                        PayloadKind::Grad => pl.prev_stage(payload.stage).map(|s| (true, s)),
+                    };
+                    consumer
+                        .and_then(|(b, s)| first.get(&(b, s, payload.mb)))
+                        .and_then(|&pos| spans.get(r, pos))
+                        .unwrap_or(last)
+                }
+                _ => {
+                    let sp = src
+                        .get(next)
+                        .and_then(|&(pos, _)| spans.get(r, pos))
+                        .unwrap_or(last);
+                    next += 1;
+                    last = sp;
+                    sp
+                }
+            };
+            v.push(sp);
+        }
+        out.push(v);
+    }
+    SourceMap { ranks: out }
 }
 
 /// Checks a spec's expectations against a report: one `expectation` error per `expect`

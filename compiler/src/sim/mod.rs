@@ -815,14 +815,35 @@ fn shifted_by(a: &Clocks, b: &Clocks, used: &Clocks, t: f64) -> bool {
         && same(&a.comm, &b.comm, &used.comm)
 }
 
+/// What [`simulate_with`] computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimOptions {
+    /// Run further steps for the `steady_state` bubble (typically one more run of the event
+    /// loop, about doubling the cost). Without it `bubble.steady_state` and `steady_step`
+    /// are NaN (JSON `null`).
+    pub steady_state: bool,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions { steady_state: true }
+    }
+}
+
 /// Simulates a lowered program (one that passes `schedc check`; compute-only input must be
 /// lowered first with `passes::lower`): the timeline, per-rank figures, the bubble under
-/// every convention (the steady state runs the step again, typically once or twice more),
-/// the all-to-all totals.
+/// every convention (the steady state runs the step again, typically once more), the
+/// all-to-all totals. O(instructions) per run of the step.
 ///
 /// Errors: a program that cannot run to the end (unmatched messages or a deadlock: run
 /// `schedc check` for the diagnosis).
 pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
+    simulate_with(p, cost, SimOptions::default())
+}
+
+/// [`simulate`] with options: an optimizer's inner loop that needs no steady-state figure
+/// turns it off.
+pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<SimResult, String> {
     let pl = &p.pipeline;
     let np = p.ranks.len();
     let prep = prepare(p, cost);
@@ -836,8 +857,16 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     // Steady state: run further steps from where the previous one left every stream.
     let mut prev_end = one.end.clone();
     let mut prev_makespan = one.makespan;
-    let mut step = one.makespan;
-    for _ in 1..MAX_STEADY_STEPS {
+    let mut step = if opts.steady_state {
+        one.makespan
+    } else {
+        f64::NAN
+    };
+    for _ in 1..if opts.steady_state {
+        MAX_STEADY_STEPS
+    } else {
+        1
+    } {
         let next = run(p, cost, &prep, &prev_end, false)?;
         step = next.makespan - prev_makespan;
         let periodic = shifted_by(&prev_end, &next.end, &one.used, step);
@@ -901,7 +930,9 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     let ti: f64 = ranks.iter().map(|r| r.idle).sum();
     let max_span = ranks.iter().map(|r| r.span).fold(0.0, f64::max);
     let frac = |window: f64| {
-        if window > 0.0 && np > 0 {
+        if window.is_nan() {
+            f64::NAN
+        } else if window > 0.0 && np > 0 {
             (1.0 - tb / (np as f64 * window)).max(0.0)
         } else {
             0.0
