@@ -1,0 +1,110 @@
+//! `schedc compare`: schedules side by side at one size under one cost model (the logic is
+//! `schedc::compare`).
+
+use crate::common::*;
+use std::process::ExitCode;
+
+/// `schedc compare`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Spec files, directories of specs, or other schedule files (IR, torch CSV, DualPipe
+    /// traces, at their own size); default `specs`.
+    pub inputs: Vec<String>,
+    /// Pipeline ranks.
+    #[arg(long)]
+    pub pp: u32,
+    /// Micro-batches per step.
+    #[arg(long)]
+    pub mb: u32,
+    /// Virtual stages per rank for specs whose V is free (interleaved schedules).
+    #[arg(long, default_value_t = 2)]
+    pub vpp: u32,
+    /// A spec parameter, NAME=VALUE, given to the specs that declare it (repeatable).
+    #[arg(long = "param", value_name = "NAME=VALUE", value_parser = parse_param)]
+    pub params: Vec<(String, i64)>,
+    /// Split the MoE stages into parts, as for `check` (needs a cost model with [moe]).
+    #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
+    pub moe: Option<schedc::moe::MoeStages>,
+    /// Cost model (as for `sim`).
+    #[arg(long, default_value = "unit")]
+    pub cost: String,
+    /// Further inline overrides applied on top of --cost.
+    #[arg(long = "set", value_name = "K=V,...")]
+    pub set: Option<String>,
+    /// A directory of specs (the same as naming it as an input).
+    #[arg(long, value_name = "DIR")]
+    pub specs: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "human")]
+    pub format: OutFormat,
+}
+
+/// Runs `schedc compare`: exit 0 when every input was simulated with its expectations
+/// holding (or is outside its family at this size), 1 when one is rejected, fails an
+/// expectation or does not elaborate, 2 on bad usage.
+pub fn run(args: Args) -> ExitCode {
+    let Args {
+        mut inputs,
+        pp,
+        mb,
+        vpp,
+        params,
+        moe,
+        cost,
+        set,
+        specs,
+        format,
+    } = args;
+    if pp == 0 || mb == 0 || vpp == 0 {
+        eprintln!("error: --pp, --mb and --vpp must be at least 1");
+        return ExitCode::from(2);
+    }
+    let model = match resolve_cost(&cost, set.as_deref()) {
+        Ok(m) => m,
+        Err(c) => return c,
+    };
+    if moe.is_some() {
+        if let Err(c) = require_moe_costs(&model, &cost) {
+            return c;
+        }
+    }
+    inputs.extend(specs);
+    if inputs.is_empty() {
+        inputs.push("specs".into());
+    }
+    let files = match schedc::compare::expand(&inputs) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let opts = schedc::compare::Options {
+        pp,
+        mb,
+        vpp,
+        params,
+        moe,
+        cost: model,
+        cost_name: cost,
+    };
+    let report = match schedc::compare::compare(&files, &opts) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match format {
+        OutFormat::Json => emit(&format!(
+            "{}\n",
+            serde_json::to_string_pretty(&report).expect("json")
+        )),
+        OutFormat::Human => emit(&schedc::compare::render(&report)),
+    }
+    if report.has_failures() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
