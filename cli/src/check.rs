@@ -30,6 +30,9 @@ pub struct Args {
     /// `exposed_a2a`, `exposed_comm`), as for `sim` (default: unit).
     #[arg(long, value_name = "FILE|PRESET|K=V,...")]
     pub cost: Option<String>,
+    /// Further inline overrides applied on top of --cost (e.g. --set latency=0).
+    #[arg(long = "set", value_name = "K=V,...")]
+    pub set: Option<String>,
     /// A group's ops complete one by one, each once its partner is posted, instead of the
     /// group completing as a unit together with every group matched to it.
     #[arg(long)]
@@ -46,8 +49,9 @@ pub fn run(args: Args) -> ExitCode {
         eager_sends,
         per_op_groups,
         cost,
+        set,
     } = args;
-    let model = match resolve_cost(cost.as_deref().unwrap_or("unit"), None) {
+    let model = match resolve_cost(cost.as_deref().unwrap_or("unit"), set.as_deref()) {
         Ok(m) => m,
         Err(c) => return c,
     };
