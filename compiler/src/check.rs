@@ -215,7 +215,9 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
             if compute_only {
                 // Spans for the lowered program: its own instructions keep theirs, an inserted
                 // message takes that of the op that sends or consumes it.
-                let lspans = spans.map(|sm| lowered_spans(p, sm, &t));
+                let lspans = spans
+                    .filter(|_| !errs.is_empty())
+                    .map(|sm| lowered_spans(p, sm, &t));
                 let lcx = Ctx {
                     program: &t,
                     spans: lspans.as_ref(),

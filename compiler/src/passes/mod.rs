@@ -2,7 +2,7 @@
 //!
 //! | pass | module | proves | codes |
 //! |---|---|---|---|
-//! | 1 | [`wellformed`] | every (stage, mb) has one F and one BW or one B then one W; no duplicates; ids in range; ops on the rank holding their stage; messages addressed to the right rank | `missing-op`, `duplicate-op`, `range`, `placement`, `collective-order` |
+//! | 1 | [`wellformed`] | every (stage, mb) has one F and one BW or one B then one W (a split op: its four MoE parts once each); no duplicates; ids in range; ops on the rank holding their stage; MoE parts only on MoE stages; messages addressed to the right rank; collectives on a declared communicator the rank belongs to | `missing-op`, `duplicate-op`, `range`, `placement`, `collective-order` |
 //! | 2 | [`deps`] | same-rank order: F after the previous stage's F, backward after the next stage's backward (or after the loss), W after B, MoE parts in order, sends after their producer, consumers after their receive, REDUCE_GRAD after the stage's last W/BW; cross-rank dependencies carried by a message | `order`, `unmatched` |
 //! | 3 | [`lower`] | (compute-only input) inserts sends and receives from one global interleaving, so the result is deadlock-free by construction; V folds hand over in memory | `deadlock` (when no interleaving exists) |
 //! | 4 | [`deadlock`] | FIFO matching with labels compared, collective order, and a stream-level simulation under the stated semantics: no wait-for cycle | `label-mismatch`, `unmatched`, `collective-order`, `deadlock`, `stall` |

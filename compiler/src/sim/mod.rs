@@ -465,7 +465,7 @@ fn run(
     let mut exposed = vec![0f64; np];
     let mut a2a = vec![0f64; np];
     // Busy intervals of each rank's compute stream and all-to-all intervals, each in time
-    // order (in-order streams), for the exposed all-to-all.
+    // order (in-order streams), for the exposed all-to-all (recorded runs only).
     let mut comp_iv: Vec<Vec<(f64, f64)>> = vec![Vec::new(); np];
     let mut a2a_iv: Vec<Vec<(f64, f64)>> = vec![Vec::new(); np];
     // Latest end of the ops closed so far on each rank (see the start rule below).
@@ -567,7 +567,7 @@ fn run(
                                 exposed[r] += d;
                             } else {
                                 busy[r] += d;
-                                if d > 0.0 {
+                                if d > 0.0 && record {
                                     comp_iv[r].push((start, start + d));
                                 }
                             }
@@ -577,7 +577,7 @@ fn run(
                         };
                         if a2a_part {
                             a2a[r] += d;
-                            if d > 0.0 {
+                            if d > 0.0 && record {
                                 a2a_iv[r].push((s, e));
                             }
                         }
@@ -595,7 +595,7 @@ fn run(
                         exposed[r] += (start - before.max(producers)).max(0.0);
                         let d = cost.pair_time(fwd, bwd);
                         busy[r] += d;
-                        if d > 0.0 {
+                        if d > 0.0 && record {
                             comp_iv[r].push((start, start + d));
                         }
                         cfree[r] = start + d;
