@@ -84,6 +84,8 @@ pub struct Report {
     /// Unit-time bubble fraction in the `from_start` convention: idle / (busy + idle) over
     /// all ranks, every rank charged from time 0 to the makespan.
     pub bubble: Option<f64>,
+    /// The convention of `bubble`: always `from_start` (the simulator reports the others).
+    pub bubble_convention: crate::sim::Convention,
     /// Per-rank facts.
     pub ranks: Vec<RankReport>,
     /// Every error and warning, in pass order.
@@ -138,6 +140,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
                 lowered: false,
                 makespan: None,
                 bubble: None,
+                bubble_convention: crate::sim::Convention::FromStart,
                 ranks: Vec::new(),
                 diagnostics: diags,
             },
@@ -298,6 +301,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
             lowered: compute_only && checked.is_some(),
             makespan: ut.as_ref().map(|u| u.makespan),
             bubble,
+            bubble_convention: crate::sim::Convention::FromStart,
             ranks,
             diagnostics: diags,
         },
