@@ -61,24 +61,6 @@ impl DepError {
     }
 }
 
-/// A hasher for keys that are already well-spread integers: one multiply (Fibonacci hashing).
-#[derive(Default)]
-struct PackedHasher(u64);
-
-impl std::hash::Hasher for PackedHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (self.0 ^ x).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-    fn finish(&self) -> u64 {
-        self.0 ^ (self.0 >> 29)
-    }
-}
-
 #[inline]
 fn before(a: Pos, b: Pos) -> bool {
     a.rank == b.rank && a.pos < b.pos
@@ -242,8 +224,11 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
     // Per-rank scans: MoE part order, sends after producers, REDUCE_GRAD, WAIT_SEND.
     // Keyed by (kind, stage, mb) packed in a u64, with a multiplicative hash: a split
     // program has millions of parts, and SipHash was a tenth of `check --moe`.
-    let mut part_seen: HashMap<u64, (usize, Pos), std::hash::BuildHasherDefault<PackedHasher>> =
-        HashMap::default();
+    let mut part_seen: HashMap<
+        u64,
+        (usize, Pos),
+        std::hash::BuildHasherDefault<super::PackedHasher>,
+    > = HashMap::default();
     for (r, instrs) in p.ranks.iter().enumerate() {
         part_seen.clear();
         let mut sent: HashMap<Payload, Pos> = HashMap::new();

@@ -227,6 +227,36 @@ impl OpIndex {
     }
 }
 
+/// A hasher for small integer keys (ids, ranks, packed tuples): one multiply per word
+/// (Fibonacci hashing) instead of SipHash. Keys come from the program, not from an
+/// adversary who could choose collisions; a schedule has millions of them.
+#[derive(Default)]
+pub struct PackedHasher(u64);
+
+impl std::hash::Hasher for PackedHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(u64::from(x));
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 29)
+    }
+}
+
+/// A `HashMap` with [`PackedHasher`].
+pub type PackedMap<K, V> =
+    std::collections::HashMap<K, V, std::hash::BuildHasherDefault<PackedHasher>>;
+
 /// True if `c` is the first part (in execution order) of its op, or a whole op.
 #[inline]
 pub fn is_first_part(c: &Compute) -> bool {

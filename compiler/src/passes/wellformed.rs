@@ -231,6 +231,11 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
     // Seen bitmaps per (kind, part) to find second occurrences in program order.
     let mut seen: Vec<Vec<u64>> = vec![vec![0u64; n.div_ceil(64)]; 4 * 5];
     let mut reduce_seen = vec![Pos::NONE; s_n as usize];
+    // Which stages may be split (None: any).
+    let moe_ok: Option<Vec<bool>> = pl
+        .moe_stages
+        .as_ref()
+        .map(|_| (0..s_n).map(|s| pl.is_moe_stage(s)).collect());
     for (r, instrs) in p.ranks.iter().enumerate() {
         let r32 = r as u32;
         for (i, ins) in instrs.iter().enumerate() {
@@ -243,7 +248,7 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                     errs.push(e);
                     return;
                 }
-                if c.part != Part::Whole && !pl.is_moe_stage(c.stage) {
+                if c.part != Part::Whole && !moe_ok.as_ref().is_none_or(|v| v[c.stage as usize]) {
                     errs.push(WfError::DenseStage { at, op: *c });
                 }
                 let holder = pl.rank_of(c.stage);
