@@ -162,10 +162,17 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     // Passes 3 and 4.
     // Collectives alone do not make a program lowered: its messages still need inserting.
     let compute_only = !p.has_p2p();
+    let lowerable = p.ranks.len() == p.pipeline.pp as usize && !structural;
+    // The unit-time schedule, computed once for the lowering (pass 3) and pass 7.
+    let unit = if (compute_only && lowerable) || wf.is_empty() {
+        makespan::unit_timing(p)
+    } else {
+        None
+    };
     let mut checked = None;
-    if p.ranks.len() == p.pipeline.pp as usize && !structural {
+    if lowerable {
         let target = if compute_only {
-            match lower::lower(p) {
+            match lower::lower_with(p, unit.as_ref()) {
                 Ok(l) => Some(l),
                 Err(lower::LowerError::Cycle(steps))
                     if steps.len() == 1 && diags.iter().any(|d| d.code == Code::Order) =>
@@ -241,7 +248,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     diags.extend(over.iter().map(|e| e.to_diagnostic(&cx)));
     // Unit-time figures mean something only for a well-formed schedule.
     let ut = if wf.is_empty() {
-        makespan::analyze(p)
+        unit.as_ref().map(makespan::from_timing)
     } else {
         None
     };
