@@ -1,6 +1,9 @@
 //! schedc-cuda
 pub mod api;
+pub mod driver;
 pub mod host;
 pub mod kernels;
 pub mod layout;
 pub mod model;
+pub mod pool;
+pub mod transport;

@@ -281,16 +281,6 @@ fn stage_roundtrip(cfg: &ModelConfig, dt: DType) {
     assert_eq!(r.i(err, 1), vec![0], "no kernel reported an error");
 }
 
-/// `dt`: f32 (the loss is an f32 sum in both dtypes, but of bf16 inputs).
-trait Min {
-    fn min(self, other: DType) -> DType;
-}
-impl Min for DType {
-    fn min(self, other: DType) -> DType {
-        other
-    }
-}
-
 #[test]
 fn a_stage_equals_the_cpu_part_by_part_f32() {
     let mut cfg = ModelConfig::tiny();
