@@ -139,6 +139,7 @@ pub struct RankDev<'a> {
     comms: Vec<usize>,
     events: Vec<EventId>,
     cur: usize,
+    cur_index: usize,
     stages: Vec<StageDev>,
     bufs: HashMap<Buf, (DevPtr, usize)>,
     pool: Pool,
@@ -239,6 +240,7 @@ impl<'a> RankDev<'a> {
             comms,
             events,
             cur: 0,
+            cur_index: 0,
             stages,
             bufs: HashMap::new(),
             pool,
@@ -401,6 +403,32 @@ impl<'a> RankDev<'a> {
             .map_err(issue)
     }
 
+    /// The run of adjacent messages of `stream` holding the current instruction (one IR
+    /// group: see the lowering), posted at once when the interpreter reaches its first
+    /// message; the others are done already.
+    fn post_group(&mut self, stream: usize) -> Result<Ready, String> {
+        let ops = &self.prog.streams[stream].ops;
+        let is_msg = |o: &Op| matches!(o, Op::Send { .. } | Op::Recv { .. });
+        let i = self.cur_index;
+        if i > 0 && is_msg(&ops[i - 1]) {
+            return Ok(Ready::Done);
+        }
+        let mut msgs = Vec::new();
+        for o in ops[i..].iter().take_while(|o| is_msg(o)) {
+            match o {
+                Op::Send { buf, peer } => {
+                    msgs.push((true, self.buf(buf)?, self.bytes_of(*buf)?, *peer))
+                }
+                Op::Recv { buf, peer } => {
+                    msgs.push((false, self.buf(buf)?, self.bytes_of(*buf)?, *peer))
+                }
+                _ => {}
+            }
+        }
+        let t = self.transport;
+        t.post_group(&mut self.cx(stream), &msgs)
+    }
+
     /// The final parameters of every stage copy, named.
     pub fn params(&self) -> Result<Vec<(u32, Named)>, String> {
         let s = self.streams[0];
@@ -520,6 +548,7 @@ impl Device for RankDev<'_> {
 
     fn before(&mut self, at: Cursor) {
         self.cur = at.stream;
+        self.cur_index = at.index;
     }
 
     fn record(&mut self, stream: usize, event: u32) -> Result<(), String> {
@@ -575,6 +604,9 @@ impl Device for RankDev<'_> {
                 Err(format!("`{op}` is the interpreter's"))
             }
             Op::Kernel(k) => self.kernel(stream, k).map(|_| Ready::Done),
+            Op::Send { .. } | Op::Recv { .. } if self.transport.groups_messages() => {
+                self.post_group(stream)
+            }
             Op::Send { buf, peer } => {
                 let (p, bytes) = (self.buf(buf)?, self.bytes_of(*buf)?);
                 let t = self.transport;
@@ -751,6 +783,17 @@ pub fn execute(
     data: &Data,
     opts: &ExecOptions,
 ) -> Result<GpuResult, RunFailure> {
+    execute_on(&[gpu], set, data, opts)
+}
+
+/// [`execute`] with one device for all ranks (`gpus.len() == 1`) or one per rank (the
+/// recording fake gives every rank its own log).
+pub fn execute_on(
+    gpus: &[&dyn Gpu],
+    set: &ProgramSet,
+    data: &Data,
+    opts: &ExecOptions,
+) -> Result<GpuResult, RunFailure> {
     let transport = crate::transport::Single::new();
     let events = Events::default();
     let abort = Abort::default();
@@ -770,6 +813,7 @@ pub fn execute(
             .map(|prog| {
                 let (transport, events, abort, results, progress) =
                     (&transport, &events, &abort, &results, &progress);
+                let gpu = gpus[(prog.rank as usize).min(gpus.len() - 1)];
                 scope.spawn(move || {
                     interp::guarded(prog, abort, |cursor| {
                         let at0 = || interp::at_of(prog, Cursor::default());
@@ -831,7 +875,7 @@ pub fn execute(
             }
         }
     });
-    let _ = transport.release(gpu);
+    let _ = transport.release(gpus[0]);
     abort.outcome(stopped)?;
     let mut r = results.into_inner().unwrap_or_else(|p| p.into_inner());
     r.seconds = start.elapsed().as_secs_f64();
@@ -841,4 +885,82 @@ pub fn execute(
     r.params.sort_by_key(|(rk, s, _)| (*rk, *s));
     r.memory.sort_by_key(|m| m.rank);
     Ok(r)
+}
+
+/// NCCL mode: runs rank `rank` of `set` in this process on `gpu`, exchanging with the other
+/// ranks' processes through `coll` (one communicator per stream kind of the set, plus one,
+/// after them, for the losses: [`stream_kinds`]). Every step's loss is the sum over all
+/// ranks. Errors: the rank's failure (where and why).
+pub fn execute_rank(
+    gpu: &dyn Gpu,
+    coll: &dyn Collectives,
+    set: &ProgramSet,
+    rank: u32,
+    data: &Data,
+    opts: &ExecOptions,
+) -> Result<GpuResult, RunFailure> {
+    let prog = set.ranks.get(rank as usize).ok_or_else(|| RunFailure {
+        cause: ExecError::Failed {
+            at: interp::at_of(&set.ranks[0], Cursor::default()),
+            message: format!("rank {rank} is outside the world of {}", set.ranks.len()),
+        },
+        stopped: Vec::new(),
+        stop_seconds: 0.0,
+    })?;
+    let transport = crate::transport::Nccl { coll };
+    let events = Events::default();
+    let abort = Abort::default();
+    let ctrl = stream_kinds(set).len();
+    let start = Instant::now();
+    let mut out = GpuResult::default();
+    let stop = interp::guarded(prog, &abort, |cursor| {
+        let failed = |message: String| ExecError::Failed {
+            at: interp::at_of(prog, Cursor::default()),
+            message,
+        };
+        let mut dev = RankDev::new(
+            gpu,
+            set,
+            prog,
+            &events,
+            &transport,
+            data,
+            opts,
+            Some((coll, ctrl)),
+        )
+        .map_err(failed)?;
+        let iopts = InterpOptions {
+            steps: opts.steps,
+            timeout: opts.timeout,
+        };
+        let n = match interp::run_rank(prog, &mut dev, iopts, &abort, cursor) {
+            Ok(n) => n,
+            Err(e) => {
+                let _ = dev.release();
+                return Err(e);
+            }
+        };
+        if opts.record {
+            for (stage, p) in dev.params().map_err(failed)? {
+                out.params.push((rank, stage, p));
+            }
+            out.grads = vec![Vec::new(); opts.steps];
+            for (step, stage, g) in std::mem::take(&mut dev.grads) {
+                out.grads[step].push((rank, stage, g));
+            }
+        }
+        out.memory.push(dev.memory());
+        dev.release().map_err(failed)?;
+        out.losses = dev.step_losses.clone();
+        out.instructions = n;
+        if let Some(f) = &opts.on_step {
+            for (i, l) in out.losses.iter().enumerate() {
+                f(i, *l);
+            }
+        }
+        Ok(())
+    });
+    abort.outcome(stop.into_iter().collect())?;
+    out.seconds = start.elapsed().as_secs_f64();
+    Ok(out)
 }

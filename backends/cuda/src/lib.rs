@@ -6,4 +6,5 @@ pub mod kernels;
 pub mod layout;
 pub mod model;
 pub mod pool;
+pub mod record;
 pub mod transport;

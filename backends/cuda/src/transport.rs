@@ -105,6 +105,20 @@ pub trait Transport: Send + Sync {
     ) -> Result<Ready, String>;
     /// Blocks until another rank may have made progress, at most `at_most`.
     fn wait(&self, at_most: Duration);
+    /// True if adjacent messages of a stream (one IR group) must be posted together
+    /// ([`Transport::post_group`]): NCCL's sends are rendezvous, so a group's crossing
+    /// sends posted one at a time would deadlock.
+    fn groups_messages(&self) -> bool {
+        false
+    }
+    /// Posts the messages of one group at once: `(send?, buffer pointer, bytes, peer)`.
+    fn post_group(
+        &self,
+        _cx: &mut Cx,
+        _msgs: &[(bool, DevPtr, usize, u32)],
+    ) -> Result<Ready, String> {
+        Err("this transport posts messages one at a time".into())
+    }
 }
 
 /// `y = a + b` over `n` floats, on `s`.
@@ -579,5 +593,32 @@ impl Transport for Nccl<'_> {
 
     fn wait(&self, at_most: Duration) {
         std::thread::sleep(at_most.min(Duration::from_millis(1)));
+    }
+
+    fn groups_messages(&self) -> bool {
+        true
+    }
+
+    fn post_group(
+        &self,
+        cx: &mut Cx,
+        msgs: &[(bool, DevPtr, usize, u32)],
+    ) -> Result<Ready, String> {
+        let post = || -> Result<(), String> {
+            for &(is_send, p, bytes, peer) in msgs {
+                if is_send {
+                    self.coll.send(cx.comm, cx.s, p, bytes, peer)?;
+                } else {
+                    self.coll.recv(cx.comm, cx.s, p, bytes, peer)?;
+                }
+            }
+            Ok(())
+        };
+        if msgs.len() == 1 {
+            post()?;
+        } else {
+            self.grouped(post)?;
+        }
+        Ok(Ready::Done)
     }
 }
