@@ -678,3 +678,32 @@ fn cross_entropy_and_loss_sum() {
         assert_eq!(dv.get_i(err, 1), vec![0]);
     }
 }
+
+#[test]
+fn fill_hash_is_the_documented_hash() {
+    // The benchmarks' random data: scale * (hash(i, seed) >> 8 / 2^24 * 2 - 1).
+    let hash = |i: u32, seed: u32| {
+        let mut h = i.wrapping_mul(2654435761) ^ seed;
+        h ^= h >> 16;
+        h = h.wrapping_mul(0x7feb352d);
+        h ^= h >> 15;
+        h = h.wrapping_mul(0x846ca68b);
+        h ^= h >> 16;
+        0.5 * ((h >> 8) as f32 * (2.0 / 16777216.0) - 1.0)
+    };
+    for dt in DTYPES {
+        let dv = Dev::new(dt);
+        let n = 1000;
+        let x = dv.zt(n);
+        dv.go(
+            "fill_hash",
+            [2, 1, 1],
+            64,
+            vec![p(x), Arg::I64(n as i64), Arg::U32(42), Arg::F32(0.5)],
+        );
+        let want: Vec<f32> = dv.round(&(0..n as u32).map(|i| hash(i, 42)).collect::<Vec<_>>());
+        let got = dv.get_t(x, n);
+        assert_eq!(got, want, "{}", dt.name());
+        assert!(got.iter().all(|v| (-0.5..0.5).contains(v)));
+    }
+}
