@@ -188,10 +188,17 @@ impl Coll {
     }
 }
 
+/// A message in flight, keyed by `(step, from, to, buffer)`: the staging block, its bytes,
+/// and the event recorded after the copy into it.
+type P2p = HashMap<(usize, u32, u32, Buf), (DevPtr, usize, EventId)>;
+
+/// One collective instance: `(step, tag, group)`.
+type CollKey = (usize, CollTag, Vec<u32>);
+
 #[derive(Default)]
 struct State {
-    p2p: HashMap<(usize, u32, u32, Buf), (DevPtr, usize, EventId)>,
-    coll: HashMap<(usize, CollTag, Vec<u32>), Coll>,
+    p2p: P2p,
+    coll: HashMap<CollKey, Coll>,
     staging: Pool,
 }
 
@@ -232,13 +239,7 @@ impl Single {
     }
 
     /// Phase one of a collective: this member's pointer and a ready event.
-    fn post(
-        &self,
-        cx: &mut Cx,
-        key: &(usize, CollTag, Vec<u32>),
-        mi: usize,
-        ptr: DevPtr,
-    ) -> Result<(), String> {
+    fn post(&self, cx: &mut Cx, key: &CollKey, mi: usize, ptr: DevPtr) -> Result<(), String> {
         let e = cx.events.take(cx.gpu)?;
         cx.gpu.record(cx.s, e)?;
         let mut st = self.lock();
@@ -253,12 +254,7 @@ impl Single {
 
     /// The end of a collective: waits for every other member's second-phase event; the last
     /// member to finish recycles the events.
-    fn finish(
-        &self,
-        cx: &mut Cx,
-        key: &(usize, CollTag, Vec<u32>),
-        mi: usize,
-    ) -> Result<(), String> {
+    fn finish(&self, cx: &mut Cx, key: &CollKey, mi: usize) -> Result<(), String> {
         let pulled: Vec<Option<EventId>> = self.lock().coll[key].pulled.clone();
         for (j, e) in pulled.iter().enumerate() {
             if j != mi {

@@ -418,14 +418,11 @@ fn routing_cfg() -> ModelConfig {
     cfg
 }
 
-/// Runs the route kernel on `t` tokens; returns (experts, gates, z, loads).
-fn gpu_route(
-    dv: &Dev,
-    cfg: &ModelConfig,
-    logits: &[f32],
-    s: &[f32],
-    bias: &[f32],
-) -> (Vec<i32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+/// What the route kernel returns: experts, gates, z, loads, softmax.
+type Routed = (Vec<i32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// Runs the route kernel on `t` tokens.
+fn gpu_route(dv: &Dev, cfg: &ModelConfig, logits: &[f32], s: &[f32], bias: &[f32]) -> Routed {
     let (e, k) = (cfg.experts, cfg.top_k);
     let t = s.len() / e;
     let (ex, des, gates, z, sm, loads, cnt) = (

@@ -114,15 +114,11 @@ fn check_rank(
                 ))
             };
             match op {
-                Op::Record { event } => {
-                    if calls.first() != Some(&Call::Record(EventId(*event))) {
-                        return bad("not recorded as its own event");
-                    }
+                Op::Record { event } if calls.first() != Some(&Call::Record(EventId(*event))) => {
+                    return bad("not recorded as its own event");
                 }
-                Op::Wait { event } => {
-                    if calls.first() != Some(&Call::Wait(EventId(*event))) {
-                        return bad("not waited as its own event");
-                    }
+                Op::Wait { event } if calls.first() != Some(&Call::Wait(EventId(*event))) => {
+                    return bad("not waited as its own event");
                 }
                 Op::Kernel(_) => {
                     if !calls
@@ -199,13 +195,13 @@ fn check_rank(
                         return bad(&format!("{copies} slot copies, expected {want}"));
                     }
                 }
-                Op::ReplicaSum { peer, .. } if nccl => {
-                    if !calls
-                        .iter()
-                        .any(|c| matches!(c, Call::Send { peer: p, .. } if p == peer))
-                    {
-                        return bad("the gradients are not sent to the other copy");
-                    }
+                Op::ReplicaSum { peer, .. }
+                    if nccl
+                        && !calls
+                            .iter()
+                            .any(|c| matches!(c, Call::Send { peer: p, .. } if p == peer)) =>
+                {
+                    return bad("the gradients are not sent to the other copy");
                 }
                 _ => {}
             }
@@ -481,10 +477,7 @@ fn nccl_calls_complete_under_rendezvous_semantics() {
             ),
         ]
         .into_iter()
-        .map(move |x| {
-            let _ = r;
-            x
-        })
+        .filter(move |_| r != p)
         .collect::<Vec<_>>()
     };
     let crossing = vec![lone(0, 1), lone(1, 0)];

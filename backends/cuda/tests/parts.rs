@@ -160,7 +160,7 @@ fn stage_roundtrip(cfg: &ModelConfig, dt: DType) {
     kern.fwd_embed(&mut cs).unwrap();
     check("F embed", dt, &r.t(sl.layers[0].xin, t * d), &cs.x);
     let layers = cfg.layers_per_stage;
-    for l in 0..layers {
+    for (l, router) in routers.iter().enumerate() {
         let lu = l as u32;
         run(Pass::F, Part::Qkv { layer: lu });
         kern.fwd_qkv(l, &mut cs);
@@ -173,8 +173,7 @@ fn stage_roundtrip(cfg: &ModelConfig, dt: DType) {
         r.a2a(sl.outbox, sl.inbox);
         cs.inbox = std::mem::take(&mut cs.outbox);
         run(Pass::F, Part::Attn { layer: lu });
-        kern.fwd_attn(l, &mut cs, &routers[l], &mut g.loads[l])
-            .unwrap();
+        kern.fwd_attn(l, &mut cs, router, &mut g.loads[l]).unwrap();
         let rows = cs.outbox[0].meta.len();
         let (c, meta, data) = r.slot(sl.outbox, rows * d);
         assert_eq!(c as usize, rows, "dispatch row count");
