@@ -701,6 +701,6 @@ fn fill_hash_is_the_documented_hash() {
         let want: Vec<f32> = dv.round(&(0..n as u32).map(|i| hash(i, 42)).collect::<Vec<_>>());
         let got = dv.get_t(x, n);
         assert_eq!(got, want, "{}", dt.name());
-        assert!(got.iter().all(|v| (-0.5..0.5).contains(v)));
+        assert!(got.iter().all(|v| (-0.5..=0.5).contains(v)));
     }
 }
