@@ -31,10 +31,20 @@ pub struct Dims {
     pub ts: usize,
     /// Hidden size `d`.
     pub d: usize,
-    /// Heads.
+    /// Heads `H`.
     pub heads: usize,
-    /// Head dimension `d / H`.
-    pub hd: usize,
+    /// Query compression rank `d_c'` (MLA).
+    pub qr: usize,
+    /// Key/value compression rank `d_c` (MLA).
+    pub kvr: usize,
+    /// Per-head content width of queries and keys `d_h`.
+    pub dn: usize,
+    /// RoPE width `d_h^R` (per head for queries; of each RoPE key).
+    pub dr: usize,
+    /// Per-head value width.
+    pub dv: usize,
+    /// RoPE keys per token: 1 (MLA's shared key), `H` under the `per_head_kpe` bug.
+    pub kph: usize,
     /// Vocabulary.
     pub vocab: usize,
     /// Local tokens per micro-batch (`seq_len / sp`): one routing group.
@@ -100,13 +110,18 @@ impl Dims {
         let d = cfg.hidden;
         let ts = dtype.size();
         let rows_off = align(16 + 4 * rmax, 16);
-        let rows = (rmax * d).max(2 * t * d);
+        let rows = (rmax * d).max(t * cfg.kv_gather_width());
         Ok(Dims {
             dtype,
             ts,
             d,
             heads: cfg.heads,
-            hd: cfg.head_dim(),
+            qr: cfg.q_lora_rank,
+            kvr: cfg.kv_lora_rank,
+            dn: cfg.qk_nope_head_dim,
+            dr: cfg.qk_rope_head_dim,
+            dv: cfg.v_head_dim,
+            kph: cfg.rope_keys_per_token(),
             vocab: cfg.vocab,
             t,
             tk: cfg.seq_len,
@@ -130,6 +145,16 @@ impl Dims {
     /// Bytes of an activation or gradient message (`t x d` of the storage type).
     pub fn act_bytes(&self) -> usize {
         self.t * self.d * self.ts
+    }
+
+    /// Width of one token's RoPE key row, `kph d_h^R`.
+    pub fn kw(&self) -> usize {
+        self.kph * self.dr
+    }
+
+    /// Values per token the SP group gathers: `[c_KV; k^R]`, `d_c + kph d_h^R`.
+    pub fn gather_width(&self) -> usize {
+        self.kvr + self.kw()
     }
 }
 
@@ -267,7 +292,10 @@ impl Alloc {
     }
 }
 
-/// One layer's regions (T: storage type; f: f32; i: i32).
+/// One layer's regions (T: storage type; f: f32; i: i32). The attention is DeepSeek-V3's
+/// multi-head latent attention (the CPU backend's `fwd_qkv` / `fwd_attn`): `H dn` is the
+/// width of the content parts of queries and keys, `H dr` of the queries' RoPE parts, `kw`
+/// of a token's RoPE key(s), `H dv` of the values.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[allow(missing_docs)]
 pub struct LayerRegions {
@@ -276,13 +304,23 @@ pub struct LayerRegions {
     pub xhat1: Region,     // T t x d
     pub inv1: Region,      // f t
     pub a: Region,         // T t x d
-    pub q: Region,         // T t x d (rotated)
-    pub kloc: Region,      // T t x d (rotated)
-    pub vloc: Region,      // T t x d
-    pub kg: Region,        // T tk x d: the gathered keys
-    pub vg: Region,        // T tk x d
+    pub cq_raw: Region,    // T t x qr: a W_DQ
+    pub cq: Region,        // T t x qr: RMSNorm(a W_DQ; q_norm)
+    pub cq_xhat: Region,   // T t x qr
+    pub cq_inv: Region,    // f t
+    pub q_nope: Region,    // T t x H dn
+    pub q_pe: Region,      // T t x H dr (rotated)
+    pub ckv_raw: Region,   // T t x kvr: a W_DKV
+    pub ckv: Region,       // T t x kvr: RMSNorm(a W_DKV; kv_norm)
+    pub ckv_xhat: Region,  // T t x kvr
+    pub ckv_inv: Region,   // f t
+    pub kpe: Region,       // T t x kw (rotated)
+    pub ckv_all: Region,   // T tk x kvr: the gathered latents
+    pub kpe_all: Region,   // T tk x kw: the gathered RoPE keys
+    pub k_nope: Region,    // T tk x H dn: c_KV W_UK
+    pub v: Region,         // T tk x H dv: c_KV W_UV
     pub probs: Region,     // f H x t x tk
-    pub o: Region,         // T t x d
+    pub o: Region,         // T t x H dv
     pub h1: Region,        // T t x d
     pub xhat2: Region,     // T t x d
     pub inv2: Region,      // f t
@@ -304,22 +342,28 @@ pub struct LayerRegions {
     pub sh_act: Region,    // T t x f
     pub sh_y: Region,      // T t x d
     // Backward.
-    pub dgates: Region, // f t x k
-    pub dn2: Region,    // T t x d
-    pub sh_da: Region,  // T t x f
-    pub sh_dh1: Region, // T t x f
-    pub sh_dh3: Region, // T t x f
-    pub dlr: Region,    // T t x E: router logits' gradient
-    pub dh1: Region,    // T t x d
-    pub doh: Region,    // T t x d
-    pub ds: Region,     // f H x t x tk
-    pub dq: Region,     // T t x d
-    pub dkg: Region,    // T tk x d
-    pub dvg: Region,    // T tk x d
-    pub dk: Region,     // T t x d
-    pub dv: Region,     // T t x d
-    pub da: Region,     // T t x d
-    pub dx: Region,     // T t x d: the layer input's gradient
+    pub dgates: Region,   // f t x k
+    pub dn2: Region,      // T t x d
+    pub sh_da: Region,    // T t x f
+    pub sh_dh1: Region,   // T t x f
+    pub sh_dh3: Region,   // T t x f
+    pub dlr: Region,      // T t x E: router logits' gradient
+    pub dh1: Region,      // T t x d
+    pub doh: Region,      // T t x H dv
+    pub ds: Region,       // f H x t x tk
+    pub dq_nope: Region,  // T t x H dn
+    pub dqr: Region,      // T t x H dr (rotated back)
+    pub dk_nope: Region,  // T tk x H dn
+    pub dk_pe: Region,    // T tk x kw
+    pub dvv: Region,      // T tk x H dv
+    pub dckv_all: Region, // T tk x kvr
+    pub dckv: Region,     // T t x kvr: the local chunk's, summed over the SP group
+    pub dkr: Region,      // T t x kw (summed, rotated back)
+    pub dckv_raw: Region, // T t x kvr
+    pub dcq: Region,      // T t x qr
+    pub dcq_raw: Region,  // T t x qr
+    pub da: Region,       // T t x d
+    pub dx: Region,       // T t x d: the layer input's gradient
     // The expert side (rows received from the EP group).
     pub perm: Region,      // i ep x rmax
     pub ecount: Region,    // i per
@@ -382,19 +426,31 @@ impl StashLayout {
         let inbox = a.take(dims.slots * dims.slot_bytes);
         let fsh = if dims.shared { t * f * ts } else { 0 };
         let ex = dims.per * dims.cmax;
+        let (qr, kvr, kw) = (dims.qr, dims.kvr, dims.kw());
+        let (hdn, hdr, hdv) = (h * dims.dn, h * dims.dr, h * dims.dv);
         let layers = (0..dims.layers)
             .map(|_| LayerRegions {
                 xin: a.take(act),
                 xhat1: a.take(act),
                 inv1: a.take(t * fs),
                 a: a.take(act),
-                q: a.take(act),
-                kloc: a.take(act),
-                vloc: a.take(act),
-                kg: a.take(tk * d * ts),
-                vg: a.take(tk * d * ts),
+                cq_raw: a.take(t * qr * ts),
+                cq: a.take(t * qr * ts),
+                cq_xhat: a.take(t * qr * ts),
+                cq_inv: a.take(t * fs),
+                q_nope: a.take(t * hdn * ts),
+                q_pe: a.take(t * hdr * ts),
+                ckv_raw: a.take(t * kvr * ts),
+                ckv: a.take(t * kvr * ts),
+                ckv_xhat: a.take(t * kvr * ts),
+                ckv_inv: a.take(t * fs),
+                kpe: a.take(t * kw * ts),
+                ckv_all: a.take(tk * kvr * ts),
+                kpe_all: a.take(tk * kw * ts),
+                k_nope: a.take(tk * hdn * ts),
+                v: a.take(tk * hdv * ts),
                 probs: a.take(h * t * tk * fs),
-                o: a.take(act),
+                o: a.take(t * hdv * ts),
                 h1: a.take(act),
                 xhat2: a.take(act),
                 inv2: a.take(t * fs),
@@ -422,13 +478,19 @@ impl StashLayout {
                 sh_dh3: a.take(fsh),
                 dlr: a.take(t * e * ts),
                 dh1: a.take(act),
-                doh: a.take(act),
+                doh: a.take(t * hdv * ts),
                 ds: a.take(h * t * tk * fs),
-                dq: a.take(act),
-                dkg: a.take(tk * d * ts),
-                dvg: a.take(tk * d * ts),
-                dk: a.take(act),
-                dv: a.take(act),
+                dq_nope: a.take(t * hdn * ts),
+                dqr: a.take(t * hdr * ts),
+                dk_nope: a.take(tk * hdn * ts),
+                dk_pe: a.take(tk * kw * ts),
+                dvv: a.take(tk * hdv * ts),
+                dckv_all: a.take(tk * kvr * ts),
+                dckv: a.take(t * kvr * ts),
+                dkr: a.take(t * kw * ts),
+                dckv_raw: a.take(t * kvr * ts),
+                dcq: a.take(t * qr * ts),
+                dcq_raw: a.take(t * qr * ts),
                 da: a.take(act),
                 dx: a.take(act),
                 perm: a.take(dims.ep * dims.rmax * is),

@@ -311,6 +311,8 @@ impl Model<'_> {
         self.ew(s, "add", n, vec![p(y), p(a), p(b), n64(n)])
     }
 
+    /// RMSNorm forward over `rows` rows of `width` (`d`, or a latent's rank).
+    #[allow(clippy::too_many_arguments)]
     fn rmsnorm(
         &self,
         s: StreamId,
@@ -318,46 +320,54 @@ impl Model<'_> {
         x: DevPtr,
         g: DevPtr,
         rows: usize,
+        width: usize,
     ) -> Result<(), GpuError> {
-        let d = self.dims.d;
         self.go(
             s,
             "rmsnorm_fwd",
             [rows as u32, 1, 1],
-            row_block(d),
+            row_block(width),
             vec![
                 p(y),
                 p(xhat),
                 p(inv),
                 p(x),
-                i(d),
+                i(width),
                 p(g),
                 i(rows),
-                i(d),
+                i(width),
                 Arg::F32(self.cfg.norm_eps as f32),
             ],
         )
     }
 
+    /// RMSNorm input gradient (`+ resid` when `resid` is not 0).
     #[allow(clippy::too_many_arguments)]
     fn rmsnorm_bwd(
         &self,
         s: StreamId,
         dx: DevPtr,
         dy: DevPtr,
-        g: DevPtr,
-        xhat: DevPtr,
-        inv: DevPtr,
+        (g, xhat, inv): (DevPtr, DevPtr, DevPtr),
         resid: DevPtr,
         rows: usize,
+        width: usize,
     ) -> Result<(), GpuError> {
-        let d = self.dims.d;
         self.go(
             s,
             "rmsnorm_bwd",
             [rows as u32, 1, 1],
-            row_block(d),
-            vec![p(dx), p(dy), p(g), p(xhat), p(inv), p(resid), i(rows), i(d)],
+            row_block(width),
+            vec![
+                p(dx),
+                p(dy),
+                p(g),
+                p(xhat),
+                p(inv),
+                p(resid),
+                i(rows),
+                i(width),
+            ],
         )
     }
 
@@ -368,28 +378,38 @@ impl Model<'_> {
         dy: DevPtr,
         xhat: DevPtr,
         rows: usize,
+        width: usize,
     ) -> Result<(), GpuError> {
-        let d = self.dims.d;
         self.ew(
             s,
             "rmsnorm_w",
-            d,
-            vec![p(dg), p(dy), p(xhat), i(rows), i(d)],
+            width,
+            vec![p(dg), p(dy), p(xhat), i(rows), i(width)],
         )
     }
 
-    fn rope(&self, s: StreamId, x: DevPtr, rows: usize, inverse: bool) -> Result<(), GpuError> {
-        let dm = self.dims;
+    /// RoPE (or its inverse) on `rows` rows of stride `ld`, in `heads` groups of `dr`, at the
+    /// rank's global positions.
+    fn rope(
+        &self,
+        s: StreamId,
+        x: DevPtr,
+        rows: usize,
+        ld: usize,
+        heads: usize,
+        inverse: bool,
+    ) -> Result<(), GpuError> {
+        let dr = self.dims.dr;
         self.ew(
             s,
             "rope",
-            rows * dm.heads * dm.hd / 2,
+            rows * heads * dr / 2,
             vec![
                 p(x),
-                i(dm.d),
+                i(ld),
                 i(rows),
-                i(dm.heads),
-                i(dm.hd),
+                i(heads),
+                i(dr),
                 i(self.pos0),
                 Arg::F64(self.cfg.rope_base),
                 i(inverse as usize),
@@ -407,27 +427,28 @@ impl Model<'_> {
         }
     }
 
+    /// The softmax scale `1 / sqrt(d_h + d_h^R)` (DeepSeek-V3 eq. 10).
     fn scale(&self) -> f32 {
-        (1.0 / (self.dims.hd as f64).sqrt()) as f32
+        (1.0 / ((self.dims.dn + self.dims.dr) as f64).sqrt()) as f32
     }
 
-    /// The attention core: `out`, `probs` from rotated `q` (t rows) over gathered `kg`,
-    /// `vg` (tk rows); mirrors the CPU backend's `attention`.
+    /// MLA's attention core (the CPU backend's `attention`): `out` (`tq x H dv`) and
+    /// `probs` from the local queries' content and RoPE parts (`q_nope`, `q_pe`, `tq` rows)
+    /// over the gathered keys' content parts (`k_nope`), RoPE keys (`k_pe`, shared by the
+    /// heads) and values (`v`, `tk` rows), causal at `q_offset`.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
         s: StreamId,
-        out: DevPtr,
-        probs: DevPtr,
-        q: DevPtr,
-        kg: DevPtr,
-        vg: DevPtr,
+        (out, probs): (DevPtr, DevPtr),
+        (q_nope, q_pe): (DevPtr, DevPtr),
+        (k_nope, k_pe, v): (DevPtr, DevPtr, DevPtr),
         tq: usize,
         tk: usize,
         q_offset: usize,
     ) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (d, h, hd) = (dm.d, dm.heads, dm.hd);
+        let (h, dn, dr, dv) = (dm.heads, dm.dn, dm.dr, dm.dv);
         self.go(
             s,
             "attn_fwd",
@@ -435,48 +456,48 @@ impl Model<'_> {
             row_block(tk),
             vec![
                 p(out),
-                i(d),
+                i(h * dv),
                 p(probs),
-                p(q),
-                i(d),
-                p(0),
-                i(0),
-                p(kg),
-                i(d),
-                p(0),
-                i(0),
-                i(1),
-                p(vg),
-                i(d),
+                p(q_nope),
+                i(h * dn),
+                p(q_pe),
+                i(h * dr),
+                p(k_nope),
+                i(h * dn),
+                p(k_pe),
+                i(dm.kw()),
+                i(dm.kph),
+                p(v),
+                i(h * dv),
                 i(tq),
                 i(tk),
                 i(h),
-                i(hd),
-                i(0),
-                i(hd),
+                i(dn),
+                i(dr),
+                i(dv),
                 i(q_offset),
                 Arg::F32(self.scale()),
             ],
         )
     }
 
-    /// The attention core's backward: `dq` (t rows), `dkg`, `dvg` (tk rows) from `dout`;
-    /// mirrors `attention_backward`. `ds`: scratch `H x tq x tk` floats.
+    /// The attention core's backward (`attention_backward`): the gradients of the queries'
+    /// parts (`tq` rows), of the keys' content parts, the RoPE keys and the values (`tk`
+    /// rows) from `dout`. `ds`: scratch of `H x tq x tk` floats.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_bwd(
         &self,
         s: StreamId,
-        (dq, dkg, dvg, ds): (DevPtr, DevPtr, DevPtr, DevPtr),
+        (dq_nope, dq_pe, dk_nope, dk_pe, dv_, ds): (DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr),
         dout: DevPtr,
-        q: DevPtr,
-        kg: DevPtr,
-        vg: DevPtr,
+        (q_nope, q_pe): (DevPtr, DevPtr),
+        (k_nope, k_pe, v): (DevPtr, DevPtr, DevPtr),
         probs: DevPtr,
         tq: usize,
         tk: usize,
     ) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (d, h, hd) = (dm.d, dm.heads, dm.hd);
+        let (h, dn, dr, dv, kw, kph) = (dm.heads, dm.dn, dm.dr, dm.dv, dm.kw(), dm.kph);
         self.go(
             s,
             "attn_bwd_ds",
@@ -486,64 +507,64 @@ impl Model<'_> {
                 p(ds),
                 p(probs),
                 p(dout),
-                i(d),
-                p(vg),
-                i(d),
+                i(h * dv),
+                p(v),
+                i(h * dv),
                 i(tq),
                 i(tk),
                 i(h),
-                i(hd),
+                i(dv),
                 Arg::F32(self.scale()),
             ],
         )?;
         self.ew(
             s,
             "attn_bwd_dq",
-            tq * h * hd,
+            tq * h * (dn + dr),
             vec![
-                p(dq),
-                i(d),
-                p(0),
-                i(0),
+                p(dq_nope),
+                i(h * dn),
+                p(dq_pe),
+                i(h * dr),
                 p(ds),
-                p(kg),
-                i(d),
-                p(0),
-                i(0),
-                i(1),
+                p(k_nope),
+                i(h * dn),
+                p(k_pe),
+                i(kw),
+                i(kph),
                 i(tq),
                 i(tk),
                 i(h),
-                i(hd),
-                i(0),
+                i(dn),
+                i(dr),
             ],
         )?;
         self.ew(
             s,
             "attn_bwd_dkv",
-            tk * 2 * d,
+            tk * (h * dn + h * dv + kw),
             vec![
-                p(dkg),
-                i(d),
-                p(0),
-                i(0),
-                p(dvg),
-                i(d),
+                p(dk_nope),
+                i(h * dn),
+                p(dk_pe),
+                i(kw),
+                p(dv_),
+                i(h * dv),
                 p(ds),
                 p(probs),
-                p(q),
-                i(d),
-                p(0),
-                i(0),
+                p(q_nope),
+                i(h * dn),
+                p(q_pe),
+                i(h * dr),
                 p(dout),
-                i(d),
-                i(1),
+                i(h * dv),
+                i(kph),
                 i(tq),
                 i(tk),
                 i(h),
-                i(hd),
-                i(0),
-                i(hd),
+                i(dn),
+                i(dr),
+                i(dv),
             ],
         )
     }
@@ -637,11 +658,13 @@ impl Model<'_> {
         )
     }
 
-    /// F, norm, Q/K/V, RoPE, and the keys and values into every SP member's slot
-    /// (`fwd_qkv`).
+    /// F, norm and MLA's token-local projections (`fwd_qkv`): the queries' latent
+    /// `c_Q = RMSNorm(a W_DQ)`, their content and rotated RoPE parts, the key/value latent
+    /// `c_KV = RMSNorm(a W_DKV)` and the rotated RoPE key `k^R = RoPE(a W_KR)`; every SP
+    /// member's slot gets `[c_KV; k^R]` (the all-gather).
     fn f_qkv(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d) = (dm.t, dm.d);
+        let (t, d, h, qr, kvr, kw) = (dm.t, dm.d, dm.heads, dm.qr, dm.kvr, dm.kw());
         let r = &st.stash.layers[l];
         let x = self.at(io, r.xin);
         if l == 0 {
@@ -650,116 +673,171 @@ impl Model<'_> {
                 self.gpu.dtod(s, x, input, dm.act_bytes())?;
             }
         }
-        let (a, q, k, v) = (
-            self.at(io, r.a),
-            self.at(io, r.q),
-            self.at(io, r.kloc),
-            self.at(io, r.vloc),
-        );
+        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let at = |x: Region| self.at(io, x);
+        let a = at(r.a);
+        self.rmsnorm(s, (a, at(r.xhat1), at(r.inv1)), x, w("norm1")?, t, d)?;
+        self.mm(
+            s,
+            (t, qr, d),
+            a,
+            false,
+            w("wdq")?,
+            false,
+            at(r.cq_raw),
+            false,
+            false,
+        )?;
         self.rmsnorm(
             s,
-            (a, self.at(io, r.xhat1), self.at(io, r.inv1)),
-            x,
-            self.w(st, &self.lname(st, l, "norm1"))?,
+            (at(r.cq), at(r.cq_xhat), at(r.cq_inv)),
+            at(r.cq_raw),
+            w("q_norm")?,
             t,
+            qr,
         )?;
         self.mm(
             s,
-            (t, d, d),
-            a,
+            (t, h * dm.dn, qr),
+            at(r.cq),
             false,
-            self.w(st, &self.lname(st, l, "wq"))?,
+            w("wuq")?,
             false,
-            q,
-            false,
-            false,
-        )?;
-        self.mm(
-            s,
-            (t, d, d),
-            a,
-            false,
-            self.w(st, &self.lname(st, l, "wk"))?,
-            false,
-            k,
+            at(r.q_nope),
             false,
             false,
         )?;
         self.mm(
             s,
-            (t, d, d),
+            (t, h * dm.dr, qr),
+            at(r.cq),
+            false,
+            w("wqr")?,
+            false,
+            at(r.q_pe),
+            false,
+            false,
+        )?;
+        self.rope(s, at(r.q_pe), t, h * dm.dr, h, false)?;
+        self.mm(
+            s,
+            (t, kvr, d),
             a,
             false,
-            self.w(st, &self.lname(st, l, "wv"))?,
+            w("wdkv")?,
+            false,
+            at(r.ckv_raw),
+            false,
+            false,
+        )?;
+        self.rmsnorm(
+            s,
+            (at(r.ckv), at(r.ckv_xhat), at(r.ckv_inv)),
+            at(r.ckv_raw),
+            w("kv_norm")?,
+            t,
+            kvr,
+        )?;
+        self.mm(
+            s,
+            (t, kw, d),
+            a,
+            false,
+            w("wkr")?,
+            false,
+            at(r.kpe),
+            false,
+            false,
+        )?;
+        self.rope(s, at(r.kpe), t, kw, dm.kph, false)?;
+        let ob = at(st.stash.outbox);
+        let (nc, np) = (t * kvr * dm.ts, t * kw * dm.ts);
+        for j in 0..dm.sp {
+            self.gpu.dtod(s, self.rows(ob, j), at(r.ckv), nc)?;
+            self.gpu
+                .dtod(s, self.rows(ob, j) + nc as u64, at(r.kpe), np)?;
+        }
+        Ok(())
+    }
+
+    /// F, the rest of the attention and the router (`fwd_attn`): the gathered latents
+    /// up-projected to every head's content keys `c_KV W_UK` and values `c_KV W_UV`,
+    /// attention over them, output projection, residual, norm, routing, and the dispatch
+    /// packets.
+    fn f_attn(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, e, k, h, kvr, kw, tk) =
+            (dm.t, dm.d, dm.e, dm.k, dm.heads, dm.kvr, dm.kw(), dm.tk);
+        let r = &st.stash.layers[l];
+        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let at = |x: Region| self.at(io, x);
+        let ib = at(st.stash.inbox);
+        let (nc, np) = (t * kvr * dm.ts, t * kw * dm.ts);
+        let (ckv_all, kpe_all) = (at(r.ckv_all), at(r.kpe_all));
+        for j in 0..dm.sp {
+            self.gpu
+                .dtod(s, ckv_all + (j * nc) as u64, self.rows(ib, j), nc)?;
+            self.gpu.dtod(
+                s,
+                kpe_all + (j * np) as u64,
+                self.rows(ib, j) + nc as u64,
+                np,
+            )?;
+        }
+        let (k_nope, v) = (at(r.k_nope), at(r.v));
+        self.mm(
+            s,
+            (tk, h * dm.dn, kvr),
+            ckv_all,
+            false,
+            w("wuk")?,
+            false,
+            k_nope,
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (tk, h * dm.dv, kvr),
+            ckv_all,
+            false,
+            w("wuv")?,
             false,
             v,
             false,
             false,
         )?;
-        self.rope(s, q, t, false)?;
-        self.rope(s, k, t, false)?;
-        let ob = self.at(io, st.stash.outbox);
-        let n = dm.act_bytes();
-        for j in 0..dm.sp {
-            self.gpu.dtod(s, self.rows(ob, j), k, n)?;
-            self.gpu.dtod(s, self.rows(ob, j) + n as u64, v, n)?;
-        }
-        Ok(())
-    }
-
-    /// F, attention over the gathered keys and values, output projection, residual, norm,
-    /// router, and the dispatch packets (`fwd_attn`).
-    fn f_attn(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
-        let dm = self.dims;
-        let (t, d, e, k) = (dm.t, dm.d, dm.e, dm.k);
-        let r = &st.stash.layers[l];
-        let ib = self.at(io, st.stash.inbox);
-        let n = dm.act_bytes();
-        let (kg, vg) = (self.at(io, r.kg), self.at(io, r.vg));
-        for j in 0..dm.sp {
-            self.gpu.dtod(s, kg + (j * n) as u64, self.rows(ib, j), n)?;
-            self.gpu
-                .dtod(s, vg + (j * n) as u64, self.rows(ib, j) + n as u64, n)?;
-        }
-        let (o, h1) = (self.at(io, r.o), self.at(io, r.h1));
+        let (o, h1) = (at(r.o), at(r.h1));
         self.attention(
             s,
-            o,
-            self.at(io, r.probs),
-            self.at(io, r.q),
-            kg,
-            vg,
+            (o, at(r.probs)),
+            (at(r.q_nope), at(r.q_pe)),
+            (k_nope, kpe_all, v),
             t,
-            dm.tk,
+            tk,
             self.mask_offset(),
         )?;
         self.mm(
             s,
-            (t, d, d),
+            (t, d, h * dm.dv),
             o,
             false,
-            self.w(st, &self.lname(st, l, "wo"))?,
+            w("wo")?,
             false,
             h1,
             false,
             false,
         )?;
-        self.add(s, h1, h1, self.at(io, r.xin), t * d)?;
-        let n2 = self.at(io, r.n2);
-        self.rmsnorm(
-            s,
-            (n2, self.at(io, r.xhat2), self.at(io, r.inv2)),
-            h1,
-            self.w(st, &self.lname(st, l, "norm2"))?,
-            t,
-        )?;
-        let (logits, sc) = (self.at(io, r.logits), self.at(io, r.s));
+        self.add(s, h1, h1, at(r.xin), t * d)?;
+        let n2 = at(r.n2);
+        self.rmsnorm(s, (n2, at(r.xhat2), at(r.inv2)), h1, w("norm2")?, t, d)?;
+        let (logits, sc) = (at(r.logits), at(r.s));
         self.mm(
             s,
             (t, e, d),
             n2,
             false,
-            self.w(st, &self.lname(st, l, "router"))?,
+            w("router")?,
             false,
             logits,
             false,
@@ -772,13 +850,13 @@ impl Model<'_> {
             s,
             "route",
             vec![
-                p(self.at(io, r.experts)),
-                p(self.at(io, r.desired)),
-                p(self.at(io, r.gates)),
-                p(self.at(io, r.z)),
-                p(self.at(io, r.softmax)),
+                p(at(r.experts)),
+                p(at(r.desired)),
+                p(at(r.gates)),
+                p(at(r.z)),
+                p(at(r.softmax)),
                 p(loads),
-                p(self.at(io, r.cnt)),
+                p(at(r.cnt)),
                 p(logits),
                 p(sc),
                 p(st.routing_bias + (l * e * 4) as u64),
@@ -790,17 +868,17 @@ impl Model<'_> {
                 i(bugs.drop_overflow as usize),
             ],
         )?;
-        let ob = self.at(io, st.stash.outbox);
+        let ob = at(st.stash.outbox);
         self.one(
             s,
             "dispatch_plan",
             vec![
-                p(self.at(io, r.order)),
-                p(self.at(io, r.slot_dest)),
-                p(self.at(io, r.slot_pos)),
+                p(at(r.order)),
+                p(at(r.slot_dest)),
+                p(at(r.slot_pos)),
                 p(ob),
                 n64(dm.slot_bytes),
-                p(self.at(io, r.experts)),
+                p(at(r.experts)),
                 i(t * k),
                 i(e),
                 i(dm.per),
@@ -816,8 +894,8 @@ impl Model<'_> {
                 n64(dm.slot_bytes),
                 n64(dm.rows_off),
                 p(n2),
-                p(self.at(io, r.slot_dest)),
-                p(self.at(io, r.slot_pos)),
+                p(at(r.slot_dest)),
+                p(at(r.slot_pos)),
                 i(t * k),
                 i(k),
                 i(d),
@@ -1054,6 +1132,7 @@ impl Model<'_> {
             self.at(io, sl.xout),
             self.w(st, "final_norm")?,
             t,
+            d,
         )?;
         let logits = self.at(io, sl.logits);
         self.mm(
@@ -1108,11 +1187,14 @@ impl Model<'_> {
             s,
             self.at(io, sl.gout),
             dxf,
-            self.w(st, "final_norm")?,
-            self.at(io, sl.xhatf),
-            self.at(io, sl.invf),
+            (
+                self.w(st, "final_norm")?,
+                self.at(io, sl.xhatf),
+                self.at(io, sl.invf),
+            ),
             0,
             t,
+            d,
         )
     }
 
@@ -1324,14 +1406,18 @@ impl Model<'_> {
         )
     }
 
-    /// B, dispatch, router, norm, output projection, attention (`bwd_attn`): the key and
-    /// value gradients of every SP member's chunk into its slot.
+    /// B, dispatch, router, norm, output projection, attention (`bwd_attn`): the gradients
+    /// of the gathered latents (`dk^C W_UKᵀ + dv W_UVᵀ`) and RoPE keys of every SP member's
+    /// chunk into its slot; the queries' RoPE gradient rotated back.
     fn b_attn(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d, k, e) = (dm.t, dm.d, dm.k, dm.e);
+        let (t, d, k, e, h, kvr, kw, tk) =
+            (dm.t, dm.d, dm.k, dm.e, dm.heads, dm.kvr, dm.kw(), dm.tk);
         let r = &st.stash.layers[l];
-        let ib = self.at(io, st.stash.inbox);
-        let dn2 = self.at(io, r.dn2);
+        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let at = |x: Region| self.at(io, x);
+        let ib = at(st.stash.inbox);
+        let dn2 = at(r.dn2);
         self.ew(
             s,
             "dispatch_bwd",
@@ -1341,27 +1427,27 @@ impl Model<'_> {
                 p(ib),
                 n64(dm.slot_bytes),
                 n64(dm.rows_off),
-                p(self.at(io, r.experts)),
-                p(self.at(io, r.slot_dest)),
-                p(self.at(io, r.slot_pos)),
+                p(at(r.experts)),
+                p(at(r.slot_dest)),
+                p(at(r.slot_pos)),
                 i(t),
                 i(k),
                 i(d),
             ],
         )?;
-        let dlr = self.at(io, r.dlr);
+        let dlr = at(r.dlr);
         self.ew(
             s,
             "gate_bwd",
             t,
             vec![
                 p(dlr),
-                p(self.at(io, r.dgates)),
-                p(self.at(io, r.gates)),
-                p(self.at(io, r.z)),
-                p(self.at(io, r.s)),
-                p(self.at(io, r.softmax)),
-                p(self.at(io, r.experts)),
+                p(at(r.dgates)),
+                p(at(r.gates)),
+                p(at(r.z)),
+                p(at(r.s)),
+                p(at(r.softmax)),
+                p(at(r.experts)),
                 i(t),
                 i(k),
                 i(e),
@@ -1373,73 +1459,96 @@ impl Model<'_> {
             (t, d, e),
             dlr,
             false,
-            self.w(st, &self.lname(st, l, "router"))?,
+            w("router")?,
             true,
             dn2,
             true,
             false,
         )?;
-        let dh1 = self.at(io, r.dh1);
+        let dh1 = at(r.dh1);
         self.rmsnorm_bwd(
             s,
             dh1,
             dn2,
-            self.w(st, &self.lname(st, l, "norm2"))?,
-            self.at(io, r.xhat2),
-            self.at(io, r.inv2),
+            (w("norm2")?, at(r.xhat2), at(r.inv2)),
             self.dy(st, l, io),
             t,
+            d,
         )?;
-        let doh = self.at(io, r.doh);
+        let doh = at(r.doh);
         self.mm(
             s,
-            (t, d, d),
+            (t, h * dm.dv, d),
             dh1,
             false,
-            self.w(st, &self.lname(st, l, "wo"))?,
+            w("wo")?,
             true,
             doh,
             false,
             false,
         )?;
-        let (dkg, dvg) = (self.at(io, r.dkg), self.at(io, r.dvg));
+        let (dk_nope, dk_pe, dvv) = (at(r.dk_nope), at(r.dk_pe), at(r.dvv));
         self.attention_bwd(
             s,
-            (self.at(io, r.dq), dkg, dvg, self.at(io, r.ds)),
+            (at(r.dq_nope), at(r.dqr), dk_nope, dk_pe, dvv, at(r.ds)),
             doh,
-            self.at(io, r.q),
-            self.at(io, r.kg),
-            self.at(io, r.vg),
-            self.at(io, r.probs),
+            (at(r.q_nope), at(r.q_pe)),
+            (at(r.k_nope), at(r.kpe_all), at(r.v)),
+            at(r.probs),
             t,
-            dm.tk,
+            tk,
         )?;
-        let ob = self.at(io, st.stash.outbox);
-        let n = dm.act_bytes();
+        let dckv_all = at(r.dckv_all);
+        self.mm(
+            s,
+            (tk, kvr, h * dm.dn),
+            dk_nope,
+            false,
+            w("wuk")?,
+            true,
+            dckv_all,
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (tk, kvr, h * dm.dv),
+            dvv,
+            false,
+            w("wuv")?,
+            true,
+            dckv_all,
+            true,
+            false,
+        )?;
+        self.rope(s, at(r.dqr), t, h * dm.dr, h, true)?;
+        let ob = at(st.stash.outbox);
+        let (nc, np) = (t * kvr * dm.ts, t * kw * dm.ts);
         for j in 0..dm.sp {
             self.gpu
-                .dtod(s, self.rows(ob, j), dkg + (j * n) as u64, n)?;
+                .dtod(s, self.rows(ob, j), dckv_all + (j * nc) as u64, nc)?;
             self.gpu
-                .dtod(s, self.rows(ob, j) + n as u64, dvg + (j * n) as u64, n)?;
+                .dtod(s, self.rows(ob, j) + nc as u64, dk_pe + (j * np) as u64, np)?;
         }
         Ok(())
     }
 
-    /// B, Q/K/V and norm (`bwd_qkv`): sums the local chunk's key and value gradients over
-    /// the SP group, rotates back, and the layer input's gradient.
+    /// B, MLA's projections and norm (`bwd_qkv`): sums the local chunk's latent and
+    /// RoPE-key gradients over the SP group, rotates the RoPE gradient back, runs the
+    /// gradients through the latents' norms and the down-projections, and the layer input's
+    /// gradient.
     fn b_qkv(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d) = (dm.t, dm.d);
+        let (t, d, h, qr, kvr, kw) = (dm.t, dm.d, dm.heads, dm.qr, dm.kvr, dm.kw());
         let r = &st.stash.layers[l];
-        let ib = self.at(io, st.stash.inbox);
-        let (dq, dk, dv, da) = (
-            self.at(io, r.dq),
-            self.at(io, r.dk),
-            self.at(io, r.dv),
-            self.at(io, r.da),
-        );
-        let n = t * d;
-        for (y, off) in [(dk, dm.rows_off), (dv, dm.rows_off + dm.act_bytes())] {
+        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let at = |x: Region| self.at(io, x);
+        let ib = at(st.stash.inbox);
+        let (dckv, dkr) = (at(r.dckv), at(r.dkr));
+        for (y, off, n) in [
+            (dckv, dm.rows_off, t * kvr),
+            (dkr, dm.rows_off + t * kvr * dm.ts, t * kw),
+        ] {
             self.ew(
                 s,
                 "sum_slots",
@@ -1447,14 +1556,56 @@ impl Model<'_> {
                 vec![p(y), p(ib), n64(dm.slot_bytes), n64(off), i(dm.sp), n64(n)],
             )?;
         }
-        self.rope(s, dq, t, true)?;
-        self.rope(s, dk, t, true)?;
+        self.rope(s, dkr, t, kw, dm.kph, true)?;
+        let dckv_raw = at(r.dckv_raw);
+        self.rmsnorm_bwd(
+            s,
+            dckv_raw,
+            dckv,
+            (w("kv_norm")?, at(r.ckv_xhat), at(r.ckv_inv)),
+            0,
+            t,
+            kvr,
+        )?;
+        let (dcq, dcq_raw) = (at(r.dcq), at(r.dcq_raw));
         self.mm(
             s,
-            (t, d, d),
-            dq,
+            (t, qr, h * dm.dn),
+            at(r.dq_nope),
             false,
-            self.w(st, &self.lname(st, l, "wq"))?,
+            w("wuq")?,
+            true,
+            dcq,
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (t, qr, h * dm.dr),
+            at(r.dqr),
+            false,
+            w("wqr")?,
+            true,
+            dcq,
+            true,
+            false,
+        )?;
+        self.rmsnorm_bwd(
+            s,
+            dcq_raw,
+            dcq,
+            (w("q_norm")?, at(r.cq_xhat), at(r.cq_inv)),
+            0,
+            t,
+            qr,
+        )?;
+        let da = at(r.da);
+        self.mm(
+            s,
+            (t, d, qr),
+            dcq_raw,
+            false,
+            w("wdq")?,
             true,
             da,
             false,
@@ -1462,36 +1613,25 @@ impl Model<'_> {
         )?;
         self.mm(
             s,
-            (t, d, d),
-            dk,
+            (t, d, kvr),
+            dckv_raw,
             false,
-            self.w(st, &self.lname(st, l, "wk"))?,
+            w("wdkv")?,
             true,
             da,
             true,
             false,
         )?;
-        self.mm(
-            s,
-            (t, d, d),
-            dv,
-            false,
-            self.w(st, &self.lname(st, l, "wv"))?,
-            true,
-            da,
-            true,
-            false,
-        )?;
-        let dx = self.at(io, r.dx);
+        self.mm(s, (t, d, kw), dkr, false, w("wkr")?, true, da, true, false)?;
+        let dx = at(r.dx);
         self.rmsnorm_bwd(
             s,
             dx,
             da,
-            self.w(st, &self.lname(st, l, "norm1"))?,
-            self.at(io, r.xhat1),
-            self.at(io, r.inv1),
-            self.at(io, r.dh1),
+            (w("norm1")?, at(r.xhat1), at(r.inv1)),
+            at(r.dh1),
             t,
+            d,
         )?;
         if l == 0 {
             if let Some(g) = io.grad_out {
@@ -1521,46 +1661,95 @@ impl Model<'_> {
                 ],
             )?;
         }
+        let (h, qr, kvr, kw, tk) = (dm.heads, dm.qr, dm.kvr, dm.kw(), dm.tk);
         for (li, r) in sl.layers.iter().enumerate() {
             let g = |w: &str| self.g(st, io, &self.lname(st, li, w));
             let at = |x: Region| self.at(io, x);
-            self.rmsnorm_w(s, g("norm1")?, at(r.da), at(r.xhat1), t)?;
+            self.rmsnorm_w(s, g("norm1")?, at(r.da), at(r.xhat1), t, d)?;
             self.mm(
                 s,
-                (d, d, t),
+                (d, qr, t),
                 at(r.a),
                 true,
-                at(r.dq),
+                at(r.dcq_raw),
                 false,
-                g("wq")?,
+                g("wdq")?,
+                true,
+                true,
+            )?;
+            self.rmsnorm_w(s, g("q_norm")?, at(r.dcq), at(r.cq_xhat), t, qr)?;
+            self.mm(
+                s,
+                (qr, h * dm.dn, t),
+                at(r.cq),
+                true,
+                at(r.dq_nope),
+                false,
+                g("wuq")?,
                 true,
                 true,
             )?;
             self.mm(
                 s,
-                (d, d, t),
-                at(r.a),
+                (qr, h * dm.dr, t),
+                at(r.cq),
                 true,
-                at(r.dk),
+                at(r.dqr),
                 false,
-                g("wk")?,
+                g("wqr")?,
                 true,
                 true,
             )?;
             self.mm(
                 s,
-                (d, d, t),
+                (d, kvr, t),
                 at(r.a),
                 true,
-                at(r.dv),
+                at(r.dckv_raw),
                 false,
-                g("wv")?,
+                g("wdkv")?,
+                true,
+                true,
+            )?;
+            self.rmsnorm_w(s, g("kv_norm")?, at(r.dckv), at(r.ckv_xhat), t, kvr)?;
+            self.mm(
+                s,
+                (d, kw, t),
+                at(r.a),
+                true,
+                at(r.dkr),
+                false,
+                g("wkr")?,
+                true,
+                true,
+            )?;
+            // Over the gathered sequence: each SP member adds its queries' share; the
+            // data-parallel all-reduce, which spans the SP group, sums the shares.
+            self.mm(
+                s,
+                (kvr, h * dm.dn, tk),
+                at(r.ckv_all),
+                true,
+                at(r.dk_nope),
+                false,
+                g("wuk")?,
                 true,
                 true,
             )?;
             self.mm(
                 s,
-                (d, d, t),
+                (kvr, h * dm.dv, tk),
+                at(r.ckv_all),
+                true,
+                at(r.dvv),
+                false,
+                g("wuv")?,
+                true,
+                true,
+            )?;
+            self.mm(
+                s,
+                (h * dm.dv, d, t),
                 at(r.o),
                 true,
                 at(r.dh1),
@@ -1569,7 +1758,7 @@ impl Model<'_> {
                 true,
                 true,
             )?;
-            self.rmsnorm_w(s, g("norm2")?, at(r.dn2), at(r.xhat2), t)?;
+            self.rmsnorm_w(s, g("norm2")?, at(r.dn2), at(r.xhat2), t, d)?;
             self.mm(
                 s,
                 (d, e, t),
@@ -1667,6 +1856,7 @@ impl Model<'_> {
                 self.at(io, sl.dxf),
                 self.at(io, sl.xhatf),
                 t,
+                d,
             )?;
         }
         Ok(())

@@ -34,6 +34,7 @@ struct Diff {
     grad: f64,
     worst: String,
     param: f64,
+    worst_param: String,
     tensors: usize,
 }
 
@@ -43,6 +44,7 @@ fn compare(gpu: &GpuResult, cpu: &ExecResult) -> Diff {
         grad: 0.0,
         worst: String::new(),
         param: 0.0,
+        worst_param: String::new(),
         tensors: 0,
     };
     for (a, b) in gpu.losses.iter().zip(&cpu.losses) {
@@ -78,7 +80,11 @@ fn compare(gpu: &GpuResult, cpu: &ExecResult) -> Diff {
         .collect();
     for (r, s, named) in &gpu.params {
         for (n, t) in named {
-            d.param = d.param.max(rel_err(t, want[&(*r, *s, n.as_str())], 1e-8));
+            let e = rel_err(t, want[&(*r, *s, n.as_str())], 1e-8);
+            if e > d.param {
+                d.param = e;
+                d.worst_param = format!("{n} of stage {s} on rank {r}");
+            }
         }
     }
     d
@@ -87,7 +93,10 @@ fn compare(gpu: &GpuResult, cpu: &ExecResult) -> Diff {
 fn case(name: &str, pp: u32, mb: u32, mesh: &str, cfg: &ModelConfig, steps: usize) -> Diff {
     let set = lower(name, pp, mb, mesh, cfg);
     let data = Data::builtin();
-    let opt = Optimizer::adam(3e-3);
+    // SGD: Adam turns gradients near its epsilon (an expert with few rows in the tiny
+    // model) into steps whose size depends on their last bits; the adam kernel is checked
+    // against the CPU formula in `numerics`.
+    let opt = Optimizer::Sgd { lr: 0.2 };
     let cpu = cpu_execute::<f32>(
         &set,
         &data,
@@ -115,8 +124,8 @@ fn case(name: &str, pp: u32, mb: u32, mesh: &str, cfg: &ModelConfig, steps: usiz
     let d = compare(&run, &cpu);
     let peak = run.memory.iter().map(|m| m.total()).max().unwrap_or(0);
     println!(
-        "equivalence {name} P={pp} M={mb} mesh {mesh}: loss {:.3e}, gradients {:.3e} ({} tensors, worst {}), parameters after {steps} steps {:.3e}; peak device memory per rank {peak} bytes",
-        d.loss, d.grad, d.tensors, d.worst, d.param
+        "equivalence {name} P={pp} M={mb} mesh {mesh}: loss {:.3e}, gradients {:.3e} ({} tensors, worst {}), parameters after {steps} steps {:.3e} ({}); peak device memory per rank {peak} bytes",
+        d.loss, d.grad, d.tensors, d.worst, d.param, d.worst_param
     );
     d
 }

@@ -1,4 +1,4 @@
-//! The CPU backend's five silent-failure guards (`schedc_cpu::model::properties` and
+//! The CPU backend's six silent-failure guards (`schedc_cpu::model::properties` and
 //! `Bugs`) hold on the CUDA kernels too: each property, checked on the kernels (host shim),
 //! passes with the correct model and fails with its bug injected; and end to end, a run of
 //! the whole host driver with the bug injected no longer equals the CPU backend's correct
@@ -7,7 +7,8 @@
 //! * `softmax_gates`: gates from a softmax over all experts, not normalized sigmoid scores;
 //! * `ema_init_zero`: the load EMA starting at 0 instead of 1/E;
 //! * `bias_update_after_routing`: the balancing bias moved after the next routing;
-//! * `drop_overflow`: assignments over capacity dropped instead of re-routed.
+//! * `drop_overflow`: assignments over capacity dropped instead of re-routed;
+//! * `per_head_kpe`: MLA's RoPE key computed per head instead of once per token.
 
 use schedc::input::{load_spec, Overrides};
 use schedc_cpu::exec::{execute as cpu_execute, ExecOptions as CpuOptions, Optimizer};
@@ -17,10 +18,11 @@ use schedc_cuda::api::*;
 use schedc_cuda::driver::{execute, ExecOptions};
 use schedc_cuda::host::HostGpu;
 use schedc_cuda::layout::Dims;
+use schedc_cuda::model::Io;
 use schedc_cuda::model::{Model, StageDev};
 use schedc_program::data::Data;
 use schedc_program::mesh::Mesh;
-use schedc_program::{LocalStage, LowerOptions, ProgramSet};
+use schedc_program::{LocalStage, LowerOptions, Part, Pass, ProgramSet};
 
 const S: StreamId = StreamId(0);
 
@@ -107,13 +109,27 @@ fn sp_attention_matches_full(bugs: Bugs, sp: usize) -> Result<(), String> {
     let mut cfg = ModelConfig::tiny();
     cfg.bugs = bugs;
     let dims = Dims::new(&cfg, &Mesh::pipeline(1), DType::F32)?;
-    let (t, d, h) = (cfg.seq_len, cfg.hidden, cfg.heads);
+    let sh = cpu::AttnShape::of(&cfg);
+    let (t, h) = (cfg.seq_len, sh.heads);
     let mut rng = Rng::new(7);
     let mut gen = |n: usize| (0..n).map(|_| rng.uniform() as f32).collect::<Vec<f32>>();
-    let (q, k, v) = (gen(t * d), gen(t * d), gen(t * d));
-    let (full, _) = cpu::attention(&q, &k, &v, d, h, 0, &Bugs::default());
-    let (pk, pv) = (dv.f(&k), dv.f(&v));
+    let (qn, qp) = (gen(t * h * sh.nope), gen(t * h * sh.rope));
+    let (kn, kp, v) = (
+        gen(t * h * sh.nope),
+        gen(t * sh.kpe_width()),
+        gen(t * h * sh.v),
+    );
+    let full_in = cpu::AttnIn {
+        q_nope: &qn,
+        q_pe: &qp,
+        k_nope: &kn,
+        k_pe: &kp,
+        v: &v,
+    };
+    let (full, _) = cpu::attention(&full_in, &sh, 0, &Bugs::default());
+    let keys = (dv.f(&kn), dv.f(&kp), dv.f(&v));
     let chunk = t / sp;
+    let rows = |x: &[f32], w: usize, c: usize| x[c * chunk * w..(c + 1) * chunk * w].to_vec();
     for c in 0..sp {
         let m = Model {
             gpu: &dv.0,
@@ -122,22 +138,19 @@ fn sp_attention_matches_full(bugs: Bugs, sp: usize) -> Result<(), String> {
             pos0: c * chunk,
             err: dv.i(1),
         };
-        let (out, probs) = (dv.f(&vec![0.0; chunk * d]), dv.f(&vec![0.0; h * chunk * t]));
-        m.attention(
-            S,
-            out,
-            probs,
-            dv.f(&q[c * chunk * d..(c + 1) * chunk * d]),
-            pk,
-            pv,
-            chunk,
-            t,
-            m.mask_offset(),
-        )
-        .map_err(String::from)?;
+        let (out, probs) = (
+            dv.f(&vec![0.0; chunk * h * sh.v]),
+            dv.f(&vec![0.0; h * chunk * t]),
+        );
+        let q = (
+            dv.f(&rows(&qn, h * sh.nope, c)),
+            dv.f(&rows(&qp, h * sh.rope, c)),
+        );
+        m.attention(S, (out, probs), q, keys, chunk, t, m.mask_offset())
+            .map_err(String::from)?;
         let e = rel_err(
-            &dv.get_f(out, chunk * d),
-            &full[c * chunk * d..(c + 1) * chunk * d],
+            &dv.get_f(out, chunk * h * sh.v),
+            &rows(&full, h * sh.v, c),
             1e-30,
         );
         if e > 1e-5 {
@@ -145,6 +158,101 @@ fn sp_attention_matches_full(bugs: Bugs, sp: usize) -> Result<(), String> {
                 "SP chunk {c} differs from full attention (relative error {e:.3e})"
             ));
         }
+    }
+    Ok(())
+}
+
+/// MLA's decoupled RoPE key (DeepSeek-V3 eq. 3-4) on the device: `W_KR` is `d x d_h^R`
+/// (one RoPE key per token), the SP group gathers `d_c + d_h^R` values per token, and the
+/// driver's F Q/K/V and attention of layer 0 equal the CPU's `reference_mla`, whose heads
+/// share one RoPE key.
+fn kpe_shared_across_heads(bugs: Bugs) -> Result<(), String> {
+    let gpu = HostGpu::new(DType::F32);
+    let dv = Dev(HostGpu::new(DType::F32));
+    let mut cfg = ModelConfig::tiny();
+    cfg.bugs = bugs;
+    let dims = Dims::new(&cfg, &Mesh::pipeline(1), DType::F32)?;
+    let (d, dr) = (cfg.hidden, cfg.qk_rope_head_dim);
+    let info = LocalStage {
+        stage: 1,
+        model_stage: 1,
+        direction: 0,
+        first: false,
+        last: false,
+        expert_lo: 0,
+        expert_hi: cfg.experts as u32,
+        replica_peer: None,
+    };
+    let st = StageDev::new(&gpu, S, &cfg, &dims, &info, 3, &Optimizer::Sgd { lr: 0.1 })
+        .map_err(String::from)?;
+    let wkr = st.layout.get("layer1.wkr")?;
+    if wkr.len != d * dr {
+        return Err(format!(
+            "W_KR holds {} values, d x {}: {} RoPE keys per token where MLA has one shared by all heads",
+            wkr.len,
+            wkr.len / d,
+            wkr.len / (d * dr)
+        ));
+    }
+    if dims.gather_width() != cfg.kv_lora_rank + dr {
+        return Err(format!(
+            "the SP group gathers {} values per token",
+            dims.gather_width()
+        ));
+    }
+    let t = cfg.seq_len;
+    let mut rng = Rng::new(17);
+    let x: Vec<f32> = (0..t * d).map(|_| rng.uniform() as f32).collect();
+    let stash = gpu.alloc(st.stash.bytes).map_err(String::from)?;
+    let grads = gpu.alloc(st.layout.grads() * 4).map_err(String::from)?;
+    let act = gpu.alloc(t * d * 4).map_err(String::from)?;
+    gpu.htod(S, act, &encode(DType::F32, &x))
+        .map_err(String::from)?;
+    let err = gpu.alloc(4).map_err(String::from)?;
+    gpu.memset(S, err, 4).map_err(String::from)?;
+    let m = Model {
+        gpu: &gpu,
+        dims: &dims,
+        cfg: &cfg,
+        pos0: 0,
+        err,
+    };
+    let io = Io {
+        stash,
+        grads,
+        act_in: Some(act),
+        tokens: Some((vec![], vec![])),
+        scale: 1.0,
+        ..Io::default()
+    };
+    m.kernel(S, &st, Pass::F, Part::Qkv { layer: 0 }, &io)
+        .map_err(String::from)?;
+    let sl = &st.stash;
+    gpu.dtod(
+        S,
+        stash + sl.inbox.off as u64,
+        stash + sl.outbox.off as u64,
+        dims.slot_bytes,
+    )
+    .map_err(String::from)?;
+    m.kernel(S, &st, Pass::F, Part::Attn { layer: 0 }, &io)
+        .map_err(String::from)?;
+    let read = |r: schedc_cuda::layout::Region| {
+        let mut b = vec![0u8; t * d * 4];
+        gpu.dtoh(S, stash + r.off as u64, &mut b).unwrap();
+        decode(DType::F32, &b)
+    };
+    let (a, h1) = (read(sl.layers[0].a), read(sl.layers[0].h1));
+    let model: Vec<f64> = h1.iter().zip(&x).map(|(h1, x)| (*h1 - *x) as f64).collect();
+    let p64 = cpu::StageParams::<f64>::init(&cfg, 1, 3, 0, cfg.experts);
+    let a64: Vec<f64> = a.iter().map(|v| *v as f64).collect();
+    let want = cpu::properties::reference_mla(&cfg, &p64.layers[0], &a64)?;
+    let e = rel_err(&model, &want, 1e-30);
+    let _ = dv;
+    if e > 1e-5 {
+        return Err(format!(
+            "the attention output differs from MLA with one shared RoPE key ({e:.3e})"
+        ));
     }
     Ok(())
 }
@@ -289,6 +397,18 @@ fn silent_failure_sp_causal_mask_uses_global_positions() {
 }
 
 #[test]
+fn silent_failure_kpe_computed_once_and_shared_across_heads() {
+    injected(
+        kpe_shared_across_heads,
+        Bugs {
+            per_head_kpe: true,
+            ..Bugs::default()
+        },
+        "per_head_kpe",
+    );
+}
+
+#[test]
 fn silent_failure_gates_normalized_after_top_k() {
     injected(
         gates_normalized_over_selected,
@@ -335,6 +455,11 @@ fn silent_failure_overflow_rerouted_not_dropped() {
 /// End to end: the driver with `bug` against the CPU backend's correct run; returns the
 /// largest relative difference of losses, gradients and parameters.
 fn end_to_end(bug: Bugs, mesh: &str, steps: usize) -> f64 {
+    end_to_end_against(bug, Bugs::default(), mesh, steps)
+}
+
+/// [`end_to_end`] with the CPU run under `cpu_bug`.
+fn end_to_end_against(bug: Bugs, cpu_bug: Bugs, mesh: &str, steps: usize) -> f64 {
     let text = std::fs::read_to_string(format!(
         "{}/../../specs/1f1b.sched",
         env!("CARGO_MANIFEST_DIR")
@@ -351,6 +476,7 @@ fn end_to_end(bug: Bugs, mesh: &str, steps: usize) -> f64 {
     cfg.capacity_factor = Some(0.6);
     // A fast bias (gamma) so that the balancing moves routing within three steps.
     cfg.bias_rate = 0.3;
+    cfg.bugs = cpu_bug;
     let good = ProgramSet::lower(&src, &mesh, &cfg, LowerOptions::default()).unwrap();
     cfg.bugs = bug;
     let bad = ProgramSet::lower(&src, &mesh, &cfg, LowerOptions::default()).unwrap();
@@ -390,7 +516,13 @@ fn end_to_end(bug: Bugs, mesh: &str, steps: usize) -> f64 {
         .collect();
     for (r, s, named) in &got.params {
         for (n, x) in named {
-            worst = worst.max(rel_err(x, by_name[&(*r, *s, n.as_str())], 1e-8));
+            let y = by_name[&(*r, *s, n.as_str())];
+            // A tensor of another shape (per_head_kpe's W_KR) differs entirely.
+            worst = worst.max(if x.len() == y.len() {
+                rel_err(x, y, 1e-8)
+            } else {
+                f64::INFINITY
+            });
         }
     }
     worst
@@ -444,6 +576,15 @@ fn every_injected_bug_changes_the_training_end_to_end() {
             "pp=2",
             1,
         ),
+        (
+            "per_head_kpe",
+            Bugs {
+                per_head_kpe: true,
+                ..Bugs::default()
+            },
+            "pp=2,sp=2",
+            1,
+        ),
     ] {
         let d = end_to_end(bug, mesh, steps);
         println!("guard {name} end to end ({mesh}, {steps} steps): differs from the correct CPU run by {d:.2e}");
@@ -454,4 +595,16 @@ fn every_injected_bug_changes_the_training_end_to_end() {
     }
     let d = end_to_end(Bugs::default(), "pp=2,sp=2", 3);
     assert!(d < 1e-4, "the correct run differs by {d:.2e}");
+    // per_head_kpe trains: the driver with it equals the CPU backend with it (its H RoPE
+    // keys gathered over SP), which the shapes alone would not show.
+    let kpe = Bugs {
+        per_head_kpe: true,
+        ..Bugs::default()
+    };
+    let d = end_to_end_against(kpe, kpe, "pp=2,sp=2", 2);
+    println!("guard per_head_kpe: the driver with it equals the CPU with it to {d:.2e}");
+    assert!(
+        d < 1e-4,
+        "per_head_kpe: the driver differs from the CPU by {d:.2e}"
+    );
 }

@@ -239,49 +239,114 @@ fn dims(cfg: &ModelConfig, dt: DType) -> Dims {
 
 #[test]
 fn attention_forward_and_backward_with_the_sp_mask_offset() {
+    // MLA's attention core (content and RoPE parts, values of their own width), with one
+    // RoPE key shared by the heads and, as under the per_head_kpe bug's shapes, one per head.
     for dt in DTYPES {
-        let dv = Dev::new(dt);
-        let cfg = ModelConfig::tiny(); // d = 16, 2 heads
-        let dm = dims(&cfg, dt);
-        let (d, h) = (cfg.hidden, cfg.heads);
-        let m = Model {
-            gpu: &dv.gpu,
-            dims: &dm,
-            cfg: &cfg,
-            pos0: 0,
-            err: dv.i(&[0]),
-        };
-        let mut rng = Rng::new(3);
-        // A query chunk of 4 rows at global positions 4.. over 8 keys (SP chunk 1 of 2).
-        let (tq, tk, off) = (4usize, 8usize, 4usize);
-        let q = dv.round(&rand(&mut rng, tq * d, 1.0));
-        let k = dv.round(&rand(&mut rng, tk * d, 1.0));
-        let v = dv.round(&rand(&mut rng, tk * d, 1.0));
-        let (wout, wprobs) = cpu::attention(&q, &k, &v, d, h, off, &Bugs::default());
-        let (out, probs) = (dv.zt(tq * d), dv.zf(h * tq * tk));
-        let (pq, pk, pv) = (dv.t(&q), dv.t(&k), dv.t(&v));
-        m.attention(S, out, probs, pq, pk, pv, tq, tk, off).unwrap();
-        check("attn_fwd", dt, &dv.get_t(out, tq * d), &wout);
-        check(
-            "attn_fwd (probs)",
-            dt,
-            &dv.get_f(probs, h * tq * tk),
-            &wprobs,
-        );
-        let dout = dv.round(&rand(&mut rng, tq * d, 1.0));
-        let pr = dv.get_f(probs, h * tq * tk);
-        let (wdq, wdk, wdv) = cpu::attention_backward(&dout, &q, &k, &v, &pr, d, h);
-        let (dq, dk, dvv, ds) = (
-            dv.zt(tq * d),
-            dv.zt(tk * d),
-            dv.zt(tk * d),
-            dv.zf(h * tq * tk),
-        );
-        m.attention_bwd(S, (dq, dk, dvv, ds), dv.t(&dout), pq, pk, pv, probs, tq, tk)
+        for per_head in [false, true] {
+            let dv = Dev::new(dt);
+            let mut cfg = ModelConfig::tiny(); // 2 heads, d_h 8, d_h^R 4, d_v 8
+            cfg.bugs.per_head_kpe = per_head;
+            let dm = dims(&cfg, dt);
+            let sh = cpu::AttnShape::of(&cfg);
+            let h = sh.heads;
+            let m = Model {
+                gpu: &dv.gpu,
+                dims: &dm,
+                cfg: &cfg,
+                pos0: 0,
+                err: dv.i(&[0]),
+            };
+            let mut rng = Rng::new(3);
+            // A query chunk of 4 rows at global positions 4.. over 8 keys (SP chunk 1 of 2).
+            let (tq, tk, off) = (4usize, 8usize, 4usize);
+            let mut gen = |n: usize| dv.round(&rand(&mut rng, n, 1.0));
+            let qn = gen(tq * h * sh.nope);
+            let qp = gen(tq * h * sh.rope);
+            let kn = gen(tk * h * sh.nope);
+            let kp = gen(tk * sh.kpe_width());
+            let v = gen(tk * h * sh.v);
+            let x = cpu::AttnIn {
+                q_nope: &qn,
+                q_pe: &qp,
+                k_nope: &kn,
+                k_pe: &kp,
+                v: &v,
+            };
+            let (wout, wprobs) = cpu::attention(&x, &sh, off, &Bugs::default());
+            let (out, probs) = (dv.zt(tq * h * sh.v), dv.zf(h * tq * tk));
+            let (pqn, pqp, pkn, pkp, pv) = (dv.t(&qn), dv.t(&qp), dv.t(&kn), dv.t(&kp), dv.t(&v));
+            m.attention(S, (out, probs), (pqn, pqp), (pkn, pkp, pv), tq, tk, off)
+                .unwrap();
+            let tag = if per_head {
+                " (a RoPE key per head)"
+            } else {
+                ""
+            };
+            check(
+                &format!("attn_fwd{tag}"),
+                dt,
+                &dv.get_t(out, tq * h * sh.v),
+                &wout,
+            );
+            check(
+                &format!("attn_fwd (probs){tag}"),
+                dt,
+                &dv.get_f(probs, h * tq * tk),
+                &wprobs,
+            );
+            let dout = dv.round(&rand(&mut rng, tq * h * sh.v, 1.0));
+            let pr = dv.get_f(probs, h * tq * tk);
+            let g = cpu::attention_backward(&dout, &x, &pr, &sh);
+            let bufs = (
+                dv.zt(qn.len()),
+                dv.zt(qp.len()),
+                dv.zt(kn.len()),
+                dv.zt(kp.len()),
+                dv.zt(v.len()),
+                dv.zf(h * tq * tk),
+            );
+            m.attention_bwd(
+                S,
+                bufs,
+                dv.t(&dout),
+                (pqn, pqp),
+                (pkn, pkp, pv),
+                probs,
+                tq,
+                tk,
+            )
             .unwrap();
-        check("attn_bwd_dq", dt, &dv.get_t(dq, tq * d), &wdq);
-        check("attn_bwd_dkv (keys)", dt, &dv.get_t(dk, tk * d), &wdk);
-        check("attn_bwd_dkv (values)", dt, &dv.get_t(dvv, tk * d), &wdv);
+            check(
+                &format!("attn_bwd_dq (content){tag}"),
+                dt,
+                &dv.get_t(bufs.0, qn.len()),
+                &g.dq_nope,
+            );
+            check(
+                &format!("attn_bwd_dq (RoPE){tag}"),
+                dt,
+                &dv.get_t(bufs.1, qp.len()),
+                &g.dq_pe,
+            );
+            check(
+                &format!("attn_bwd_dkv (keys){tag}"),
+                dt,
+                &dv.get_t(bufs.2, kn.len()),
+                &g.dk_nope,
+            );
+            check(
+                &format!("attn_bwd_dkv (RoPE keys){tag}"),
+                dt,
+                &dv.get_t(bufs.3, kp.len()),
+                &g.dk_pe,
+            );
+            check(
+                &format!("attn_bwd_dkv (values){tag}"),
+                dt,
+                &dv.get_t(bufs.4, v.len()),
+                &g.dv,
+            );
+        }
     }
 }
 

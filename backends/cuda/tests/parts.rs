@@ -165,9 +165,9 @@ fn stage_roundtrip(cfg: &ModelConfig, dt: DType) {
         run(Pass::F, Part::Qkv { layer: lu });
         kern.fwd_qkv(l, &mut cs);
         check(
-            "F qkv (gathered k, v)",
+            "F qkv (gathered latents and RoPE keys)",
             dt,
-            &r.slot(sl.outbox, 2 * t * d).2,
+            &r.slot(sl.outbox, t * cfg.kv_gather_width()).2,
             &cs.outbox[0].data,
         );
         r.a2a(sl.outbox, sl.inbox);
@@ -241,9 +241,9 @@ fn stage_roundtrip(cfg: &ModelConfig, dt: DType) {
         run(Pass::B, Part::Attn { layer: lu });
         kern.bwd_attn(l, &mut cs).unwrap();
         check(
-            "B attn (k, v gradients)",
+            "B attn (latent and RoPE-key gradients)",
             dt,
-            &r.slot(sl.outbox, 2 * t * d).2,
+            &r.slot(sl.outbox, t * cfg.kv_gather_width()).2,
             &cs.outbox[0].data,
         );
         r.a2a(sl.outbox, sl.inbox);
