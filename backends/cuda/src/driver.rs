@@ -129,6 +129,41 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     kinds
 }
 
+/// Step losses of a run's ranks as each finishes a step: calls the run's `on_step` with a
+/// step's loss (the sum over the ranks) once every rank has reported it, in step order.
+pub struct Progress {
+    st: Mutex<(Vec<f64>, Vec<usize>, usize)>,
+    world: usize,
+    on_step: Option<OnStep>,
+}
+
+impl Progress {
+    /// For `world` reporting ranks and `steps` steps.
+    pub fn new(world: usize, steps: usize, on_step: Option<OnStep>) -> Self {
+        Progress {
+            st: Mutex::new((vec![0.0; steps], vec![0; steps], 0)),
+            world,
+            on_step,
+        }
+    }
+
+    /// One rank's loss of `step`.
+    pub fn report(&self, step: usize, loss: f64) {
+        let mut st = self.st.lock().unwrap_or_else(|p| p.into_inner());
+        if step >= st.0.len() {
+            return;
+        }
+        st.0[step] += loss;
+        st.1[step] += 1;
+        while st.2 < st.0.len() && st.1[st.2] == self.world {
+            if let Some(f) = &self.on_step {
+                f(st.2, st.0[st.2]);
+            }
+            st.2 += 1;
+        }
+    }
+}
+
 /// One rank on the device (see the module docs).
 pub struct RankDev<'a> {
     gpu: &'a dyn Gpu,
@@ -156,6 +191,8 @@ pub struct RankDev<'a> {
     loss_reduce: Option<(&'a dyn Collectives, usize)>,
     /// Loss of each step (this rank's, or the global sum with `loss_reduce`).
     pub step_losses: Vec<f64>,
+    /// Where each step's loss is reported as it ends.
+    progress: Option<&'a Progress>,
     /// Recorded gradients: `(step, stage, tensors)`.
     pub grads: Vec<(usize, u32, Named)>,
     planned: usize,
@@ -253,9 +290,15 @@ impl<'a> RankDev<'a> {
             err,
             loss_reduce,
             step_losses: Vec::new(),
+            progress: None,
             grads: Vec::new(),
             planned,
         })
+    }
+
+    /// Reports every step's loss to `p` as the step ends.
+    pub fn set_progress(&mut self, p: &'a Progress) {
+        self.progress = Some(p);
     }
 
     fn stage_ix(&self, s: u32) -> Result<usize, String> {
@@ -542,7 +585,9 @@ impl Device for RankDev<'_> {
             loss = f32::from_le_bytes(b) as f64;
         }
         self.step_losses.push(loss);
-        let _ = step;
+        if let Some(p) = self.progress {
+            p.report(step, loss);
+        }
         Ok(())
     }
 
@@ -803,7 +848,7 @@ pub fn execute_on(
         grads: vec![Vec::new(); if opts.record { opts.steps } else { 0 }],
         ..GpuResult::default()
     });
-    let progress: Mutex<(Vec<usize>, usize)> = Mutex::new((vec![0; opts.steps], 0));
+    let progress = Progress::new(world, opts.steps, opts.on_step.clone());
     let start = Instant::now();
     let mut stopped = Vec::new();
     std::thread::scope(|scope| {
@@ -821,6 +866,7 @@ pub fn execute_on(
                         let mut dev =
                             RankDev::new(gpu, set, prog, events, transport, data, opts, None)
                                 .map_err(failed)?;
+                        dev.set_progress(progress);
                         let iopts = InterpOptions {
                             steps: opts.steps,
                             timeout: opts.timeout,
@@ -852,18 +898,6 @@ pub fn execute_on(
                         }
                         r.instructions += n;
                         r.memory.push(mem);
-                        let losses = r.losses.clone();
-                        drop(r);
-                        let mut pr = progress.lock().unwrap_or_else(|p| p.into_inner());
-                        for c in pr.0.iter_mut() {
-                            *c += 1;
-                        }
-                        while pr.1 < opts.steps && pr.0[pr.1] == world {
-                            if let Some(f) = &opts.on_step {
-                                f(pr.1, losses[pr.1]);
-                            }
-                            pr.1 += 1;
-                        }
                         Ok(())
                     })
                 })
@@ -911,6 +945,8 @@ pub fn execute_rank(
     let events = Events::default();
     let abort = Abort::default();
     let ctrl = stream_kinds(set).len();
+    // The step's loss is already the sum over every rank (all-reduced).
+    let progress = Progress::new(1, opts.steps, opts.on_step.clone());
     let start = Instant::now();
     let mut out = GpuResult::default();
     let stop = interp::guarded(prog, &abort, |cursor| {
@@ -929,6 +965,7 @@ pub fn execute_rank(
             Some((coll, ctrl)),
         )
         .map_err(failed)?;
+        dev.set_progress(&progress);
         let iopts = InterpOptions {
             steps: opts.steps,
             timeout: opts.timeout,
@@ -953,11 +990,6 @@ pub fn execute_rank(
         dev.release().map_err(failed)?;
         out.losses = dev.step_losses.clone();
         out.instructions = n;
-        if let Some(f) = &opts.on_step {
-            for (i, l) in out.losses.iter().enumerate() {
-                f(i, *l);
-            }
-        }
         Ok(())
     });
     abort.outcome(stop.into_iter().collect())?;

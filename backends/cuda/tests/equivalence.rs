@@ -170,3 +170,30 @@ fn bf16_loss_is_within_a_percent_of_the_cpu() {
     );
     assert!(e < 1e-2, "bf16 loss off by {e:.3e}");
 }
+
+#[test]
+fn the_step_callback_sees_every_step_in_order_with_the_summed_loss() {
+    let cfg = ModelConfig::tiny();
+    let set = lower("1f1b", 2, 4, "pp=2,ep=2", &cfg);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    let opts = ExecOptions {
+        steps: 3,
+        on_step: Some(std::sync::Arc::new(move |step, loss| {
+            s2.lock().unwrap().push((step, loss))
+        })),
+        ..ExecOptions::default()
+    };
+    let run = execute(&HostGpu::new(DType::F32), &set, &Data::builtin(), &opts).unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 2]);
+    for ((_, l), r) in seen.iter().zip(&run.losses) {
+        assert!((l - r).abs() <= 1e-12 * r.abs(), "{l} {r}");
+    }
+    // The memory report: every rank, with a liveness plan no larger than what the pool took.
+    assert_eq!(run.memory.len(), 4);
+    for m in &run.memory {
+        assert!(m.planned > 0 && m.planned <= m.pool, "{m:?}");
+        assert!(m.pool_peak_in_use <= m.pool && m.params > 0, "{m:?}");
+    }
+}
