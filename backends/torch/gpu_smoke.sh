@@ -21,10 +21,7 @@ case "$mode" in
         "$S" compile specs/zbv.sched --pp 1 --mb 2 --granularity stage -o "$DIR/zbv-p1" &&
         "$S" compile specs/dualpipev.sched --pp 1 --mb 2 --granularity stage -o "$DIR/dualpipev-p1" &&
         "$S" compile specs/dualpipev.sched --pp 2 --mb 4 --granularity stage -o "$DIR/dualpipev-p2" &&
-        "$S" convert specs/dualpipev.sched --pp 1 --mb 2 --to ir-text |
-        python3 -c "import sys; sys.path.insert(0, 'backends/torch'); sys.dont_write_bytecode = True
-from moe_split import split_moe; sys.stdout.write(split_moe(sys.stdin.read()))" >"$DIR/dualpipev-p1-moe.ir" &&
-        "$S" compile "$DIR/dualpipev-p1-moe.ir" --granularity stage -o "$DIR/dualpipev-p1-moe")
+        "$S" compile specs/dualpipev.sched --pp 1 --mb 2 --moe --granularity stage -o "$DIR/dualpipev-p1-moe")
     echo "gpu_smoke: programs in $DIR"
     ;;
 --run)
