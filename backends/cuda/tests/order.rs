@@ -559,9 +559,9 @@ fn stage_granularity_programs_are_refused() {
         .iter()
         .map(|r| r as &dyn schedc_cuda::api::Gpu)
         .collect();
-    let err = execute_on(&gpus, &set, &Data::builtin(), &ExecOptions::default())
-        .err()
-        .expect("a stage-granularity program must be refused");
+    let Err(err) = execute_on(&gpus, &set, &Data::builtin(), &ExecOptions::default()) else {
+        panic!("a stage-granularity program must be refused");
+    };
     let msg = err.to_string();
     assert!(
         msg.contains("stage granularity") && msg.contains("model-granularity"),
