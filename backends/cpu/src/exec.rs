@@ -237,7 +237,10 @@ impl Span {
 
 fn span_of(op: &Op) -> (&'static str, Option<String>) {
     match op {
-        Op::Kernel(k) => ("kernel", Some(format!("{:?}({},{})", k.pass, k.stage, k.mb))),
+        Op::Kernel(k) => (
+            "kernel",
+            Some(format!("{:?}({},{})", k.pass, k.stage, k.mb)),
+        ),
         Op::AllToAll {
             stage, mb, phase, ..
         } => {
@@ -846,7 +849,10 @@ impl<T: Real> Device for Rank<'_, T> {
                 cat,
                 chunk,
                 start_us: us(start),
-                dur_us: Instant::now().saturating_duration_since(start).as_secs_f64() * 1e6,
+                dur_us: Instant::now()
+                    .saturating_duration_since(start)
+                    .as_secs_f64()
+                    * 1e6,
             });
         }
         r

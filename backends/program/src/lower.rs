@@ -730,8 +730,14 @@ fn flush_window(
                 let s = st.stage;
                 let stash = Buf::Stash { stage: s, mb: c.mb };
                 if st.last {
-                    b.compute
-                        .push(kernel_op(Pass::F, s, c.mb, Part::Head, vec![stash], vec![stash]));
+                    b.compute.push(kernel_op(
+                        Pass::F,
+                        s,
+                        c.mb,
+                        Part::Head,
+                        vec![stash],
+                        vec![stash],
+                    ));
                 }
                 let output = cx.pl.next_stage(s).map(|_| Buf::Act { stage: s, mb: c.mb });
                 if let Some(e) = output.and_then(|o| cx.send_ev.get(&o)) {
@@ -891,12 +897,8 @@ fn emit_part(
             if last_layer && !st.last {
                 reads.push(gin.expect("a non-last stage has a next stage"));
             }
-            b.compute.push(k(
-                Pass::B,
-                Part::Combine { layer: l },
-                reads,
-                vec![stash],
-            ));
+            b.compute
+                .push(k(Pass::B, Part::Combine { layer: l }, reads, vec![stash]));
             if last_layer && !st.last {
                 b.compute.push(Op::Free {
                     buf: gin.expect("checked"),
