@@ -638,6 +638,8 @@ impl Window {
 struct PartState {
     wait: Option<u32>,
     pending_combine: Option<u32>,
+    /// A forward's tail has run.
+    tail_done: bool,
 }
 
 fn kernel_op(pass: Pass, stage: u32, mb: u32, part: Part, reads: Vec<Buf>, writes: Vec<Buf>) -> Op {
@@ -687,10 +689,33 @@ fn flush_window(
         }
     }
     let mut state: HashMap<(Kind, u32, u32), PartState> = HashMap::new();
+    // Before `c` runs: the tail of every forward of the window whose result it reads (its
+    // previous stage's output, or its own stage's stash for a backward or W), so that a
+    // deferred `combine` kernel never runs after its reader (one layer per stage only: with
+    // more, such ops were refused above).
+    let producers_first = |b: &mut Builder,
+                           state: &mut HashMap<(Kind, u32, u32), PartState>,
+                           c: &schedc_ir::Compute| {
+        for (x, xst) in &items {
+            if x.kind != Kind::F || x.part == IrPart::Whole || x.mb != c.mb {
+                continue;
+            }
+            let reads = if c.kind == Kind::F {
+                cx.pl.next_stage(x.stage) == Some(c.stage)
+            } else {
+                x.stage == c.stage
+            };
+            if reads {
+                let ps = state.entry((x.kind, x.stage, x.mb)).or_default();
+                forward_tail(b, cx, xst, x.mb, ps);
+            }
+        }
+    };
     for round in 0..layers {
         for (c, st) in &items {
             if c.part == IrPart::Whole {
                 if round == 0 {
+                    producers_first(b, &mut state, c);
                     emit_compute(
                         b,
                         cx.pl,
@@ -711,6 +736,9 @@ fn flush_window(
             } else {
                 layers - 1 - round
             };
+            if round == 0 {
+                producers_first(b, &mut state, c);
+            }
             let ps = state.entry((c.kind, c.stage, c.mb)).or_default();
             emit_part(b, cx, st, c, layer, ps);
         }
@@ -726,29 +754,39 @@ fn flush_window(
             done.push(key);
             let ps = state.entry(key).or_default();
             if c.kind == Kind::F {
-                flush_combine(b, cx, st, c.mb, ps);
-                let s = st.stage;
-                let stash = Buf::Stash { stage: s, mb: c.mb };
-                if st.last {
-                    b.compute.push(kernel_op(
-                        Pass::F,
-                        s,
-                        c.mb,
-                        Part::Head,
-                        vec![stash],
-                        vec![stash],
-                    ));
-                }
-                let output = cx.pl.next_stage(s).map(|_| Buf::Act { stage: s, mb: c.mb });
-                if let Some(e) = output.and_then(|o| cx.send_ev.get(&o)) {
-                    b.compute.push(Op::Record { event: *e });
-                }
+                forward_tail(b, cx, st, c.mb, ps);
             } else if c.kind == Kind::BW {
                 emit_weights(b, st.stage, c.mb);
             }
         }
     }
     Ok(())
+}
+
+/// The end of a forward in parts (once): its last `combine` kernel, `head` on the last
+/// stage, and the event its output's send waits for.
+fn forward_tail(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, mb: u32, ps: &mut PartState) {
+    if ps.tail_done {
+        return;
+    }
+    ps.tail_done = true;
+    flush_combine(b, cx, st, mb, ps);
+    let s = st.stage;
+    let stash = Buf::Stash { stage: s, mb };
+    if st.last {
+        b.compute.push(kernel_op(
+            Pass::F,
+            s,
+            mb,
+            Part::Head,
+            vec![stash],
+            vec![stash],
+        ));
+    }
+    let output = cx.pl.next_stage(s).map(|_| Buf::Act { stage: s, mb });
+    if let Some(e) = output.and_then(|o| cx.send_ev.get(&o)) {
+        b.compute.push(Op::Record { event: *e });
+    }
 }
 
 /// The forward's deferred `combine` kernel, after the combine all-to-all it waits for.
