@@ -296,7 +296,9 @@ fn run_and_compile_moe_parts_with_a_trace() {
     assert!(ev
         .iter()
         .any(|e| e["cat"] == "all_to_all" && e["name"].as_str().unwrap().contains("Dispatch")));
-    assert!(ev.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "ep"));
+    assert!(ev
+        .iter()
+        .any(|e| e["ph"] == "M" && e["args"]["name"] == "ep"));
     // The trace is not overwritten without --force.
     let out = bin().args(args).arg(&trace).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
@@ -325,8 +327,7 @@ fn run_and_compile_moe_parts_with_a_trace() {
         String::from_utf8_lossy(&out.stderr)
     );
     let r0: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(progs.join("rank0.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(progs.join("rank0.json")).unwrap()).unwrap();
     let streams = r0["streams"].as_array().unwrap();
     assert_eq!(streams.last().unwrap()["kind"], "ep");
     let _ = std::fs::remove_dir_all(&dir);
