@@ -509,14 +509,17 @@ fn silent_failure_per_head_kpe_trains_like_sequential_so_the_model_guard_must_ca
 /// Issue 10's bound for MoE parts: f64 relative error at most 1e-12.
 const MOE_TOL: f64 = 1e-12;
 
+/// Per EP size, the worst (gradient, loss, parameter) error.
+type Worst = Vec<(u32, [f64; 3])>;
+
 /// Every spec split into MoE parts (`--moe`, every stage), for P in `pps` and each EP size
 /// in `eps` (mesh `pp=P,ep=E`), M in {min accepted, P, 2P, 3P} (and every M up to 3P with
 /// `all_m`), 2 SGD steps; asserts every figure within [`MOE_TOL`]. Returns the table lines,
 /// the instances run and the worst (grad, loss, params) error per EP size.
-fn moe_sweep(pps: &[u32], eps: &[u32], all_m: bool) -> (Vec<String>, usize, Vec<(u32, [f64; 3])>) {
+fn moe_sweep(pps: &[u32], eps: &[u32], all_m: bool) -> (Vec<String>, usize, Worst) {
     let mut lines = Vec::new();
     let mut n = 0;
-    let mut worst: Vec<(u32, [f64; 3])> = eps.iter().map(|&e| (e, [0.0; 3])).collect();
+    let mut worst: Worst = eps.iter().map(|&e| (e, [0.0; 3])).collect();
     for (name, vpp) in SPECS {
         for &pp in pps {
             for (ei, &ep) in eps.iter().enumerate() {
