@@ -75,6 +75,13 @@ pub struct Args {
     /// Also train sequentially on the same data and weights and compare.
     #[arg(long)]
     pub verify: bool,
+    /// CPU: write the Chrome trace of the run (open in Perfetto or chrome://tracing): one
+    /// process per global rank, a thread per stream (`ep`: the all-to-alls of MoE parts).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<std::path::PathBuf>,
+    /// Overwrite an existing --trace file.
+    #[arg(long)]
+    pub force: bool,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     pub format: OutFormat,
@@ -131,7 +138,18 @@ pub fn run(args: Args) -> ExitCode {
         Err(c) => return c,
     };
     if args.backend == Backend::Cuda {
+        if args.trace.is_some() {
+            return usage("--trace is for --backend cpu");
+        }
         return run_cuda(args, program, mesh);
+    }
+    if let Some(f) = &args.trace {
+        if !args.force && f.exists() {
+            return usage(&format!(
+                "`{}` exists; not overwriting it (pass --force to replace it)",
+                f.display()
+            ));
+        }
     }
     if args.mode != Mode::Single
         || args.rank.is_some()
@@ -153,10 +171,17 @@ pub fn run(args: Args) -> ExitCode {
         data: args.data,
         verify: args.verify,
         progress: args.format == OutFormat::Human,
+        trace: args.trace.is_some(),
         ..RunConfig::default()
     };
     match schedc_cpu::run(&program, &cfg) {
         Ok(r) => {
+            if let (Some(f), Some(t)) = (&args.trace, &r.trace) {
+                if let Err(e) = std::fs::write(f, t) {
+                    eprintln!("error: cannot write `{}`: {e}", f.display());
+                    return ExitCode::from(2);
+                }
+            }
             match args.format {
                 OutFormat::Json => emit(&format!("{}\n", r.to_json())),
                 OutFormat::Human => emit(&r.to_human()),

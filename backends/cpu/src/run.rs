@@ -56,6 +56,8 @@ pub struct RunConfig {
     pub timeout: Duration,
     /// Draw a progress bar on standard error.
     pub progress: bool,
+    /// Record the Chrome trace of the pipelined run ([`RunReport::trace`]).
+    pub trace: bool,
 }
 
 impl Default for RunConfig {
@@ -70,6 +72,7 @@ impl Default for RunConfig {
             optimizer: Optimizer::adam(3e-3),
             timeout: Duration::from_secs(60),
             progress: false,
+            trace: false,
         }
     }
 }
@@ -118,6 +121,10 @@ pub struct RunReport {
     /// With `--verify`: wall seconds of the sequential reference.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reference_seconds: Option<f64>,
+    /// With [`RunConfig::trace`]: the Chrome trace JSON of the pipelined run
+    /// ([`crate::exec::chrome_trace`]); not part of the report's JSON.
+    #[serde(skip)]
+    pub trace: Option<String>,
 }
 
 impl RunReport {
@@ -253,6 +260,7 @@ fn run_typed<T: Real>(
         optimizer: cfg.optimizer,
         timeout: cfg.timeout,
         record: cfg.verify,
+        trace: cfg.trace,
         on_step,
         ..ExecOptions::default()
     };
@@ -284,6 +292,7 @@ fn run_typed<T: Real>(
         max_rel_param_err: None,
         seconds: res.seconds,
         reference_seconds: None,
+        trace: cfg.trace.then(|| crate::exec::chrome_trace(&res.trace)),
     };
     if cfg.verify {
         let r = reference::<T>(

@@ -107,8 +107,8 @@ pub struct GpuResult {
 }
 
 /// The communicator index of every stream kind of the program set (the same list on every
-/// rank): compute first, then the communication channels in order; one more, after them,
-/// carries the losses.
+/// rank): compute first, then the communication channels in order, then the EP stream of
+/// MoE parts if any rank has one; one more, after them, carries the losses.
 pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     let mut kinds: Vec<StreamKind> = vec![StreamKind::Compute];
     let mut chans: Vec<u32> = set
@@ -117,7 +117,7 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
         .flat_map(|r| &r.streams)
         .filter_map(|s| match s.kind {
             StreamKind::Comm { channel } => Some(channel),
-            StreamKind::Compute => None,
+            StreamKind::Compute | StreamKind::Ep => None,
         })
         .collect();
     chans.sort();
@@ -127,6 +127,14 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
             .into_iter()
             .map(|channel| StreamKind::Comm { channel }),
     );
+    if set
+        .ranks
+        .iter()
+        .flat_map(|r| &r.streams)
+        .any(|s| s.kind == StreamKind::Ep)
+    {
+        kinds.push(StreamKind::Ep);
+    }
     kinds
 }
 

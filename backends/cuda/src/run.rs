@@ -358,5 +358,6 @@ pub fn as_exec_result(r: &GpuResult) -> ExecResult {
         params: r.params.clone(),
         seconds: r.seconds,
         instructions: r.instructions,
+        trace: Vec::new(),
     }
 }

@@ -51,6 +51,23 @@
 //! stream, in program order. No [`Op::AllToAll`]: the user's MoE pieces do their own. The
 //! manifest has no model; the mesh may have `pp`, `dp` and `ep` dimensions.
 //!
+//! **MoE parts** (a schedule lowered with `--moe`, `schedc::moe`): an op split into `attn`,
+//! `dispatch`, `mlp` and `combine` runs the same kernels, but part by part and layer by
+//! layer, and its four EP all-to-alls go to the [`StreamKind::Ep`] stream, bracketed by
+//! events, so that the compute stream runs the other chunk's parts while they are in flight.
+//! Per layer `l` (a forward from the first layer, a backward from the last):
+//!
+//! | part | forward | backward |
+//! |---|---|---|
+//! | `attn` | (`embed`,) the previous layer's `combine` kernel, `qkv`, `gather_kv`, `attn` | `attn`, `scatter_kv_grad`, `qkv` |
+//! | `dispatch` | EP: `dispatch` | EP: `dispatch_grad` |
+//! | `mlp` | `experts` | `experts` |
+//! | `combine` | EP: `combine`; its `combine` kernel waits for the op's next compute part or the end of the group (then `head`) | (`head`,) `combine`, then EP: `combine_grad` |
+//!
+//! Parts that interleave (an overlapped F&B pair) form a group; the group's part order is
+//! run once per layer, so each layer's all-to-alls hide under the other chunk's compute of
+//! that layer.
+//!
 //! One step: `alloc weight_grad` (zeroed) for every local stage; the schedule's compute ops
 //! and messages; `ReplicaSum` (DualPipe: ranks `r` and `P-1-r` exchange and add the
 //! gradients of the model stage they both hold), `AllReduce` of the dense gradients over
@@ -198,6 +215,10 @@ pub enum StreamKind {
         /// The IR channel.
         channel: u32,
     },
+    /// The expert-parallel stream: the dispatch and combine all-to-alls of MoE parts (a
+    /// `--moe` schedule), so that they run under another chunk's compute. Present only in
+    /// programs lowered from MoE parts; always the last stream.
+    Ep,
 }
 
 impl fmt::Display for StreamKind {
@@ -206,6 +227,7 @@ impl fmt::Display for StreamKind {
             StreamKind::Compute => f.write_str("compute"),
             StreamKind::Comm { channel: 0 } => f.write_str("comm"),
             StreamKind::Comm { channel } => write!(f, "comm@{channel}"),
+            StreamKind::Ep => f.write_str("ep"),
         }
     }
 }
@@ -577,7 +599,7 @@ pub struct RankProgram {
     /// The stages it holds, in reduction order (model stage, then direction).
     pub stages: Vec<LocalStage>,
     /// `compute`, then `comm` (channel 0), then the other channels' comm streams in
-    /// increasing channel order.
+    /// increasing channel order, then (for MoE parts only) the `ep` stream.
     pub streams: Vec<Stream>,
     /// Number of events (ids `0..events`).
     pub events: u32,

@@ -577,3 +577,174 @@ fn read_dir_refuses_another_format_version() {
     assert!(e.contains("format version 1, this backend reads 2"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `spec` split into MoE parts at every stage (`--moe=all`).
+fn moe(p: &Program) -> Program {
+    let stages: Vec<u32> = (0..p.pipeline.stages).collect();
+    schedc::moe::split(p, None, &stages).0
+}
+
+#[test]
+fn moe_parts_lower_and_verify_every_spec() {
+    let cfg = ModelConfig::tiny();
+    for (name, pp, mb, vpp) in [
+        ("gpipe", 2, 4, None),
+        ("1f1b", 4, 6, None),
+        ("interleaved_1f1b", 2, 4, Some(2)),
+        ("zbv", 2, 4, None),
+        ("dualpipev", 2, 4, None),
+        ("dualpipe", 4, 8, None),
+        ("zb_h1", 2, 3, None),
+        ("zb_h2", 2, 3, None),
+        ("looped_bfs", 2, 2, Some(2)),
+        ("interleaved_zb", 2, 4, Some(2)),
+    ] {
+        let src = moe(&spec(name, pp, mb, vpp));
+        for mesh in [
+            format!("pp={pp},ep=2"),
+            format!("sp=2,pp={pp},ep=2"),
+            format!("pp={pp},dp=2,ep=4"),
+        ] {
+            let mesh: Mesh = mesh.parse().unwrap();
+            let set = ProgramSet::lower(&src, &mesh, &cfg, LowerOptions::default())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let rep = verify(&set, &src).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let (live, _) = schedc::passes::liveness::analyze(&src, None);
+            for (g, rp) in set.ranks.iter().enumerate() {
+                assert_eq!(
+                    rep.peak_stash[g] as u64, live[rp.coords.pp as usize].peak,
+                    "{name} rank {g}"
+                );
+                // The EP stream is last and holds every EP all-to-all; the compute stream
+                // keeps only the sequence-parallel ones.
+                let ep = rp.streams.last().unwrap();
+                assert_eq!(ep.kind, StreamKind::Ep, "{name}");
+                for (s, st) in rp.streams.iter().enumerate() {
+                    for op in &st.ops {
+                        if let Op::AllToAll { phase, .. } = op {
+                            let sp = matches!(phase, A2a::GatherKv | A2a::ScatterKvGrad);
+                            assert_eq!(sp, s == 0, "{name}: {op} on {}", st.kind);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One rank, two stages: the overlapped pairs `F(0,1)&BW(1,0)` and `F(1,1)&BW(0,0)` in
+/// DeepSeek's order, split by `--moe`.
+const PAIRS: &str = "pp 1\nstages 2\nmicrobatches 2\nplacement 0 0\nrank 0: F(0,0) F(1,0) F(0,1)&BW(1,0) F(1,1)&BW(0,0) BW(1,1) BW(0,1)\n";
+
+fn texts(ops: &[Op], f: impl Fn(&Op) -> bool) -> Vec<String> {
+    ops.iter().filter(|o| f(o)).map(|o| o.to_string()).collect()
+}
+
+#[test]
+fn an_overlapped_pair_interleaves_its_kernels_and_puts_its_all_to_alls_on_the_ep_stream() {
+    let src = moe(&schedc_ir::text::parse(PAIRS).unwrap().program);
+    let mesh: Mesh = "pp=1,ep=2".parse().unwrap();
+    let set =
+        ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), LowerOptions::default()).unwrap();
+    verify(&set, &src).unwrap();
+    let r0 = &set.ranks[0];
+    let kernels = texts(&r0.streams[0].ops, |o| matches!(o, Op::Kernel(_)));
+    // The first pair: B's combine, F's attention (with the embedding), B's MLP, F's MLP, B's attention, then
+    // F's combine kernel (after its combine all-to-all, which ran under B's attention),
+    // then BW's weight gradient.
+    let i = kernels
+        .iter()
+        .position(|k| k == "B(1,0).combine[0]")
+        .unwrap();
+    assert_eq!(
+        kernels[i..i + 10].to_vec(),
+        [
+            "B(1,0).combine[0]",
+            "F(0,1).embed",
+            "F(0,1).qkv[0]",
+            "F(0,1).attn[0]",
+            "B(1,0).experts[0]",
+            "F(0,1).experts[0]",
+            "B(1,0).attn[0]",
+            "B(1,0).qkv[0]",
+            "F(0,1).combine[0]",
+            "W(1,0).weights",
+        ]
+    );
+    let ep = &r0.streams.last().unwrap().ops;
+    let a2a = texts(ep, |o| matches!(o, Op::AllToAll { .. }));
+    // Plain F(0,0), F(1,0), then the pair's four in its order.
+    assert_eq!(
+        a2a[4..8].to_vec(),
+        [
+            "all_to_all CombineGrad(1,0)[0] over [0, 1]",
+            "all_to_all Dispatch(0,1)[0] over [0, 1]",
+            "all_to_all DispatchGrad(1,0)[0] over [0, 1]",
+            "all_to_all Combine(0,1)[0] over [0, 1]",
+        ]
+    );
+    // Each EP all-to-all waits for an event of the compute stream and records one that
+    // the compute stream waits for.
+    for w in ep.chunks(3) {
+        assert!(matches!(
+            w,
+            [Op::Wait { .. }, Op::AllToAll { .. }, Op::Record { .. }]
+        ));
+    }
+}
+
+#[test]
+fn two_layers_run_the_pair_order_once_per_layer() {
+    let src = moe(&schedc_ir::text::parse(PAIRS).unwrap().program);
+    let cfg = ModelConfig {
+        layers_per_stage: 2,
+        ..ModelConfig::tiny()
+    };
+    let set = ProgramSet::lower(&src, &Mesh::pipeline(1), &cfg, LowerOptions::default()).unwrap();
+    verify(&set, &src).unwrap();
+    let ep = &set.ranks[0].streams.last().unwrap().ops;
+    let a2a = texts(ep, |o| matches!(o, Op::AllToAll { .. }));
+    // The forward's layer 0 pairs with the backward's layer 1, then layer 1 with layer 0.
+    assert_eq!(
+        a2a[8..16].to_vec(),
+        [
+            "all_to_all CombineGrad(1,0)[1] over [0]",
+            "all_to_all Dispatch(0,1)[0] over [0]",
+            "all_to_all DispatchGrad(1,0)[1] over [0]",
+            "all_to_all Combine(0,1)[0] over [0]",
+            "all_to_all CombineGrad(1,0)[0] over [0]",
+            "all_to_all Dispatch(0,1)[1] over [0]",
+            "all_to_all DispatchGrad(1,0)[0] over [0]",
+            "all_to_all Combine(0,1)[1] over [0]",
+        ]
+    );
+}
+
+#[test]
+fn interleaved_parts_of_dependent_ops_need_one_layer_per_stage() {
+    // F(0,1)'s parts span F(0,0)'s end and F(1,0)'s start, and F(1,0) needs F(0,0)'s output.
+    let text = "pp 1\nstages 2\nmicrobatches 2\nplacement 0 0\nmoe 0 1\nrank 0: \
+        F(0,0).attn F(0,1).attn F(0,0).dispatch F(0,0).mlp F(0,0).combine \
+        F(1,0).attn F(0,1).dispatch F(1,0).dispatch F(1,0).mlp F(0,1).mlp F(1,0).combine F(0,1).combine \
+        F(1,1) BW(1,1) BW(1,0) BW(0,0) BW(0,1)\n";
+    let src = schedc_ir::text::parse(text).unwrap().program;
+    let one = ProgramSet::lower(
+        &src,
+        &Mesh::pipeline(1),
+        &ModelConfig::tiny(),
+        LowerOptions::default(),
+    )
+    .unwrap();
+    verify(&one, &src).unwrap();
+    let cfg = ModelConfig {
+        layers_per_stage: 2,
+        ..ModelConfig::tiny()
+    };
+    let e = ProgramSet::lower(&src, &Mesh::pipeline(1), &cfg, LowerOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("the MoE parts of F(0,0) and F(1,0) interleave"),
+        "{e}"
+    );
+}

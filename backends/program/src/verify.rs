@@ -62,10 +62,16 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
     let ns = rp.streams.len();
     let kinds: Vec<StreamKind> = rp.streams.iter().map(|s| s.kind).collect();
     let mut last_channel = 0;
-    let channels_ok = kinds.len() >= 2
+    // The EP stream, when there is one, comes last.
+    let comm_end = if kinds.last() == Some(&StreamKind::Ep) {
+        kinds.len() - 1
+    } else {
+        kinds.len()
+    };
+    let channels_ok = comm_end >= 2
         && kinds[0] == StreamKind::Compute
         && kinds[1] == (StreamKind::Comm { channel: 0 })
-        && kinds[2..].iter().all(|k| match k {
+        && kinds[2..comm_end].iter().all(|k| match k {
             StreamKind::Comm { channel } if *channel > last_channel => {
                 last_channel = *channel;
                 true
@@ -76,7 +82,7 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
         return Err(ProgramError::Buffer {
             rank: rp.rank,
             why: format!(
-                "a rank program has a compute stream, a comm stream for channel 0, then one per other channel in increasing order; got {kinds:?}"
+                "a rank program has a compute stream, a comm stream for channel 0, then one per other channel in increasing order, then optionally the ep stream; got {kinds:?}"
             ),
         });
     }
