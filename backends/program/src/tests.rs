@@ -490,15 +490,20 @@ fn stage_granularity_pairs_parts_channels_and_collectives() {
             "free weight_grad(1)",
         ]
     );
-    // The model granularity still refuses parts.
-    let e = ProgramSet::lower(
+    // The model granularity runs the same parts as schedc's kernels, their all-to-alls on
+    // the `ep` stream.
+    let model = ProgramSet::lower(
         &src,
         &Mesh::pipeline(2),
         &ModelConfig::tiny(),
         LowerOptions::default(),
     )
-    .unwrap_err();
-    assert!(e.to_string().contains("MoE part-split op"), "{e}");
+    .unwrap();
+    verify(&model, &src).unwrap();
+    assert!(model
+        .ranks
+        .iter()
+        .all(|rp| rp.streams.last().unwrap().kind == StreamKind::Ep));
 
     // Channels: one comm stream each, listed in the manifest.
     let src = ir("pp 2\nstages 2\nmicrobatches 2\nplacement loop\n\
