@@ -19,10 +19,11 @@ pub struct Args {
     pub vpp: u32,
     /// Cost model (as for `sim`).
     #[arg(long, default_value = "unit")]
-    pub cost: String,
-    /// Where the specs are.
-    #[arg(long, default_value = "specs")]
-    pub specs: String,
+    pub cost: std::ffi::OsString,
+    /// A directory of specs to compare instead of the standard library (which is built into
+    /// schedc, so that compare works from any directory).
+    #[arg(long, value_name = "DIR")]
+    pub specs: Option<std::path::PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     pub format: OutFormat,
@@ -38,46 +39,55 @@ pub fn run(args: Args) -> ExitCode {
         specs,
         format,
     } = args;
-    compare(pp, mb, vpp, &cost, &specs, format)
+    compare(pp, mb, vpp, &cost, specs.as_deref(), format)
 }
 
-/// `schedc compare`: every spec of `dir` that accepts (P, M), simulated under `cost`.
-fn compare(pp: u32, mb: u32, vpp: u32, cost: &str, dir: &str, format: OutFormat) -> ExitCode {
+/// `schedc compare`: every spec of `dir` (default: the standard library) that accepts
+/// (P, M), simulated under `cost`.
+fn compare(
+    pp: u32,
+    mb: u32,
+    vpp: u32,
+    cost: &std::ffi::OsStr,
+    dir: Option<&std::path::Path>,
+    format: OutFormat,
+) -> ExitCode {
     if pp == 0 || mb == 0 || vpp == 0 {
         eprintln!("error: --pp, --mb and --vpp must be at least 1");
         return ExitCode::from(2);
     }
-    let model = match schedc::sim::cost::CostModel::resolve(cost) {
+    let model = match crate::sim::resolve_cost(cost) {
         Ok(m) => m,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+        Err(c) => return c,
     };
-    let mut files: Vec<std::path::PathBuf> = match std::fs::read_dir(dir) {
-        Ok(d) => d
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "sched"))
-            .collect(),
-        Err(e) => {
-            eprintln!("error: cannot read the spec directory `{dir}`: {e} (run from the repository root or pass --specs DIR)");
-            return ExitCode::from(2);
-        }
+    let cost = cost.to_string_lossy();
+    // The largest instance compare builds: V = --vpp, or 2 for the V-shaped specs.
+    if let Err(e) = schedc::limits::within_limit(
+        &format!("comparing at --pp {pp} --mb {mb} --vpp {vpp}"),
+        schedc::limits::estimate(
+            Work::Sim,
+            &schedc::limits::spec_size_lower_bound(pp, mb, Some(vpp.max(2))),
+        ),
+    ) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    let specs = match dir {
+        None => schedc::specs::standard_library_owned(),
+        Some(d) => match schedc::specs::from_dir(d) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        },
     };
-    files.sort();
     let mut rows = Vec::new();
     let mut skipped = Vec::new();
-    for f in &files {
-        let name = f
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or("?")
-            .to_string();
-        let Ok(text) = std::fs::read_to_string(f) else {
-            continue;
-        };
+    for (name, text) in &specs {
+        let name = name.clone();
         // Specs with a fixed V decide it; the others get --vpp.
-        let fixed_v = schedc::dsl::parse_file(&text)
+        let fixed_v = schedc::dsl::parse_file(text)
             .map(|f| {
                 f.items
                     .iter()
@@ -90,7 +100,7 @@ fn compare(pp: u32, mb: u32, vpp: u32, cost: &str, dir: &str, format: OutFormat)
             vpp: if fixed_v { None } else { Some(vpp) },
             ..Default::default()
         };
-        let e = match schedc::input::load_spec(&text, &ov) {
+        let e = match schedc::input::load_spec(text, &ov) {
             Ok(e) => e,
             Err(LoadError::Spec {
                 diags,
@@ -156,11 +166,11 @@ fn compare(pp: u32, mb: u32, vpp: u32, cost: &str, dir: &str, format: OutFormat)
             .unwrap_or(0.0)
             .total_cmp(&b["makespan"].as_f64().unwrap_or(0.0))
     });
-    match format {
-        OutFormat::Json => emit(&format!(
+    let o = match format {
+        OutFormat::Json => format!(
             "{}\n",
             serde_json::to_string_pretty(&serde_json::json!({"pp": pp, "mb": mb, "schedules": rows, "skipped": skipped.iter().map(|(n, w)| serde_json::json!({"schedule": n, "why": w})).collect::<Vec<_>>()})).expect("json")
-        )),
+        ),
         OutFormat::Human => {
             use std::fmt::Write as _;
             let mut o = String::new();
@@ -192,8 +202,8 @@ fn compare(pp: u32, mb: u32, vpp: u32, cost: &str, dir: &str, format: OutFormat)
                     let _ = writeln!(o, "  {n}: {w}");
                 }
             }
-            emit(&o);
+            o
         }
-    }
-    ExitCode::SUCCESS
+    };
+    emit_then(&o, ExitCode::SUCCESS)
 }

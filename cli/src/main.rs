@@ -1,6 +1,23 @@
 //! The `schedc` command line: one module per command over the compiler library (`schedc`),
 //! the program crate (`schedc-program`) and the backends (`schedc-cpu`).
 
+/// `eprintln!` that ignores a failed write: standard error closed or full must not turn an
+/// error message into a panic (std's `eprintln!` panics when it cannot write).
+macro_rules! eprintln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
+/// `eprint!` that ignores a failed write (see `eprintln!`).
+macro_rules! eprint {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod check;
 mod common;
 mod compare;
@@ -80,8 +97,14 @@ fn real_main() -> ExitCode {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { 2 } else { 0 };
-            let _ = e.print();
-            return ExitCode::from(code);
+            // `--help > /dev/full` is a failed write, not success; a closed pipe is not.
+            return match e.print() {
+                Err(err) if err.kind() != std::io::ErrorKind::BrokenPipe => {
+                    eprintln!("error: cannot write to standard output: {err}");
+                    ExitCode::from(2)
+                }
+                _ => ExitCode::from(code),
+            };
         }
     };
     match cli.cmd {

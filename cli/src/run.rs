@@ -2,8 +2,9 @@
 
 use crate::common::*;
 use clap::ValueEnum;
-use schedc_cpu::{DType, RunConfig};
+use schedc_cpu::{DType, RunConfig, RunError};
 use schedc_program::mesh::Mesh;
+use schedc_program::ProgramError;
 use std::process::ExitCode;
 
 /// `--backend`.
@@ -33,13 +34,15 @@ pub struct Args {
     /// Floating-point precision.
     #[arg(long, value_enum, default_value = "f64")]
     pub dtype: Dtype,
-    /// Optimizer steps.
+    /// Optimizer steps (at least 1).
     #[arg(long, default_value_t = 1)]
     pub steps: usize,
     /// Training text (bytes are tokens); default: a short built-in text.
     #[arg(long)]
     pub data: Option<std::path::PathBuf>,
-    /// Also train sequentially on the same data and weights and compare.
+    /// Also train sequentially on the same data and weights and compare: exit status 1 if
+    /// a loss, gradient or parameter differs by more than the dtype's tolerance (f64: 1e-9;
+    /// f32: 1e-3 relative, 1e-4 for the loss) or is NaN.
     #[arg(long)]
     pub verify: bool,
     /// Output format.
@@ -58,15 +61,46 @@ pub fn mesh(m: &Option<String>) -> Result<Option<Mesh>, ExitCode> {
     }
 }
 
+/// The exit status of a program error: 2 for what the command line got wrong (the mesh,
+/// the model, something the backend does not run), 1 for a schedule the checks reject.
+pub fn program_error_code(e: &ProgramError) -> u8 {
+    match e {
+        ProgramError::Mesh(_) | ProgramError::Model(_) | ProgramError::Unsupported(_) => 2,
+        ProgramError::Rejected(_)
+        | ProgramError::Invalid { .. }
+        | ProgramError::Buffer { .. }
+        | ProgramError::Deadlock(_) => 1,
+    }
+}
+
+/// Prints an error: to standard error, and with `--format json` as `{"error": ..., "exit":
+/// N}` on standard output. Returns the exit status.
+fn fail(format: OutFormat, message: &str, code: u8) -> ExitCode {
+    eprintln!("error: {message}");
+    if format == OutFormat::Json {
+        let v = serde_json::json!({"error": message, "exit": code});
+        return emit_then(&format!("{v}\n"), ExitCode::from(code));
+    }
+    ExitCode::from(code)
+}
+
 /// Runs `schedc run`.
 pub fn run(args: Args) -> ExitCode {
-    let program = match load(&args.input) {
+    let format = args.format;
+    let program = match load_for(&args.input, None) {
         Ok(l) => l.program,
-        Err(c) => return c,
+        Err(f) => {
+            if format == OutFormat::Json {
+                let v =
+                    serde_json::json!({"error": f.message, "exit": if f.refused { 1 } else { 2 }});
+                return emit_then(&format!("{v}\n"), f.code);
+            }
+            return f.code;
+        }
     };
-    let mesh = match mesh(&args.mesh) {
+    let mesh = match args.mesh.as_ref().map(|m| m.parse::<Mesh>()).transpose() {
         Ok(m) => m,
-        Err(c) => return c,
+        Err(e) => return fail(format, &format!("--mesh: {e}"), 2),
     };
     let cfg = RunConfig {
         mesh,
@@ -77,7 +111,7 @@ pub fn run(args: Args) -> ExitCode {
         steps: args.steps,
         data: args.data,
         verify: args.verify,
-        progress: args.format == OutFormat::Human,
+        progress: format == OutFormat::Human,
         ..RunConfig::default()
     };
     let report = match args.backend {
@@ -85,15 +119,30 @@ pub fn run(args: Args) -> ExitCode {
     };
     match report {
         Ok(r) => {
-            match args.format {
-                OutFormat::Json => emit(&format!("{}\n", r.to_json())),
-                OutFormat::Human => emit(&r.to_human()),
+            let code = if r.verify_passed == Some(false) {
+                eprintln!(
+                    "error: --verify: the pipelined run differs from sequential training by more than the {} tolerance",
+                    match cfg.dtype {
+                        DType::F32 => "f32",
+                        DType::F64 => "f64",
+                    }
+                );
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            };
+            match format {
+                OutFormat::Json => emit_then(&format!("{}\n", r.to_json()), code),
+                OutFormat::Human => emit_then(&r.to_human(), code),
             }
-            ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(1)
+            let code = match &e {
+                RunError::Program(p) => program_error_code(p),
+                RunError::Config(_) | RunError::TooLarge(_) => 2,
+                RunError::Failed(_) => 1,
+            };
+            fail(format, &e.to_string(), code)
         }
     }
 }

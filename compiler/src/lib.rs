@@ -13,8 +13,10 @@ pub mod diag;
 pub mod dsl;
 pub mod import;
 pub mod input;
+pub mod limits;
 pub mod passes;
 pub mod plan;
 pub mod sim;
+pub mod specs;
 
 pub use schedc_ir as ir;

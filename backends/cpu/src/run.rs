@@ -74,6 +74,55 @@ impl Default for RunConfig {
     }
 }
 
+/// Where `--verify` found the largest differences.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Worst {
+    /// The gradient: `TENSOR at step S on rank R`.
+    pub grad: String,
+    /// The step of the largest loss difference.
+    pub loss_step: usize,
+    /// The parameter after the last step: `TENSOR on rank R`.
+    pub param: String,
+}
+
+/// The differences `--verify` accepts between the pipelined run and sequential training.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Tolerance {
+    /// Largest relative gradient difference (infinity norm per tensor).
+    pub rel_grad: f64,
+    /// Largest absolute loss difference.
+    pub abs_loss: f64,
+    /// Largest relative parameter difference after the last step.
+    pub rel_param: f64,
+}
+
+impl Tolerance {
+    /// The tolerance of a dtype. f64: 1e-9 for all three (the CPU backend measures about
+    /// 1e-14; `backends/cpu/tests/equivalence.rs` asserts 1e-10 per step). f32: 1e-3 relative
+    /// for gradients and parameters, 1e-4 absolute for the loss (f32's unit roundoff is
+    /// 6e-8; summation orders differ between the pipelined and the sequential run, and Adam
+    /// amplifies differences of small gradients over steps).
+    pub fn of(dtype: DType) -> Tolerance {
+        match dtype {
+            DType::F64 => Tolerance {
+                rel_grad: 1e-9,
+                abs_loss: 1e-9,
+                rel_param: 1e-9,
+            },
+            DType::F32 => Tolerance {
+                rel_grad: 1e-3,
+                abs_loss: 1e-4,
+                rel_param: 1e-3,
+            },
+        }
+    }
+
+    /// True if every difference is within its tolerance; NaN never is.
+    pub fn accepts(&self, grad: f64, loss: f64, param: f64) -> bool {
+        grad <= self.rel_grad && loss <= self.abs_loss && param <= self.rel_param
+    }
+}
+
 /// The result of [`run`]; `--format json` prints it as is.
 #[derive(Clone, Debug, Serialize)]
 pub struct RunReport {
@@ -113,6 +162,17 @@ pub struct RunReport {
     /// With `--verify`: largest relative parameter difference after the last step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_rel_param_err: Option<f64>,
+    /// With `--verify`: where the largest gradient difference is (`TENSOR at step S on rank
+    /// R`), the step of the largest loss difference, where the largest parameter difference
+    /// is (`TENSOR on rank R`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worst: Option<Worst>,
+    /// With `--verify`: the tolerances of the dtype.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tolerance: Option<Tolerance>,
+    /// With `--verify`: true if every difference is within its tolerance (NaN never is).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verify_passed: Option<bool>,
     /// Wall seconds of the pipelined run.
     pub seconds: f64,
     /// With `--verify`: wall seconds of the sequential reference.
@@ -147,11 +207,17 @@ impl RunReport {
             self.instructions_per_step,
             self.tokens_per_step,
         );
-        if let (Some(first), Some(last)) = (self.loss.first(), self.loss.last()) {
-            s += &format!(
-                "loss: {first:.4} (step 0) -> {last:.4} (step {})\n",
-                self.loss.len() - 1
-            );
+        match (self.loss.first(), self.loss.last()) {
+            (Some(only), _) if self.loss.len() == 1 => {
+                s += &format!("loss: {only:.4} (one step)\n")
+            }
+            (Some(first), Some(last)) => {
+                s += &format!(
+                    "loss: {first:.4} (step 0) -> {last:.4} (step {})\n",
+                    self.loss.len() - 1
+                )
+            }
+            _ => {}
         }
         s += &format!("pipelined: {:.3} s", self.seconds);
         if let Some(r) = self.reference_seconds {
@@ -163,9 +229,32 @@ impl RunReport {
             self.max_abs_loss_err,
             self.max_rel_param_err,
         ) {
+            let verdict = match self.verify_passed {
+                Some(true) => "passed",
+                _ => "FAILED",
+            };
             s += &format!(
-                "verify: max_rel_grad_err {g:.3e}, max_abs_loss_err {l:.3e}, max_rel_param_err {p:.3e}\n"
+                "verify {verdict}: max_rel_grad_err {g:.3e}, max_abs_loss_err {l:.3e}, max_rel_param_err {p:.3e}"
             );
+            if let Some(t) = &self.tolerance {
+                s += &format!(
+                    " (tolerance {}: {:.0e}, {:.0e}, {:.0e})",
+                    match self.dtype {
+                        DType::F32 => "f32",
+                        DType::F64 => "f64",
+                    },
+                    t.rel_grad,
+                    t.abs_loss,
+                    t.rel_param
+                );
+            }
+            s += "\n";
+            if let Some(w) = &self.worst {
+                s += &format!(
+                    "  worst gradient: {}; worst loss: step {}; worst parameter: {}\n",
+                    w.grad, w.loss_step, w.param
+                );
+            }
         }
         s
     }
@@ -183,6 +272,48 @@ pub enum RunError {
     /// A rank failed.
     #[error(transparent)]
     Failed(Box<RunFailure>),
+    /// The run's estimated memory exceeds the limit ([`estimate_memory`]).
+    #[error("{0}")]
+    TooLarge(String),
+}
+
+/// Resident bytes per global rank besides its instructions (the thread, its stack, the
+/// stage's weights, gradients and Adam state, channels), measured: 541 MB for `schedc run
+/// specs/1f1b.sched --pp 128 --mb 16` (128 ranks, 76 400 instructions), about 4.1 MB per
+/// rank, doubled.
+pub const BYTES_PER_RANK: u64 = 8 << 20;
+
+/// An upper bound on the parameters of one stage of `m`: every stage counted with the
+/// embedding and the output head.
+pub fn params_per_stage(m: &ModelConfig) -> u64 {
+    let (h, eh, v, e) = (
+        m.hidden as u64,
+        m.expert_hidden as u64,
+        m.vocab as u64,
+        m.experts as u64,
+    );
+    let layer = 4 * h * h + e * 3 * h * eh + 3 * h * eh + h * e + 2 * h + e;
+    m.layers_per_stage as u64 * layer + 2 * v * h + h
+}
+
+/// The estimated peak memory of [`run`], bytes (saturating): lowering and verifying the
+/// programs ([`schedc_program::estimate_memory`]), [`BYTES_PER_RANK`] per global rank, and
+/// with `verify` the recorded gradients of every step (f64, on every rank and in the
+/// sequential reference).
+pub fn estimate_memory(source: &Program, world: u64, cfg: &RunConfig) -> u64 {
+    let size = schedc::limits::Size::of(source);
+    let stages = source.pipeline.stages_per_direction() as u64;
+    let mut b = schedc_program::estimate_memory(&size, world, &cfg.model)
+        .saturating_add(world.saturating_mul(BYTES_PER_RANK))
+        .saturating_add((cfg.steps as u64).saturating_mul(16));
+    if cfg.verify {
+        let per_step = world
+            .saturating_add(stages)
+            .saturating_mul(params_per_stage(&cfg.model))
+            .saturating_mul(8);
+        b = b.saturating_add(per_step.saturating_mul(cfg.steps as u64));
+    }
+    b
 }
 
 /// `schedc run INPUT ... --backend cpu`: lowers and verifies the programs, trains
@@ -200,6 +331,21 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
     if cfg.steps == 0 {
         return Err(RunError::Config("--steps must be at least 1".into()));
     }
+    let world = cfg
+        .mesh
+        .as_ref()
+        .map_or(source.pipeline.pp as u64, |m| m.world() as u64);
+    schedc::limits::within_limit(
+        &format!(
+            "running P={} M={} on {world} global ranks for {} step(s){}",
+            source.pipeline.pp,
+            source.pipeline.total_microbatches(),
+            cfg.steps,
+            if cfg.verify { " with --verify" } else { "" }
+        ),
+        estimate_memory(source, world, cfg),
+    )
+    .map_err(RunError::TooLarge)?;
     let data = match &cfg.data {
         Some(p) => Data::from_file(p).map_err(RunError::Config)?,
         None => Data::builtin(),
@@ -282,6 +428,9 @@ fn run_typed<T: Real>(
         max_rel_grad_err: None,
         max_abs_loss_err: None,
         max_rel_param_err: None,
+        worst: None,
+        tolerance: None,
+        verify_passed: None,
         seconds: res.seconds,
         reference_seconds: None,
     };
@@ -301,6 +450,15 @@ fn run_typed<T: Real>(
         report.max_rel_grad_err = Some(c.max_rel_grad_err);
         report.max_abs_loss_err = Some(c.max_abs_loss_err);
         report.max_rel_param_err = Some(c.max_rel_param_err);
+        let tol = Tolerance::of(report.dtype);
+        report.verify_passed =
+            Some(tol.accepts(c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err));
+        report.tolerance = Some(tol);
+        report.worst = Some(Worst {
+            grad: c.worst_grad,
+            loss_step: c.worst_loss_step,
+            param: c.worst_param,
+        });
     }
     Ok(report)
 }

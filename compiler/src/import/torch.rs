@@ -1929,7 +1929,7 @@ mod tests {
             microbatches: Some(mb),
             ..Default::default()
         };
-        match crate::input::load_path(&path.to_string_lossy(), &ov) {
+        match crate::input::load_path(&path, &ov) {
             Ok(l) => l,
             Err(_) => panic!("{spec} P={pp} V={vpp} M={mb} does not load"),
         }
