@@ -275,6 +275,27 @@ impl LoadFailure {
     }
 }
 
+/// Refuses a spec's instance (`--pp` and `--mb` given) whose estimate by `estimate`, on the
+/// least size the instance can have, exceeds the memory limit: before it is elaborated.
+/// Errors: exit status 2 after printing why.
+pub fn pre_check(
+    args: &InputArgs,
+    what: &str,
+    estimate: impl Fn(&limits::Size) -> u64,
+) -> Result<(), ExitCode> {
+    let (Some(pp), Some(mb)) = (
+        args.pp.and_then(|r| r.single()),
+        args.mb.and_then(|r| r.single()),
+    ) else {
+        return Ok(());
+    };
+    let lower = limits::spec_size_lower_bound(pp, mb, args.vpp.and_then(|r| r.single()));
+    limits::within_limit(&format!("{what} --pp {pp} --mb {mb}"), estimate(&lower)).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(2)
+    })
+}
+
 /// Loads the input for `work`, refusing an instance whose estimated memory exceeds the limit
 /// ([`schedc::limits`]). Errors: [`LoadFailure`] (1 for an instance outside a spec's family,
 /// 2 for unreadable input, bad usage or an instance over the limit), after printing why.
@@ -364,6 +385,23 @@ impl Out {
     }
 }
 
+/// Where streamed output goes: standard output ([`Out`]), or a buffer in tests.
+pub trait Sink {
+    /// Writes one piece. Errors: the exit status.
+    fn put(&mut self, s: &str) -> Result<(), ExitCode>;
+    /// True once nothing more will be read.
+    fn closed(&self) -> bool;
+}
+
+impl Sink for Out {
+    fn put(&mut self, s: &str) -> Result<(), ExitCode> {
+        self.write(s)
+    }
+    fn closed(&self) -> bool {
+        self.is_closed()
+    }
+}
+
 impl Default for Out {
     fn default() -> Self {
         Self::new()
@@ -407,7 +445,8 @@ pub fn temp_sibling(target: &std::path::Path, tag: &str) -> std::path::PathBuf {
 /// Writes an output file: `-` is standard output; otherwise the bytes go to a temporary
 /// file in the same directory, which is renamed onto `path` once complete, so that a full
 /// disk or a kill never leaves a truncated `path` behind. An existing `path` is refused
-/// unless `force` (then a symbolic link is followed and the file's permissions kept).
+/// unless `force` (then a symbolic link is followed and the file's permissions kept). A
+/// device or a pipe (`/dev/stdout`, a FIFO) is written in place.
 ///
 /// Errors: exit status 2 after printing why, naming the file.
 pub fn write_output(path: &std::path::Path, bytes: &[u8], force: bool) -> Result<(), ExitCode> {
@@ -415,6 +454,20 @@ pub fn write_output(path: &std::path::Path, bytes: &[u8], force: bool) -> Result
         return Out::new().write(&String::from_utf8_lossy(bytes));
     }
     let shown = path.display();
+    // A device, a pipe or a socket (`-o /dev/stdout`, a FIFO) is written in place: it holds
+    // no file to lose, and renaming onto it would replace the node itself.
+    if let Ok(m) = std::fs::metadata(path) {
+        if !m.is_file() && !m.is_dir() {
+            let res = std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .and_then(|mut f| f.write_all(bytes).and_then(|_| f.flush()));
+            return res.map_err(|e| {
+                eprintln!("error: cannot write `{shown}`: {e}");
+                ExitCode::from(2)
+            });
+        }
+    }
     let exists = std::fs::symlink_metadata(path).is_ok();
     if exists && !force {
         eprintln!("error: `{shown}` exists; not overwriting it (pass --force to replace it)");
@@ -455,6 +508,9 @@ pub fn check_output(path: &std::path::Path, force: bool) -> Result<(), ExitCode>
         return Ok(());
     }
     let shown = path.display();
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
+        return Ok(()); // a device or a pipe: written in place
+    }
     if std::fs::symlink_metadata(path).is_ok() {
         if path.is_dir() {
             eprintln!("error: `{shown}` is a directory");

@@ -85,15 +85,22 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let program = match load(&args.input, None) {
-        Ok(l) => l.program,
-        Err(c) => return c,
-    };
     let mesh = match mesh(&args.mesh) {
         Ok(m) => m,
         Err(c) => return c,
     };
     let model = schedc_program::ModelConfig::small();
+    // Refuse what cannot fit before the spec is elaborated.
+    if let Err(c) = pre_check(&args.input, "compiling", |size| {
+        let world = mesh.as_ref().map_or(size.ranks, |m| m.world() as u64);
+        schedc_program::estimate_memory(size, world, &model)
+    }) {
+        return c;
+    }
+    let program = match load(&args.input, None) {
+        Ok(l) => l.program,
+        Err(c) => return c,
+    };
     let world = mesh
         .as_ref()
         .map_or(program.pipeline.pp as u64, |m| m.world() as u64);

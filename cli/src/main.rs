@@ -37,7 +37,8 @@ use std::process::ExitCode;
 #[command(
     name = "schedc",
     version,
-    about = "A schedule compiler for pipeline-parallel training: check, show and convert schedules"
+    about = "A schedule compiler for pipeline-parallel training: verify schedules (check, show, test), convert them (convert, fmt), simulate and compare them under a cost model (sim, compare, plan), lower them to per-rank programs and train on them (compile, run)",
+    after_help = "Exit status: 0 accepted, 1 rejected by a pass (or a failed expectation), 2 unreadable input or bad usage.\nSCHEDC_MEMORY_LIMIT (default 8G) bounds the memory an instance may need by schedc's estimate."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -107,6 +108,13 @@ fn real_main() -> ExitCode {
             };
         }
     };
+    // The memory limit: a bad SCHEDC_MEMORY_LIMIT is bad usage; the elaboration budget of a
+    // spec follows the limit.
+    if let Err(e) = schedc::limits::memory_limit() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    schedc::dsl::elab::set_step_budget(schedc::limits::elaboration_budget());
     match cli.cmd {
         Cmd::Check(a) => check::run(a),
         Cmd::Show(a) => show::run(a),

@@ -87,17 +87,6 @@ fn fail(format: OutFormat, message: &str, code: u8) -> ExitCode {
 /// Runs `schedc run`.
 pub fn run(args: Args) -> ExitCode {
     let format = args.format;
-    let program = match load_for(&args.input, None) {
-        Ok(l) => l.program,
-        Err(f) => {
-            if format == OutFormat::Json {
-                let v =
-                    serde_json::json!({"error": f.message, "exit": if f.refused { 1 } else { 2 }});
-                return emit_then(&format!("{v}\n"), f.code);
-            }
-            return f.code;
-        }
-    };
     let mesh = match args.mesh.as_ref().map(|m| m.parse::<Mesh>()).transpose() {
         Ok(m) => m,
         Err(e) => return fail(format, &format!("--mesh: {e}"), 2),
@@ -113,6 +102,24 @@ pub fn run(args: Args) -> ExitCode {
         verify: args.verify,
         progress: format == OutFormat::Human,
         ..RunConfig::default()
+    };
+    // Refuse what cannot fit before the spec is elaborated.
+    if let Err(c) = pre_check(&args.input, "running", |size| {
+        let world = cfg.mesh.as_ref().map_or(size.ranks, |m| m.world() as u64);
+        schedc_cpu::run::estimate_memory_of(size, world, &cfg)
+    }) {
+        return c;
+    }
+    let program = match load_for(&args.input, None) {
+        Ok(l) => l.program,
+        Err(f) => {
+            if format == OutFormat::Json {
+                let v =
+                    serde_json::json!({"error": f.message, "exit": if f.refused { 1 } else { 2 }});
+                return emit_then(&format!("{v}\n"), f.code);
+            }
+            return f.code;
+        }
     };
     let report = match args.backend {
         Backend::Cpu => schedc_cpu::run(&program, &cfg),

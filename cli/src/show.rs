@@ -48,7 +48,7 @@ fn diag_summary(d: &schedc::diag::Diagnostic) -> String {
 /// Writes the rank-by-step grid with unit-time spacing (pass 7's schedule: F = B = W = 1,
 /// BW = 2, an MoE part a quarter step); ops in program order where the order admits no
 /// execution. Rows are written one at a time, so the output can be far larger than memory.
-fn write_grid(p: &schedc_ir::Program, o: &mut Out) -> Result<(), ExitCode> {
+fn write_grid(p: &schedc_ir::Program, o: &mut dyn Sink) -> Result<(), ExitCode> {
     let has_parts = p
         .ranks
         .iter()
@@ -99,9 +99,9 @@ fn write_grid(p: &schedc_ir::Program, o: &mut Out) -> Result<(), ExitCode> {
     let trimmed = head.trim_end().len();
     head.truncate(trimmed);
     head.push('\n');
-    o.write(&head)?;
+    o.put(&head)?;
     for (r, row) in rows.iter().enumerate() {
-        if o.is_closed() {
+        if o.closed() {
             break;
         }
         let mut line = format!("{:>7} ", format!("rank {r}"));
@@ -119,7 +119,43 @@ fn write_grid(p: &schedc_ir::Program, o: &mut Out) -> Result<(), ExitCode> {
         let n = line.trim_end().len();
         line.truncate(n);
         line.push('\n');
-        o.write(&line)?;
+        o.put(&line)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records the size of each piece written.
+    struct Pieces(Vec<usize>);
+    impl Sink for Pieces {
+        fn put(&mut self, s: &str) -> Result<(), ExitCode> {
+            self.0.push(s.len());
+            Ok(())
+        }
+        fn closed(&self) -> bool {
+            false
+        }
+    }
+
+    /// Issue 11, item 6: the grid is written row by row, never whole: no piece is larger
+    /// than one row, and there is one piece per rank plus the header.
+    #[test]
+    fn the_grid_is_streamed_row_by_row() {
+        let text = schedc::specs::get("1f1b").unwrap();
+        let ov = schedc::input::Overrides {
+            pp: Some(64),
+            microbatches: Some(16),
+            ..Default::default()
+        };
+        let e = schedc::input::load_spec(text, &ov).ok().unwrap();
+        let mut sink = Pieces(Vec::new());
+        write_grid(&e.program, &mut sink).unwrap_or_else(|_| panic!("write"));
+        assert_eq!(sink.0.len(), 1 + 64);
+        let total: usize = sink.0.iter().sum();
+        let largest = *sink.0.iter().max().unwrap();
+        assert!(largest * 32 < total, "largest piece {largest} of {total}");
+    }
 }

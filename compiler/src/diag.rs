@@ -279,10 +279,7 @@ pub fn crop_excerpt(text: &str, sp: Span) -> String {
     let lead = if from > line_start { "…" } else { "" };
     let tail = if to < line_end { "…" } else { "" };
     let pad = lead.chars().count() + text[from..off].chars().count();
-    let width = text[off..span_end]
-        .chars()
-        .count()
-        .clamp(1, MAX_UNDERLINE);
+    let width = text[off..span_end].chars().count().clamp(1, MAX_UNDERLINE);
     let num = line_no.to_string();
     format!(
         "{num} │ {lead}{window}{tail}\n{} │ {}{}",
@@ -499,16 +496,32 @@ mod crop_tests {
         );
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(lines.len(), 2, "{out}");
-        assert!(lines[0].starts_with("2 │ …") && lines[0].ends_with('…'), "{out}");
+        assert!(
+            lines[0].starts_with("2 │ …") && lines[0].ends_with('…'),
+            "{out}"
+        );
         assert!(lines.iter().all(|l| l.chars().count() < 100), "{out}");
         // The carets sit under the span.
         let col = lines[1].find('^').unwrap();
-        let under: String = lines[0][..].chars().skip(lines[1][..col].chars().count()).take(5).collect();
+        let under: String = lines[0][..]
+            .chars()
+            .skip(lines[1][..col].chars().count())
+            .take(5)
+            .collect();
         assert_eq!(under, "é0150", "{out}");
         assert_eq!(lines[1].matches('^').count(), 5);
         // A long span is underlined up to the cap.
-        let out = crop_excerpt(&text, Span { start: 5, len: 2000 });
-        assert_eq!(out.lines().nth(1).unwrap().matches('^').count(), MAX_UNDERLINE);
+        let out = crop_excerpt(
+            &text,
+            Span {
+                start: 5,
+                len: 2000,
+            },
+        );
+        assert_eq!(
+            out.lines().nth(1).unwrap().matches('^').count(),
+            MAX_UNDERLINE
+        );
     }
 
     #[test]
@@ -523,7 +536,10 @@ mod crop_tests {
         d.locate("f.csv", &text);
         let out = render(&d, Some(("f.csv", &text)), 100);
         assert!(out.contains("f.csv:1:2001"), "{out}");
-        assert!(out.contains("1 │ …x,x,") && out.contains("x,x,BAD,x,x"), "{out}");
+        assert!(
+            out.contains("1 │ …x,x,") && out.contains("x,x,BAD,x,x"),
+            "{out}"
+        );
         assert!(out.lines().all(|l| l.chars().count() <= 100), "{out}");
     }
 }

@@ -275,7 +275,10 @@ fn pictures_carry_units_and_chunks() {
     // Memory in GB when the cost model has figures, `-` when it has none.
     let m = run("1f1b", 4, 8, "activation_bytes=2e9,param_bytes=1e9");
     let text = schedc::sim::render::text_report(&m, 40);
-    assert!(text.contains("peak_memory (GB)") && text.contains("9.00"), "{text}");
+    assert!(
+        text.contains("peak_memory (GB)") && text.contains("9.00"),
+        "{text}"
+    );
     assert!(!text.contains("no [memory] figures"), "{text}");
     let text = schedc::sim::render::text_report(&r1, 40);
     assert!(text.contains("makespan 33.000000 s") && text.contains("no [memory] figures"));

@@ -301,9 +301,14 @@ pub fn params_per_stage(m: &ModelConfig) -> u64 {
 /// with `verify` the recorded gradients of every step (f64, on every rank and in the
 /// sequential reference).
 pub fn estimate_memory(source: &Program, world: u64, cfg: &RunConfig) -> u64 {
-    let size = schedc::limits::Size::of(source);
-    let stages = source.pipeline.stages_per_direction() as u64;
-    let mut b = schedc_program::estimate_memory(&size, world, &cfg.model)
+    estimate_memory_of(&schedc::limits::Size::of(source), world, cfg)
+}
+
+/// [`estimate_memory`] from the size of the instance alone (for a spec, before it is
+/// elaborated: see [`schedc::limits::spec_size_lower_bound`]).
+pub fn estimate_memory_of(size: &schedc::limits::Size, world: u64, cfg: &RunConfig) -> u64 {
+    let stages = size.stages.max(1);
+    let mut b = schedc_program::estimate_memory(size, world, &cfg.model)
         .saturating_add(world.saturating_mul(BYTES_PER_RANK))
         .saturating_add((cfg.steps as u64).saturating_mul(16));
     if cfg.verify {

@@ -500,9 +500,10 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
         }
     }
     let makespan = events.iter().map(|e| e.end).fold(0.0, f64::max);
+    let by_rank = pl.stages_by_rank();
     let ranks: Vec<RankSim> = (0..np)
         .map(|r| {
-            let held = pl.stages_of(r as u32).len() as f64;
+            let held = by_rank.get(r).map_or(0, Vec::len) as f64;
             let stat = held
                 * (cost.memory.param_bytes + cost.memory.grad_bytes + cost.memory.optimizer_bytes);
             let mut ev = std::mem::take(&mut mem[r]);
