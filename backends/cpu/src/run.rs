@@ -278,9 +278,9 @@ pub enum RunError {
 }
 
 /// Resident bytes per global rank besides its instructions (the thread, its stack, the
-/// stage's weights, gradients and Adam state, channels), measured: 541 MB for `schedc run
-/// specs/1f1b.sched --pp 128 --mb 16` (128 ranks, 76 400 instructions), about 4.1 MB per
-/// rank, doubled.
+/// stage's weights, gradients and Adam state, channels), measured: 604 MB for `schedc run
+/// specs/1f1b.sched --pp 128 --mb 16` (128 ranks, 76 400 instructions), about 4.6 MB per
+/// rank, rounded up to 8 MiB.
 pub const BYTES_PER_RANK: u64 = 8 << 20;
 
 /// An upper bound on the parameters of one stage of `m`: every stage counted with the
@@ -292,7 +292,16 @@ pub fn params_per_stage(m: &ModelConfig) -> u64 {
         m.vocab as u64,
         m.experts as u64,
     );
-    let layer = 4 * h * h + e * 3 * h * eh + 3 * h * eh + h * e + 2 * h + e;
+    // Attention (MLA: low-rank query and key-value projections, bounded generously) plus
+    // the routed experts, the shared expert, the router and the norms.
+    let (ql, kvl, heads) = (
+        m.q_lora_rank as u64,
+        m.kv_lora_rank as u64,
+        m.heads as u64,
+    );
+    let head = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) as u64;
+    let attn = h * (ql + kvl + m.qk_rope_head_dim as u64) + (ql + kvl + h) * heads * head + ql + kvl;
+    let layer = attn.max(4 * h * h) + e * 3 * h * eh + 3 * h * eh + h * e + 2 * h + e;
     m.layers_per_stage as u64 * layer + 2 * v * h + h
 }
 
