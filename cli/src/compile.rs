@@ -54,6 +54,10 @@ fn is_compile_output(dir: &Path) -> bool {
 pub fn run(args: Args) -> ExitCode {
     let output = args.output;
     let shown = output.display().to_string();
+    if is_stdout(&output) {
+        eprintln!("error: compile writes a directory of files; `-` (standard output) cannot hold them: give -o DIR");
+        return ExitCode::from(2);
+    }
     // Refuse before any work what cannot be written.
     let existing = std::fs::symlink_metadata(&output).is_ok();
     if existing {

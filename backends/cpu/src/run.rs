@@ -294,13 +294,10 @@ pub fn params_per_stage(m: &ModelConfig) -> u64 {
     );
     // Attention (MLA: low-rank query and key-value projections, bounded generously) plus
     // the routed experts, the shared expert, the router and the norms.
-    let (ql, kvl, heads) = (
-        m.q_lora_rank as u64,
-        m.kv_lora_rank as u64,
-        m.heads as u64,
-    );
+    let (ql, kvl, heads) = (m.q_lora_rank as u64, m.kv_lora_rank as u64, m.heads as u64);
     let head = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) as u64;
-    let attn = h * (ql + kvl + m.qk_rope_head_dim as u64) + (ql + kvl + h) * heads * head + ql + kvl;
+    let attn =
+        h * (ql + kvl + m.qk_rope_head_dim as u64) + (ql + kvl + h) * heads * head + ql + kvl;
     let layer = attn.max(4 * h * h) + e * 3 * h * eh + 3 * h * eh + h * e + 2 * h + e;
     m.layers_per_stage as u64 * layer + 2 * v * h + h
 }
