@@ -1034,6 +1034,13 @@ pub struct Comparison {
     pub max_abs_loss_err: f64,
     /// Largest relative difference of any parameter of any copy after the last step.
     pub max_rel_param_err: f64,
+    /// Largest relative difference of the step loss, |run - reference| / |reference|.
+    pub max_rel_loss_err: f64,
+    /// [`Comparison::max_rel_grad_err`] over the first step only (both runs start from the
+    /// same weights: only the order of summation differs).
+    pub first_step_rel_grad_err: f64,
+    /// [`Comparison::max_abs_loss_err`] of the first step only.
+    pub first_step_abs_loss_err: f64,
     /// Where the largest gradient error is: `TENSOR at step S on rank R`.
     pub worst_grad: String,
     /// The step of the largest loss difference.
@@ -1066,6 +1073,13 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
             c.max_abs_loss_err = e;
             c.worst_loss_step = step;
         }
+        let rel = e / b.abs().max(1e-300);
+        if worse(rel, c.max_rel_loss_err) {
+            c.max_rel_loss_err = rel;
+        }
+        if step == 0 {
+            c.first_step_abs_loss_err = e;
+        }
     }
     for (step, copies) in run.grads.iter().enumerate() {
         let want: HashMap<&str, &Vec<f64>> =
@@ -1079,6 +1093,9 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
                 covered.insert(w_name(&want, n));
                 let e = rel(t, w);
                 c.tensors_compared += 1;
+                if step == 0 && worse(e, c.first_step_rel_grad_err) {
+                    c.first_step_rel_grad_err = e;
+                }
                 if worse(e, c.max_rel_grad_err) || c.worst_grad.is_empty() {
                     if worse(e, c.max_rel_grad_err) {
                         c.max_rel_grad_err = e;

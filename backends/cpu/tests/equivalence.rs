@@ -323,6 +323,7 @@ fn run_reports_json_and_human() {
     assert!(h.contains("verify passed: max_rel_grad_err"), "{h}");
     assert_eq!(v["verify_passed"], true);
     assert_eq!(v["tolerance"]["rel_grad"], 1e-9);
+    assert_eq!(v["tolerance"]["grads_first_step_only"], false);
     // The worst tensor is named with its step and rank.
     let worst = v["worst"]["grad"].as_str().unwrap();
     assert!(

@@ -192,28 +192,29 @@ fn verify_fails_above_the_tolerance_and_on_nan() {
     };
     let tol = Tolerance::of(schedc_cpu::DType::F64);
     let ok = compare(&run(2.0, 2.0, 2.0), &reference).unwrap();
-    assert!(tol.accepts(
-        ok.max_rel_grad_err,
-        ok.max_abs_loss_err,
-        ok.max_rel_param_err
-    ));
-    for (g, l, p) in [
-        (f64::NAN, 2.0, 2.0),
-        (2.0, f64::NAN, 2.0),
-        (2.0, 2.0, f64::NAN),
+    assert_eq!(tol.judge(&ok), Ok(()));
+    for (g, l, p, what) in [
+        (f64::NAN, 2.0, 2.0, "gradient"),
+        (2.0, f64::NAN, 2.0, "loss"),
+        (2.0, 2.0, f64::NAN, "parameter"),
     ] {
         let c = compare(&run(g, l, p), &reference).unwrap();
-        assert!(
-            !tol.accepts(c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err),
-            "{c:?}"
-        );
+        let e = tol.judge(&c).unwrap_err();
+        assert!(e.contains(what) && e.contains("NaN"), "{e}");
     }
     let c = compare(&run(f64::NAN, 2.0, 2.0), &reference).unwrap();
-    assert!(c.max_rel_grad_err.is_nan());
+    assert!(c.max_rel_grad_err.is_nan() && c.first_step_rel_grad_err.is_nan());
     assert_eq!(c.worst_grad, "w at step 0 on rank 1");
-    // Just above the f64 tolerance fails; f32's is looser.
+    // Just above the f64 tolerance fails; f32's is looser, and NaN fails it too.
     let c = compare(&run(2.0 + 2.0 * 2e-9, 2.0, 2.0), &reference).unwrap();
-    assert!(!tol.accepts(c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err));
+    assert!(tol
+        .judge(&c)
+        .unwrap_err()
+        .starts_with("relative gradient difference"));
     let t32 = Tolerance::of(schedc_cpu::DType::F32);
-    assert!(t32.accepts(c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err));
+    assert_eq!(t32.judge(&c), Ok(()));
+    let c = compare(&run(f64::NAN, 2.0, 2.0), &reference).unwrap();
+    assert!(t32.judge(&c).is_err());
+    let c = compare(&run(2.0, 2.1, 2.0), &reference).unwrap();
+    assert!(t32.judge(&c).unwrap_err().contains("loss"));
 }
