@@ -161,6 +161,12 @@ pub struct InputArgs {
     /// (default: from the input, else inferred from which rank runs each stage).
     #[arg(long, value_name = "PLACEMENT")]
     pub placement: Option<PlacementArg>,
+    /// Split every F, B and BW of the MoE stages into attention, dispatch, MLP and combine
+    /// parts (DeepSeek-V3's order in an overlapped pair). STAGES: auto (the input's `moe`
+    /// declaration, else all), all, dense-ends (embedding and head stages stay whole),
+    /// declared, or ids and ranges such as 1-6,9.
+    #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
+    pub moe: Option<schedc::moe::MoeStages>,
 }
 
 impl InputArgs {
@@ -192,6 +198,7 @@ impl InputArgs {
             pp: Self::single(&self.pp, "--pp")?,
             vpp: Self::single(&self.vpp, "--vpp")?,
             params: self.params.clone(),
+            moe: self.moe.clone(),
         })
     }
 }
@@ -531,6 +538,42 @@ pub fn check_output(path: &std::path::Path, force: bool) -> Result<(), ExitCode>
         }
     }
     Ok(())
+}
+
+/// `--cost`: a preset, inline `K=V,...`, or a TOML file (whose name need not be UTF-8), with
+/// `--set` overrides on top. Errors: exit status 2 after printing why.
+pub fn resolve_cost(
+    cost: &std::ffi::OsStr,
+    set: Option<&str>,
+) -> Result<schedc::sim::cost::CostModel, ExitCode> {
+    let r = match cost.to_str() {
+        Some(s) => schedc::sim::cost::CostModel::resolve(s),
+        None => std::fs::read_to_string(cost)
+            .map_err(|e| format!("cannot read cost model `{}`: {e}", cost.to_string_lossy()))
+            .and_then(|t| {
+                schedc::sim::cost::CostModel::from_toml(&t)
+                    .map_err(|e| format!("{}: {e}", cost.to_string_lossy()))
+            }),
+    };
+    let mut model = r.map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(2)
+    })?;
+    if let Some(kv) = set {
+        model.apply_overrides(kv).map_err(|e| {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        })?;
+    }
+    Ok(model)
+}
+
+/// `--moe` needs all-to-all times: exit 1 with why when the cost model has none.
+pub fn require_moe_costs(model: &schedc::sim::cost::CostModel, name: &str) -> Result<(), ExitCode> {
+    schedc::moe::require_moe_costs(model, name).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(1)
+    })
 }
 
 /// The placement's name in reports.

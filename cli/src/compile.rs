@@ -1,9 +1,19 @@
-//! `schedc compile`: per-rank stream programs written to a directory.
+//! `schedc compile`: per-rank stream programs written to a directory, and with
+//! `--backend cuda --ptx DIR` the PTX of every CUDA kernel.
 
 use crate::common::*;
 use crate::run::{mesh, program_error_code};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+/// `--backend` of `compile`.
+#[derive(Clone, Copy, clap::ValueEnum, PartialEq, Eq)]
+pub enum Backend {
+    /// Programs only (every backend runs the same programs).
+    Cpu,
+    /// Programs, and with --ptx the kernels compiled by NVRTC.
+    Cuda,
+}
 
 /// `schedc compile`'s arguments.
 #[derive(clap::Args)]
@@ -13,14 +23,26 @@ pub struct Args {
     /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`).
     #[arg(long)]
     pub mesh: Option<String>,
-    /// Output directory. It is written whole or not at all (a temporary directory renamed
-    /// into place); an existing non-empty directory is refused unless --force.
+    /// Output directory of the programs. It is written whole or not at all (a temporary
+    /// directory renamed into place); an existing non-empty directory is refused unless
+    /// --force.
     #[arg(short, long)]
-    pub output: PathBuf,
+    pub output: Option<PathBuf>,
     /// Replace an existing output directory that holds an earlier `schedc compile`'s output
     /// (manifest.json and rankN.json files only; anything else is refused).
     #[arg(long)]
     pub force: bool,
+    /// The backend the programs are for.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: Backend,
+    /// With --backend cuda: write every kernel's PTX, one `KERNEL.DTYPE.ptx` file per kernel
+    /// and element type (f32, bf16), into this directory (created whole or not at all; must
+    /// be absent or empty). Needs NVRTC (libnvrtc.so.13) on the library path.
+    #[arg(long)]
+    pub ptx: Option<PathBuf>,
+    /// With --ptx: the GPU architecture (default sm_90: H100, H200).
+    #[arg(long)]
+    pub arch: Option<String>,
 }
 
 /// True if `dir` holds only what `schedc compile` writes (manifest.json, rankN.json).
@@ -50,35 +72,40 @@ fn is_compile_output(dir: &Path) -> bool {
     manifest
 }
 
-/// Runs `schedc compile`.
-pub fn run(args: Args) -> ExitCode {
-    let output = args.output;
-    let shown = output.display().to_string();
-    if is_stdout(&output) {
-        eprintln!("error: compile writes a directory of files; `-` (standard output) cannot hold them: give -o DIR");
-        return ExitCode::from(2);
+/// Refuses, before any work, an output directory that cannot be written: `-`, a file, a
+/// directory in a missing parent, or a non-empty directory (unless `replaceable`, then only
+/// one holding an earlier compile's output). Exit 2 after printing why.
+fn writable_dir(output: &Path, force: bool, replaceable: bool) -> Result<(), ExitCode> {
+    let shown = output.display();
+    if is_stdout(output) {
+        eprintln!("error: compile writes a directory of files; `-` (standard output) cannot hold them: give a directory");
+        return Err(ExitCode::from(2));
     }
-    // Refuse before any work what cannot be written.
-    let existing = std::fs::symlink_metadata(&output).is_ok();
-    if existing {
+    if std::fs::symlink_metadata(output).is_ok() {
         if !output.is_dir() {
             eprintln!("error: `{shown}` exists and is not a directory");
-            return ExitCode::from(2);
+            return Err(ExitCode::from(2));
         }
-        let empty = std::fs::read_dir(&output)
+        let empty = std::fs::read_dir(output)
             .map(|mut d| d.next().is_none())
             .unwrap_or(false);
-        if !empty && !args.force {
+        let may_replace = force && replaceable;
+        if !empty && !may_replace {
             eprintln!(
-                "error: `{shown}` exists and is not empty; not writing into it (pass --force to replace an earlier compile's output)"
+                "error: `{shown}` exists and is not empty; not writing into it{}",
+                if replaceable {
+                    " (pass --force to replace an earlier compile's output)"
+                } else {
+                    ""
+                }
             );
-            return ExitCode::from(2);
+            return Err(ExitCode::from(2));
         }
-        if !empty && !is_compile_output(&output) {
+        if !empty && !is_compile_output(output) {
             eprintln!(
                 "error: `{shown}` holds files that `schedc compile` did not write; not replacing it, even with --force"
             );
-            return ExitCode::from(2);
+            return Err(ExitCode::from(2));
         }
     } else if let Some(parent) = output.parent() {
         if !parent.as_os_str().is_empty() && !parent.is_dir() {
@@ -86,7 +113,63 @@ pub fn run(args: Args) -> ExitCode {
                 "error: cannot write `{shown}`: the directory `{}` does not exist",
                 parent.display()
             );
-            return ExitCode::from(2);
+            return Err(ExitCode::from(2));
+        }
+    }
+    Ok(())
+}
+
+/// Writes files into a temporary sibling of `dir` with `write`, then renames it into place.
+/// Errors: exit 2 after printing why (nothing is left behind).
+fn write_dir_atomically<T>(
+    dir: &Path,
+    write: impl FnOnce(&Path) -> Result<T, String>,
+) -> Result<T, ExitCode> {
+    let shown = dir.display();
+    let tmp = temp_sibling(dir, "dir");
+    let out = match write(&tmp) {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            eprintln!("error: cannot write `{shown}`: {e}");
+            return Err(ExitCode::from(2));
+        }
+    };
+    if let Err(e) = replace_dir(&tmp, dir) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        eprintln!("error: cannot write `{shown}`: {e}");
+        return Err(ExitCode::from(2));
+    }
+    Ok(out)
+}
+
+/// Runs `schedc compile`.
+pub fn run(args: Args) -> ExitCode {
+    if args.output.is_none() && args.ptx.is_none() {
+        eprintln!("error: nothing to write: give -o DIR (programs) or, with --backend cuda, --ptx DIR (kernels)");
+        return ExitCode::from(2);
+    }
+    if (args.ptx.is_some() || args.arch.is_some()) && args.backend != Backend::Cuda {
+        eprintln!("error: --ptx and --arch need --backend cuda");
+        return ExitCode::from(2);
+    }
+    if args.force && args.output.is_none() {
+        eprintln!("error: --force replaces an earlier -o DIR; there is no -o");
+        return ExitCode::from(2);
+    }
+    if args.output.is_some() && args.output == args.ptx {
+        eprintln!("error: -o and --ptx name the same directory");
+        return ExitCode::from(2);
+    }
+    // Refuse before any work what cannot be written.
+    if let Some(o) = &args.output {
+        if let Err(c) = writable_dir(o, args.force, true) {
+            return c;
+        }
+    }
+    if let Some(d) = &args.ptx {
+        if let Err(c) = writable_dir(d, false, false) {
+            return c;
         }
     }
     let mesh = match mesh(&args.mesh) {
@@ -123,31 +206,53 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::from(program_error_code(&e));
         }
     };
-    // Write into a temporary sibling directory, then rename it into place.
-    let tmp = temp_sibling(&output, "dir");
-    let files = match set.write_dir(&tmp) {
-        Ok(f) => f,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            eprintln!("error: cannot write the programs to `{shown}`: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    if let Err(e) = replace_dir(&tmp, &output) {
-        let _ = std::fs::remove_dir_all(&tmp);
-        eprintln!("error: cannot write `{shown}`: {e}");
-        return ExitCode::from(2);
-    }
-    emit_then(
-        &format!(
-            "wrote {} files to {shown} (verified: {} instructions, {} messages, peak stash per rank {:?})\n",
+    let mut said = String::new();
+    if let Some(output) = &args.output {
+        let files =
+            match write_dir_atomically(output, |tmp| set.write_dir(tmp).map_err(|e| e.to_string()))
+            {
+                Ok(f) => f,
+                Err(c) => return c,
+            };
+        said += &format!(
+            "wrote {} files to {} (verified: {} instructions, {} messages, peak stash per rank {:?})\n",
             files.len(),
+            output.display(),
             rep.ops,
             rep.messages,
             rep.peak_stash
-        ),
-        ExitCode::SUCCESS,
-    )
+        );
+    }
+    if let Some(dir) = &args.ptx {
+        let arch = args
+            .arch
+            .as_deref()
+            .unwrap_or(schedc_cuda::nvrtc::DEFAULT_ARCH);
+        use schedc_cuda::api::DType;
+        let files = match schedc_cuda::nvrtc::compile_each(arch, &[DType::F32, DType::Bf16]) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        if let Err(c) = write_dir_atomically(dir, |tmp| {
+            std::fs::create_dir(tmp).map_err(|e| e.to_string())?;
+            for (name, ptx) in &files {
+                std::fs::write(tmp.join(name), ptx).map_err(|e| format!("{name}: {e}"))?;
+            }
+            Ok(())
+        }) {
+            return c;
+        }
+        said += &format!(
+            "NVRTC compiled {} kernels ({} kernel sources for f32 and bf16) for {arch} into {}\n",
+            files.len(),
+            files.len() / 2,
+            dir.display()
+        );
+    }
+    emit_then(&said, ExitCode::SUCCESS)
 }
 
 /// Moves the complete directory `tmp` to `dst`: over an empty directory directly; over an

@@ -25,7 +25,7 @@ pub fn run(args: Args) -> ExitCode {
         let first = out.report.diagnostics.iter().find(|d| d.is_error());
         eprintln!(
             "note: `schedc check` rejects this schedule ({}); the grid shows the compute order only",
-            first.map(|d| diag_summary(d)).unwrap_or_default()
+            first.map(diag_summary).unwrap_or_default()
         );
     }
     let mut o = Out::new();

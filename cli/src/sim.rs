@@ -2,6 +2,8 @@
 
 use crate::common::*;
 use schedc::check::{self, Verdict};
+use schedc::diag;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 /// `schedc sim`'s arguments.
@@ -42,14 +44,13 @@ pub fn run(args: Args) -> ExitCode {
         svg,
         force,
     } = args;
-    let mut model = match resolve_cost(&cost) {
+    let model = match resolve_cost(&cost, set.as_deref()) {
         Ok(m) => m,
         Err(c) => return c,
     };
-    if let Some(kv) = set {
-        if let Err(e) = model.apply_overrides(&kv) {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
+    if input.moe.is_some() {
+        if let Err(c) = require_moe_costs(&model, &cost.to_string_lossy()) {
+            return c;
         }
     }
     let to_stdout = [&trace, &svg]
@@ -82,8 +83,11 @@ pub fn run(args: Args) -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    let checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
-    if checked.report.verdict != Verdict::Accepted {
+    let mut checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
+    // The spec's expectations are the check's; its timing ones must hold under this model.
+    let structural = checked.report.verdict != Verdict::Accepted;
+    check::check_expectations(&mut checked.report, &loaded.spec_expects);
+    if structural {
         eprintln!("error: the schedule does not pass `schedc check`; run it for the diagnostics");
         return ExitCode::from(1);
     }
@@ -113,6 +117,36 @@ pub fn run(args: Args) -> ExitCode {
             return c;
         }
     }
+    check::check_timing_expectations(
+        &mut checked.report,
+        &loaded.spec_expects,
+        Some(&res),
+        &model,
+    );
+    let failed: Vec<_> = checked
+        .report
+        .diagnostics
+        .iter_mut()
+        .filter(|d| d.is_error())
+        .collect();
+    let n_failed = failed.len();
+    for d in failed {
+        d.locate(&loaded.name, &loaded.text);
+        eprint!(
+            "{}",
+            diag::render_color(
+                d,
+                Some((loaded.name.as_str(), loaded.text.as_str())),
+                std::io::stderr().is_terminal()
+            )
+        );
+    }
+    let code = if n_failed > 0 {
+        eprintln!("error: {n_failed} expectation(s) of the spec do not hold under this cost model");
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    };
     let exposed: f64 = res.ranks.iter().map(|r| r.exposed_comm).sum();
     if exposed > 0.0 && model.message_time() == 0.0 && model.moe.a2a == 0.0 {
         eprintln!(
@@ -120,37 +154,16 @@ pub fn run(args: Args) -> ExitCode {
         );
     }
     if to_stdout == 1 {
-        return ExitCode::SUCCESS;
+        return code;
     }
     match format {
         OutFormat::Json => {
             let mut j = serde_json::to_string_pretty(&res).expect("json");
             j.push('\n');
-            emit_then(&j, ExitCode::SUCCESS)
+            emit_then(&j, code)
         }
-        OutFormat::Human => emit_then(
-            &schedc::sim::render::text_report(&res, 100),
-            ExitCode::SUCCESS,
-        ),
+        OutFormat::Human => emit_then(&schedc::sim::render::text_report(&res, 100), code),
     }
-}
-
-/// `--cost`: a preset, inline `K=V,...`, or a TOML file (whose name need not be UTF-8).
-/// Errors: exit status 2 after printing why.
-pub fn resolve_cost(cost: &std::ffi::OsStr) -> Result<schedc::sim::cost::CostModel, ExitCode> {
-    let r = match cost.to_str() {
-        Some(s) => schedc::sim::cost::CostModel::resolve(s),
-        None => std::fs::read_to_string(cost)
-            .map_err(|e| format!("cannot read cost model `{}`: {e}", cost.to_string_lossy()))
-            .and_then(|t| {
-                schedc::sim::cost::CostModel::from_toml(&t)
-                    .map_err(|e| format!("{}: {e}", cost.to_string_lossy()))
-            }),
-    };
-    r.map_err(|e| {
-        eprintln!("error: {e}");
-        ExitCode::from(2)
-    })
 }
 
 /// Refuses `[compute.stage.N]` overrides for stages the schedule does not have (they would

@@ -692,7 +692,6 @@ fn locate(src: &str, path: &[Seg<'_>]) -> Option<(usize, usize)> {
 mod tests {
     use super::*;
     use std::collections::{HashMap, VecDeque};
-    use std::path::PathBuf;
 
     fn traces() -> Vec<(String, String)> {
         let dir = crate::test_support::shared().join("reference/dualpipe");
