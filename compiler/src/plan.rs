@@ -20,11 +20,14 @@
 //!   the GPU. An EP group within a node goes over the intra-node links (NVLink, default 160
 //!   GB/s: DeepSeek-V3, arXiv 2412.19437, §3.2.2); one spanning nodes sends the share (EP -
 //!   G) / EP bound for other nodes over the inter-node links, at the same time as the rest
-//!   over NVLink (the slower of the two). A forward pays dispatch + combine of each layer
-//!   of its stage, and so does a backward (B or BW); W pays none. Only an overlapped F&B
-//!   pair (DualPipe, DualPipeV: DeepSeek-V3 §3.2.1, Figure 4) hides them under the other
-//!   micro-batch's compute: F&B = max(F + B + W compute, both all-to-alls). Their plain F and
-//!   B ops pay theirs like every other schedule's.
+//!   over NVLink (the slower of the two). The simulator prices them, not a second model of
+//!   the plan's own: every F, B and BW of an MoE model is split into its parts (attention,
+//!   dispatch, expert MLP, combine; [`crate::moe`]), a dispatch and a combine of an op move
+//!   the tokens of every layer of its stage on the rank's expert-parallel stream, and W has
+//!   none. A plain op waits for its all-to-alls; only an overlapped F&B pair (DualPipe,
+//!   DualPipeV: DeepSeek-V3 §3.2.1, Figure 4) hides each under the other micro-batch's
+//!   compute, as far as it fits. Attention and the expert MLP take half of an op's compute
+//!   each.
 //! * **Pipeline messages.** One activation (`seq * hidden * 2` bytes / TP) per stage
 //!   boundary over the inter-node links.
 //! * **Memory per GPU.** Weights and gradients (bf16, 2 + 2 bytes per parameter) and Adam
@@ -39,7 +42,7 @@
 
 use crate::check::{check, Verdict};
 use crate::input::{load_spec, LoadError, Overrides};
-use crate::sim::cost::{CostModel, Memory, OpCosts};
+use crate::sim::cost::{CostModel, Memory, Moe, OpCosts};
 use crate::sim::simulate;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
@@ -311,8 +314,11 @@ pub struct Candidate {
     pub tokens_per_step: f64,
     /// Step time, seconds.
     pub step_seconds: f64,
-    /// Bubble, idle / (busy + idle) over all ranks (Zero Bubble's convention).
+    /// Bubble under the `from_start` convention: idle / (busy + idle) over all ranks, one
+    /// step with a barrier at both ends (Zero Bubble's convention).
     pub bubble: f64,
+    /// Share of the MoE all-to-all time not hidden under compute (0 for a dense model).
+    pub a2a_exposed: f64,
     /// Peak memory per GPU, bytes.
     pub memory_bytes: f64,
     /// Whether it fits.
@@ -393,23 +399,39 @@ fn m_candidates(m: u32, pp: u32, bidir: bool) -> Vec<u32> {
     v
 }
 
-/// The op times, seconds, of a stage holding `stage_frac` of the model's layers: compute
-/// from FLOPs (see the module docs), plus the all-to-alls of an MoE model's layers
-/// ([`Cluster::all_to_all`]): F and B (and BW, B + W) pay dispatch + combine of every layer;
-/// W pays none; an overlapped F&B pair takes max(F + B + W compute, both all-to-alls).
-pub fn op_costs(model: &ModelSpec, c: &Cluster, stage_frac: f64, ep: u32) -> OpCosts {
+/// The compute times, seconds, of the ops of a stage holding `stage_frac` of the model's
+/// layers (see the module docs): F = B = W = forward FLOPs / (GPUs sharing the stage * peak
+/// * MFU); BW and overlapped pairs are left to the simulator (the sum of their parts).
+pub fn op_costs(model: &ModelSpec, c: &Cluster, stage_frac: f64) -> OpCosts {
     let tp = if model.is_moe() { 1 } else { c.gpus_per_node };
     let f = 2.0 * model.active_params * model.seq as f64 * stage_frac
         / (tp as f64 * c.peak_flops * c.mfu);
-    let (a2a, _) = c.all_to_all(model, ep);
-    // Dispatch + combine of every MoE layer of the stage.
-    let a2a_op = 2.0 * model.layers as f64 * stage_frac * a2a;
     OpCosts {
-        f: Some(f + a2a_op),
-        b: Some(f + a2a_op),
+        f: Some(f),
+        b: Some(f),
         w: Some(f),
         bw: None,
-        fb: Some((3.0 * f).max(2.0 * a2a_op)),
+        fb: None,
+    }
+}
+
+/// The simulator's `[moe]` figures for an MoE model's stage holding `stage_frac` of the
+/// layers: a dispatch (and a combine) of an F, B or BW op moves the tokens of every layer of
+/// the stage, `layers * stage_frac` all-to-alls of [`Cluster::all_to_all`] seconds each, on
+/// the rank's expert-parallel stream; attention and the expert MLP split the op's compute
+/// half and half. The simulator (`--moe` lowering, [`crate::moe`]) charges them: exposed
+/// for a plain op, hidden under the other micro-batch's compute inside an overlapped F&B
+/// pair as far as they fit (DeepSeek-V3, arXiv 2412.19437, §3.2.1, Figure 4).
+pub fn moe_costs(model: &ModelSpec, c: &Cluster, stage_frac: f64, ep: u32) -> Moe {
+    let (a2a, _) = c.all_to_all(model, ep);
+    let per_op = model.layers as f64 * stage_frac * a2a;
+    Moe {
+        present: true,
+        dispatch: per_op,
+        combine: per_op,
+        attn_share: 0.5,
+        overlap: true,
+        ..Moe::default()
     }
 }
 
@@ -457,7 +479,7 @@ pub fn plan(model: &ModelSpec, c: &Cluster, specs: &[(String, String)]) -> Resul
     let (a2a, a2a_why) = c.all_to_all(model, ep);
     if moe {
         why.push(format!(
-            "MoE all-to-all: {a2a_why}; a dispatch or combine moves {:.1} MB per GPU per layer and micro-batch: {:.3} ms each. F and B pay dispatch + combine of every layer of their stage; only an overlapped F&B pair (DualPipe, DualPipeV) hides them, as max(compute, all-to-all)",
+            "MoE all-to-all: {a2a_why}; a dispatch or combine moves {:.1} MB per GPU per layer and micro-batch: {:.3} ms each. Priced by the simulator: every F, B and BW is split into attention, dispatch, expert MLP and combine (attention and MLP half of its compute each), the all-to-alls of every layer of its stage run on the expert-parallel stream, exposed in plain ops and hidden under the other micro-batch's compute inside an overlapped F&B pair (DualPipe, DualPipeV) as far as they fit",
             model.seq as f64 * model.hidden as f64 * model.top_k as f64 * 2.0 / 1e6,
             a2a * 1e3
         ));
@@ -570,7 +592,23 @@ pub fn plan(model: &ModelSpec, c: &Cluster, specs: &[(String, String)]) -> Resul
                 });
                 continue;
             }
-            let chk = check(&e.program, None, &Default::default());
+            // An MoE model's ops in parts, so that the simulator prices the all-to-alls.
+            let program = if moe {
+                match crate::input::apply_moe(&e.program, None, &crate::moe::MoeStages::All) {
+                    Ok((p, _)) => p,
+                    Err(err) => {
+                        skipped.push(Skipped {
+                            schedule: sched.clone(),
+                            pp,
+                            why: format!("cannot split its ops into MoE parts: {err}"),
+                        });
+                        continue;
+                    }
+                }
+            } else {
+                e.program.clone()
+            };
+            let chk = check(&program, None, &Default::default());
             if chk.report.verdict != Verdict::Accepted {
                 skipped.push(Skipped {
                     schedule: sched.clone(),
@@ -585,7 +623,7 @@ pub fn plan(model: &ModelSpec, c: &Cluster, specs: &[(String, String)]) -> Resul
             let msg = tokens_mb * model.hidden as f64 * 2.0 / tp as f64;
             let cost = CostModel {
                 compute: crate::sim::cost::ComputeCosts {
-                    all: op_costs(model, c, stage_frac, ep),
+                    all: op_costs(model, c, stage_frac),
                     stage: Default::default(),
                 },
                 p2p: crate::sim::cost::P2p {
@@ -594,7 +632,11 @@ pub fn plan(model: &ModelSpec, c: &Cluster, specs: &[(String, String)]) -> Resul
                     bytes: Some(msg),
                 },
                 model: None,
-                moe: Default::default(),
+                moe: if moe {
+                    moe_costs(model, c, stage_frac, ep)
+                } else {
+                    Moe::default()
+                },
                 memory: Memory {
                     activation_bytes: 34.0
                         * tokens_mb
@@ -638,7 +680,8 @@ pub fn plan(model: &ModelSpec, c: &Cluster, specs: &[(String, String)]) -> Resul
                 microbatches: mm,
                 tokens_per_step: tokens_step,
                 step_seconds: res.makespan,
-                bubble: res.bubble_ratio,
+                bubble: res.bubble.from_start,
+                a2a_exposed: res.a2a.exposed_fraction(),
                 memory_bytes: mem,
                 fits: mem <= c.gpu_memory,
                 gpu_hours_per_mtok: c.gpus as f64 * res.makespan / 3600.0 / (tokens_step / 1e6),
@@ -731,8 +774,22 @@ pub fn report(model: &ModelSpec, c: &Cluster, p: &Plan) -> String {
     }
     let _ = writeln!(
         o,
-        "\n{:>4} {:>5} {:<18} {:>6} {:>10} {:>8} {:>10} {:>6} {:>14}",
-        "PP", "DP", "schedule", "M", "step (s)", "bubble", "mem (GB)", "fits", "GPU-h / Mtok"
+        "\n{:>4} {:>5} {:<18} {:>6} {:>10} {:>11} {:>12} {:>10} {:>6} {:>14}",
+        "PP",
+        "DP",
+        "schedule",
+        "M",
+        "step (s)",
+        "bubble",
+        "a2a exposed",
+        "mem (GB)",
+        "fits",
+        "GPU-h / Mtok"
+    );
+    let _ = writeln!(
+        o,
+        "{:>4} {:>5} {:<18} {:>6} {:>10} {:>11} {:>12} {:>10} {:>6} {:>14}",
+        "", "", "", "", "", "(from_start)", "(of a2a)", "", "", ""
     );
     let mut rows: Vec<&Candidate> = p.candidates.iter().collect();
     rows.sort_by(|a, b| {
@@ -742,13 +799,18 @@ pub fn report(model: &ModelSpec, c: &Cluster, p: &Plan) -> String {
     for x in rows {
         let _ = writeln!(
             o,
-            "{:>4} {:>5} {:<18} {:>6} {:>10.3} {:>7.1}% {:>10.1} {:>6} {:>14.3}{}",
+            "{:>4} {:>5} {:<18} {:>6} {:>10.3} {:>10.1}% {:>12} {:>10.1} {:>6} {:>14.3}{}",
             x.pp,
             x.dp,
             x.schedule,
             x.microbatches,
             x.step_seconds,
             100.0 * x.bubble,
+            if model.is_moe() {
+                format!("{:.1}%", 100.0 * x.a2a_exposed)
+            } else {
+                "-".into()
+            },
             x.memory_bytes / 1e9,
             if x.fits { "yes" } else { "no" },
             x.gpu_hours_per_mtok,
@@ -807,7 +869,7 @@ pub fn report(model: &ModelSpec, c: &Cluster, p: &Plan) -> String {
                 .find(|x| x.pp == b.pp && x.schedule == "1f1b");
             let _ = writeln!(
                 o,
-                "\nrecommendation: PP = {} with {}: step {:.3} s, bubble {:.1}%, {:.1} GB per GPU",
+                "\nrecommendation: PP = {} with {}: step {:.3} s, bubble {:.1}% (from_start), {:.1} GB per GPU",
                 b.pp,
                 b.schedule,
                 b.step_seconds,

@@ -108,18 +108,94 @@ fn all_to_all_pricing() {
     c.gpus_per_node = 64;
     assert_eq!(c.all_to_all(&m, 8).0, intra);
     assert!(c.all_to_all(&m, 64).0 < inter);
-    // Op times: the compute of a stage holding 1/16 of the model, then the all-to-alls.
+    // Op times are compute only; the all-to-alls are the simulator's [moe] figures: a
+    // dispatch and a combine of every layer of the stage per op.
     let c = cluster(512, Some(8));
-    let ops = schedc::plan::op_costs(&m, &c, 1.0 / 16.0, 8);
+    let ops = schedc::plan::op_costs(&m, &c, 1.0 / 16.0);
     let f = 2.0 * 37e9 * 4096.0 / 16.0 / (989e12 * 0.4);
-    let a2a = 2.0 * 61.0 / 16.0 * intra;
-    assert!((ops.f.unwrap() - (f + a2a)).abs() < 1e-12);
-    assert!((ops.b.unwrap() - (f + a2a)).abs() < 1e-12);
+    assert!((ops.f.unwrap() - f).abs() < 1e-12);
+    assert!((ops.b.unwrap() - f).abs() < 1e-12);
     assert!((ops.w.unwrap() - f).abs() < 1e-12);
-    assert_eq!(ops.fb.unwrap(), (3.0 * f).max(2.0 * a2a));
-    // A dense model pays no all-to-all.
-    let d = schedc::plan::op_costs(&preset("dense70b").unwrap(), &cluster(128, None), 0.25, 1);
-    assert_eq!(d.f, d.w);
+    assert_eq!(ops.fb, None);
+    let moe = schedc::plan::moe_costs(&m, &c, 1.0 / 16.0, 8);
+    assert!(moe.present);
+    assert!((moe.dispatch - 61.0 / 16.0 * intra).abs() < 1e-12);
+    assert_eq!(moe.dispatch, moe.combine);
+}
+
+// Item 2: plan prices the all-to-all through the simulator's MoE model. Each candidate's
+// step and exposed all-to-all are those of `schedc sim --moe=all` on the same instance and
+// cost model; a plain schedule (1F1B) exposes all of it, DualPipe's overlapped pairs hide
+// most of it, and an EP group within a node is faster than one across nodes.
+#[test]
+fn plan_prices_through_the_simulator() {
+    let m = preset("dsv3").unwrap();
+    let lib = specs();
+    let few: Vec<(String, String)> = lib
+        .iter()
+        .filter(|(n, _)| n == "1f1b" || n == "dualpipe")
+        .cloned()
+        .collect();
+    let c = cluster(256, Some(8));
+    let p = plan(&m, &c, &few).unwrap();
+    let at = |p: &schedc::plan::Plan, s: &str, pp: u32| {
+        p.candidates
+            .iter()
+            .find(|x| x.schedule == s && x.pp == pp)
+            .cloned()
+            .unwrap_or_else(|| panic!("{s} at PP = {pp}"))
+    };
+    let one = at(&p, "1f1b", 8);
+    let dual = at(&p, "dualpipe", 8);
+    assert!((one.a2a_exposed - 1.0).abs() < 1e-9, "{}", one.a2a_exposed);
+    assert!(dual.a2a_exposed < 0.5, "{}", dual.a2a_exposed);
+    // The same instance simulated directly, in parts, with the plan's cost model.
+    let text = &few.iter().find(|(n, _)| n == "1f1b").unwrap().1;
+    let ov = schedc::input::Overrides {
+        pp: Some(8),
+        microbatches: Some(one.microbatches),
+        ..Default::default()
+    };
+    let e = schedc::input::load_spec(text, &ov).unwrap();
+    let (split, _) =
+        schedc::input::apply_moe(&e.program, None, &schedc::moe::MoeStages::All).unwrap();
+    let chk = schedc::check::check(&split, None, &Default::default());
+    let stage_frac = 1.0 / 8.0;
+    let cost = schedc::sim::cost::CostModel {
+        compute: schedc::sim::cost::ComputeCosts {
+            all: schedc::plan::op_costs(&m, &c, stage_frac),
+            stage: Default::default(),
+        },
+        p2p: schedc::sim::cost::P2p {
+            latency: c.latency,
+            bandwidth: c.inter_bw,
+            bytes: Some(4096.0 * 7168.0 * 2.0),
+        },
+        model: None,
+        moe: schedc::plan::moe_costs(&m, &c, stage_frac, 8),
+        memory: Default::default(),
+        op_scale: None,
+    };
+    let res = schedc::sim::simulate(chk.checked.as_ref().unwrap(), &cost).unwrap();
+    assert!(
+        (res.makespan - one.step_seconds).abs() < 1e-9 * res.makespan,
+        "{} vs {}",
+        res.makespan,
+        one.step_seconds
+    );
+    assert!((res.a2a.exposed_fraction() - one.a2a_exposed).abs() < 1e-12);
+    // 64 GPUs per node: the EP group of 8 was already within a node, so nothing changes;
+    // EP = 64 across nodes is slower than within a 64-GPU node.
+    let mut wide = cluster(256, Some(64));
+    let across = at(&plan(&m, &wide, &few).unwrap(), "1f1b", 4);
+    wide.gpus_per_node = 64;
+    let within = at(&plan(&m, &wide, &few).unwrap(), "1f1b", 4);
+    assert!(
+        within.step_seconds < across.step_seconds,
+        "{} vs {}",
+        within.step_seconds,
+        across.step_seconds
+    );
 }
 
 // Items 2 and 17: the reasoning states the all-to-all assumption, every spec of the library
