@@ -297,10 +297,18 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
         b.finish();
     }
     match r {
-        Ok(r) => match args.format {
-            OutFormat::Json => emit_then(&format!("{}\n", r.to_json()), ExitCode::SUCCESS),
-            OutFormat::Human => emit_then(&r.to_human(), ExitCode::SUCCESS),
-        },
+        Ok(r) => {
+            let code = if r.verify_passed == Some(false) {
+                eprintln!("error: --verify: the GPU run differs from sequential training on the CPU by more than the f32 tolerance");
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            };
+            match args.format {
+                OutFormat::Json => emit_then(&format!("{}\n", r.to_json()), code),
+                OutFormat::Human => emit_then(&r.to_human(), code),
+            }
+        }
         Err(e) => {
             let code = match &e {
                 cu::RunError::Program(p) => program_error_code(p),
