@@ -320,6 +320,28 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
     }
 }
 
+/// Makes the child started by `c` receive SIGTERM when the thread that starts it ends (the
+/// launcher's main thread: when the launcher exits or is killed). Linux only (prctl
+/// `PR_SET_PDEATHSIG`); elsewhere nothing.
+fn die_with_parent(c: &mut std::process::Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: the closure runs in the child between fork and exec and calls only prctl,
+        // which is async-signal-safe, and reads errno through last_os_error.
+        unsafe {
+            c.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = c;
+}
+
 /// NCCL mode without --rank: one process per rank on this node's GPUs (rank r on GPU r),
 /// meeting through a file in a fresh temporary directory; rank 0's report is printed.
 fn launch_local(world: u32) -> ExitCode {
@@ -364,6 +386,9 @@ fn launch_local(world: u32) -> ExitCode {
         if r != 0 {
             c.stdout(std::process::Stdio::null());
         }
+        // A rank ends with this launcher (SIGTERM, SIGINT, a crash), so that none keeps a
+        // GPU busy training alone (issue 11, item 8).
+        die_with_parent(&mut c);
         match c.spawn() {
             Ok(ch) => children.push(ch),
             Err(e) => {
@@ -391,4 +416,38 @@ fn launch_local(world: u32) -> ExitCode {
     }
     let _ = std::fs::remove_dir_all(&dir);
     code
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+
+    // Issue 11, item 8: a process started by the NCCL launcher ends when its starter does.
+    // The starter here is a thread (PR_SET_PDEATHSIG follows the starting thread), so the
+    // test needs no GPU and kills nothing but its own child.
+    #[test]
+    fn a_started_rank_ends_with_its_launcher() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut c = std::process::Command::new("sleep");
+            c.arg("60");
+            super::die_with_parent(&mut c);
+            tx.send(c.spawn().unwrap()).unwrap();
+        })
+        .join()
+        .unwrap();
+        let mut child = rx.recv().unwrap();
+        let t0 = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if t0.elapsed() > std::time::Duration::from_secs(20) {
+                let _ = child.kill();
+                panic!("the child outlived its launcher by 20 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+    }
 }
