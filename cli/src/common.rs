@@ -568,11 +568,12 @@ pub fn resolve_cost(
     Ok(model)
 }
 
-/// `--moe` needs all-to-all times: exit 1 with why when the cost model has none.
+/// `--moe` needs all-to-all times: exit 2 (bad usage: the cost model does not fit the flag)
+/// with why when the cost model has none.
 pub fn require_moe_costs(model: &schedc::sim::cost::CostModel, name: &str) -> Result<(), ExitCode> {
     schedc::moe::require_moe_costs(model, name).map_err(|e| {
         eprintln!("error: {e}");
-        ExitCode::from(1)
+        ExitCode::from(2)
     })
 }
 
