@@ -29,7 +29,7 @@ pub struct Args {
     /// Cost model for a spec's timing expectations (`expect makespan`, `bubble(..)`,
     /// `exposed_a2a`, `exposed_comm`), as for `sim` (default: unit).
     #[arg(long, value_name = "FILE|PRESET|K=V,...")]
-    pub cost: Option<String>,
+    pub cost: Option<std::ffi::OsString>,
     /// Further inline overrides applied on top of --cost (e.g. --set latency=0).
     #[arg(long = "set", value_name = "K=V,...")]
     pub set: Option<String>,
@@ -52,14 +52,14 @@ pub fn run(args: Args) -> ExitCode {
         set,
     } = args;
     let model = match resolve_cost(
-        std::ffi::OsStr::new(cost.as_deref().unwrap_or("unit")),
+        cost.as_deref().unwrap_or(std::ffi::OsStr::new("unit")),
         set.as_deref(),
     ) {
         Ok(m) => m,
         Err(c) => return c,
     };
     if let (Some(_), Some(name)) = (&input.moe, &cost) {
-        if let Err(c) = require_moe_costs(&model, name) {
+        if let Err(c) = require_moe_costs(&model, &name.to_string_lossy()) {
             return c;
         }
     }

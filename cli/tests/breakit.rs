@@ -844,6 +844,28 @@ fn item29_non_utf8_paths() {
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(out.exists());
+    // A cost model and compare's inputs by such names too.
+    let cost = dir.join(std::ffi::OsStr::from_bytes(b"c\xffost.toml"));
+    std::fs::copy(root().join("compiler/presets/dsv3-h800.toml"), &cost).unwrap();
+    for cmd in ["check", "sim"] {
+        let o = bin()
+            .arg(cmd)
+            .arg(&f)
+            .args(["--pp", "2", "--mb", "2", "--cost"])
+            .arg(&cost)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{cmd}: {}", stderr(&o));
+    }
+    let o = bin()
+        .arg("compare")
+        .arg(&f)
+        .args(["--pp", "2", "--mb", "2", "--cost"])
+        .arg(&cost)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("sp\u{fffd}ec"), "{}", stdout(&o));
 }
 
 // Item 30: --torch-format applies to torch CSV output only.
