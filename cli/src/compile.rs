@@ -23,6 +23,11 @@ pub struct Args {
     /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`).
     #[arg(long)]
     pub mesh: Option<String>,
+    /// What the kernels are: `model` (schedc's MoE transformer per layer, what `schedc run`
+    /// trains) or `stage` (one kernel per F/B/W/BW of a stage or MoE part, for a runtime that
+    /// runs the user's model: `backends/torch/schedc_torch_runtime.py`).
+    #[arg(long, default_value = "model", value_parser = ["model", "stage"])]
+    pub granularity: String,
     /// Output directory of the programs. It is written whole or not at all (a temporary
     /// directory renamed into place); an existing non-empty directory is refused unless
     /// --force.
@@ -153,6 +158,20 @@ pub fn run(args: Args) -> ExitCode {
         eprintln!("error: --ptx and --arch need --backend cuda");
         return ExitCode::from(2);
     }
+    let opts = schedc_program::LowerOptions {
+        granularity: match args.granularity.parse() {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("error: --granularity: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        ..Default::default()
+    };
+    if opts.granularity == schedc_program::Granularity::Stage && args.backend == Backend::Cuda {
+        eprintln!("error: --granularity stage is for a runtime of your own model; the CUDA backend runs schedc's model (--granularity model)");
+        return ExitCode::from(2);
+    }
     if args.force && args.output.is_none() {
         eprintln!("error: --force replaces an earlier -o DIR; there is no -o");
         return ExitCode::from(2);
@@ -199,13 +218,14 @@ pub fn run(args: Args) -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    let (set, rep) = match schedc_program::lower_verified(&program, mesh.as_ref(), &model) {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(program_error_code(&e));
-        }
-    };
+    let (set, rep) =
+        match schedc_program::lower_verified_with(&program, mesh.as_ref(), &model, opts) {
+            Ok(x) => x,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(program_error_code(&e));
+            }
+        };
     let mut said = String::new();
     if let Some(output) = &args.output {
         let files =
