@@ -1174,7 +1174,8 @@ pub fn reference<T: Real>(
     Ok(out)
 }
 
-/// How far an executor run is from the reference.
+/// How far an executor run is from the reference. A NaN anywhere (in the run or the
+/// reference) makes the figure it enters NaN, which no tolerance accepts.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Comparison {
     /// Largest relative difference (infinity norm per tensor) of any gradient of any copy
@@ -1184,10 +1185,26 @@ pub struct Comparison {
     pub max_abs_loss_err: f64,
     /// Largest relative difference of any parameter of any copy after the last step.
     pub max_rel_param_err: f64,
-    /// Where the largest gradient error is (tensor, step, rank).
+    /// Largest relative difference of the step loss, |run - reference| / |reference|.
+    pub max_rel_loss_err: f64,
+    /// [`Comparison::max_rel_grad_err`] over the first step only (both runs start from the
+    /// same weights: only the order of summation differs).
+    pub first_step_rel_grad_err: f64,
+    /// [`Comparison::max_abs_loss_err`] of the first step only.
+    pub first_step_abs_loss_err: f64,
+    /// Where the largest gradient error is: `TENSOR at step S on rank R`.
     pub worst_grad: String,
+    /// The step of the largest loss difference.
+    pub worst_loss_step: usize,
+    /// Where the largest parameter error is: `TENSOR on rank R` (after the last step).
+    pub worst_param: String,
     /// Gradient tensors compared (over copies and steps).
     pub tensors_compared: usize,
+}
+
+/// True if `e` is worse than `worst`: larger, or NaN (a NaN is never replaced).
+fn worse(e: f64, worst: f64) -> bool {
+    !worst.is_nan() && (e.is_nan() || e > worst)
 }
 
 fn rel(a: &[f64], b: &[f64]) -> f64 {
@@ -1201,8 +1218,19 @@ fn rel(a: &[f64], b: &[f64]) -> f64 {
 /// that the reference lacks, or a reference tensor no copy holds.
 pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
     let mut c = Comparison::default();
-    for (a, b) in run.losses.iter().zip(&r.losses) {
-        c.max_abs_loss_err = c.max_abs_loss_err.max((a - b).abs());
+    for (step, (a, b)) in run.losses.iter().zip(&r.losses).enumerate() {
+        let e = (a - b).abs();
+        if worse(e, c.max_abs_loss_err) {
+            c.max_abs_loss_err = e;
+            c.worst_loss_step = step;
+        }
+        let rel = e / b.abs().max(1e-300);
+        if worse(rel, c.max_rel_loss_err) {
+            c.max_rel_loss_err = rel;
+        }
+        if step == 0 {
+            c.first_step_abs_loss_err = e;
+        }
     }
     for (step, copies) in run.grads.iter().enumerate() {
         let want: HashMap<&str, &Vec<f64>> =
@@ -1216,8 +1244,13 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
                 covered.insert(w_name(&want, n));
                 let e = rel(t, w);
                 c.tensors_compared += 1;
-                if e > c.max_rel_grad_err || c.worst_grad.is_empty() {
-                    c.max_rel_grad_err = c.max_rel_grad_err.max(e);
+                if step == 0 && worse(e, c.first_step_rel_grad_err) {
+                    c.first_step_rel_grad_err = e;
+                }
+                if worse(e, c.max_rel_grad_err) || c.worst_grad.is_empty() {
+                    if worse(e, c.max_rel_grad_err) {
+                        c.max_rel_grad_err = e;
+                    }
                     c.worst_grad = format!("{n} at step {step} on rank {rank}");
                 }
             }
@@ -1227,12 +1260,18 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
         }
     }
     let want: HashMap<&str, &Vec<f64>> = r.params.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    for (_, _, named) in &run.params {
+    for (rank, _, named) in &run.params {
         for (n, t) in named {
             let w = want
                 .get(n.as_str())
                 .ok_or_else(|| format!("the reference has no {n}"))?;
-            c.max_rel_param_err = c.max_rel_param_err.max(rel(t, w));
+            let e = rel(t, w);
+            if worse(e, c.max_rel_param_err) || c.worst_param.is_empty() {
+                if worse(e, c.max_rel_param_err) {
+                    c.max_rel_param_err = e;
+                }
+                c.worst_param = format!("{n} on rank {rank}");
+            }
         }
     }
     Ok(c)

@@ -352,7 +352,16 @@ fn run_reports_json_and_human() {
     assert_eq!(v["loss"].as_array().unwrap().len(), 4);
     assert_eq!(v["world"], 2);
     let h = rep.to_human();
-    assert!(h.contains("verify: max_rel_grad_err"), "{h}");
+    assert!(h.contains("verify passed: max_rel_grad_err"), "{h}");
+    assert_eq!(v["verify_passed"], true);
+    assert_eq!(v["tolerance"]["rel_grad"], 1e-9);
+    assert_eq!(v["tolerance"]["grads_first_step_only"], false);
+    // The worst tensor is named with its step and rank.
+    let worst = v["worst"]["grad"].as_str().unwrap();
+    assert!(
+        worst.contains(" at step ") && worst.contains(" on rank "),
+        "{worst}"
+    );
     assert!(h.contains("P=2 M=2 per direction (4 in all)"), "{h}");
 }
 

@@ -43,6 +43,30 @@ pub use verify::{verify, VerifyReport};
 use schedc_ir::Program;
 use std::path::{Path, PathBuf};
 
+/// Bytes per lowered instruction for lowering and verifying (the programs, the verifier's
+/// happens-before clocks), measured: about 160 B (`schedc run specs/1f1b.sched --pp 4 --mb
+/// 4096` peaks at 96 MB for 536 604 instructions), doubled.
+pub const BYTES_PER_INSTRUCTION: u64 = 320;
+
+/// Lowered instructions per compute op, per layer of a stage and per replica of the
+/// pipeline (`world / pp`): measured 16.4 (`--pp 4 --mb 1024`, 134 172 instructions for 8192
+/// compute ops) to 17.4 (`--pp 8 --mb 512 --mesh pp=8,dp=2,ep=2`), rounded up.
+pub const INSTRUCTIONS_PER_COMPUTE_OP: u64 = 20;
+
+/// The estimated peak memory of lowering and verifying an IR program of `size` for `world`
+/// global ranks under `model` (`schedc compile`), bytes (saturating); the estimate
+/// `schedc::limits` compares with the limit.
+pub fn estimate_memory(size: &schedc::limits::Size, world: u64, model: &ModelConfig) -> u64 {
+    let replicas = (world / size.ranks.max(1)).max(1);
+    let instrs = size
+        .compute_ops
+        .saturating_mul(INSTRUCTIONS_PER_COMPUTE_OP)
+        .saturating_mul(model.layers_per_stage.max(1) as u64)
+        .saturating_mul(replicas);
+    schedc::limits::estimate(schedc::limits::Work::Check, size)
+        .saturating_add(instrs.saturating_mul(BYTES_PER_INSTRUCTION))
+}
+
 /// Why [`compile`] failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CompileError {

@@ -106,8 +106,9 @@ impl ProgramSet {
             }
         }
         let world = mesh.world();
+        let by_rank = ir.pipeline.stages_by_rank();
         let ranks = (0..world)
-            .map(|g| lower_rank(&ir, mesh, model, g, opts))
+            .map(|g| lower_rank(&ir, mesh, model, g, opts, &by_rank))
             .collect::<Result<Vec<_>, _>>()?;
         let (groups, channels) = groups_and_channels(&ranks);
         Ok(ProgramSet {
@@ -196,6 +197,7 @@ fn lower_rank(
     model: &ModelConfig,
     g: u32,
     opts: LowerOptions,
+    by_rank: &[Vec<u32>],
 ) -> Result<RankProgram, ProgramError> {
     let pl = &ir.pipeline;
     let coords = mesh.coords(g)?;
@@ -211,8 +213,10 @@ fn lower_rank(
     let bidir = pl.placement == PlacementKind::Bidir;
     let n_model = pl.stages_per_direction();
     let lps = model.layers_per_stage as u32;
-    let mut stages: Vec<LocalStage> = pl
-        .stages_of(r)
+    let mut stages: Vec<LocalStage> = by_rank
+        .get(r as usize)
+        .cloned()
+        .unwrap_or_default()
         .into_iter()
         .map(|s| {
             let (model_stage, direction) = if bidir {

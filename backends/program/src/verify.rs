@@ -328,6 +328,11 @@ fn coll_key(rank: u32, op: &Op, occurrence: u32) -> Option<(CollKey, Vec<u32>)> 
 
 /// Runs every rank's streams together (sends eager; receives wait for their send;
 /// collectives for every member); returns (messages, collectives).
+///
+/// A worklist of ranks: a rank runs until every stream is blocked, and is run again only
+/// when something it may wait for happens (a send to it, the last member arriving at one
+/// of its collectives), so the work is linear in the instructions plus the wake-ups, not
+/// ranks x rounds.
 // Index loops over parallel arrays (streams, pointers) read better than zipped iterators.
 #[allow(clippy::needless_range_loop)]
 fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
@@ -365,10 +370,19 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
             )));
         }
     }
-    loop {
-        let mut moved = false;
-        for g in 0..n {
-            let rp = &set.ranks[g];
+    let mut queued = vec![true; n];
+    let mut work: std::collections::VecDeque<usize> = (0..n).collect();
+    let wake = |r: usize, queued: &mut Vec<bool>, work: &mut std::collections::VecDeque<usize>| {
+        if r < queued.len() && !queued[r] {
+            queued[r] = true;
+            work.push_back(r);
+        }
+    };
+    while let Some(g) = work.pop_front() {
+        queued[g] = false;
+        let rp = &set.ranks[g];
+        loop {
+            let mut moved = false;
             for s in 0..rp.streams.len() {
                 while ptr[g][s] < rp.streams[s].ops.len() {
                     let op = &rp.streams[s].ops[ptr[g][s]];
@@ -394,8 +408,18 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
                                     ));
                                 }
                                 let a = arrived.entry(key).or_default();
-                                a.insert(g as u32);
-                                group.iter().all(|m| a.contains(m))
+                                let first_visit = a.insert(g as u32);
+                                let all = group.iter().all(|m| a.contains(m));
+                                if all && first_visit {
+                                    // This rank completes the collective: the others waiting
+                                    // at it can go on.
+                                    for &m in &group {
+                                        if m as usize != g {
+                                            wake(m as usize, &mut queued, &mut work);
+                                        }
+                                    }
+                                }
+                                all
                             }
                             None => true,
                         },
@@ -413,6 +437,7 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
                             }
                             *sent.entry((g as u32, *peer, *buf)).or_default() += 1;
                             messages += 1;
+                            wake(*peer as usize, &mut queued, &mut work);
                         }
                         Op::Recv { buf, peer } => {
                             *received.entry((*peer, g as u32, *buf)).or_default() += 1;
@@ -423,34 +448,34 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
                     moved = true;
                 }
             }
+            if !moved {
+                break;
+            }
         }
-        let done = (0..n).all(|g| {
-            (0..set.ranks[g].streams.len()).all(|s| ptr[g][s] == set.ranks[g].streams[s].ops.len())
-        });
-        if done {
-            break;
-        }
-        if !moved {
-            let stuck: Vec<String> = (0..n)
-                .flat_map(|g| {
-                    let rp = &set.ranks[g];
-                    let ptr = &ptr;
-                    (0..rp.streams.len()).filter_map(move |s| {
-                        rp.streams[s].ops.get(ptr[g][s]).map(|op| {
-                            format!(
-                                "rank {g} {} stream at op #{} `{op}`",
-                                rp.streams[s].kind, ptr[g][s]
-                            )
-                        })
+    }
+    let done = (0..n).all(|g| {
+        (0..set.ranks[g].streams.len()).all(|s| ptr[g][s] == set.ranks[g].streams[s].ops.len())
+    });
+    if !done {
+        let stuck: Vec<String> = (0..n)
+            .flat_map(|g| {
+                let rp = &set.ranks[g];
+                let ptr = &ptr;
+                (0..rp.streams.len()).filter_map(move |s| {
+                    rp.streams[s].ops.get(ptr[g][s]).map(|op| {
+                        format!(
+                            "rank {g} {} stream at op #{} `{op}`",
+                            rp.streams[s].kind, ptr[g][s]
+                        )
                     })
                 })
-                .take(8)
-                .collect();
-            return Err(ProgramError::Deadlock(format!(
-                "stuck: {}",
-                stuck.join("; ")
-            )));
-        }
+            })
+            .take(8)
+            .collect();
+        return Err(ProgramError::Deadlock(format!(
+            "stuck: {}",
+            stuck.join("; ")
+        )));
     }
     for (k, c) in &sent {
         if received.get(k) != Some(c) {
