@@ -245,8 +245,19 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     })
 }
 
-/// Parses and elaborates a spec for the instance in `ov`.
+/// Parses and elaborates a spec for the instance in `ov` (a `list` block is scheduled under
+/// unit op times; see [`load_spec_with`]).
 pub fn load_spec(text: &str, ov: &Overrides) -> Result<crate::dsl::Elaborated, LoadError> {
+    load_spec_with(text, ov, &crate::sim::cost::CostModel::default())
+}
+
+/// [`load_spec`], with a `list` block scheduled under the op times and message latency of
+/// `cost`.
+pub fn load_spec_with(
+    text: &str,
+    ov: &Overrides,
+    cost: &crate::sim::cost::CostModel,
+) -> Result<crate::dsl::Elaborated, LoadError> {
     use crate::diag::{Code, Diagnostic};
     let file = crate::dsl::parse_file(text).map_err(|e| LoadError::Spec {
         diags: vec![{
@@ -277,7 +288,7 @@ pub fn load_spec(text: &str, ov: &Overrides) -> Result<crate::dsl::Elaborated, L
         vpp: ov.vpp,
         params: ov.params.clone(),
     };
-    crate::dsl::elaborate(&file, &inst).map_err(|errs| {
+    crate::dsl::elab::elaborate_with(&file, &inst, cost).map_err(|errs| {
         let refused = errs.iter().all(|e| e.refused);
         LoadError::Spec {
             diags: errs.iter().map(elab_diag).collect(),

@@ -203,6 +203,13 @@ fn eval(e: &Expr, env: &Env, st: Option<&RankState<'_>>) -> Result<Val, ElabErro
             }
         }
         Expr::Call(name, args, sp) => call(name, args, *sp, env, st)?,
+        Expr::If(c, a, b, _) => {
+            if boolean(eval(c, env, st)?, c.sp())? {
+                eval(a, env, st)?
+            } else {
+                eval(b, env, st)?
+            }
+        }
     })
 }
 
@@ -687,11 +694,22 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
     Ok(())
 }
 
-/// Elaborates `file` for `inst`.
+/// Elaborates `file` for `inst`, list-scheduling (`list r { }`) under unit op times
+/// (F = B = W = 1, BW = 2, free communication: the costs of `schedc check`).
 ///
 /// Errors: every failed `require` (with `refused` set), or the first elaboration error
 /// (unknown name, division by zero, a chunk with no micro-batch left, ...), each with its span.
 pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabError>> {
+    elaborate_with(file, inst, &crate::sim::cost::CostModel::default())
+}
+
+/// [`elaborate`], with a `list r { }` block scheduled under the op times and message latency
+/// of `cost` (seconds; only the compute times and `p2p` are read).
+pub fn elaborate_with(
+    file: &File,
+    inst: &Instance,
+    cost: &crate::sim::cost::CostModel,
+) -> Result<Elaborated, Vec<ElabError>> {
     let mut env = Env {
         vars: Vec::new(),
         fns: std::rc::Rc::new(Vec::new()),
@@ -962,6 +980,28 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
             "a spec has either a `rank r { }` program or `literal { }` blocks, not both",
         )]);
     }
+    let list_items: Vec<&Item> = file
+        .items
+        .iter()
+        .filter(|i| matches!(i, Item::List(..)))
+        .collect();
+    if let Some(Item::List(_, _, sp)) = list_items.get(1) {
+        return Err(vec![err(*sp, "a spec has one `list r { }` block")]);
+    }
+    if let (Some(Item::List(_, _, sp)), true) = (
+        list_items.first(),
+        !rank_items.is_empty() || !literal_items.is_empty(),
+    ) {
+        return Err(vec![err(
+            *sp,
+            "a spec has one of `rank r { }`, `list r { }` or `literal { }`, not two",
+        )]);
+    }
+    if let Some(Item::List(var, rules, sp)) = list_items.first() {
+        let (r, s) = elab_list(var, rules, *sp, &pipeline, &mut env, cost, &mut budget)?;
+        ranks = r;
+        spans = s;
+    }
     if let Some(Item::Rank(var, body, _)) = rank_items.first() {
         for r in 0..pp {
             let chunks = pipeline.stages_of(r);
@@ -1034,8 +1074,9 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
             for r in 0..pp {
                 let var = rank_items
                     .first()
+                    .or(list_items.first())
                     .and_then(|i| match i {
-                        Item::Rank(v, _, _) => Some(v.as_str()),
+                        Item::Rank(v, _, _) | Item::List(v, _, _) => Some(v.as_str()),
                         _ => None,
                     })
                     .unwrap_or("r");
@@ -1061,6 +1102,274 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
         expects,
         name,
     })
+}
+
+/// A `list r { }` block: each op's priority, the rules, then the list scheduler
+/// ([`super::list::schedule`]) for the per-rank orders.
+#[allow(clippy::type_complexity)]
+fn elab_list(
+    var: &str,
+    rules: &[ListRule],
+    list_sp: Sp,
+    pl: &Pipeline,
+    env: &mut Env,
+    cost: &crate::sim::cost::CostModel,
+    budget: &mut u64,
+) -> Result<(Vec<Vec<Instr>>, Vec<Vec<Span>>), Vec<ElabError>> {
+    use super::list;
+    let one = |e: ElabError| vec![e];
+    // The rules, checked once.
+    let mut prio: [Option<usize>; 4] = [None; 4];
+    let slot = |k: Kind| match k {
+        Kind::F => 0,
+        Kind::B => 1,
+        Kind::W => 2,
+        Kind::BW => 3,
+    };
+    let (mut mem_rule, mut infl_rule, mut defer, mut strict) = (None, None, None, None);
+    for (k, rule) in rules.iter().enumerate() {
+        let dup = |what: &str| vec![err(rule.sp(), format!("a second `{what}` line in the `list` block"))];
+        match rule {
+            ListRule::Priority { kind, .. } => {
+                if prio[slot(*kind)].replace(k).is_some() {
+                    return Err(dup(&format!("{}(c, m) =", kind.as_str())));
+                }
+            }
+            ListRule::Memory(..) => {
+                if mem_rule.replace(k).is_some() {
+                    return Err(dup("memory <="));
+                }
+            }
+            ListRule::Inflight(..) => {
+                if infl_rule.replace(k).is_some() {
+                    return Err(dup("inflight <="));
+                }
+            }
+            ListRule::Defer(kind, sp) => {
+                if *kind != Kind::W {
+                    let mut e = err(*sp, format!("only `W` can be deferred, not `{}`", kind.as_str()));
+                    e.help = Some("`defer W` lets weight gradients fill the bubbles".into());
+                    return Err(vec![e]);
+                }
+                if defer.replace(k).is_some() {
+                    return Err(dup("defer W"));
+                }
+            }
+            ListRule::Strict(_) => {
+                if strict.replace(k).is_some() {
+                    return Err(dup("strict"));
+                }
+            }
+            ListRule::Let(..) => {}
+        }
+    }
+    let need = |msg: &str, help: &str| {
+        let mut e = err(list_sp, msg.to_string());
+        e.help = Some(help.to_string());
+        vec![e]
+    };
+    if prio[0].is_none() {
+        return Err(need(
+            "the `list` block gives no priority for the forwards",
+            "add `F(c, m) = ...`: the priority of the forward of local chunk c, micro-batch m (the smaller runs first)",
+        ));
+    }
+    let fused = prio[3].is_some();
+    if fused && (prio[1].is_some() || prio[2].is_some()) {
+        let k = prio[1].or(prio[2]).expect("some");
+        return Err(vec![err(
+            rules[k].sp(),
+            "a `list` block runs either fused backwards (`BW`) or split ones (`B` and `W`), not both",
+        )]);
+    }
+    if !fused && prio[1].is_none() {
+        return Err(need(
+            "the `list` block gives no priority for the backwards",
+            "add `BW(c, m) = ...` (fused backward) or `B(c, m) = ...` (input gradient; `W(c, m) = ...` orders the weight gradients, by default like their B)",
+        ));
+    }
+    if let (Some(k), true) = (defer, fused) {
+        return Err(vec![err(
+            rules[k].sp(),
+            "`defer W` needs split backwards: this block runs fused `BW`",
+        )]);
+    }
+    let kinds: Vec<Kind> = if fused {
+        vec![Kind::F, Kind::BW]
+    } else {
+        vec![Kind::F, Kind::B, Kind::W]
+    };
+    // The line whose expression gives each kind's priority (W falls back to B's).
+    let line_of = |k: Kind| prio[slot(k)].or(if k == Kind::W { prio[1] } else { None }).expect("checked");
+    let mbs = pl.microbatches;
+    let mut ops: Vec<list::Op> = Vec::new();
+    let mut op_line: Vec<usize> = Vec::new();
+    let mut memory = mem_rule.map(|_| Vec::with_capacity(pl.pp as usize));
+    let mut inflight = infl_rule.map(|_| Vec::with_capacity(pl.pp as usize));
+    for r in 0..pl.pp {
+        let mark = env.vars.len();
+        env.push(var, Val::Int(r as i64), false);
+        let chunks = pl.stages_of(r);
+        let nc = chunks.len();
+        let st = RankState {
+            rank: r,
+            chunks: chunks.clone(),
+            mbs,
+            fwd: vec![0; nc],
+            bwd: vec![0; nc],
+            wdone: vec![0; nc],
+            pending: VecDeque::new(),
+            out: Vec::new(),
+            spans: Vec::new(),
+            budget,
+        };
+        // Each priority line sees the `let`s above it.
+        let mut scopes: Vec<Option<Env>> = Vec::new();
+        scopes.resize_with(rules.len(), || None);
+        let res = (|| -> Result<(), ElabError> {
+            for (k, rule) in rules.iter().enumerate() {
+                match rule {
+                    ListRule::Let(n, e, _) => {
+                        let v = eval(e, env, Some(&st))?;
+                        env.push(n, v, false);
+                    }
+                    ListRule::Priority { .. } => {
+                        scopes[k] = Some(Env {
+                            vars: env
+                                .vars
+                                .iter()
+                                .map(|b| Binding {
+                                    name: b.name.clone(),
+                                    val: b.val,
+                                    mutable: false,
+                                })
+                                .collect(),
+                            fns: env.fns.clone(),
+                            depth: 0,
+                        });
+                    }
+                    ListRule::Memory(e, _) | ListRule::Inflight(e, _) => {
+                        let v = int(eval(e, env, Some(&st))?, e.sp())?;
+                        if v < 1 {
+                            return Err(err(
+                                e.sp(),
+                                format!("the cap must be at least 1, got {v} on rank {r}"),
+                            ));
+                        }
+                        if matches!(rule, ListRule::Memory(..)) {
+                            memory.as_mut().expect("declared").push(v);
+                        } else {
+                            inflight.as_mut().expect("declared").push(v);
+                        }
+                    }
+                    ListRule::Defer(..) | ListRule::Strict(_) => {}
+                }
+            }
+            Ok(())
+        })();
+        env.vars.truncate(mark);
+        res.map_err(|mut e| {
+            e.rank = Some(r);
+            vec![e]
+        })?;
+        let mut st = st;
+        for (c, &stage) in chunks.iter().enumerate() {
+            for m in 0..mbs {
+                for &k in &kinds {
+                    let line = line_of(k);
+                    let ListRule::Priority {
+                        chunk, mb, expr, ..
+                    } = &rules[line]
+                    else {
+                        unreachable!("a priority line")
+                    };
+                    tick(&mut st, rules[line].sp()).map_err(one)?;
+                    let scope = scopes[line].as_mut().expect("recorded");
+                    scope.push(chunk, Val::Int(c as i64), false);
+                    scope.push(mb, Val::Int(m as i64), false);
+                    let v = eval(expr, scope, Some(&st)).and_then(|v| int(v, expr.sp()));
+                    scope.vars.truncate(scope.vars.len() - 2);
+                    let p = v.map_err(|mut e| {
+                        e.rank = Some(r);
+                        e.message = format!(
+                            "{} (priority of {}(c = {c}, m = {m}))",
+                            e.message,
+                            k.as_str()
+                        );
+                        vec![e]
+                    })?;
+                    ops.push(list::Op {
+                        kind: k,
+                        stage,
+                        mb: m,
+                        prio: p,
+                    });
+                    op_line.push(line);
+                }
+            }
+        }
+    }
+    let lr = list::Rules {
+        memory,
+        inflight,
+        defer_w: defer.is_some(),
+        strict: strict.is_some(),
+    };
+    let orders = list::schedule(pl, &ops, &lr, cost).map_err(|stuck| {
+        let at = match stuck.ranks.first().map(|x| x.2) {
+            Some(list::Blocker::Memory(_)) => mem_rule.map_or(list_sp, |k| rules[k].sp()),
+            Some(list::Blocker::Inflight(_)) => infl_rule.map_or(list_sp, |k| rules[k].sp()),
+            _ => list_sp,
+        };
+        let name = |i: usize| {
+            let o = &ops[i];
+            format!("{}({},{})", o.kind.as_str(), o.stage, o.mb)
+        };
+        let mut e = err(
+            at,
+            format!(
+                "list scheduling is stuck at time {} after {} of {} ops: no rank can start its next op",
+                stuck.time,
+                stuck.done,
+                ops.len()
+            ),
+        );
+        let why: Vec<String> = stuck
+            .ranks
+            .iter()
+            .map(|(r, i, b)| match b {
+                list::Blocker::Memory(l) => format!(
+                    "rank {r}: {} waits for memory ({l} live activations, cap {})",
+                    name(*i),
+                    lr.memory.as_ref().map_or(0, |m| m[*r as usize])
+                ),
+                list::Blocker::Inflight(l) => format!(
+                    "rank {r}: {} waits for the in-flight cap ({l} forwards in flight, cap {})",
+                    name(*i),
+                    lr.inflight.as_ref().map_or(0, |m| m[*r as usize])
+                ),
+                list::Blocker::Input(p) => {
+                    format!("rank {r}: {} waits for {}", name(*i), name(*p))
+                }
+            })
+            .collect();
+        e.help = Some(format!(
+            "{}; raise the cap, or give the ops that free memory (backwards of earlier micro-batches) smaller priorities than the forwards that need it",
+            why.join("; ")
+        ));
+        vec![e]
+    })?;
+    let mut ranks: Vec<Vec<Instr>> = Vec::with_capacity(orders.len());
+    let mut spans: Vec<Vec<Span>> = Vec::with_capacity(orders.len());
+    for ord in orders {
+        ranks.push(
+            ord.iter()
+                .map(|&i| Instr::Compute(Compute::new(ops[i].kind, ops[i].stage, ops[i].mb)))
+                .collect(),
+        );
+        spans.push(ord.iter().map(|&i| span(rules[op_line[i]].sp())).collect());
+    }
+    Ok((ranks, spans))
 }
 
 /// Replaces `{NAME}` in a `require` message with the value of `NAME` (P, M, V, S, a

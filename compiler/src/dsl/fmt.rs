@@ -117,6 +117,15 @@ fn write_expr(s: &mut String, e: &Expr, parent: u8) {
                 s.push(')');
             }
         }
+        Expr::If(c, a, b, _) => {
+            let _ = write!(s, "if {} {{ {} }} else ", expr_str(c), expr_str(a));
+            match &**b {
+                Expr::If(..) => write_expr(s, b, 0),
+                _ => {
+                    let _ = write!(s, "{{ {} }}", expr_str(b));
+                }
+            }
+        }
         Expr::Call(n, args, _) => {
             s.push_str(n);
             s.push('(');
@@ -455,6 +464,7 @@ fn item_sp(it: &Item) -> Sp {
         | Item::Require(_, _, s)
         | Item::Rank(_, _, s)
         | Item::Literal(_, s)
+        | Item::List(_, _, s)
         | Item::Expect(_, _, s) => *s,
     }
 }
@@ -477,7 +487,7 @@ pub fn format_file(file: &File, src: &str) -> String {
     };
     let mut prev_block = false;
     for (k, it) in file.items.iter().enumerate() {
-        let is_block = matches!(it, Item::Rank(..) | Item::Literal(..));
+        let is_block = matches!(it, Item::Rank(..) | Item::Literal(..) | Item::List(..));
         let starts_expects = matches!(it, Item::Expect(..))
             && !matches!(file.items.get(k.wrapping_sub(1)), Some(Item::Expect(..)));
         let start = first_comment_or(&f, item_sp(it).start);
@@ -538,6 +548,12 @@ pub fn format_file(file: &File, src: &str) -> String {
                 write_block(&mut f, body, 4, end);
                 f.out.push_str("}\n");
             }
+            Item::List(n, rules, sp) => {
+                let _ = writeln!(f.out, "list {n} {{");
+                let end = rules.last().map_or(sp.end, |r| r.sp().end) + 1;
+                write_list(&mut f, rules, end);
+                f.out.push_str("}\n");
+            }
             Item::Literal(body, _) => {
                 f.out.push_str("literal {");
                 f.out.push_str(body);
@@ -557,6 +573,30 @@ pub fn format_file(file: &File, src: &str) -> String {
     }
     f.flush_comments(usize::MAX, 0);
     f.out
+}
+
+/// The lines of a `list r { }` block, four-space indented, comments and blank lines kept.
+fn write_list(f: &mut Fmt<'_>, rules: &[ListRule], end: usize) {
+    let end = close_brace_after(f.src, end.saturating_sub(1)).max(end);
+    for (k, r) in rules.iter().enumerate() {
+        if k > 0 && blank_between(f.src, rules[k - 1].sp().end, first_comment_or(f, r.sp().start))
+        {
+            f.out.push('\n');
+        }
+        f.flush_comments(r.sp().start, 4);
+        let line = match r {
+            ListRule::Let(n, e, _) => format!("let {n} = {}", expr_str(e)),
+            ListRule::Priority {
+                kind, chunk, mb, expr, ..
+            } => format!("{}({chunk}, {mb}) = {}", kind.as_str(), expr_str(expr)),
+            ListRule::Memory(e, _) => format!("memory <= {}", expr_str(e)),
+            ListRule::Inflight(e, _) => format!("inflight <= {}", expr_str(e)),
+            ListRule::Defer(k, _) => format!("defer {}", k.as_str()),
+            ListRule::Strict(_) => "strict".to_string(),
+        };
+        let _ = writeln!(f.out, "    {line}");
+    }
+    f.flush_comments(end, 4);
 }
 
 /// The offset of the first pending comment if it comes before `pos`, else `pos` (a blank line
