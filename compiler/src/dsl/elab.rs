@@ -750,32 +750,6 @@ pub fn elaborate_with(
     }
     env.push("P", Val::Int(inst.pp as i64), false);
     env.push("M", Val::Int(inst.mb as i64), false);
-    // V: fixed by the spec (possibly an expression of P and M), else --vpp, else 1.
-    let v = match &fixed_v {
-        Some((e, sp)) => {
-            let fv = int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp()).map_err(|e| vec![e])?;
-            if let Some(given) = inst.vpp {
-                if given as i64 != fv {
-                    let mut e = err(*sp, format!("this schedule has {fv} virtual stage(s) per rank; --vpp {given} is not accepted"));
-                    e.help = Some(format!("drop --vpp or pass --vpp {fv}"));
-                    e.refused = true;
-                    return Err(vec![e]);
-                }
-            }
-            fv
-        }
-        None => inst.vpp.unwrap_or(1) as i64,
-    };
-    if v < 1 || v > schedc_ir::text::MAX_RANKS_OR_STAGES as i64 {
-        return Err(vec![err(
-            any_sp,
-            format!(
-                "the number of virtual stages per rank must be in 1..={}, got {v}",
-                schedc_ir::text::MAX_RANKS_OR_STAGES
-            ),
-        )]);
-    }
-    env.push("V", Val::Int(v), false);
     // Parameters.
     let declared: Vec<&str> = file
         .items
@@ -797,22 +771,76 @@ pub fn elaborate_with(
         }
     }
     let is_bidir = matches!(placement, Some((PlacementSpec::Bidir, _)));
-    let s_default = if is_bidir {
-        2 * inst.pp as i64
-    } else {
-        inst.pp as i64 * v
+    let s_default = |v: i64| {
+        if is_bidir {
+            2 * inst.pp as i64
+        } else {
+            inst.pp as i64 * v
+        }
     };
-    // Items in order: params, lets, stages, requires.
+    // V (and the default S): from --vpp (default 1) when the spec has no `vpp` item; else
+    // where that item stands, since items are evaluated in file order (`vpp 2 * waves` after
+    // `param waves = 2`).
+    let check_v = |v: i64| -> Result<(), Vec<ElabError>> {
+        if v < 1 || v > schedc_ir::text::MAX_RANKS_OR_STAGES as i64 {
+            return Err(vec![err(
+                fixed_v.as_ref().map_or(any_sp, |f| f.1),
+                format!(
+                    "the number of virtual stages per rank must be in 1..={}, got {v}",
+                    schedc_ir::text::MAX_RANKS_OR_STAGES
+                ),
+            )]);
+        }
+        Ok(())
+    };
+    let mut v = inst.vpp.unwrap_or(1) as i64;
+    let mut s_val = s_default(v);
+    let mut s_given = false;
+    if fixed_v.is_none() {
+        check_v(v)?;
+        env.push("V", Val::Int(v), false);
+        env.push("S", Val::Int(s_val), false);
+    }
+    // Before the `vpp` item, V and S are not defined yet: say where they come from.
+    let before_vpp = |mut e: ElabError, env: &Env| {
+        if (e.message == "unknown name `V`" || e.message == "unknown name `S`")
+            && env.get("V").is_none()
+        {
+            e.help = Some(
+                "items are evaluated in file order and `V` (and the default `S`) is set by the `vpp` item further down: move `vpp` above this line"
+                    .into(),
+            );
+        }
+        vec![e]
+    };
+    // Items in order: vpp, params, lets, stages, requires.
     let mut errors = Vec::new();
-    let mut s_val = s_default;
-    env.push("S", Val::Int(s_val), false);
     for it in &file.items {
         match it {
+            Item::Vpp(e, sp) => {
+                let fv = int(eval(e, &env, None).map_err(|x| before_vpp(x, &env))?, e.sp())
+                    .map_err(|e| vec![e])?;
+                if let Some(given) = inst.vpp {
+                    if given as i64 != fv {
+                        let mut e = err(*sp, format!("this schedule has {fv} virtual stage(s) per rank; --vpp {given} is not accepted"));
+                        e.help = Some(format!("drop --vpp or pass --vpp {fv}"));
+                        e.refused = true;
+                        return Err(vec![e]);
+                    }
+                }
+                check_v(fv)?;
+                v = fv;
+                env.push("V", Val::Int(v), false);
+                if !s_given {
+                    s_val = s_default(v);
+                    env.push("S", Val::Int(s_val), false);
+                }
+            }
             Item::Param(n, d, sp) => {
                 let val = match inst.params.iter().find(|(k, _)| k == n) {
                     Some((_, v)) => *v,
                     None => match d {
-                        Some(e) => int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp())
+                        Some(e) => int(eval(e, &env, None).map_err(|x| before_vpp(x, &env))?, e.sp())
                             .map_err(|e| vec![e])?,
                         None => {
                             let mut e = err(*sp, format!("parameter `{n}` has no default"));
@@ -824,8 +852,8 @@ pub fn elaborate_with(
                 env.push(n, Val::Int(val), false);
             }
             Item::Let(n, e, _) => {
-                let v = eval(e, &env, None).map_err(|e| vec![e])?;
-                env.push(n, v, false);
+                let x = eval(e, &env, None).map_err(|x| before_vpp(x, &env))?;
+                env.push(n, x, false);
             }
             Item::Fn(n, params, body, sp) => {
                 const BUILTINS: [&str; 9] = [
@@ -856,8 +884,9 @@ pub fn elaborate_with(
                 env.fns = std::rc::Rc::new(fns);
             }
             Item::Stages(e, _) => {
-                s_val =
-                    int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp()).map_err(|e| vec![e])?;
+                s_val = int(eval(e, &env, None).map_err(|x| before_vpp(x, &env))?, e.sp())
+                    .map_err(|e| vec![e])?;
+                s_given = true;
                 env.push("S", Val::Int(s_val), false);
             }
             Item::Require(c, msg, sp) => match eval(c, &env, None).and_then(|v| boolean(v, c.sp()))
@@ -868,7 +897,7 @@ pub fn elaborate_with(
                     e.refused = true;
                     errors.push(e);
                 }
-                Err(e) => errors.push(e),
+                Err(e) => errors.extend(before_vpp(e, &env)),
             },
             _ => {}
         }
@@ -1344,7 +1373,7 @@ fn elab_list(
                     lr.memory.as_ref().map_or(0, |m| m[*r as usize])
                 ),
                 list::Blocker::Inflight(l) => format!(
-                    "rank {r}: {} waits for the in-flight cap ({l} forwards in flight, cap {})",
+                    "rank {r}: {} waits for the in-flight cap ({l} micro-batches in flight, cap {})",
                     name(*i),
                     lr.inflight.as_ref().map_or(0, |m| m[*r as usize])
                 ),

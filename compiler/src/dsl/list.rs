@@ -21,7 +21,10 @@
 //! * `memory <= k`: a forward may start only if the rank then holds at most `k` live
 //!   activations (chunk units: `F` allocates, `BW` or `W` frees, as `schedc check` counts);
 //!   a backfilled forward must also leave room for every forward before it in the order.
-//! * `inflight <= k`: the same bound on forwards whose `B` or `BW` has not run.
+//! * `inflight <= k`: at most `k` micro-batches in flight per rank (one is in flight from its
+//!   first forward on the rank until its last backward there); micro-batches enter a rank in
+//!   order (by micro-batch, then direction), so the oldest unfinished one can always proceed
+//!   and the rule cannot deadlock.
 //! * `defer W`: weight gradients leave the order; the rank runs one (smallest priority first
 //!   among those whose `B` has run) only where it ends before the head can start (a bubble),
 //!   when the memory cap blocks the head, or when nothing else is left — Zero Bubble's
@@ -56,7 +59,7 @@ pub struct Op {
 pub struct Rules {
     /// `memory <= k`: live activations per rank (chunk units), one bound per rank.
     pub memory: Option<Vec<i64>>,
-    /// `inflight <= k`: forwards whose backward has not run, one bound per rank.
+    /// `inflight <= k`: micro-batches in flight per rank, one bound per rank.
     pub inflight: Option<Vec<i64>>,
     /// `defer W`.
     pub defer_w: bool,
@@ -80,7 +83,7 @@ pub struct Stuck {
 pub enum Blocker {
     /// The memory cap (`memory <= k`), at this many live activations.
     Memory(i64),
-    /// The in-flight cap (`inflight <= k`), at this many forwards in flight.
+    /// The in-flight cap (`inflight <= k`), at this many micro-batches in flight.
     Inflight(i64),
     /// Its input: the op (index) that has not run.
     Input(usize),
@@ -233,18 +236,29 @@ fn run(
         Kind::B if rules.defer_w => -1,
         Kind::B => 0,
     };
-    let infl_delta = |o: &Op| match o.kind {
-        Kind::F => 1,
-        Kind::B | Kind::BW => -1,
-        Kind::W => 0,
-    };
     let mut mem_tree: Vec<PrefixMax> = order
         .iter()
         .map(|v| PrefixMax::new(v.iter().map(|&i| mem_delta(&ops[i as usize])).collect()))
         .collect();
-    let mut infl_tree: Vec<PrefixMax> = order
-        .iter()
-        .map(|v| PrefixMax::new(v.iter().map(|&i| infl_delta(&ops[i as usize])).collect()))
+    // Micro-batch windows: per rank, the backwards of each (direction, micro-batch) still to
+    // run there, which ones have entered, and the next to enter.
+    let dirs = pl.directions() as usize;
+    let mbkey = |o: &Op| o.mb as usize * dirs + (o.stage / pl.stages_per_direction()) as usize;
+    let mut bw_left: Vec<Vec<u32>> = vec![vec![0; mbs * dirs]; np];
+    for (i, o) in ops.iter().enumerate() {
+        if matches!(o.kind, Kind::B | Kind::BW) {
+            bw_left[rank_of[i] as usize][mbkey(o)] += 1;
+        }
+    }
+    let mut entered: Vec<Vec<bool>> = vec![vec![false; mbs * dirs]; np];
+    // The next (direction, micro-batch) to enter each rank: the smallest that has ops there.
+    let next_entry = |bw_left: &[u32], entered: &[bool], from: usize| {
+        (from..mbs * dirs)
+            .find(|&k| !entered[k] && bw_left[k] > 0)
+            .unwrap_or(mbs * dirs)
+    };
+    let mut next_in: Vec<usize> = (0..np)
+        .map(|r| next_entry(&bw_left[r], &entered[r], 0))
         .collect();
 
     let mut done = vec![false; n];
@@ -294,8 +308,10 @@ fn run(
                     free: &free,
                     live: live[r],
                     inflight: inflight[r],
+                    entered: &entered[r],
+                    next_in: next_in[r],
+                    mbkey: &mbkey,
                     mem_tree: &mem_tree[r],
-                    infl_tree: &infl_tree[r],
                     wready: &wready[r],
                 },
             ) else {
@@ -310,15 +326,24 @@ fn run(
             out[r].push(i);
             events.push(Reverse(Time(e)));
             let o = ops[i];
+            let k = mbkey(&o);
             match o.kind {
                 Kind::F => {
                     live[r] += 1;
-                    inflight[r] += 1;
+                    if !entered[r][k] {
+                        entered[r][k] = true;
+                        inflight[r] += 1;
+                        next_in[r] = next_entry(&bw_left[r], &entered[r], next_in[r]);
+                    }
                 }
-                Kind::B => inflight[r] -= 1,
-                Kind::BW => {
-                    inflight[r] -= 1;
-                    live[r] -= 1;
+                Kind::B | Kind::BW => {
+                    bw_left[r][k] -= 1;
+                    if bw_left[r][k] == 0 {
+                        inflight[r] -= 1;
+                    }
+                    if o.kind == Kind::BW {
+                        live[r] -= 1;
+                    }
                 }
                 Kind::W => live[r] -= 1,
             }
@@ -326,7 +351,6 @@ fn run(
                 wready[r].pop();
             } else {
                 mem_tree[r].set(opos[i] as usize, 0);
-                infl_tree[r].set(opos[i] as usize, 0);
             }
             while head[r] < order[r].len() && done[order[r][head[r]] as usize] {
                 head[r] += 1;
@@ -428,8 +452,10 @@ struct State<'a> {
     free: &'a [f64],
     live: i64,
     inflight: i64,
+    entered: &'a [bool],
+    next_in: usize,
+    mbkey: &'a dyn Fn(&Op) -> usize,
     mem_tree: &'a PrefixMax,
-    infl_tree: &'a PrefixMax,
     wready: &'a BinaryHeap<Reverse<(i64, u32)>>,
 }
 
@@ -527,7 +553,8 @@ impl Ctx<'_> {
         t
     }
 
-    /// May forward `i` start now, leaving room for the ops before it in the order?
+    /// May forward `i` start now, leaving room (memory) for the ops before it in the order,
+    /// and entering its micro-batch in order (in-flight window)?
     fn allows(&self, i: usize, r: usize, st: &State<'_>) -> bool {
         if self.ops[i].kind != Kind::F {
             return true;
@@ -542,7 +569,9 @@ impl Ctx<'_> {
             }
         }
         if let Some(m) = &self.rules.inflight {
-            if st.inflight + 1 + st.infl_tree.prefix_max(k) > m[r] {
+            // A micro-batch new to this rank enters only in order, and only into a free slot.
+            let key = (st.mbkey)(&self.ops[i]);
+            if !st.entered[key] && (key != st.next_in || st.inflight + 1 > m[r]) {
                 return false;
             }
         }
