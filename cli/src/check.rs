@@ -52,16 +52,11 @@ pub fn run(args: Args) -> ExitCode {
             format,
         );
     }
-    let loaded = match load(&input) {
+    let loaded = match load_or_verdict(&input) {
         Ok(l) => l,
-        Err(c) => {
+        Err((c, verdict)) => {
             // With --format json, standard output still carries one object.
             if format == OutFormat::Json {
-                let verdict = if c == ExitCode::from(1) {
-                    "refused"
-                } else {
-                    "unreadable"
-                };
                 emit(&format!(
                     "{}\n",
                     serde_json::json!({"verdict": verdict, "input": input.input, "diagnostics": [], "note": "see standard error"})

@@ -174,20 +174,27 @@ pub fn render_parse_error(p: &ParseError, name: &str) -> String {
     }
 }
 
-/// Loads the input. Errors: the exit code (1 for an instance outside a spec's family, 2
-/// for unreadable input), after printing why.
-pub fn load(args: &InputArgs) -> Result<Loaded, ExitCode> {
+/// Loads the input. Errors: the exit code and the JSON verdict (1 `refused` for an instance
+/// outside a spec's family, 1 `rejected` for a spec that does not elaborate, 2 `unreadable`
+/// for unreadable input or bad usage), after printing why.
+pub fn load_or_verdict(args: &InputArgs) -> Result<Loaded, (ExitCode, &'static str)> {
     let ov = args.overrides().map_err(|e| {
         eprintln!("error: {e}");
-        ExitCode::from(2)
+        (ExitCode::from(2), "unreadable")
     })?;
-    load_path(&args.input, &ov).map_err(|e| {
+    let loaded = load_path(&args.input, &ov).map_err(|e| {
         print_load_error(&e, &args.input);
-        match e {
-            LoadError::Spec { refused: true, .. } => ExitCode::from(1),
-            _ => ExitCode::from(2),
-        }
-    })
+        (ExitCode::from(e.exit_code()), e.verdict())
+    })?;
+    for n in &loaded.notes {
+        eprintln!("note: {}: {n}", args.input);
+    }
+    Ok(loaded)
+}
+
+/// [`load_or_verdict`], the exit code alone.
+pub fn load(args: &InputArgs) -> Result<Loaded, ExitCode> {
+    load_or_verdict(args).map_err(|e| e.0)
 }
 
 /// Writes to standard output; a closed pipe (`schedc ... | head`) is not an error.

@@ -41,6 +41,39 @@ fn check_exit_statuses() {
 }
 
 #[test]
+fn spec_exit_statuses_elaboration_is_a_rejection() {
+    // Issue 15 item 10: a spec that parses but cannot be elaborated for this instance is
+    // rejected (1), like a `require` refusal; a spec that does not parse is unreadable (2).
+    let d = tmpdir("elab");
+    let bad = d.join("exhausted.sched");
+    std::fs::write(&bad, "rank r {\n    repeat M + 1 { F(0) }\n}\n").unwrap();
+    let out = schedc(&["check", bad.to_str().unwrap(), "--pp", "2", "--mb", "2"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("schedc::elaboration"));
+    let json = schedc(&[
+        "check",
+        bad.to_str().unwrap(),
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(json.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["verdict"], "rejected");
+    let syntax = d.join("syntax.sched");
+    std::fs::write(&syntax, "rank r {\n    F(0\n}\n").unwrap();
+    let out = schedc(&["check", syntax.to_str().unwrap(), "--pp", "2", "--mb", "2"]);
+    assert_eq!(out.status.code(), Some(2));
+    for cmd in ["sim", "show"] {
+        let out = schedc(&[cmd, bad.to_str().unwrap(), "--pp", "2", "--mb", "2"]);
+        assert_eq!(out.status.code(), Some(1), "{cmd}");
+    }
+}
+
+#[test]
 fn syntax_error_has_location_and_exit_2() {
     let d = tmpdir("syntax");
     let f = d.join("bad.ir");

@@ -49,7 +49,7 @@ pub enum Code {
     /// A spec's `require` refuses the instance (exit status 1).
     Refused,
     /// A spec that cannot be elaborated (unknown name, division by zero, a chunk with no
-    /// micro-batch left, ...; exit status 2).
+    /// micro-batch left, ...; exit status 1: the spec was read, the instance is rejected).
     Elaboration,
 }
 
@@ -249,6 +249,9 @@ pub struct Rendered<'a> {
     diag: &'a Diagnostic,
     src: Option<miette::NamedSource<String>>,
     code: String,
+    /// `file:line:col` of the primary span when the excerpt is left out (a very long line)
+    /// and the diagnostic carries no location of its own.
+    fallback_location: Option<String>,
 }
 
 impl<'a> Rendered<'a> {
@@ -260,6 +263,13 @@ impl<'a> Rendered<'a> {
             .span
             .into_iter()
             .chain(diag.related.iter().filter_map(|(l, _)| l.span));
+        let fallback_location = match (src, diag.span) {
+            (Some((name, text)), Some(sp)) if diag.location.is_none() => {
+                let (l, c) = schedc_ir::text::line_col(text, sp.start as usize);
+                Some(format!("{name}:{l}:{c}"))
+            }
+            _ => None,
+        };
         let src = src.filter(|(_, text)| {
             spans
                 .clone()
@@ -269,6 +279,7 @@ impl<'a> Rendered<'a> {
             diag,
             src: src.map(|(n, t)| miette::NamedSource::new(n, t.to_string())),
             code: format!("schedc::{}", diag.code.as_str()),
+            fallback_location,
         }
     }
 }
@@ -278,7 +289,7 @@ impl std::fmt::Display for Rendered<'_> {
         let d = self.diag;
         write!(f, "{}", d.message)?;
         if d.span.is_none() || self.src.is_none() {
-            if let Some(loc) = &d.location {
+            if let Some(loc) = d.location.as_ref().or(self.fallback_location.as_ref()) {
                 write!(f, " at {loc}")?;
             }
             if let (Some(r), Some(p)) = (d.rank, d.position) {

@@ -85,6 +85,8 @@ pub struct Loaded {
     pub budget: Option<u64>,
     /// A spec's per-rank expectations (evaluated for this instance).
     pub spec_expects: Vec<crate::dsl::elab::Expectation>,
+    /// A spec's notes about the instance (e.g. that V defaulted to 1).
+    pub notes: Vec<String>,
 }
 
 /// A load failure: unreadable file, or a syntax error with its location.
@@ -96,8 +98,8 @@ pub enum LoadError {
     Parse(ParseError),
     /// An override that does not fit the input.
     Usage(String),
-    /// A spec that does not parse or elaborate (exit 2), or an instance its `require`s
-    /// refuse (exit 1); the diagnostics point into `text`.
+    /// A spec that does not parse (exit 2), an instance its `require`s refuse or that cannot
+    /// be elaborated (exit 1); the diagnostics point into `text`.
     Spec {
         /// The diagnostics.
         diags: Vec<crate::diag::Diagnostic>,
@@ -106,6 +108,32 @@ pub enum LoadError {
         /// True if a `require` refused the instance.
         refused: bool,
     },
+}
+
+impl LoadError {
+    /// The exit status of a command that could not load its input: 1 for a spec that parses
+    /// but whose instance is refused by a `require` or cannot be elaborated (the spec is
+    /// readable; the instance is rejected), 2 for unreadable input (I/O, syntax) or bad usage.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            LoadError::Spec { diags, .. }
+                if !diags.iter().any(|d| d.code == crate::diag::Code::Syntax) =>
+            {
+                1
+            }
+            _ => 2,
+        }
+    }
+
+    /// The verdict a JSON report gives it: `refused` (a `require`), `rejected` (an
+    /// elaboration error), `unreadable` (everything else).
+    pub fn verdict(&self) -> &'static str {
+        match self {
+            LoadError::Spec { refused: true, .. } => "refused",
+            e if e.exit_code() == 1 => "rejected",
+            _ => "unreadable",
+        }
+    }
 }
 
 /// Detects the format from the name and the text.
@@ -189,6 +217,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     let mut budget = None;
     let mut torch_format = None;
     let mut spec_expects = Vec::new();
+    let mut notes = Vec::new();
     if format != Format::Spec && (ov.pp.is_some() || ov.vpp.is_some() || !ov.params.is_empty()) {
         return Err(LoadError::Usage(
             "--pp, --vpp and --param apply to .sched specs only".into(),
@@ -198,6 +227,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
         Format::Spec => {
             let e = load_spec(&text, ov)?;
             spec_expects = e.expects;
+            notes = e.notes;
             (e.program, Some(e.spans))
         }
         Format::IrText => {
@@ -242,6 +272,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
         expects,
         budget,
         spec_expects,
+        notes,
     })
 }
 
@@ -315,6 +346,7 @@ pub fn elab_diag(e: &crate::dsl::ElabError) -> crate::diag::Diagnostic {
     }
     d.rank = e.rank;
     d.help = e.help.clone();
+    d.notes = e.context.clone();
     d
 }
 

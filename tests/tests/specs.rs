@@ -36,6 +36,16 @@ torch_conformance!(zbv_matches_torch, "zbv", "ScheduleZBVZeroBubble", false);
 /// Every instance over P in `pps` and M in 1..=8P (or the spec's allowed values) passes
 /// `schedc check` with the spec's expectations; refused instances are counted.
 fn sweep(spec: &str, pps: impl Iterator<Item = u32>, vpp: Option<u32>) -> (usize, usize) {
+    sweep_with(spec, pps, vpp, &[])
+}
+
+/// [`sweep`] with `--param` values.
+fn sweep_with(
+    spec: &str,
+    pps: impl Iterator<Item = u32>,
+    vpp: Option<u32>,
+    params: &[(&str, i64)],
+) -> (usize, usize) {
     let (mut ok, mut refused) = (0, 0);
     let mut failures = Vec::new();
     for pp in pps {
@@ -46,6 +56,7 @@ fn sweep(spec: &str, pps: impl Iterator<Item = u32>, vpp: Option<u32>) -> (usize
                 pp: Some(pp),
                 microbatches: Some(mb),
                 vpp,
+                params: params.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
                 ..Default::default()
             };
             match schedc::input::load_spec(&text, &ov) {
@@ -210,5 +221,41 @@ fn interleaved_zb_sweep() {
         let want = torch_rounds_refusals(2..=pmax);
         assert_eq!(refused, want, "only the rounds rule refuses");
         assert!(ok > 100);
+    }
+}
+
+#[test]
+fn v_half_sweep() {
+    let (ok, refused) = sweep("v_half", 2..=16, None);
+    assert_eq!((ok, refused), (1080, 0), "v_half accepts every M >= 1");
+}
+
+#[test]
+fn v_min_sweep() {
+    let (ok, refused) = sweep("v_min", 2..=16, None);
+    assert_eq!((ok, refused), (1080, 0), "v_min accepts every M >= 1");
+}
+
+#[test]
+fn chimera_sweep() {
+    let (ok, refused) = sweep("chimera", (2..=16).step_by(2), None);
+    // Accepted: the even M in 1..=8P, 4P per P; refused: the odd ones.
+    assert_eq!((ok, refused), (288, 288));
+}
+
+#[test]
+fn chimera_direct_sweep() {
+    let (ok, refused) = sweep("chimera_direct", (2..=16).step_by(2), None);
+    // Accepted: M in {P, 2P, ..., 8P}, 8 per P.
+    assert_eq!((ok, refused), (64, 512));
+}
+
+#[test]
+fn hanayo_sweep() {
+    // Waves W = 2 and 3 (V = 4 and 6); W = 3 on P <= 8 only: debug builds are slow.
+    for (w, pmax) in [(2, 16), (3, 8)] {
+        let (ok, refused) = sweep_with("hanayo", 2..=pmax, None, &[("waves", w)]);
+        assert_eq!(refused, 0, "hanayo accepts every M >= 1");
+        assert!(ok > 200);
     }
 }

@@ -313,6 +313,8 @@ pub enum Item {
     Param(String, Option<Expr>, Sp),
     /// `vpp e`: the spec accepts only this number of virtual stages per rank.
     Vpp(Expr, Sp),
+    /// `vpp default e`: the number of virtual stages per rank when `--vpp` is not given.
+    VppDefault(Expr, Sp),
     /// `stages e`: number of stage ids (default `P*V`; `2P` for `bidir`).
     Stages(Expr, Sp),
     /// `microbatches e`: micro-batches per stage (default `M`; `M/2` for `bidir`).

@@ -33,6 +33,9 @@ pub struct ElabError {
     pub rank: Option<u32>,
     /// True for a failed `require` (the instance is outside the family: exit 1, not 2).
     pub refused: bool,
+    /// Where in the program it happened, innermost first: the loop iterations
+    /// (`` in iteration `i = 3` of the `for` loop ``).
+    pub context: Vec<String>,
 }
 
 /// A per-rank expectation, evaluated: `values[r]`.
@@ -57,6 +60,8 @@ pub struct Elaborated {
     pub expects: Vec<Expectation>,
     /// The spec's name, if it has one.
     pub name: Option<String>,
+    /// Things the user should know about the instance (e.g. that V defaulted to 1).
+    pub notes: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +111,7 @@ fn err(sp: Sp, message: impl Into<String>) -> ElabError {
         help: None,
         rank: None,
         refused: false,
+        context: Vec::new(),
     }
 }
 
@@ -120,6 +126,9 @@ struct RankState<'a> {
     wdone: Vec<u32>,
     /// Pending weight gradients: (chunk, mb), oldest first.
     pending: VecDeque<(usize, u32)>,
+    /// Per chunk, the micro-batches whose forward / backward (B or BW) has been emitted
+    /// (explicit `F(c, m)` can leave gaps below a counter).
+    ran: [Vec<std::collections::HashSet<u32>>; 2],
     out: Vec<Instr>,
     spans: Vec<Span>,
     budget: &'a mut u64,
@@ -438,12 +447,32 @@ fn op_compute(o: &OpStmt, env: &Env, st: &mut RankState<'_>) -> Result<Option<Co
                         if o.optional {
                             return Ok(None);
                         }
-                        let mut e = err(o.sp, format!(
-                            "{}({ci}) on rank {}: chunk {ci} (stage {s}) has no micro-batch left; all {} already have their {}",
-                            kind.as_str(), st.rank, st.mbs,
-                            if kind == Kind::F { "forward" } else { "backward" }
-                        ));
-                        e.help = Some(format!("`{}?({ci})` runs it only while micro-batches remain", kind.as_str()));
+                        let what = if kind == Kind::F { "forward" } else { "backward" };
+                        let ran = &st.ran[usize::from(kind != Kind::F)][ci];
+                        let gaps: Vec<String> = (0..st.mbs)
+                            .filter(|m| !ran.contains(m))
+                            .take(6)
+                            .map(|m| m.to_string())
+                            .collect();
+                        let mut e = if gaps.is_empty() {
+                            let mut e = err(o.sp, format!(
+                                "{}({ci}) on rank {}: chunk {ci} (stage {s}) has no micro-batch left; all {} already have their {what}",
+                                kind.as_str(), st.rank, st.mbs,
+                            ));
+                            e.help = Some(format!("`{}?({ci})` runs it only while micro-batches remain", kind.as_str()));
+                            e
+                        } else {
+                            let mut e = err(o.sp, format!(
+                                "{}({ci}) on rank {}: chunk {ci} (stage {s})'s {what} counter is past its last micro-batch ({}), but micro-batch(es) {} still have no {what}",
+                                kind.as_str(), st.rank, st.mbs - 1, gaps.join(", "),
+                            ));
+                            e.help = Some(format!(
+                                "an explicit `{}({ci}, m)` moves the counter past m; name the missing micro-batches explicitly too",
+                                kind.as_str()
+                            ));
+                            e
+                        };
+                        e.rank = Some(st.rank);
                         return Err(e);
                     }
                     let m = *ctr;
@@ -473,6 +502,11 @@ fn op_compute(o: &OpStmt, env: &Env, st: &mut RankState<'_>) -> Result<Option<Co
             }
         }
     };
+    if let Some(c) = st.chunks.iter().position(|&x| x == stage) {
+        if kind != Kind::W {
+            st.ran[usize::from(kind != Kind::F)][c].insert(mb);
+        }
+    }
     Ok(Some(Compute::new(kind, stage, mb)))
 }
 
@@ -618,7 +652,11 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                     env.push(var, Val::Int(i), false);
                     let r = exec(body, env, st);
                     env.vars.pop();
-                    r?;
+                    r.map_err(|mut e| {
+                        e.context
+                            .push(format!("in iteration `{var} = {i}` of the `for` loop"));
+                        e
+                    })?;
                     i = match i.checked_add(k) {
                         Some(x) => x,
                         None => break,
@@ -627,15 +665,27 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
             }
             Stmt::Repeat(n, body, sp) => {
                 let n = int(eval(n, env, Some(st))?, n.sp())?;
-                for _ in 0..n.max(0) {
+                for k in 0..n.max(0) {
                     tick(st, *sp)?;
-                    exec(body, env, st)?;
+                    exec(body, env, st).map_err(|mut e| {
+                        e.context.push(format!(
+                            "in iteration {} of {n} of the `repeat` loop",
+                            k + 1
+                        ));
+                        e
+                    })?;
                 }
             }
             Stmt::While(c, body, sp) => {
+                let mut k = 0u64;
                 while boolean(eval(c, env, Some(st))?, c.sp())? {
                     tick(st, *sp)?;
-                    exec(body, env, st)?;
+                    k += 1;
+                    exec(body, env, st).map_err(|mut e| {
+                        e.context
+                            .push(format!("in iteration {k} of the `while` loop"));
+                        e
+                    })?;
                 }
             }
             Stmt::If(c, a, b, _) => {
@@ -719,6 +769,7 @@ pub fn elaborate_with(
     let any_sp = Sp::default();
     // Fixed V.
     let mut fixed_v: Option<(Expr, Sp)> = None;
+    let mut default_v: Option<(Expr, Sp)> = None;
     let mut stages_e: Option<&Expr> = None;
     let mut mbs_e: Option<&Expr> = None;
     let mut placement: Option<(&PlacementSpec, Sp)> = None;
@@ -726,6 +777,7 @@ pub fn elaborate_with(
         match it {
             Item::Name(n, _) => name = Some(n.clone()),
             Item::Vpp(e, sp) => fixed_v = Some((e.clone(), *sp)),
+            Item::VppDefault(e, sp) => default_v = Some((e.clone(), *sp)),
             Item::Stages(e, _) => stages_e = Some(e),
             Item::Microbatches(e, _) => mbs_e = Some(e),
             Item::Placement(p, sp) => placement = Some((p, *sp)),
@@ -793,13 +845,27 @@ pub fn elaborate_with(
         }
         Ok(())
     };
+    if let (Some(_), Some((_, sp))) = (&fixed_v, &default_v) {
+        return Err(vec![err(
+            *sp,
+            "a spec fixes V with `vpp` or gives a default with `vpp default`, not both",
+        )]);
+    }
+    let mut notes = Vec::new();
+    // V set where a `vpp` (or, without --vpp, a `vpp default`) item stands.
+    let v_at_item = fixed_v.is_some() || (default_v.is_some() && inst.vpp.is_none());
     let mut v = inst.vpp.unwrap_or(1) as i64;
     let mut s_val = s_default(v);
     let mut s_given = false;
-    if fixed_v.is_none() {
+    if !v_at_item {
         check_v(v)?;
         env.push("V", Val::Int(v), false);
         env.push("S", Val::Int(s_val), false);
+        if inst.vpp.is_none() && !is_bidir {
+            notes.push(
+                "V = 1 virtual stage per rank: this spec states no default V (pass --vpp)".into(),
+            );
+        }
     }
     // Before the `vpp` item, V and S are not defined yet: say where they come from.
     let before_vpp = |mut e: ElabError, env: &Env| {
@@ -817,6 +883,25 @@ pub fn elaborate_with(
     let mut errors = Vec::new();
     for it in &file.items {
         match it {
+            Item::VppDefault(e, _) if v_at_item => {
+                let dv = int(eval(e, &env, None).map_err(|x| before_vpp(x, &env))?, e.sp())
+                    .map_err(|e| vec![e])?;
+                if dv < 1 || dv > schedc_ir::text::MAX_RANKS_OR_STAGES as i64 {
+                    return Err(vec![err(
+                        e.sp(),
+                        format!(
+                            "the default number of virtual stages per rank must be in 1..={}, got {dv}",
+                            schedc_ir::text::MAX_RANKS_OR_STAGES
+                        ),
+                    )]);
+                }
+                v = dv;
+                env.push("V", Val::Int(v), false);
+                if !s_given {
+                    s_val = s_default(v);
+                    env.push("S", Val::Int(s_val), false);
+                }
+            }
             Item::Vpp(e, sp) => {
                 let fv = int(eval(e, &env, None).map_err(|x| before_vpp(x, &env))?, e.sp())
                     .map_err(|e| vec![e])?;
@@ -1035,6 +1120,7 @@ pub fn elaborate_with(
         for r in 0..pp {
             let chunks = pipeline.stages_of(r);
             let nc = chunks.len();
+            let ran = vec![std::collections::HashSet::new(); nc];
             let mut st = RankState {
                 rank: r,
                 chunks,
@@ -1043,6 +1129,7 @@ pub fn elaborate_with(
                 bwd: vec![0; nc],
                 wdone: vec![0; nc],
                 pending: VecDeque::new(),
+                ran: [ran.clone(), ran],
                 out: Vec::new(),
                 spans: Vec::new(),
                 budget: &mut budget,
@@ -1080,6 +1167,7 @@ pub fn elaborate_with(
                 help: e.help,
                 rank: None,
                 refused: false,
+                context: Vec::new(),
             }]
         })?;
         let body_start = sp.start + "literal {".len();
@@ -1130,6 +1218,7 @@ pub fn elaborate_with(
         spans: SourceMap { ranks: spans },
         expects,
         name,
+        notes,
     })
 }
 
@@ -1248,6 +1337,7 @@ fn elab_list(
             bwd: vec![0; nc],
             wdone: vec![0; nc],
             pending: VecDeque::new(),
+            ran: [Vec::new(), Vec::new()],
             out: Vec::new(),
             spans: Vec::new(),
             budget,
@@ -1378,7 +1468,23 @@ fn elab_list(
                     lr.inflight.as_ref().map_or(0, |m| m[*r as usize])
                 ),
                 list::Blocker::Input(p) => {
-                    format!("rank {r}: {} waits for {}", name(*i), name(*p))
+                    // Say why the input's own rank does not run it.
+                    let q = pl.rank_of(ops[*p].stage);
+                    let why = match stuck.ranks.iter().find(|x| x.0 == q) {
+                        Some((_, h, list::Blocker::Memory(_))) => format!(
+                            " (rank {q}, whose next op {} waits for memory)",
+                            name(*h)
+                        ),
+                        Some((_, h, list::Blocker::Inflight(_))) => format!(
+                            " (rank {q}, whose next op {} waits for the in-flight cap)",
+                            name(*h)
+                        ),
+                        Some((_, h, _)) if *h != *p => {
+                            format!(" (rank {q}, queued behind its next op {})", name(*h))
+                        }
+                        _ => format!(" (rank {q})"),
+                    };
+                    format!("rank {r}: {} waits for {}{why}", name(*i), name(*p))
                 }
             })
             .collect();

@@ -456,6 +456,7 @@ fn item_sp(it: &Item) -> Sp {
         Item::Name(_, s)
         | Item::Param(_, _, s)
         | Item::Vpp(_, s)
+        | Item::VppDefault(_, s)
         | Item::Stages(_, s)
         | Item::Microbatches(_, s)
         | Item::Placement(_, s)
@@ -513,6 +514,9 @@ pub fn format_file(file: &File, src: &str) -> String {
             },
             Item::Vpp(e, _) => {
                 let _ = writeln!(f.out, "vpp {}", expr_str(e));
+            }
+            Item::VppDefault(e, _) => {
+                let _ = writeln!(f.out, "vpp default {}", expr_str(e));
             }
             Item::Stages(e, _) => {
                 let _ = writeln!(f.out, "stages {}", expr_str(e));

@@ -765,6 +765,11 @@ fn item(i: In<'_>) -> R<'_, Item> {
         return Ok((i4, Item::Param(n, d, sp_of(start, i4))));
     }
     if let Ok((i2, _)) = kw("vpp").parse(i) {
+        if let Ok((i3, _)) = kw("default").parse(i2) {
+            let (i4, e) =
+                cut(expect("the default number of virtual stages per rank", expr)).parse(i3)?;
+            return Ok((i4, Item::VppDefault(e, sp_of(start, i4))));
+        }
         let (i3, e) = cut(expect("the number of virtual stages per rank", expr)).parse(i2)?;
         return Ok((i3, Item::Vpp(e, sp_of(start, i3))));
     }
