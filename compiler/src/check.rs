@@ -132,7 +132,9 @@ fn group_repeats(diags: Vec<Diagnostic>) -> Vec<Diagnostic> {
                             }
                             _ => d.message.clone(),
                         };
-                        out[*at].notes.push(format!("the same statement also: {what}"));
+                        out[*at]
+                            .notes
+                            .push(format!("the same statement also: {what}"));
                     }
                 }
                 None => {

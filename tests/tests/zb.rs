@@ -8,9 +8,8 @@ use schedc_tests::{conform, zb};
 /// Compares `spec` with every config of `generator`; returns (same orders, no worse,
 /// worse) and prints one line per config.
 fn compare(spec: &str, generator: &str) -> (usize, usize, Vec<String>) {
-    let text =
-        std::fs::read_to_string(conform::root().join("specs").join(format!("{spec}.sched")))
-            .unwrap();
+    let text = std::fs::read_to_string(conform::root().join("specs").join(format!("{spec}.sched")))
+        .unwrap();
     let (mut same, mut better) = (0, 0);
     let mut worse = Vec::new();
     for c in zb::configs(generator) {
@@ -78,13 +77,14 @@ fn v_min_vs_authors() {
 #[test]
 #[ignore]
 fn dump() {
-    let Ok(v) = std::env::var("ZB_DUMP") else { return };
+    let Ok(v) = std::env::var("ZB_DUMP") else {
+        return;
+    };
     let (spec, id) = v.split_once(':').unwrap();
     let gen = id.split('_').next().unwrap();
     let c = zb::configs(gen).into_iter().find(|c| c.id == id).unwrap();
-    let text =
-        std::fs::read_to_string(conform::root().join("specs").join(format!("{spec}.sched")))
-            .unwrap();
+    let text = std::fs::read_to_string(conform::root().join("specs").join(format!("{spec}.sched")))
+        .unwrap();
     let ov = Overrides {
         pp: Some(c.pp),
         microbatches: Some(c.mb),
@@ -93,10 +93,18 @@ fn dump() {
     let e = load_spec_with(&text, &ov, &zb::cost_model(c.cost)).unwrap();
     let (_, a) = zb::start_times(&e.program, c.cost).unwrap();
     let (_, b) = zb::start_times(&c.program, c.cost).unwrap();
-    let mut late: Vec<_> = a.iter().filter(|(k, t)| **t > b[k] + 1e-9).map(|(k, t)| (b[k], *t, *k)).collect();
+    let mut late: Vec<_> = a
+        .iter()
+        .filter(|(k, t)| **t > b[k] + 1e-9)
+        .map(|(k, t)| (b[k], *t, *k))
+        .collect();
     late.sort_by(|x, y| x.partial_cmp(y).unwrap());
     for (tb, ta, k) in late.iter().take(40) {
-        println!("late: {:?} ours {ta} authors {tb} rank {}", k, c.program.pipeline.rank_of(k.1));
+        println!(
+            "late: {:?} ours {ta} authors {tb} rank {}",
+            k,
+            c.program.pipeline.rank_of(k.1)
+        );
     }
     for (name, p) in [("ours", &e.program), ("authors", &c.program)] {
         let (_, st) = zb::start_times(p, c.cost).unwrap();
@@ -150,6 +158,9 @@ fn chimera_vs_authors() {
 #[test]
 fn chimera_direct_is_the_authors_order() {
     let (s, b, w) = compare("chimera_direct", "chimera");
-    println!("chimera_direct: {s} identical, {b} no worse, {} worse", w.len());
+    println!(
+        "chimera_direct: {s} identical, {b} no worse, {} worse",
+        w.len()
+    );
     assert_eq!((s, b, w.len()), (zb::configs("chimera").len(), 0, 0));
 }

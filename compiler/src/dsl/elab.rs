@@ -884,8 +884,11 @@ pub fn elaborate_with(
     for it in &file.items {
         match it {
             Item::VppDefault(e, _) if v_at_item => {
-                let dv = int(eval(e, &env, None).map_err(|x| before_vpp(x, &env))?, e.sp())
-                    .map_err(|e| vec![e])?;
+                let dv = int(
+                    eval(e, &env, None).map_err(|x| before_vpp(x, &env))?,
+                    e.sp(),
+                )
+                .map_err(|e| vec![e])?;
                 if dv < 1 || dv > schedc_ir::text::MAX_RANKS_OR_STAGES as i64 {
                     return Err(vec![err(
                         e.sp(),
@@ -903,8 +906,11 @@ pub fn elaborate_with(
                 }
             }
             Item::Vpp(e, sp) => {
-                let fv = int(eval(e, &env, None).map_err(|x| before_vpp(x, &env))?, e.sp())
-                    .map_err(|e| vec![e])?;
+                let fv = int(
+                    eval(e, &env, None).map_err(|x| before_vpp(x, &env))?,
+                    e.sp(),
+                )
+                .map_err(|e| vec![e])?;
                 if let Some(given) = inst.vpp {
                     if given as i64 != fv {
                         let mut e = err(*sp, format!("this schedule has {fv} virtual stage(s) per rank; --vpp {given} is not accepted"));
@@ -925,8 +931,11 @@ pub fn elaborate_with(
                 let val = match inst.params.iter().find(|(k, _)| k == n) {
                     Some((_, v)) => *v,
                     None => match d {
-                        Some(e) => int(eval(e, &env, None).map_err(|x| before_vpp(x, &env))?, e.sp())
-                            .map_err(|e| vec![e])?,
+                        Some(e) => int(
+                            eval(e, &env, None).map_err(|x| before_vpp(x, &env))?,
+                            e.sp(),
+                        )
+                        .map_err(|e| vec![e])?,
                         None => {
                             let mut e = err(*sp, format!("parameter `{n}` has no default"));
                             e.help = Some(format!("pass --param {n}=VALUE"));
@@ -969,8 +978,11 @@ pub fn elaborate_with(
                 env.fns = std::rc::Rc::new(fns);
             }
             Item::Stages(e, _) => {
-                s_val = int(eval(e, &env, None).map_err(|x| before_vpp(x, &env))?, e.sp())
-                    .map_err(|e| vec![e])?;
+                s_val = int(
+                    eval(e, &env, None).map_err(|x| before_vpp(x, &env))?,
+                    e.sp(),
+                )
+                .map_err(|e| vec![e])?;
                 s_given = true;
                 env.push("S", Val::Int(s_val), false);
             }
@@ -1246,7 +1258,12 @@ fn elab_list(
     };
     let (mut mem_rule, mut infl_rule, mut defer, mut strict) = (None, None, None, None);
     for (k, rule) in rules.iter().enumerate() {
-        let dup = |what: &str| vec![err(rule.sp(), format!("a second `{what}` line in the `list` block"))];
+        let dup = |what: &str| {
+            vec![err(
+                rule.sp(),
+                format!("a second `{what}` line in the `list` block"),
+            )]
+        };
         match rule {
             ListRule::Priority { kind, .. } => {
                 if prio[slot(*kind)].replace(k).is_some() {
@@ -1265,7 +1282,10 @@ fn elab_list(
             }
             ListRule::Defer(kind, sp) => {
                 if *kind != Kind::W {
-                    let mut e = err(*sp, format!("only `W` can be deferred, not `{}`", kind.as_str()));
+                    let mut e = err(
+                        *sp,
+                        format!("only `W` can be deferred, not `{}`", kind.as_str()),
+                    );
                     e.help = Some("`defer W` lets weight gradients fill the bubbles".into());
                     return Err(vec![e]);
                 }
@@ -1318,7 +1338,11 @@ fn elab_list(
         vec![Kind::F, Kind::B, Kind::W]
     };
     // The line whose expression gives each kind's priority (W falls back to B's).
-    let line_of = |k: Kind| prio[slot(k)].or(if k == Kind::W { prio[1] } else { None }).expect("checked");
+    let line_of = |k: Kind| {
+        prio[slot(k)]
+            .or(if k == Kind::W { prio[1] } else { None })
+            .expect("checked")
+    };
     let mbs = pl.microbatches;
     let mut ops: Vec<list::Op> = Vec::new();
     let mut op_line: Vec<usize> = Vec::new();

@@ -63,6 +63,27 @@ fn blank_between(src: &str, a: usize, b: usize) -> bool {
 }
 
 impl Fmt<'_> {
+    /// A comment on the same source line, after byte `end` (the end of what was just printed),
+    /// stays at the end of that line (`F(0) # fwd`), not on a line of its own.
+    fn trailing(&mut self, end: usize) {
+        let Some((off, c)) = self.comments.get(self.next) else {
+            return;
+        };
+        let (off, c) = (*off, c.clone());
+        if off < end
+            || off > self.src.len()
+            || !self.src.is_char_boundary(end.min(off))
+            || self.src[end.min(off)..off].contains('\n')
+        {
+            return;
+        }
+        if self.out.ends_with('\n') {
+            self.out.pop();
+            let _ = writeln!(self.out, " {c}");
+            self.next += 1;
+        }
+    }
+
     fn flush_comments(&mut self, before: usize, indent: usize) {
         while self.next < self.comments.len() && self.comments[self.next].0 < before {
             let c = self.comments[self.next].1.clone();
@@ -205,6 +226,64 @@ fn close_brace_after(src: &str, pos: usize) -> usize {
     pos
 }
 
+/// The offset just past a statement including its closing `}` (and, for `if`, the whole
+/// `else` chain): braces are matched in the source from the statement's start, skipping
+/// comments and strings. Simple statements end where their span ends.
+fn full_end(src: &str, s: &Stmt) -> usize {
+    if is_simple(s) || matches!(s, Stmt::Let(..) | Stmt::Var(..) | Stmt::Assign(..)) {
+        return stmt_end(s);
+    }
+    let b = src.as_bytes();
+    let mut i = stmt_start(s).min(b.len());
+    loop {
+        // The next `{` and its matching `}`.
+        let mut depth = 0usize;
+        let mut closed = None;
+        while i < b.len() {
+            match b[i] {
+                b'#' => {
+                    while i < b.len() && b[i] != b'\n' {
+                        i += 1;
+                    }
+                    continue;
+                }
+                b'"' => {
+                    i += 1;
+                    while i < b.len() && b[i] != b'"' && b[i] != b'\n' {
+                        i += 1;
+                    }
+                }
+                b'{' => depth += 1,
+                b'}' if depth > 0 => {
+                    depth -= 1;
+                    if depth == 0 {
+                        closed = Some(i + 1);
+                        break;
+                    }
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        let Some(end) = closed else {
+            return stmt_end(s);
+        };
+        // An `else` continues the statement.
+        let mut j = end;
+        while j < b.len() && (b[j].is_ascii_whitespace() || b[j] == b';') {
+            j += 1;
+        }
+        let rest = &src[j.min(src.len())..];
+        let is_else = matches!(s, Stmt::If(..))
+            && rest.starts_with("else")
+            && !rest[4..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_');
+        if !is_else {
+            return end;
+        }
+        i = j + 4;
+    }
+}
+
 fn is_simple(s: &Stmt) -> bool {
     matches!(
         s,
@@ -250,7 +329,12 @@ fn one_line_block(f: &Fmt<'_>, header_start: usize, body: &[Stmt]) -> bool {
 }
 
 fn write_block(f: &mut Fmt<'_>, body: &[Stmt], indent: usize, end: usize) {
-    let end = close_brace_after(f.src, end.saturating_sub(1)).max(end);
+    // Comments up to this block's `}` stay inside it, also after a last statement that is
+    // itself a block.
+    let end = match body.last() {
+        Some(last) => close_brace_after(f.src, full_end(f.src, last)).max(end),
+        None => close_brace_after(f.src, end.saturating_sub(1)).max(end),
+    };
     let mut k = 0;
     while k < body.len() {
         let s = &body[k];
@@ -277,6 +361,7 @@ fn write_block(f: &mut Fmt<'_>, body: &[Stmt], indent: usize, end: usize) {
                 f.flush_comments(stmt_start(s), indent);
                 let line: Vec<String> = body[k..j].iter().map(simple_str).collect();
                 let _ = writeln!(f.out, "{}{}", " ".repeat(indent), line.join(" "));
+                f.trailing(stmt_end(&body[j - 1]));
                 k = j;
                 continue;
             }
@@ -302,6 +387,13 @@ fn stmt_end(s: &Stmt) -> usize {
 }
 
 fn write_stmt(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
+    write_stmt_inner(f, s, indent);
+    // A comment after the statement on its last source line (for a block, after its `}`).
+    let end = full_end(f.src, s);
+    f.trailing(end);
+}
+
+fn write_stmt_inner(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
     f.flush_comments(stmt_start(s), indent);
     let pad = " ".repeat(indent);
     match s {
@@ -574,6 +666,16 @@ pub fn format_file(file: &File, src: &str) -> String {
             }
         }
         prev_block = is_block;
+        let end = match it {
+            Item::Rank(_, body, sp) => {
+                close_brace_after(src, body.last().map_or(sp.end, |s| full_end(src, s))) + 1
+            }
+            Item::List(_, rules, sp) => {
+                close_brace_after(src, rules.last().map_or(sp.end, |r| r.sp().end)) + 1
+            }
+            _ => item_sp(it).end,
+        };
+        f.trailing(end);
     }
     f.flush_comments(usize::MAX, 0);
     f.out
@@ -583,7 +685,12 @@ pub fn format_file(file: &File, src: &str) -> String {
 fn write_list(f: &mut Fmt<'_>, rules: &[ListRule], end: usize) {
     let end = close_brace_after(f.src, end.saturating_sub(1)).max(end);
     for (k, r) in rules.iter().enumerate() {
-        if k > 0 && blank_between(f.src, rules[k - 1].sp().end, first_comment_or(f, r.sp().start))
+        if k > 0
+            && blank_between(
+                f.src,
+                rules[k - 1].sp().end,
+                first_comment_or(f, r.sp().start),
+            )
         {
             f.out.push('\n');
         }
@@ -591,7 +698,11 @@ fn write_list(f: &mut Fmt<'_>, rules: &[ListRule], end: usize) {
         let line = match r {
             ListRule::Let(n, e, _) => format!("let {n} = {}", expr_str(e)),
             ListRule::Priority {
-                kind, chunk, mb, expr, ..
+                kind,
+                chunk,
+                mb,
+                expr,
+                ..
             } => format!("{}({chunk}, {mb}) = {}", kind.as_str(), expr_str(expr)),
             ListRule::Memory(e, _) => format!("memory <= {}", expr_str(e)),
             ListRule::Inflight(e, _) => format!("inflight <= {}", expr_str(e)),
@@ -599,6 +710,7 @@ fn write_list(f: &mut Fmt<'_>, rules: &[ListRule], end: usize) {
             ListRule::Strict(_) => "strict".to_string(),
         };
         let _ = writeln!(f.out, "    {line}");
+        f.trailing(r.sp().end);
     }
     f.flush_comments(end, 4);
 }

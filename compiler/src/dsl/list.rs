@@ -195,7 +195,12 @@ fn run(
     };
     let cmp_ops = |a: u32, b: u32| {
         let (x, y) = (&ops[a as usize], &ops[b as usize]);
-        (x.prio, kind_order(x.kind), x.stage, x.mb).cmp(&(y.prio, kind_order(y.kind), y.stage, y.mb))
+        (x.prio, kind_order(x.kind), x.stage, x.mb).cmp(&(
+            y.prio,
+            kind_order(y.kind),
+            y.stage,
+            y.mb,
+        ))
     };
     // Per-rank order (non-deferred ops), per-rank queues per (class, stage), and each
     // forward's index among its rank's forwards in order.
@@ -628,7 +633,11 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
         }
         let t = cx.ready_at(i, st.end);
         if t.is_nan() || t > now + EPS {
-            let lb = if t.is_nan() { cx.lower_bound(i, now, st) } else { t };
+            let lb = if t.is_nan() {
+                cx.lower_bound(i, now, st)
+            } else {
+                t
+            };
             w_horizon = w_horizon.min(lb);
             continue;
         }
@@ -656,4 +665,3 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
     }
     None
 }
-

@@ -340,7 +340,10 @@ fn if_expr<'a>(i: In<'a>, start: In<'a>) -> R<'a, Expr> {
         let (i, _) = expect("`}`", tok("}")).parse(i)?;
         (i, b)
     };
-    Ok((i, Expr::If(Box::new(c), Box::new(a), Box::new(b), sp_of(start, i))))
+    Ok((
+        i,
+        Expr::If(Box::new(c), Box::new(a), Box::new(b), sp_of(start, i)),
+    ))
 }
 
 fn call_arg(i: In<'_>) -> R<'_, Arg> {
@@ -448,7 +451,12 @@ fn op_stmt(i: In<'_>) -> R<'_, OpStmt> {
         if let Ok((i2, _)) = tok(")").parse(i) {
             return Ok((i2, Target::Next(None)));
         }
-        if let Ok((i2, _)) = kw("stage").parse(i) {
+        // `stage s` names a global stage; `stage(c)` right after `(` is the built-in call.
+        let is_call = i
+            .fragment()
+            .strip_prefix("stage")
+            .is_some_and(|r| r.starts_with('('));
+        if let (false, Ok((i2, _))) = (is_call, kw("stage").parse(i)) {
             let (i3, s) = expect("a stage expression", expr).parse(i2)?;
             let (i4, _) = expect("`,` and a micro-batch", tok(",")).parse(i3)?;
             let (i5, m) = expect("a micro-batch expression", expr).parse(i4)?;
@@ -670,8 +678,11 @@ fn list_rule(i: In<'_>) -> R<'_, ListRule> {
         return Ok((i3, ListRule::Defer(k, sp_of(start, i3))));
     }
     if let Ok((i2, (kind, _))) = op_kind(i) {
-        let (i3, _) = cut(expect("`(` and the names of the chunk and micro-batch", tok("(")))
-            .parse(i2)?;
+        let (i3, _) = cut(expect(
+            "`(` and the names of the chunk and micro-batch",
+            tok("("),
+        ))
+        .parse(i2)?;
         let (i4, (c, _)) = cut(expect("a name for the local chunk", ident)).parse(i3)?;
         let (i5, _) = cut(expect("`,`", tok(","))).parse(i4)?;
         let (i6, (m, _)) = cut(expect("a name for the micro-batch", ident)).parse(i5)?;
@@ -766,8 +777,11 @@ fn item(i: In<'_>) -> R<'_, Item> {
     }
     if let Ok((i2, _)) = kw("vpp").parse(i) {
         if let Ok((i3, _)) = kw("default").parse(i2) {
-            let (i4, e) =
-                cut(expect("the default number of virtual stages per rank", expr)).parse(i3)?;
+            let (i4, e) = cut(expect(
+                "the default number of virtual stages per rank",
+                expr,
+            ))
+            .parse(i3)?;
             return Ok((i4, Item::VppDefault(e, sp_of(start, i4))));
         }
         let (i3, e) = cut(expect("the number of virtual stages per rank", expr)).parse(i2)?;

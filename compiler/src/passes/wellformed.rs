@@ -403,7 +403,11 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                     } else {
                         "backward (BW, or B then W)".into()
                     },
-                    near: if f.present() { Some(f.first) } else { end_of(s) },
+                    near: if f.present() {
+                        Some(f.first)
+                    } else {
+                        end_of(s)
+                    },
                 }),
                 (false, true, false) => errs.push(WfError::Missing {
                     stage: s,
