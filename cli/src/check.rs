@@ -261,6 +261,7 @@ fn sweep(
                 vpp: v,
                 params: input.params.clone(),
                 placement: None,
+                list_cost: None,
             };
             let r = match schedc::input::load_spec(&text, &ov) {
                 Err(LoadError::Spec { refused: true, .. }) => Ok(false),

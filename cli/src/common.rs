@@ -129,6 +129,7 @@ impl InputArgs {
             pp: Self::single(&self.pp, "--pp")?,
             vpp: Self::single(&self.vpp, "--vpp")?,
             params: self.params.clone(),
+            list_cost: None,
         })
     }
 }
@@ -178,10 +179,19 @@ pub fn render_parse_error(p: &ParseError, name: &str) -> String {
 /// outside a spec's family, 1 `rejected` for a spec that does not elaborate, 2 `unreadable`
 /// for unreadable input or bad usage), after printing why.
 pub fn load_or_verdict(args: &InputArgs) -> Result<Loaded, (ExitCode, &'static str)> {
-    let ov = args.overrides().map_err(|e| {
+    load_under(args, None)
+}
+
+/// [`load_or_verdict`], a spec's `list` block scheduled under `cost` (`sim --cost`).
+pub fn load_under(
+    args: &InputArgs,
+    cost: Option<&schedc::sim::cost::CostModel>,
+) -> Result<Loaded, (ExitCode, &'static str)> {
+    let mut ov = args.overrides().map_err(|e| {
         eprintln!("error: {e}");
         (ExitCode::from(2), "unreadable")
     })?;
+    ov.list_cost = cost.cloned();
     let loaded = load_path(&args.input, &ov).map_err(|e| {
         print_load_error(&e, &args.input);
         (ExitCode::from(e.exit_code()), e.verdict())

@@ -64,9 +64,10 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let loaded = match load(&input) {
+    // A spec's `list` block is scheduled under the same cost model.
+    let loaded = match load_under(&input, Some(&model)) {
         Ok(l) => l,
-        Err(c) => return c,
+        Err((c, _)) => return c,
     };
     let checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
     if checked.report.verdict != Verdict::Accepted {

@@ -63,6 +63,9 @@ pub struct Overrides {
     pub vpp: Option<u32>,
     /// `--param NAME=VALUE` (specs only).
     pub params: Vec<(String, i64)>,
+    /// The cost model a spec's `list` block is scheduled under (`schedc sim --cost`); unit
+    /// op times when `None`.
+    pub list_cost: Option<crate::sim::cost::CostModel>,
 }
 
 /// A loaded input.
@@ -225,7 +228,10 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     }
     let (mut program, spans) = match format {
         Format::Spec => {
-            let e = load_spec(&text, ov)?;
+            let e = match &ov.list_cost {
+                Some(c) => load_spec_with(&text, ov, c)?,
+                None => load_spec(&text, ov)?,
+            };
             spec_expects = e.expects;
             notes = e.notes;
             (e.program, Some(e.spans))
