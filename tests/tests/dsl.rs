@@ -839,3 +839,111 @@ fn checked(name: &str, src: &str, pp: u32, mb: u32) -> String {
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+// ------------------------------------------------------------------ list scheduling
+
+/// A list block with 1F1B's priorities, run strictly, gives specs/1f1b.sched's orders; with
+/// backfilling under 1F1B's memory (`memory <= w`) it gives the same (without the cap the
+/// greedy would run the forwards early, GPipe-like, at no cost in time).
+#[test]
+fn list_scheduling_reproduces_1f1b() {
+    let want = run(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs/1f1b.sched"),
+        )
+        .unwrap(),
+        4,
+        8,
+    );
+    for rule in ["strict", "memory <= w"] {
+        let src = format!(
+            "vpp 1\nlist r {{\n    let w = min(P - r, M)\n    F(c, m) = if m < w {{ 2 * m }} else {{ 2 * m + 1 }}\n    BW(c, m) = 2 * (m + w)\n    {rule}\n}}\n"
+        );
+        assert_eq!(run(&src, 4, 8), want, "{rule}");
+    }
+}
+
+/// The greedy that cannot finish says why, at the rule that blocks.
+#[test]
+fn list_scheduling_stuck_is_an_error_at_the_rule() {
+    insta::assert_snapshot!(spec_error(
+        "stuck.sched",
+        "vpp 2\nplacement v\nlist r {\n    F(c, m) = m\n    BW(c, m) = 100 + m\n    memory <= 1\n}\n",
+        2,
+        2
+    ));
+}
+
+/// A list block's lines are checked: the kinds it needs, duplicates, what can be deferred.
+#[test]
+fn list_rules_are_checked() {
+    let cases = [
+        (
+            "list r {\n    BW(c, m) = m\n}\n",
+            "no priority for the forwards",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n}\n",
+            "no priority for the backwards",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n    BW(c, m) = m\n    B(c, m) = m\n}\n",
+            "either fused backwards",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n    BW(c, m) = m\n    defer W\n}\n",
+            "needs split backwards",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n    F(c, m) = 2 * m\n    BW(c, m) = m\n}\n",
+            "a second `F(c, m) =` line",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n    B(c, m) = m\n    defer F\n}\n",
+            "only `W` can be deferred",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n    BW(c, m) = m\n    memory <= 0\n}\n",
+            "at least 1",
+        ),
+        (
+            "rank r { }\nlist r {\n    F(c, m) = m\n    BW(c, m) = m\n}\n",
+            "not two",
+        ),
+        (
+            "list r {\n    F(c, m) = true\n    BW(c, m) = m\n}\n",
+            "priority of F(c = 0, m = 0)",
+        ),
+    ];
+    for (src, want) in cases {
+        let f = parse_file(src).unwrap_or_else(|e| panic!("{src}: {e:?}"));
+        let e = elaborate(
+            &f,
+            &Instance {
+                pp: 2,
+                mb: 2,
+                vpp: None,
+                params: vec![],
+            },
+        )
+        .unwrap_err();
+        assert!(e[0].message.contains(want), "{src}: {}", e[0].message);
+    }
+}
+
+/// `W(c, m)` without `defer W` orders weight gradients like any op; `defer W` lets them fill
+/// bubbles: ZB-H1's bubble (P - 1 in unit time) from 1F1B-like priorities.
+#[test]
+fn list_scheduling_defers_w_into_bubbles() {
+    let src = "vpp 1\nlist r {\n    let w = min(P - r, M)\n    F(c, m) = if m < w { 2 * m } else { 2 * m + 1 }\n    B(c, m) = 2 * (m + w)\n    defer W\n}\n";
+    let ov = Overrides {
+        pp: Some(4),
+        microbatches: Some(8),
+        ..Default::default()
+    };
+    let e = load_spec(src, &ov).unwrap();
+    let out = schedc::check::check(&e.program, Some(&e.spans), &Default::default());
+    assert_eq!(out.report.verdict, schedc::check::Verdict::Accepted);
+    let idle: Vec<f64> = out.report.ranks.iter().map(|r| r.idle.unwrap()).collect();
+    assert!(idle.iter().all(|&i| i <= 3.0), "{idle:?}");
+}

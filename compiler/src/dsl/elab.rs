@@ -1459,10 +1459,14 @@ fn elab_list(
         strict: strict.is_some(),
     };
     let orders = list::schedule(pl, &ops, &lr, cost).map_err(|stuck| {
-        let at = match stuck.ranks.first().map(|x| x.2) {
-            Some(list::Blocker::Memory(_)) => mem_rule.map_or(list_sp, |k| rules[k].sp()),
-            Some(list::Blocker::Inflight(_)) => infl_rule.map_or(list_sp, |k| rules[k].sp()),
-            _ => list_sp,
+        // Point at the rule that holds a rank back, if one does.
+        let blocked_by = |f: fn(&list::Blocker) -> bool| stuck.ranks.iter().any(|x| f(&x.2));
+        let at = if blocked_by(|b| matches!(b, list::Blocker::Memory(_))) {
+            mem_rule.map_or(list_sp, |k| rules[k].sp())
+        } else if blocked_by(|b| matches!(b, list::Blocker::Inflight(_))) {
+            infl_rule.map_or(list_sp, |k| rules[k].sp())
+        } else {
+            list_sp
         };
         let name = |i: usize| {
             let o = &ops[i];
