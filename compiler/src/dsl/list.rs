@@ -194,22 +194,12 @@ fn run(
     drop(fill);
     let dur: Vec<f64> = ops.iter().map(|o| cost.op_time(o.kind, o.stage)).collect();
     let deferred = |o: &Op| rules.defer_w && o.kind == Kind::W;
-    let kind_order = |k: Kind| match k {
-        Kind::F => 0,
-        Kind::B | Kind::BW => 1,
-        Kind::W => 2,
-    };
     let cmp_ops = |a: u32, b: u32| {
         let (x, y) = (&ops[a as usize], &ops[b as usize]);
-        (x.prio, kind_order(x.kind), x.stage, x.mb).cmp(&(
-            y.prio,
-            kind_order(y.kind),
-            y.stage,
-            y.mb,
-        ))
+        (x.prio, class(x.kind), x.stage, x.mb).cmp(&(y.prio, class(y.kind), y.stage, y.mb))
     };
-    // Per-rank order (non-deferred ops), per-rank queues per (class, stage), and each
-    // forward's index among its rank's forwards in order.
+    // Per-rank order (non-deferred ops), per-rank queues per (class, stage), and each op's
+    // position in its rank's order.
     let mut order: Vec<Vec<u32>> = vec![Vec::new(); np];
     for (i, o) in ops.iter().enumerate() {
         if !deferred(o) {
@@ -220,9 +210,8 @@ fn run(
         v.sort_by(|&a, &b| cmp_ops(a, b));
     }
     let mut queues: Vec<Vec<Vec<u32>>> = Vec::with_capacity(np);
-    // Each op's position in its rank's order.
     let mut opos = vec![0u32; n];
-    for (r, v) in order.iter().enumerate() {
+    for v in &order {
         let mut qs: Vec<((usize, u32), Vec<u32>)> = Vec::new();
         for &i in v {
             let o = &ops[i as usize];
@@ -231,7 +220,6 @@ fn run(
                 Some((_, q)) => q.push(i),
                 None => qs.push((k, vec![i])),
             }
-            let _ = r;
         }
         queues.push(qs.into_iter().map(|(_, q)| q).collect());
         for (k, &i) in v.iter().enumerate() {
@@ -240,7 +228,7 @@ fn run(
     }
     // Per rank, over its order: what each op not yet run will add to the live activations
     // (+1 a forward, -1 the op that frees it: BW, W, or B when W is deferred, counting its
-    // W as prompt) and to the forwards in flight (+1 F, -1 B or BW).
+    // W as prompt).
     let mem_delta = |o: &Op| match o.kind {
         Kind::F => 1,
         Kind::W | Kind::BW => -1,
