@@ -66,6 +66,8 @@ pub struct Overrides {
     /// The cost model a spec's `list` block is scheduled under (`schedc sim --cost`); unit
     /// op times when `None`.
     pub list_cost: Option<crate::sim::cost::CostModel>,
+    /// `--moe[=STAGES]`: split the MoE stages' ops into parts ([`crate::moe`]).
+    pub moe: Option<crate::moe::MoeStages>,
 }
 
 /// A loaded input.
@@ -268,6 +270,10 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     if format != Format::Spec {
         apply_overrides(&mut program, ov).map_err(LoadError::Usage)?;
     }
+    let (program, spans) = match &ov.moe {
+        Some(sel) => apply_moe(&program, spans.as_ref(), sel).map_err(LoadError::Usage)?,
+        None => (program, spans),
+    };
     Ok(Loaded {
         program,
         spans,
@@ -282,8 +288,22 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     })
 }
 
+/// Applies `--moe`: splits the ops of the selected MoE stages into parts
+/// ([`crate::moe::split`]), mapping `spans` along.
+///
+/// Errors: a selection that does not fit the pipeline (a stage out of range, `declared`
+/// without a declaration).
+pub fn apply_moe(
+    p: &Program,
+    spans: Option<&SourceMap>,
+    sel: &crate::moe::MoeStages,
+) -> Result<(Program, Option<SourceMap>), String> {
+    let stages = sel.resolve(&p.pipeline)?;
+    Ok(crate::moe::split(p, spans, &stages))
+}
+
 /// Parses and elaborates a spec for the instance in `ov` (a `list` block is scheduled under
-/// unit op times; see [`load_spec_with`]).
+/// unit op times; see [`load_spec_with`]; `--moe` is not applied here: see [`apply_moe`]).
 pub fn load_spec(text: &str, ov: &Overrides) -> Result<crate::dsl::Elaborated, LoadError> {
     load_spec_with(text, ov, &crate::sim::cost::CostModel::default())
 }
