@@ -69,9 +69,11 @@ pub fn run(args: Args) -> ExitCode {
             max_activations,
             format,
             &model,
+            cost.is_some(),
         );
     }
-    let loaded = match load_or_verdict(&input) {
+    // With --cost, a spec's `list` block is scheduled under that model (as `sim --cost`).
+    let loaded = match load_under(&input, cost.as_ref().map(|_| &model)) {
         Ok(l) => l,
         Err((c, verdict)) => {
             // With --format json, standard output still carries one object.
@@ -212,7 +214,9 @@ fn print_human(loaded: &Loaded, rep: &check::Report) -> String {
 type SweepResult = (u32, u32, Option<u32>, Result<bool, String>);
 
 /// `schedc check SPEC` over ranges of `--pp`, `--mb`, `--vpp`: every instance in parallel,
-/// failures smallest first.
+/// failures smallest first. With `list_under_model`, a `list` block is scheduled under
+/// `model` (`--cost` given), else under unit op times.
+#[allow(clippy::too_many_arguments)]
 fn sweep(
     input: &InputArgs,
     eager: bool,
@@ -221,6 +225,7 @@ fn sweep(
     max_act: Option<u64>,
     format: OutFormat,
     model: &schedc::sim::cost::CostModel,
+    list_under_model: bool,
 ) -> ExitCode {
     use indicatif::{ProgressBar, ProgressStyle};
     use rayon::prelude::*;
@@ -287,10 +292,14 @@ fn sweep(
                 vpp: v,
                 params: input.params.clone(),
                 placement: None,
-                list_cost: None,
+                list_cost: list_under_model.then(|| model.clone()),
                 moe: None,
             };
-            let r = match schedc::input::load_spec(&text, &ov) {
+            let loaded = match &ov.list_cost {
+                Some(c) => schedc::input::load_spec_with(&text, &ov, c),
+                None => schedc::input::load_spec(&text, &ov),
+            };
+            let r = match loaded {
                 Err(LoadError::Spec { refused: true, .. }) => Ok(false),
                 Err(LoadError::Spec { diags, .. }) => {
                     Err(diags.first().map(|d| d.message.clone()).unwrap_or_default())
