@@ -187,12 +187,11 @@ impl Formula {
                     _ => x >= y,
                 }
             }
-            other => {
-                return Err((
-                    other.sp(),
-                    "an `if` condition in a timing expectation's bound is a comparison or a boolean".into(),
-                ))
-            }
+            other => return Err((
+                other.sp(),
+                "an `if` condition in a timing expectation's bound is a comparison or a boolean"
+                    .into(),
+            )),
         })
     }
 }
