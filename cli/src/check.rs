@@ -72,16 +72,17 @@ pub fn run(args: Args) -> ExitCode {
             max_activations,
             format,
             &model,
+            cost.is_some(),
         );
     }
-    let loaded = match load_for(&input, Some(Work::Check)) {
+    // With --cost, a spec's `list` block is scheduled under that model (as `sim --cost`).
+    let loaded = match load_for_under(&input, Some(Work::Check), cost.as_ref().map(|_| &model)) {
         Ok(l) => l,
         Err(f) => {
             // With --format json, standard output still carries one object, with the message.
             if format == OutFormat::Json {
-                let verdict = if f.refused { "refused" } else { "unreadable" };
                 let v = serde_json::json!({
-                    "verdict": verdict,
+                    "verdict": f.verdict,
                     "input": input.name(),
                     "error": f.message,
                     "diagnostics": [],
@@ -243,7 +244,9 @@ enum Outcome {
 type SweepResult = (u32, u32, Option<u32>, Outcome);
 
 /// `schedc check SPEC` over ranges of `--pp`, `--mb`, `--vpp`: every instance in parallel,
-/// failures smallest first.
+/// failures smallest first. With `list_under_model`, a `list` block is scheduled under
+/// `model` (`--cost` given), else under unit op times.
+#[allow(clippy::too_many_arguments)]
 fn sweep(
     input: &InputArgs,
     eager: bool,
@@ -252,6 +255,7 @@ fn sweep(
     max_act: Option<u64>,
     format: OutFormat,
     model: &schedc::sim::cost::CostModel,
+    list_under_model: bool,
 ) -> ExitCode {
     use indicatif::{ProgressBar, ProgressStyle};
     use rayon::prelude::*;
@@ -348,9 +352,14 @@ fn sweep(
                 vpp: v,
                 params: input.params.clone(),
                 placement: None,
+                list_cost: list_under_model.then(|| model.clone()),
                 moe: None,
             };
-            let r = match schedc::input::load_spec(&text, &ov) {
+            let loaded = match &ov.list_cost {
+                Some(c) => schedc::input::load_spec_with(&text, &ov, c),
+                None => schedc::input::load_spec(&text, &ov),
+            };
+            let r = match loaded {
                 Err(LoadError::Spec { refused: true, .. }) => Outcome::Refused,
                 Err(LoadError::Spec { diags, .. }) => {
                     Outcome::Broken(diags.first().map(|d| d.message.clone()).unwrap_or_default())

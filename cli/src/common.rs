@@ -198,6 +198,7 @@ impl InputArgs {
             pp: Self::single(&self.pp, "--pp")?,
             vpp: Self::single(&self.vpp, "--vpp")?,
             params: self.params.clone(),
+            list_cost: None,
             moe: self.moe.clone(),
         })
     }
@@ -263,10 +264,16 @@ pub fn render_parse_error(p: &ParseError, name: &str) -> String {
 /// Why [`load`] failed: the exit status, and the message (already printed to standard
 /// error) for a JSON report.
 pub struct LoadFailure {
-    /// 1 for an instance outside a spec's family, 2 for anything else.
+    /// 1 for an instance outside a spec's family or a spec that does not elaborate, 2 for
+    /// anything else.
     pub code: ExitCode,
+    /// [`LoadFailure::code`] as a number, for a JSON report.
+    pub exit: u8,
     /// True for an instance outside the family.
     pub refused: bool,
+    /// The verdict a JSON report gives it: `refused` (a `require`), `rejected` (an
+    /// elaboration error), `unreadable` (everything else).
+    pub verdict: &'static str,
     /// The message, without colour.
     pub message: String,
 }
@@ -276,7 +283,9 @@ impl LoadFailure {
         eprintln!("error: {message}");
         LoadFailure {
             code: ExitCode::from(2),
+            exit: 2,
             refused: false,
+            verdict: "unreadable",
             message: format!("error: {message}\n"),
         }
     }
@@ -304,10 +313,22 @@ pub fn pre_check(
 }
 
 /// Loads the input for `work`, refusing an instance whose estimated memory exceeds the limit
-/// ([`schedc::limits`]). Errors: [`LoadFailure`] (1 for an instance outside a spec's family,
-/// 2 for unreadable input, bad usage or an instance over the limit), after printing why.
+/// ([`schedc::limits`]). Errors: [`LoadFailure`] (1 for an instance outside a spec's family
+/// or a spec that does not elaborate, 2 for unreadable input, bad usage or an instance over
+/// the limit), after printing why.
 pub fn load_for(args: &InputArgs, work: Option<Work>) -> Result<Loaded, LoadFailure> {
-    let ov = args.overrides().map_err(LoadFailure::usage)?;
+    load_for_under(args, work, None)
+}
+
+/// [`load_for`], a spec's `list` block scheduled under `cost` (`sim --cost`, `check
+/// --cost`); without one, under unit times.
+pub fn load_for_under(
+    args: &InputArgs,
+    work: Option<Work>,
+    cost: Option<&schedc::sim::cost::CostModel>,
+) -> Result<Loaded, LoadFailure> {
+    let mut ov = args.overrides().map_err(LoadFailure::usage)?;
+    ov.list_cost = cost.cloned();
     let name = args.name();
     // A spec's instance is known before it is elaborated: refuse what cannot fit at once.
     if let (Some(work), Some(pp), Some(mb)) = (work, ov.pp, ov.microbatches) {
@@ -323,11 +344,16 @@ pub fn load_for(args: &InputArgs, work: Option<Work>) -> Result<Loaded, LoadFail
         print_load_error(&e, &name);
         let refused = matches!(e, LoadError::Spec { refused: true, .. });
         LoadFailure {
-            code: ExitCode::from(if refused { 1 } else { 2 }),
+            code: ExitCode::from(e.exit_code()),
+            exit: e.exit_code(),
             refused,
+            verdict: e.verdict(),
             message,
         }
     })?;
+    for n in &loaded.notes {
+        eprintln!("note: {name}: {n}");
+    }
     if let Some(work) = work {
         let size = limits::Size::of(&loaded.program);
         limits::within_limit(

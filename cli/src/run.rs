@@ -264,8 +264,7 @@ fn load_program(input: &InputArgs, format: OutFormat) -> Result<schedc_ir::Progr
         Ok(l) => Ok(l.program),
         Err(f) => {
             if format == OutFormat::Json {
-                let v =
-                    serde_json::json!({"error": f.message, "exit": if f.refused { 1 } else { 2 }});
+                let v = serde_json::json!({"error": f.message, "exit": f.exit});
                 return Err(emit_then(&format!("{v}\n"), f.code));
             }
             Err(f.code)

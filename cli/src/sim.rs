@@ -75,9 +75,10 @@ pub fn run(args: Args) -> ExitCode {
             return c;
         }
     }
-    let loaded = match load(&input, Some(Work::Sim)) {
+    // A spec's `list` block is scheduled under the same cost model.
+    let loaded = match load_for_under(&input, Some(Work::Sim), Some(&model)) {
         Ok(l) => l,
-        Err(c) => return c,
+        Err(f) => return f.code,
     };
     if let Err(e) = check_stage_overrides(&model, loaded.program.pipeline.stages) {
         eprintln!("error: {e}");

@@ -41,6 +41,39 @@ fn check_exit_statuses() {
 }
 
 #[test]
+fn spec_exit_statuses_elaboration_is_a_rejection() {
+    // Issue 15 item 10: a spec that parses but cannot be elaborated for this instance is
+    // rejected (1), like a `require` refusal; a spec that does not parse is unreadable (2).
+    let d = tmpdir("elab");
+    let bad = d.join("exhausted.sched");
+    std::fs::write(&bad, "rank r {\n    repeat M + 1 { F(0) }\n}\n").unwrap();
+    let out = schedc(&["check", bad.to_str().unwrap(), "--pp", "2", "--mb", "2"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("schedc::elaboration"));
+    let json = schedc(&[
+        "check",
+        bad.to_str().unwrap(),
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(json.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["verdict"], "rejected");
+    let syntax = d.join("syntax.sched");
+    std::fs::write(&syntax, "rank r {\n    F(0\n}\n").unwrap();
+    let out = schedc(&["check", syntax.to_str().unwrap(), "--pp", "2", "--mb", "2"]);
+    assert_eq!(out.status.code(), Some(2));
+    for cmd in ["sim", "show"] {
+        let out = schedc(&[cmd, bad.to_str().unwrap(), "--pp", "2", "--mb", "2"]);
+        assert_eq!(out.status.code(), Some(1), "{cmd}");
+    }
+}
+
+#[test]
 fn syntax_error_has_location_and_exit_2() {
     let d = tmpdir("syntax");
     let f = d.join("bad.ir");
@@ -438,4 +471,93 @@ fn compare_reports_failures_as_such() {
     for col in ["from_start", "per_rank_span", "steady_state", "a2a exposed"] {
         assert!(text.contains(col), "{col}: {text}");
     }
+}
+
+/// A spec's `list` block is scheduled under the cost model of `check --cost` (one instance
+/// and a sweep), as under `sim --cost`, so its timing expectations judge the orders that those
+/// costs give, not the unit-time ones.
+#[test]
+fn check_cost_schedules_list_blocks_under_the_model() {
+    let cost = "F=1,B=2,W=1,BW=3";
+    let (pp, mb) = ("4", "12");
+    let makespan = |args: &[&str]| {
+        let out = schedc(args);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["makespan"].as_f64().unwrap()
+    };
+    let under_cost = makespan(&[
+        "sim",
+        "specs/v_half.sched",
+        "--pp",
+        pp,
+        "--mb",
+        mb,
+        "--cost",
+        cost,
+        "--format",
+        "json",
+    ]);
+    // The unit-time orders, timed under the same costs, are slower.
+    let d = tmpdir("listcost");
+    let ir = d.join("unit.ir");
+    let conv = schedc(&[
+        "convert",
+        "specs/v_half.sched",
+        "--pp",
+        pp,
+        "--mb",
+        mb,
+        "--to",
+        "ir-text",
+        "-o",
+        ir.to_str().unwrap(),
+    ]);
+    assert_eq!(conv.status.code(), Some(0));
+    let unit_orders = makespan(&[
+        "sim",
+        ir.to_str().unwrap(),
+        "--cost",
+        cost,
+        "--format",
+        "json",
+    ]);
+    assert!(under_cost < unit_orders, "{under_cost} vs {unit_orders}");
+    // Integer op costs: an integer makespan, written as a literal below (the language has no
+    // decimal literals; `/` in a timing bound divides exactly).
+    assert_eq!(under_cost.fract(), 0.0);
+    // A spec that promises the cost-model makespan: check --cost accepts it, alone and in a
+    // sweep; without --cost (unit orders, unit times) the bound is not the one judged.
+    let spec = d.join("v_half_bound.sched");
+    let text = std::fs::read_to_string(root().join("specs/v_half.sched")).unwrap();
+    std::fs::write(&spec, format!("{text}\nexpect makespan <= {under_cost}\n")).unwrap();
+    let s = spec.to_str().unwrap();
+    for mbs in [mb, "11..=12"] {
+        let out = schedc(&["check", s, "--pp", pp, "--mb", mbs, "--cost", cost]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "--mb {mbs}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::fs::write(
+        &spec,
+        format!("{text}\nexpect makespan <= {under_cost} - 1 / 2\n"),
+    )
+    .unwrap();
+    let out = schedc(&["check", s, "--pp", pp, "--mb", mb, "--cost", cost]);
+    assert_eq!(out.status.code(), Some(1));
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("makespan"), "{said}");
 }

@@ -4,7 +4,7 @@ use crate::diag::{Code, Diagnostic};
 use crate::passes::{
     deadlock, deps, liveness, lower, makespan, warmup, wellformed, Ctx, OpIndex, Pos,
 };
-use schedc_ir::text::SourceMap;
+use schedc_ir::text::{SourceMap, Span};
 use schedc_ir::{PlacementKind, Program};
 use serde::Serialize;
 
@@ -104,6 +104,65 @@ pub struct Outcome {
 /// size (a production schedule has well under a million; a typo such as
 /// `microbatches 4000000000` must not exhaust memory).
 pub const MAX_STAGE_MICROBATCHES: u64 = 1 << 22;
+
+/// Merges errors that one source statement causes once per micro-batch (a spec's loop body
+/// emits many ops from one statement): errors of the same code whose primary and related
+/// spans are all equal become one, whose notes list the others (the first five, then a
+/// count). Errors without a span (or with distinct spans, as in IR text, where every op has
+/// its own) are kept as they are.
+fn group_repeats(diags: Vec<Diagnostic>) -> Vec<Diagnostic> {
+    type Key = (Code, (u32, u32), Vec<Option<(u32, u32)>>);
+    let sp = |s: Span| (s.start, s.len);
+    let key = |d: &Diagnostic| -> Option<Key> {
+        Some((
+            d.code,
+            sp(d.span?),
+            d.related.iter().map(|(l, _)| l.span.map(sp)).collect(),
+        ))
+    };
+    let mut out: Vec<Diagnostic> = Vec::with_capacity(diags.len());
+    let mut first_of: std::collections::HashMap<Key, (usize, usize)> =
+        std::collections::HashMap::new();
+    for d in diags {
+        match key(&d) {
+            Some(k) if d.is_error() => match first_of.get_mut(&k) {
+                Some((at, more)) => {
+                    *more += 1;
+                    if *more <= 5 {
+                        let what = match (d.rank, d.position, &d.op) {
+                            (Some(r), Some(p), Some(op)) => {
+                                format!("{} (rank {r}, position {p}, `{op}`)", d.message)
+                            }
+                            _ => d.message.clone(),
+                        };
+                        out[*at]
+                            .notes
+                            .push(format!("the same statement also: {what}"));
+                    }
+                }
+                None => {
+                    first_of.insert(k, (out.len(), 0));
+                    out.push(d);
+                }
+            },
+            _ => out.push(d),
+        }
+    }
+    let mut groups: Vec<&(usize, usize)> = first_of.values().collect();
+    groups.sort();
+    for (at, more) in groups {
+        if *more > 5 {
+            out[*at]
+                .notes
+                .push(format!("... and {} more like these", more - 5));
+        }
+        if *more > 0 {
+            let d = &mut out[*at];
+            d.message = format!("{} ({} more like it from this statement)", d.message, more);
+        }
+    }
+    out
+}
 
 /// Runs every pass. `spans` locates the program's instructions in its source file.
 ///
@@ -242,6 +301,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
             checked = Some(t);
         }
     }
+    let mut diags = group_repeats(diags);
     // Passes 5-7.
     let wu = warmup::analyze(p);
     let (live, over) = liveness::analyze(p, opts.max_activations);

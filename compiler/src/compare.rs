@@ -323,6 +323,8 @@ fn one(f: &Source, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
                 .collect(),
             moe: opts.moe.clone(),
             placement: None,
+            // A `list` block is scheduled under the cost model the rows are simulated with.
+            list_cost: Some(opts.cost.clone()),
         }
     } else {
         Overrides {

@@ -49,7 +49,7 @@ pub enum Code {
     /// A spec's `require` refuses the instance (exit status 1).
     Refused,
     /// A spec that cannot be elaborated (unknown name, division by zero, a chunk with no
-    /// micro-batch left, ...; exit status 2).
+    /// micro-batch left, ...; exit status 1: the spec was read, the instance is rejected).
     Elaboration,
 }
 
@@ -312,6 +312,9 @@ pub struct Rendered<'a> {
     code: String,
     /// A cropped excerpt of a long line (see [`crop_excerpt`]).
     crop: Option<String>,
+    /// `file:line:col` of the primary span when the excerpt is cropped (a very long line)
+    /// and the diagnostic carries no location of its own.
+    fallback_location: Option<String>,
 }
 
 impl<'a> Rendered<'a> {
@@ -335,12 +338,20 @@ impl<'a> Rendered<'a> {
             }
             _ => None,
         };
+        let fallback_location = match (long, src, diag.span) {
+            (true, Some((name, text)), Some(sp)) if diag.location.is_none() => {
+                let (l, c) = schedc_ir::text::line_col(text, sp.start as usize);
+                Some(format!("{name}:{l}:{c}"))
+            }
+            _ => None,
+        };
         let src = if long { None } else { src };
         Rendered {
             diag,
             src: src.map(|(n, t)| miette::NamedSource::new(n, t.to_string())),
             code: format!("schedc::{}", diag.code.as_str()),
             crop,
+            fallback_location,
         }
     }
 }
@@ -350,7 +361,7 @@ impl std::fmt::Display for Rendered<'_> {
         let d = self.diag;
         write!(f, "{}", d.message)?;
         if d.span.is_none() || self.src.is_none() {
-            if let Some(loc) = &d.location {
+            if let Some(loc) = d.location.as_ref().or(self.fallback_location.as_ref()) {
                 write!(f, " at {loc}")?;
             }
             if let (Some(r), Some(p)) = (d.rank, d.position) {

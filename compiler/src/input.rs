@@ -63,6 +63,9 @@ pub struct Overrides {
     pub vpp: Option<u32>,
     /// `--param NAME=VALUE` (specs only).
     pub params: Vec<(String, i64)>,
+    /// The cost model a spec's `list` block is scheduled under (`schedc sim --cost`); unit
+    /// op times when `None`.
+    pub list_cost: Option<crate::sim::cost::CostModel>,
     /// `--moe[=STAGES]`: split the MoE stages' ops into parts ([`crate::moe`]).
     pub moe: Option<crate::moe::MoeStages>,
 }
@@ -87,6 +90,8 @@ pub struct Loaded {
     pub budget: Option<u64>,
     /// A spec's per-rank expectations (evaluated for this instance).
     pub spec_expects: Vec<crate::dsl::elab::Expectation>,
+    /// A spec's notes about the instance (e.g. that V defaulted to 1).
+    pub notes: Vec<String>,
 }
 
 /// A load failure: unreadable file, or a syntax error with its location.
@@ -98,8 +103,8 @@ pub enum LoadError {
     Parse(ParseError),
     /// An override that does not fit the input.
     Usage(String),
-    /// A spec that does not parse or elaborate (exit 2), or an instance its `require`s
-    /// refuse (exit 1); the diagnostics point into `text`.
+    /// A spec that does not parse (exit 2), an instance its `require`s refuse or that cannot
+    /// be elaborated (exit 1); the diagnostics point into `text`.
     Spec {
         /// The diagnostics.
         diags: Vec<crate::diag::Diagnostic>,
@@ -108,6 +113,32 @@ pub enum LoadError {
         /// True if a `require` refused the instance.
         refused: bool,
     },
+}
+
+impl LoadError {
+    /// The exit status of a command that could not load its input: 1 for a spec that parses
+    /// but whose instance is refused by a `require` or cannot be elaborated (the spec is
+    /// readable; the instance is rejected), 2 for unreadable input (I/O, syntax) or bad usage.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            LoadError::Spec { diags, .. }
+                if !diags.iter().any(|d| d.code == crate::diag::Code::Syntax) =>
+            {
+                1
+            }
+            _ => 2,
+        }
+    }
+
+    /// The verdict a JSON report gives it: `refused` (a `require`), `rejected` (an
+    /// elaboration error), `unreadable` (everything else).
+    pub fn verdict(&self) -> &'static str {
+        match self {
+            LoadError::Spec { refused: true, .. } => "refused",
+            e if e.exit_code() == 1 => "rejected",
+            _ => "unreadable",
+        }
+    }
 }
 
 /// True if `text` reads as a `.sched` spec: one of its lines (outside comments) starts with a
@@ -252,6 +283,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     let mut budget = None;
     let mut torch_format = None;
     let mut spec_expects = Vec::new();
+    let mut notes = Vec::new();
     if format != Format::Spec && (ov.pp.is_some() || ov.vpp.is_some() || !ov.params.is_empty()) {
         return Err(LoadError::Usage(format!(
             "--pp, --vpp and --param apply to .sched specs only, and `{name}` reads as {} (a spec is recognised by its .sched extension or by its content: a `schedule`, `param`, `let` or `require` line, or a `rank r {{` block)",
@@ -266,8 +298,12 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     }
     let (mut program, spans) = match format {
         Format::Spec => {
-            let e = load_spec(&text, ov)?;
+            let e = match &ov.list_cost {
+                Some(c) => load_spec_with(&text, ov, c)?,
+                None => load_spec(&text, ov)?,
+            };
             spec_expects = e.expects;
+            notes = e.notes;
             (e.program, Some(e.spans))
         }
         Format::IrText => {
@@ -316,6 +352,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
         expects,
         budget,
         spec_expects,
+        notes,
     })
 }
 
@@ -333,9 +370,19 @@ pub fn apply_moe(
     Ok(crate::moe::split(p, spans, &stages))
 }
 
-/// Parses and elaborates a spec for the instance in `ov` (`--moe` is not applied here: see
-/// [`apply_moe`]).
+/// Parses and elaborates a spec for the instance in `ov` (a `list` block is scheduled under
+/// unit op times; see [`load_spec_with`]; `--moe` is not applied here: see [`apply_moe`]).
 pub fn load_spec(text: &str, ov: &Overrides) -> Result<crate::dsl::Elaborated, LoadError> {
+    load_spec_with(text, ov, &crate::sim::cost::CostModel::default())
+}
+
+/// [`load_spec`], with a `list` block scheduled under the op times and message latency of
+/// `cost`.
+pub fn load_spec_with(
+    text: &str,
+    ov: &Overrides,
+    cost: &crate::sim::cost::CostModel,
+) -> Result<crate::dsl::Elaborated, LoadError> {
     use crate::diag::{Code, Diagnostic};
     let file = crate::dsl::parse_file(text).map_err(|e| LoadError::Spec {
         diags: vec![{
@@ -366,7 +413,7 @@ pub fn load_spec(text: &str, ov: &Overrides) -> Result<crate::dsl::Elaborated, L
         vpp: ov.vpp,
         params: ov.params.clone(),
     };
-    crate::dsl::elaborate(&file, &inst).map_err(|errs| {
+    crate::dsl::elab::elaborate_with(&file, &inst, cost).map_err(|errs| {
         let refused = errs.iter().all(|e| e.refused);
         LoadError::Spec {
             diags: errs.iter().map(elab_diag).collect(),
@@ -393,6 +440,7 @@ pub fn elab_diag(e: &crate::dsl::ElabError) -> crate::diag::Diagnostic {
     }
     d.rank = e.rank;
     d.help = e.help.clone();
+    d.notes = e.context.clone();
     d
 }
 

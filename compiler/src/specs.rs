@@ -9,9 +9,15 @@ pub fn standard_library() -> &'static [(&'static str, &'static str)] {
 
 const STANDARD_LIBRARY: &[(&str, &str)] = &[
     ("1f1b", include_str!("../../specs/1f1b.sched")),
+    ("chimera", include_str!("../../specs/chimera.sched")),
+    (
+        "chimera_direct",
+        include_str!("../../specs/chimera_direct.sched"),
+    ),
     ("dualpipe", include_str!("../../specs/dualpipe.sched")),
     ("dualpipev", include_str!("../../specs/dualpipev.sched")),
     ("gpipe", include_str!("../../specs/gpipe.sched")),
+    ("hanayo", include_str!("../../specs/hanayo.sched")),
     (
         "interleaved_1f1b",
         include_str!("../../specs/interleaved_1f1b.sched"),
@@ -21,6 +27,8 @@ const STANDARD_LIBRARY: &[(&str, &str)] = &[
         include_str!("../../specs/interleaved_zb.sched"),
     ),
     ("looped_bfs", include_str!("../../specs/looped_bfs.sched")),
+    ("v_half", include_str!("../../specs/v_half.sched")),
+    ("v_min", include_str!("../../specs/v_min.sched")),
     ("zb_h1", include_str!("../../specs/zb_h1.sched")),
     ("zb_h2", include_str!("../../specs/zb_h2.sched")),
     ("zbv", include_str!("../../specs/zbv.sched")),

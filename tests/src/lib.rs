@@ -545,3 +545,266 @@ pub mod conform {
         (diffs, n)
     }
 }
+
+/// Conformance with the Zero Bubble / Controllable Memory / Chimera authors' generators
+/// (`shared/reference/zb`, see its README): per-rank orders, the makespan from time 0 under
+/// the README's timing model, and peak activations.
+pub mod zb {
+    use schedc::sim::cost::CostModel;
+    use schedc_ir::{Compute, Instr, Kind, Pipeline, PlacementKind, Program};
+
+    /// One reference configuration.
+    pub struct RefConfig {
+        /// `vhalf_P8_M24_unit`, ...
+        pub id: String,
+        /// Ranks.
+        pub pp: u32,
+        /// Micro-batches (both directions together for Chimera).
+        pub mb: u32,
+        /// `unit`, `profA`, `profB`.
+        pub cost_name: String,
+        /// F, B, W, comm.
+        pub cost: [f64; 4],
+        /// The authors' orders as a schedc program.
+        pub program: Program,
+        /// The README's `derived.makespan_from_t0`.
+        pub makespan: f64,
+        /// The README's `derived.per_rank_peak_mem_units`.
+        pub peaks: Vec<u64>,
+    }
+
+    /// The reference configs of `generator` (empty without `../shared`), sorted by (P, M,
+    /// cost set).
+    pub fn configs(generator: &str) -> Vec<RefConfig> {
+        let Some(shared) = crate::shared_dir() else {
+            return Vec::new();
+        };
+        let dir = shared.join("reference/zb");
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().to_string();
+            if !name.starts_with(&format!("{generator}_P")) || !name.ends_with(".json") {
+                continue;
+            }
+            let d: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+            out.push(parse(&d));
+        }
+        out.sort_by(|a, b| (a.pp, a.mb, &a.cost_name).cmp(&(b.pp, b.mb, &b.cost_name)));
+        out
+    }
+
+    fn parse(d: &serde_json::Value) -> RefConfig {
+        let pp = d["P"].as_u64().unwrap() as u32;
+        let mb = d["M"].as_u64().unwrap() as u32;
+        let c = &d["cost"];
+        let cost = ["F", "B", "W", "comm"].map(|k| c[k].as_f64().unwrap());
+        let placement = d["placement"].as_str().unwrap();
+        let (pipeline, mb_of): (Pipeline, Box<dyn Fn(u32, u32) -> u32>) = match placement {
+            "V" => (
+                Pipeline::new(pp, 2 * pp, mb, PlacementKind::V).unwrap(),
+                Box::new(|_, m| m),
+            ),
+            "interleaved" => (
+                Pipeline::new(pp, 2 * pp, mb, PlacementKind::Loop).unwrap(),
+                Box::new(|_, m| m),
+            ),
+            "single" => (
+                Pipeline::new(pp, pp, mb, PlacementKind::Loop).unwrap(),
+                Box::new(|_, m| m),
+            ),
+            "bidir" => {
+                // Micro-batches are numbered over both directions; each pipeline instance
+                // holds a run of them in one direction. Per direction, schedc numbers them
+                // 0.. in instance order.
+                let inst = &d["generator_reported"]["pipeline_instances"];
+                let mut map = std::collections::HashMap::new();
+                let mut next = [0u32; 2];
+                let mut keys: Vec<u64> = inst
+                    .as_object()
+                    .unwrap()
+                    .keys()
+                    .map(|k| k.parse().unwrap())
+                    .collect();
+                keys.sort();
+                for k in keys {
+                    let v = &inst[k.to_string()];
+                    let dir = usize::from(v["direction_label"] == "up");
+                    for m in v["microbatches"].as_array().unwrap() {
+                        map.insert((dir as u32, m.as_u64().unwrap() as u32), next[dir]);
+                        next[dir] += 1;
+                    }
+                }
+                (
+                    Pipeline::new(pp, 2 * pp, mb / 2, PlacementKind::Bidir).unwrap(),
+                    Box::new(move |dir, m| map[&(dir, m)]),
+                )
+            }
+            other => panic!("unknown placement {other}"),
+        };
+        let stage_of = |r: u32, chunk: u32| -> u32 {
+            match placement {
+                "V" => {
+                    if chunk == 0 {
+                        r
+                    } else {
+                        2 * pp - 1 - r
+                    }
+                }
+                "interleaved" => chunk * pp + r,
+                "single" => r,
+                _ => {
+                    if chunk == 0 {
+                        r
+                    } else {
+                        pp + (pp - 1 - r)
+                    }
+                }
+            }
+        };
+        let ranks = d["orders"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(r, ops)| {
+                ops.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|o| {
+                        let kind = match o["type"].as_str().unwrap() {
+                            "F" => Kind::F,
+                            "B" => Kind::B,
+                            "W" => Kind::W,
+                            "BW" => Kind::BW,
+                            t => panic!("op type {t}"),
+                        };
+                        let chunk = o["chunk"].as_u64().unwrap() as u32;
+                        let m = o["microbatch"].as_u64().unwrap() as u32;
+                        Instr::Compute(Compute::new(
+                            kind,
+                            stage_of(r as u32, chunk),
+                            mb_of(chunk, m),
+                        ))
+                    })
+                    .collect()
+            })
+            .collect();
+        let x = &d["derived"];
+        RefConfig {
+            id: d["config_id"].as_str().unwrap().to_string(),
+            pp,
+            mb,
+            cost_name: d["cost_name"].as_str().unwrap().to_string(),
+            cost,
+            program: Program { pipeline, ranks },
+            makespan: x["makespan_from_t0"].as_f64().unwrap(),
+            peaks: x["per_rank_peak_mem_units"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect(),
+        }
+    }
+
+    /// The cost model of a reference cost set: op times F, B, W (BW = B + W) and `comm` as
+    /// the latency of every message between ranks.
+    pub fn cost_model(c: [f64; 4]) -> CostModel {
+        let toml = format!(
+            "[compute]\nF = {}\nB = {}\nW = {}\n[p2p]\nlatency = {}\n",
+            c[0], c[1], c[2], c[3]
+        );
+        CostModel::from_toml(&toml).unwrap()
+    }
+
+    /// The README's timing model (`derived`): each rank runs its compute ops back to back in
+    /// order, each as soon as the rank is free and its input is done (the previous stage's
+    /// F; the next stage's B, or the stage's own F on a last stage; its own B for W), plus
+    /// `comm` when the input comes from another rank. Returns the makespan from time 0, or
+    /// `None` if the orders cannot run.
+    pub fn makespan(p: &Program, c: [f64; 4]) -> Option<f64> {
+        finish_times(p, c).map(|f| f.iter().cloned().fold(0.0, f64::max))
+    }
+
+    /// Per rank, when its last op ends under [`makespan`]'s model.
+    pub fn finish_times(p: &Program, c: [f64; 4]) -> Option<Vec<f64>> {
+        start_times(p, c).map(|(f, _)| f)
+    }
+
+    /// Per rank, when its last op ends, and the start of every op by (kind, stage, mb).
+    #[allow(clippy::type_complexity)]
+    pub fn start_times(
+        p: &Program,
+        c: [f64; 4],
+    ) -> Option<(Vec<f64>, std::collections::HashMap<(Kind, u32, u32), f64>)> {
+        let mut starts = std::collections::HashMap::new();
+        let pl = &p.pipeline;
+        let (sn, mn) = (pl.stages as usize, pl.microbatches as usize);
+        let mut end_f = vec![f64::NAN; sn * mn];
+        let mut end_b = vec![f64::NAN; sn * mn];
+        let mut free = vec![0f64; p.ranks.len()];
+        let mut pos = vec![0usize; p.ranks.len()];
+        let dur = |k: Kind| match k {
+            Kind::F => c[0],
+            Kind::B => c[1],
+            Kind::W => c[2],
+            Kind::BW => c[1] + c[2],
+        };
+        loop {
+            let mut progress = false;
+            for r in 0..p.ranks.len() {
+                while let Some(Instr::Compute(o)) = p.ranks[r].get(pos[r]) {
+                    let k = o.stage as usize * mn + o.mb as usize;
+                    let (input, from) = match o.kind {
+                        Kind::F => match pl.prev_stage(o.stage) {
+                            Some(s) => (end_f[s as usize * mn + o.mb as usize], s),
+                            None => (0.0, o.stage),
+                        },
+                        Kind::B | Kind::BW => match pl.next_stage(o.stage) {
+                            Some(s) => (end_b[s as usize * mn + o.mb as usize], s),
+                            None => (end_f[k], o.stage),
+                        },
+                        Kind::W => (end_b[k], o.stage),
+                    };
+                    if input.is_nan() {
+                        break;
+                    }
+                    let arrive = if pl.rank_of(from) as usize != r {
+                        input + c[3]
+                    } else {
+                        input
+                    };
+                    starts.insert((o.kind, o.stage, o.mb), arrive.max(free[r]));
+                    let e = arrive.max(free[r]) + dur(o.kind);
+                    free[r] = e;
+                    match o.kind {
+                        Kind::F => end_f[k] = e,
+                        Kind::B | Kind::BW => end_b[k] = e,
+                        Kind::W => {}
+                    }
+                    pos[r] += 1;
+                    progress = true;
+                }
+            }
+            if !progress {
+                break;
+            }
+        }
+        if (0..p.ranks.len()).any(|r| pos[r] < p.ranks[r].len()) {
+            return None;
+        }
+        Some((free, starts))
+    }
+
+    /// Peak live activations per rank (F allocates, W or BW frees: `schedc check`'s count,
+    /// and the README's `peak_mem_units`).
+    pub fn peaks(p: &Program) -> Vec<u64> {
+        schedc::passes::liveness::analyze(p, None)
+            .0
+            .iter()
+            .map(|l| l.peak)
+            .collect()
+    }
+}

@@ -40,6 +40,17 @@ rank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0) RA(0,1<-0) F(1,1) BW(1,1) SG(1,1->0
 }
 
 #[test]
+fn deadlock_names_the_ranks_blocked_behind_it() {
+    // Ranks 0 and 1 deadlock as in `deadlock`; rank 2 waits for rank 1's activation, which
+    // rank 1 never sends: it is blocked behind the cycle.
+    let src = "pp 3\nstages 3\nmicrobatches 2\nplacement loop\n\
+rank 0: F(0,0) SA(0,0->1) F(0,1) SA(0,1->1) RG(1,0<-1) BW(0,0) RG(1,1<-1) BW(0,1)\n\
+rank 1: RA(0,0<-0) F(1,0) SG(1,0->0) SA(1,0->2) RA(0,1<-0) F(1,1) SA(1,1->2) RG(2,0<-2) BW(1,0) RG(2,1<-2) BW(1,1)\n\
+rank 2: RA(1,0<-1) F(2,0) BW(2,0) SG(2,0->1) RA(1,1<-1) F(2,1) BW(2,1) SG(2,1->1)\n";
+    insta::assert_snapshot!(snap("behind.ir", src, Code::Deadlock));
+}
+
+#[test]
 fn deadlock_in_compute_order() {
     // Rank 0 runs F(0,1) only after BW(0,0); rank 1 wants F(1,1) before BW(1,0): no execution.
     let src = "pp 2\nstages 2\nmicrobatches 2\nplacement loop\n\

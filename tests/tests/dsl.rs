@@ -60,13 +60,20 @@ fn expr() -> impl Strategy<Value = Expr> {
                 )),
             (
                 prop::sample::select(vec![Kind::F, Kind::B, Kind::W, Kind::BW]),
-                inner
+                inner.clone()
             )
                 .prop_map(|(k, c)| Expr::Call(
                     "left".into(),
                     vec![Arg::Kind(k, sp()), Arg::Expr(c)],
                     sp()
                 )),
+            (inner.clone(), inner.clone(), inner.clone()).prop_map(|(c, a, b)| Expr::If(
+                Box::new(c),
+                Box::new(a),
+                Box::new(b),
+                sp()
+            )),
+            inner.prop_map(|c| Expr::Call("stage".into(), vec![Arg::Expr(c)], sp())),
         ]
     })
 }
@@ -140,11 +147,40 @@ fn stmt() -> impl Strategy<Value = Stmt> {
     })
 }
 
+fn list_rule() -> impl Strategy<Value = ListRule> {
+    prop_oneof![
+        (name(), expr()).prop_map(|(n, e)| ListRule::Let(n, e, sp())),
+        (
+            prop::sample::select(vec![Kind::F, Kind::B, Kind::W, Kind::BW]),
+            name(),
+            name(),
+            expr()
+        )
+            .prop_map(|(kind, chunk, mb, expr)| ListRule::Priority {
+                kind,
+                chunk,
+                mb,
+                expr,
+                sp: sp()
+            }),
+        expr().prop_map(|e| ListRule::Memory(e, sp())),
+        expr().prop_map(|e| ListRule::Inflight(e, sp())),
+        Just(ListRule::Defer(Kind::W, sp())),
+        Just(ListRule::Strict(sp())),
+    ]
+}
+
 fn item() -> impl Strategy<Value = Item> {
     prop_oneof![
         "[a-z][a-z0-9_ ]{0,10}".prop_map(|s| Item::Name(s, sp())),
         (name(), prop::option::of(expr())).prop_map(|(n, d)| Item::Param(n, d, sp())),
         expr().prop_map(|e| Item::Vpp(e, sp())),
+        expr().prop_map(|e| Item::VppDefault(e, sp())),
+        (name(), prop::collection::vec(list_rule(), 0..5)).prop_map(|(n, rules)| Item::List(
+            n,
+            rules,
+            sp()
+        )),
         expr().prop_map(|e| Item::Stages(e, sp())),
         expr().prop_map(|e| Item::Microbatches(e, sp())),
         prop_oneof![
@@ -614,4 +650,300 @@ fn functions_and_descending_ranges() {
         "{}",
         err[0].message
     );
+}
+
+// ------------------------------------------------------------------ issue 15 and 11 fixes
+
+fn elab(src: &str, pp: u32, mb: u32, params: Vec<(String, i64)>) -> schedc::dsl::Elaborated {
+    let f = parse_file(src).unwrap_or_else(|e| panic!("{e:?}"));
+    elaborate(
+        &f,
+        &Instance {
+            pp,
+            mb,
+            vpp: None,
+            params,
+        },
+    )
+    .unwrap_or_else(|e| panic!("{:?}", e))
+}
+
+/// Issue 15 item 1: `stage(c)` is a built-in function although `stage` is a keyword.
+#[test]
+fn stage_of_a_chunk_parses() {
+    let src = "vpp 2\nplacement v\nrank r {\n  if stage(1) == 2 * P - 1 - r { F(0) F(1) }\n}\n";
+    let got = run(src, 2, 1);
+    assert_eq!(got[0], ["F(0,0)", "F(3,0)"]);
+    assert_eq!(got[1], ["F(1,0)", "F(2,0)"]);
+}
+
+/// Issue 15 item 2: items are evaluated in file order, `vpp` included.
+#[test]
+fn vpp_is_evaluated_in_file_order() {
+    let src = "param waves = 2\nvpp 2 * waves\nplacement v\nlet s = S\nrank r { }\n";
+    let e = elab(src, 2, 1, vec![]);
+    assert_eq!(e.program.pipeline.stages, 8);
+    let e = elab(src, 2, 1, vec![("waves".into(), 3)]);
+    assert_eq!(e.program.pipeline.stages, 12);
+    // V used before the `vpp` item: an error that says where V comes from.
+    insta::assert_snapshot!(spec_error(
+        "order.sched",
+        "let chunks_per_rank = V\nvpp 2\nrank r { }\n",
+        2,
+        2
+    ));
+}
+
+/// Issue 15 item 4: conditional expressions; only the chosen branch is evaluated.
+#[test]
+fn if_expressions() {
+    let src = "let a = if P > 2 { 10 } else if P == 2 { 20 } else { 1 / 0 }\nrank r {\n  repeat if r == 0 { a / 10 } else { 0 } { F(0) }\n}\n";
+    assert_eq!(run(src, 3, 1)[0], ["F(0,0)"]);
+    let e = elab(
+        "let a = if P > 2 { 10 } else if P == 2 { 20 } else { 1 / 0 }\nrank r { }\nexpect warmup == a\n",
+        2,
+        1,
+        vec![],
+    );
+    assert_eq!(e.expects[0].values, vec![20, 20]);
+    let e = elaborate(
+        &parse_file("let a = if P > 0 { true } else { 1 }\nrank r { repeat a { F(0) } }\n")
+            .unwrap(),
+        &Instance {
+            pp: 1,
+            mb: 1,
+            vpp: None,
+            params: vec![],
+        },
+    )
+    .unwrap_err();
+    assert!(e[0]
+        .message
+        .contains("expected an integer, found a boolean"));
+    // An `if` expression needs both branches.
+    insta::assert_snapshot!(spec_error("if.sched", "let a = if P > 2 { 1 }\n", 2, 2));
+}
+
+/// Issue 15 item 6: a missing op points at the spec (the end of its rank's program).
+#[test]
+fn missing_op_has_a_location() {
+    let src =
+        "placement loop\nrank r {\n    repeat M - 1 { F(0) }\n    repeat M - 1 { BW(0) }\n}\n";
+    insta::assert_snapshot!(checked("missing.sched", src, 2, 3));
+}
+
+/// Issue 15 item 7 (issue 11 item 33): one mistake, one error, not one per micro-batch.
+#[test]
+fn order_errors_of_one_statement_are_grouped() {
+    let src = "placement loop\nrank r {\n    repeat M {\n        BW(0)\n        F(0)\n    }\n}\n";
+    let out = checked("order.sched", src, 1, 8);
+    assert_eq!(out.matches("schedc::order").count(), 1, "{out}");
+    insta::assert_snapshot!(out);
+}
+
+/// Issue 15 item 8: elaboration errors name the loop iteration; after an explicit
+/// `F(c, m)` the counter error says which micro-batches are still missing.
+#[test]
+fn elaboration_errors_name_the_iteration() {
+    insta::assert_snapshot!(spec_error(
+        "iter.sched",
+        "vpp 2\nrank r {\n    for c in 0..3 {\n        repeat 2 {\n            F(c)\n        }\n    }\n}\n",
+        2,
+        2
+    ));
+    insta::assert_snapshot!(spec_error(
+        "explicit.sched",
+        "rank r {\n    F(0, 1)\n    F(0)\n}\n",
+        2,
+        2
+    ));
+}
+
+/// Issue 11 item 19: a spec states its default V; without one, V = 1 is said.
+#[test]
+fn default_vpp() {
+    let src = "vpp default 2\nplacement loop\nrank r { for c in 0..V { F(c) } }\n";
+    let e = elab(src, 2, 1, vec![]);
+    assert_eq!(e.program.pipeline.stages, 4);
+    assert!(e.notes.is_empty());
+    let f = parse_file(src).unwrap();
+    let e = elaborate(
+        &f,
+        &Instance {
+            pp: 2,
+            mb: 1,
+            vpp: Some(3),
+            params: vec![],
+        },
+    )
+    .unwrap();
+    assert_eq!(e.program.pipeline.stages, 6);
+    let e = elab("placement loop\nrank r { F(0) }\n", 2, 1, vec![]);
+    assert_eq!(
+        e.notes,
+        ["V = 1 virtual stage per rank: this spec states no default V (pass --vpp)"]
+    );
+    let f = parse_file("vpp 2\nvpp default 2\nrank r { }\n").unwrap();
+    assert!(elaborate(
+        &f,
+        &Instance {
+            pp: 1,
+            mb: 1,
+            vpp: None,
+            params: vec![]
+        }
+    )
+    .is_err());
+}
+
+/// Issue 11 item 20: `fmt` keeps a comment at the end of its line and a block's last
+/// comment inside the block.
+#[test]
+fn fmt_keeps_trailing_comments_in_place() {
+    let src = "let a = 1 # the a\n\nrank r {\n    F(0) # fwd\n    repeat M {\n        BW(0) # inner\n        # last in the repeat\n    } # after\n    if r == 0 { BW(0) } else { BW(0) } # one line\n    # last in rank\n}\n\nlist q {\n    F(c, m) = m # fp\n    # last rule\n}\n";
+    let f = parse_file(src).unwrap();
+    assert_eq!(format_file(&f, src), src);
+}
+
+/// Issue 11 item 23: an integer literal that does not fit says so; the nesting limit on a
+/// very long line keeps its file:line:col.
+#[test]
+fn literal_too_large_and_nesting_on_a_long_line() {
+    insta::assert_snapshot!(spec_error(
+        "big.sched",
+        "let a = 99999999999999999999\n",
+        2,
+        2
+    ));
+    let deep = format!("let a = {}1{}\n", "(".repeat(200), ")".repeat(200));
+    let src = format!("{}\n{deep}", "# ".repeat(3000));
+    let e = spec_error("deep.sched", &src, 2, 2);
+    assert!(e.contains("too complex"), "{e}");
+    assert!(e.contains("deep.sched:2:"), "{e}");
+}
+
+/// The rendered check diagnostics of a spec instance.
+fn checked(name: &str, src: &str, pp: u32, mb: u32) -> String {
+    let ov = Overrides {
+        pp: Some(pp),
+        microbatches: Some(mb),
+        ..Default::default()
+    };
+    let e = load_spec(src, &ov).unwrap();
+    let out = schedc::check::check(&e.program, Some(&e.spans), &Default::default());
+    out.report
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error())
+        .map(|d| schedc::diag::render(d, Some((name, src)), 100))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+// ------------------------------------------------------------------ list scheduling
+
+/// A list block with 1F1B's priorities, run strictly, gives specs/1f1b.sched's orders; with
+/// backfilling under 1F1B's memory (`memory <= w`) it gives the same (without the cap the
+/// greedy would run the forwards early, GPipe-like, at no cost in time).
+#[test]
+fn list_scheduling_reproduces_1f1b() {
+    let want = run(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs/1f1b.sched"),
+        )
+        .unwrap(),
+        4,
+        8,
+    );
+    for rule in ["strict", "memory <= w"] {
+        let src = format!(
+            "vpp 1\nlist r {{\n    let w = min(P - r, M)\n    F(c, m) = if m < w {{ 2 * m }} else {{ 2 * m + 1 }}\n    BW(c, m) = 2 * (m + w)\n    {rule}\n}}\n"
+        );
+        assert_eq!(run(&src, 4, 8), want, "{rule}");
+    }
+}
+
+/// The greedy that cannot finish says why, at the rule that blocks.
+#[test]
+fn list_scheduling_stuck_is_an_error_at_the_rule() {
+    insta::assert_snapshot!(spec_error(
+        "stuck.sched",
+        "vpp 2\nplacement v\nlist r {\n    F(c, m) = m\n    BW(c, m) = 100 + m\n    memory <= 1\n}\n",
+        2,
+        2
+    ));
+}
+
+/// A list block's lines are checked: the kinds it needs, duplicates, what can be deferred.
+#[test]
+fn list_rules_are_checked() {
+    let cases = [
+        (
+            "list r {\n    BW(c, m) = m\n}\n",
+            "no priority for the forwards",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n}\n",
+            "no priority for the backwards",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n    BW(c, m) = m\n    B(c, m) = m\n}\n",
+            "either fused backwards",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n    BW(c, m) = m\n    defer W\n}\n",
+            "needs split backwards",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n    F(c, m) = 2 * m\n    BW(c, m) = m\n}\n",
+            "a second `F(c, m) =` line",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n    B(c, m) = m\n    defer F\n}\n",
+            "only `W` can be deferred",
+        ),
+        (
+            "list r {\n    F(c, m) = m\n    BW(c, m) = m\n    memory <= 0\n}\n",
+            "at least 1",
+        ),
+        (
+            "rank r { }\nlist r {\n    F(c, m) = m\n    BW(c, m) = m\n}\n",
+            "not two",
+        ),
+        (
+            "list r {\n    F(c, m) = true\n    BW(c, m) = m\n}\n",
+            "priority of F(c = 0, m = 0)",
+        ),
+    ];
+    for (src, want) in cases {
+        let f = parse_file(src).unwrap_or_else(|e| panic!("{src}: {e:?}"));
+        let e = elaborate(
+            &f,
+            &Instance {
+                pp: 2,
+                mb: 2,
+                vpp: None,
+                params: vec![],
+            },
+        )
+        .unwrap_err();
+        assert!(e[0].message.contains(want), "{src}: {}", e[0].message);
+    }
+}
+
+/// `W(c, m)` without `defer W` orders weight gradients like any op; `defer W` lets them fill
+/// bubbles: ZB-H1's bubble (P - 1 in unit time) from 1F1B-like priorities.
+#[test]
+fn list_scheduling_defers_w_into_bubbles() {
+    let src = "vpp 1\nlist r {\n    let w = min(P - r, M)\n    F(c, m) = if m < w { 2 * m } else { 2 * m + 1 }\n    B(c, m) = 2 * (m + w)\n    defer W\n}\n";
+    let ov = Overrides {
+        pp: Some(4),
+        microbatches: Some(8),
+        ..Default::default()
+    };
+    let e = load_spec(src, &ov).unwrap();
+    let out = schedc::check::check(&e.program, Some(&e.spans), &Default::default());
+    assert_eq!(out.report.verdict, schedc::check::Verdict::Accepted);
+    let idle: Vec<f64> = out.report.ranks.iter().map(|r| r.idle.unwrap()).collect();
+    assert!(idle.iter().all(|&i| i <= 3.0), "{idle:?}");
 }

@@ -243,6 +243,49 @@ fn timing_expectations_see_the_cost_model() {
     );
 }
 
+/// A timing bound may be an `if` expression (issue 15 items 4 and 11): its condition compares
+/// the cost model's seconds, and only the chosen branch is evaluated.
+#[test]
+fn timing_bounds_take_if_expressions() {
+    use schedc::sim::cost::CostModel;
+    let prog = "vpp 1\nrank r {\n    let warmup = min(P - r, M)\n    repeat warmup { F(0) }\n    repeat M - warmup { BW(0) F(0) }\n    repeat warmup { BW(0) }\n}\n";
+    let verdict = |bound: &str, cost: &str| {
+        let src = format!("{prog}expect makespan == {bound}\n");
+        let e = load_spec(&src, &ov(4, 8)).unwrap();
+        let mut out = check(&e.program, Some(&e.spans), &Default::default());
+        schedc::check::evaluate_timing_expectations(
+            &mut out.report,
+            out.checked.as_ref(),
+            &e.expects,
+            &CostModel::resolve(cost).unwrap(),
+        );
+        let msgs: Vec<String> = out
+            .report
+            .diagnostics
+            .iter()
+            .filter(|d| d.is_error())
+            .map(|d| d.message.clone())
+            .collect();
+        (out.report.verdict, msgs)
+    };
+    // The exact 1F1B makespan where F < BW, else 0 (a false bound) or a division by zero.
+    let bound = "if F < BW && !(BW == 0) { (M + P - 1) * (F + BW) } else { 0 }";
+    assert_eq!(verdict(bound, "F=0.3,BW=1.1").0, Verdict::Accepted);
+    assert_eq!(verdict(bound, "unit").0, Verdict::Accepted);
+    let (v, msgs) = verdict(bound, "F=2,BW=1");
+    assert_eq!(v, Verdict::Rejected);
+    assert!(msgs[0].starts_with("makespan"), "{msgs:?}");
+    let lazy = "if F < BW { (M + P - 1) * (F + BW) } else { 1 / 0 }";
+    assert_eq!(verdict(lazy, "unit").0, Verdict::Accepted);
+    // The condition is a comparison or a boolean, not a number.
+    let (v, msgs) = verdict("if F { 1 } else { 2 }", "unit");
+    assert_eq!(v, Verdict::Rejected);
+    assert!(
+        msgs.iter().any(|m| m.contains("`if` condition")),
+        "{msgs:?}"
+    );
+}
+
 /// Issue 10, item 5: a warmup one short in Megatron's shape is legal but has a larger
 /// bubble; `expect bubble(...)` makes the spec fail.
 #[test]

@@ -35,7 +35,7 @@ fn rendezvous_sends_deadlock_head_to_head() {
     let p = parse(NAIVE_1F1B).unwrap().program;
     let errs = deadlock::check(&p, Semantics::default());
     assert_eq!(errs.len(), 1);
-    let CommError::Deadlock(steps) = &errs[0] else {
+    let CommError::Deadlock(steps, _) = &errs[0] else {
         panic!("{errs:?}")
     };
     let at: Vec<(u32, Stream, u32)> = steps.iter().map(|s| (s.rank, s.stream, s.at.pos)).collect();

@@ -36,6 +36,16 @@ torch_conformance!(zbv_matches_torch, "zbv", "ScheduleZBVZeroBubble", false);
 /// Every instance over P in `pps` and M in 1..=8P (or the spec's allowed values) passes
 /// `schedc check` with the spec's expectations; refused instances are counted.
 fn sweep(spec: &str, pps: impl Iterator<Item = u32>, vpp: Option<u32>) -> (usize, usize) {
+    sweep_with(spec, pps, vpp, &[])
+}
+
+/// [`sweep`] with `--param` values.
+fn sweep_with(
+    spec: &str,
+    pps: impl Iterator<Item = u32>,
+    vpp: Option<u32>,
+    params: &[(&str, i64)],
+) -> (usize, usize) {
     let (mut ok, mut refused) = (0, 0);
     let mut failures = Vec::new();
     for pp in pps {
@@ -46,6 +56,7 @@ fn sweep(spec: &str, pps: impl Iterator<Item = u32>, vpp: Option<u32>) -> (usize
                 pp: Some(pp),
                 microbatches: Some(mb),
                 vpp,
+                params: params.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
                 ..Default::default()
             };
             match schedc::input::load_spec(&text, &ov) {
@@ -210,5 +221,169 @@ fn interleaved_zb_sweep() {
         let want = torch_rounds_refusals(2..=pmax);
         assert_eq!(refused, want, "only the rounds rule refuses");
         assert!(ok > 100);
+    }
+}
+
+#[test]
+fn v_half_sweep() {
+    let (ok, refused) = sweep("v_half", 2..=16, None);
+    assert_eq!((ok, refused), (1080, 0), "v_half accepts every M >= 1");
+}
+
+#[test]
+fn v_min_sweep() {
+    let (ok, refused) = sweep("v_min", 2..=16, None);
+    assert_eq!((ok, refused), (1080, 0), "v_min accepts every M >= 1");
+}
+
+#[test]
+fn chimera_sweep() {
+    let (ok, refused) = sweep("chimera", (2..=16).step_by(2), None);
+    // Accepted: the even M in 1..=8P, 4P per P; refused: the odd ones.
+    assert_eq!((ok, refused), (288, 288));
+}
+
+#[test]
+fn chimera_direct_sweep() {
+    let (ok, refused) = sweep("chimera_direct", (2..=16).step_by(2), None);
+    // Accepted: M in {P, 2P, ..., 8P}, 8 per P.
+    assert_eq!((ok, refused), (64, 512));
+}
+
+#[test]
+fn hanayo_sweep() {
+    // Waves W = 2 and 3 (V = 4 and 6); W = 3 on P <= 8 only: debug builds are slow.
+    for (w, pmax) in [(2, 16), (3, 8)] {
+        let (ok, refused) = sweep_with("hanayo", 2..=pmax, None, &[("waves", w)]);
+        assert_eq!(refused, 0, "hanayo accepts every M >= 1");
+        assert!(ok > 200);
+    }
+}
+
+/// Elaborates `specs/<spec>.sched` with `--param`s, list-scheduling under `cost`.
+fn instance(
+    spec: &str,
+    pp: u32,
+    mb: u32,
+    vpp: Option<u32>,
+    params: &[(&str, i64)],
+    cost: &schedc::sim::cost::CostModel,
+) -> schedc::dsl::Elaborated {
+    let path = conform::root().join("specs").join(format!("{spec}.sched"));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let ov = schedc::input::Overrides {
+        pp: Some(pp),
+        microbatches: Some(mb),
+        vpp,
+        params: params.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        ..Default::default()
+    };
+    match schedc::input::load_spec_with(&text, &ov, cost) {
+        Ok(e) => e,
+        Err(e) => panic!("{spec} P={pp} M={mb}: {e:?}"),
+    }
+}
+
+/// Unit-time idle of every rank (F = B = W = 1, BW = 2), as `schedc check` reports it.
+fn unit_idle(p: &schedc_ir::Program) -> Vec<f64> {
+    let out = check(p, None, &Options::default());
+    assert_eq!(
+        out.report.verdict,
+        Verdict::Accepted,
+        "{:?}",
+        out.report.diagnostics
+    );
+    out.report
+        .ranks
+        .iter()
+        .map(|r| r.idle.expect("unit-time idle"))
+        .collect()
+}
+
+/// Chimera's claim (Li and Hoefler, SC 2021, §3.2): with forward and backward of equal cost,
+/// one unit of D = P micro-batches leaves D - 2 idle slots on every worker. Measured from
+/// time 0 with F = BW = 1 on both Chimera specs, scheduled under the same costs.
+#[test]
+fn chimera_idles_d_minus_2_at_f_equal_bw() {
+    let f_eq_bw =
+        schedc::sim::cost::CostModel::from_toml("[compute]\nF = 1.0\nB = 0.5\nW = 0.5\n").unwrap();
+    for pp in (2..=16).step_by(2) {
+        for spec in ["chimera", "chimera_direct"] {
+            let e = instance(spec, pp, pp, None, &[], &f_eq_bw);
+            let t = schedc::passes::makespan::schedule_with(&e.program, &|_| 1.0, &|_, _| 2.0)
+                .expect("runs");
+            let idle: Vec<f64> = t.busy.iter().map(|b| t.makespan - b).collect();
+            assert!(
+                idle.iter().all(|&i| i == (pp - 2) as f64),
+                "{spec} P={pp}: idle {idle:?}, want D - 2 = {}",
+                pp - 2
+            );
+        }
+    }
+}
+
+/// Hanayo's bubble (Liu et al., SC 2023) in unit time (F = 1, BW = 2 per chunk), against
+/// interleaved 1F1B at the same V = 2W and against the ratio (P - 1)/(2WM + P - 1) that the
+/// paper's construction gives, in the convention idle / (busy + idle) (the Zero Bubble
+/// README's): 3(P - 1) idle per rank.
+#[test]
+fn hanayo_bubble_vs_interleaved_1f1b_and_formula() {
+    let unit = schedc::sim::cost::CostModel::default();
+    for pp in 4..=16u32 {
+        for mb in [2 * pp, 3 * pp, 4 * pp, 8 * pp] {
+            let w = 2i64;
+            let h = instance("hanayo", pp, mb, None, &[("waves", w)], &unit);
+            let i = instance("interleaved_1f1b", pp, mb, Some(2 * w as u32), &[], &unit);
+            let (hi, ii) = (unit_idle(&h.program), unit_idle(&i.program));
+            let want = 3.0 * (pp - 1) as f64;
+            assert!(
+                ii.iter().all(|&x| x == want),
+                "interleaved P={pp} M={mb}: {ii:?}"
+            );
+            if pp % 2 == 1 {
+                // Odd P: one or two slots more (the V's turn falls mid-rank differently).
+                let slack = if mb == 2 * pp { 2.0 } else { 1.0 };
+                assert!(
+                    hi.iter().all(|&x| x > want && x <= want + slack),
+                    "hanayo P={pp} M={mb}: {hi:?}"
+                );
+                continue;
+            }
+            assert!(
+                hi.iter().all(|&x| x == want),
+                "hanayo P={pp} M={mb}: {hi:?}"
+            );
+            // Busy per rank: M micro-batches x 2W chunks x (F + BW) = 6WM.
+            let busy = 6.0 * w as f64 * mb as f64;
+            let ratio = hi[0] / (busy + hi[0]);
+            let paper = (pp - 1) as f64 / (2.0 * w as f64 * mb as f64 + (pp - 1) as f64);
+            assert!(
+                (ratio - paper).abs() < 1e-12,
+                "P={pp} M={mb}: {ratio} vs {paper}"
+            );
+        }
+        // M = P: one round; Hanayo idles 4(P - 1) (even P), interleaved 1F1B 3(P - 1).
+        if pp % 2 == 0 {
+            let h = instance("hanayo", pp, pp, None, &[("waves", 2)], &unit);
+            let hi = unit_idle(&h.program);
+            assert!(
+                hi.iter().all(|&x| x == 4.0 * (pp - 1) as f64),
+                "M=P={pp}: {hi:?}"
+            );
+        }
+    }
+    // One and three waves: within 2 of 3(P - 1) per rank once M >= 4P.
+    for w in [1i64, 3] {
+        for pp in (4..=8u32).step_by(2) {
+            for mb in [4 * pp, 8 * pp] {
+                let h = instance("hanayo", pp, mb, None, &[("waves", w)], &unit);
+                let hi = unit_idle(&h.program);
+                let want = 3.0 * (pp - 1) as f64;
+                assert!(
+                    hi.iter().all(|&x| x >= want && x <= want + 2.0),
+                    "hanayo W={w} P={pp} M={mb}: {hi:?}"
+                );
+            }
+        }
     }
 }

@@ -121,7 +121,7 @@ fn run_program(
 const TOL: f64 = 1e-10;
 
 /// Every spec in specs/, with the `--vpp` each needs (a test below checks none is missing).
-const SPECS: [(&str, Option<u32>); 10] = [
+const SPECS: [(&str, Option<u32>); 15] = [
     ("gpipe", None),
     ("1f1b", None),
     ("interleaved_1f1b", Some(2)),
@@ -132,6 +132,12 @@ const SPECS: [(&str, Option<u32>); 10] = [
     ("zbv", None),
     ("dualpipev", None),
     ("dualpipe", None),
+    // List-scheduled (V fixed by the spec; hanayo's default 2 waves is V = 4).
+    ("v_half", None),
+    ("v_min", None),
+    ("chimera", None),
+    ("chimera_direct", None),
+    ("hanayo", None),
 ];
 
 #[test]

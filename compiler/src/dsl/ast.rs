@@ -116,6 +116,9 @@ pub enum Expr {
     Bin(BinOp, Box<Expr>, Box<Expr>, Sp),
     /// A call: `min(a, b)`, `max(a, b)`, `done(F, c)`, `left(F, c)`.
     Call(String, Vec<Arg>, Sp),
+    /// `if c { a } else { b }`: `a` where `c` holds, else `b` (only the chosen branch is
+    /// evaluated).
+    If(Box<Expr>, Box<Expr>, Box<Expr>, Sp),
 }
 
 /// An argument of a call: an expression or an op kind (`F`, `B`, `W`, `BW`).
@@ -137,7 +140,8 @@ impl Expr {
             | Expr::Neg(_, s)
             | Expr::Not(_, s)
             | Expr::Bin(_, _, _, s)
-            | Expr::Call(_, _, s) => *s,
+            | Expr::Call(_, _, s)
+            | Expr::If(_, _, _, s) => *s,
         }
     }
 }
@@ -341,6 +345,52 @@ impl ExpectKind {
     }
 }
 
+/// One line of a `list r { ... }` block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ListRule {
+    /// `let x = e`: a name for the lines after it (evaluated per rank).
+    Let(String, Expr, Sp),
+    /// `F(c, m) = e`: the priority of kind `kind` on local chunk `c`, micro-batch `m` (the
+    /// smaller runs first); `c` and `m` are the names the expression uses.
+    Priority {
+        /// F, B, W or BW.
+        kind: schedc_ir::Kind,
+        /// Name bound to the local chunk.
+        chunk: String,
+        /// Name bound to the micro-batch.
+        mb: String,
+        /// The priority.
+        expr: Expr,
+        /// Span of the line.
+        sp: Sp,
+    },
+    /// `memory <= e`: at most `e` live activations per rank (chunk units; `F` allocates, `W`
+    /// or `BW` frees).
+    Memory(Expr, Sp),
+    /// `inflight <= e`: at most `e` forwards per rank whose backward (`B` or `BW`) has not
+    /// run.
+    Inflight(Expr, Sp),
+    /// `defer W`: weight gradients run only where they delay nothing else (or free memory
+    /// the cap needs).
+    Defer(schedc_ir::Kind, Sp),
+    /// `strict`: every rank runs its ops exactly in priority order (no backfilling).
+    Strict(Sp),
+}
+
+impl ListRule {
+    /// The span.
+    pub fn sp(&self) -> Sp {
+        match self {
+            ListRule::Let(_, _, s)
+            | ListRule::Memory(_, s)
+            | ListRule::Inflight(_, s)
+            | ListRule::Defer(_, s)
+            | ListRule::Strict(s) => *s,
+            ListRule::Priority { sp, .. } => *sp,
+        }
+    }
+}
+
 /// A top-level item.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Item {
@@ -350,6 +400,8 @@ pub enum Item {
     Param(String, Option<Expr>, Sp),
     /// `vpp e`: the spec accepts only this number of virtual stages per rank.
     Vpp(Expr, Sp),
+    /// `vpp default e`: the number of virtual stages per rank when `--vpp` is not given.
+    VppDefault(Expr, Sp),
     /// `stages e`: number of stage ids (default `P*V`; `2P` for `bidir`).
     Stages(Expr, Sp),
     /// `microbatches e`: micro-batches per stage (default `M`; `M/2` for `bidir`).
@@ -367,6 +419,10 @@ pub enum Item {
     Rank(String, Vec<Stmt>, Sp),
     /// `literal { rank 0: ... }`: hand-written IR text lines.
     Literal(String, Sp),
+    /// `list r { ... }`: list scheduling. A priority per op kind (an expression of the rank
+    /// `r`, the local chunk and the micro-batch) and optional rules; schedc builds the
+    /// per-rank orders by a deterministic cross-rank greedy (`dsl::list`).
+    List(String, Vec<ListRule>, Sp),
     /// `expect ...`
     Expect(ExpectKind, Expr, Sp),
     /// `communicator NAME [r0, r1, ...]` (or `all`, or `r => cond`): a named set of ranks

@@ -34,6 +34,9 @@ pub struct ElabError {
     pub rank: Option<u32>,
     /// True for a failed `require` (the instance is outside the family: exit 1, not 2).
     pub refused: bool,
+    /// Where in the program it happened, innermost first: the loop iterations
+    /// (`` in iteration `i = 3` of the `for` loop ``).
+    pub context: Vec<String>,
 }
 
 /// A per-rank expectation, evaluated: `values[r]`.
@@ -94,6 +97,13 @@ impl Formula {
                 .map(|(_, v)| *v)
                 .ok_or_else(|| (*sp, format!("unknown name `{n}` (a timing expectation sees P, M, V, S, parameters, `let`s and the cost model's F, B, W, BW, FB, DISPATCH, COMBINE)")))?,
             Expr::Neg(x, _) => -self.real(x, env, depth)?,
+            Expr::If(c, a, b, _) => {
+                if self.truth(c, env, depth)? {
+                    self.real(a, env, depth)?
+                } else {
+                    self.real(b, env, depth)?
+                }
+            }
             Expr::Bin(op, a, b, sp) => {
                 let (x, y) = (self.real(a, env, depth)?, self.real(b, env, depth)?);
                 match op {
@@ -148,6 +158,42 @@ impl Formula {
             }
         })
     }
+
+    /// The condition of an `if` in a timing bound: comparisons of numbers, `&&`, `||`, `!`,
+    /// `true` and `false`.
+    fn truth(&self, e: &Expr, env: &[(String, f64)], depth: u32) -> Result<bool, (Sp, String)> {
+        Ok(match e {
+            Expr::Bool(v, _) => *v,
+            Expr::Not(x, _) => !self.truth(x, env, depth)?,
+            Expr::Bin(BinOp::And, a, b, _) => {
+                self.truth(a, env, depth)? && self.truth(b, env, depth)?
+            }
+            Expr::Bin(BinOp::Or, a, b, _) => {
+                self.truth(a, env, depth)? || self.truth(b, env, depth)?
+            }
+            Expr::Bin(
+                op @ (BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge),
+                a,
+                b,
+                _,
+            ) => {
+                let (x, y) = (self.real(a, env, depth)?, self.real(b, env, depth)?);
+                match op {
+                    BinOp::Eq => x == y,
+                    BinOp::Ne => x != y,
+                    BinOp::Lt => x < y,
+                    BinOp::Le => x <= y,
+                    BinOp::Gt => x > y,
+                    _ => x >= y,
+                }
+            }
+            other => return Err((
+                other.sp(),
+                "an `if` condition in a timing expectation's bound is a comparison or a boolean"
+                    .into(),
+            )),
+        })
+    }
 }
 
 /// The result of elaborating one instance.
@@ -161,6 +207,8 @@ pub struct Elaborated {
     pub expects: Vec<Expectation>,
     /// The spec's name, if it has one.
     pub name: Option<String>,
+    /// Things the user should know about the instance (e.g. that V defaulted to 1).
+    pub notes: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -210,6 +258,7 @@ fn err(sp: Sp, message: impl Into<String>) -> ElabError {
         help: None,
         rank: None,
         refused: false,
+        context: Vec::new(),
     }
 }
 
@@ -224,6 +273,9 @@ struct RankState<'a> {
     wdone: Vec<u32>,
     /// Pending weight gradients: (chunk, mb), oldest first.
     pending: VecDeque<(usize, u32)>,
+    /// Per chunk, the micro-batches whose forward / backward (B or BW) has been emitted
+    /// (explicit `F(c, m)` can leave gaps below a counter).
+    ran: [Vec<std::collections::HashSet<u32>>; 2],
     /// Ops given in MoE parts whose four parts have not all been given yet, oldest first:
     /// (stage, kind, mb, bitmask of the parts seen).
     open: Vec<(u32, Kind, u32, u8)>,
@@ -310,6 +362,13 @@ fn eval(e: &Expr, env: &Env, st: Option<&RankState<'_>>) -> Result<Val, ElabErro
             }
         }
         Expr::Call(name, args, sp) => call(name, args, *sp, env, st)?,
+        Expr::If(c, a, b, _) => {
+            if boolean(eval(c, env, st)?, c.sp())? {
+                eval(a, env, st)?
+            } else {
+                eval(b, env, st)?
+            }
+        }
     })
 }
 
@@ -538,12 +597,32 @@ fn op_compute(o: &OpStmt, env: &Env, st: &mut RankState<'_>) -> Result<Option<Co
                         if o.optional {
                             return Ok(None);
                         }
-                        let mut e = err(o.sp, format!(
-                            "{}({ci}) on rank {}: chunk {ci} (stage {s}) has no micro-batch left; all {} already have their {}",
-                            kind.as_str(), st.rank, st.mbs,
-                            if kind == Kind::F { "forward" } else { "backward" }
-                        ));
-                        e.help = Some(format!("`{}?({ci})` runs it only while micro-batches remain", kind.as_str()));
+                        let what = if kind == Kind::F { "forward" } else { "backward" };
+                        let ran = &st.ran[usize::from(kind != Kind::F)][ci];
+                        let gaps: Vec<String> = (0..st.mbs)
+                            .filter(|m| !ran.contains(m))
+                            .take(6)
+                            .map(|m| m.to_string())
+                            .collect();
+                        let mut e = if gaps.is_empty() {
+                            let mut e = err(o.sp, format!(
+                                "{}({ci}) on rank {}: chunk {ci} (stage {s}) has no micro-batch left; all {} already have their {what}",
+                                kind.as_str(), st.rank, st.mbs,
+                            ));
+                            e.help = Some(format!("`{}?({ci})` runs it only while micro-batches remain", kind.as_str()));
+                            e
+                        } else {
+                            let mut e = err(o.sp, format!(
+                                "{}({ci}) on rank {}: chunk {ci} (stage {s})'s {what} counter is past its last micro-batch ({}), but micro-batch(es) {} still have no {what}",
+                                kind.as_str(), st.rank, st.mbs - 1, gaps.join(", "),
+                            ));
+                            e.help = Some(format!(
+                                "an explicit `{}({ci}, m)` moves the counter past m; name the missing micro-batches explicitly too",
+                                kind.as_str()
+                            ));
+                            e
+                        };
+                        e.rank = Some(st.rank);
                         return Err(e);
                     }
                     let m = *ctr;
@@ -573,6 +652,11 @@ fn op_compute(o: &OpStmt, env: &Env, st: &mut RankState<'_>) -> Result<Option<Co
             }
         }
     };
+    if let Some(c) = st.chunks.iter().position(|&x| x == stage) {
+        if kind != Kind::W {
+            st.ran[usize::from(kind != Kind::F)][c].insert(mb);
+        }
+    }
     Ok(Some(Compute::new(kind, stage, mb)))
 }
 
@@ -797,7 +881,11 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                     env.push(var, Val::Int(i), false);
                     let r = exec(body, env, st);
                     env.vars.pop();
-                    r?;
+                    r.map_err(|mut e| {
+                        e.context
+                            .push(format!("in iteration `{var} = {i}` of the `for` loop"));
+                        e
+                    })?;
                     i = match i.checked_add(k) {
                         Some(x) => x,
                         None => break,
@@ -806,15 +894,27 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
             }
             Stmt::Repeat(n, body, sp) => {
                 let n = int(eval(n, env, Some(st))?, n.sp())?;
-                for _ in 0..n.max(0) {
+                for k in 0..n.max(0) {
                     tick(st, *sp)?;
-                    exec(body, env, st)?;
+                    exec(body, env, st).map_err(|mut e| {
+                        e.context.push(format!(
+                            "in iteration {} of {n} of the `repeat` loop",
+                            k + 1
+                        ));
+                        e
+                    })?;
                 }
             }
             Stmt::While(c, body, sp) => {
+                let mut k = 0u64;
                 while boolean(eval(c, env, Some(st))?, c.sp())? {
                     tick(st, *sp)?;
-                    exec(body, env, st)?;
+                    k += 1;
+                    exec(body, env, st).map_err(|mut e| {
+                        e.context
+                            .push(format!("in iteration {k} of the `while` loop"));
+                        e
+                    })?;
                 }
             }
             Stmt::If(c, a, b, _) => {
@@ -900,11 +1000,22 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
     Ok(())
 }
 
-/// Elaborates `file` for `inst`.
+/// Elaborates `file` for `inst`, list-scheduling (`list r { }`) under unit op times
+/// (F = B = W = 1, BW = 2, free communication: the costs of `schedc check`).
 ///
 /// Errors: every failed `require` (with `refused` set), or the first elaboration error
 /// (unknown name, division by zero, a chunk with no micro-batch left, ...), each with its span.
 pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabError>> {
+    elaborate_with(file, inst, &crate::sim::cost::CostModel::default())
+}
+
+/// [`elaborate`], with a `list r { }` block scheduled under the op times and message latency
+/// of `cost` (seconds; only the compute times and `p2p` are read).
+pub fn elaborate_with(
+    file: &File,
+    inst: &Instance,
+    cost: &crate::sim::cost::CostModel,
+) -> Result<Elaborated, Vec<ElabError>> {
     let mut env = Env {
         vars: Vec::new(),
         fns: std::rc::Rc::new(Vec::new()),
@@ -914,6 +1025,7 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
     let any_sp = Sp::default();
     // Fixed V.
     let mut fixed_v: Option<(Expr, Sp)> = None;
+    let mut default_v: Option<(Expr, Sp)> = None;
     let mut stages_e: Option<&Expr> = None;
     let mut mbs_e: Option<&Expr> = None;
     let mut placement: Option<(&PlacementSpec, Sp)> = None;
@@ -921,6 +1033,7 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
         match it {
             Item::Name(n, _) => name = Some(n.clone()),
             Item::Vpp(e, sp) => fixed_v = Some((e.clone(), *sp)),
+            Item::VppDefault(e, sp) => default_v = Some((e.clone(), *sp)),
             Item::Stages(e, _) => stages_e = Some(e),
             Item::Microbatches(e, _) => mbs_e = Some(e),
             Item::Placement(p, sp) => placement = Some((p, *sp)),
@@ -945,32 +1058,6 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
     }
     env.push("P", Val::Int(inst.pp as i64), false);
     env.push("M", Val::Int(inst.mb as i64), false);
-    // V: fixed by the spec (possibly an expression of P and M), else --vpp, else 1.
-    let v = match &fixed_v {
-        Some((e, sp)) => {
-            let fv = int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp()).map_err(|e| vec![e])?;
-            if let Some(given) = inst.vpp {
-                if given as i64 != fv {
-                    let mut e = err(*sp, format!("this schedule has {fv} virtual stage(s) per rank; --vpp {given} is not accepted"));
-                    e.help = Some(format!("drop --vpp or pass --vpp {fv}"));
-                    e.refused = true;
-                    return Err(vec![e]);
-                }
-            }
-            fv
-        }
-        None => inst.vpp.unwrap_or(1) as i64,
-    };
-    if v < 1 || v > schedc_ir::text::MAX_RANKS_OR_STAGES as i64 {
-        return Err(vec![err(
-            any_sp,
-            format!(
-                "the number of virtual stages per rank must be in 1..={}, got {v}",
-                schedc_ir::text::MAX_RANKS_OR_STAGES
-            ),
-        )]);
-    }
-    env.push("V", Val::Int(v), false);
     // Parameters.
     let declared: Vec<&str> = file
         .items
@@ -992,23 +1079,119 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
         }
     }
     let is_bidir = matches!(placement, Some((PlacementSpec::Bidir, _)));
-    let s_default = if is_bidir {
-        2 * inst.pp as i64
-    } else {
-        inst.pp as i64 * v
+    let s_default = |v: i64| {
+        if is_bidir {
+            2 * inst.pp as i64
+        } else {
+            inst.pp as i64 * v
+        }
     };
-    // Items in order: params, lets, stages, requires.
+    // V (and the default S): from --vpp (default 1) when the spec has no `vpp` item; else
+    // where that item stands, since items are evaluated in file order (`vpp 2 * waves` after
+    // `param waves = 2`).
+    let check_v = |v: i64| -> Result<(), Vec<ElabError>> {
+        if v < 1 || v > schedc_ir::text::MAX_RANKS_OR_STAGES as i64 {
+            return Err(vec![err(
+                fixed_v.as_ref().map_or(any_sp, |f| f.1),
+                format!(
+                    "the number of virtual stages per rank must be in 1..={}, got {v}",
+                    schedc_ir::text::MAX_RANKS_OR_STAGES
+                ),
+            )]);
+        }
+        Ok(())
+    };
+    if let (Some(_), Some((_, sp))) = (&fixed_v, &default_v) {
+        return Err(vec![err(
+            *sp,
+            "a spec fixes V with `vpp` or gives a default with `vpp default`, not both",
+        )]);
+    }
+    let mut notes = Vec::new();
+    // V set where a `vpp` (or, without --vpp, a `vpp default`) item stands.
+    let v_at_item = fixed_v.is_some() || (default_v.is_some() && inst.vpp.is_none());
+    let mut v = inst.vpp.unwrap_or(1) as i64;
+    let mut s_val = s_default(v);
+    let mut s_given = false;
+    if !v_at_item {
+        check_v(v)?;
+        env.push("V", Val::Int(v), false);
+        env.push("S", Val::Int(s_val), false);
+        if inst.vpp.is_none() && !is_bidir {
+            notes.push(
+                "V = 1 virtual stage per rank: this spec states no default V (pass --vpp)".into(),
+            );
+        }
+    }
+    // Before the `vpp` item, V and S are not defined yet: say where they come from.
+    let before_vpp = |mut e: ElabError, env: &Env| {
+        if (e.message == "unknown name `V`" || e.message == "unknown name `S`")
+            && env.get("V").is_none()
+        {
+            e.help = Some(
+                "items are evaluated in file order and `V` (and the default `S`) is set by the `vpp` item further down: move `vpp` above this line"
+                    .into(),
+            );
+        }
+        vec![e]
+    };
+    // Items in order: vpp, params, lets, stages, requires.
     let mut errors = Vec::new();
-    let mut s_val = s_default;
-    env.push("S", Val::Int(s_val), false);
     for it in &file.items {
         match it {
+            Item::VppDefault(e, _) if v_at_item => {
+                let dv = int(
+                    eval(e, &env, None).map_err(|x| before_vpp(x, &env))?,
+                    e.sp(),
+                )
+                .map_err(|e| vec![e])?;
+                if dv < 1 || dv > schedc_ir::text::MAX_RANKS_OR_STAGES as i64 {
+                    return Err(vec![err(
+                        e.sp(),
+                        format!(
+                            "the default number of virtual stages per rank must be in 1..={}, got {dv}",
+                            schedc_ir::text::MAX_RANKS_OR_STAGES
+                        ),
+                    )]);
+                }
+                v = dv;
+                env.push("V", Val::Int(v), false);
+                if !s_given {
+                    s_val = s_default(v);
+                    env.push("S", Val::Int(s_val), false);
+                }
+            }
+            Item::Vpp(e, sp) => {
+                let fv = int(
+                    eval(e, &env, None).map_err(|x| before_vpp(x, &env))?,
+                    e.sp(),
+                )
+                .map_err(|e| vec![e])?;
+                if let Some(given) = inst.vpp {
+                    if given as i64 != fv {
+                        let mut e = err(*sp, format!("this schedule has {fv} virtual stage(s) per rank; --vpp {given} is not accepted"));
+                        e.help = Some(format!("drop --vpp or pass --vpp {fv}"));
+                        e.refused = true;
+                        return Err(vec![e]);
+                    }
+                }
+                check_v(fv)?;
+                v = fv;
+                env.push("V", Val::Int(v), false);
+                if !s_given {
+                    s_val = s_default(v);
+                    env.push("S", Val::Int(s_val), false);
+                }
+            }
             Item::Param(n, d, sp) => {
                 let val = match inst.params.iter().find(|(k, _)| k == n) {
                     Some((_, v)) => *v,
                     None => match d {
-                        Some(e) => int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp())
-                            .map_err(|e| vec![e])?,
+                        Some(e) => int(
+                            eval(e, &env, None).map_err(|x| before_vpp(x, &env))?,
+                            e.sp(),
+                        )
+                        .map_err(|e| vec![e])?,
                         None => {
                             let mut e = err(*sp, format!("parameter `{n}` has no default"));
                             e.help = Some(format!("pass --param {n}=VALUE"));
@@ -1019,8 +1202,8 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
                 env.push(n, Val::Int(val), false);
             }
             Item::Let(n, e, _) => {
-                let v = eval(e, &env, None).map_err(|e| vec![e])?;
-                env.push(n, v, false);
+                let x = eval(e, &env, None).map_err(|x| before_vpp(x, &env))?;
+                env.push(n, x, false);
             }
             Item::Fn(n, params, body, sp) => {
                 const BUILTINS: [&str; 9] = [
@@ -1051,8 +1234,12 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
                 env.fns = std::rc::Rc::new(fns);
             }
             Item::Stages(e, _) => {
-                s_val =
-                    int(eval(e, &env, None).map_err(|e| vec![e])?, e.sp()).map_err(|e| vec![e])?;
+                s_val = int(
+                    eval(e, &env, None).map_err(|x| before_vpp(x, &env))?,
+                    e.sp(),
+                )
+                .map_err(|e| vec![e])?;
+                s_given = true;
                 env.push("S", Val::Int(s_val), false);
             }
             Item::Require(c, msg, sp) => match eval(c, &env, None).and_then(|v| boolean(v, c.sp()))
@@ -1063,7 +1250,7 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
                     e.refused = true;
                     errors.push(e);
                 }
-                Err(e) => errors.push(e),
+                Err(e) => errors.extend(before_vpp(e, &env)),
             },
             _ => {}
         }
@@ -1205,11 +1392,34 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
             "a spec has either a `rank r { }` program or `literal { }` blocks, not both",
         )]);
     }
+    let list_items: Vec<&Item> = file
+        .items
+        .iter()
+        .filter(|i| matches!(i, Item::List(..)))
+        .collect();
+    if let Some(Item::List(_, _, sp)) = list_items.get(1) {
+        return Err(vec![err(*sp, "a spec has one `list r { }` block")]);
+    }
+    if let (Some(Item::List(_, _, sp)), true) = (
+        list_items.first(),
+        !rank_items.is_empty() || !literal_items.is_empty(),
+    ) {
+        return Err(vec![err(
+            *sp,
+            "a spec has one of `rank r { }`, `list r { }` or `literal { }`, not two",
+        )]);
+    }
+    if let Some(Item::List(var, rules, sp)) = list_items.first() {
+        let (r, s) = elab_list(var, rules, *sp, &pipeline, &mut env, cost, &mut budget)?;
+        ranks = r;
+        spans = s;
+    }
     if let Some(Item::Rank(var, body, _)) = rank_items.first() {
         let mut by_rank = pipeline.stages_by_rank();
         for r in 0..pp {
             let chunks = std::mem::take(&mut by_rank[r as usize]);
             let nc = chunks.len();
+            let ran = vec![std::collections::HashSet::new(); nc];
             let mut st = RankState {
                 rank: r,
                 chunks,
@@ -1218,6 +1428,7 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
                 bwd: vec![0; nc],
                 wdone: vec![0; nc],
                 pending: VecDeque::new(),
+                ran: [ran.clone(), ran],
                 open: Vec::new(),
                 out: Vec::new(),
                 spans: Vec::new(),
@@ -1262,6 +1473,7 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
                 help: e.help,
                 rank: None,
                 refused: false,
+                context: Vec::new(),
             }]
         })?;
         let body_start = sp.start + "literal {".len();
@@ -1327,8 +1539,9 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
             for r in 0..pp {
                 let var = rank_items
                     .first()
+                    .or(list_items.first())
                     .and_then(|i| match i {
-                        Item::Rank(v, _, _) => Some(v.as_str()),
+                        Item::Rank(v, _, _) | Item::List(v, _, _) => Some(v.as_str()),
                         _ => None,
                     })
                     .unwrap_or("r");
@@ -1354,7 +1567,310 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
         spans: SourceMap { ranks: spans },
         expects,
         name,
+        notes,
     })
+}
+
+/// A `list r { }` block: each op's priority, the rules, then the list scheduler
+/// ([`super::list::schedule`]) for the per-rank orders.
+#[allow(clippy::type_complexity)]
+fn elab_list(
+    var: &str,
+    rules: &[ListRule],
+    list_sp: Sp,
+    pl: &Pipeline,
+    env: &mut Env,
+    cost: &crate::sim::cost::CostModel,
+    budget: &mut u64,
+) -> Result<(Vec<Vec<Instr>>, Vec<Vec<Span>>), Vec<ElabError>> {
+    use super::list;
+    let one = |e: ElabError| vec![e];
+    // The rules, checked once.
+    let mut prio: [Option<usize>; 4] = [None; 4];
+    let slot = |k: Kind| match k {
+        Kind::F => 0,
+        Kind::B => 1,
+        Kind::W => 2,
+        Kind::BW => 3,
+    };
+    let (mut mem_rule, mut infl_rule, mut defer, mut strict) = (None, None, None, None);
+    for (k, rule) in rules.iter().enumerate() {
+        let dup = |what: &str| {
+            vec![err(
+                rule.sp(),
+                format!("a second `{what}` line in the `list` block"),
+            )]
+        };
+        match rule {
+            ListRule::Priority { kind, .. } => {
+                if prio[slot(*kind)].replace(k).is_some() {
+                    return Err(dup(&format!("{}(c, m) =", kind.as_str())));
+                }
+            }
+            ListRule::Memory(..) => {
+                if mem_rule.replace(k).is_some() {
+                    return Err(dup("memory <="));
+                }
+            }
+            ListRule::Inflight(..) => {
+                if infl_rule.replace(k).is_some() {
+                    return Err(dup("inflight <="));
+                }
+            }
+            ListRule::Defer(kind, sp) => {
+                if *kind != Kind::W {
+                    let mut e = err(
+                        *sp,
+                        format!("only `W` can be deferred, not `{}`", kind.as_str()),
+                    );
+                    e.help = Some("`defer W` lets weight gradients fill the bubbles".into());
+                    return Err(vec![e]);
+                }
+                if defer.replace(k).is_some() {
+                    return Err(dup("defer W"));
+                }
+            }
+            ListRule::Strict(_) => {
+                if strict.replace(k).is_some() {
+                    return Err(dup("strict"));
+                }
+            }
+            ListRule::Let(..) => {}
+        }
+    }
+    let need = |msg: &str, help: &str| {
+        let mut e = err(list_sp, msg.to_string());
+        e.help = Some(help.to_string());
+        vec![e]
+    };
+    if prio[0].is_none() {
+        return Err(need(
+            "the `list` block gives no priority for the forwards",
+            "add `F(c, m) = ...`: the priority of the forward of local chunk c, micro-batch m (the smaller runs first)",
+        ));
+    }
+    let fused = prio[3].is_some();
+    if fused && (prio[1].is_some() || prio[2].is_some()) {
+        let k = prio[1].or(prio[2]).expect("some");
+        return Err(vec![err(
+            rules[k].sp(),
+            "a `list` block runs either fused backwards (`BW`) or split ones (`B` and `W`), not both",
+        )]);
+    }
+    if !fused && prio[1].is_none() {
+        return Err(need(
+            "the `list` block gives no priority for the backwards",
+            "add `BW(c, m) = ...` (fused backward) or `B(c, m) = ...` (input gradient; `W(c, m) = ...` orders the weight gradients, by default like their B)",
+        ));
+    }
+    if let (Some(k), true) = (defer, fused) {
+        return Err(vec![err(
+            rules[k].sp(),
+            "`defer W` needs split backwards: this block runs fused `BW`",
+        )]);
+    }
+    let kinds: Vec<Kind> = if fused {
+        vec![Kind::F, Kind::BW]
+    } else {
+        vec![Kind::F, Kind::B, Kind::W]
+    };
+    // The line whose expression gives each kind's priority (W falls back to B's).
+    let line_of = |k: Kind| {
+        prio[slot(k)]
+            .or(if k == Kind::W { prio[1] } else { None })
+            .expect("checked")
+    };
+    let mbs = pl.microbatches;
+    let mut ops: Vec<list::Op> = Vec::new();
+    let mut op_line: Vec<usize> = Vec::new();
+    let mut memory = mem_rule.map(|_| Vec::with_capacity(pl.pp as usize));
+    let mut inflight = infl_rule.map(|_| Vec::with_capacity(pl.pp as usize));
+    for r in 0..pl.pp {
+        let mark = env.vars.len();
+        env.push(var, Val::Int(r as i64), false);
+        let chunks = pl.stages_of(r);
+        let nc = chunks.len();
+        let st = RankState {
+            rank: r,
+            chunks: chunks.clone(),
+            mbs,
+            fwd: vec![0; nc],
+            bwd: vec![0; nc],
+            wdone: vec![0; nc],
+            pending: VecDeque::new(),
+            ran: [Vec::new(), Vec::new()],
+            open: Vec::new(),
+            out: Vec::new(),
+            spans: Vec::new(),
+            budget,
+        };
+        // Each priority line sees the `let`s above it.
+        let mut scopes: Vec<Option<Env>> = Vec::new();
+        scopes.resize_with(rules.len(), || None);
+        let res = (|| -> Result<(), ElabError> {
+            for (k, rule) in rules.iter().enumerate() {
+                match rule {
+                    ListRule::Let(n, e, _) => {
+                        let v = eval(e, env, Some(&st))?;
+                        env.push(n, v, false);
+                    }
+                    ListRule::Priority { .. } => {
+                        scopes[k] = Some(Env {
+                            vars: env
+                                .vars
+                                .iter()
+                                .map(|b| Binding {
+                                    name: b.name.clone(),
+                                    val: b.val,
+                                    mutable: false,
+                                })
+                                .collect(),
+                            fns: env.fns.clone(),
+                            depth: 0,
+                        });
+                    }
+                    ListRule::Memory(e, _) | ListRule::Inflight(e, _) => {
+                        let v = int(eval(e, env, Some(&st))?, e.sp())?;
+                        if v < 1 {
+                            return Err(err(
+                                e.sp(),
+                                format!("the cap must be at least 1, got {v} on rank {r}"),
+                            ));
+                        }
+                        if matches!(rule, ListRule::Memory(..)) {
+                            memory.as_mut().expect("declared").push(v);
+                        } else {
+                            inflight.as_mut().expect("declared").push(v);
+                        }
+                    }
+                    ListRule::Defer(..) | ListRule::Strict(_) => {}
+                }
+            }
+            Ok(())
+        })();
+        env.vars.truncate(mark);
+        res.map_err(|mut e| {
+            e.rank = Some(r);
+            vec![e]
+        })?;
+        let mut st = st;
+        for (c, &stage) in chunks.iter().enumerate() {
+            for m in 0..mbs {
+                for &k in &kinds {
+                    let line = line_of(k);
+                    let ListRule::Priority {
+                        chunk, mb, expr, ..
+                    } = &rules[line]
+                    else {
+                        unreachable!("a priority line")
+                    };
+                    tick(&mut st, rules[line].sp()).map_err(one)?;
+                    let scope = scopes[line].as_mut().expect("recorded");
+                    scope.push(chunk, Val::Int(c as i64), false);
+                    scope.push(mb, Val::Int(m as i64), false);
+                    let v = eval(expr, scope, Some(&st)).and_then(|v| int(v, expr.sp()));
+                    scope.vars.truncate(scope.vars.len() - 2);
+                    let p = v.map_err(|mut e| {
+                        e.rank = Some(r);
+                        e.message = format!(
+                            "{} (priority of {}(c = {c}, m = {m}))",
+                            e.message,
+                            k.as_str()
+                        );
+                        vec![e]
+                    })?;
+                    ops.push(list::Op {
+                        kind: k,
+                        stage,
+                        mb: m,
+                        prio: p,
+                    });
+                    op_line.push(line);
+                }
+            }
+        }
+    }
+    let lr = list::Rules {
+        memory,
+        inflight,
+        defer_w: defer.is_some(),
+        strict: strict.is_some(),
+    };
+    let orders = list::schedule(pl, &ops, &lr, cost).map_err(|stuck| {
+        // Point at the rule that holds a rank back, if one does.
+        let blocked_by = |f: fn(&list::Blocker) -> bool| stuck.ranks.iter().any(|x| f(&x.2));
+        let at = if blocked_by(|b| matches!(b, list::Blocker::Memory(_))) {
+            mem_rule.map_or(list_sp, |k| rules[k].sp())
+        } else if blocked_by(|b| matches!(b, list::Blocker::Inflight(_))) {
+            infl_rule.map_or(list_sp, |k| rules[k].sp())
+        } else {
+            list_sp
+        };
+        let name = |i: usize| {
+            let o = &ops[i];
+            format!("{}({},{})", o.kind.as_str(), o.stage, o.mb)
+        };
+        let mut e = err(
+            at,
+            format!(
+                "list scheduling is stuck at time {} after {} of {} ops: no rank can start its next op",
+                stuck.time,
+                stuck.done,
+                ops.len()
+            ),
+        );
+        let why: Vec<String> = stuck
+            .ranks
+            .iter()
+            .map(|(r, i, b)| match b {
+                list::Blocker::Memory(l) => format!(
+                    "rank {r}: {} waits for memory ({l} live activations, cap {})",
+                    name(*i),
+                    lr.memory.as_ref().map_or(0, |m| m[*r as usize])
+                ),
+                list::Blocker::Inflight(l) => format!(
+                    "rank {r}: {} waits for the in-flight cap ({l} micro-batches in flight, cap {})",
+                    name(*i),
+                    lr.inflight.as_ref().map_or(0, |m| m[*r as usize])
+                ),
+                list::Blocker::Input(p) => {
+                    // Say why the input's own rank does not run it.
+                    let q = pl.rank_of(ops[*p].stage);
+                    let why = match stuck.ranks.iter().find(|x| x.0 == q) {
+                        Some((_, h, list::Blocker::Memory(_))) => format!(
+                            " (rank {q}, whose next op {} waits for memory)",
+                            name(*h)
+                        ),
+                        Some((_, h, list::Blocker::Inflight(_))) => format!(
+                            " (rank {q}, whose next op {} waits for the in-flight cap)",
+                            name(*h)
+                        ),
+                        Some((_, h, _)) if *h != *p => {
+                            format!(" (rank {q}, queued behind its next op {})", name(*h))
+                        }
+                        _ => format!(" (rank {q})"),
+                    };
+                    format!("rank {r}: {} waits for {}{why}", name(*i), name(*p))
+                }
+            })
+            .collect();
+        e.help = Some(format!(
+            "{}; raise the cap, or give the ops that free memory (backwards of earlier micro-batches) smaller priorities than the forwards that need it",
+            why.join("; ")
+        ));
+        vec![e]
+    })?;
+    let mut ranks: Vec<Vec<Instr>> = Vec::with_capacity(orders.len());
+    let mut spans: Vec<Vec<Span>> = Vec::with_capacity(orders.len());
+    for ord in orders {
+        ranks.push(
+            ord.iter()
+                .map(|&i| Instr::Compute(Compute::new(ops[i].kind, ops[i].stage, ops[i].mb)))
+                .collect(),
+        );
+        spans.push(ord.iter().map(|&i| span(rules[op_line[i]].sp())).collect());
+    }
+    Ok((ranks, spans))
 }
 
 /// The ids `0..n` a set names (`all`, a list, `x => cond`), in the order given.

@@ -63,6 +63,27 @@ fn blank_between(src: &str, a: usize, b: usize) -> bool {
 }
 
 impl Fmt<'_> {
+    /// A comment on the same source line, after byte `end` (the end of what was just printed),
+    /// stays at the end of that line (`F(0) # fwd`), not on a line of its own.
+    fn trailing(&mut self, end: usize) {
+        let Some((off, c)) = self.comments.get(self.next) else {
+            return;
+        };
+        let (off, c) = (*off, c.clone());
+        if off < end
+            || off > self.src.len()
+            || !self.src.is_char_boundary(end.min(off))
+            || self.src[end.min(off)..off].contains('\n')
+        {
+            return;
+        }
+        if self.out.ends_with('\n') {
+            self.out.pop();
+            let _ = writeln!(self.out, " {c}");
+            self.next += 1;
+        }
+    }
+
     fn flush_comments(&mut self, before: usize, indent: usize) {
         while self.next < self.comments.len() && self.comments[self.next].0 < before {
             let c = self.comments[self.next].1.clone();
@@ -115,6 +136,15 @@ fn write_expr(s: &mut String, e: &Expr, parent: u8) {
             write_expr(s, b, p + 1);
             if paren {
                 s.push(')');
+            }
+        }
+        Expr::If(c, a, b, _) => {
+            let _ = write!(s, "if {} {{ {} }} else ", expr_str(c), expr_str(a));
+            match &**b {
+                Expr::If(..) => write_expr(s, b, 0),
+                _ => {
+                    let _ = write!(s, "{{ {} }}", expr_str(b));
+                }
             }
         }
         Expr::Call(n, args, _) => {
@@ -213,6 +243,64 @@ fn close_brace_after(src: &str, pos: usize) -> usize {
     pos
 }
 
+/// The offset just past a statement including its closing `}` (and, for `if`, the whole
+/// `else` chain): braces are matched in the source from the statement's start, skipping
+/// comments and strings. Simple statements end where their span ends.
+fn full_end(src: &str, s: &Stmt) -> usize {
+    if is_simple(s) || matches!(s, Stmt::Let(..) | Stmt::Var(..) | Stmt::Assign(..)) {
+        return stmt_end(s);
+    }
+    let b = src.as_bytes();
+    let mut i = stmt_start(s).min(b.len());
+    loop {
+        // The next `{` and its matching `}`.
+        let mut depth = 0usize;
+        let mut closed = None;
+        while i < b.len() {
+            match b[i] {
+                b'#' => {
+                    while i < b.len() && b[i] != b'\n' {
+                        i += 1;
+                    }
+                    continue;
+                }
+                b'"' => {
+                    i += 1;
+                    while i < b.len() && b[i] != b'"' && b[i] != b'\n' {
+                        i += 1;
+                    }
+                }
+                b'{' => depth += 1,
+                b'}' if depth > 0 => {
+                    depth -= 1;
+                    if depth == 0 {
+                        closed = Some(i + 1);
+                        break;
+                    }
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        let Some(end) = closed else {
+            return stmt_end(s);
+        };
+        // An `else` continues the statement.
+        let mut j = end;
+        while j < b.len() && (b[j].is_ascii_whitespace() || b[j] == b';') {
+            j += 1;
+        }
+        let rest = &src[j.min(src.len())..];
+        let is_else = matches!(s, Stmt::If(..))
+            && rest.starts_with("else")
+            && !rest[4..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_');
+        if !is_else {
+            return end;
+        }
+        i = j + 4;
+    }
+}
+
 fn is_simple(s: &Stmt) -> bool {
     matches!(
         s,
@@ -266,7 +354,12 @@ fn one_line_block(f: &Fmt<'_>, header_start: usize, body: &[Stmt]) -> bool {
 }
 
 fn write_block(f: &mut Fmt<'_>, body: &[Stmt], indent: usize, end: usize) {
-    let end = close_brace_after(f.src, end.saturating_sub(1)).max(end);
+    // Comments up to this block's `}` stay inside it, also after a last statement that is
+    // itself a block.
+    let end = match body.last() {
+        Some(last) => close_brace_after(f.src, full_end(f.src, last)).max(end),
+        None => close_brace_after(f.src, end.saturating_sub(1)).max(end),
+    };
     let mut k = 0;
     while k < body.len() {
         let s = &body[k];
@@ -293,6 +386,7 @@ fn write_block(f: &mut Fmt<'_>, body: &[Stmt], indent: usize, end: usize) {
                 f.flush_comments(stmt_start(s), indent);
                 let line: Vec<String> = body[k..j].iter().map(simple_str).collect();
                 let _ = writeln!(f.out, "{}{}", " ".repeat(indent), line.join(" "));
+                f.trailing(stmt_end(&body[j - 1]));
                 k = j;
                 continue;
             }
@@ -320,6 +414,13 @@ fn stmt_end(s: &Stmt) -> usize {
 }
 
 fn write_stmt(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
+    write_stmt_inner(f, s, indent);
+    // A comment after the statement on its last source line (for a block, after its `}`).
+    let end = full_end(f.src, s);
+    f.trailing(end);
+}
+
+fn write_stmt_inner(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
     f.flush_comments(stmt_start(s), indent);
     let pad = " ".repeat(indent);
     match s {
@@ -477,6 +578,7 @@ fn item_sp(it: &Item) -> Sp {
         Item::Name(_, s)
         | Item::Param(_, _, s)
         | Item::Vpp(_, s)
+        | Item::VppDefault(_, s)
         | Item::Stages(_, s)
         | Item::Microbatches(_, s)
         | Item::Placement(_, s)
@@ -485,6 +587,7 @@ fn item_sp(it: &Item) -> Sp {
         | Item::Require(_, _, s)
         | Item::Rank(_, _, s)
         | Item::Literal(_, s)
+        | Item::List(_, _, s)
         | Item::Expect(_, _, s)
         | Item::Communicator(_, _, s)
         | Item::Moe(_, s) => *s,
@@ -509,7 +612,7 @@ pub fn format_file(file: &File, src: &str) -> String {
     };
     let mut prev_block = false;
     for (k, it) in file.items.iter().enumerate() {
-        let is_block = matches!(it, Item::Rank(..) | Item::Literal(..));
+        let is_block = matches!(it, Item::Rank(..) | Item::Literal(..) | Item::List(..));
         let starts_expects = matches!(it, Item::Expect(..))
             && !matches!(file.items.get(k.wrapping_sub(1)), Some(Item::Expect(..)));
         let start = first_comment_or(&f, item_sp(it).start);
@@ -535,6 +638,9 @@ pub fn format_file(file: &File, src: &str) -> String {
             },
             Item::Vpp(e, _) => {
                 let _ = writeln!(f.out, "vpp {}", expr_str(e));
+            }
+            Item::VppDefault(e, _) => {
+                let _ = writeln!(f.out, "vpp default {}", expr_str(e));
             }
             Item::Stages(e, _) => {
                 let _ = writeln!(f.out, "stages {}", expr_str(e));
@@ -570,6 +676,12 @@ pub fn format_file(file: &File, src: &str) -> String {
                 write_block(&mut f, body, 4, end);
                 f.out.push_str("}\n");
             }
+            Item::List(n, rules, sp) => {
+                let _ = writeln!(f.out, "list {n} {{");
+                let end = rules.last().map_or(sp.end, |r| r.sp().end) + 1;
+                write_list(&mut f, rules, end);
+                f.out.push_str("}\n");
+            }
             Item::Literal(body, _) => {
                 f.out.push_str("literal {");
                 f.out.push_str(body);
@@ -586,9 +698,53 @@ pub fn format_file(file: &File, src: &str) -> String {
             }
         }
         prev_block = is_block;
+        let end = match it {
+            Item::Rank(_, body, sp) => {
+                close_brace_after(src, body.last().map_or(sp.end, |s| full_end(src, s))) + 1
+            }
+            Item::List(_, rules, sp) => {
+                close_brace_after(src, rules.last().map_or(sp.end, |r| r.sp().end)) + 1
+            }
+            _ => item_sp(it).end,
+        };
+        f.trailing(end);
     }
     f.flush_comments(usize::MAX, 0);
     f.out
+}
+
+/// The lines of a `list r { }` block, four-space indented, comments and blank lines kept.
+fn write_list(f: &mut Fmt<'_>, rules: &[ListRule], end: usize) {
+    let end = close_brace_after(f.src, end.saturating_sub(1)).max(end);
+    for (k, r) in rules.iter().enumerate() {
+        if k > 0
+            && blank_between(
+                f.src,
+                rules[k - 1].sp().end,
+                first_comment_or(f, r.sp().start),
+            )
+        {
+            f.out.push('\n');
+        }
+        f.flush_comments(r.sp().start, 4);
+        let line = match r {
+            ListRule::Let(n, e, _) => format!("let {n} = {}", expr_str(e)),
+            ListRule::Priority {
+                kind,
+                chunk,
+                mb,
+                expr,
+                ..
+            } => format!("{}({chunk}, {mb}) = {}", kind.as_str(), expr_str(expr)),
+            ListRule::Memory(e, _) => format!("memory <= {}", expr_str(e)),
+            ListRule::Inflight(e, _) => format!("inflight <= {}", expr_str(e)),
+            ListRule::Defer(k, _) => format!("defer {}", k.as_str()),
+            ListRule::Strict(_) => "strict".to_string(),
+        };
+        let _ = writeln!(f.out, "    {line}");
+        f.trailing(r.sp().end);
+    }
+    f.flush_comments(end, 4);
 }
 
 /// The offset of the first pending comment if it comes before `pos`, else `pos` (a blank line

@@ -26,6 +26,7 @@
 pub mod ast;
 pub mod elab;
 pub mod fmt;
+pub mod list;
 pub mod parse;
 
 pub use elab::{elaborate, ElabError, Elaborated, Instance};

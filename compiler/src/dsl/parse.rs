@@ -180,6 +180,7 @@ const KEYWORDS: &[&str] = &[
     "true",
     "false",
     "stage",
+    "list",
 ];
 
 fn ident(i: In<'_>) -> R<'_, (String, Sp)> {
@@ -261,8 +262,11 @@ fn op_kind(i: In<'_>) -> R<'_, (Kind, Sp)> {
 fn primary(i: In<'_>) -> R<'_, Expr> {
     let _nest = Nest::enter(i)?;
     let start = i;
-    if let Ok((i2, (v, sp))) = int(i) {
-        return Ok((i2, Expr::Int(v, sp)));
+    match int(i) {
+        Ok((i2, (v, sp))) => return Ok((i2, Expr::Int(v, sp))),
+        // A literal out of range: say so, not "expected an expression".
+        Err(nom::Err::Failure(e)) => return Err(nom::Err::Failure(e)),
+        Err(_) => {}
     }
     if let Ok((i2, _)) = tok("(").parse(i) {
         let (i3, e) = cut(expr).parse(i2)?;
@@ -283,7 +287,14 @@ fn primary(i: In<'_>) -> R<'_, Expr> {
     if let Ok((i2, sp)) = kw("false").parse(i) {
         return Ok((i2, Expr::Bool(false, sp)));
     }
-    let (i2, (name, nsp)) = expect("an expression", ident).parse(i)?;
+    if let Ok((i2, _)) = kw("if").parse(i) {
+        return cut(|i| if_expr(i, start)).parse(i2);
+    }
+    // `stage` is a keyword (`F(stage s, m)`), but `stage(c)` is the built-in function.
+    let (i2, (name, nsp)) = match kw("stage").parse(i) {
+        Ok((i2, sp)) if i2.fragment().starts_with('(') => (i2, ("stage".to_string(), sp)),
+        _ => expect("an expression", ident).parse(i)?,
+    };
     if let Ok((i3, _)) = tok("(").parse(i2) {
         let mut args = Vec::new();
         let mut cur = i3;
@@ -302,6 +313,37 @@ fn primary(i: In<'_>) -> R<'_, Expr> {
         }
     }
     Ok((i2, Expr::Var(name, nsp)))
+}
+
+/// The rest of `if c { a } else { b }` (or `else if ...`) after `if`.
+fn if_expr<'a>(i: In<'a>, start: In<'a>) -> R<'a, Expr> {
+    let (i, c) = expect("a condition after `if`", expr).parse(i)?;
+    let (i, _) = expect("`{` and the value where the condition holds", tok("{")).parse(i)?;
+    let (i, a) = expect("an expression", expr).parse(i)?;
+    let (i, _) = expect("`}`", tok("}")).parse(i)?;
+    let (i, _) = match kw("else").parse(i) {
+        Ok(x) => x,
+        Err(_) => {
+            return Err(nom::Err::Failure(PErr {
+                offset: i.location_offset(),
+                expected: "`else` (an `if` expression needs both values)".into(),
+                help: Some("write `if c { a } else { b }`".into()),
+                generic: false,
+            }))
+        }
+    };
+    let (i, b) = if let Ok((i2, _)) = kw("if").parse(i) {
+        if_expr(i2, i)?
+    } else {
+        let (i, _) = expect("`{` or `if` after `else`", tok("{")).parse(i)?;
+        let (i, b) = expect("an expression", expr).parse(i)?;
+        let (i, _) = expect("`}`", tok("}")).parse(i)?;
+        (i, b)
+    };
+    Ok((
+        i,
+        Expr::If(Box::new(c), Box::new(a), Box::new(b), sp_of(start, i)),
+    ))
 }
 
 fn call_arg(i: In<'_>) -> R<'_, Arg> {
@@ -409,7 +451,12 @@ fn op_stmt(i: In<'_>) -> R<'_, OpStmt> {
         if let Ok((i2, _)) = tok(")").parse(i) {
             return Ok((i2, Target::Next(None)));
         }
-        if let Ok((i2, _)) = kw("stage").parse(i) {
+        // `stage s` names a global stage; `stage(c)` right after `(` is the built-in call.
+        let is_call = i
+            .fragment()
+            .strip_prefix("stage")
+            .is_some_and(|r| r.starts_with('('));
+        if let (false, Ok((i2, _))) = (is_call, kw("stage").parse(i)) {
             let (i3, s) = expect("a stage expression", expr).parse(i2)?;
             let (i4, _) = expect("`,` and a micro-batch", tok(",")).parse(i3)?;
             let (i5, m) = expect("a micro-batch expression", expr).parse(i4)?;
@@ -690,6 +737,85 @@ fn if_rest<'a>(i: In<'a>, start: In<'a>) -> R<'a, Stmt> {
     Ok((i, Stmt::If(c, then, Vec::new(), sp)))
 }
 
+// ---------------------------------------------------------------- list scheduling
+
+fn list_rule(i: In<'_>) -> R<'_, ListRule> {
+    let start = i;
+    if let Ok((i2, _)) = kw("let").parse(i) {
+        let (i3, (n, _)) = cut(expect("a name after `let`", ident)).parse(i2)?;
+        let (i4, _) = cut(expect("`=`", tok("="))).parse(i3)?;
+        let (i5, e) = cut(expect("an expression", expr)).parse(i4)?;
+        return Ok((i5, ListRule::Let(n, e, sp_of(start, i5))));
+    }
+    if let Ok((i2, _)) = kw("memory").parse(i) {
+        let (i3, _) = cut(expect("`<=`", tok("<="))).parse(i2)?;
+        let (i4, e) = cut(expect("the most live activations per rank", expr)).parse(i3)?;
+        return Ok((i4, ListRule::Memory(e, sp_of(start, i4))));
+    }
+    if let Ok((i2, _)) = kw("inflight").parse(i) {
+        let (i3, _) = cut(expect("`<=`", tok("<="))).parse(i2)?;
+        let (i4, e) = cut(expect("the most forwards in flight per rank", expr)).parse(i3)?;
+        return Ok((i4, ListRule::Inflight(e, sp_of(start, i4))));
+    }
+    if let Ok((i2, sp)) = kw("strict").parse(i) {
+        return Ok((i2, ListRule::Strict(sp)));
+    }
+    if let Ok((i2, _)) = kw("defer").parse(i) {
+        let (i3, (k, _)) = cut(expect("`W` after `defer`", op_kind)).parse(i2)?;
+        return Ok((i3, ListRule::Defer(k, sp_of(start, i3))));
+    }
+    if let Ok((i2, (kind, _))) = op_kind(i) {
+        let (i3, _) = cut(expect(
+            "`(` and the names of the chunk and micro-batch",
+            tok("("),
+        ))
+        .parse(i2)?;
+        let (i4, (c, _)) = cut(expect("a name for the local chunk", ident)).parse(i3)?;
+        let (i5, _) = cut(expect("`,`", tok(","))).parse(i4)?;
+        let (i6, (m, _)) = cut(expect("a name for the micro-batch", ident)).parse(i5)?;
+        let (i7, _) = cut(expect("`)`", tok(")"))).parse(i6)?;
+        let (i8, _) = cut(expect("`=` and the priority", tok("="))).parse(i7)?;
+        let (i9, e) = cut(expect("the priority (an expression)", expr)).parse(i8)?;
+        return Ok((
+            i9,
+            ListRule::Priority {
+                kind,
+                chunk: c,
+                mb: m,
+                expr: e,
+                sp: sp_of(start, i9),
+            },
+        ));
+    }
+    fail(
+        i,
+        "a list rule (`F(c, m) = priority`, `let`, `memory <= e`, `inflight <= e`, `defer W`, `strict`)",
+    )
+}
+
+fn list_body(i: In<'_>) -> R<'_, Vec<ListRule>> {
+    let open = i.location_offset();
+    let (i, _) = expect("`{`", tok("{")).parse(i)?;
+    let mut out = Vec::new();
+    let mut cur = i;
+    loop {
+        if let Ok((i2, _)) = tok("}").parse(cur) {
+            return Ok((i2, out));
+        }
+        if cur.fragment().is_empty() {
+            return Err(nom::Err::Failure(PErr {
+                offset: open,
+                expected: "`}` closing the block".into(),
+                help: Some("add `}` where this block should end".into()),
+                generic: false,
+            }));
+        }
+        let (i2, r) = cut(list_rule).parse(cur)?;
+        out.push(r);
+        cur = i2;
+    }
+}
+
 // ---------------------------------------------------------------- items
 
 fn literal_body(i: In<'_>) -> R<'_, String> {
@@ -737,6 +863,14 @@ fn item(i: In<'_>) -> R<'_, Item> {
         return Ok((i4, Item::Param(n, d, sp_of(start, i4))));
     }
     if let Ok((i2, _)) = kw("vpp").parse(i) {
+        if let Ok((i3, _)) = kw("default").parse(i2) {
+            let (i4, e) = cut(expect(
+                "the default number of virtual stages per rank",
+                expr,
+            ))
+            .parse(i3)?;
+            return Ok((i4, Item::VppDefault(e, sp_of(start, i4))));
+        }
         let (i3, e) = cut(expect("the number of virtual stages per rank", expr)).parse(i2)?;
         return Ok((i3, Item::Vpp(e, sp_of(start, i3))));
     }
@@ -831,6 +965,13 @@ fn item(i: In<'_>) -> R<'_, Item> {
         let (i4, body) = cut(block).parse(i3)?;
         return Ok((i4, Item::Rank(n, body, sp)));
     }
+    if let Ok((i2, _)) = kw("list").parse(i) {
+        let (i3, (n, _)) =
+            cut(expect("the rank variable's name, e.g. `list r {`", ident)).parse(i2)?;
+        let sp = sp_of(start, i3);
+        let (i4, rules) = cut(list_body).parse(i3)?;
+        return Ok((i4, Item::List(n, rules, sp)));
+    }
     if let Ok((i2, _)) = kw("literal").parse(i) {
         let (i3, body) = cut(literal_body).parse(i2)?;
         return Ok((i3, Item::Literal(body, sp_of(start, i3))));
@@ -919,7 +1060,7 @@ fn item(i: In<'_>) -> R<'_, Item> {
     }
     fail(
         i,
-        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, require, rank, literal, communicator, moe, expect)",
+        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, require, rank, list, literal, communicator, moe, expect)",
     )
 }
 

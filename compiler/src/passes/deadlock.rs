@@ -114,8 +114,9 @@ pub enum CommError {
         /// The member's call it disagrees with, if any.
         other: Option<Pos>,
     },
-    /// A wait-for cycle.
-    Deadlock(Vec<WaitStep>),
+    /// A wait-for cycle (its steps), and the streams blocked behind it: each waits, directly
+    /// or through others, for a stream of the cycle (its own first step).
+    Deadlock(Vec<WaitStep>, Vec<WaitStep>),
     /// A chain ending in an op that can never complete.
     Stall(Vec<WaitStep>),
 }
@@ -153,8 +154,8 @@ impl CommError {
                     None => d,
                 }
             }
-            CommError::Deadlock(steps) | CommError::Stall(steps) => {
-                let dl = matches!(self, CommError::Deadlock(_));
+            CommError::Deadlock(steps, _) | CommError::Stall(steps) => {
+                let dl = matches!(self, CommError::Deadlock(..));
                 let first = &steps[0];
                 let ranks: Vec<String> = steps
                     .iter()
@@ -198,6 +199,42 @@ impl CommError {
                 for s in steps.iter().skip(1) {
                     d = d.with_related(loc(&s.at), format!("rank {} blocked here", s.rank));
                 }
+                if let CommError::Deadlock(cycle, behind) = self {
+                    let mut ranks: Vec<u32> = behind
+                        .iter()
+                        .map(|s| s.rank)
+                        .filter(|r| cycle.iter().all(|c| c.rank != *r))
+                        .collect();
+                    ranks.sort_unstable();
+                    ranks.dedup();
+                    if !ranks.is_empty() {
+                        d = d.with_note(format!(
+                            "also blocked, behind the cycle: rank{} {}",
+                            if ranks.len() == 1 { "" } else { "s" },
+                            ranks
+                                .iter()
+                                .map(|r| r.to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ));
+                    }
+                    for s in behind.iter().take(8) {
+                        let stream = match s.stream {
+                            Stream::Compute => "compute",
+                            Stream::Comm => "comm",
+                        };
+                        d = d.with_note(format!(
+                            "behind the cycle, rank {} ({stream} stream) waits at position {} `{}`: {}",
+                            s.rank,
+                            s.at.pos,
+                            loc(&s.at).op,
+                            s.waits_for
+                        ));
+                    }
+                    if behind.len() > 8 {
+                        d = d.with_note(format!("... and {} more blocked streams", behind.len() - 8));
+                    }
+                }
                 d
             }
         }
@@ -206,7 +243,7 @@ impl CommError {
     /// The steps of a deadlock or stall.
     pub fn steps(&self) -> Option<&[WaitStep]> {
         match self {
-            CommError::Deadlock(s) | CommError::Stall(s) => Some(s),
+            CommError::Deadlock(s, _) | CommError::Stall(s) => Some(s),
             _ => None,
         }
     }
@@ -877,6 +914,9 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
     };
     let mut reported_cycles: std::collections::HashSet<Vec<usize>> = Default::default();
     let mut reported_comps: std::collections::HashSet<u32> = Default::default();
+    // The reported deadlock each cycle node belongs to (index into `errs`).
+    let mut cycle_of: HashMap<usize, usize> = HashMap::new();
+    let mut comp_err: HashMap<u32, usize> = HashMap::new();
     let mut visited = vec![false; np + ns];
     let mut n_reports = 0;
     for start in 0..np + ns {
@@ -908,8 +948,21 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                 };
                 let seen_comp =
                     !comps.is_empty() && comps.iter().all(|c| reported_comps.contains(c));
-                reported_comps.extend(comps);
+                reported_comps.extend(comps.iter().copied());
+                if seen_comp {
+                    if let Some(&e) = comps.iter().find_map(|c| comp_err.get(c)) {
+                        for c in &cyc {
+                            cycle_of.entry(c.0).or_insert(e);
+                        }
+                    }
+                }
                 if !seen_comp && reported_cycles.insert(key) && n_reports < 10 {
+                    for c in &cyc {
+                        cycle_of.insert(c.0, errs.len());
+                    }
+                    for c in &comps {
+                        comp_err.entry(*c).or_insert(errs.len());
+                    }
                     n_reports += 1;
                     // Rotate so the lowest rank's step comes first.
                     let mut steps: Vec<WaitStep> = cyc.into_iter().map(|c| c.1).collect();
@@ -920,7 +973,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                         .map(|(i, _)| i)
                         .unwrap_or(0);
                     steps.rotate_left(min_i);
-                    errs.push(CommError::Deadlock(steps));
+                    errs.push(CommError::Deadlock(steps, Vec::new()));
                 }
                 break;
             }
@@ -940,6 +993,35 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                     }
                     break;
                 }
+            }
+        }
+    }
+    // Streams blocked behind a reported cycle: follow each other blocked stream's waits until
+    // they reach a cycle node.
+    if !cycle_of.is_empty() {
+        for start in 0..np + ns {
+            let blocked = if start < np {
+                blocked_c(start, &cpos)
+            } else {
+                blocked_m(start - np, &spos)
+            };
+            if !blocked || cycle_of.contains_key(&start) {
+                continue;
+            }
+            let (first, mut next) = step_of(start, &mut parent);
+            let mut hops = 0;
+            while let Some(nx) = next {
+                if let Some(&e) = cycle_of.get(&nx) {
+                    if let CommError::Deadlock(_, behind) = &mut errs[e] {
+                        behind.push(first.clone());
+                    }
+                    break;
+                }
+                hops += 1;
+                if hops > np + ns {
+                    break;
+                }
+                next = step_of(nx, &mut parent).1;
             }
         }
     }

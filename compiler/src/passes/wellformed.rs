@@ -341,7 +341,25 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
             }
         }
     }
-    // Completeness.
+    // Completeness. A missing op is shown where its rank's program ends (the last compute op
+    // of the rank holding the stage), so that a spec's error points at the statement that
+    // emitted that op.
+    let last_compute: Vec<Option<Pos>> = p
+        .ranks
+        .iter()
+        .enumerate()
+        .map(|(r, v)| {
+            v.iter().rposition(Instr::is_compute).map(|i| Pos {
+                rank: r as u32,
+                pos: i as u32,
+            })
+        })
+        .collect();
+    let end_of = |s: u32| -> Option<Pos> {
+        pl.stage_to_rank
+            .get(s as usize)
+            .and_then(|&r| last_compute.get(r as usize).copied().flatten())
+    };
     for s in 0..s_n {
         for m in 0..m_n {
             let f = idx.get(Kind::F, s, m).expect("in range");
@@ -349,11 +367,25 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
             let w = idx.get(Kind::W, s, m).expect("in range");
             let bw = idx.get(Kind::BW, s, m).expect("in range");
             if !f.present() {
+                // Next to a backward of the same (stage, micro-batch), or where the rank's
+                // program ends.
+                let near = [b, bw, w]
+                    .iter()
+                    .find(|x| x.present())
+                    .map(|x| x.first)
+                    .or_else(|| end_of(s));
                 errs.push(WfError::Missing {
                     stage: s,
                     mb: m,
-                    what: "forward F".into(),
-                    near: None,
+                    what: if [b, bw, w].iter().any(|x| x.present()) {
+                        "forward F".into()
+                    } else {
+                        format!(
+                            "forward F (rank {}'s program ends without it)",
+                            pl.stage_to_rank.get(s as usize).copied().unwrap_or(0)
+                        )
+                    },
+                    near,
                 });
             }
             for (kind, slot) in [(Kind::F, f), (Kind::B, b), (Kind::W, w), (Kind::BW, bw)] {
@@ -404,8 +436,16 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                 (false, false, false) => errs.push(WfError::Missing {
                     stage: s,
                     mb: m,
-                    what: "backward (BW, or B then W)".into(),
-                    near: None,
+                    what: if f.present() {
+                        "backward (BW, or B then W) after its forward".into()
+                    } else {
+                        "backward (BW, or B then W)".into()
+                    },
+                    near: if f.present() {
+                        Some(f.first)
+                    } else {
+                        end_of(s)
+                    },
                 }),
                 (false, true, false) => errs.push(WfError::Missing {
                     stage: s,

@@ -1,0 +1,666 @@
+//! List scheduling: per-rank orders built from a priority per op by a deterministic
+//! cross-rank greedy under a cost model (the `list r { ... }` item of the schedule language).
+//!
+//! The input is the set of compute ops of a pipeline (every `F`, and `BW` or `B` and `W`, of
+//! every (stage, micro-batch)), each with an integer priority, the rules of the block and the
+//! op times. The output is one order per rank. The greedy simulates time:
+//!
+//! * Each rank has an **order**: its ops sorted by (priority, kind `F < B = BW < W`, stage,
+//!   micro-batch), the smaller first. The first op of the order not yet run is the rank's
+//!   **head**. An op is **ready** once its input exists: the forward of the previous stage
+//!   (`F`); the backward of the next stage, or on a last stage its own forward (`B`, `BW`);
+//!   its own `B` (`W`). Crossing ranks adds the message latency.
+//! * A rank runs its head as soon as the rank is free and the head is ready and allowed by
+//!   the rules.
+//! * **Backfilling**: while the head cannot start, the rank may run a later op of its order
+//!   that is ready and allowed, provided it ends before the head can possibly start (a lower
+//!   bound computed along the head's chain of inputs, from the other ranks' clocks), so it
+//!   never delays the head (conservative backfilling, Mu'alem and Feitelson, IEEE TPDS 12(6),
+//!   2001). Ops of one kind on one stage keep their relative order: only the first not yet
+//!   run of each (kind, stage) may backfill.
+//! * `memory <= k`: a forward may start only if the rank then holds at most `k` live
+//!   activations (chunk units: `F` allocates, `BW` or `W` frees, as `schedc check` counts);
+//!   a forward taken out of order must also keep every later point of the order under `k`
+//!   (the ops before it in the order, counting a backward's release as prompt).
+//! * `inflight <= k`: at most `k` micro-batches in flight per rank (one is in flight from its
+//!   first forward on the rank until its last backward there); micro-batches enter a rank in
+//!   order (by micro-batch, then direction), so the oldest unfinished one can always proceed
+//!   and the rule cannot deadlock.
+//! * `defer W`: weight gradients leave the order; the rank runs one (smallest priority first
+//!   among those whose `B` has run) only where it ends before the head and every backfill
+//!   candidate can start (a bubble), when the memory cap blocks the head, or when nothing else
+//!   is left — Zero Bubble's placement of W (Qi et al., ICLR 2024, §3).
+//! * `strict`: no backfilling; the order is run as it is (deferred W's still fill bubbles).
+//!
+//! Time advances from event to event (an op ends, a message arrives); at each event every idle
+//! rank, lowest first, may start one op, so the result is the schedule a list scheduler
+//! produces in simulated time. [`schedule`] runs the greedy twice (backfilling any op, then
+//! only backwards and weight gradients) and keeps the shorter; `strict` runs it once without
+//! backfilling. Every choice is a pure function of the input: the orders are deterministic.
+//! One decision costs `O(kinds x stages per rank)` plus a walk along the head's chain of
+//! inputs; a run is `O(events x P)` decisions at most (P = 64, M = 512, V = 2: about 2 s in a
+//! release build, `check` included).
+
+use crate::sim::cost::CostModel;
+use schedc_ir::{Kind, Pipeline};
+use std::cmp::Ordering;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// One op to schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Op {
+    /// F, B, W or BW.
+    pub kind: Kind,
+    /// Stage id.
+    pub stage: u32,
+    /// Micro-batch.
+    pub mb: u32,
+    /// Priority: the smaller runs first.
+    pub prio: i64,
+}
+
+/// The rules of a `list` block, per rank.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Rules {
+    /// `memory <= k`: live activations per rank (chunk units), one bound per rank.
+    pub memory: Option<Vec<i64>>,
+    /// `inflight <= k`: micro-batches in flight per rank, one bound per rank.
+    pub inflight: Option<Vec<i64>>,
+    /// `defer W`.
+    pub defer_w: bool,
+    /// `strict`: no backfilling; every rank runs its order as is.
+    pub strict: bool,
+}
+
+/// Why the greedy cannot finish: no rank can start anything, yet ops remain.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stuck {
+    /// Simulated time at which every rank is stuck.
+    pub time: f64,
+    /// Ops run so far.
+    pub done: usize,
+    /// Per stuck rank: (rank, index of its head op, what blocks it).
+    pub ranks: Vec<(u32, usize, Blocker)>,
+}
+
+/// What keeps a rank's head from starting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Blocker {
+    /// The memory cap (`memory <= k`), at this many live activations.
+    Memory(i64),
+    /// The in-flight cap (`inflight <= k`), at this many micro-batches in flight.
+    Inflight(i64),
+    /// Its input: the op (index) that has not run.
+    Input(usize),
+}
+
+const NONE: u32 = u32::MAX;
+const EPS: f64 = 1e-9;
+
+/// Class of a kind for dependencies: 0 forward, 1 backward (B or BW), 2 weight gradient.
+fn class(k: Kind) -> usize {
+    match k {
+        Kind::F => 0,
+        Kind::B | Kind::BW => 1,
+        Kind::W => 2,
+    }
+}
+
+/// Builds the per-rank orders of `ops` on pipeline `pl` (every op's stage must be in range;
+/// the set must hold each (stage, micro-batch)'s `F` and either its `BW` or its `B` and `W`,
+/// once). Op times come from `cost` (`CostModel::op_time`, seconds); a dependency between
+/// two ranks adds `cost.message_time()`.
+///
+/// Returns, per rank, the indices into `ops` in execution order.
+///
+/// The greedy runs twice: backfilling any op, then backfilling only backwards and weight
+/// gradients (forwards keep their order); the run with the shorter simulated makespan is
+/// kept (on a tie, the first). Keeping the best of a few deterministic greedy variants is
+/// what the Zero Bubble authors' scheduler does (`zb.py`, eight variants).
+///
+/// Errors: [`Stuck`] when no rank can start an op (a memory or in-flight cap that the
+/// priorities cannot meet) in every variant; the first variant's is returned.
+pub fn schedule(
+    pl: &Pipeline,
+    ops: &[Op],
+    rules: &Rules,
+    cost: &CostModel,
+) -> Result<Vec<Vec<usize>>, Stuck> {
+    if rules.strict {
+        return run(pl, ops, rules, cost, false).map(|r| r.0);
+    }
+    let a = run(pl, ops, rules, cost, true);
+    let b = run(pl, ops, rules, cost, false);
+    match (a, b) {
+        (Ok(a), Ok(b)) => Ok(if b.1 < a.1 - EPS { b.0 } else { a.0 }),
+        (Ok(a), Err(_)) => Ok(a.0),
+        (Err(_), Ok(b)) => Ok(b.0),
+        (Err(e), Err(_)) => Err(e),
+    }
+}
+
+/// One greedy run; `backfill_forwards`: whether forwards may run out of order. Returns the
+/// orders and the simulated makespan.
+fn run(
+    pl: &Pipeline,
+    ops: &[Op],
+    rules: &Rules,
+    cost: &CostModel,
+    backfill_forwards: bool,
+) -> Result<(Vec<Vec<usize>>, f64), Stuck> {
+    let np = pl.pp as usize;
+    let mbs = pl.microbatches as usize;
+    let n = ops.len();
+    let comm = cost.message_time();
+    let key = |c: usize, s: u32, m: u32| (c * pl.stages as usize + s as usize) * mbs + m as usize;
+    // Op of (class, stage, micro-batch).
+    let mut by_key = vec![NONE; 3 * pl.stages as usize * mbs];
+    for (i, o) in ops.iter().enumerate() {
+        by_key[key(class(o.kind), o.stage, o.mb)] = i as u32;
+    }
+    let rank_of: Vec<u32> = ops.iter().map(|o| pl.rank_of(o.stage)).collect();
+    // The one input of each op.
+    let pred: Vec<u32> = ops
+        .iter()
+        .map(|o| match o.kind {
+            Kind::F => pl
+                .prev_stage(o.stage)
+                .map_or(NONE, |ps| by_key[key(0, ps, o.mb)]),
+            Kind::B | Kind::BW => match pl.next_stage(o.stage) {
+                Some(ns) => by_key[key(1, ns, o.mb)],
+                None => by_key[key(0, o.stage, o.mb)],
+            },
+            Kind::W => by_key[key(1, o.stage, o.mb)],
+        })
+        .collect();
+    let mut succ_start = vec![0u32; n + 1];
+    for &p in &pred {
+        if p != NONE {
+            succ_start[p as usize + 1] += 1;
+        }
+    }
+    for i in 0..n {
+        succ_start[i + 1] += succ_start[i];
+    }
+    let mut succ = vec![0u32; succ_start[n] as usize];
+    let mut fill = succ_start.clone();
+    for (i, &p) in pred.iter().enumerate() {
+        if p != NONE {
+            succ[fill[p as usize] as usize] = i as u32;
+            fill[p as usize] += 1;
+        }
+    }
+    drop(fill);
+    let dur: Vec<f64> = ops.iter().map(|o| cost.op_time(o.kind, o.stage)).collect();
+    let deferred = |o: &Op| rules.defer_w && o.kind == Kind::W;
+    let cmp_ops = |a: u32, b: u32| {
+        let (x, y) = (&ops[a as usize], &ops[b as usize]);
+        (x.prio, class(x.kind), x.stage, x.mb).cmp(&(y.prio, class(y.kind), y.stage, y.mb))
+    };
+    // Per-rank order (non-deferred ops), per-rank queues per (class, stage), and each op's
+    // position in its rank's order.
+    let mut order: Vec<Vec<u32>> = vec![Vec::new(); np];
+    for (i, o) in ops.iter().enumerate() {
+        if !deferred(o) {
+            order[rank_of[i] as usize].push(i as u32);
+        }
+    }
+    for v in &mut order {
+        v.sort_by(|&a, &b| cmp_ops(a, b));
+    }
+    let mut queues: Vec<Vec<Vec<u32>>> = Vec::with_capacity(np);
+    let mut opos = vec![0u32; n];
+    for v in &order {
+        let mut qs: Vec<((usize, u32), Vec<u32>)> = Vec::new();
+        for &i in v {
+            let o = &ops[i as usize];
+            let k = (class(o.kind), o.stage);
+            match qs.iter_mut().find(|(kk, _)| *kk == k) {
+                Some((_, q)) => q.push(i),
+                None => qs.push((k, vec![i])),
+            }
+        }
+        queues.push(qs.into_iter().map(|(_, q)| q).collect());
+        for (k, &i) in v.iter().enumerate() {
+            opos[i as usize] = k as u32;
+        }
+    }
+    // Per rank, over its order: what each op not yet run will add to the live activations
+    // (+1 a forward, -1 the op that frees it: BW, W, or B when W is deferred, counting its
+    // W as prompt).
+    let mem_delta = |o: &Op| match o.kind {
+        Kind::F => 1,
+        Kind::W | Kind::BW => -1,
+        Kind::B if rules.defer_w => -1,
+        Kind::B => 0,
+    };
+    let mut mem_tree: Vec<PrefixMax> = order
+        .iter()
+        .map(|v| PrefixMax::new(v.iter().map(|&i| mem_delta(&ops[i as usize])).collect()))
+        .collect();
+    // Micro-batch windows: per rank, the backwards of each (direction, micro-batch) still to
+    // run there, which ones have entered, and the next to enter.
+    let dirs = pl.directions() as usize;
+    let mbkey = |o: &Op| o.mb as usize * dirs + (o.stage / pl.stages_per_direction()) as usize;
+    let mut bw_left: Vec<Vec<u32>> = vec![vec![0; mbs * dirs]; np];
+    for (i, o) in ops.iter().enumerate() {
+        if matches!(o.kind, Kind::B | Kind::BW) {
+            bw_left[rank_of[i] as usize][mbkey(o)] += 1;
+        }
+    }
+    let mut entered: Vec<Vec<bool>> = vec![vec![false; mbs * dirs]; np];
+    // The next (direction, micro-batch) to enter each rank: the smallest that has ops there.
+    let next_entry = |bw_left: &[u32], entered: &[bool], from: usize| {
+        (from..mbs * dirs)
+            .find(|&k| !entered[k] && bw_left[k] > 0)
+            .unwrap_or(mbs * dirs)
+    };
+    let mut next_in: Vec<usize> = (0..np)
+        .map(|r| next_entry(&bw_left[r], &entered[r], 0))
+        .collect();
+
+    let mut done = vec![false; n];
+    let mut end = vec![f64::NAN; n];
+    let mut free = vec![0f64; np];
+    let mut live = vec![0i64; np];
+    let mut inflight = vec![0i64; np];
+    let mut head = vec![0usize; np];
+    let mut qhead: Vec<Vec<usize>> = queues.iter().map(|q| vec![0; q.len()]).collect();
+    let mut remaining: Vec<usize> = vec![0; np];
+    for r in &rank_of {
+        remaining[*r as usize] += 1;
+    }
+    // Deferred W's whose B has run, by priority.
+    let mut wready: Vec<BinaryHeap<Reverse<(i64, u32)>>> = vec![BinaryHeap::new(); np];
+    let mut out: Vec<Vec<usize>> = vec![Vec::new(); np];
+    // Future event times (op ends, message arrivals).
+    let mut events: BinaryHeap<Reverse<Time>> = BinaryHeap::new();
+    let mut now = 0f64;
+    let mut ndone = 0usize;
+
+    loop {
+        for r in 0..np {
+            if remaining[r] == 0 || free[r] > now + EPS {
+                continue;
+            }
+            let Some(i) = pick(
+                r,
+                now,
+                &Ctx {
+                    ops,
+                    rules,
+                    order: &order[r],
+                    queues: &queues[r],
+                    qhead: &qhead[r],
+                    head: head[r],
+                    pred: &pred,
+                    rank_of: &rank_of,
+                    dur: &dur,
+                    opos: &opos,
+                    comm,
+                    backfill_forwards,
+                },
+                &State {
+                    done: &done,
+                    end: &end,
+                    free: &free,
+                    live: live[r],
+                    inflight: inflight[r],
+                    entered: &entered[r],
+                    next_in: next_in[r],
+                    mbkey: &mbkey,
+                    mem_tree: &mem_tree[r],
+                    wready: &wready[r],
+                },
+            ) else {
+                continue;
+            };
+            let e = now + dur[i];
+            done[i] = true;
+            end[i] = e;
+            free[r] = e;
+            remaining[r] -= 1;
+            ndone += 1;
+            out[r].push(i);
+            events.push(Reverse(Time(e)));
+            let o = ops[i];
+            let k = mbkey(&o);
+            match o.kind {
+                Kind::F => {
+                    live[r] += 1;
+                    if !entered[r][k] {
+                        entered[r][k] = true;
+                        inflight[r] += 1;
+                        next_in[r] = next_entry(&bw_left[r], &entered[r], next_in[r]);
+                    }
+                }
+                Kind::B | Kind::BW => {
+                    bw_left[r][k] -= 1;
+                    if bw_left[r][k] == 0 {
+                        inflight[r] -= 1;
+                    }
+                    if o.kind == Kind::BW {
+                        live[r] -= 1;
+                    }
+                }
+                Kind::W => live[r] -= 1,
+            }
+            if deferred(&o) {
+                wready[r].pop();
+            } else {
+                mem_tree[r].set(opos[i] as usize, 0);
+            }
+            while head[r] < order[r].len() && done[order[r][head[r]] as usize] {
+                head[r] += 1;
+            }
+            for (q, k) in queues[r].iter().zip(qhead[r].iter_mut()) {
+                while *k < q.len() && done[q[*k] as usize] {
+                    *k += 1;
+                }
+            }
+            for &s in &succ[succ_start[i] as usize..succ_start[i + 1] as usize] {
+                let s = s as usize;
+                let rs = rank_of[s] as usize;
+                if deferred(&ops[s]) {
+                    wready[rs].push(Reverse((ops[s].prio, s as u32)));
+                }
+                if rs != r && comm > 0.0 {
+                    events.push(Reverse(Time(e + comm)));
+                }
+                let _ = rs;
+            }
+        }
+        if ndone == n {
+            let makespan = free.iter().cloned().fold(0.0, f64::max);
+            return Ok((out, makespan));
+        }
+        // The next time something can change.
+        let mut next = None;
+        while let Some(Reverse(Time(t))) = events.pop() {
+            if t > now + EPS {
+                next = Some(t);
+                break;
+            }
+        }
+        match next {
+            Some(t) => now = t,
+            None => {
+                // Every rank is idle and none can start: report each one's head.
+                let mut stuck = Vec::new();
+                for r in 0..np {
+                    if remaining[r] == 0 {
+                        continue;
+                    }
+                    let i = match order[r].get(head[r]) {
+                        Some(&i) => i as usize,
+                        None => match wready[r].peek() {
+                            Some(Reverse((_, w))) => *w as usize,
+                            None => continue,
+                        },
+                    };
+                    let b = if pred[i] != NONE && !done[pred[i] as usize] {
+                        Blocker::Input(pred[i] as usize)
+                    } else if rules.memory.as_ref().is_some_and(|m| live[r] + 1 > m[r]) {
+                        Blocker::Memory(live[r])
+                    } else {
+                        Blocker::Inflight(inflight[r])
+                    };
+                    stuck.push((r as u32, i, b));
+                }
+                return Err(Stuck {
+                    time: now,
+                    done: ndone,
+                    ranks: stuck,
+                });
+            }
+        }
+    }
+}
+
+/// A time, ordered (never NaN).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Time(f64);
+impl Eq for Time {}
+impl Ord for Time {
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}
+impl PartialOrd for Time {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+/// What does not change while one rank decides.
+struct Ctx<'a> {
+    ops: &'a [Op],
+    rules: &'a Rules,
+    order: &'a [u32],
+    queues: &'a [Vec<u32>],
+    qhead: &'a [usize],
+    head: usize,
+    pred: &'a [u32],
+    rank_of: &'a [u32],
+    dur: &'a [f64],
+    opos: &'a [u32],
+    comm: f64,
+    backfill_forwards: bool,
+}
+
+/// The state a decision reads.
+struct State<'a> {
+    done: &'a [bool],
+    end: &'a [f64],
+    free: &'a [f64],
+    live: i64,
+    inflight: i64,
+    entered: &'a [bool],
+    next_in: usize,
+    mbkey: &'a dyn Fn(&Op) -> usize,
+    mem_tree: &'a PrefixMax,
+    wready: &'a BinaryHeap<Reverse<(i64, u32)>>,
+}
+
+/// A segment tree over a sequence of small integers: point updates and the largest prefix
+/// sum (the empty prefix counts, so it is at least 0) of the first `k` values.
+struct PrefixMax {
+    n: usize,
+    /// (sum, largest prefix sum) per node; leaves at `n..2n`.
+    t: Vec<(i64, i64)>,
+}
+
+impl PrefixMax {
+    fn new(v: Vec<i64>) -> Self {
+        let n = v.len().next_power_of_two().max(1);
+        let mut t = vec![(0, 0); 2 * n];
+        for (k, x) in v.into_iter().enumerate() {
+            t[n + k] = (x, x.max(0));
+        }
+        for k in (1..n).rev() {
+            t[k] = Self::join(t[2 * k], t[2 * k + 1]);
+        }
+        PrefixMax { n, t }
+    }
+    fn join(a: (i64, i64), b: (i64, i64)) -> (i64, i64) {
+        (a.0 + b.0, a.1.max(a.0 + b.1))
+    }
+    fn set(&mut self, k: usize, x: i64) {
+        let mut k = k + self.n;
+        self.t[k] = (x, x.max(0));
+        while k > 1 {
+            k /= 2;
+            self.t[k] = Self::join(self.t[2 * k], self.t[2 * k + 1]);
+        }
+    }
+    /// The largest prefix sum of the values at `0..k`.
+    fn prefix_max(&self, k: usize) -> i64 {
+        // Left-to-right over the canonical nodes covering 0..k.
+        let (mut lo, mut hi) = (self.n, self.n + k);
+        let mut left: Vec<usize> = Vec::new();
+        let mut right: Vec<usize> = Vec::new();
+        while lo < hi {
+            if lo & 1 == 1 {
+                left.push(lo);
+                lo += 1;
+            }
+            if hi & 1 == 1 {
+                hi -= 1;
+                right.push(hi);
+            }
+            lo /= 2;
+            hi /= 2;
+        }
+        let mut acc = (0i64, 0i64);
+        for &k in left.iter().chain(right.iter().rev()) {
+            acc = Self::join(acc, self.t[k]);
+        }
+        acc.1
+    }
+}
+
+impl Ctx<'_> {
+    fn ready_at(&self, i: usize, end: &[f64]) -> f64 {
+        let p = self.pred[i];
+        if p == NONE {
+            return 0.0;
+        }
+        let e = end[p as usize];
+        if self.rank_of[p as usize] != self.rank_of[i] {
+            e + self.comm
+        } else {
+            e
+        }
+    }
+
+    /// A lower bound on when `i` can start, for an `i` whose input has not run: along its
+    /// chain of inputs not yet run, each starts no earlier than `now` and its rank's clock.
+    fn lower_bound(&self, i: usize, now: f64, st: &State<'_>) -> f64 {
+        let mut chain: Vec<usize> = Vec::new();
+        let mut cur = i;
+        while self.pred[cur] != NONE && !st.done[self.pred[cur] as usize] {
+            cur = self.pred[cur] as usize;
+            chain.push(cur);
+        }
+        // `cur` is the earliest op of the chain; its own input has run (or it has none).
+        let mut t = self.ready_at(cur, st.end).max(now);
+        for (k, &c) in chain.iter().enumerate().rev() {
+            let s = t.max(st.free[self.rank_of[c] as usize]).max(now);
+            t = s + self.dur[c];
+            // Message to the consumer (the next op down the chain, or `i`).
+            let consumer = if k == 0 { i } else { chain[k - 1] };
+            if self.rank_of[c] != self.rank_of[consumer] {
+                t += self.comm;
+            }
+        }
+        t
+    }
+
+    /// May forward `i` start now, leaving room (memory) for the ops before it in the order,
+    /// and entering its micro-batch in order (in-flight window)?
+    fn allows(&self, i: usize, r: usize, st: &State<'_>) -> bool {
+        if self.ops[i].kind != Kind::F {
+            return true;
+        }
+        // Running `i` now, before the ops ahead of it in the order, must keep every later
+        // point of the order under the caps (the ops ahead run as if `i` had taken its
+        // unit first).
+        let k = self.opos[i] as usize;
+        if let Some(m) = &self.rules.memory {
+            if st.live + 1 + st.mem_tree.prefix_max(k) > m[r] {
+                return false;
+            }
+        }
+        if let Some(m) = &self.rules.inflight {
+            // A micro-batch new to this rank enters only in order, and only into a free slot.
+            let key = (st.mbkey)(&self.ops[i]);
+            if !st.entered[key] && (key != st.next_in || st.inflight + 1 > m[r]) {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// The op rank `r` starts at `now`, if any: its head if ready and allowed; else the
+/// smallest-priority backfill candidate that ends before the head can start; else a deferred
+/// W (in a bubble, or to free memory the cap needs).
+fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
+    let mut h = cx.head;
+    while h < cx.order.len() && st.done[cx.order[h] as usize] {
+        h += 1;
+    }
+    let head_op = cx.order.get(h).map(|&i| i as usize);
+    let mut mem_blocked = false;
+    let horizon = match head_op {
+        None => f64::INFINITY,
+        Some(i) if !cx.allows(i, r, st) => {
+            mem_blocked = cx.rules.memory.as_ref().is_some_and(|m| st.live + 1 > m[r]);
+            f64::INFINITY
+        }
+        Some(i) => {
+            let t = cx.ready_at(i, st.end);
+            if t.is_nan() {
+                cx.lower_bound(i, now, st)
+            } else if t <= now + EPS {
+                return Some(i);
+            } else {
+                t
+            }
+        }
+    };
+    // Backfill: the first op not yet run of each (kind, stage) queue. A deferred W must not
+    // delay any of them either.
+    let mut best: Option<(i64, usize)> = None;
+    let mut w_horizon = horizon;
+    for (q, &k) in cx.queues.iter().zip(cx.qhead.iter()) {
+        if cx.rules.strict {
+            break;
+        }
+        let mut k = k;
+        while k < q.len() && st.done[q[k] as usize] {
+            k += 1;
+        }
+        let Some(&i) = q.get(k) else { continue };
+        let i = i as usize;
+        if Some(i) == head_op || !cx.allows(i, r, st) {
+            continue;
+        }
+        if !cx.backfill_forwards && cx.ops[i].kind == Kind::F {
+            continue;
+        }
+        let t = cx.ready_at(i, st.end);
+        if t.is_nan() || t > now + EPS {
+            let lb = if t.is_nan() {
+                cx.lower_bound(i, now, st)
+            } else {
+                t
+            };
+            w_horizon = w_horizon.min(lb);
+            continue;
+        }
+        if now + cx.dur[i] > horizon + EPS {
+            continue;
+        }
+        let key = (cx.ops[i].prio, i);
+        if best.is_none_or(|b| key < b) {
+            best = Some(key);
+        }
+    }
+    if mem_blocked {
+        if let Some(Reverse((_, w))) = st.wready.peek() {
+            return Some(*w as usize);
+        }
+    }
+    if let Some((_, i)) = best {
+        return Some(i);
+    }
+    if let Some(Reverse((_, w))) = st.wready.peek() {
+        let w = *w as usize;
+        if head_op.is_none() || now + cx.dur[w] <= w_horizon + EPS {
+            return Some(w);
+        }
+    }
+    None
+}
