@@ -22,6 +22,7 @@
 //! * [`rewrite`]: equality saturation (egg) over windows of a rank's ops, extracted with the
 //!   evaluator in the loop.
 //! * [`exact`]: branch and bound for small instances: the optimum and a proof.
+//! * [`refdata`]: the Zero Bubble reference data in `shared/reference/zb/`.
 //! * [`search`]: the driver that runs them under a budget and a time limit.
 //!
 //! Every result is checked by `schedc check` and scored by `schedc::sim::simulate`
@@ -37,6 +38,7 @@ pub mod instance;
 pub mod list;
 pub mod local;
 pub mod lower;
+pub mod refdata;
 pub mod rewrite;
 pub mod sched;
 pub mod search;
