@@ -94,7 +94,12 @@ impl Instance {
         let mut d_bw = Vec::with_capacity(s);
         let mut d_fb = Vec::with_capacity(s);
         for st in 0..s as u32 {
-            for (what, k) in [("F", Kind::F), ("B", Kind::B), ("W", Kind::W), ("BW", Kind::BW)] {
+            for (what, k) in [
+                ("F", Kind::F),
+                ("B", Kind::B),
+                ("W", Kind::W),
+                ("BW", Kind::BW),
+            ] {
                 let v = t(k, st);
                 if !(v.is_finite() && v > 0.0) {
                     return Err(ProblemError::BadTime {
@@ -112,7 +117,11 @@ impl Instance {
             let b = Compute::new(Kind::B, st, 0);
             let pair = cost.pair_time(&f, &b);
             let plain = cost.compute_time(&f) + cost.compute_time(&b);
-            d_fb.push(if (pair - plain).abs() > 1e-12 { Some(pair) } else { None });
+            d_fb.push(if (pair - plain).abs() > 1e-12 {
+                Some(pair)
+            } else {
+                None
+            });
         }
         let inst = Instance {
             pipeline: pl.clone(),

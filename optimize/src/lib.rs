@@ -38,6 +38,7 @@ pub mod instance;
 pub mod list;
 pub mod local;
 pub mod lower;
+pub mod periodic;
 pub mod refdata;
 pub mod rewrite;
 pub mod sched;

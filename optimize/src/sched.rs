@@ -193,7 +193,11 @@ impl Sched {
                             .unwrap_or(inst.m as u32 + j as u32);
                         Instr::Compute(Compute::new(Kind::W, s, m))
                     }
-                    Tok::Pair { f: sf, b: sb, fused } => Instr::Overlap {
+                    Tok::Pair {
+                        f: sf,
+                        b: sb,
+                        fused,
+                    } => Instr::Overlap {
                         fwd: fwd(sf, &mut f),
                         bwd: bwd(sb, fused, &mut bi, &mut split),
                     },

@@ -13,7 +13,10 @@ fn costs() -> Vec<(&'static str, CostModel)> {
         ("profA", "F=1,B=1.1,W=0.9,latency=0.05"),
         ("profB", "F=1,B=2,W=1"),
         ("slow-links", "F=1,B=1,W=1,latency=0.7"),
-        ("bandwidth", "F=0.3,B=0.5,W=0.2,latency=0.01,bandwidth=1e9,bytes=2e8"),
+        (
+            "bandwidth",
+            "F=0.3,B=0.5,W=0.2,latency=0.01,bandwidth=1e9,bytes=2e8",
+        ),
         ("pairs", "F=1,B=1,W=1,FB=1.5,latency=0.05"),
     ] {
         v.push((name, CostModel::resolve(spec).unwrap()));
@@ -73,7 +76,12 @@ fn evaluator_equals_simulator_on_random_schedules() {
         let mut sc = Sched::from_program(&prog).unwrap();
         if *name == "pairs" {
             pair_some(&mut rng, &inst, &mut sc);
-            if sc.ranks.iter().flatten().any(|t| matches!(t, Tok::Pair { .. })) {
+            if sc
+                .ranks
+                .iter()
+                .flatten()
+                .any(|t| matches!(t, Tok::Pair { .. }))
+            {
                 with_pairs += 1;
             }
         }
@@ -82,7 +90,10 @@ fn evaluator_equals_simulator_on_random_schedules() {
             .eval(&sc)
             .unwrap_or_else(|f| panic!("case {case}: a relabelled valid schedule fails: {f:?}"));
         let v = verify(&inst, cost, &sc).unwrap_or_else(|err| {
-            panic!("case {case} ({name}): {err}\n{}", schedc_ir::text::print(&sc.to_program(&inst)))
+            panic!(
+                "case {case} ({name}): {err}\n{}",
+                schedc_ir::text::print(&sc.to_program(&inst))
+            )
         });
         let tol = 1e-9 * e.makespan.max(1.0);
         assert!(
@@ -97,7 +108,10 @@ fn evaluator_equals_simulator_on_random_schedules() {
             schedc_ir::text::print(&v.program)
         );
         for (r, rr) in v.report.ranks.iter().enumerate() {
-            assert_eq!(rr.peak_activations, e.peak[r] as u64, "case {case}: rank {r} peak");
+            assert_eq!(
+                rr.peak_activations, e.peak[r] as u64,
+                "case {case}: rank {r} peak"
+            );
         }
         compared += 1;
     }
@@ -118,6 +132,11 @@ fn relabelling_never_delays() {
         let sc = Sched::from_program(&prog).unwrap();
         let e = Evaluator::new(&inst).eval(&sc).unwrap();
         let orig = schedc::sim::simulate_any(&prog, &cost).unwrap();
-        assert!(e.makespan <= orig.makespan + 1e-9, "{} > {}", e.makespan, orig.makespan);
+        assert!(
+            e.makespan <= orig.makespan + 1e-9,
+            "{} > {}",
+            e.makespan,
+            orig.makespan
+        );
     }
 }
