@@ -48,6 +48,19 @@ fn main() {
             ph.name, ph.best, ph.evals, ph.seconds
         );
     }
+    if std::env::var("EXACT").is_ok() {
+        let t = std::time::Instant::now();
+        let r =
+            schedc_optimize::exact::solve(&inst, Some((&out.best, out.makespan)), 50_000_000, None)
+                .unwrap();
+        println!(
+            "exact: {} proved {} nodes {} in {:?}",
+            r.makespan,
+            r.proved,
+            r.nodes,
+            t.elapsed()
+        );
+    }
     if std::env::var("SHOW").is_ok() {
         for r in 0..inst.p {
             println!("{}", out.best.rank_text(&inst, r));

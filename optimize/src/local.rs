@@ -127,7 +127,28 @@ fn apply(inst: &Instance, sc: &mut Sched, rng: &mut Rng, reach: usize) -> bool {
 fn structural(inst: &Instance, toks: &mut Vec<Tok>, i: usize) -> bool {
     let fuse_helps = !inst.split_dominates();
     let pairs = inst.pairs_help();
+    let next_is_f = i + 1 < toks.len() && matches!(toks[i + 1], Tok::F(_));
+    let next_is_bwd = i + 1 < toks.len() && matches!(toks[i + 1], Tok::B(_) | Tok::BW(_));
     match toks[i] {
+        Tok::F(f) if pairs && next_is_bwd => {
+            let (b, fused) = match toks[i + 1] {
+                Tok::B(b) => (b, false),
+                Tok::BW(b) => (b, true),
+                _ => unreachable!(),
+            };
+            toks[i] = Tok::Pair { f, b, fused };
+            toks.remove(i + 1);
+            true
+        }
+        Tok::B(b) | Tok::BW(b) if pairs && next_is_f && i % 2 == 0 => {
+            let fused = matches!(toks[i], Tok::BW(_));
+            let Tok::F(f) = toks[i + 1] else {
+                unreachable!()
+            };
+            toks[i] = Tok::Pair { f, b, fused };
+            toks.remove(i + 1);
+            true
+        }
         Tok::BW(s) => {
             toks[i] = Tok::B(s);
             toks.insert(i + 1, Tok::W(s));
@@ -153,24 +174,6 @@ fn structural(inst: &Instance, toks: &mut Vec<Tok>, i: usize) -> bool {
             toks.insert(i + 1, if fused { Tok::BW(b) } else { Tok::B(b) });
             true
         }
-        Tok::F(f) if pairs && i + 1 < toks.len() => match toks[i + 1] {
-            Tok::B(b) | Tok::BW(b) => {
-                let fused = matches!(toks[i + 1], Tok::BW(_));
-                toks[i] = Tok::Pair { f, b, fused };
-                toks.remove(i + 1);
-                true
-            }
-            _ => false,
-        },
-        Tok::B(b) | Tok::BW(b) if pairs && i + 1 < toks.len() => match toks[i + 1] {
-            Tok::F(f) => {
-                let fused = matches!(toks[i], Tok::BW(_));
-                toks[i] = Tok::Pair { f, b, fused };
-                toks.remove(i + 1);
-                true
-            }
-            _ => false,
-        },
         _ => false,
     }
 }

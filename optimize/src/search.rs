@@ -311,8 +311,78 @@ pub fn optimize(
         report("local search", b.score.makespan, 1.0);
     }
 
+    // 3. Rewrite windows with egg, then local search again from the result.
+    if opts.rewrite && !opts.construct_only && !at_bound(&best) && !timed_out(deadline) {
+        let t = Instant::now();
+        let mut sc = best.lock().unwrap().sched.clone();
+        let mut on_best = |m: f64| report("egg rewrite", m, 0.5);
+        let mut evals =
+            crate::rewrite::improve_windows(inst, &mut sc, 6, 6, deadline, &mut on_best);
+        let s = score(&mut ev, &sc);
+        let budget = Budget {
+            evals: (opts.effort * (2000.0 + 100.0 * sc.len() as f64)).min(1.0e6) as u64,
+            stall: 20_000,
+            deadline,
+            target: lb,
+        };
+        let mut on_best2 = |m: f64| report("egg rewrite", m, 0.8);
+        let r = improve(inst, &sc, budget, opts.seed ^ 0xE66, &mut on_best2);
+        evals += r.evals;
+        let mut b = best.lock().unwrap();
+        if s.lt(&b.score) {
+            b.sched = sc;
+            b.score = s;
+            b.by = format!("egg window rewrites of {}", b.by);
+        }
+        if r.score.lt(&b.score) {
+            b.sched = r.sched;
+            b.score = r.score;
+            b.by = format!("egg window rewrites and local search of {}", b.by);
+        }
+        phases.push(Phase {
+            name: "egg rewrite",
+            best: b.score.makespan,
+            evals,
+            seconds: t.elapsed().as_secs_f64(),
+        });
+        report("egg rewrite", b.score.makespan, 1.0);
+    }
+
+    // 4. Branch and bound on small instances.
+    let mut proved = false;
+    if opts.exact_max_ops > 0 && !at_bound(&best) && !timed_out(deadline) {
+        let n_ops = inst.s * inst.m * 3;
+        if n_ops <= opts.exact_max_ops {
+            let t = Instant::now();
+            let (sc, mk) = {
+                let b = best.lock().unwrap();
+                (b.sched.clone(), b.score.makespan)
+            };
+            if let Ok(res) =
+                crate::exact::solve(inst, Some((&sc, mk)), opts.exact_max_nodes, deadline)
+            {
+                let mut b = best.lock().unwrap();
+                if res.makespan < b.score.makespan - EPS {
+                    if let Some(s) = res.best {
+                        b.score = score(&mut ev, &s);
+                        b.sched = s;
+                        b.by = "branch and bound".into();
+                    }
+                }
+                proved = res.proved;
+                phases.push(Phase {
+                    name: "branch and bound",
+                    best: b.score.makespan,
+                    evals: res.nodes,
+                    seconds: t.elapsed().as_secs_f64(),
+                });
+                report("branch and bound", b.score.makespan, 1.0);
+            }
+        }
+    }
+
     let b = best.into_inner().unwrap();
-    let optimal = b.score.makespan <= lb + EPS;
+    let optimal = proved || b.score.makespan <= lb + EPS;
     Outcome {
         makespan: b.score.makespan,
         best: b.sched,
