@@ -10,7 +10,7 @@ A chapter marks an example with an HTML comment followed by a ```text block:
     ```
 
 The command runs under bash from the repository root, with `target/debug` first on PATH (so
-`schedc` is the binary `cargo build -p schedc` built), standard error merged into standard
+`schedc` is the binary `cargo build -p schedc-cli` built), standard error merged into standard
 output. The block is replaced by `$ <command>` and the output, exactly as printed.
 
     python3 book/refresh-examples.py          # rewrite the chapters

@@ -6,7 +6,7 @@
 # 1. Creates (first run: downloads several GB) or reuses the virtual environment
 #    $SCHEDC_TORCH_VENV (default $HOME/.cache/schedc/torch-2.15.0-venv) with torch 2.15.0
 #    from PyPI;
-# 2. builds schedc (cargo build -p schedc);
+# 2. builds schedc (cargo build -p schedc-cli);
 # 3. runs backends/torch/test_e2e.py: every spec exported in both CSV forms, trained 3 steps
 #    on P gloo processes on 127.0.0.1 and compared with a non-pipelined run.
 # Exits non-zero on any failure.
@@ -44,7 +44,7 @@ else
 fi
 
 echo "run_e2e: building schedc"
-(cd "$ROOT" && cargo build -p schedc)
+(cd "$ROOT" && cargo build -p schedc-cli)
 SCHEDC="${CARGO_TARGET_DIR:-$ROOT/target}/debug/schedc"
 
 echo "run_e2e: running backends/torch/test_e2e.py"

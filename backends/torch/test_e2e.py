@@ -502,7 +502,7 @@ def main() -> int:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print(f"torch {torch.__version__}, schedc {args.schedc}", flush=True)
     if not os.path.exists(args.schedc):
-        print(f"error: {args.schedc} not found; build it with `cargo build -p schedc`")
+        print(f"error: {args.schedc} not found; build it with `cargo build -p schedc-cli`")
         return 2
     tally = Tally()
     t0 = time.time()

@@ -14,9 +14,9 @@
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use schedc::input::{load_spec, Overrides};
 use schedc_cpu::exec::{execute, reference, Batching, Data, ExecOptions, Optimizer};
-use schedc_cpu::mesh::Mesh;
 use schedc_cpu::model::ModelConfig;
-use schedc_cpu::program::{LowerOptions, ProgramSet};
+use schedc_program::mesh::Mesh;
+use schedc_program::{LowerOptions, ProgramSet};
 use std::hint::black_box;
 use std::time::Duration;
 

@@ -3,19 +3,19 @@
 //! against.
 //!
 //! ## How a rank runs its streams
-//! A rank's thread interprets its streams cooperatively: it runs the head instruction of any
-//! stream that is ready (a `wait` whose event has been recorded, a `recv` whose message is
-//! in the mailbox, a collective whose members' messages have all arrived; everything else
-//! is always ready) and otherwise blocks on its channel. Sends are eager (unbounded
-//! channels). Collectives are two-phase: the first visit posts this rank's messages, the
-//! op completes once every member's message is in.
+//! Each rank's thread runs its program with [`schedc_program::interp::run_rank`], the
+//! device-neutral interpreter (streams, events, buffer lifetimes, blocking, timeouts); the
+//! rank is the interpreter's [`Device`]: buffers are tensors in a map, a `recv` is ready
+//! when its message is in the mailbox, a collective when every member's message has
+//! arrived. Sends are eager (unbounded channels). Collectives are two-phase: the first visit
+//! posts this rank's messages, the op completes once every member's message is in.
 //!
 //! ## Faults
-//! Every rank shares an abort flag. A rank that panics (caught with `catch_unwind`), fails a
-//! kernel, or waits longer than [`ExecOptions::timeout`] without running any instruction,
-//! records the error (rank, step, stream, instruction, what it waited for) and raises the
-//! flag; every other rank sees it within [`POLL`] and stops. The run returns the first
-//! error and the list of ranks stopped: never a hang.
+//! Every rank shares an [`Abort`] flag. A rank that panics (caught with `catch_unwind`),
+//! fails a kernel, or waits longer than [`ExecOptions::timeout`] without running any
+//! instruction, records the error (rank, step, stream, instruction, what it waited for) and
+//! raises the flag; every other rank sees it within [`POLL`] and stops. The run returns the
+//! first error and the list of ranks stopped: never a hang.
 //!
 //! ## The reference
 //! [`reference`](fn@reference) trains the whole model on one thread: for every data shard and every
@@ -29,18 +29,17 @@ use crate::model::{
     stage_backward_local, stage_forward_local, Grads, ModelConfig, Packet, RouterState, Scope,
     StageKernels, StageParams, Stash,
 };
-use crate::program::{A2a, Buf, LocalStage, Op, Part, Pass, ProgramSet, RankProgram};
 use crate::tensor::Real;
+pub use schedc_program::data::{Batching, Data};
+use schedc_program::interp::{self, Cursor, Device, InterpOptions, Ready};
+pub use schedc_program::interp::{Abort, At, ExecError, RunFailure, POLL};
+use schedc_program::mesh::Dim;
+use schedc_program::{A2a, Buf, LocalStage, Op, Part, Pass, ProgramSet, RankProgram};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// How often a blocked rank looks at the abort flag.
-pub const POLL: Duration = Duration::from_millis(5);
 
 /// The optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -133,96 +132,6 @@ fn optimizer_step<T: Real>(
     }
 }
 
-/// Training data: a token stream cut into sequences.
-#[derive(Clone, Debug)]
-pub struct Data {
-    tokens: Vec<u32>,
-}
-
-impl Data {
-    /// Byte-level tokens of `bytes` (vocabulary 256).
-    pub fn from_bytes(bytes: &[u8]) -> Self {
-        Data {
-            tokens: bytes.iter().map(|b| *b as u32).collect(),
-        }
-    }
-
-    /// Reads a file as bytes. Errors: the file cannot be read.
-    pub fn from_file(path: &std::path::Path) -> Result<Self, String> {
-        std::fs::read(path)
-            .map(|b| Data::from_bytes(&b))
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))
-    }
-
-    /// A built-in text (a few sentences), for runs without `--data`.
-    pub fn builtin() -> Self {
-        Data::from_bytes(BUILTIN.as_bytes())
-    }
-
-    /// Number of tokens.
-    pub fn len(&self) -> usize {
-        self.tokens.len()
-    }
-
-    /// True if there are no tokens.
-    pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
-    }
-
-    /// The largest token id plus one.
-    pub fn vocab_needed(&self) -> usize {
-        self.tokens.iter().max().map_or(0, |m| *m as usize + 1)
-    }
-
-    /// Sequence number `index` (a global counter over steps, shards and micro-batches):
-    /// `(inputs, targets)` of `seq_len` tokens each, targets shifted by one. Consecutive
-    /// indices take consecutive windows, wrapping around. Errors: fewer than `seq_len + 1`
-    /// tokens.
-    pub fn sequence(&self, index: usize, seq_len: usize) -> Result<(Vec<u32>, Vec<u32>), String> {
-        if self.tokens.len() < seq_len + 1 {
-            return Err(format!(
-                "the data has {} tokens, fewer than one sequence of {} plus its target",
-                self.tokens.len(),
-                seq_len
-            ));
-        }
-        let windows = self.tokens.len() - seq_len;
-        let start = (index * seq_len) % windows;
-        Ok((
-            self.tokens[start..start + seq_len].to_vec(),
-            self.tokens[start + 1..start + seq_len + 1].to_vec(),
-        ))
-    }
-}
-
-const BUILTIN: &str = "First Citizen: Before we proceed any further, hear me speak. \
-All: Speak, speak. First Citizen: You are all resolved rather to die than to famish? \
-All: Resolved. resolved. First Citizen: First, you know Caius Marcius is chief enemy to \
-the people. All: We know't, we know't. First Citizen: Let us kill him, and we'll have corn \
-at our own price. Is't a verdict? All: No more talking on't; let it be done: away, away!";
-
-/// Where the data of one micro-batch comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Batching {
-    /// Data shards (`dp * ep`).
-    pub shards: usize,
-    /// Micro-batches per step per shard over all directions.
-    pub microbatches: usize,
-    /// Sequence-parallel chunks per sequence (each routes as its own group).
-    pub sp: usize,
-}
-
-impl Batching {
-    /// The sequence index of `(step, shard, global micro-batch)`.
-    pub fn index(&self, step: usize, shard: usize, mb: usize) -> usize {
-        (step * self.shards + shard) * self.microbatches + mb
-    }
-    /// Tokens in one step's global batch.
-    pub fn tokens(&self, seq_len: usize) -> usize {
-        self.shards * self.microbatches * seq_len
-    }
-}
-
 /// A callback after each step: `(step, loss)`.
 pub type OnStep = Arc<dyn Fn(usize, f64) + Send + Sync>;
 
@@ -266,131 +175,6 @@ pub struct Faults {
     /// never delivered.
     pub drop_message: Option<(u32, u32, usize)>,
 }
-
-/// Where a rank was.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct At {
-    /// Global rank.
-    pub rank: u32,
-    /// Step.
-    pub step: usize,
-    /// Stream name (`compute`, `comm`, `comm@c`).
-    pub stream: String,
-    /// Index in the stream.
-    pub index: usize,
-    /// The instruction.
-    pub op: String,
-}
-
-impl fmt::Display for At {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "rank {} at step {}, {} op #{} `{}`",
-            self.rank, self.step, self.stream, self.index, self.op
-        )
-    }
-}
-
-/// Why a rank stopped.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum ExecError {
-    /// The rank panicked.
-    Panic {
-        /// Where.
-        at: Box<At>,
-        /// The panic message.
-        message: String,
-    },
-    /// A kernel or message was invalid.
-    Failed {
-        /// Where.
-        at: Box<At>,
-        /// What.
-        message: String,
-    },
-    /// The rank waited too long.
-    Timeout {
-        /// Where (a blocked instruction that waits for another rank, if any).
-        at: Box<At>,
-        /// What it waited for.
-        waiting_for: String,
-        /// The timeout.
-        seconds: f64,
-        /// Every blocked stream of the rank.
-        blocked: Vec<String>,
-    },
-    /// The rank stopped because another failed.
-    Aborted {
-        /// Where it stopped.
-        at: Box<At>,
-        /// The failed rank.
-        cause: u32,
-    },
-}
-
-impl ExecError {
-    /// The rank the error is about.
-    pub fn rank(&self) -> u32 {
-        match self {
-            ExecError::Panic { at, .. }
-            | ExecError::Failed { at, .. }
-            | ExecError::Timeout { at, .. }
-            | ExecError::Aborted { at, .. } => at.rank,
-        }
-    }
-}
-
-impl fmt::Display for ExecError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ExecError::Panic { at, message } => write!(f, "{at} panicked: {message}"),
-            ExecError::Failed { at, message } => write!(f, "{at} failed: {message}"),
-            ExecError::Timeout {
-                at,
-                waiting_for,
-                seconds,
-                ..
-            } => write!(
-                f,
-                "{at} waited {seconds:.1} s for {waiting_for}, which never came"
-            ),
-            ExecError::Aborted { at, cause } => {
-                write!(f, "{at} stopped because rank {cause} failed")
-            }
-        }
-    }
-}
-
-/// A failed run: the first error and what every other rank did.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct RunFailure {
-    /// The root cause.
-    pub cause: ExecError,
-    /// The other ranks' stops.
-    pub stopped: Vec<ExecError>,
-    /// Seconds from the failure to the last rank's stop.
-    pub stop_seconds: f64,
-}
-
-impl fmt::Display for RunFailure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.cause)?;
-        if !self.stopped.is_empty() {
-            let ranks: Vec<String> = self.stopped.iter().map(|e| e.rank().to_string()).collect();
-            write!(
-                f,
-                "; ranks {} stopped within {:.2} s",
-                ranks.join(", "),
-                self.stop_seconds
-            )?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for RunFailure {}
 
 /// Named tensors, in a fixed order.
 pub type Named = Vec<(String, Vec<f64>)>;
@@ -436,28 +220,6 @@ struct Msg<T> {
 
 type Key = (u32, usize, Tag);
 
-struct Abort {
-    flag: AtomicBool,
-    first: Mutex<Option<(ExecError, Instant)>>,
-}
-
-impl Abort {
-    fn fail(&self, e: ExecError) {
-        let mut f = self.first.lock().unwrap_or_else(|p| p.into_inner());
-        if f.is_none() {
-            *f = Some((e, Instant::now()));
-        }
-        self.flag.store(true, Ordering::SeqCst);
-    }
-    fn cause(&self) -> u32 {
-        self.first
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map_or(u32::MAX, |(e, _)| e.rank())
-    }
-}
-
 enum Report {
     Loss(usize, f64),
     Grads(usize, u32, u32, Named),
@@ -501,42 +263,8 @@ struct Rank<'a, T> {
     mailbox: HashMap<Key, VecDeque<Body<T>>>,
     rx: Receiver<Msg<T>>,
     sent_to: HashMap<u32, usize>,
-    recorded: HashSet<u32>,
     step: usize,
     loss: f64,
-    ops: u64,
-}
-
-/// The position a rank is at (kept outside the unwinding closure).
-#[derive(Clone, Copy, Default)]
-struct Cursor {
-    step: usize,
-    stream: usize,
-    index: usize,
-}
-
-fn at_of(prog: &RankProgram, c: Cursor) -> Box<At> {
-    let op = prog
-        .streams
-        .get(c.stream)
-        .and_then(|s| s.ops.get(c.index))
-        .map(|o| o.to_string())
-        .unwrap_or_default();
-    Box::new(At {
-        rank: prog.rank,
-        step: c.step,
-        stream: prog
-            .streams
-            .get(c.stream)
-            .map_or("compute".into(), |s| s.kind.to_string()),
-        index: c.index,
-        op,
-    })
-}
-
-enum Outcome {
-    Done,
-    Blocked(String),
 }
 
 impl<'a, T: Real> Rank<'a, T> {
@@ -683,7 +411,7 @@ impl<'a, T: Real> Rank<'a, T> {
         }
     }
 
-    fn kernel(&mut self, k: &crate::program::Kernel) -> Result<(), String> {
+    fn kernel(&mut self, k: &schedc_program::Kernel) -> Result<(), String> {
         let si = self.stage_ix(k.stage)?;
         let sb = Buf::Stash {
             stage: k.stage,
@@ -772,34 +500,12 @@ impl<'a, T: Real> Rank<'a, T> {
         Ok(())
     }
 
-    /// Runs op `op` of stream `s` if it is ready.
-    fn exec(&mut self, s: usize, op: &Op, posted: &mut [bool]) -> Result<Outcome, String> {
+    /// Runs a data instruction (see [`Device::exec`]).
+    fn run_op(&mut self, op: &Op, posted: &mut bool) -> Result<Ready, String> {
         let me = self.prog.rank;
         match op {
-            Op::Alloc { buf, zero } => {
-                let v = match (buf, zero) {
-                    (Buf::WeightGrad { stage }, true) => {
-                        let si = self.stage_ix(*stage)?;
-                        Value::Grads(Box::new(Grads::zeros(self.cfg, &self.stages[si].params)))
-                    }
-                    _ => Value::Empty,
-                };
-                if self.bufs.insert(*buf, v).is_some() {
-                    return Err(format!("{buf} is allocated twice"));
-                }
-            }
-            Op::Free { buf } => {
-                if self.bufs.remove(buf).is_none() {
-                    return Err(format!("{buf} is freed but not allocated"));
-                }
-            }
-            Op::Record { event } => {
-                self.recorded.insert(*event);
-            }
-            Op::Wait { event } => {
-                if !self.recorded.contains(event) {
-                    return Ok(Outcome::Blocked(format!("event e{event}")));
-                }
+            Op::Alloc { .. } | Op::Free { .. } | Op::Record { .. } | Op::Wait { .. } => {
+                return Err(format!("`{op}` is the interpreter's"))
             }
             Op::Kernel(k) => self.kernel(k)?,
             Op::Send { buf, peer } => {
@@ -808,11 +514,14 @@ impl<'a, T: Real> Rank<'a, T> {
             }
             Op::Recv { buf, peer } => {
                 let tag = Tag::P2p(*buf);
+                if !self.has(*peer, &tag) {
+                    self.drain();
+                }
                 match self.take(*peer, &tag) {
                     Some(Body::Tensor(t)) => self.put(*buf, Value::Tensor(t))?,
                     Some(Body::Packet(_)) => return Err(format!("{buf} arrived as a packet")),
                     None => {
-                        return Ok(Outcome::Blocked(format!(
+                        return Ok(Ready::Blocked(format!(
                             "{} from rank {peer}",
                             buf.describe()
                         )))
@@ -831,7 +540,7 @@ impl<'a, T: Real> Rank<'a, T> {
                     stage: *stage,
                     mb: *mb,
                 };
-                if !posted[s] {
+                if !*posted {
                     let mut st = self.take_stash(sb)?;
                     let out = std::mem::take(&mut st.outbox);
                     self.put(sb, Value::Stash(st))?;
@@ -845,11 +554,11 @@ impl<'a, T: Real> Rank<'a, T> {
                     for (to, pk) in group.iter().zip(out) {
                         self.send(*to, tag.clone(), Body::Packet(pk));
                     }
-                    posted[s] = true;
+                    *posted = true;
                 }
                 let missing = self.missing_from(group, &tag);
                 if !missing.is_empty() {
-                    return Ok(Outcome::Blocked(format!(
+                    return Ok(Ready::Blocked(format!(
                         "the {phase:?} all-to-all of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
                     )));
                 }
@@ -863,7 +572,6 @@ impl<'a, T: Real> Rank<'a, T> {
                 let mut st = self.take_stash(sb)?;
                 st.inbox = inbox;
                 self.put(sb, Value::Stash(st))?;
-                posted[s] = false;
             }
             Op::ReplicaSum {
                 stage,
@@ -871,17 +579,17 @@ impl<'a, T: Real> Rank<'a, T> {
                 peer,
             } => {
                 let tag = Tag::Replica(*model_stage);
-                if !posted[s] {
+                if !*posted {
                     let g = self.take_grads(*stage)?;
                     let mut v = g.flatten(Scope::Dense);
                     v.extend(g.flatten(Scope::Expert));
                     self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
                     self.send(*peer, tag.clone(), Body::Tensor(v));
-                    posted[s] = true;
+                    *posted = true;
                 }
                 self.drain();
                 let Some(body) = self.take(*peer, &tag) else {
-                    return Ok(Outcome::Blocked(format!(
+                    return Ok(Ready::Blocked(format!(
                         "the gradients of model stage {model_stage} from its other copy on rank {peer}"
                     )));
                 };
@@ -905,7 +613,6 @@ impl<'a, T: Real> Rank<'a, T> {
                 g.unflatten(Scope::Dense, &mine[..nd]);
                 g.unflatten(Scope::Expert, &mine[nd..]);
                 self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
-                posted[s] = false;
             }
             Op::AllReduce {
                 stage,
@@ -913,18 +620,18 @@ impl<'a, T: Real> Rank<'a, T> {
                 group,
             } => {
                 let tag = Tag::AllReduce(*stage, *scope);
-                if !posted[s] {
+                if !*posted {
                     let g = self.take_grads(*stage)?;
                     let v = g.flatten(*scope);
                     self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
                     for m in group {
                         self.send(*m, tag.clone(), Body::Tensor(v.clone()));
                     }
-                    posted[s] = true;
+                    *posted = true;
                 }
                 let missing = self.missing_from(group, &tag);
                 if !missing.is_empty() {
-                    return Ok(Outcome::Blocked(format!(
+                    return Ok(Ready::Blocked(format!(
                         "the {scope:?} gradients of stage {stage} from ranks {missing:?}"
                     )));
                 }
@@ -953,7 +660,6 @@ impl<'a, T: Real> Rank<'a, T> {
                 let mut g = self.take_grads(*stage)?;
                 g.unflatten(*scope, &sum.unwrap_or_default());
                 self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
-                posted[s] = false;
             }
             Op::OptimizerStep { stage } => {
                 let g = self.take_grads(*stage)?;
@@ -975,12 +681,61 @@ impl<'a, T: Real> Rank<'a, T> {
                 self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
             }
         }
-        Ok(Outcome::Done)
+        Ok(Ready::Done)
     }
 
     fn report(&self, r: Report) {
         let tx = self.sh.reports.lock().unwrap_or_else(|p| p.into_inner());
         let _ = tx.send(r);
+    }
+}
+
+impl<T: Real> Device for Rank<'_, T> {
+    fn begin_step(&mut self, step: usize) -> Result<(), String> {
+        self.step = step;
+        self.loss = 0.0;
+        Ok(())
+    }
+
+    fn end_step(&mut self, step: usize) -> Result<(), String> {
+        self.report(Report::Loss(step, self.loss));
+        Ok(())
+    }
+
+    fn before(&mut self, at: Cursor) {
+        if at.stream == 0
+            && self.sh.opts.faults.panic_at == Some((self.prog.rank, at.step, at.index))
+        {
+            panic!("injected fault");
+        }
+    }
+
+    fn alloc(&mut self, buf: Buf, zero: bool) -> Result<(), String> {
+        let v = match (buf, zero) {
+            (Buf::WeightGrad { stage }, true) => {
+                let si = self.stage_ix(stage)?;
+                Value::Grads(Box::new(Grads::zeros(self.cfg, &self.stages[si].params)))
+            }
+            _ => Value::Empty,
+        };
+        self.bufs.insert(buf, v);
+        Ok(())
+    }
+
+    fn free(&mut self, buf: Buf) -> Result<(), String> {
+        self.bufs.remove(&buf);
+        Ok(())
+    }
+
+    fn exec(&mut self, _stream: usize, op: &Op, issued: &mut bool) -> Result<Ready, String> {
+        self.run_op(op, issued)
+    }
+
+    fn wait(&mut self, at_most: Duration) {
+        match self.rx.recv_timeout(at_most) {
+            Ok(m) => self.deposit(m),
+            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {}
+        }
     }
 }
 
@@ -1016,8 +771,8 @@ fn run_rank<T: Real>(
         sh,
         prog,
         cfg,
-        ep: sh.set.manifest.mesh.size(crate::mesh::Dim::Ep) as usize,
-        sp: sh.set.manifest.mesh.size(crate::mesh::Dim::Sp) as usize,
+        ep: sh.set.manifest.mesh.size(Dim::Ep) as usize,
+        sp: sh.set.manifest.mesh.size(Dim::Sp) as usize,
         stages,
         bufs: HashMap::new(),
         mailbox: HashMap::new(),
@@ -1025,144 +780,12 @@ fn run_rank<T: Real>(
         sent_to: HashMap::new(),
         step: 0,
         loss: 0.0,
-        ops: 0,
-        recorded: HashSet::new(),
     };
-    let ns = prog.streams.len();
-    let set_cursor = |c: Cursor| {
-        *cursor.lock().unwrap_or_else(|p| p.into_inner()) = c;
+    let opts = InterpOptions {
+        steps: sh.opts.steps,
+        timeout: sh.opts.timeout,
     };
-    for step in 0..sh.opts.steps {
-        rank.step = step;
-        rank.loss = 0.0;
-        rank.recorded.clear();
-        let mut ptr = vec![0usize; ns];
-        let mut posted = vec![false; ns];
-        let mut blocked: Vec<Option<String>> = vec![None; ns];
-        let mut last_progress = Instant::now();
-        loop {
-            if sh.abort.flag.load(Ordering::SeqCst) {
-                let s = (0..ns)
-                    .find(|&s| ptr[s] < prog.streams[s].ops.len())
-                    .unwrap_or(0);
-                return Err(ExecError::Aborted {
-                    at: at_of(
-                        prog,
-                        Cursor {
-                            step,
-                            stream: s,
-                            index: ptr[s],
-                        },
-                    ),
-                    cause: sh.abort.cause(),
-                });
-            }
-            rank.drain();
-            let mut moved = false;
-            for s in 0..ns {
-                while ptr[s] < prog.streams[s].ops.len() {
-                    let c = Cursor {
-                        step,
-                        stream: s,
-                        index: ptr[s],
-                    };
-                    set_cursor(c);
-                    if s == 0 && sh.opts.faults.panic_at == Some((prog.rank, step, ptr[s])) {
-                        panic!("injected fault");
-                    }
-                    let op = &prog.streams[s].ops[ptr[s]];
-                    match rank.exec(s, op, &mut posted) {
-                        Ok(Outcome::Done) => {
-                            ptr[s] += 1;
-                            blocked[s] = None;
-                            moved = true;
-                            rank.ops += 1;
-                        }
-                        Ok(Outcome::Blocked(what)) => {
-                            blocked[s] = Some(what);
-                            break;
-                        }
-                        Err(message) => {
-                            return Err(ExecError::Failed {
-                                at: at_of(prog, c),
-                                message,
-                            })
-                        }
-                    }
-                }
-            }
-            if (0..ns).all(|s| ptr[s] == prog.streams[s].ops.len()) {
-                break;
-            }
-            if moved {
-                last_progress = Instant::now();
-                continue;
-            }
-            let waited = last_progress.elapsed();
-            if waited >= sh.opts.timeout {
-                // Report the stream that waits on another rank (not on an event).
-                let s = (0..ns)
-                    .find(|&s| {
-                        blocked[s]
-                            .as_ref()
-                            .is_some_and(|w| !w.starts_with("event "))
-                    })
-                    .or_else(|| (0..ns).find(|&s| blocked[s].is_some()))
-                    .unwrap_or(0);
-                let all = (0..ns)
-                    .filter_map(|t| {
-                        blocked[t].as_ref().map(|w| {
-                            let a = at_of(
-                                prog,
-                                Cursor {
-                                    step,
-                                    stream: t,
-                                    index: ptr[t],
-                                },
-                            );
-                            format!("{} op #{} `{}` waits for {w}", a.stream, a.index, a.op)
-                        })
-                    })
-                    .collect();
-                return Err(ExecError::Timeout {
-                    at: at_of(
-                        prog,
-                        Cursor {
-                            step,
-                            stream: s,
-                            index: ptr[s],
-                        },
-                    ),
-                    waiting_for: blocked[s].clone().unwrap_or_default(),
-                    seconds: sh.opts.timeout.as_secs_f64(),
-                    blocked: all,
-                });
-            }
-            match rank.rx.recv_timeout(POLL.min(sh.opts.timeout - waited)) {
-                Ok(m) => rank.deposit(m),
-                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {}
-            }
-        }
-        if !rank.bufs.is_empty() {
-            let mut left: Vec<String> = rank.bufs.keys().map(|b| b.to_string()).collect();
-            left.sort();
-            return Err(ExecError::Failed {
-                at: at_of(
-                    prog,
-                    Cursor {
-                        step,
-                        stream: 0,
-                        index: prog.streams[0].ops.len().saturating_sub(1),
-                    },
-                ),
-                message: format!(
-                    "buffers still allocated at the end of the step: {}",
-                    left.join(", ")
-                ),
-            });
-        }
-        rank.report(Report::Loss(step, rank.loss));
-    }
+    let ops = interp::run_rank(prog, &mut rank, opts, &sh.abort, cursor)?;
     if sh.opts.record {
         for st in &rank.stages {
             let mut named = Vec::new();
@@ -1172,18 +795,8 @@ fn run_rank<T: Real>(
             rank.report(Report::Params(prog.rank, st.info.stage, named));
         }
     }
-    rank.report(Report::Ops(rank.ops));
+    rank.report(Report::Ops(ops));
     Ok(())
-}
-
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".into()
-    }
 }
 
 /// Runs `opts.steps` training steps of `set` on one thread per global rank. Errors: the
@@ -1197,7 +810,7 @@ pub fn execute<T: Real>(
     let batching = Batching {
         shards: set.manifest.mesh.data_shards() as usize,
         microbatches: (set.manifest.microbatches * set.manifest.directions) as usize,
-        sp: set.manifest.mesh.size(crate::mesh::Dim::Sp) as usize,
+        sp: set.manifest.mesh.size(Dim::Sp) as usize,
     };
     let (txs, rxs): (Vec<_>, Vec<_>) = (0..world).map(|_| channel::<Msg<T>>()).unzip();
     let (rep_tx, rep_rx) = channel::<Report>();
@@ -1207,10 +820,7 @@ pub fn execute<T: Real>(
         batching,
         opts,
         senders: txs,
-        abort: Abort {
-            flag: AtomicBool::new(false),
-            first: Mutex::new(None),
-        },
+        abort: Abort::default(),
         reports: Mutex::new(rep_tx),
     };
     let start = Instant::now();
@@ -1227,27 +837,9 @@ pub fn execute<T: Real>(
             .enumerate()
             .map(|(g, rx)| {
                 scope.spawn(move || {
-                    let cursor = Mutex::new(Cursor::default());
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        run_rank(sh, g, rx, &cursor)
-                    }));
-                    let err = match r {
-                        Ok(Ok(())) => None,
-                        Ok(Err(e)) => Some(e),
-                        Err(p) => Some(ExecError::Panic {
-                            at: at_of(
-                                &sh.set.ranks[g],
-                                *cursor.lock().unwrap_or_else(|p| p.into_inner()),
-                            ),
-                            message: panic_message(&*p),
-                        }),
-                    };
-                    if let Some(e) = &err {
-                        if !matches!(e, ExecError::Aborted { .. }) {
-                            sh.abort.fail(e.clone());
-                        }
-                    }
-                    let stop = err.map(|e| (e, Instant::now()));
+                    let stop = interp::guarded(&sh.set.ranks[g], &sh.abort, |cursor| {
+                        run_rank(sh, g, rx, cursor)
+                    });
                     let _ = sh
                         .reports
                         .lock()
@@ -1302,25 +894,7 @@ pub fn execute<T: Real>(
         }
     });
     result.seconds = start.elapsed().as_secs_f64();
-    let first = sh
-        .abort
-        .first
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone();
-    if let Some((cause, t0)) = first {
-        let last = stopped.iter().map(|(_, t)| *t).max().unwrap_or(t0);
-        let others = stopped
-            .into_iter()
-            .map(|(e, _)| e)
-            .filter(|e| *e != cause)
-            .collect();
-        return Err(RunFailure {
-            cause,
-            stopped: others,
-            stop_seconds: last.saturating_duration_since(t0).as_secs_f64(),
-        });
-    }
+    sh.abort.outcome(stopped)?;
     for p in result.grads.iter_mut() {
         p.sort_by_key(|(r, s, _)| (*r, *s));
     }

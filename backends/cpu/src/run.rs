@@ -1,16 +1,14 @@
-//! Entry points for the command line: `schedc run ... --backend cpu` ([`run`]) and
-//! `schedc compile ... -o DIR` ([`compile`]).
+//! The entry point of `schedc run ... --backend cpu` ([`run`]).
 
 use crate::exec::{
     compare, execute, reference, Batching, Data, ExecOptions, OnStep, Optimizer, RunFailure,
 };
-use crate::mesh::{Dim, Mesh};
-use crate::model::ModelConfig;
-use crate::program::{verify, LowerOptions, ProgramError, ProgramSet, VerifyReport};
 use crate::tensor::Real;
 use schedc_ir::Program;
+use schedc_program::mesh::{Dim, Mesh};
+use schedc_program::{lower_verified, ModelConfig, ProgramError, ProgramSet, VerifyReport};
 use serde::Serialize;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -173,7 +171,7 @@ impl RunReport {
     }
 }
 
-/// Why [`run`] or [`compile`] failed.
+/// Why [`run`] failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// Lowering or verifying the programs.
@@ -185,37 +183,6 @@ pub enum RunError {
     /// A rank failed.
     #[error(transparent)]
     Failed(Box<RunFailure>),
-    /// Writing the programs.
-    #[error("cannot write the programs: {0}")]
-    Io(#[from] std::io::Error),
-}
-
-/// Lowers `source` for `mesh` (pipeline-only if `None`) and the model, and verifies the
-/// result (errors: see [`ProgramSet::lower`] and [`verify`]).
-pub fn lower_verified(
-    source: &Program,
-    mesh: Option<&Mesh>,
-    model: &ModelConfig,
-) -> Result<(ProgramSet, VerifyReport), ProgramError> {
-    let mesh = mesh
-        .cloned()
-        .unwrap_or_else(|| Mesh::pipeline(source.pipeline.pp));
-    let set = ProgramSet::lower(source, &mesh, model, LowerOptions::default())?;
-    let rep = verify(&set, source)?;
-    Ok((set, rep))
-}
-
-/// `schedc compile INPUT ... -o DIR`: lowers, verifies, writes `manifest.json` and one
-/// `rankG.json` per global rank; returns the verification and the files written.
-pub fn compile(
-    source: &Program,
-    mesh: Option<&Mesh>,
-    model: &ModelConfig,
-    dir: &Path,
-) -> Result<(VerifyReport, Vec<PathBuf>), RunError> {
-    let (set, rep) = lower_verified(source, mesh, model)?;
-    let files = set.write_dir(dir)?;
-    Ok((rep, files))
 }
 
 /// `schedc run INPUT ... --backend cpu`: lowers and verifies the programs, trains

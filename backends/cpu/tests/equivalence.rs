@@ -6,9 +6,9 @@ use schedc::input::{load_spec, Overrides};
 use schedc_cpu::exec::{
     compare, execute, reference, Batching, Comparison, Data, ExecOptions, Optimizer,
 };
-use schedc_cpu::mesh::{Dim, Mesh};
 use schedc_cpu::model::ModelConfig;
-use schedc_cpu::program::{LowerOptions, ProgramSet};
+use schedc_program::mesh::{Dim, Mesh};
+use schedc_program::{LowerOptions, ProgramSet};
 
 fn spec(name: &str, pp: u32, mb: u32, vpp: Option<u32>) -> Option<schedc_ir::Program> {
     let path = format!("{}/../../specs/{name}.sched", env!("CARGO_MANIFEST_DIR"));

@@ -3,9 +3,9 @@
 
 use schedc::input::{load_spec, Overrides};
 use schedc_cpu::exec::{execute, Data, ExecError, ExecOptions, Faults};
-use schedc_cpu::mesh::Mesh;
 use schedc_cpu::model::ModelConfig;
-use schedc_cpu::program::{LowerOptions, ProgramSet};
+use schedc_program::mesh::Mesh;
+use schedc_program::{LowerOptions, ProgramSet};
 use std::time::{Duration, Instant};
 
 fn set(name: &str, pp: u32, mb: u32, mesh: &str) -> ProgramSet {

@@ -1,10 +1,10 @@
-//! The `schedc-cpu` binary (what `schedc run` and `schedc compile` execute).
+//! `schedc run` and `schedc compile` end to end (the CPU backend linked into `schedc`).
 
 use std::process::Command;
 
 fn bin() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_schedc-cpu"));
-    c.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
+    let mut c = Command::new(env!("CARGO_BIN_EXE_schedc"));
+    c.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
     c
 }
 

@@ -1,0 +1,594 @@
+//! Per-rank stream programs: what a backend runs for one training step on one global rank.
+//!
+//! ## The format
+//!
+//! A [`ProgramSet`] is a [`Manifest`] and one [`RankProgram`] per global rank of the
+//! [`Mesh`]. A rank program has in-order **streams** (as on a GPU):
+//!
+//! * `compute`: [`Kernel`]s, the [`Op::AllToAll`]s between the parts of a layer (the
+//!   sequence-parallel gather of keys and values and reduce-scatter of their gradients, the
+//!   expert-parallel dispatch and combine), buffer allocation and release, and the
+//!   optimizer step;
+//! * one `comm` stream per IR channel (channel 0 always): point-to-point
+//!   [`Op::Send`]/[`Op::Recv`] of activations and gradients in the order of the verified IR
+//!   program's messages on that channel; channel 0's stream then runs the gradient reductions
+//!   ([`Op::ReplicaSum`] for DualPipe's two copies of a stage, [`Op::AllReduce`] over the
+//!   data-parallel groups).
+//!
+//! Streams synchronize only through **events**: [`Op::Record`] marks a point of one stream,
+//! [`Op::Wait`] holds the other until that point has run (CUDA's `cudaEventRecord` /
+//! `cudaStreamWaitEvent`). A send waits for the event recorded after the kernel that produces
+//! its payload; the first kernel reading a received payload waits for the event recorded
+//! after the receive.
+//!
+//! **Buffers** ([`Buf`]) are named by what they hold: `act(s, m)` the output of `F(s, m)`,
+//! `grad(s, m)` the input gradient from the backward of `(s, m)` (the IR's payload names),
+//! `stash(s, m)` everything `(s, m)`'s backward and weight gradient need from its forward
+//! (live from its `F` through its `BW`, or its `W` when split, exactly the IR's activation
+//! lifetime), and `weight_grad(s)` the stage's gradient accumulator (with the router's load
+//! counts). [`Op::Alloc`] and [`Op::Free`] bracket each; every kernel lists the buffers it
+//! reads and writes.
+//!
+//! A stage's forward on one micro-batch runs, per layer: `qkv`, all-to-all `gather_kv`
+//! (SP group), `attn`, all-to-all `dispatch` (EP group), `experts`, all-to-all `combine`,
+//! `combine`; the first stage starts with `embed`, the last ends with `head`. Its backward
+//! runs the mirror image (`head`; per layer from the last: `combine`, `combine_grad`,
+//! `experts`, `dispatch_grad`, `attn`, `scatter_kv_grad`, `qkv`); `W` is one `weights`
+//! kernel. With a group of one, an all-to-all hands the packet to the rank itself.
+//!
+//! One step: `alloc weight_grad` (zeroed) for every local stage; the schedule's compute ops
+//! and messages; `ReplicaSum` (DualPipe: ranks `r` and `P-1-r` exchange and add the
+//! gradients of the model stage they both hold), `AllReduce` of the dense gradients over
+//! `dp x ep x sp` and of the expert gradients over `dp x sp`; `OptimizerStep`. Every
+//! replica then holds the sum over the whole global batch and takes the same step.
+//!
+//! ## Verification ([`verify`])
+//!
+//! * every `wait` has exactly one `record` of its event on the rank;
+//! * per rank, under happens-before (stream order plus record→wait edges): every buffer is
+//!   allocated once before any use and freed once after every use, every read has a write
+//!   before it, and no two accesses of which one writes are unordered (no race between
+//!   streams);
+//! * all ranks together run to completion (sends eager, receives and collectives
+//!   blocking): every message and collective is matched, no wait-for cycle;
+//! * the source IR program passes schedc's checker (deadlock freedom under rendezvous
+//!   semantics, which the programs keep: each rank's messages are in the IR's order).
+
+use crate::mesh::{Coords, Mesh, MeshError};
+use crate::model::{ModelConfig, Scope};
+use schedc_ir::{Payload, PayloadKind, PlacementKind};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Version of the JSON format written by [`ProgramSet::write_dir`].
+pub const FORMAT_VERSION: u32 = 1;
+
+/// A buffer of a rank program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(tag = "buf", rename_all = "snake_case")]
+pub enum Buf {
+    /// The output activation of `F(stage, mb)` (the IR's `Act` payload).
+    Act {
+        /// Producing stage.
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+    },
+    /// The input gradient produced by the backward of `(stage, mb)` (the IR's `Grad`).
+    Grad {
+        /// Producing stage.
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+    },
+    /// Saved forward state of `(stage, mb)`.
+    Stash {
+        /// Stage.
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+    },
+    /// Gradient accumulator of a stage.
+    WeightGrad {
+        /// Stage.
+        stage: u32,
+    },
+}
+
+impl fmt::Display for Buf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Buf::Act { stage, mb } => write!(f, "act({stage},{mb})"),
+            Buf::Grad { stage, mb } => write!(f, "grad({stage},{mb})"),
+            Buf::Stash { stage, mb } => write!(f, "stash({stage},{mb})"),
+            Buf::WeightGrad { stage } => write!(f, "weight_grad({stage})"),
+        }
+    }
+}
+
+impl Buf {
+    pub(crate) fn of_payload(p: &Payload) -> Buf {
+        match p.kind {
+            PayloadKind::Act => Buf::Act {
+                stage: p.stage,
+                mb: p.mb,
+            },
+            PayloadKind::Grad => Buf::Grad {
+                stage: p.stage,
+                mb: p.mb,
+            },
+        }
+    }
+    /// What a message carrying this buffer is, in words.
+    pub fn describe(&self) -> String {
+        match self {
+            Buf::Act { stage, mb } => {
+                format!("the activation of stage {stage}, micro-batch {mb}")
+            }
+            Buf::Grad { stage, mb } => format!("the gradient of stage {stage}, micro-batch {mb}"),
+            other => other.to_string(),
+        }
+    }
+}
+
+/// Which stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamKind {
+    /// Kernels, all-to-alls, allocation, optimizer.
+    Compute,
+    /// Point-to-point messages of one IR channel (channel 0: and the gradient reductions).
+    Comm {
+        /// The IR channel.
+        channel: u32,
+    },
+}
+
+impl fmt::Display for StreamKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StreamKind::Compute => f.write_str("compute"),
+            StreamKind::Comm { channel: 0 } => f.write_str("comm"),
+            StreamKind::Comm { channel } => write!(f, "comm@{channel}"),
+        }
+    }
+}
+
+/// Forward, input gradient, weight gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Pass {
+    /// Forward.
+    F,
+    /// Input gradient.
+    B,
+    /// Weight gradient.
+    W,
+}
+
+/// Which piece of a stage a kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "part", rename_all = "snake_case")]
+pub enum Part {
+    /// Token embedding (first stage, forward).
+    Embed,
+    /// Norm and Q/K/V projections of a layer (local index); the backward sums the key and
+    /// value gradients of the local chunk and returns the layer's input gradient.
+    Qkv {
+        /// Layer within the stage.
+        layer: u32,
+    },
+    /// Attention over the gathered keys and values, output projection, norm, router of a
+    /// layer; builds the dispatch.
+    Attn {
+        /// Layer within the stage.
+        layer: u32,
+    },
+    /// The local experts of a layer on the dispatched rows.
+    Experts {
+        /// Layer within the stage.
+        layer: u32,
+    },
+    /// Weighted sum of the expert outputs, shared expert, residual.
+    Combine {
+        /// Layer within the stage.
+        layer: u32,
+    },
+    /// Final norm, LM head, cross-entropy (last stage).
+    Head,
+    /// Every weight gradient of the stage (pass `W`).
+    Weights,
+}
+
+/// A compute kernel on `(stage, mb)`, with the buffers it touches.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Kernel {
+    /// F, B or W.
+    pub pass: Pass,
+    /// Stage id.
+    pub stage: u32,
+    /// Micro-batch.
+    pub mb: u32,
+    /// Which piece.
+    #[serde(flatten)]
+    pub part: Part,
+    /// Buffers read.
+    pub reads: Vec<Buf>,
+    /// Buffers written.
+    pub writes: Vec<Buf>,
+}
+
+/// The all-to-alls of a layer: four over the EP group (MoE), two over the SP group
+/// (attention).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum A2a {
+    /// Forward, SP group: every member's keys and values to every member (an all-gather).
+    GatherKv,
+    /// Backward, SP group: each member's gradients of every chunk's keys and values to the
+    /// chunk's owner, who sums them (a reduce-scatter).
+    ScatterKvGrad,
+    /// Forward: token rows to their experts.
+    Dispatch,
+    /// Forward: expert outputs back.
+    Combine,
+    /// Backward of combine: output gradients to the experts.
+    CombineGrad,
+    /// Backward of dispatch: input gradients back.
+    DispatchGrad,
+}
+
+/// One instruction of a stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// Allocate a buffer (`zero`: filled with zeros, which counts as a write).
+    Alloc {
+        /// The buffer.
+        buf: Buf,
+        /// Zero-filled.
+        zero: bool,
+    },
+    /// Release a buffer.
+    Free {
+        /// The buffer.
+        buf: Buf,
+    },
+    /// Mark this point of the stream.
+    Record {
+        /// Event id (unique per rank).
+        event: u32,
+    },
+    /// Hold the stream until the event's record has run.
+    Wait {
+        /// Event id.
+        event: u32,
+    },
+    /// A compute kernel.
+    Kernel(Kernel),
+    /// Send a buffer to a global rank.
+    Send {
+        /// The buffer (its name is the message's label).
+        buf: Buf,
+        /// Destination global rank.
+        peer: u32,
+    },
+    /// Receive a buffer from a global rank.
+    Recv {
+        /// The buffer.
+        buf: Buf,
+        /// Source global rank.
+        peer: u32,
+    },
+    /// All-to-all over the EP group (MoE phases) or the SP group (attention phases); reads
+    /// and writes `stash(stage, mb)`.
+    AllToAll {
+        /// Stage.
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+        /// Layer within the stage.
+        layer: u32,
+        /// Which of the four.
+        phase: A2a,
+        /// The group, global ranks in order.
+        group: Vec<u32>,
+    },
+    /// DualPipe: exchange `weight_grad(stage)` with `peer`, which holds the same model
+    /// stage in the other direction, and add.
+    ReplicaSum {
+        /// Local stage id.
+        stage: u32,
+        /// The model stage both copies hold.
+        model_stage: u32,
+        /// The global rank holding the other copy.
+        peer: u32,
+    },
+    /// Sum `weight_grad(stage)`'s tensors of `scope` over `group` (every member ends with
+    /// the same sum, added in group order).
+    AllReduce {
+        /// Stage.
+        stage: u32,
+        /// Dense (with the load counts) or expert tensors.
+        scope: Scope,
+        /// Global ranks, in order.
+        group: Vec<u32>,
+    },
+    /// Apply the optimizer to the stage's parameters with `weight_grad(stage)`, and move
+    /// its routers' bias with the summed loads.
+    OptimizerStep {
+        /// Stage.
+        stage: u32,
+    },
+}
+
+impl fmt::Display for Kernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let part = match self.part {
+            Part::Embed => "embed".to_string(),
+            Part::Qkv { layer } => format!("qkv[{layer}]"),
+            Part::Attn { layer } => format!("attn[{layer}]"),
+            Part::Experts { layer } => format!("experts[{layer}]"),
+            Part::Combine { layer } => format!("combine[{layer}]"),
+            Part::Head => "head".to_string(),
+            Part::Weights => "weights".to_string(),
+        };
+        write!(f, "{:?}({},{}).{part}", self.pass, self.stage, self.mb)
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Op::Alloc { buf, zero } => {
+                write!(f, "alloc {buf}{}", if *zero { " (zeroed)" } else { "" })
+            }
+            Op::Free { buf } => write!(f, "free {buf}"),
+            Op::Record { event } => write!(f, "record e{event}"),
+            Op::Wait { event } => write!(f, "wait e{event}"),
+            Op::Kernel(k) => write!(f, "{k}"),
+            Op::Send { buf, peer } => write!(f, "send {buf} to rank {peer}"),
+            Op::Recv { buf, peer } => write!(f, "recv {buf} from rank {peer}"),
+            Op::AllToAll {
+                stage,
+                mb,
+                layer,
+                phase,
+                group,
+            } => write!(
+                f,
+                "all_to_all {phase:?}({stage},{mb})[{layer}] over {group:?}"
+            ),
+            Op::ReplicaSum {
+                stage,
+                model_stage,
+                peer,
+            } => write!(
+                f,
+                "replica_sum weight_grad({stage}) (model stage {model_stage}) with rank {peer}"
+            ),
+            Op::AllReduce {
+                stage,
+                scope,
+                group,
+            } => write!(
+                f,
+                "all_reduce {scope:?} weight_grad({stage}) over {group:?}"
+            ),
+            Op::OptimizerStep { stage } => write!(f, "optimizer_step stage {stage}"),
+        }
+    }
+}
+
+impl Op {
+    /// `(reads, writes)` of the instruction (allocation and release excluded).
+    pub fn access(&self) -> (Vec<Buf>, Vec<Buf>) {
+        match self {
+            Op::Kernel(k) => (k.reads.clone(), k.writes.clone()),
+            Op::Send { buf, .. } => (vec![*buf], vec![]),
+            Op::Recv { buf, .. } => (vec![], vec![*buf]),
+            Op::AllToAll { stage, mb, .. } => {
+                let b = Buf::Stash {
+                    stage: *stage,
+                    mb: *mb,
+                };
+                (vec![b], vec![b])
+            }
+            Op::ReplicaSum { stage, .. } | Op::AllReduce { stage, .. } => {
+                let b = Buf::WeightGrad { stage: *stage };
+                (vec![b], vec![b])
+            }
+            Op::OptimizerStep { stage } => (vec![Buf::WeightGrad { stage: *stage }], vec![]),
+            Op::Alloc { .. } | Op::Free { .. } | Op::Record { .. } | Op::Wait { .. } => {
+                (vec![], vec![])
+            }
+        }
+    }
+}
+
+/// One in-order stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stream {
+    /// Which stream.
+    pub kind: StreamKind,
+    /// Its instructions.
+    pub ops: Vec<Op>,
+}
+
+/// A stage held by a rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalStage {
+    /// IR stage id.
+    pub stage: u32,
+    /// Model stage (`stage`, or `stage mod P` for DualPipe's direction 1).
+    pub model_stage: u32,
+    /// Direction (DualPipe), else 0.
+    pub direction: u32,
+    /// Holds the embedding.
+    pub first: bool,
+    /// Holds the LM head and the loss.
+    pub last: bool,
+    /// Global id of the first local expert.
+    pub expert_lo: u32,
+    /// One past the last local expert.
+    pub expert_hi: u32,
+    /// DualPipe: the global rank holding the same model stage in the other direction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_peer: Option<u32>,
+}
+
+/// The program of one global rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankProgram {
+    /// Global rank.
+    pub rank: u32,
+    /// Mesh coordinates.
+    pub coords: Coords,
+    /// Index of the data shard the rank reads (`dp * EP + ep`).
+    pub data_shard: u32,
+    /// The stages it holds, in reduction order (model stage, then direction).
+    pub stages: Vec<LocalStage>,
+    /// `compute`, then `comm` (channel 0), then the other channels' comm streams in
+    /// increasing channel order.
+    pub streams: Vec<Stream>,
+    /// Number of events (ids `0..events`).
+    pub events: u32,
+}
+
+/// What every rank program shares.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT_VERSION`].
+    pub format_version: u32,
+    /// Pipeline ranks P.
+    pub pp: u32,
+    /// IR stage ids S (both directions for DualPipe).
+    pub stages: u32,
+    /// Micro-batches per direction M.
+    pub microbatches: u32,
+    /// 2 for DualPipe, else 1.
+    pub directions: u32,
+    /// Placement kind.
+    pub placement: PlacementKind,
+    /// Pipeline rank of each IR stage.
+    pub stage_to_rank: Vec<u32>,
+    /// Model stages (stages per direction).
+    pub model_stages: u32,
+    /// The model the kernels belong to.
+    pub model: ModelConfig,
+    /// The mesh.
+    pub mesh: Mesh,
+    /// Global ranks.
+    pub world: u32,
+    /// Files written by [`ProgramSet::write_dir`], rank order.
+    pub files: Vec<String>,
+}
+
+/// Every rank's program and the manifest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProgramSet {
+    /// Shared facts.
+    pub manifest: Manifest,
+    /// Rank `g` at index `g`.
+    pub ranks: Vec<RankProgram>,
+}
+
+/// Why lowering or verification failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ProgramError {
+    /// The source program does not pass schedc's checker.
+    #[error("the schedule does not verify: {0}")]
+    Rejected(String),
+    /// The mesh does not fit.
+    #[error(transparent)]
+    Mesh(#[from] MeshError),
+    /// The model config is invalid.
+    #[error("{0}")]
+    Model(String),
+    /// Something the CPU backend does not run.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// The lowered programs break a rule of the format.
+    #[error("rank {rank}, {stream} stream, op #{index} `{op}`: {why}")]
+    Invalid {
+        /// Global rank.
+        rank: u32,
+        /// Stream.
+        stream: StreamKind,
+        /// Position in the stream.
+        index: usize,
+        /// The op's text.
+        op: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// A buffer rule broken (not tied to one op).
+    #[error("rank {rank}: {why}")]
+    Buffer {
+        /// Global rank.
+        rank: u32,
+        /// What is wrong.
+        why: String,
+    },
+    /// The programs cannot all run to the end.
+    #[error("the rank programs deadlock: {0}")]
+    Deadlock(String),
+}
+
+impl ProgramSet {
+    /// Total instructions over all ranks and streams.
+    pub fn len(&self) -> usize {
+        self.ranks
+            .iter()
+            .flat_map(|r| &r.streams)
+            .map(|s| s.ops.len())
+            .sum()
+    }
+
+    /// True if no rank has an instruction.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Writes `manifest.json` and one `rankG.json` per rank into `dir` (created if
+    /// missing); returns the paths written.
+    pub fn write_dir(&self, dir: &std::path::Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+        std::fs::create_dir_all(dir)?;
+        let mut out = Vec::new();
+        let m = dir.join("manifest.json");
+        std::fs::write(&m, serde_json::to_string_pretty(&self.manifest)?)?;
+        out.push(m);
+        for (r, f) in self.ranks.iter().zip(&self.manifest.files) {
+            let p = dir.join(f);
+            std::fs::write(&p, serde_json::to_string_pretty(r)?)?;
+            out.push(p);
+        }
+        Ok(out)
+    }
+
+    /// Reads what [`ProgramSet::write_dir`] wrote. Errors: a missing file, invalid JSON, a
+    /// format version other than [`FORMAT_VERSION`], or a rank file for the wrong rank.
+    pub fn read_dir(dir: &std::path::Path) -> Result<ProgramSet, String> {
+        let read = |name: &str| {
+            std::fs::read_to_string(dir.join(name))
+                .map_err(|e| format!("cannot read {}: {e}", dir.join(name).display()))
+        };
+        let manifest: Manifest = serde_json::from_str(&read("manifest.json")?)
+            .map_err(|e| format!("manifest.json: {e}"))?;
+        if manifest.format_version != FORMAT_VERSION {
+            return Err(format!(
+                "manifest.json has format version {}, this backend reads {FORMAT_VERSION}",
+                manifest.format_version
+            ));
+        }
+        let mut ranks = Vec::new();
+        for (g, f) in manifest.files.iter().enumerate() {
+            let r: RankProgram =
+                serde_json::from_str(&read(f)?).map_err(|e| format!("{f}: {e}"))?;
+            if r.rank != g as u32 {
+                return Err(format!("{f} holds rank {}, expected {g}", r.rank));
+            }
+            ranks.push(r);
+        }
+        Ok(ProgramSet { manifest, ranks })
+    }
+}

@@ -1,0 +1,82 @@
+//! # schedc-program: per-rank stream programs, the contract between schedc and its backends
+//!
+//! A verified schedule (an IR [`Program`]) becomes one stream program per global rank of a
+//! device [`Mesh`]; every backend (the CPU reference executor in `schedc-cpu`, the coming
+//! CUDA/NCCL and torch.distributed runtimes) runs exactly these programs.
+//!
+//! * [`format`]: the programs (streams, events, buffers, kernels, messages, collectives), the
+//!   manifest and their JSON files (`schedc compile -o DIR`), with [`FORMAT_VERSION`];
+//! * [`lower`](mod@lower): [`ProgramSet::lower`], from an IR program, a mesh and a
+//!   [`ModelConfig`];
+//! * [`verify`](mod@verify): the program verifier ([`verify()`]): events, buffers under
+//!   happens-before, every rank runs to completion;
+//! * [`mesh`]: global ranks as coordinates over `pp, dp, ep, tp, sp`, and their groups;
+//! * [`model`]: the sizes and hyper-parameters of the model the kernels belong to;
+//! * [`data`]: the training data and which sequence each micro-batch of each rank reads;
+//! * [`interp`]: the device-neutral interpreter of a rank program (streams, events, buffer
+//!   lifetimes, blocking, timeouts, aborts) behind the small [`interp::Device`] trait a
+//!   backend implements.
+//!
+//! [`compile`] is `schedc compile`: lower, verify, write.
+
+#![warn(missing_docs)]
+
+pub mod data;
+pub mod format;
+pub mod interp;
+pub mod lower;
+pub mod mesh;
+pub mod model;
+pub mod verify;
+
+#[cfg(test)]
+mod tests;
+
+pub use format::*;
+pub use lower::LowerOptions;
+pub use mesh::Mesh;
+pub use model::ModelConfig;
+pub use verify::{verify, VerifyReport};
+
+use schedc_ir::Program;
+use std::path::{Path, PathBuf};
+
+/// Why [`compile`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    /// Lowering or verifying the programs.
+    #[error(transparent)]
+    Program(#[from] ProgramError),
+    /// Writing the programs.
+    #[error("cannot write the programs: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Lowers `source` for `mesh` (pipeline-only, `pp=P`, if `None`) and the model, and
+/// verifies the result. Errors: see [`ProgramSet::lower`] and [`verify()`].
+pub fn lower_verified(
+    source: &Program,
+    mesh: Option<&Mesh>,
+    model: &ModelConfig,
+) -> Result<(ProgramSet, VerifyReport), ProgramError> {
+    let mesh = mesh
+        .cloned()
+        .unwrap_or_else(|| Mesh::pipeline(source.pipeline.pp));
+    let set = ProgramSet::lower(source, &mesh, model, LowerOptions::default())?;
+    let rep = verify(&set, source)?;
+    Ok((set, rep))
+}
+
+/// `schedc compile INPUT ... -o DIR`: lowers, verifies, writes `manifest.json` and one
+/// `rankG.json` per global rank ([`ProgramSet::write_dir`]); returns the verification and
+/// the files written. Errors: [`CompileError`].
+pub fn compile(
+    source: &Program,
+    mesh: Option<&Mesh>,
+    model: &ModelConfig,
+    dir: &Path,
+) -> Result<(VerifyReport, Vec<PathBuf>), CompileError> {
+    let (set, rep) = lower_verified(source, mesh, model)?;
+    let files = set.write_dir(dir)?;
+    Ok((rep, files))
+}

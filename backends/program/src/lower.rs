@@ -1,0 +1,522 @@
+//! Lowering a verified IR program onto a mesh: one [`RankProgram`] per global rank (the
+//! format and what each stream holds are described in [`crate::format`]).
+
+use crate::format::*;
+use crate::mesh::{Dim, Fit, Mesh, MeshError};
+use crate::model::{ModelConfig, Scope};
+use schedc_ir::{Comm, Instr, Kind, Part as IrPart, PlacementKind, Program};
+use std::collections::HashMap;
+
+/// Lowering switches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LowerOptions {
+    /// Injected bug (tests only): DualPipe's two copies of a stage keep their own
+    /// gradients instead of summing them.
+    pub bug_skip_replica_sum: bool,
+}
+
+/// The first error diagnostics of a rejected check, joined.
+pub(crate) fn rejected(out: &schedc::check::Outcome) -> Option<String> {
+    let errs: Vec<String> = out
+        .report
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error())
+        .take(3)
+        .map(|d| d.message.clone())
+        .collect();
+    (out.report.verdict == schedc::check::Verdict::Rejected).then(|| errs.join("; "))
+}
+
+impl ProgramSet {
+    /// Lowers a schedule (compute-only IR, which schedc lowers first, or already lowered)
+    /// for `mesh` and `model`. Errors: the schedule fails schedc's checker; the mesh does
+    /// not fit; the schedule has ops this backend does not run (MoE part-split ops, IR
+    /// collectives); the model config is invalid.
+    pub fn lower(
+        source: &Program,
+        mesh: &Mesh,
+        model: &ModelConfig,
+        opts: LowerOptions,
+    ) -> Result<ProgramSet, ProgramError> {
+        model.validate().map_err(ProgramError::Model)?;
+        let out = schedc::check::check(source, None, &Default::default());
+        if let Some(why) = rejected(&out) {
+            return Err(ProgramError::Rejected(why));
+        }
+        let ir = out
+            .checked
+            .ok_or_else(|| ProgramError::Rejected("no checked program".into()))?;
+        let pl = &ir.pipeline;
+        mesh.validate(
+            None,
+            &Fit {
+                pp: pl.pp,
+                experts: model.experts as u32,
+                heads: model.heads as u32,
+                hidden: model.hidden as u32,
+                expert_hidden: model.expert_hidden as u32,
+                seq_len: model.seq_len as u32,
+            },
+        )?;
+        for (r, instrs) in ir.ranks.iter().enumerate() {
+            for ins in instrs {
+                let mut bad = None;
+                ins.for_each_compute(|c| {
+                    if c.part != IrPart::Whole {
+                        bad = Some(format!(
+                            "rank {r} has an MoE part-split op ({}); the CPU backend runs whole-stage ops and makes the all-to-alls itself",
+                            schedc::passes::compute_str(c)
+                        ));
+                    }
+                });
+                if ins.comms().iter().any(|c| matches!(c, Comm::Collective(_))) {
+                    bad = Some(format!(
+                        "rank {r} has an IR collective; the CPU backend makes the expert-parallel all-to-alls itself"
+                    ));
+                }
+                if let Some(b) = bad {
+                    return Err(ProgramError::Unsupported(b));
+                }
+            }
+        }
+        let world = mesh.world();
+        let ranks = (0..world)
+            .map(|g| lower_rank(&ir, mesh, model, g, opts))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ProgramSet {
+            manifest: Manifest {
+                format_version: FORMAT_VERSION,
+                pp: pl.pp,
+                stages: pl.stages,
+                microbatches: pl.microbatches,
+                directions: pl.directions(),
+                placement: pl.placement,
+                stage_to_rank: pl.stage_to_rank.clone(),
+                model_stages: pl.stages_per_direction(),
+                model: model.clone(),
+                mesh: mesh.clone(),
+                world,
+                files: (0..world).map(|g| format!("rank{g}.json")).collect(),
+            },
+            ranks,
+        })
+    }
+}
+
+struct Builder {
+    compute: Vec<Op>,
+    comm: Vec<Op>,
+    channels: std::collections::BTreeMap<u32, Vec<Op>>,
+    events: u32,
+}
+
+impl Builder {
+    fn event(&mut self) -> u32 {
+        self.events += 1;
+        self.events - 1
+    }
+
+    /// The op list of communication stream `channel` (0: the default comm stream).
+    fn comm_stream(&mut self, channel: u32) -> &mut Vec<Op> {
+        if channel == 0 {
+            &mut self.comm
+        } else {
+            self.channels.entry(channel).or_default()
+        }
+    }
+}
+
+fn lower_rank(
+    ir: &Program,
+    mesh: &Mesh,
+    model: &ModelConfig,
+    g: u32,
+    opts: LowerOptions,
+) -> Result<RankProgram, ProgramError> {
+    let pl = &ir.pipeline;
+    let coords = mesh.coords(g)?;
+    let r = coords.pp;
+    let ep = mesh.size(Dim::Ep);
+    let per = model.experts as u32 / ep;
+    let bidir = pl.placement == PlacementKind::Bidir;
+    let n_model = pl.stages_per_direction();
+    let lps = model.layers_per_stage as u32;
+    let mut stages: Vec<LocalStage> = pl
+        .stages_of(r)
+        .into_iter()
+        .map(|s| {
+            let (model_stage, direction) = if bidir {
+                (s % pl.pp, s / pl.pp)
+            } else {
+                (s, 0)
+            };
+            Ok(LocalStage {
+                stage: s,
+                model_stage,
+                direction,
+                first: model_stage == 0,
+                last: model_stage + 1 == n_model,
+                expert_lo: coords.ep * per,
+                expert_hi: (coords.ep + 1) * per,
+                replica_peer: if bidir {
+                    Some(mesh.pipeline_peer(g, pl.pp - 1 - r)?)
+                } else {
+                    None
+                },
+            })
+        })
+        .collect::<Result<_, MeshError>>()?;
+    stages.sort_by_key(|s| (s.model_stage, s.direction));
+    let info = |s: u32| stages.iter().find(|x| x.stage == s).cloned();
+    let peer = |pp_rank: u32| mesh.pipeline_peer(g, pp_rank);
+    let ep_group = mesh.ep_group(g)?;
+    let sp_group = mesh.sp_group(g)?;
+
+    let mut b = Builder {
+        compute: Vec::new(),
+        comm: Vec::new(),
+        channels: Default::default(),
+        events: 0,
+    };
+    // Which payloads travel: events for receives (recorded by comm) and sends (recorded by
+    // compute after the producing kernel).
+    let mut recv_ev: HashMap<Buf, u32> = HashMap::new();
+    let mut send_ev: HashMap<Buf, u32> = HashMap::new();
+    for ins in &ir.ranks[r as usize] {
+        for c in ins.comms() {
+            match c {
+                Comm::Send { payload, .. } => {
+                    let e = b.event();
+                    send_ev.insert(Buf::of_payload(payload), e);
+                }
+                Comm::Recv { payload, .. } => {
+                    let e = b.event();
+                    recv_ev.insert(Buf::of_payload(payload), e);
+                }
+                Comm::Collective(_) => {}
+            }
+        }
+    }
+    for s in &stages {
+        b.compute.push(Op::Alloc {
+            buf: Buf::WeightGrad { stage: s.stage },
+            zero: true,
+        });
+    }
+    for ins in &ir.ranks[r as usize] {
+        match ins {
+            Instr::Compute(_) | Instr::Overlap { .. } => {
+                let mut cs = Vec::new();
+                ins.for_each_compute(|c| cs.push(*c));
+                for c in cs {
+                    let st = info(c.stage).ok_or_else(|| {
+                        ProgramError::Rejected(format!("stage {} is not held by rank {r}", c.stage))
+                    })?;
+                    emit_compute(
+                        &mut b, pl, &st, c.kind, c.mb, lps, &ep_group, &sp_group, &recv_ev,
+                        &send_ev,
+                    );
+                }
+            }
+            Instr::Comm(_) | Instr::Group(_) => {
+                // Sends first: they never block on this rank's receives (eager), so a
+                // group posted at once keeps its meaning.
+                let comms = ins.comms();
+                for c in comms {
+                    if let Comm::Send {
+                        payload,
+                        peer: p,
+                        channel,
+                    } = c
+                    {
+                        let buf = Buf::of_payload(payload);
+                        let ops = b.comm_stream(*channel);
+                        ops.push(Op::Wait {
+                            event: send_ev[&buf],
+                        });
+                        ops.push(Op::Send {
+                            buf,
+                            peer: peer(*p)?,
+                        });
+                        ops.push(Op::Free { buf });
+                    }
+                }
+                for c in comms {
+                    if let Comm::Recv {
+                        payload,
+                        peer: p,
+                        channel,
+                    } = c
+                    {
+                        let buf = Buf::of_payload(payload);
+                        let ops = b.comm_stream(*channel);
+                        ops.push(Op::Alloc { buf, zero: false });
+                        ops.push(Op::Recv {
+                            buf,
+                            peer: peer(*p)?,
+                        });
+                        ops.push(Op::Record {
+                            event: recv_ev[&buf],
+                        });
+                    }
+                }
+            }
+            // Torch's lowered extras carry nothing this backend needs: the reductions and
+            // the optimizer come at the end of the step.
+            Instr::ReduceGrad(_)
+            | Instr::WaitReduceGrad(_)
+            | Instr::Unshard(_)
+            | Instr::Reshard(_)
+            | Instr::WaitSend(_)
+            | Instr::Idle => {}
+        }
+    }
+    // End of step.
+    let done = b.event();
+    b.compute.push(Op::Record { event: done });
+    b.comm.push(Op::Wait { event: done });
+    let dense = mesh.dense_dp_group(g)?;
+    let expert = mesh.expert_dp_group(g)?;
+    for s in &stages {
+        if let (Some(p), false) = (s.replica_peer, opts.bug_skip_replica_sum) {
+            b.comm.push(Op::ReplicaSum {
+                stage: s.stage,
+                model_stage: s.model_stage,
+                peer: p,
+            });
+        }
+        if dense.len() > 1 {
+            b.comm.push(Op::AllReduce {
+                stage: s.stage,
+                scope: Scope::Dense,
+                group: dense.clone(),
+            });
+        }
+        if expert.len() > 1 {
+            b.comm.push(Op::AllReduce {
+                stage: s.stage,
+                scope: Scope::Expert,
+                group: expert.clone(),
+            });
+        }
+    }
+    let reduced = b.event();
+    b.comm.push(Op::Record { event: reduced });
+    b.compute.push(Op::Wait { event: reduced });
+    for s in &stages {
+        b.compute.push(Op::OptimizerStep { stage: s.stage });
+        b.compute.push(Op::Free {
+            buf: Buf::WeightGrad { stage: s.stage },
+        });
+    }
+    let mut streams = vec![
+        Stream {
+            kind: StreamKind::Compute,
+            ops: b.compute,
+        },
+        Stream {
+            kind: StreamKind::Comm { channel: 0 },
+            ops: b.comm,
+        },
+    ];
+    for (channel, ops) in b.channels {
+        streams.push(Stream {
+            kind: StreamKind::Comm { channel },
+            ops,
+        });
+    }
+    Ok(RankProgram {
+        rank: g,
+        coords,
+        data_shard: mesh.data_shard(&coords),
+        stages,
+        streams,
+        events: b.events,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn emit_compute(
+    b: &mut Builder,
+    pl: &schedc_ir::Pipeline,
+    st: &LocalStage,
+    kind: Kind,
+    mb: u32,
+    layers: u32,
+    ep_group: &[u32],
+    sp_group: &[u32],
+    recv_ev: &HashMap<Buf, u32>,
+    send_ev: &HashMap<Buf, u32>,
+) {
+    let s = st.stage;
+    let stash = Buf::Stash { stage: s, mb };
+    let wg = Buf::WeightGrad { stage: s };
+    let kernel = |pass, part, reads: Vec<Buf>, writes: Vec<Buf>| {
+        Op::Kernel(Kernel {
+            pass,
+            stage: s,
+            mb,
+            part,
+            reads,
+            writes,
+        })
+    };
+    let a2a = |layer, phase| Op::AllToAll {
+        stage: s,
+        mb,
+        layer,
+        phase,
+        group: if matches!(phase, A2a::GatherKv | A2a::ScatterKvGrad) {
+            sp_group.to_vec()
+        } else {
+            ep_group.to_vec()
+        },
+    };
+    match kind {
+        Kind::F => {
+            let input = pl.prev_stage(s).map(|p| Buf::Act { stage: p, mb });
+            let output = pl.next_stage(s).map(|_| Buf::Act { stage: s, mb });
+            if let Some(e) = input.and_then(|i| recv_ev.get(&i)) {
+                b.compute.push(Op::Wait { event: *e });
+            }
+            b.compute.push(Op::Alloc {
+                buf: stash,
+                zero: false,
+            });
+            if let Some(o) = output {
+                b.compute.push(Op::Alloc {
+                    buf: o,
+                    zero: false,
+                });
+            }
+            if st.first {
+                b.compute
+                    .push(kernel(Pass::F, Part::Embed, vec![], vec![stash]));
+            }
+            for l in 0..layers {
+                let mut reads = if l == 0 && !st.first {
+                    vec![input.expect("a non-first stage has a previous stage")]
+                } else {
+                    vec![stash]
+                };
+                reads.sort();
+                b.compute
+                    .push(kernel(Pass::F, Part::Qkv { layer: l }, reads, vec![stash]));
+                if l == 0 && !st.first {
+                    b.compute.push(Op::Free {
+                        buf: input.expect("checked"),
+                    });
+                }
+                b.compute.push(a2a(l, A2a::GatherKv));
+                b.compute.push(kernel(
+                    Pass::F,
+                    Part::Attn { layer: l },
+                    vec![stash],
+                    vec![stash, wg],
+                ));
+                b.compute.push(a2a(l, A2a::Dispatch));
+                b.compute.push(kernel(
+                    Pass::F,
+                    Part::Experts { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+                b.compute.push(a2a(l, A2a::Combine));
+                let mut writes = vec![stash];
+                if l + 1 == layers {
+                    writes.extend(output);
+                }
+                b.compute.push(kernel(
+                    Pass::F,
+                    Part::Combine { layer: l },
+                    vec![stash],
+                    writes,
+                ));
+            }
+            if st.last {
+                b.compute
+                    .push(kernel(Pass::F, Part::Head, vec![stash], vec![stash]));
+            }
+            if let Some(e) = output.and_then(|o| send_ev.get(&o)) {
+                b.compute.push(Op::Record { event: *e });
+            }
+        }
+        Kind::B | Kind::BW => {
+            let gin = pl.next_stage(s).map(|n| Buf::Grad { stage: n, mb });
+            let gout = pl.prev_stage(s).map(|_| Buf::Grad { stage: s, mb });
+            if let Some(e) = gin.and_then(|i| recv_ev.get(&i)) {
+                b.compute.push(Op::Wait { event: *e });
+            }
+            if let Some(o) = gout {
+                b.compute.push(Op::Alloc {
+                    buf: o,
+                    zero: false,
+                });
+            }
+            if st.last {
+                b.compute
+                    .push(kernel(Pass::B, Part::Head, vec![stash], vec![stash]));
+            }
+            for l in (0..layers).rev() {
+                let mut reads = vec![stash];
+                if l + 1 == layers && !st.last {
+                    reads.push(gin.expect("a non-last stage has a next stage"));
+                }
+                b.compute.push(kernel(
+                    Pass::B,
+                    Part::Combine { layer: l },
+                    reads,
+                    vec![stash],
+                ));
+                if l + 1 == layers && !st.last {
+                    b.compute.push(Op::Free {
+                        buf: gin.expect("checked"),
+                    });
+                }
+                b.compute.push(a2a(l, A2a::CombineGrad));
+                b.compute.push(kernel(
+                    Pass::B,
+                    Part::Experts { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+                b.compute.push(a2a(l, A2a::DispatchGrad));
+                b.compute.push(kernel(
+                    Pass::B,
+                    Part::Attn { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+                b.compute.push(a2a(l, A2a::ScatterKvGrad));
+                let mut writes = vec![stash];
+                if l == 0 {
+                    writes.extend(gout);
+                }
+                b.compute
+                    .push(kernel(Pass::B, Part::Qkv { layer: l }, vec![stash], writes));
+            }
+            if let Some(e) = gout.and_then(|o| send_ev.get(&o)) {
+                b.compute.push(Op::Record { event: *e });
+            }
+            if kind == Kind::BW {
+                emit_weights(b, s, mb);
+            }
+        }
+        Kind::W => emit_weights(b, s, mb),
+    }
+}
+
+fn emit_weights(b: &mut Builder, s: u32, mb: u32) {
+    let stash = Buf::Stash { stage: s, mb };
+    let wg = Buf::WeightGrad { stage: s };
+    b.compute.push(Op::Kernel(Kernel {
+        pass: Pass::W,
+        stage: s,
+        mb,
+        part: Part::Weights,
+        reads: vec![stash, wg],
+        writes: vec![wg],
+    }));
+    b.compute.push(Op::Free { buf: stash });
+}

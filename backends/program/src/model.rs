@@ -1,0 +1,185 @@
+//! The model a program set belongs to: its sizes and hyper-parameters ([`ModelConfig`]),
+//! which every backend builds the same network from, and the two scopes of its gradients
+//! ([`Scope`]). The network itself (kernels, forward, B, W) is each backend's; the CPU
+//! backend's `model` module documents the architecture and the formulas.
+
+use serde::{Deserialize, Serialize};
+
+/// Deliberately wrong behaviours, each one a silent failure that a test must catch. All
+/// `false` in real runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bugs {
+    /// The causal mask compares a query's *local* index (in its sequence-parallel chunk)
+    /// with global key positions, instead of its global position.
+    pub local_causal_mask: bool,
+    /// Gates are a softmax over all experts' logits, taken at the selected experts, instead
+    /// of the sigmoid scores normalized over the selected experts.
+    pub softmax_gates: bool,
+    /// The load EMA starts at 0 instead of the uniform `1/E`.
+    pub ema_init_zero: bool,
+    /// The bias update is applied after the next routing instead of before it.
+    pub bias_update_after_routing: bool,
+    /// Assignments over capacity are dropped instead of re-routed.
+    pub drop_overflow: bool,
+}
+
+impl Bugs {
+    /// True if no bug is switched on.
+    pub fn none(&self) -> bool {
+        *self == Bugs::default()
+    }
+}
+
+/// The model's sizes and hyper-parameters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Vocabulary size (256 for the byte tokenizer).
+    pub vocab: usize,
+    /// Hidden size `d`.
+    pub hidden: usize,
+    /// Attention heads `H` (`d / H` must be even for RoPE).
+    pub heads: usize,
+    /// Tokens per sequence `T`.
+    pub seq_len: usize,
+    /// Transformer layers in each model stage.
+    pub layers_per_stage: usize,
+    /// Routed experts per layer `E`.
+    pub experts: usize,
+    /// Experts per token `k`.
+    pub top_k: usize,
+    /// Expert hidden size `f`.
+    pub expert_hidden: usize,
+    /// Whether each layer has a shared expert (applied to every token).
+    pub shared_expert: bool,
+    /// Expert capacity factor; `None`: unlimited.
+    pub capacity_factor: Option<f64>,
+    /// RoPE base (10000 in the paper).
+    pub rope_base: f64,
+    /// RMSNorm epsilon.
+    pub norm_eps: f64,
+    /// Bias update speed `gamma` of aux-loss-free balancing.
+    pub bias_rate: f64,
+    /// Load EMA decay `beta`.
+    pub ema_decay: f64,
+    /// Seed of the weight initialization.
+    pub seed: u64,
+    /// Injected bugs (tests only).
+    #[serde(default, skip_serializing_if = "Bugs::none")]
+    pub bugs: Bugs,
+}
+
+impl ModelConfig {
+    /// The tiny model of the tests: `d = 16`, 2 heads, 4 experts (top-2, hidden 16), a shared
+    /// expert, capacity factor 1.0, `T = 8`, one layer per stage, vocabulary 128 (ASCII
+    /// bytes).
+    pub fn tiny() -> Self {
+        ModelConfig {
+            vocab: 128,
+            hidden: 16,
+            heads: 2,
+            seq_len: 8,
+            layers_per_stage: 1,
+            experts: 4,
+            top_k: 2,
+            expert_hidden: 16,
+            shared_expert: true,
+            capacity_factor: Some(1.0),
+            rope_base: 10000.0,
+            norm_eps: 1e-6,
+            bias_rate: 1e-3,
+            ema_decay: 0.9,
+            seed: 1234,
+            bugs: Bugs::default(),
+        }
+    }
+
+    /// The model of `schedc run` by default: `d = 32`, 4 heads, 4 experts (top-2, hidden
+    /// 32), a shared expert, capacity 1.25, `T = 32`, one layer per stage, vocabulary 256
+    /// (bytes).
+    pub fn small() -> Self {
+        ModelConfig {
+            vocab: 256,
+            hidden: 32,
+            heads: 4,
+            seq_len: 32,
+            expert_hidden: 32,
+            capacity_factor: Some(1.25),
+            ..ModelConfig::tiny()
+        }
+    }
+
+    /// `d / H`.
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.heads.max(1)
+    }
+
+    /// Checks the sizes. Errors: a zero size, `H` not dividing `d`, an odd head dimension,
+    /// `k` outside `1..=E`, a non-positive capacity factor.
+    pub fn validate(&self) -> Result<(), String> {
+        for (n, v) in [
+            ("vocab", self.vocab),
+            ("hidden", self.hidden),
+            ("heads", self.heads),
+            ("seq_len", self.seq_len),
+            ("layers_per_stage", self.layers_per_stage),
+            ("experts", self.experts),
+            ("top_k", self.top_k),
+            ("expert_hidden", self.expert_hidden),
+        ] {
+            if v == 0 {
+                return Err(format!("model: {n} must be at least 1"));
+            }
+        }
+        if !self.hidden.is_multiple_of(self.heads) {
+            return Err(format!(
+                "model: {} heads do not divide the hidden size {}",
+                self.heads, self.hidden
+            ));
+        }
+        if !self.head_dim().is_multiple_of(2) {
+            return Err(format!(
+                "model: RoPE needs an even head dimension, got {}",
+                self.head_dim()
+            ));
+        }
+        if self.top_k > self.experts {
+            return Err(format!(
+                "model: top_k = {} exceeds the {} experts",
+                self.top_k, self.experts
+            ));
+        }
+        if let Some(cf) = self.capacity_factor {
+            if cf.is_nan() || cf <= 0.0 {
+                return Err(format!("model: capacity factor must be positive, got {cf}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The capacity of one expert for a routing group of `t` tokens (see the module docs);
+    /// `usize::MAX` without a capacity factor.
+    pub fn capacity(&self, t: usize) -> usize {
+        let Some(cf) = self.capacity_factor else {
+            return usize::MAX;
+        };
+        let (e, k) = (self.experts, self.top_k);
+        let a = (cf * (t * k) as f64 / e as f64).ceil() as usize;
+        let b = (t * k).div_ceil(e - k + 1);
+        if self.bugs.drop_overflow {
+            a
+        } else {
+            a.max(b)
+        }
+    }
+}
+
+/// Which replicas hold a parameter: all data-parallel ranks (dense) or only those with the
+/// same experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// Non-expert parameters (and the router's load counts).
+    Dense,
+    /// Routed experts' parameters.
+    Expert,
+}

@@ -1,0 +1,426 @@
+//! The program verifier (see the crate docs): events, buffers under happens-before, and
+//! a run of all ranks to completion.
+
+use crate::format::*;
+use crate::lower::rejected;
+use crate::model::Scope;
+use schedc_ir::Program;
+use serde::Serialize;
+use std::collections::{HashMap, HashSet};
+
+/// What [`verify`] found (on success).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct VerifyReport {
+    /// Instructions over all ranks.
+    pub ops: usize,
+    /// Messages (sends).
+    pub messages: usize,
+    /// Collective instances.
+    pub collectives: usize,
+    /// Per rank, the most `stash` buffers live at once (the activation peak).
+    pub peak_stash: Vec<u32>,
+}
+
+/// Verifies a program set against its source IR program (see the module docs).
+pub fn verify(set: &ProgramSet, source: &Program) -> Result<VerifyReport, ProgramError> {
+    let out = schedc::check::check(source, None, &Default::default());
+    if let Some(why) = rejected(&out) {
+        return Err(ProgramError::Rejected(why));
+    }
+    if set.ranks.len() != set.manifest.world as usize {
+        return Err(ProgramError::Deadlock(format!(
+            "{} rank programs for a world of {}",
+            set.ranks.len(),
+            set.manifest.world
+        )));
+    }
+    let mut peak_stash = Vec::new();
+    for rp in &set.ranks {
+        peak_stash.push(verify_rank(rp)?);
+    }
+    let (messages, collectives) = simulate(set)?;
+    Ok(VerifyReport {
+        ops: set.len(),
+        messages,
+        collectives,
+        peak_stash,
+    })
+}
+
+fn invalid(rp: &RankProgram, s: usize, i: usize, why: String) -> ProgramError {
+    ProgramError::Invalid {
+        rank: rp.rank,
+        stream: rp.streams[s].kind,
+        index: i,
+        op: rp.streams[s].ops[i].to_string(),
+        why,
+    }
+}
+
+/// Events, buffers and races of one rank; returns its stash peak.
+fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
+    let ns = rp.streams.len();
+    let kinds: Vec<StreamKind> = rp.streams.iter().map(|s| s.kind).collect();
+    let mut last_channel = 0;
+    let channels_ok = kinds.len() >= 2
+        && kinds[0] == StreamKind::Compute
+        && kinds[1] == (StreamKind::Comm { channel: 0 })
+        && kinds[2..].iter().all(|k| match k {
+            StreamKind::Comm { channel } if *channel > last_channel => {
+                last_channel = *channel;
+                true
+            }
+            _ => false,
+        });
+    if !channels_ok {
+        return Err(ProgramError::Buffer {
+            rank: rp.rank,
+            why: format!(
+                "a rank program has a compute stream, a comm stream for channel 0, then one per other channel in increasing order; got {kinds:?}"
+            ),
+        });
+    }
+    // Events: exactly one record each; every wait has it.
+    let mut rec: HashMap<u32, (usize, usize)> = HashMap::new();
+    for (s, st) in rp.streams.iter().enumerate() {
+        for (i, op) in st.ops.iter().enumerate() {
+            if let Op::Record { event } = op {
+                if *event >= rp.events {
+                    return Err(invalid(rp, s, i, format!("event {event} >= {}", rp.events)));
+                }
+                if rec.insert(*event, (s, i)).is_some() {
+                    return Err(invalid(rp, s, i, "the event is recorded twice".into()));
+                }
+            }
+        }
+    }
+    for (s, st) in rp.streams.iter().enumerate() {
+        for (i, op) in st.ops.iter().enumerate() {
+            if let Op::Wait { event } = op {
+                if !rec.contains_key(event) {
+                    return Err(invalid(rp, s, i, "no stream records this event".into()));
+                }
+            }
+        }
+    }
+    // Happens-before by vector clocks: run the streams (messages assumed to complete);
+    // vc[s][i][t] = ops of stream t that happen before or at op i of stream s.
+    let mut vc: Vec<Vec<Vec<u32>>> = rp
+        .streams
+        .iter()
+        .map(|st| vec![vec![]; st.ops.len()])
+        .collect();
+    let mut ptr = vec![0usize; ns];
+    let mut clock = vec![vec![0u32; ns]; ns];
+    let mut ev_clock: HashMap<u32, Vec<u32>> = HashMap::new();
+    loop {
+        let mut moved = false;
+        for s in 0..ns {
+            while ptr[s] < rp.streams[s].ops.len() {
+                let i = ptr[s];
+                let op = &rp.streams[s].ops[i];
+                if let Op::Wait { event } = op {
+                    let Some(c) = ev_clock.get(event) else { break };
+                    for t in 0..ns {
+                        clock[s][t] = clock[s][t].max(c[t]);
+                    }
+                }
+                clock[s][s] = i as u32 + 1;
+                vc[s][i] = clock[s].clone();
+                if let Op::Record { event } = op {
+                    ev_clock.insert(*event, clock[s].clone());
+                }
+                ptr[s] += 1;
+                moved = true;
+            }
+        }
+        if (0..ns).all(|s| ptr[s] == rp.streams[s].ops.len()) {
+            break;
+        }
+        if !moved {
+            let s = (0..ns)
+                .find(|&s| ptr[s] < rp.streams[s].ops.len())
+                .unwrap_or(0);
+            return Err(invalid(
+                rp,
+                s,
+                ptr[s],
+                "the rank's streams wait for each other's events in a cycle".into(),
+            ));
+        }
+    }
+    let hb = |a: (usize, usize), b: (usize, usize)| vc[b.0][b.1][a.0] > a.1 as u32;
+    // Buffer accesses.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Acc {
+        Alloc(bool),
+        Free,
+        Read,
+        Write,
+    }
+    type Uses = Vec<(Acc, (usize, usize))>;
+    let mut acc: HashMap<Buf, Uses> = HashMap::new();
+    for (s, st) in rp.streams.iter().enumerate() {
+        for (i, op) in st.ops.iter().enumerate() {
+            match op {
+                Op::Alloc { buf, zero } => acc
+                    .entry(*buf)
+                    .or_default()
+                    .push((Acc::Alloc(*zero), (s, i))),
+                Op::Free { buf } => acc.entry(*buf).or_default().push((Acc::Free, (s, i))),
+                _ => {
+                    let (r, w) = op.access();
+                    for b in r {
+                        acc.entry(b).or_default().push((Acc::Read, (s, i)));
+                    }
+                    for b in w {
+                        acc.entry(b).or_default().push((Acc::Write, (s, i)));
+                    }
+                }
+            }
+        }
+    }
+    let mut bufs: Vec<&Buf> = acc.keys().collect();
+    bufs.sort();
+    let err = |why: String| ProgramError::Buffer { rank: rp.rank, why };
+    let loc = |p: (usize, usize)| {
+        format!(
+            "{} op #{} `{}`",
+            rp.streams[p.0].kind, p.1, rp.streams[p.0].ops[p.1]
+        )
+    };
+    for buf in bufs {
+        let list = &acc[buf];
+        let allocs: Vec<_> = list
+            .iter()
+            .filter(|(a, _)| matches!(a, Acc::Alloc(_)))
+            .collect();
+        let frees: Vec<_> = list.iter().filter(|(a, _)| *a == Acc::Free).collect();
+        if allocs.len() != 1 {
+            return Err(err(format!("{buf} is allocated {} times", allocs.len())));
+        }
+        if frees.len() != 1 {
+            return Err(err(format!("{buf} is freed {} times", frees.len())));
+        }
+        let (Acc::Alloc(zero), ap) = *allocs[0] else {
+            unreachable!()
+        };
+        let fp = frees[0].1;
+        let uses: Vec<(Acc, (usize, usize))> = list
+            .iter()
+            .filter(|(a, _)| matches!(a, Acc::Read | Acc::Write))
+            .copied()
+            .collect();
+        if !hb(ap, fp) {
+            return Err(err(format!(
+                "{buf} is freed at {} before its allocation",
+                loc(fp)
+            )));
+        }
+        for &(a, p) in &uses {
+            if !hb(ap, p) {
+                return Err(err(format!(
+                    "{buf} is used at {} before its allocation",
+                    loc(p)
+                )));
+            }
+            if !hb(p, fp) {
+                return Err(err(format!(
+                    "{buf} is used at {} after (or unordered with) its release at {}",
+                    loc(p),
+                    loc(fp)
+                )));
+            }
+            if a == Acc::Read && !zero {
+                let written = uses
+                    .iter()
+                    .any(|&(b, q)| b == Acc::Write && q != p && hb(q, p));
+                if !written {
+                    return Err(err(format!("{buf} is read at {} before any write", loc(p))));
+                }
+            }
+        }
+        for (x, &(a, p)) in uses.iter().enumerate() {
+            for &(b, q) in &uses[x + 1..] {
+                if p != q && (a == Acc::Write || b == Acc::Write) && !hb(p, q) && !hb(q, p) {
+                    return Err(err(format!(
+                        "{buf}: {} and {} are not ordered, and one writes (a race between streams)",
+                        loc(p),
+                        loc(q)
+                    )));
+                }
+            }
+        }
+    }
+    // Stash peak in compute-stream order.
+    let (mut live, mut peak) = (0u32, 0u32);
+    for op in &rp.streams[0].ops {
+        match op {
+            Op::Alloc {
+                buf: Buf::Stash { .. },
+                ..
+            } => {
+                live += 1;
+                peak = peak.max(live);
+            }
+            Op::Free {
+                buf: Buf::Stash { .. },
+            } => live -= 1,
+            _ => {}
+        }
+    }
+    Ok(peak)
+}
+
+/// Key of a collective instance.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum CollKey {
+    A2a(u32, u32, u32, A2a, Vec<u32>),
+    Replica(u32, Vec<u32>),
+    AllReduce(u32, Scope, Vec<u32>),
+}
+
+fn coll_key(rank: u32, op: &Op) -> Option<(CollKey, Vec<u32>)> {
+    match op {
+        Op::AllToAll {
+            stage,
+            mb,
+            layer,
+            phase,
+            group,
+        } => Some((
+            CollKey::A2a(*stage, *mb, *layer, *phase, group.clone()),
+            group.clone(),
+        )),
+        Op::ReplicaSum {
+            model_stage, peer, ..
+        } => {
+            let mut g = vec![rank, *peer];
+            g.sort_unstable();
+            Some((CollKey::Replica(*model_stage, g.clone()), g))
+        }
+        Op::AllReduce {
+            stage,
+            scope,
+            group,
+        } => Some((
+            CollKey::AllReduce(*stage, *scope, group.clone()),
+            group.clone(),
+        )),
+        _ => None,
+    }
+}
+
+/// Runs every rank's streams together (sends eager; receives wait for their send;
+/// collectives for every member); returns (messages, collectives).
+// Index loops over parallel arrays (streams, pointers) read better than zipped iterators.
+#[allow(clippy::needless_range_loop)]
+fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
+    let n = set.ranks.len();
+    let mut ptr: Vec<Vec<usize>> = set.ranks.iter().map(|r| vec![0; r.streams.len()]).collect();
+    let mut recorded: Vec<HashSet<u32>> = vec![HashSet::new(); n];
+    let mut sent: HashMap<(u32, u32, Buf), u32> = HashMap::new();
+    let mut received: HashMap<(u32, u32, Buf), u32> = HashMap::new();
+    let mut arrived: HashMap<CollKey, HashSet<u32>> = HashMap::new();
+    let mut messages = 0usize;
+    for (g, rp) in set.ranks.iter().enumerate() {
+        if rp.rank != g as u32 {
+            return Err(ProgramError::Deadlock(format!(
+                "rank program {g} says it is rank {}",
+                rp.rank
+            )));
+        }
+    }
+    loop {
+        let mut moved = false;
+        for g in 0..n {
+            let rp = &set.ranks[g];
+            for s in 0..rp.streams.len() {
+                while ptr[g][s] < rp.streams[s].ops.len() {
+                    let op = &rp.streams[s].ops[ptr[g][s]];
+                    let ready = match op {
+                        Op::Wait { event } => recorded[g].contains(event),
+                        Op::Recv { buf, peer } => {
+                            let k = (*peer, g as u32, *buf);
+                            sent.get(&k).copied().unwrap_or(0)
+                                > received.get(&k).copied().unwrap_or(0)
+                        }
+                        _ => match coll_key(g as u32, op) {
+                            Some((key, group)) => {
+                                if !group.contains(&(g as u32)) {
+                                    return Err(invalid(
+                                        rp,
+                                        s,
+                                        ptr[g][s],
+                                        "the rank is not in the collective's group".into(),
+                                    ));
+                                }
+                                let a = arrived.entry(key).or_default();
+                                a.insert(g as u32);
+                                group.iter().all(|m| a.contains(m))
+                            }
+                            None => true,
+                        },
+                    };
+                    if !ready {
+                        break;
+                    }
+                    match op {
+                        Op::Record { event } => {
+                            recorded[g].insert(*event);
+                        }
+                        Op::Send { buf, peer } => {
+                            if *peer as usize >= n {
+                                return Err(invalid(rp, s, ptr[g][s], "no such rank".into()));
+                            }
+                            *sent.entry((g as u32, *peer, *buf)).or_default() += 1;
+                            messages += 1;
+                        }
+                        Op::Recv { buf, peer } => {
+                            *received.entry((*peer, g as u32, *buf)).or_default() += 1;
+                        }
+                        _ => {}
+                    }
+                    ptr[g][s] += 1;
+                    moved = true;
+                }
+            }
+        }
+        let done = (0..n).all(|g| {
+            (0..set.ranks[g].streams.len()).all(|s| ptr[g][s] == set.ranks[g].streams[s].ops.len())
+        });
+        if done {
+            break;
+        }
+        if !moved {
+            let stuck: Vec<String> = (0..n)
+                .flat_map(|g| {
+                    let rp = &set.ranks[g];
+                    let ptr = &ptr;
+                    (0..rp.streams.len()).filter_map(move |s| {
+                        rp.streams[s].ops.get(ptr[g][s]).map(|op| {
+                            format!(
+                                "rank {g} {} stream at op #{} `{op}`",
+                                rp.streams[s].kind, ptr[g][s]
+                            )
+                        })
+                    })
+                })
+                .take(8)
+                .collect();
+            return Err(ProgramError::Deadlock(format!(
+                "stuck: {}",
+                stuck.join("; ")
+            )));
+        }
+    }
+    for (k, c) in &sent {
+        if received.get(k) != Some(c) {
+            return Err(ProgramError::Deadlock(format!(
+                "rank {} sends {} to rank {} that is never received",
+                k.0, k.2, k.1
+            )));
+        }
+    }
+    Ok((messages, arrived.len()))
+}

@@ -1,0 +1,84 @@
+//! `schedc fmt`: the canonical layout of a spec.
+
+use crate::common::*;
+use schedc_ir::text::{self, ParseError};
+use std::process::ExitCode;
+
+/// `schedc fmt`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The spec.
+    pub file: String,
+    /// Rewrite the file in place (only if it parses; the original is replaced atomically).
+    #[arg(long, conflicts_with = "check")]
+    pub write: bool,
+    /// Exit 1 if the file is not in canonical layout (for CI); print nothing.
+    #[arg(long)]
+    pub check: bool,
+}
+
+/// Runs `schedc fmt`.
+pub fn run(args: Args) -> ExitCode {
+    let Args { file, write, check } = args;
+    if file == "-" && write {
+        eprintln!("error: --write needs a file, not standard input");
+        return ExitCode::from(2);
+    }
+    let read = if file == "-" {
+        let mut t = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut t).map(|_| t)
+    } else {
+        std::fs::read_to_string(&file)
+    };
+    let text = match read {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read `{file}`: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let parsed = match schedc::dsl::parse_file(&text) {
+        Ok(f) => f,
+        Err(e) => {
+            let pe = ParseError {
+                offset: e.offset,
+                len: e.len,
+                line: text::line_col(&text, e.offset).0,
+                col: text::line_col(&text, e.offset).1,
+                message: e.message,
+                help: e.help,
+            };
+            eprint!("{}", render_parse_error(&pe, &file));
+            return ExitCode::from(2);
+        }
+    };
+    let out = schedc::dsl::fmt::format_file(&parsed, &text);
+    if check {
+        return if out == text {
+            ExitCode::SUCCESS
+        } else {
+            eprintln!("{file} is not formatted (run `schedc fmt --write {file}`)");
+            ExitCode::from(1)
+        };
+    }
+    if write {
+        if out != text {
+            // Write the file a symbolic link points to, keep its permissions, and
+            // replace it atomically.
+            let target = std::fs::canonicalize(&file).unwrap_or_else(|_| file.clone().into());
+            let tmp = target.with_extension("schedc-fmt.tmp");
+            let res = std::fs::write(&tmp, &out)
+                .and_then(|_| std::fs::metadata(&target))
+                .and_then(|m| std::fs::set_permissions(&tmp, m.permissions()))
+                .and_then(|_| std::fs::rename(&tmp, &target));
+            if let Err(e) = res {
+                let _ = std::fs::remove_file(&tmp);
+                eprintln!("error: cannot write `{}`: {e}", target.display());
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        emit(&out);
+    }
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,99 @@
+//! The `schedc` command line: one module per command over the compiler library (`schedc`),
+//! the program crate (`schedc-program`) and the backends (`schedc-cpu`).
+
+mod check;
+mod common;
+mod compare;
+mod compile;
+mod convert;
+mod fmt;
+mod plan;
+mod run;
+mod show;
+mod sim;
+mod test;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "schedc",
+    version,
+    about = "A schedule compiler for pipeline-parallel training: check, show and convert schedules"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Verify a schedule: well-formedness, dependencies, lowering, deadlock freedom, warmup,
+    /// activation peaks, unit-time idle. Exit 0 accepted, 1 rejected, 2 unreadable input.
+    Check(check::Args),
+    /// Print the rank-by-step grid (unit-time spacing: F=B=W=1, BW=2).
+    Show(show::Args),
+    /// Convert between formats.
+    Convert(convert::Args),
+    /// Simulate a schedule under a cost model: makespan, bubble (both conventions), busy,
+    /// idle, exposed communication and peak memory per rank; timelines.
+    Sim(sim::Args),
+    /// Compare every spec in a directory that accepts --pp/--mb: makespan, bubble in both
+    /// conventions, peak activations, parameter copies.
+    Compare(compare::Args),
+    /// Recommend a pipeline degree and schedule for a cluster and a model, with the
+    /// reasoning, memory per GPU and GPU-hours saved against 1F1B.
+    Plan(plan::Args),
+    /// Train a small MoE transformer under the schedule on a backend (`--backend cpu`: one
+    /// thread per global rank), optionally comparing with sequential training (`--verify`).
+    Run(run::Args),
+    /// Lower the schedule to per-rank stream programs (compute, p2p and EP streams, events,
+    /// buffers, gradient reduction, optimizer step), verify them and write one file per rank
+    /// and a manifest.
+    Compile(compile::Args),
+    /// Print a `.sched` spec in canonical layout (to standard output unless --write).
+    Fmt(fmt::Args),
+    /// Run `.case` files and compare their verdicts and figures with their `expect` lines.
+    Test(test::Args),
+}
+
+fn main() -> ExitCode {
+    // Deeply nested inputs recurse in the parsers and passes: give them room (the parsers
+    // also bound their nesting, so this is a margin, not the limit).
+    match std::thread::Builder::new()
+        .stack_size(256 << 20)
+        .spawn(real_main)
+        .map(|h| h.join())
+    {
+        Ok(Ok(code)) => code,
+        Ok(Err(_)) => ExitCode::from(101),
+        Err(e) => {
+            eprintln!("error: cannot start: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn real_main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    match cli.cmd {
+        Cmd::Check(a) => check::run(a),
+        Cmd::Show(a) => show::run(a),
+        Cmd::Convert(a) => convert::run(a),
+        Cmd::Sim(a) => sim::run(a),
+        Cmd::Compare(a) => compare::run(a),
+        Cmd::Plan(a) => plan::run(a),
+        Cmd::Run(a) => run::run(a),
+        Cmd::Compile(a) => compile::run(a),
+        Cmd::Fmt(a) => fmt::run(a),
+        Cmd::Test(a) => test::run(a),
+    }
+}

@@ -1,0 +1,43 @@
+//! `schedc test`: run `.case` files against their `expect` lines.
+
+use crate::common::*;
+use std::process::ExitCode;
+
+/// `schedc test`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The case files.
+    #[arg(required = true)]
+    pub files: Vec<String>,
+}
+
+/// Runs `schedc test`.
+pub fn run(args: Args) -> ExitCode {
+    let Args { files } = args;
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let (mut pass, mut fail, mut unreadable) = (0, 0, false);
+    for f in &files {
+        let r = schedc::casefile::run_case(f);
+        if r.passed {
+            pass += 1;
+            let _ = writeln!(o, "PASS {f}");
+        } else {
+            fail += 1;
+            unreadable |= r.differences.iter().any(|d| d.starts_with("cannot load"));
+            let _ = writeln!(o, "FAIL {f}");
+            for d in &r.differences {
+                let _ = writeln!(o, "    {d}");
+            }
+        }
+    }
+    let _ = writeln!(o, "{pass} passed, {fail} failed");
+    emit(&o);
+    if unreadable {
+        ExitCode::from(2)
+    } else if fail == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
