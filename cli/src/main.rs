@@ -7,6 +7,7 @@ mod compare;
 mod compile;
 mod convert;
 mod fmt;
+mod optimize;
 mod plan;
 mod run;
 mod show;
@@ -52,6 +53,10 @@ enum Cmd {
     /// buffers, gradient reduction, optimizer step), verify them and write one file per rank
     /// and a manifest.
     Compile(compile::Args),
+    /// Search for a schedule with a shorter simulated makespan under an activation cap,
+    /// keeping the placement; report it next to the input, the specs that fit and the Zero
+    /// Bubble greedy, and write it as IR text, a spec or torch CSV.
+    Optimize(optimize::Args),
     /// Print a `.sched` spec in canonical layout (to standard output unless --write).
     Fmt(fmt::Args),
     /// Run `.case` files and compare their verdicts and figures with their `expect` lines.
@@ -93,6 +98,7 @@ fn real_main() -> ExitCode {
         Cmd::Plan(a) => plan::run(a),
         Cmd::Run(a) => run::run(a),
         Cmd::Compile(a) => compile::run(a),
+        Cmd::Optimize(a) => optimize::run(a),
         Cmd::Fmt(a) => fmt::run(a),
         Cmd::Test(a) => test::run(a),
     }

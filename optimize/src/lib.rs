@@ -23,6 +23,7 @@
 //!   evaluator in the loop.
 //! * [`exact`]: branch and bound for small instances: the optimum and a proof.
 //! * [`refdata`]: the Zero Bubble reference data in `shared/reference/zb/`.
+//! * [`report`]: the rows `schedc optimize` prints: start, specs, greedy, result.
 //! * [`search`]: the driver that runs them under a budget and a time limit.
 //!
 //! Every result is checked by `schedc check` and scored by `schedc::sim::simulate`
@@ -40,6 +41,7 @@ pub mod local;
 pub mod lower;
 pub mod periodic;
 pub mod refdata;
+pub mod report;
 pub mod rewrite;
 pub mod sched;
 pub mod search;
