@@ -40,6 +40,36 @@ pub struct ExactResult {
     pub proved: bool,
     /// Nodes expanded.
     pub nodes: u64,
+    /// Complete schedules reached (leaves of the tree).
+    pub leaves: u64,
+}
+
+/// Switches and limits of branch and bound (the defaults are what [`solve`] uses; tests
+/// turn the cuts off one by one).
+#[derive(Clone, Copy, Debug)]
+pub struct SolveOptions {
+    /// Cut nodes whose lower bound is no better than the best known.
+    pub bound: bool,
+    /// Explore states met twice once.
+    pub table: bool,
+    /// Keep going after the first optimum-length schedule (to count every leaf).
+    pub all: bool,
+    /// Nodes to expand at most.
+    pub max_nodes: u64,
+    /// Wall-clock deadline.
+    pub deadline: Option<Instant>,
+}
+
+impl Default for SolveOptions {
+    fn default() -> Self {
+        SolveOptions {
+            bound: true,
+            table: true,
+            all: false,
+            max_nodes: 2_000_000,
+            deadline: None,
+        }
+    }
 }
 
 /// Why the exact search does not apply.
@@ -77,6 +107,8 @@ struct Bnb<'a> {
     deadline: Option<Instant>,
     aborted: bool,
     seen: HashSet<u64>,
+    leaves: u64,
+    opts: SolveOptions,
     // Static tails.
     tail_f: Vec<f64>,
     tail_b: Vec<f64>,
@@ -151,6 +183,8 @@ impl<'a> Bnb<'a> {
             deadline: None,
             aborted: false,
             seen: HashSet::new(),
+            leaves: 0,
+            opts: SolveOptions::default(),
             tail_f,
             tail_b,
             est_f: vec![0.0; s * m],
@@ -424,6 +458,7 @@ impl<'a> Bnb<'a> {
             return;
         }
         if self.remaining == 0 {
+            self.leaves += 1;
             let mk = self.clock.iter().copied().fold(0.0, f64::max);
             if mk < self.best - EPS {
                 self.best = mk;
@@ -433,10 +468,13 @@ impl<'a> Bnb<'a> {
             }
             return;
         }
-        if self.bound(t_last) >= self.best - EPS {
+        if self.opts.bound && !self.opts.all && self.bound(t_last) >= self.best - EPS {
             return;
         }
-        if self.seen.len() < 8_000_000 && !self.seen.insert(self.state_hash(t_last, r_last)) {
+        if self.opts.table
+            && self.seen.len() < 8_000_000
+            && !self.seen.insert(self.state_hash(t_last, r_last))
+        {
             return;
         }
         let inst = self.inst;
@@ -488,6 +526,25 @@ pub fn solve(
     max_nodes: u64,
     deadline: Option<Instant>,
 ) -> Result<ExactResult, ExactError> {
+    solve_with(
+        inst,
+        incumbent,
+        SolveOptions {
+            max_nodes,
+            deadline,
+            ..SolveOptions::default()
+        },
+    )
+}
+
+/// [`solve`] with every switch.
+///
+/// Errors: [`ExactError::Pairs`].
+pub fn solve_with(
+    inst: &Instance,
+    incumbent: Option<(&Sched, f64)>,
+    opts: SolveOptions,
+) -> Result<ExactResult, ExactError> {
     if inst.pairs_help() {
         return Err(ExactError::Pairs);
     }
@@ -495,19 +552,20 @@ pub fn solve(
     let mut b = Bnb::new(inst, fuse);
     // Work units: F, B and W one each, a fused BW two.
     b.remaining = inst.s * inst.m * 3;
-    b.max_nodes = max_nodes;
-    b.deadline = deadline;
+    b.max_nodes = opts.max_nodes;
+    b.deadline = opts.deadline;
+    b.opts = opts;
     if let Some((_, mk)) = incumbent {
         // Look for strictly better schedules only.
         b.best = mk;
     }
     b.dfs(f64::NEG_INFINITY, 0);
     let found = b.best_seq.take();
-    let proved = !b.aborted;
     Ok(ExactResult {
         makespan: b.best,
         best: found.or_else(|| incumbent.map(|(s, _)| s.clone())),
-        proved,
+        proved: !b.aborted,
         nodes: b.nodes,
+        leaves: b.leaves,
     })
 }
