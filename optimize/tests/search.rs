@@ -1,0 +1,90 @@
+//! The driver: determinism, the headline case, the time limit, bad problems.
+
+use schedc::sim::cost::CostModel;
+use schedc_ir::{Pipeline, PlacementKind};
+use schedc_optimize::search::{optimize, Options};
+use schedc_optimize::{verify, Instance, ProblemError};
+use std::time::{Duration, Instant};
+
+fn loop_inst(p: u32, m: u32, cost: &str, cap: u64) -> (Instance, CostModel) {
+    let pl = Pipeline::new(p, p, m, PlacementKind::Loop).unwrap();
+    let c = CostModel::resolve(cost).unwrap();
+    (Instance::new(&pl, &c, Some(cap)).unwrap(), c)
+}
+
+#[test]
+fn same_input_and_seed_same_output() {
+    let (i, _) = loop_inst(4, 8, "F=1,B=1.1,W=0.9,latency=0.05", 4);
+    let o = Options {
+        seed: 7,
+        effort: 0.2,
+        ..Options::default()
+    };
+    let a = optimize(&i, &[], &o, &|_| {});
+    let b = optimize(&i, &[], &o, &|_| {});
+    assert_eq!(a.best, b.best);
+    assert_eq!(a.makespan, b.makespan);
+    assert_eq!(a.found_by, b.found_by);
+}
+
+#[test]
+fn headline_p8_m16_unit_cap8_reaches_55() {
+    let (i, c) = loop_inst(8, 16, "F=1,B=1,W=1", 8);
+    let out = optimize(&i, &[], &Options::default(), &|_| {});
+    assert_eq!(out.lower_bound, 55.0);
+    assert_eq!(out.makespan, 55.0);
+    assert!(out.optimal);
+    let v = verify(&i, &c, &out.best).unwrap();
+    assert_eq!(v.sim.makespan, 55.0);
+    assert!(v.report.ranks.iter().all(|r| r.peak_activations <= 8));
+}
+
+#[test]
+fn the_time_limit_stops_the_search() {
+    let pl = Pipeline::new(8, 16, 16, PlacementKind::V).unwrap();
+    let c = CostModel::resolve("F=1,B=2,W=1").unwrap();
+    let i = Instance::new(&pl, &c, Some(8)).unwrap();
+    let t = Instant::now();
+    let out = optimize(
+        &i,
+        &[],
+        &Options {
+            time_limit: Some(Duration::from_millis(300)),
+            effort: 100.0,
+            ..Options::default()
+        },
+        &|_| {},
+    );
+    assert!(out.timed_out);
+    assert!(out.makespan.is_finite(), "a schedule is still reported");
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+}
+
+#[test]
+fn a_cap_below_the_minimum_names_the_minimum() {
+    let pl = Pipeline::new(4, 8, 8, PlacementKind::V).unwrap();
+    let c = CostModel::resolve("unit").unwrap();
+    let e = Instance::new(&pl, &c, Some(1)).unwrap_err();
+    assert_eq!(
+        e,
+        ProblemError::CapBelowMinimum {
+            cap: 1,
+            min: 2,
+            rank: 0
+        }
+    );
+    assert!(e.to_string().contains("minimum"));
+    assert!(Instance::new(&pl, &c, Some(2)).is_ok());
+}
+
+#[test]
+fn a_cost_model_without_times_is_refused() {
+    let pl = Pipeline::new(4, 4, 8, PlacementKind::Loop).unwrap();
+    let c = CostModel::from_toml("[memory]\nactivation_bytes = 1e9\n").unwrap();
+    assert_eq!(Instance::new(&pl, &c, Some(4)).unwrap_err(), ProblemError::NoTimes);
+    let zero = CostModel::resolve("F=0,B=1,W=1").unwrap();
+    assert!(matches!(
+        Instance::new(&pl, &zero, Some(4)).unwrap_err(),
+        ProblemError::BadTime { what: "F", .. }
+    ));
+}
