@@ -6,9 +6,7 @@ use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind};
 use schedc_optimize::eval::Evaluator;
 use schedc_optimize::local::score;
-use schedc_optimize::rewrite::{
-    depends, expr_tokens, extract, rules, saturate, window_expr, Win,
-};
+use schedc_optimize::rewrite::{depends, expr_tokens, extract, rules, saturate, window_expr, Win};
 use schedc_optimize::{Instance, Sched, Tok};
 
 fn inst(cost: &str, v: u32) -> Instance {
@@ -57,13 +55,14 @@ fn window_terms_round_trip() {
         Tok::B(1),
         Tok::W(1),
         Tok::BW(0),
-        Tok::Pair { f: 0, b: 1, fused: false },
+        Tok::Pair {
+            f: 0,
+            b: 1,
+            fused: false,
+        },
     ];
     assert_eq!(expr_tokens(&window_expr(&toks)), toks);
-    assert_eq!(
-        window_expr(&toks[..2]).to_string(),
-        "(seq F0 (seq B1 nil))"
-    );
+    assert_eq!(window_expr(&toks[..2]).to_string(), "(seq F0 (seq B1 nil))");
 }
 
 #[test]
@@ -71,12 +70,7 @@ fn swap_exchanges_independent_ops() {
     let i = inst("F=1,B=1,W=1", 1);
     let r = rule(&i, "swap");
     // A forward and a weight gradient of another micro-batch: independent.
-    check(
-        &r,
-        "(seq W0 (seq F0 nil))",
-        &["(seq F0 (seq W0 nil))"],
-        &[],
-    );
+    check(&r, "(seq W0 (seq F0 nil))", &["(seq F0 (seq W0 nil))"], &[]);
     // Three independent ops: every order.
     check(
         &r,
@@ -133,7 +127,12 @@ fn fuse_only_when_bw_is_faster() {
     let r = rule(&fast, "fuse");
     check(&r, "(seq B0 (seq W0 nil))", &["(seq BW0 nil)"], &[]);
     // Not across stages.
-    check(&r, "(seq B0 (seq W1 nil))", &[], &["(seq BW0 nil)", "(seq BW1 nil)"]);
+    check(
+        &r,
+        "(seq B0 (seq W1 nil))",
+        &[],
+        &["(seq BW0 nil)", "(seq BW1 nil)"],
+    );
 }
 
 #[test]
@@ -154,7 +153,12 @@ fn pair_and_unpair_only_when_pairs_are_faster() {
         &[],
     );
     // A weight gradient does not pair.
-    check(&rule(&fast, "pair"), "(seq F0 (seq W1 nil))", &[], &["(seq (pair F0 W1) nil)"]);
+    check(
+        &rule(&fast, "pair"),
+        "(seq F0 (seq W1 nil))",
+        &[],
+        &["(seq (pair F0 W1) nil)"],
+    );
     check(
         &rule(&fast, "unpair"),
         "(seq (pair F0 BW1) nil)",
@@ -171,8 +175,22 @@ fn extraction_moves_a_weight_gradient_into_a_wait() {
     let i = Instance::new(&pl, &CostModel::resolve("F=1,B=1,W=1").unwrap(), None).unwrap();
     let sc = Sched {
         ranks: vec![
-            vec![Tok::F(0), Tok::B(0), Tok::W(0), Tok::F(0), Tok::B(0), Tok::W(0)],
-            vec![Tok::F(1), Tok::B(1), Tok::W(1), Tok::F(1), Tok::B(1), Tok::W(1)],
+            vec![
+                Tok::F(0),
+                Tok::B(0),
+                Tok::W(0),
+                Tok::F(0),
+                Tok::B(0),
+                Tok::W(0),
+            ],
+            vec![
+                Tok::F(1),
+                Tok::B(1),
+                Tok::W(1),
+                Tok::F(1),
+                Tok::B(1),
+                Tok::W(1),
+            ],
         ],
     };
     let mut ev = Evaluator::new(&i);
@@ -180,7 +198,12 @@ fn extraction_moves_a_weight_gradient_into_a_wait() {
     let win = sc.ranks[0].clone();
     let (eg, root) = saturate(&win, &rules(&i), 10_000);
     let (new, s) = extract(&mut ev, &sc, 0, 0, win.len(), &eg, root, 8).unwrap();
-    assert!(s.makespan < before.makespan, "{} < {}", s.makespan, before.makespan);
+    assert!(
+        s.makespan < before.makespan,
+        "{} < {}",
+        s.makespan,
+        before.makespan
+    );
     let mut better = sc.clone();
     better.ranks[0] = new;
     assert_eq!(score(&mut ev, &better), s);

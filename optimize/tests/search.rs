@@ -81,7 +81,10 @@ fn a_cap_below_the_minimum_names_the_minimum() {
 fn a_cost_model_without_times_is_refused() {
     let pl = Pipeline::new(4, 4, 8, PlacementKind::Loop).unwrap();
     let c = CostModel::from_toml("[memory]\nactivation_bytes = 1e9\n").unwrap();
-    assert_eq!(Instance::new(&pl, &c, Some(4)).unwrap_err(), ProblemError::NoTimes);
+    assert_eq!(
+        Instance::new(&pl, &c, Some(4)).unwrap_err(),
+        ProblemError::NoTimes
+    );
     let zero = CostModel::resolve("F=0,B=1,W=1").unwrap();
     assert!(matches!(
         Instance::new(&pl, &zero, Some(4)).unwrap_err(),
