@@ -12,6 +12,11 @@
 //! 3. The first stage of a direction runs its M forwards one after another and the last
 //!    micro-batch then goes the whole way down and back; its M backwards cannot start
 //!    before the first gradient returns.
+//! 4. Memory (with a cap): until the first gradient can reach a rank, it can only run
+//!    forwards, at most `cap` of them (nothing frees an activation before a backward); the
+//!    rest of its work comes after. For 1F1B's memory (cap P) on a loop with F = 1, B = 2,
+//!    W = 1 this is rank 0's `P F + (P - 1) B + M (F + B + W) - P F`: 78 at P = 8, M = 16,
+//!    which ZB-H1 meets.
 
 use crate::instance::Instance;
 
@@ -113,6 +118,22 @@ pub fn lower_bound(inst: &Instance) -> f64 {
             .map(|&s| c.tail_b[s as usize])
             .fold(f64::INFINITY, f64::min);
         lb = lb.max(head + fb + tail);
+    }
+    if inst.cap != u64::MAX {
+        for r in 0..inst.p {
+            let st = &inst.stages_of[r];
+            if st.is_empty() {
+                continue;
+            }
+            let first_b = st
+                .iter()
+                .map(|&s| c.head_b[s as usize])
+                .fold(f64::INFINITY, f64::min);
+            let n_f = (st.len() * inst.m) as u64;
+            let max_f = st.iter().map(|&s| inst.d_f[s as usize]).fold(0.0, f64::max);
+            let early = inst.cap.min(n_f) as f64 * max_f;
+            lb = lb.max(first_b + inst.work(r) - early);
+        }
     }
     for s in 0..inst.s {
         if inst.prev[s].is_none() {

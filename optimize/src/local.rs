@@ -82,10 +82,8 @@ pub struct Budget {
     pub target: f64,
 }
 
-/// One move, applied in place; returns false if it does not apply.
-fn apply(inst: &Instance, sc: &mut Sched, rng: &mut Rng, reach: usize) -> bool {
-    let p = sc.ranks.len();
-    let r = rng.below(p);
+/// One move on rank `r`, applied in place; returns false if it does not apply.
+fn apply(inst: &Instance, sc: &mut Sched, r: usize, rng: &mut Rng, reach: usize) -> bool {
     let n = sc.ranks[r].len();
     if n < 2 {
         return false;
@@ -209,7 +207,7 @@ pub fn improve(
     let mut evals = 0u64;
     let ops_per_rank = (start.len() / inst.p.max(1)).max(2);
     let reach = (ops_per_rank / 4).clamp(2, 24);
-    let mut cand = cur.clone();
+    let mut backup: Vec<Tok> = Vec::new();
     while evals < budget.evals && since_best < budget.stall {
         if best_s.makespan <= budget.target + EPS {
             break;
@@ -221,19 +219,23 @@ pub fn improve(
                 }
             }
         }
-        cand.clone_from(&cur);
-        if !apply(inst, &mut cand, &mut rng, reach) {
+        let r = rng.below(inst.p);
+        backup.clone_from(&cur.ranks[r]);
+        if !apply(inst, &mut cur, r, &mut rng, reach) {
+            cur.ranks[r].clone_from(&backup);
             continue;
         }
         evals += 1;
         since_best += 1;
-        let s = score(&mut ev, &cand);
+        let s = score(&mut ev, &cur);
+        let slot = (evals as usize) % hist;
         if s.makespan.is_infinite() {
+            cur.ranks[r].clone_from(&backup);
             continue;
         }
-        let slot = (evals as usize) % hist;
-        if s.le(&cur_s) || s.le(&history[slot]) {
-            std::mem::swap(&mut cur, &mut cand);
+        if !(s.le(&cur_s) || s.le(&history[slot])) {
+            cur.ranks[r].clone_from(&backup);
+        } else {
             cur_s = s;
             if cur_s.lt(&best_s) {
                 if cur_s.makespan < best_s.makespan - EPS {

@@ -384,42 +384,56 @@ pub fn extract(
     best
 }
 
-/// One pass of window rewrites over every rank (windows of `k` tokens, stepping `k / 2`):
-/// each window is saturated and extracted; an extraction that improves the score is kept.
-/// Returns the evaluations run.
+/// Window rewrites over the ranks: windows of `k` tokens starting every `k / 2`, visited in
+/// a seeded random order until `max_evals` evaluations are spent; each window is saturated
+/// and extracted, and an extraction that improves the score is kept. Returns the
+/// evaluations run.
+#[allow(clippy::too_many_arguments)]
 pub fn improve_windows(
     inst: &Instance,
     sc: &mut Sched,
     k: usize,
     beam: usize,
+    max_evals: u64,
+    seed: u64,
     deadline: Option<std::time::Instant>,
     on_best: &mut dyn FnMut(f64),
 ) -> u64 {
     let rules = rules(inst);
     let mut ev = Evaluator::new(inst);
     let mut cur = score(&mut ev, sc);
+    let step = (k / 2).max(1);
+    let mut windows: Vec<(usize, usize)> = Vec::new();
     for r in 0..sc.ranks.len() {
         let mut start = 0;
-        while start < sc.ranks[r].len() {
-            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-                return ev.count;
-            }
-            let len = k.min(sc.ranks[r].len() - start);
-            if len < 2 {
-                break;
-            }
-            let win: Vec<Tok> = sc.ranks[r][start..start + len].to_vec();
-            let (eg, root) = saturate(&win, &rules, 20_000);
-            if let Some((new, s)) = extract(&mut ev, sc, r, start, len, &eg, root, beam) {
-                if s.lt(&cur) {
-                    if s.makespan < cur.makespan - crate::local::EPS {
-                        on_best(s.makespan);
-                    }
-                    sc.ranks[r].splice(start..start + len, new.iter().copied());
-                    cur = s;
+        while start + 2 <= sc.ranks[r].len() {
+            windows.push((r, start));
+            start += step;
+        }
+    }
+    let mut rng = crate::list::Rng::new(seed);
+    for i in (1..windows.len()).rev() {
+        windows.swap(i, rng.below(i + 1));
+    }
+    for (r, start) in windows {
+        if ev.count >= max_evals || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            break;
+        }
+        // Splits and fusions change lengths: clamp to the rank as it is now.
+        if start + 2 > sc.ranks[r].len() {
+            continue;
+        }
+        let len = k.min(sc.ranks[r].len() - start);
+        let win: Vec<Tok> = sc.ranks[r][start..start + len].to_vec();
+        let (eg, root) = saturate(&win, &rules, 20_000);
+        if let Some((new, s)) = extract(&mut ev, sc, r, start, len, &eg, root, beam) {
+            if s.lt(&cur) {
+                if s.makespan < cur.makespan - crate::local::EPS {
+                    on_best(s.makespan);
                 }
+                sc.ranks[r].splice(start..start + len, new.iter().copied());
+                cur = s;
             }
-            start += (k / 2).max(1);
         }
     }
     ev.count

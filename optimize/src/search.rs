@@ -184,7 +184,9 @@ pub fn optimize(
             .iter()
             .flat_map(|&f| decodes.iter().map(move |&d| (f, d)))
             .collect();
-        let evals = (opts.effort * 20000.0) as u64;
+        // Each decode and evaluation costs O(ops): a fixed amount of work per block search.
+        let n = (inst.s * inst.m * 3) as f64;
+        let evals = (opts.effort * (2.0e6 / n).clamp(300.0, 20_000.0)) as u64;
         let found: Vec<(usize, Option<(Sched, Score)>)> = jobs
             .par_iter()
             .enumerate()
@@ -207,8 +209,8 @@ pub fn optimize(
             }
         }
     }
-    // Rollouts of the best few policies.
-    if !opts.construct_only {
+    // Rollouts of the best few policies (O(ops^2): small and mid-size instances only).
+    if !opts.construct_only && (inst.s * inst.m * 3) as f64 <= 2500.0 * opts.effort.max(1.0) {
         by_policy.sort_by(|a, b| a.0.makespan.total_cmp(&b.0.makespan).then(a.1.cmp(&b.1)));
         let k = ((2.0 * opts.effort).round() as usize).clamp(1, by_policy.len().max(1));
         let rolled: Vec<(usize, Option<Sched>)> = by_policy
@@ -269,7 +271,8 @@ pub fn optimize(
             .iter()
             .map(|(_, s, n)| (s.clone(), n.clone()))
             .collect();
-        let evals = (opts.effort * (4000.0 + 400.0 * n_ops)).min(4.0e6) as u64;
+        // About 3e7 op-steps per start (each evaluation is O(ops)).
+        let evals = (opts.effort * (3.0e7 / n_ops).clamp(2_000.0, 200_000.0)) as u64;
         let budget = Budget {
             evals,
             stall: evals / 3 + 1000,
@@ -298,7 +301,7 @@ pub fn optimize(
             if r.score.lt(&b.score) {
                 b.sched = r.sched;
                 b.score = r.score;
-                b.by = format!("local search from {name}");
+                b.by = format!("{name}, then local search");
             }
         }
         let b = best.lock().unwrap();
@@ -315,12 +318,22 @@ pub fn optimize(
     if opts.rewrite && !opts.construct_only && !at_bound(&best) && !timed_out(deadline) {
         let t = Instant::now();
         let mut sc = best.lock().unwrap().sched.clone();
+        let egg_evals =
+            (opts.effort * (1.0e8 / sc.len().max(1) as f64).clamp(2_000.0, 100_000.0)) as u64;
         let mut on_best = |m: f64| report("egg rewrite", m, 0.5);
-        let mut evals =
-            crate::rewrite::improve_windows(inst, &mut sc, 6, 6, deadline, &mut on_best);
+        let mut evals = crate::rewrite::improve_windows(
+            inst,
+            &mut sc,
+            6,
+            6,
+            egg_evals,
+            opts.seed ^ 0xE66,
+            deadline,
+            &mut on_best,
+        );
         let s = score(&mut ev, &sc);
         let budget = Budget {
-            evals: (opts.effort * (2000.0 + 100.0 * sc.len() as f64)).min(1.0e6) as u64,
+            evals: (opts.effort * (5.0e7 / sc.len() as f64).clamp(1_000.0, 50_000.0)) as u64,
             stall: 20_000,
             deadline,
             target: lb,
@@ -332,12 +345,12 @@ pub fn optimize(
         if s.lt(&b.score) {
             b.sched = sc;
             b.score = s;
-            b.by = format!("egg window rewrites of {}", b.by);
+            b.by = format!("{}, then egg window rewrites", b.by);
         }
         if r.score.lt(&b.score) {
             b.sched = r.sched;
             b.score = r.score;
-            b.by = format!("egg window rewrites and local search of {}", b.by);
+            b.by = format!("{}, then egg window rewrites and local search", b.by);
         }
         phases.push(Phase {
             name: "egg rewrite",
