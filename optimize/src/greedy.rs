@@ -239,7 +239,7 @@ pub fn run_variant(inst: &Instance, v: Variant) -> Option<GreedyRun> {
                 }
                 let mut mem = st.mem[j];
                 let mut t = st.e[j];
-                while st.f[j] + extra[j] < m && mem + 1 <= cap {
+                while st.f[j] + extra[j] < m && mem < cap {
                     let cf = st.cost(K::F, j);
                     let stop = if v.allow_bubble_before_first_b {
                         t + cf > last_t + comm
@@ -271,6 +271,7 @@ pub fn run_variant(inst: &Instance, v: Variant) -> Option<GreedyRun> {
             continue;
         }
         let mut want = vec![false; n];
+        #[allow(clippy::needless_range_loop)]
         for j in 0..n {
             if st.f[j] >= m {
                 continue;
@@ -302,6 +303,7 @@ pub fn run_variant(inst: &Instance, v: Variant) -> Option<GreedyRun> {
         for j in (0..n.saturating_sub(1)).rev() {
             want[j] = want[j] && want[j + 1];
         }
+        #[allow(clippy::needless_range_loop)]
         for j in 0..n {
             if !want[j] {
                 continue;

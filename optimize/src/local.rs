@@ -138,7 +138,7 @@ fn structural(inst: &Instance, toks: &mut Vec<Tok>, i: usize) -> bool {
             toks.remove(i + 1);
             true
         }
-        Tok::B(b) | Tok::BW(b) if pairs && next_is_f && i % 2 == 0 => {
+        Tok::B(b) | Tok::BW(b) if pairs && next_is_f && i.is_multiple_of(2) => {
             let fused = matches!(toks[i], Tok::BW(_));
             let Tok::F(f) = toks[i + 1] else {
                 unreachable!()
@@ -212,7 +212,7 @@ pub fn improve(
         if best_s.makespan <= budget.target + EPS {
             break;
         }
-        if evals % 256 == 0 {
+        if evals.is_multiple_of(256) {
             if let Some(d) = budget.deadline {
                 if Instant::now() >= d {
                     break;

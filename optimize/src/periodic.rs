@@ -217,7 +217,7 @@ pub fn search(
         if best.as_ref().is_some_and(|b| b.1.makespan <= target + EPS) {
             break;
         }
-        if n % 64 == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+        if n.is_multiple_of(64) && deadline.is_some_and(|d| Instant::now() >= d) {
             break;
         }
         let mut cand = cur.clone();

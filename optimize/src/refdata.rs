@@ -113,9 +113,7 @@ pub fn read(path: &Path) -> Result<RefConfig, String> {
     }
     .map_err(|e| e.to_string())?;
     let stage = |r: u32, c: u32| -> u32 {
-        if raw.num_chunks == 1 {
-            r
-        } else if c == 0 {
+        if raw.num_chunks == 1 || c == 0 {
             r
         } else {
             2 * p - 1 - r

@@ -257,14 +257,9 @@ pub fn expr_tokens(e: &RecExpr<Win>) -> Vec<Tok> {
     let nodes = e.as_ref();
     let mut out = Vec::new();
     let mut cur = Id::from(nodes.len() - 1);
-    loop {
-        match &nodes[usize::from(cur)] {
-            Win::Seq([op, rest]) => {
-                out.push(node_tok(nodes, *op));
-                cur = *rest;
-            }
-            _ => break,
-        }
+    while let Win::Seq([op, rest]) = &nodes[usize::from(cur)] {
+        out.push(node_tok(nodes, *op));
+        cur = *rest;
     }
     out
 }
