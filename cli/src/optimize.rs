@@ -51,7 +51,7 @@ pub enum OutKind {
 pub struct Args {
     /// The starting schedule (a spec, IR text or JSON, torch CSV, a DualPipe trace); its
     /// placement is kept. Without it: the standard placements (loop with one stage per
-    /// rank, and V with two) unless --placement or --vpp picks one.
+    /// rank, V with two, interleaved loop with two) unless --placement or --vpp picks one.
     pub input: Option<String>,
     /// Pipeline ranks P (a spec's instance, or the pipeline to search without input).
     #[arg(long, value_name = "P")]
@@ -236,8 +236,10 @@ pub fn run(a: Args) -> ExitCode {
             match (&a.placement, a.vpp) {
                 (None, None) => {
                     v.push(make(&PlacementArg::Kind(PlacementKind::Loop), 1).unwrap());
-                    if let Ok(pl) = make(&PlacementArg::Kind(PlacementKind::V), 2) {
-                        v.push(pl);
+                    for (k, vpp) in [(PlacementKind::V, 2), (PlacementKind::Loop, 2)] {
+                        if let Ok(pl) = make(&PlacementArg::Kind(k), vpp) {
+                            v.push(pl);
+                        }
                     }
                 }
                 (pl, vpp) => {

@@ -1,8 +1,8 @@
 //! The grid: P in {4, 8, 16}, M in {2P, 4P}, three cost sets, caps {P, 2P} (activations of
 //! one stage per rank; a V stage counts half, as `schedc compare` scales it). At each point:
 //! the best spec of specs/ within the cap, the Zero Bubble greedy, and the search on the
-//! loop (one stage per rank) and V (two) placements with the specs of that placement as
-//! starts, as `schedc optimize --pp P --mb M --cost C --max-activations N` runs it.
+//! loop (one stage per rank), V (two) and interleaved loop (two) placements with the specs
+//! of that placement as starts, as `schedc optimize --pp P --mb M --cost C --max-activations N` runs it.
 //! Every figure is the simulator's, after `schedc check`.
 //!
 //! `cargo run --release -p schedc-optimize --example grid -- [EFFORT] [P...]`
@@ -59,6 +59,10 @@ fn main() {
                     for (name, pl) in [
                         ("loop", gpl.clone()),
                         ("v", Pipeline::new(p, 2 * p, m, PlacementKind::V).unwrap()),
+                        (
+                            "loop V=2",
+                            Pipeline::new(p, 2 * p, m, PlacementKind::Loop).unwrap(),
+                        ),
                     ] {
                         let c = scaled_cost(&cost, p, &pl);
                         let Ok(inst) = Instance::new(&pl, &c, Some(cap_for(cap, p, &pl))) else {

@@ -167,8 +167,10 @@ pub fn optimize(
             }
         }
     }
+    let pool_at_bound =
+        |pool: &[(Score, Sched, String)]| pool.iter().any(|x| x.0.makespan <= lb + EPS);
     // Periodic blocks.
-    if !opts.construct_only {
+    if !opts.construct_only && !pool_at_bound(&pool) {
         let fuses: Vec<bool> = if inst.split_dominates() {
             vec![false]
         } else {
@@ -210,7 +212,10 @@ pub fn optimize(
         }
     }
     // Rollouts of the best few policies (O(ops^2): small and mid-size instances only).
-    if !opts.construct_only && (inst.s * inst.m * 3) as f64 <= 2500.0 * opts.effort.max(1.0) {
+    if !opts.construct_only
+        && !pool_at_bound(&pool)
+        && (inst.s * inst.m * 3) as f64 <= 2500.0 * opts.effort.max(1.0)
+    {
         by_policy.sort_by(|a, b| a.0.makespan.total_cmp(&b.0.makespan).then(a.1.cmp(&b.1)));
         let k = ((2.0 * opts.effort).round() as usize).clamp(1, by_policy.len().max(1));
         let rolled: Vec<(usize, Option<Sched>)> = by_policy
