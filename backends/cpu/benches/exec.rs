@@ -1,7 +1,8 @@
 //! CPU executor benchmarks.
 //!
 //! * `overhead/*`: executor overhead per instruction. A model with almost no arithmetic
-//!   (hidden 2, one head, 2 experts, top-1, 1 token, vocabulary 128) runs 4 steps of
+//!   (hidden 2, one head, MLA ranks and head widths 2, 2 experts, top-1, 1 token,
+//!   vocabulary 128) runs 4 steps of
 //!   1F1B at P=4, M=8 on 4 threads; throughput is in instructions, so criterion's time per
 //!   element is the cost of one instruction (interpretation, buffers, events, messages,
 //!   thread wake-ups), an upper bound on the overhead.
@@ -37,6 +38,11 @@ fn overhead(c: &mut Criterion) {
     let cfg = ModelConfig {
         hidden: 2,
         heads: 1,
+        q_lora_rank: 2,
+        kv_lora_rank: 2,
+        qk_nope_head_dim: 2,
+        qk_rope_head_dim: 2,
+        v_head_dim: 2,
         seq_len: 1,
         experts: 2,
         top_k: 1,

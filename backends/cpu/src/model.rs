@@ -5,10 +5,16 @@
 //!
 //! ```text
 //! a  = RMSNorm(x; g1)                       xhat = x / sqrt(mean(x^2) + eps)
-//! q, k, v = a Wq, a Wk, a Wv                (d x d each; H heads of d/H)
-//! q, k = RoPE(q, pos), RoPE(k, pos)         rotate pairs (2i, 2i+1) by pos * base^(-2i/hd)
-//! o  = softmax(q k^T / sqrt(hd) + causal) v, per head; causal: key pos <= query pos (global)
-//! h1 = x + o Wo
+//!                                           multi-head latent attention (MLA):
+//! c_Q  = RMSNorm(a W_DQ; q_norm)            T x d_c'          (queries' latent)
+//! q^C  = c_Q W_UQ,  q^R = RoPE(c_Q W_QR)    T x H d_h, T x H d_h^R
+//! c_KV = RMSNorm(a W_DKV; kv_norm)          T x d_c           (keys' and values' latent)
+//! k^R  = RoPE(a W_KR)                       T x d_h^R: ONE RoPE key per token, all heads
+//! k^C  = c_KV W_UK,  v^C = c_KV W_UV        T x H d_h, T x H d_v
+//! head h: q = [q^C_h; q^R_h], k = [k^C_h; k^R]   (k^R shared by every head)
+//! o  = softmax(q k^T / sqrt(d_h + d_h^R) + causal) v^C_h per head; causal: key pos <=
+//!      query pos (global); RoPE rotates pairs (2i, 2i+1) by pos * base^(-2i/d_h^R)
+//! h1 = x + o W_O                            W_O: H d_v x d
 //! n2 = RMSNorm(h1; g2)
 //! s  = sigmoid(n2 Wr)                       (T x E affinities)
 //! top-k experts per token on s + bias       (bias: aux-loss-free balancing, not trained)
@@ -20,7 +26,12 @@
 //! the LM head and cross-entropy (mean over every token of the global batch: each token's
 //! loss is scaled by `1/N`, so gradients of shards and micro-batches simply add).
 //!
-//! Sources: DeepSeek-V3 technical report (arXiv 2412.19437) §2.1.2 (sigmoid affinities,
+//! Sources: DeepSeek-V3 technical report (arXiv 2412.19437) §2.1.1 (MLA, eq. 1-11) and
+//! DeepSeek-V2 (arXiv 2405.04434) §2.1 (low-rank key-value joint compression, decoupled
+//! RoPE); the RMSNorms on the latents `c_Q` and `c_KV` follow DeepSeek's reference
+//! implementation (`inference/model.py`, `q_norm` and `kv_norm`, applied before the
+//! up-projections; DeepSeek-V2 §3.1.2 mentions them). Queries are compressed too, as in
+//! V3 (V2-Lite's uncompressed queries are not offered). DeepSeek-V3 §2.1.2 (sigmoid affinities,
 //! selection on `s + b`, gates normalized over the selected experts, eq. 12-16) and §2.1.2
 //! "Auxiliary-Loss-Free Load Balancing" (bias moved by `gamma` against the load at the end
 //! of each step); RoPE: Su et al. (arXiv 2104.09864) eq. 34; RMSNorm: Zhang & Sennrich
@@ -44,14 +55,18 @@
 //!
 //! ## Sequence parallelism
 //! With SP size `n`, rank `j` of the SP group holds tokens `j T/n .. (j+1) T/n` of every
-//! sequence. Queries and keys are rotated at these global positions; every member's keys
-//! and values are gathered ([`StageKernels::fwd_qkv`] → all-gather →
-//! [`StageKernels::fwd_attn`]), and a query at global position `p` attends keys `0..=p`
-//! (so the mask offset of chunk `j` is `j T/n`). The key and value gradients each member
+//! sequence. Queries and RoPE keys are rotated at these global positions. What the group
+//! gathers is MLA's cache, not keys and values: every member's `[c_KV; k^R]`, `d_c +
+//! d_h^R` values per token ([`StageKernels::fwd_qkv`] → all-gather →
+//! [`StageKernels::fwd_attn`], which up-projects the whole sequence's latents to every
+//! head's keys and values); a query at global position `p` attends keys `0..=p` (so the
+//! mask offset of chunk `j` is `j T/n`). The latent and RoPE-key gradients each member
 //! computes for every chunk go back to the chunk's owner, which sums them in group order
-//! ([`StageKernels::bwd_attn`] → reduce-scatter → [`StageKernels::bwd_qkv`]). Each chunk
-//! is its own routing group (capacity counted per chunk); the sequential reference routes
-//! whole sequences in the same `n` groups ([`route_groups`]).
+//! ([`StageKernels::bwd_attn`] → reduce-scatter → [`StageKernels::bwd_qkv`]). `W_UK` and
+//! `W_UV` get each member's share (its queries' gradient over the gathered latents); the
+//! data-parallel all-reduce, which spans the SP group, sums them. Each chunk is its own
+//! routing group (capacity counted per chunk); the sequential reference routes whole
+//! sequences in the same `n` groups ([`route_groups`]).
 //!
 //! ## Expert parallelism
 //! With EP size `n`, rank `q` of the EP group holds experts `q E/n .. (q+1) E/n`. Dispatch
@@ -84,13 +99,26 @@ pub struct Layer<T> {
     pub index: usize,
     /// Attention RMSNorm gain, `d`.
     pub norm1: Vec<T>,
-    /// Query projection, `d × d`.
-    pub wq: Vec<T>,
-    /// Key projection, `d × d`.
-    pub wk: Vec<T>,
-    /// Value projection, `d × d`.
-    pub wv: Vec<T>,
-    /// Output projection, `d × d`.
+    /// Query down-projection `W_DQ`, `d × d_c'` (eq. 6).
+    pub wdq: Vec<T>,
+    /// RMSNorm gain of the query latent `c_Q`, `d_c'`.
+    pub q_norm: Vec<T>,
+    /// Query content up-projection `W_UQ`, `d_c' × H d_h` (eq. 7).
+    pub wuq: Vec<T>,
+    /// Query RoPE projection `W_QR`, `d_c' × H d_h^R` (eq. 8).
+    pub wqr: Vec<T>,
+    /// Key/value down-projection `W_DKV`, `d × d_c` (eq. 1).
+    pub wdkv: Vec<T>,
+    /// RMSNorm gain of the key/value latent `c_KV`, `d_c`.
+    pub kv_norm: Vec<T>,
+    /// Shared RoPE key projection `W_KR`, `d × d_h^R` (eq. 3; `d × H d_h^R` under
+    /// [`Bugs::per_head_kpe`]).
+    pub wkr: Vec<T>,
+    /// Key content up-projection `W_UK`, `d_c × H d_h` (eq. 2).
+    pub wuk: Vec<T>,
+    /// Value up-projection `W_UV`, `d_c × H d_v` (eq. 5).
+    pub wuv: Vec<T>,
+    /// Output projection `W_O`, `H d_v × d` (eq. 11).
     pub wo: Vec<T>,
     /// MoE RMSNorm gain, `d`.
     pub norm2: Vec<T>,
@@ -164,6 +192,7 @@ impl<T: Real> StageParams<T> {
         expert_hi: usize,
     ) -> Self {
         let (d, v, e) = (cfg.hidden, cfg.vocab, cfg.experts);
+        let (qr, kvr, sh) = (cfg.q_lora_rank, cfg.kv_lora_rank, AttnShape::of(cfg));
         let layers = (0..cfg.layers_per_stage)
             .map(|l| {
                 let g = model_stage * cfg.layers_per_stage + l;
@@ -171,10 +200,21 @@ impl<T: Real> StageParams<T> {
                 Layer {
                     index: g,
                     norm1: init_gain(cfg, &format!("{p}.norm1"), d),
-                    wq: init_tensor(cfg, &format!("{p}.wq"), d * d, d),
-                    wk: init_tensor(cfg, &format!("{p}.wk"), d * d, d),
-                    wv: init_tensor(cfg, &format!("{p}.wv"), d * d, d),
-                    wo: init_tensor(cfg, &format!("{p}.wo"), d * d, d),
+                    wdq: init_tensor(cfg, &format!("{p}.wdq"), d * qr, d),
+                    q_norm: init_gain(cfg, &format!("{p}.q_norm"), qr),
+                    wuq: init_tensor(cfg, &format!("{p}.wuq"), qr * sh.heads * sh.nope, qr),
+                    wqr: init_tensor(cfg, &format!("{p}.wqr"), qr * sh.heads * sh.rope, qr),
+                    wdkv: init_tensor(cfg, &format!("{p}.wdkv"), d * kvr, d),
+                    kv_norm: init_gain(cfg, &format!("{p}.kv_norm"), kvr),
+                    wkr: init_tensor(cfg, &format!("{p}.wkr"), d * sh.kpe_width(), d),
+                    wuk: init_tensor(cfg, &format!("{p}.wuk"), kvr * sh.heads * sh.nope, kvr),
+                    wuv: init_tensor(cfg, &format!("{p}.wuv"), kvr * sh.heads * sh.v, kvr),
+                    wo: init_tensor(
+                        cfg,
+                        &format!("{p}.wo"),
+                        sh.heads * sh.v * d,
+                        sh.heads * sh.v,
+                    ),
                     norm2: init_gain(cfg, &format!("{p}.norm2"), d),
                     router: init_tensor(cfg, &format!("{p}.router"), d * e, d),
                     experts: (expert_lo..expert_hi)
@@ -214,9 +254,15 @@ impl<T: Real> StageParams<T> {
             let p = format!("layer{}", l.index);
             for (n, t) in [
                 ("norm1", &l.norm1),
-                ("wq", &l.wq),
-                ("wk", &l.wk),
-                ("wv", &l.wv),
+                ("wdq", &l.wdq),
+                ("q_norm", &l.q_norm),
+                ("wuq", &l.wuq),
+                ("wqr", &l.wqr),
+                ("wdkv", &l.wdkv),
+                ("kv_norm", &l.kv_norm),
+                ("wkr", &l.wkr),
+                ("wuk", &l.wuk),
+                ("wuv", &l.wuv),
                 ("wo", &l.wo),
                 ("norm2", &l.norm2),
                 ("router", &l.router),
@@ -256,9 +302,15 @@ impl<T: Real> StageParams<T> {
             let p = format!("layer{}", l.index);
             for (n, t) in [
                 ("norm1", &mut l.norm1),
-                ("wq", &mut l.wq),
-                ("wk", &mut l.wk),
-                ("wv", &mut l.wv),
+                ("wdq", &mut l.wdq),
+                ("q_norm", &mut l.q_norm),
+                ("wuq", &mut l.wuq),
+                ("wqr", &mut l.wqr),
+                ("wdkv", &mut l.wdkv),
+                ("kv_norm", &mut l.kv_norm),
+                ("wkr", &mut l.wkr),
+                ("wuk", &mut l.wuk),
+                ("wuv", &mut l.wuv),
                 ("wo", &mut l.wo),
                 ("norm2", &mut l.norm2),
                 ("router", &mut l.router),
@@ -487,26 +539,100 @@ pub fn rope<T: Real>(x: &mut [T], heads: usize, hd: usize, pos0: usize, base: f6
     }
 }
 
-/// Causal multi-head attention of `tq` query rows at global positions `q_offset..` over `tk`
-/// key/value rows at positions `0..tk`, all rows `d = heads × hd` wide (a sequence-parallel
-/// rank passes its chunk's queries, the gathered keys and values, and
-/// `q_offset = sp_rank * chunk`). Query `i` sees key `j` iff `j <= q_offset + i`.
-/// Returns `(out, probs)`: `out` is `tq × d`, `probs` is `heads × tq × tk`.
+/// The shapes of the attention core of multi-head latent attention (DeepSeek-V3, arXiv
+/// 2412.19437, §2.1.1, eq. 4, 9, 10): `H` heads; per head a content part of width
+/// `nope` (`d_h`) and a RoPE part of width `rope` (`d_h^R`) in queries and keys, and values
+/// of width `v`. The RoPE key of a token is one row of `rope` shared by every head
+/// (`kpe_heads = 1`); [`Bugs::per_head_kpe`] gives every head its own (`kpe_heads = H`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Heads `H`.
+    pub heads: usize,
+    /// Per-head content width of queries and keys `d_h`.
+    pub nope: usize,
+    /// RoPE width `d_h^R` (per head for queries; of the shared key).
+    pub rope: usize,
+    /// Per-head value width.
+    pub v: usize,
+    /// RoPE keys per token: 1 (MLA), or `H` under [`Bugs::per_head_kpe`].
+    pub kpe_heads: usize,
+}
+
+impl AttnShape {
+    /// The shapes of `cfg`'s attention.
+    pub fn of(cfg: &ModelConfig) -> Self {
+        AttnShape {
+            heads: cfg.heads,
+            nope: cfg.qk_nope_head_dim,
+            rope: cfg.qk_rope_head_dim,
+            v: cfg.v_head_dim,
+            kpe_heads: cfg.rope_keys_per_token(),
+        }
+    }
+
+    /// Width of one token's RoPE key row, `kpe_heads × rope`.
+    pub fn kpe_width(&self) -> usize {
+        self.kpe_heads * self.rope
+    }
+    /// The softmax scale `1 / sqrt(d_h + d_h^R)` (eq. 10).
+    fn scale(&self) -> f64 {
+        1.0 / ((self.nope + self.rope) as f64).sqrt()
+    }
+}
+
+/// The inputs of the attention core, all row-major with one row per token:
+/// `q_nope` is `tq × H d_h`, `q_pe` is `tq × H d_h^R` (already rotated), `k_nope` is
+/// `tk × H d_h`, `k_pe` is `tk × kpe_heads d_h^R` (already rotated), `v` is `tk × H d_v`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnIn<'a, T> {
+    /// Query content parts `q^C`.
+    pub q_nope: &'a [T],
+    /// Query RoPE parts `q^R`.
+    pub q_pe: &'a [T],
+    /// Key content parts `k^C`.
+    pub k_nope: &'a [T],
+    /// RoPE keys `k^R` (one per token, shared by the heads).
+    pub k_pe: &'a [T],
+    /// Values `v^C`.
+    pub v: &'a [T],
+}
+
+/// Gradients of the attention core's inputs, shaped like [`AttnIn`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AttnGrads<T> {
+    /// w.r.t. `q_nope`.
+    pub dq_nope: Vec<T>,
+    /// w.r.t. `q_pe`.
+    pub dq_pe: Vec<T>,
+    /// w.r.t. `k_nope`.
+    pub dk_nope: Vec<T>,
+    /// w.r.t. `k_pe`: the sum over the heads that share each RoPE key.
+    pub dk_pe: Vec<T>,
+    /// w.r.t. `v`.
+    pub dv: Vec<T>,
+}
+
+/// Causal attention of `tq` query rows at global positions `q_offset..` over `tk` key/value
+/// rows at positions `0..tk` (a sequence-parallel rank passes its chunk's queries, the keys
+/// and values of the gathered sequence, and `q_offset = sp_rank * chunk`). Query `i` sees
+/// key `j` iff `j <= q_offset + i`. Head `h` scores
+/// `(q^C_{i,h} · k^C_{j,h} + q^R_{i,h} · k^R_j) / sqrt(d_h + d_h^R)` (DeepSeek-V3 eq. 4, 9,
+/// 10: the key of head `h` is `[k^C_{j,h}; k^R_j]`) and returns `sum_j p_{ij} v_{j,h}`.
+/// Returns `(out, probs)`: `out` is `tq × H d_v`, `probs` is `H × tq × tk`.
 pub fn attention<T: Real>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    d: usize,
-    heads: usize,
+    x: &AttnIn<'_, T>,
+    sh: &AttnShape,
     q_offset: usize,
     bugs: &Bugs,
 ) -> (Vec<T>, Vec<T>) {
-    let hd = d / heads;
-    let (tq, tk) = (q.len() / d, k.len() / d);
-    let scale = T::of(1.0 / (hd as f64).sqrt());
-    let mut probs = vec![T::zero(); heads * tq * tk];
-    let mut out = vec![T::zero(); tq * d];
-    for h in 0..heads {
+    let (h, nope, rope, vd, kw) = (sh.heads, sh.nope, sh.rope, sh.v, sh.kpe_width());
+    let tq = x.q_nope.len() / (h * nope);
+    let tk = x.k_nope.len() / (h * nope);
+    let scale = T::of(sh.scale());
+    let mut probs = vec![T::zero(); h * tq * tk];
+    let mut out = vec![T::zero(); tq * h * vd];
+    for hh in 0..h {
+        let kr = (hh % sh.kpe_heads) * rope;
         for i in 0..tq {
             let qpos = if bugs.local_causal_mask {
                 i
@@ -514,81 +640,94 @@ pub fn attention<T: Real>(
                 q_offset + i
             };
             let visible = (qpos + 1).min(tk);
-            let row = &mut probs[(h * tq + i) * tk..(h * tq + i + 1) * tk];
-            let qi = &q[i * d + h * hd..i * d + (h + 1) * hd];
-            for j in 0..visible {
-                let kj = &k[j * d + h * hd..j * d + (h + 1) * hd];
-                let mut s = T::zero();
-                for e in 0..hd {
-                    s += qi[e] * kj[e];
-                }
-                row[j] = s * scale;
+            let row = &mut probs[(hh * tq + i) * tk..(hh * tq + i + 1) * tk];
+            let qc = &x.q_nope[(i * h + hh) * nope..(i * h + hh + 1) * nope];
+            let qr = &x.q_pe[(i * h + hh) * rope..(i * h + hh + 1) * rope];
+            for (j, r) in row[..visible].iter_mut().enumerate() {
+                let kc = &x.k_nope[(j * h + hh) * nope..(j * h + hh + 1) * nope];
+                let kp = &x.k_pe[j * kw + kr..j * kw + kr + rope];
+                *r = (dot(qc, kc) + dot(qr, kp)) * scale;
             }
             softmax_row(&mut row[..visible]);
-            let oi = &mut out[i * d + h * hd..i * d + (h + 1) * hd];
-            for j in 0..visible {
-                let vj = &v[j * d + h * hd..j * d + (h + 1) * hd];
-                for e in 0..hd {
-                    oi[e] += row[j] * vj[e];
-                }
+            let oi = &mut out[(i * h + hh) * vd..(i * h + hh + 1) * vd];
+            for (j, &pj) in row[..visible].iter().enumerate() {
+                axpy(oi, pj, &x.v[(j * h + hh) * vd..(j * h + hh + 1) * vd]);
             }
         }
     }
     (out, probs)
 }
 
-/// Gradients of [`attention`] w.r.t. `q`, `k`, `v` given `dout` and the forward's `probs`:
-/// `dP = dO Vᵀ`, `dV = Pᵀ dO`, `dS = P (dP - rowsum(P dP))`, `dQ = dS K / sqrt(hd)`,
-/// `dK = dSᵀ Q / sqrt(hd)`. Masked entries have `P = 0` and contribute nothing.
-#[allow(clippy::too_many_arguments)]
+/// `sum_e a[e] b[e]`.
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    a.iter().zip(b).map(|(x, y)| *x * *y).sum()
+}
+
+/// `y += alpha x`.
+fn axpy<T: Real>(y: &mut [T], alpha: T, x: &[T]) {
+    for (a, b) in y.iter_mut().zip(x) {
+        *a += alpha * *b;
+    }
+}
+
+/// Gradients of [`attention`] given `dout` (`tq × H d_v`) and the forward's `probs`:
+/// `dP = dO Vᵀ`, `dV = Pᵀ dO`, `dS = P (dP - rowsum(P dP)) / sqrt(d_h + d_h^R)`, then per
+/// head `dq^C = dS k^C`, `dq^R = dS k^R`, `dk^C = dSᵀ q^C`, and the shared RoPE key
+/// collects every head's `dSᵀ q^R`. Masked entries have `P = 0` and contribute nothing.
 pub fn attention_backward<T: Real>(
     dout: &[T],
-    q: &[T],
-    k: &[T],
-    v: &[T],
+    x: &AttnIn<'_, T>,
     probs: &[T],
-    d: usize,
-    heads: usize,
-) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let hd = d / heads;
-    let (tq, tk) = (q.len() / d, k.len() / d);
-    let scale = T::of(1.0 / (hd as f64).sqrt());
-    let (mut dq, mut dk, mut dv) = (
-        vec![T::zero(); q.len()],
-        vec![T::zero(); k.len()],
-        vec![T::zero(); v.len()],
-    );
+    sh: &AttnShape,
+) -> AttnGrads<T> {
+    let (h, nope, rope, vd, kw) = (sh.heads, sh.nope, sh.rope, sh.v, sh.kpe_width());
+    let tq = x.q_nope.len() / (h * nope);
+    let tk = x.k_nope.len() / (h * nope);
+    let scale = T::of(sh.scale());
+    let mut g = AttnGrads {
+        dq_nope: vec![T::zero(); x.q_nope.len()],
+        dq_pe: vec![T::zero(); x.q_pe.len()],
+        dk_nope: vec![T::zero(); x.k_nope.len()],
+        dk_pe: vec![T::zero(); x.k_pe.len()],
+        dv: vec![T::zero(); x.v.len()],
+    };
     let mut dp = vec![T::zero(); tk];
-    for h in 0..heads {
+    for hh in 0..h {
+        let kr = (hh % sh.kpe_heads) * rope;
         for i in 0..tq {
-            let p = &probs[(h * tq + i) * tk..(h * tq + i + 1) * tk];
-            let doi = &dout[i * d + h * hd..i * d + (h + 1) * hd];
+            let p = &probs[(hh * tq + i) * tk..(hh * tq + i + 1) * tk];
+            let doi = &dout[(i * h + hh) * vd..(i * h + hh + 1) * vd];
             let mut sum = T::zero();
-            for j in 0..tk {
-                let vj = &v[j * d + h * hd..j * d + (h + 1) * hd];
-                let mut s = T::zero();
-                for e in 0..hd {
-                    s += doi[e] * vj[e];
+            for (j, &pj) in p.iter().enumerate() {
+                if pj == T::zero() {
+                    // Masked (or underflowed): contributes exactly nothing.
+                    continue;
                 }
+                let at = (j * h + hh) * vd..(j * h + hh + 1) * vd;
+                let s = dot(doi, &x.v[at.clone()]);
                 dp[j] = s;
-                sum += p[j] * s;
-                for e in 0..hd {
-                    dv[j * d + h * hd + e] += p[j] * doi[e];
-                }
+                sum += pj * s;
+                axpy(&mut g.dv[at], pj, doi);
             }
+            let (qc, qr) = ((i * h + hh) * nope, (i * h + hh) * rope);
             for j in 0..tk {
                 let ds = p[j] * (dp[j] - sum) * scale;
                 if ds == T::zero() {
                     continue;
                 }
-                for e in 0..hd {
-                    dq[i * d + h * hd + e] += ds * k[j * d + h * hd + e];
-                    dk[j * d + h * hd + e] += ds * q[i * d + h * hd + e];
+                let (kc, kp) = ((j * h + hh) * nope, j * kw + kr);
+                for e in 0..nope {
+                    g.dq_nope[qc + e] += ds * x.k_nope[kc + e];
+                    g.dk_nope[kc + e] += ds * x.q_nope[qc + e];
+                }
+                for e in 0..rope {
+                    g.dq_pe[qr + e] += ds * x.k_pe[kp + e];
+                    g.dk_pe[kp + e] += ds * x.q_pe[qr + e];
                 }
             }
         }
     }
-    (dq, dk, dv)
+    g
 }
 
 /// What an FFN's backward and weight gradient need from its forward (rows `m`).
@@ -853,11 +992,26 @@ pub struct LayerCache<T> {
     x: Vec<T>,
     xhat1: Vec<T>,
     inv1: Vec<T>,
+    /// `h = RMSNorm(x; norm1)`, the attention input, `t × d`.
     a: Vec<T>,
-    q: Vec<T>,
-    k: Vec<T>,
+    /// The query latent `c_Q` after its norm, `t × d_c'`, with the norm's saved values.
+    cq: Vec<T>,
+    cq_xhat: Vec<T>,
+    cq_inv: Vec<T>,
+    /// `q^C`, `t × H d_h`; `q^R` (rotated), `t × H d_h^R`.
+    q_nope: Vec<T>,
+    q_pe: Vec<T>,
+    /// The local key/value latent's norm values, `t × d_c`.
+    ckv_xhat: Vec<T>,
+    ckv_inv: Vec<T>,
+    /// The gathered latents `c_KV` (`T × d_c`) and RoPE keys `k^R` (`T × d_h^R`) of the
+    /// whole sequence, and the per-head keys and values up-projected from them.
+    ckv_all: Vec<T>,
+    kpe_all: Vec<T>,
+    k_nope: Vec<T>,
     v: Vec<T>,
     probs: Vec<T>,
+    /// The heads' outputs, `t × H d_v`.
     o_heads: Vec<T>,
     xhat2: Vec<T>,
     inv2: Vec<T>,
@@ -875,9 +1029,20 @@ pub struct LayerCache<T> {
     dgates: Vec<T>,
     d_n2: Vec<T>,
     shared_grad: Option<FfnGrad<T>>,
-    dq: Vec<T>,
-    dk: Vec<T>,
+    /// Gradients of `q^C` (`t × H d_h`), of `c_Q W_QR` before the rotation
+    /// (`t × H d_h^R`), of `c_Q` after and before its norm (`t × d_c'`).
+    dq_nope: Vec<T>,
+    dqr: Vec<T>,
+    dcq: Vec<T>,
+    dcq_raw: Vec<T>,
+    /// Gradients of the gathered keys' content parts and values (`T` rows).
+    dk_nope: Vec<T>,
     dv: Vec<T>,
+    /// Gradients of the local `c_KV` after and before its norm (`t × d_c`) and of
+    /// `h W_KR` before the rotation (`t × d_h^R`).
+    dckv: Vec<T>,
+    dckv_raw: Vec<T>,
+    dkr: Vec<T>,
     dh1: Vec<T>,
     da: Vec<T>,
     dlogits: Vec<T>,
@@ -987,26 +1152,49 @@ impl<T: Real> StageKernels<'_, T> {
         Ok(())
     }
 
-    /// F, norm and Q/K/V projections of layer `l` (local index), rotated at the local tokens'
-    /// global positions; `st.outbox` gets this rank's `[K; V]` for every SP group member
-    /// (the all-gather).
+    /// F, norm and the MLA projections of layer `l` that need only the local tokens
+    /// (DeepSeek-V3 §2.1.1): the query latent `c_Q = RMSNorm(h W_DQ; q_norm)` (eq. 6),
+    /// `q^C = c_Q W_UQ` (eq. 7), `q^R = RoPE(c_Q W_QR)` (eq. 8); the key/value latent
+    /// `c_KV = RMSNorm(h W_DKV; kv_norm)` (eq. 1) and the RoPE key `k^R = RoPE(h W_KR)`,
+    /// one per token for all heads (eq. 3), rotated at the local tokens' global positions.
+    /// `st.outbox` gets this rank's `[c_KV; k^R]` (`t × (d_c + d_h^R)`) for every SP
+    /// group member (the all-gather): what MLA caches, not the per-head keys and values.
+    /// The norms on the latents follow DeepSeek's reference implementation
+    /// (`inference/model.py`, `q_norm`, `kv_norm`; DeepSeek-V2 §3.1.2).
     pub fn fwd_qkv(&self, l: usize, st: &mut Stash<T>) {
         let cfg = self.cfg;
-        let (d, h) = (cfg.hidden, cfg.heads);
+        let (d, qr, kvr, sh) = (
+            cfg.hidden,
+            cfg.q_lora_rank,
+            cfg.kv_lora_rank,
+            AttnShape::of(cfg),
+        );
+        let (h, eps) = (sh.heads, cfg.norm_eps);
         let p = &self.params.layers[l];
         let x = std::mem::take(&mut st.x);
         let t = x.len() / d;
-        let (a, xhat1, inv1) = rmsnorm(&x, &p.norm1, d, cfg.norm_eps);
-        let mut q = matmul(&a, &p.wq, t, d, d);
-        let mut k = matmul(&a, &p.wk, t, d, d);
-        let v = matmul(&a, &p.wv, t, d, d);
-        rope(&mut q, h, d / h, self.pos0, cfg.rope_base, false);
-        rope(&mut k, h, d / h, self.pos0, cfg.rope_base, false);
-        let mut kv = k;
-        kv.extend_from_slice(&v);
+        let (a, xhat1, inv1) = rmsnorm(&x, &p.norm1, d, eps);
+        let cq_raw = matmul(&a, &p.wdq, t, d, qr);
+        let (cq, cq_xhat, cq_inv) = rmsnorm(&cq_raw, &p.q_norm, qr, eps);
+        let q_nope = matmul(&cq, &p.wuq, t, qr, h * sh.nope);
+        let mut q_pe = matmul(&cq, &p.wqr, t, qr, h * sh.rope);
+        rope(&mut q_pe, h, sh.rope, self.pos0, cfg.rope_base, false);
+        let ckv_raw = matmul(&a, &p.wdkv, t, d, kvr);
+        let (ckv, ckv_xhat, ckv_inv) = rmsnorm(&ckv_raw, &p.kv_norm, kvr, eps);
+        let mut kpe = matmul(&a, &p.wkr, t, d, sh.kpe_width());
+        rope(
+            &mut kpe,
+            sh.kpe_heads,
+            sh.rope,
+            self.pos0,
+            cfg.rope_base,
+            false,
+        );
+        let mut latent = ckv;
+        latent.extend_from_slice(&kpe);
         st.outbox = (0..self.sp)
             .map(|_| Packet {
-                data: kv.clone(),
+                data: latent.clone(),
                 meta: Vec::new(),
             })
             .collect();
@@ -1015,15 +1203,24 @@ impl<T: Real> StageKernels<'_, T> {
             xhat1,
             inv1,
             a,
-            q,
+            cq,
+            cq_xhat,
+            cq_inv,
+            q_nope,
+            q_pe,
+            ckv_xhat,
+            ckv_inv,
             ..LayerCache::default()
         };
     }
 
-    /// F, attention (local queries over the gathered keys and values in `st.inbox`, causal
-    /// at global positions), output projection, residual, norm and routing of layer `l`:
-    /// fills `st.outbox` with the dispatch packets and adds the layer's top-k counts to
-    /// `loads`. Errors: a gathered packet of the wrong size.
+    /// F, the rest of layer `l`'s attention and its router: the gathered latents and
+    /// RoPE keys of the whole sequence (`st.inbox`, one packet per SP member in group
+    /// order) are up-projected to every head's content key `k^C = c_KV W_UK` (eq. 2) and
+    /// value `v^C = c_KV W_UV` (eq. 5); the local queries attend them causally at global
+    /// positions ([`attention`]); `h1 = x + o W_O` (eq. 11), norm, routing. Fills
+    /// `st.outbox` with the dispatch packets and adds the layer's top-k counts to `loads`.
+    /// Errors: a gathered packet of the wrong size.
     pub fn fwd_attn(
         &self,
         l: usize,
@@ -1032,34 +1229,44 @@ impl<T: Real> StageKernels<'_, T> {
         loads: &mut [T],
     ) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, h, e) = (cfg.hidden, cfg.heads, cfg.experts);
+        let (d, e, kvr, sh) = (
+            cfg.hidden,
+            cfg.experts,
+            cfg.kv_lora_rank,
+            AttnShape::of(cfg),
+        );
+        let h = sh.heads;
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
         let c = std::mem::take(&mut st.layers[l]);
-        let LayerCache {
-            x,
-            xhat1,
-            inv1,
-            a,
-            q,
-            ..
-        } = c;
-        let t = x.len() / d;
-        let (mut k, mut v) = (Vec::with_capacity(t * d * self.sp), Vec::new());
+        let t = c.x.len() / d;
+        let w = cfg.kv_gather_width();
+        let mut ckv_all = Vec::with_capacity(t * kvr * self.sp);
+        let mut kpe_all = Vec::with_capacity(t * sh.kpe_width() * self.sp);
         for pk in &inbox {
-            if pk.data.len() != 2 * t * d {
+            if pk.data.len() != t * w {
                 return Err(format!(
-                    "gathered keys and values: {} values, expected {}",
+                    "gathered latents and RoPE keys: {} values, expected {} ({t} tokens x {w})",
                     pk.data.len(),
-                    2 * t * d
+                    t * w
                 ));
             }
-            k.extend_from_slice(&pk.data[..t * d]);
-            v.extend_from_slice(&pk.data[t * d..]);
+            ckv_all.extend_from_slice(&pk.data[..t * kvr]);
+            kpe_all.extend_from_slice(&pk.data[t * kvr..]);
         }
-        let (o_heads, probs) = attention(&q, &k, &v, d, h, self.pos0, &cfg.bugs);
-        let mut h1 = matmul(&o_heads, &p.wo, t, d, d);
-        add_into(&mut h1, &x);
+        let tk = ckv_all.len() / kvr;
+        let k_nope = matmul(&ckv_all, &p.wuk, tk, kvr, h * sh.nope);
+        let v = matmul(&ckv_all, &p.wuv, tk, kvr, h * sh.v);
+        let input = AttnIn {
+            q_nope: &c.q_nope,
+            q_pe: &c.q_pe,
+            k_nope: &k_nope,
+            k_pe: &kpe_all,
+            v: &v,
+        };
+        let (o_heads, probs) = attention(&input, &sh, self.pos0, &cfg.bugs);
+        let mut h1 = matmul(&o_heads, &p.wo, t, h * sh.v, d);
+        add_into(&mut h1, &c.x);
         let (n2, xhat2, inv2) = rmsnorm(&h1, &p.norm2, d, cfg.norm_eps);
         let logits = matmul(&n2, &p.router, t, d, e);
         let s: Vec<T> = logits.iter().map(|z| sigmoid(*z)).collect();
@@ -1083,12 +1290,9 @@ impl<T: Real> StageKernels<'_, T> {
         }
         st.outbox = out;
         st.layers[l] = LayerCache {
-            x,
-            xhat1,
-            inv1,
-            a,
-            q,
-            k,
+            ckv_all,
+            kpe_all,
+            k_nope,
             v,
             probs,
             o_heads,
@@ -1099,7 +1303,7 @@ impl<T: Real> StageKernels<'_, T> {
             routing: Some(r),
             order,
             h1,
-            ..LayerCache::default()
+            ..c
         };
         Ok(())
     }
@@ -1309,12 +1513,19 @@ impl<T: Real> StageKernels<'_, T> {
     }
 
     /// B, routing, norm and attention of layer `l`: with the experts' input gradients in
-    /// `st.inbox`, computes the gradients of the local queries and of every gathered key and
-    /// value; `st.outbox` gets, for each SP group member, the key/value gradients of its
-    /// chunk (the reduce-scatter; [`StageKernels::bwd_qkv`] sums them).
+    /// `st.inbox`, computes the gradients of the local queries and, through `W_UK` and
+    /// `W_UV`, of every gathered latent `c_KV` and RoPE key `k^R`; `st.outbox` gets, for
+    /// each SP group member, the `[dc_KV; dk^R]` of its chunk (`t × (d_c + d_h^R)`, the
+    /// reduce-scatter; [`StageKernels::bwd_qkv`] sums them).
     pub fn bwd_attn(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, h, e) = (cfg.hidden, cfg.heads, cfg.experts);
+        let (d, e, kvr, sh) = (
+            cfg.hidden,
+            cfg.experts,
+            cfg.kv_lora_rank,
+            AttnShape::of(cfg),
+        );
+        let h = sh.heads;
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
         let c = &mut st.layers[l];
@@ -1342,19 +1553,29 @@ impl<T: Real> StageKernels<'_, T> {
         add_into(&mut d_n2, &matmul_bt(&dlogits, &p.router, t, e, d));
         let mut dh1 = rmsnorm_backward(&d_n2, &p.norm2, &c.xhat2, &c.inv2, d);
         add_into(&mut dh1, &c.dy);
-        let d_oh = matmul_bt(&dh1, &p.wo, t, d, d);
-        let (dq, dk, dv) = attention_backward(&d_oh, &c.q, &c.k, &c.v, &c.probs, d, h);
-        let chunks = dk.len() / (t * d);
-        if chunks != self.sp {
+        let d_oh = matmul_bt(&dh1, &p.wo, t, d, h * sh.v);
+        let input = AttnIn {
+            q_nope: &c.q_nope,
+            q_pe: &c.q_pe,
+            k_nope: &c.k_nope,
+            k_pe: &c.kpe_all,
+            v: &c.v,
+        };
+        let g = attention_backward(&d_oh, &input, &c.probs, &sh);
+        let tk = c.ckv_all.len() / kvr;
+        if tk != self.sp * t {
             return Err(format!(
-                "{chunks} key chunks for an SP group of {}",
+                "{tk} gathered tokens for an SP group of {} with {t} tokens each",
                 self.sp
             ));
         }
-        st.outbox = (0..chunks)
+        let mut dckv_all = matmul_bt(&g.dk_nope, &p.wuk, tk, h * sh.nope, kvr);
+        add_into(&mut dckv_all, &matmul_bt(&g.dv, &p.wuv, tk, h * sh.v, kvr));
+        let kw = sh.kpe_width();
+        st.outbox = (0..self.sp)
             .map(|j| {
-                let mut data = dk[j * t * d..(j + 1) * t * d].to_vec();
-                data.extend_from_slice(&dv[j * t * d..(j + 1) * t * d]);
+                let mut data = dckv_all[j * t * kvr..(j + 1) * t * kvr].to_vec();
+                data.extend_from_slice(&g.dk_pe[j * t * kw..(j + 1) * t * kw]);
                 Packet {
                     data,
                     meta: Vec::new(),
@@ -1364,43 +1585,69 @@ impl<T: Real> StageKernels<'_, T> {
         c.d_n2 = d_n2;
         c.dlogits = dlogits;
         c.dh1 = dh1;
-        c.dq = dq;
+        c.dq_nope = g.dq_nope;
+        // Rotated back here; bwd_qkv needs only the pre-rotation gradient.
+        let mut dqr = g.dq_pe;
+        rope(&mut dqr, h, sh.rope, self.pos0, cfg.rope_base, true);
+        c.dqr = dqr;
+        c.dk_nope = g.dk_nope;
+        c.dv = g.dv;
         Ok(())
     }
 
-    /// B, Q/K/V projections and norm of layer `l`: sums the local chunk's key and value
-    /// gradients received from every SP member (in group order), rotates the query and key
-    /// gradients back, and sets `st.grad` to the gradient w.r.t. the layer input.
+    /// B, the MLA projections and norm of layer `l`: sums the local chunk's latent and
+    /// RoPE-key gradients received from every SP member (in group order), rotates the
+    /// RoPE gradients back, runs them through the latents' norms and the down-projections,
+    /// and sets `st.grad` to the gradient w.r.t. the layer input. Errors: a packet of the
+    /// wrong size.
     pub fn bwd_qkv(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, h) = (cfg.hidden, cfg.heads);
+        let (d, qr, kvr, sh) = (
+            cfg.hidden,
+            cfg.q_lora_rank,
+            cfg.kv_lora_rank,
+            AttnShape::of(cfg),
+        );
+        let (h, kw) = (sh.heads, sh.kpe_width());
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
         let c = &mut st.layers[l];
         let t = c.x.len() / d;
-        let (mut dk, mut dv) = (vec![T::zero(); t * d], vec![T::zero(); t * d]);
+        let w = cfg.kv_gather_width();
+        let (mut dckv, mut dkr) = (vec![T::zero(); t * kvr], vec![T::zero(); t * kw]);
         for pk in &inbox {
-            if pk.data.len() != 2 * t * d {
+            if pk.data.len() != t * w {
                 return Err(format!(
-                    "key/value gradients: {} values, expected {}",
+                    "latent and RoPE-key gradients: {} values, expected {} ({t} tokens x {w})",
                     pk.data.len(),
-                    2 * t * d
+                    t * w
                 ));
             }
-            add_into(&mut dk, &pk.data[..t * d]);
-            add_into(&mut dv, &pk.data[t * d..]);
+            add_into(&mut dckv, &pk.data[..t * kvr]);
+            add_into(&mut dkr, &pk.data[t * kvr..]);
         }
-        let mut dq = std::mem::take(&mut c.dq);
-        rope(&mut dq, h, d / h, self.pos0, cfg.rope_base, true);
-        rope(&mut dk, h, d / h, self.pos0, cfg.rope_base, true);
-        let mut da = matmul_bt(&dq, &p.wq, t, d, d);
-        add_into(&mut da, &matmul_bt(&dk, &p.wk, t, d, d));
-        add_into(&mut da, &matmul_bt(&dv, &p.wv, t, d, d));
+        rope(
+            &mut dkr,
+            sh.kpe_heads,
+            sh.rope,
+            self.pos0,
+            cfg.rope_base,
+            true,
+        );
+        let dckv_raw = rmsnorm_backward(&dckv, &p.kv_norm, &c.ckv_xhat, &c.ckv_inv, kvr);
+        let mut dcq = matmul_bt(&c.dq_nope, &p.wuq, t, h * sh.nope, qr);
+        add_into(&mut dcq, &matmul_bt(&c.dqr, &p.wqr, t, h * sh.rope, qr));
+        let dcq_raw = rmsnorm_backward(&dcq, &p.q_norm, &c.cq_xhat, &c.cq_inv, qr);
+        let mut da = matmul_bt(&dcq_raw, &p.wdq, t, qr, d);
+        add_into(&mut da, &matmul_bt(&dckv_raw, &p.wdkv, t, kvr, d));
+        add_into(&mut da, &matmul_bt(&dkr, &p.wkr, t, kw, d));
         let mut dx = rmsnorm_backward(&da, &p.norm1, &c.xhat1, &c.inv1, d);
         add_into(&mut dx, &c.dh1);
-        c.dq = dq;
-        c.dk = dk;
-        c.dv = dv;
+        c.dcq = dcq;
+        c.dcq_raw = dcq_raw;
+        c.dckv = dckv;
+        c.dckv_raw = dckv_raw;
+        c.dkr = dkr;
         c.da = da;
         st.grad = dx;
         Ok(())
@@ -1412,6 +1659,7 @@ impl<T: Real> StageKernels<'_, T> {
     pub fn weights(&self, st: &Stash<T>, g: &mut StageParams<T>) -> Result<(), String> {
         let cfg = self.cfg;
         let (d, e, f, v) = (cfg.hidden, cfg.experts, cfg.expert_hidden, cfg.vocab);
+        let (qr, kvr, sh) = (cfg.q_lora_rank, cfg.kv_lora_rank, AttnShape::of(cfg));
         if let (Some(ge), true) = (&mut g.embed, self.params.embed.is_some()) {
             if st.grad.len() != st.tokens.len() * d {
                 return Err("embedding gradient before the backward".into());
@@ -1430,11 +1678,21 @@ impl<T: Real> StageKernels<'_, T> {
                 return Err(format!("weight gradient of layer {l} before its backward"));
             }
             let t = c.x.len() / d;
+            let tk = c.ckv_all.len() / kvr;
+            let h = sh.heads;
             rmsnorm_weight_grad(&mut gl.norm1, &c.da, &c.xhat1, d);
-            add_matmul_at(&mut gl.wq, &c.a, &c.dq, t, d, d);
-            add_matmul_at(&mut gl.wk, &c.a, &c.dk, t, d, d);
-            add_matmul_at(&mut gl.wv, &c.a, &c.dv, t, d, d);
-            add_matmul_at(&mut gl.wo, &c.o_heads, &c.dh1, t, d, d);
+            add_matmul_at(&mut gl.wdq, &c.a, &c.dcq_raw, t, d, qr);
+            rmsnorm_weight_grad(&mut gl.q_norm, &c.dcq, &c.cq_xhat, qr);
+            add_matmul_at(&mut gl.wuq, &c.cq, &c.dq_nope, t, qr, h * sh.nope);
+            add_matmul_at(&mut gl.wqr, &c.cq, &c.dqr, t, qr, h * sh.rope);
+            add_matmul_at(&mut gl.wdkv, &c.a, &c.dckv_raw, t, d, kvr);
+            rmsnorm_weight_grad(&mut gl.kv_norm, &c.dckv, &c.ckv_xhat, kvr);
+            add_matmul_at(&mut gl.wkr, &c.a, &c.dkr, t, d, sh.kpe_width());
+            // Over the gathered sequence: each SP member adds its own queries' share, the
+            // data-parallel all-reduce (which spans the SP group) sums the shares.
+            add_matmul_at(&mut gl.wuk, &c.ckv_all, &c.dk_nope, tk, kvr, h * sh.nope);
+            add_matmul_at(&mut gl.wuv, &c.ckv_all, &c.dv, tk, kvr, h * sh.v);
+            add_matmul_at(&mut gl.wo, &c.o_heads, &c.dh1, t, h * sh.v, d);
             rmsnorm_weight_grad(&mut gl.norm2, &c.d_n2, &c.xhat2, d);
             add_matmul_at(&mut gl.router, &c.n2, &c.dlogits, t, d, e);
             if let (Some(gs), Some(sc), Some(sg)) = (&mut gl.shared, &c.shared, &c.shared_grad) {
@@ -1525,22 +1783,172 @@ pub mod properties {
     /// `c * T/sp ..`) over the gathered keys and values equals the corresponding rows of
     /// full-sequence attention.
     pub fn sp_attention_matches_full(bugs: &Bugs, sp: usize) -> Result<(), String> {
-        let (t, d, h) = (8usize, 8usize, 2usize);
+        let t = 8usize;
+        let sh = AttnShape {
+            heads: 2,
+            nope: 4,
+            rope: 4,
+            v: 3,
+            kpe_heads: 1,
+        };
+        let (h, kw) = (sh.heads, sh.kpe_width());
         let mut rng = Rng::new(7);
         let mut gen = |n: usize| (0..n).map(|_| rng.uniform()).collect::<Vec<f64>>();
-        let (q, k, v) = (gen(t * d), gen(t * d), gen(t * d));
-        let (full, _) = attention(&q, &k, &v, d, h, 0, &Bugs::default());
+        let (q_nope, q_pe) = (gen(t * h * sh.nope), gen(t * h * sh.rope));
+        let (k_nope, k_pe, v) = (gen(t * h * sh.nope), gen(t * kw), gen(t * h * sh.v));
+        let full_in = AttnIn {
+            q_nope: &q_nope,
+            q_pe: &q_pe,
+            k_nope: &k_nope,
+            k_pe: &k_pe,
+            v: &v,
+        };
+        let (full, _) = attention(&full_in, &sh, 0, &Bugs::default());
         let chunk = t / sp;
         for c in 0..sp {
-            let qc = &q[c * chunk * d..(c + 1) * chunk * d];
-            let (part, _) = attention(qc, &k, &v, d, h, c * chunk, bugs);
-            let want = &full[c * chunk * d..(c + 1) * chunk * d];
-            let err = crate::tensor::rel_err(&part, want, 1e-30);
+            let rows = |x: &[f64], w: usize| x[c * chunk * w..(c + 1) * chunk * w].to_vec();
+            let (qn, qp) = (rows(&q_nope, h * sh.nope), rows(&q_pe, h * sh.rope));
+            let part_in = AttnIn {
+                q_nope: &qn,
+                q_pe: &qp,
+                ..full_in
+            };
+            let (part, _) = attention(&part_in, &sh, c * chunk, bugs);
+            let want = rows(&full, h * sh.v);
+            let err = crate::tensor::rel_err(&part, &want, 1e-30);
             if err > 1e-12 {
                 return Err(format!(
                     "SP chunk {c} differs from full attention (relative error {err:.3e})"
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Multi-head latent attention written out directly from DeepSeek-V3 eq. 1-11 for one
+    /// layer and one whole sequence at positions `0..t`, with the norms on the latents of
+    /// DeepSeek's reference implementation: returns `u = W_O [o_1; ...; o_H]` (`t × d`) for
+    /// the attention input `a` (`t × d`). Each head's key is assembled explicitly as
+    /// `[k^C_{j,h}; k^R_j]` with the one RoPE key of token `j`. Errors: a weight whose size
+    /// is not the architecture's, named with its expected shape.
+    pub fn reference_mla(cfg: &ModelConfig, p: &Layer<f64>, a: &[f64]) -> Result<Vec<f64>, String> {
+        let (d, hh, qr, kvr) = (cfg.hidden, cfg.heads, cfg.q_lora_rank, cfg.kv_lora_rank);
+        let (dn, dr, dv) = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
+        for (name, w, rows, cols) in [
+            ("W_DQ", &p.wdq, d, qr),
+            ("W_UQ", &p.wuq, qr, hh * dn),
+            ("W_QR", &p.wqr, qr, hh * dr),
+            ("W_DKV", &p.wdkv, d, kvr),
+            ("W_KR", &p.wkr, d, dr),
+            ("W_UK", &p.wuk, kvr, hh * dn),
+            ("W_UV", &p.wuv, kvr, hh * dv),
+            ("W_O", &p.wo, hh * dv, d),
+        ] {
+            if w.len() != rows * cols {
+                return Err(format!(
+                    "{name} holds {} values, not the {rows} x {cols} of the architecture",
+                    w.len()
+                ));
+            }
+        }
+        let t = a.len() / d;
+        let eps = cfg.norm_eps;
+        let (cq, _, _) = rmsnorm(&matmul(a, &p.wdq, t, d, qr), &p.q_norm, qr, eps);
+        let q_c = matmul(&cq, &p.wuq, t, qr, hh * dn);
+        let mut q_r = matmul(&cq, &p.wqr, t, qr, hh * dr);
+        rope(&mut q_r, hh, dr, 0, cfg.rope_base, false);
+        let (ckv, _, _) = rmsnorm(&matmul(a, &p.wdkv, t, d, kvr), &p.kv_norm, kvr, eps);
+        let k_c = matmul(&ckv, &p.wuk, t, kvr, hh * dn);
+        let v_c = matmul(&ckv, &p.wuv, t, kvr, hh * dv);
+        let mut k_r = matmul(a, &p.wkr, t, d, dr);
+        rope(&mut k_r, 1, dr, 0, cfg.rope_base, false);
+        let mut o = vec![0.0; t * hh * dv];
+        for h in 0..hh {
+            let q_of = |i: usize| -> Vec<f64> {
+                let mut q = q_c[(i * hh + h) * dn..(i * hh + h + 1) * dn].to_vec();
+                q.extend_from_slice(&q_r[(i * hh + h) * dr..(i * hh + h + 1) * dr]);
+                q
+            };
+            let k_of = |j: usize| -> Vec<f64> {
+                let mut k = k_c[(j * hh + h) * dn..(j * hh + h + 1) * dn].to_vec();
+                k.extend_from_slice(&k_r[j * dr..(j + 1) * dr]);
+                k
+            };
+            for i in 0..t {
+                let q = q_of(i);
+                let mut w: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        let k = k_of(j);
+                        q.iter().zip(&k).map(|(x, y)| x * y).sum::<f64>()
+                            / ((dn + dr) as f64).sqrt()
+                    })
+                    .collect();
+                softmax_row(&mut w);
+                for (j, wj) in w.iter().enumerate() {
+                    for e in 0..dv {
+                        o[(i * hh + h) * dv + e] += wj * v_c[(j * hh + h) * dv + e];
+                    }
+                }
+            }
+        }
+        Ok(matmul(&o, &p.wo, t, hh * dv, d))
+    }
+
+    /// MLA's decoupled RoPE key (DeepSeek-V3 eq. 3-4): one `k^R` per token, shared by every
+    /// head. Checked three ways on layer 0 of `cfg`'s first stage: `W_KR` is `d × d_h^R`
+    /// (one RoPE key per token, not one per head); the SP group gathers `d_c + d_h^R` values
+    /// per token (MLA's cache, DeepSeek-V2 Table 1); and the layer's attention output
+    /// equals [`reference_mla`], whose heads all use the same RoPE key.
+    pub fn kpe_shared_across_heads(cfg: &ModelConfig) -> Result<(), String> {
+        let mut cfg = cfg.clone();
+        cfg.layers_per_stage = 1;
+        let (d, rope_dim) = (cfg.hidden, cfg.qk_rope_head_dim);
+        let params = StageParams::<f64>::init(&cfg, 1, 3, 0, cfg.experts);
+        let p = &params.layers[0];
+        if p.wkr.len() != d * rope_dim {
+            return Err(format!(
+                "W_KR holds {} values, d x {}: {} RoPE keys per token where MLA has one \
+                 shared by all heads (d x d_h^R = {d} x {rope_dim})",
+                p.wkr.len(),
+                p.wkr.len() / d,
+                p.wkr.len() / (d * rope_dim)
+            ));
+        }
+        let k = StageKernels {
+            cfg: &cfg,
+            params: &params,
+            ep: 1,
+            sp: 1,
+            pos0: 0,
+            route_groups: 1,
+        };
+        let t = cfg.seq_len;
+        let mut rng = Rng::new(17);
+        let x: Vec<f64> = (0..t * d).map(|_| rng.uniform()).collect();
+        let mut st = k.new_stash(vec![0; t], vec![0; t], 1.0);
+        st.x = x.clone();
+        k.fwd_qkv(0, &mut st);
+        let want = cfg.kv_lora_rank + rope_dim;
+        let got = st.outbox[0].data.len() / t;
+        if got != want {
+            return Err(format!(
+                "the SP group gathers {got} values per token and layer, MLA's cache is \
+                 d_c + d_h^R = {want}"
+            ));
+        }
+        st.inbox = std::mem::take(&mut st.outbox);
+        let router = RouterState::new(&cfg);
+        let mut loads = vec![0.0; cfg.experts];
+        k.fwd_attn(0, &mut st, &router, &mut loads)?;
+        let c = &st.layers[0];
+        let model: Vec<f64> = c.h1.iter().zip(&x).map(|(h1, x)| h1 - x).collect();
+        let want = reference_mla(&cfg, p, &c.a)?;
+        let err = crate::tensor::rel_err(&model, &want, 1e-30);
+        if err > 1e-12 {
+            return Err(format!(
+                "the attention output differs from MLA with one RoPE key shared by the \
+                 heads (relative error {err:.3e})"
+            ));
         }
         Ok(())
     }
@@ -1750,40 +2158,123 @@ mod tests {
 
     #[test]
     fn attention_gradients() {
-        let (d, h) = (8, 2);
         let mut rng = Rng::new(3);
-        // Full sequence (offset 0) and a chunk of 3 queries at offset 4 over 8 keys.
-        for (tq, tk, off) in [(5usize, 5usize, 0usize), (3, 8, 4)] {
-            let q = rand_vec(&mut rng, tq * d, 1.0);
-            let k = rand_vec(&mut rng, tk * d, 1.0);
-            let v = rand_vec(&mut rng, tk * d, 1.0);
-            let r = rand_vec(&mut rng, tq * d, 1.0);
-            let b = Bugs::default();
-            let (_, p) = attention(&q, &k, &v, d, h, off, &b);
-            let (dq, dk, dv) = attention_backward(&r, &q, &k, &v, &p, d, h);
-            let nq = fd(
-                &mut |x| dot(&attention(x, &k, &v, d, h, off, &b).0, &r),
-                &q,
-                &all(q.len()),
-            );
-            let nk = fd(
-                &mut |x| dot(&attention(&q, x, &v, d, h, off, &b).0, &r),
-                &k,
-                &all(k.len()),
-            );
-            let nv = fd(
-                &mut |x| dot(&attention(&q, &k, x, d, h, off, &b).0, &r),
-                &v,
-                &all(v.len()),
-            );
-            check("attention dq", &dq, &nq);
-            check("attention dk", &dk, &nk);
-            check("attention dv", &dv, &nv);
-            // Causality: keys after the last visible position get no gradient.
-            for j in (off + tq).min(tk)..tk {
-                assert!(dk[j * d..(j + 1) * d].iter().all(|x| *x == 0.0));
+        // Shared RoPE key (MLA) and one per head (the injected bug, which must still be
+        // differentiated right: it trains silently); full sequence (offset 0) and a chunk
+        // of 3 queries at offset 4 over 8 keys.
+        for kpe_heads in [1usize, 2] {
+            let sh = AttnShape {
+                heads: 2,
+                nope: 3,
+                rope: 4,
+                v: 5,
+                kpe_heads,
+            };
+            let h = sh.heads;
+            for (tq, tk, off) in [(5usize, 5usize, 0usize), (3, 8, 4)] {
+                let q_nope = rand_vec(&mut rng, tq * h * sh.nope, 1.0);
+                let q_pe = rand_vec(&mut rng, tq * h * sh.rope, 1.0);
+                let k_nope = rand_vec(&mut rng, tk * h * sh.nope, 1.0);
+                let k_pe = rand_vec(&mut rng, tk * sh.kpe_width(), 1.0);
+                let v = rand_vec(&mut rng, tk * h * sh.v, 1.0);
+                let r = rand_vec(&mut rng, tq * h * sh.v, 1.0);
+                let b = Bugs::default();
+                let x = AttnIn {
+                    q_nope: &q_nope,
+                    q_pe: &q_pe,
+                    k_nope: &k_nope,
+                    k_pe: &k_pe,
+                    v: &v,
+                };
+                let (_, p) = attention(&x, &sh, off, &b);
+                let g = attention_backward(&r, &x, &p, &sh);
+                // Perturb one input at a time.
+                let inputs: [(&str, &[f64], &[f64]); 5] = [
+                    ("dq_nope", &q_nope, &g.dq_nope),
+                    ("dq_pe", &q_pe, &g.dq_pe),
+                    ("dk_nope", &k_nope, &g.dk_nope),
+                    ("dk_pe", &k_pe, &g.dk_pe),
+                    ("dv", &v, &g.dv),
+                ];
+                for (which, (name, base, an)) in inputs.iter().enumerate() {
+                    let num = fd(
+                        &mut |xx| {
+                            let mut y = x;
+                            match which {
+                                0 => y.q_nope = xx,
+                                1 => y.q_pe = xx,
+                                2 => y.k_nope = xx,
+                                3 => y.k_pe = xx,
+                                _ => y.v = xx,
+                            }
+                            dot(&attention(&y, &sh, off, &b).0, &r)
+                        },
+                        base,
+                        &all(base.len()),
+                    );
+                    check(
+                        &format!("attention {name} (kpe_heads {kpe_heads})"),
+                        an,
+                        &num,
+                    );
+                }
+                // Causality: keys after the last visible position get no gradient.
+                for j in (off + tq).min(tk)..tk {
+                    let row = &g.dk_pe[j * sh.kpe_width()..(j + 1) * sh.kpe_width()];
+                    assert!(row.iter().all(|x| *x == 0.0));
+                    let row = &g.dk_nope[j * h * sh.nope..(j + 1) * h * sh.nope];
+                    assert!(row.iter().all(|x| *x == 0.0));
+                }
             }
         }
+    }
+
+    #[test]
+    fn a_shared_rope_key_gets_the_sum_of_the_heads_gradients() {
+        // With one RoPE key per token, its gradient is the sum of what each head would
+        // give its own copy of it.
+        let mut rng = Rng::new(31);
+        let one = AttnShape {
+            heads: 3,
+            nope: 2,
+            rope: 2,
+            v: 2,
+            kpe_heads: 1,
+        };
+        let per_head = AttnShape {
+            kpe_heads: 3,
+            ..one
+        };
+        let (t, h) = (4, 3);
+        let q_nope = rand_vec(&mut rng, t * h * 2, 1.0);
+        let q_pe = rand_vec(&mut rng, t * h * 2, 1.0);
+        let k_nope = rand_vec(&mut rng, t * h * 2, 1.0);
+        let k_pe = rand_vec(&mut rng, t * 2, 1.0);
+        let k_pe3: Vec<f64> = k_pe.chunks(2).flat_map(|r| [r, r, r].concat()).collect();
+        let v = rand_vec(&mut rng, t * h * 2, 1.0);
+        let r = rand_vec(&mut rng, t * h * 2, 1.0);
+        let x1 = AttnIn {
+            q_nope: &q_nope,
+            q_pe: &q_pe,
+            k_nope: &k_nope,
+            k_pe: &k_pe,
+            v: &v,
+        };
+        let x3 = AttnIn { k_pe: &k_pe3, ..x1 };
+        let b = Bugs::default();
+        let (o1, p1) = attention(&x1, &one, 0, &b);
+        let (o3, p3) = attention(&x3, &per_head, 0, &b);
+        assert!(rel_err(&o1, &o3, 1e-30) < 1e-15);
+        let g1 = attention_backward(&r, &x1, &p1, &one);
+        let g3 = attention_backward(&r, &x3, &p3, &per_head);
+        let summed: Vec<f64> = g3
+            .dk_pe
+            .chunks(6)
+            .flat_map(|c| [c[0] + c[2] + c[4], c[1] + c[3] + c[5]])
+            .collect();
+        assert!(rel_err(&g1.dk_pe, &summed, 1e-30) < 1e-14);
+        // And the heads' shares differ (a head-independent gradient would hide a bug).
+        assert!((g3.dk_pe[0] - g3.dk_pe[2]).abs() > 1e-6);
     }
 
     #[test]
@@ -1940,7 +2431,7 @@ mod tests {
         p.visit(&mut |n, _, _| names.push(n.to_string()));
         let mut grads = Vec::new();
         g.visit(&mut |_, _, t| grads.push(t.to_vec()));
-        let mut checked = 0;
+        let mut checked = Vec::new();
         for (ti, name) in names.iter().enumerate() {
             let an = &grads[ti];
             // The largest entries and a few spread ones.
@@ -1980,9 +2471,23 @@ mod tests {
                 continue;
             }
             check(name, &a, &num);
-            checked += 1;
+            checked.push(name.clone());
         }
-        assert!(checked >= 10, "only {checked} tensors checked");
+        assert!(
+            checked.len() >= 20,
+            "only {} tensors checked",
+            checked.len()
+        );
+        // Every attention weight of every layer (MLA: eq. 1-11 and the latents' norms).
+        for l in &p.layers {
+            for w in [
+                "norm1", "wdq", "q_norm", "wuq", "wqr", "wdkv", "kv_norm", "wkr", "wuk", "wuv",
+                "wo",
+            ] {
+                let n = format!("layer{}.{w}", l.index);
+                assert!(checked.contains(&n), "{n} was not checked");
+            }
+        }
     }
 
     #[test]
@@ -2000,6 +2505,15 @@ mod tests {
         let mut cfg = ModelConfig::tiny();
         cfg.capacity_factor = Some(0.25);
         cfg.shared_expert = false;
+        check_stage(&cfg, 1, 3);
+    }
+
+    #[test]
+    fn whole_stage_gradients_with_per_head_rope_keys() {
+        // The injected k_pe bug differentiates right too: nothing but the guard above can
+        // tell it from MLA while training.
+        let mut cfg = ModelConfig::tiny();
+        cfg.bugs.per_head_kpe = true;
         check_stage(&cfg, 1, 3);
     }
 
@@ -2063,6 +2577,37 @@ mod tests {
     }
 
     #[test]
+    fn silent_failure_kpe_computed_once_and_shared_across_heads() {
+        // The first silent failure of the DualPipe talk: k_pe per head trains (and every
+        // schedule equals sequential training) but learns H redundant position keys.
+        for cfg in [ModelConfig::tiny(), ModelConfig::small()] {
+            kpe_shared_across_heads(&cfg).unwrap();
+            let mut bug = cfg.clone();
+            bug.bugs.per_head_kpe = true;
+            let e = kpe_shared_across_heads(&bug).unwrap_err();
+            assert!(
+                e.contains(&format!("{} RoPE keys per token", cfg.heads)),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn reference_mla_refuses_per_head_rope_keys() {
+        // The reference of the guard above matches the kernels on the model's weights (the
+        // success above) and refuses a per-head W_KR by name.
+        let mut bug = ModelConfig::tiny();
+        bug.bugs.per_head_kpe = true;
+        let p = StageParams::<f64>::init(&bug, 0, 1, 0, bug.experts);
+        let a = vec![0.5; bug.seq_len * bug.hidden];
+        let e = reference_mla(&bug, &p.layers[0], &a).unwrap_err();
+        assert!(
+            e.starts_with("W_KR holds 128 values, not the 16 x 4"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn silent_failure_gates_normalized_after_top_k() {
         let cfg = ModelConfig::tiny();
         gates_normalized_over_selected(&cfg).unwrap();
@@ -2118,6 +2663,6 @@ mod tests {
         // Same name, same values, wherever the tensor lives.
         let q = StageParams::<f64>::init(&cfg, 1, 2, 0, 4);
         assert_eq!(q.layers[0].experts[3], p.layers[0].experts[1]);
-        assert_eq!(q.layers[0].wq, p.layers[0].wq);
+        assert_eq!(q.layers[0].wkr, p.layers[0].wkr);
     }
 }

@@ -6,6 +6,7 @@ use schedc::input::{load_spec, Overrides};
 use schedc_cpu::exec::{
     compare, execute, reference, Batching, Comparison, Data, ExecOptions, Optimizer,
 };
+use schedc_cpu::model::properties::kpe_shared_across_heads;
 use schedc_cpu::model::ModelConfig;
 use schedc_program::mesh::{Dim, Mesh};
 use schedc_program::{LowerOptions, ProgramSet};
@@ -363,8 +364,9 @@ fn run_refuses_what_it_cannot_do() {
 
 #[test]
 fn sequence_parallel_equals_sequential() {
-    // SP splits each sequence over 2 (or 4) ranks: keys and values all-gathered, their
-    // gradients reduce-scattered, RoPE and the causal mask at global positions.
+    // SP splits each sequence over 2 (or 4) ranks: MLA's latents [c_KV; k_pe] all-gathered
+    // (the keys and values are up-projected after the gather), their gradients
+    // reduce-scattered, RoPE and the causal mask at global positions.
     for (name, pp, mb, mesh) in [
         ("1f1b", 2, 4, "pp=2,sp=2"),
         ("gpipe", 2, 2, "pp=2,sp=4"),
@@ -445,4 +447,30 @@ fn silent_failure_sp_causal_mask_uses_global_positions_end_to_end() {
     )
     .unwrap();
     assert!(same.max_rel_grad_err < TOL, "{same:?}");
+}
+
+#[test]
+fn silent_failure_per_head_kpe_trains_like_sequential_so_the_model_guard_must_catch_it() {
+    // The first silent failure of the DualPipe talk: a RoPE key per head instead of one
+    // shared k_pe. Pipelined training, with SP gathering the (H times larger) RoPE keys,
+    // still equals sequential training of the same wrong model, so no equivalence test
+    // can see it; the architecture guard does.
+    let mut bug = ModelConfig::tiny();
+    bug.bugs.per_head_kpe = true;
+    let c = run_case_with(
+        &bug,
+        "1f1b",
+        2,
+        2,
+        None,
+        "pp=2,sp=2",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        LowerOptions::default(),
+    )
+    .unwrap();
+    assert!(c.max_rel_grad_err < TOL, "{c:?}");
+    kpe_shared_across_heads(&ModelConfig::tiny()).unwrap();
+    let e = kpe_shared_across_heads(&bug).unwrap_err();
+    assert!(e.contains("2 RoPE keys per token"), "{e}");
 }

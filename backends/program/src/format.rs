@@ -6,7 +6,8 @@
 //! [`Mesh`]. A rank program has in-order **streams** (as on a GPU):
 //!
 //! * `compute`: [`Kernel`]s, the [`Op::AllToAll`]s between the parts of a layer (the
-//!   sequence-parallel gather of keys and values and reduce-scatter of their gradients, the
+//!   sequence-parallel gather of the attention's latents `[c_KV; k_pe]` and reduce-scatter
+//!   of their gradients, the
 //!   expert-parallel dispatch and combine), buffer allocation and release, and the
 //!   optimizer step;
 //! * one `comm` stream per IR channel (channel 0 always): point-to-point
@@ -171,14 +172,16 @@ pub enum Pass {
 pub enum Part {
     /// Token embedding (first stage, forward).
     Embed,
-    /// Norm and Q/K/V projections of a layer (local index); the backward sums the key and
-    /// value gradients of the local chunk and returns the layer's input gradient.
+    /// Norm and the token-local projections of a layer's multi-head latent attention
+    /// (local index): queries, the key/value latent `c_KV` and the shared RoPE key `k_pe`
+    /// (the CPU model's `fwd_qkv`); the backward sums the local chunk's latent and
+    /// RoPE-key gradients and returns the layer's input gradient.
     Qkv {
         /// Layer within the stage.
         layer: u32,
     },
-    /// Attention over the gathered keys and values, output projection, norm, router of a
-    /// layer; builds the dispatch.
+    /// Up-projection of the gathered latents to every head's keys and values, attention,
+    /// output projection, norm, router of a layer; builds the dispatch.
     Attn {
         /// Layer within the stage.
         layer: u32,
@@ -222,9 +225,11 @@ pub struct Kernel {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum A2a {
-    /// Forward, SP group: every member's keys and values to every member (an all-gather).
+    /// Forward, SP group: every member's `[c_KV; k_pe]` (`d_c + d_h^R` values per token,
+    /// [`crate::ModelConfig::kv_gather_width`]) to every member (an all-gather); the
+    /// per-head keys and values are up-projected after it.
     GatherKv,
-    /// Backward, SP group: each member's gradients of every chunk's keys and values to the
+    /// Backward, SP group: each member's gradients of every chunk's `[c_KV; k_pe]` to the
     /// chunk's owner, who sums them (a reduce-scatter).
     ScatterKvGrad,
     /// Forward: token rows to their experts.
