@@ -17,7 +17,8 @@
 //! * [`bound`]: lower bounds on the makespan.
 //! * [`greedy`]: the Zero Bubble auto-scheduler's greedy (Qi et al., arXiv 2401.10241,
 //!   §3.1), the published baseline, re-implemented.
-//! * [`list`]: parameterised list scheduling, the constructive heuristics.
+//! * [`list`]: parameterised list scheduling and its rollout, the constructive heuristics.
+//! * [`periodic`]: building blocks repeated once per micro-batch, searched by their offsets.
 //! * [`local`]: local search over token sequences.
 //! * [`rewrite`]: equality saturation (egg) over windows of a rank's ops, extracted with the
 //!   evaluator in the loop.

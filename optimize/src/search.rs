@@ -1,8 +1,9 @@
 //! The driver: construct, improve, rewrite, prove.
 //!
 //! 1. **Construct.** The given starting schedules (the input, specs on the same placement),
-//!    the Zero Bubble greedy's eight variants (one stage per rank), and list scheduling
-//!    under every policy of [`crate::list::portfolio`].
+//!    the Zero Bubble greedy's eight variants (one stage per rank), list scheduling under
+//!    every policy of [`crate::list::portfolio`], periodic building blocks
+//!    ([`crate::periodic`]) and rollouts of the best policies ([`crate::list::rollout`]).
 //! 2. **Improve.** Local search ([`crate::local`]) from the best few distinct schedules, in
 //!    parallel, each with its own seed.
 //! 3. **Rewrite.** Equality saturation over windows of each rank's ops ([`crate::rewrite`]),
