@@ -26,6 +26,13 @@ pub struct Args {
     /// Sends complete as soon as they are posted (unbounded buffering).
     #[arg(long, conflicts_with = "buffer_slots")]
     pub eager_sends: bool,
+    /// Cost model for a spec's timing expectations (`expect makespan`, `bubble(..)`,
+    /// `exposed_a2a`, `exposed_comm`), as for `sim` (default: unit).
+    #[arg(long, value_name = "FILE|PRESET|K=V,...")]
+    pub cost: Option<String>,
+    /// Further inline overrides applied on top of --cost (e.g. --set latency=0).
+    #[arg(long = "set", value_name = "K=V,...")]
+    pub set: Option<String>,
     /// A group's ops complete one by one, each once its partner is posted, instead of the
     /// group completing as a unit together with every group matched to it.
     #[arg(long)]
@@ -41,7 +48,18 @@ pub fn run(args: Args) -> ExitCode {
         buffer_slots,
         eager_sends,
         per_op_groups,
+        cost,
+        set,
     } = args;
+    let model = match resolve_cost(cost.as_deref().unwrap_or("unit"), set.as_deref()) {
+        Ok(m) => m,
+        Err(c) => return c,
+    };
+    if let (Some(_), Some(name)) = (&input.moe, &cost) {
+        if let Err(c) = require_moe_costs(&model, name) {
+            return c;
+        }
+    }
     if input.is_sweep() {
         return sweep(
             &input,
@@ -50,6 +68,7 @@ pub fn run(args: Args) -> ExitCode {
             buffer_slots,
             max_activations,
             format,
+            &model,
         );
     }
     let loaded = match load(&input) {
@@ -80,6 +99,12 @@ pub fn run(args: Args) -> ExitCode {
     };
     let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &opts);
     check::check_expectations(&mut out.report, &loaded.spec_expects);
+    check::evaluate_timing_expectations(
+        &mut out.report,
+        out.checked.as_ref(),
+        &loaded.spec_expects,
+        &model,
+    );
     if loaded.spans.is_some() {
         for d in &mut out.report.diagnostics {
             d.locate(&loaded.name, &loaded.text);
@@ -139,7 +164,7 @@ fn print_human(loaded: &Loaded, rep: &check::Report) -> String {
     if let Some(m) = rep.makespan {
         let _ = writeln!(
             o,
-            "unit-time makespan {m} (F=B=W=1, BW=2), bubble {:.1}%",
+            "unit-time makespan {m} (F=B=W=1, BW=2), bubble {:.1}% (from_start)",
             100.0 * rep.bubble.unwrap_or(0.0)
         );
     }
@@ -200,6 +225,7 @@ fn sweep(
     slots: Option<u32>,
     max_act: Option<u64>,
     format: OutFormat,
+    model: &schedc::sim::cost::CostModel,
 ) -> ExitCode {
     use indicatif::{ProgressBar, ProgressStyle};
     use rayon::prelude::*;
@@ -266,6 +292,7 @@ fn sweep(
                 vpp: v,
                 params: input.params.clone(),
                 placement: None,
+                moe: None,
             };
             let r = match schedc::input::load_spec(&text, &ov) {
                 Err(LoadError::Spec { refused: true, .. }) => Ok(false),
@@ -274,14 +301,25 @@ fn sweep(
                 }
                 Err(LoadError::Usage(u)) | Err(LoadError::Io(u)) => Err(u),
                 Err(LoadError::Parse(e)) => Err(e.message),
-                Ok(e) => {
-                    let mut out = check::check(&e.program, Some(&e.spans), &opts);
+                Ok(e) => match &input.moe {
+                    Some(sel) => schedc::input::apply_moe(&e.program, Some(&e.spans), sel)
+                        .map(|(p, s)| (p, s.unwrap_or_default())),
+                    None => Ok((e.program, e.spans)),
+                }
+                .and_then(|(prog, spans)| {
+                    let mut out = check::check(&prog, Some(&spans), &opts);
                     check::check_expectations(&mut out.report, &e.expects);
+                    check::evaluate_timing_expectations(
+                        &mut out.report,
+                        out.checked.as_ref(),
+                        &e.expects,
+                        model,
+                    );
                     match out.report.diagnostics.iter().find(|d| d.is_error()) {
                         None => Ok(true),
                         Some(d) => Err(format!("[{}] {}", d.code.as_str(), d.message)),
                     }
-                }
+                }),
             };
             bar.inc(1);
             (p, m, v, r)

@@ -103,6 +103,12 @@ pub struct InputArgs {
     /// (default: from the input, else inferred from which rank runs each stage).
     #[arg(long, value_name = "PLACEMENT")]
     pub placement: Option<PlacementArg>,
+    /// Split every F, B and BW of the MoE stages into attention, dispatch, MLP and combine
+    /// parts (DeepSeek-V3's order in an overlapped pair). STAGES: auto (the input's `moe`
+    /// declaration, else all), all, dense-ends (embedding and head stages stay whole),
+    /// declared, or ids and ranges such as 1-6,9.
+    #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
+    pub moe: Option<schedc::moe::MoeStages>,
 }
 
 impl InputArgs {
@@ -129,6 +135,7 @@ impl InputArgs {
             pp: Self::single(&self.pp, "--pp")?,
             vpp: Self::single(&self.vpp, "--vpp")?,
             params: self.params.clone(),
+            moe: self.moe.clone(),
         })
     }
 }
@@ -195,6 +202,32 @@ pub fn emit(s: &str) {
     let mut out = std::io::stdout().lock();
     let _ = out.write_all(s.as_bytes());
     let _ = out.flush();
+}
+
+/// A cost model by name (preset, file, `K=V,...`) with `--set` overrides; exit 2 on error.
+pub fn resolve_cost(
+    name: &str,
+    set: Option<&str>,
+) -> Result<schedc::sim::cost::CostModel, ExitCode> {
+    let mut model = schedc::sim::cost::CostModel::resolve(name).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(2)
+    })?;
+    if let Some(kv) = set {
+        model.apply_overrides(kv).map_err(|e| {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        })?;
+    }
+    Ok(model)
+}
+
+/// `--moe` needs all-to-all times: exit 1 with why when the cost model has none.
+pub fn require_moe_costs(model: &schedc::sim::cost::CostModel, name: &str) -> Result<(), ExitCode> {
+    schedc::moe::require_moe_costs(model, name).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(1)
+    })
 }
 
 /// The placement's name in reports.

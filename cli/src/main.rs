@@ -37,11 +37,13 @@ enum Cmd {
     Show(show::Args),
     /// Convert between formats.
     Convert(convert::Args),
-    /// Simulate a schedule under a cost model: makespan, bubble (both conventions), busy,
-    /// idle, exposed communication and peak memory per rank; timelines.
+    /// Simulate a schedule under a cost model: makespan, bubble under each convention
+    /// (from_start, per_rank_span, steady_state), busy, idle, exposed communication and
+    /// all-to-all, peak memory per rank; timelines.
     Sim(sim::Args),
-    /// Compare every spec in a directory that accepts --pp/--mb: makespan, bubble in both
-    /// conventions, peak activations, parameter copies.
+    /// Compare schedules at one size under one cost model: makespan, bubble under each
+    /// convention, exposed all-to-all, peak activations, parameter copies; rejected specs and
+    /// failed expectations reported as such. Exit 1 if any input fails.
     Compare(compare::Args),
     /// Recommend a pipeline degree and schedule for a cluster and a model, with the
     /// reasoning, memory per GPU and GPU-hours saved against 1F1B.

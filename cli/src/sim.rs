@@ -2,6 +2,8 @@
 
 use crate::common::*;
 use schedc::check::{self, Verdict};
+use schedc::diag;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 /// `schedc sim`'s arguments.
@@ -41,17 +43,13 @@ pub fn run(args: Args) -> ExitCode {
         svg,
         force,
     } = args;
-    let mut model = match schedc::sim::cost::CostModel::resolve(&cost) {
+    let model = match resolve_cost(&cost, set.as_deref()) {
         Ok(m) => m,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+        Err(c) => return c,
     };
-    if let Some(kv) = set {
-        if let Err(e) = model.apply_overrides(&kv) {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
+    if input.moe.is_some() {
+        if let Err(c) = require_moe_costs(&model, &cost) {
+            return c;
         }
     }
     if trace.is_some() && trace == svg {
@@ -68,8 +66,11 @@ pub fn run(args: Args) -> ExitCode {
         Ok(l) => l,
         Err(c) => return c,
     };
-    let checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
-    if checked.report.verdict != Verdict::Accepted {
+    let mut checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
+    // The spec's expectations are the check's; its timing ones must hold under this model.
+    let structural = checked.report.verdict != Verdict::Accepted;
+    check::check_expectations(&mut checked.report, &loaded.spec_expects);
+    if structural {
         eprintln!("error: the schedule does not pass `schedc check`; run it for the diagnostics");
         return ExitCode::from(1);
     }
@@ -106,6 +107,34 @@ pub fn run(args: Args) -> ExitCode {
             emit(&j);
         }
         OutFormat::Human => emit(&schedc::sim::render::text_report(&res, 100)),
+    }
+    check::check_timing_expectations(
+        &mut checked.report,
+        &loaded.spec_expects,
+        Some(&res),
+        &model,
+    );
+    let failed: Vec<_> = checked
+        .report
+        .diagnostics
+        .iter_mut()
+        .filter(|d| d.is_error())
+        .collect();
+    let n_failed = failed.len();
+    for d in failed {
+        d.locate(&loaded.name, &loaded.text);
+        eprint!(
+            "{}",
+            diag::render_color(
+                d,
+                Some((loaded.name.as_str(), loaded.text.as_str())),
+                std::io::stderr().is_terminal()
+            )
+        );
+    }
+    if n_failed > 0 {
+        eprintln!("error: {n_failed} expectation(s) of the spec do not hold under this cost model");
+        return ExitCode::from(1);
     }
     let exposed: f64 = res.ranks.iter().map(|r| r.exposed_comm).sum();
     if exposed > 0.0 && model.message_time() == 0.0 && model.moe.a2a == 0.0 {

@@ -5,6 +5,8 @@
 //! * `check/compute_csv`: import of the compute-only CSV plus every pass (lowering included);
 //!   the headline figure.
 //! * `check/comms_csv`: import plus every pass on torch's own lowered CSV.
+//! * `check/compute_csv_moe`: import, the `--moe` split (every F and BW in four MoE parts:
+//!   four times the compute ops) and every pass: `schedc check --moe`.
 //! * `phase/*`: the compute CSV's cost, pass by pass.
 //! * `baseline/read_and_split`: read the compute CSV and split it into cells, the cost floor
 //!   of touching the input; report the others as multiples of it.
@@ -117,6 +119,18 @@ fn main() {
             b.iter(|| {
                 let t = parse_csv(black_box(&compute), &opts).expect("imports");
                 check(&t.program, Some(&t.spans), &copts)
+            })
+        });
+        g.bench_function("compute_csv_moe", |b| {
+            b.iter(|| {
+                let t = parse_csv(black_box(&compute), &opts).expect("imports");
+                let (p, spans) = schedc::input::apply_moe(
+                    &t.program,
+                    Some(&t.spans),
+                    &schedc::moe::MoeStages::All,
+                )
+                .expect("splits");
+                check(&p, spans.as_ref(), &copts)
             })
         });
         g.throughput(Throughput::Elements(comms_program.len() as u64));

@@ -77,12 +77,15 @@ pub struct Report {
     pub placement: PlacementKind,
     /// Rank of each stage.
     pub stage_to_rank: Vec<u32>,
-    /// True if the input had no communication and pass 3 inserted it.
+    /// True if the input had no sends or receives and pass 3 inserted them.
     pub lowered: bool,
     /// Unit-time makespan; `null` if the order admits no execution.
     pub makespan: Option<f64>,
-    /// Unit-time bubble fraction, idle / (busy + idle) over all ranks.
+    /// Unit-time bubble fraction in the `from_start` convention: idle / (busy + idle) over
+    /// all ranks, every rank charged from time 0 to the makespan.
     pub bubble: Option<f64>,
+    /// The convention of `bubble`: always `from_start` (the simulator reports the others).
+    pub bubble_convention: crate::sim::Convention,
     /// Per-rank facts.
     pub ranks: Vec<RankReport>,
     /// Every error and warning, in pass order.
@@ -137,6 +140,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
                 lowered: false,
                 makespan: None,
                 bubble: None,
+                bubble_convention: crate::sim::Convention::FromStart,
                 ranks: Vec::new(),
                 diagnostics: diags,
             },
@@ -156,11 +160,19 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     // Pass 2.
     diags.extend(deps::check(p, &idx).iter().map(|e| e.to_diagnostic(&cx)));
     // Passes 3 and 4.
-    let compute_only = p.is_compute_only();
+    // Collectives alone do not make a program lowered: its messages still need inserting.
+    let compute_only = !p.has_p2p();
+    let lowerable = p.ranks.len() == p.pipeline.pp as usize && !structural;
+    // The unit-time schedule, computed once for the lowering (pass 3) and pass 7.
+    let unit = if (compute_only && lowerable) || wf.is_empty() {
+        makespan::unit_timing(p)
+    } else {
+        None
+    };
     let mut checked = None;
-    if p.ranks.len() == p.pipeline.pp as usize && !structural {
+    if lowerable {
         let target = if compute_only {
-            match lower::lower(p) {
+            match lower::lower_with(p, unit.as_ref()) {
                 Ok(l) => Some(l),
                 Err(lower::LowerError::Cycle(steps))
                     if steps.len() == 1 && diags.iter().any(|d| d.code == Code::Order) =>
@@ -211,7 +223,15 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
         if let Some(t) = target {
             let errs = deadlock::check(&t, opts.semantics);
             if compute_only {
-                let lcx = Ctx::new(&t);
+                // Spans for the lowered program: its own instructions keep theirs, an inserted
+                // message takes that of the op that sends or consumes it.
+                let lspans = spans
+                    .filter(|_| !errs.is_empty())
+                    .map(|sm| lowered_spans(p, sm, &t));
+                let lcx = Ctx {
+                    program: &t,
+                    spans: lspans.as_ref(),
+                };
                 diags.extend(errs.iter().map(|e| {
                     e.to_diagnostic(&lcx)
                         .with_note("positions refer to the lowered program (`schedc convert INPUT --lowered --to ir-text` prints it)")
@@ -228,7 +248,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     diags.extend(over.iter().map(|e| e.to_diagnostic(&cx)));
     // Unit-time figures mean something only for a well-formed schedule.
     let ut = if wf.is_empty() {
-        makespan::analyze(p)
+        unit.as_ref().map(makespan::from_timing)
     } else {
         None
     };
@@ -288,6 +308,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
             lowered: compute_only && checked.is_some(),
             makespan: ut.as_ref().map(|u| u.makespan),
             bubble,
+            bubble_convention: crate::sim::Convention::FromStart,
             ranks,
             diagnostics: diags,
         },
@@ -295,17 +316,86 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     }
 }
 
+/// Source spans for `lowered`, the lowering of `orig` (pass 3 keeps `orig`'s instructions in
+/// order, drops idle slots and inserts sends and receives): each kept instruction gets its
+/// own span, a send that of the op before it (its producer), a receive that of the op on its
+/// rank that consumes the payload.
+fn lowered_spans(orig: &Program, spans: &SourceMap, lowered: &Program) -> SourceMap {
+    use schedc_ir::{Comm, Instr, Kind, PayloadKind};
+    use std::collections::HashMap;
+    let pl = &orig.pipeline;
+    let mut out = Vec::with_capacity(lowered.ranks.len());
+    for (r, instrs) in lowered.ranks.iter().enumerate() {
+        let src: Vec<(usize, &Instr)> = orig
+            .ranks
+            .get(r)
+            .map(|v| {
+                v.iter()
+                    .enumerate()
+                    .filter(|(_, i)| !matches!(i, Instr::Idle))
+                    .collect()
+            })
+            .unwrap_or_default();
+        // The first instruction of each op on this rank: (is backward-input, stage, mb).
+        let mut first: HashMap<(bool, u32, u32), usize> = HashMap::new();
+        for &(pos, ins) in &src {
+            ins.for_each_compute(|c| {
+                if c.kind != Kind::W {
+                    first
+                        .entry((c.kind != Kind::F, c.stage, c.mb))
+                        .or_insert(pos);
+                }
+            });
+        }
+        let mut next = 0;
+        let mut last = schedc_ir::text::Span::default();
+        let mut v = Vec::with_capacity(instrs.len());
+        for ins in instrs {
+            let sp = match ins {
+                Instr::Comm(Comm::Send { .. }) => last,
+                Instr::Comm(Comm::Recv { payload, .. }) => {
+                    let consumer = match payload.kind {
+                        PayloadKind::Act => pl.next_stage(payload.stage).map(|s| (false, s)),
+                        PayloadKind::Grad => pl.prev_stage(payload.stage).map(|s| (true, s)),
+                    };
+                    consumer
+                        .and_then(|(b, s)| first.get(&(b, s, payload.mb)))
+                        .and_then(|&pos| spans.get(r, pos))
+                        .unwrap_or(last)
+                }
+                _ => {
+                    let sp = src
+                        .get(next)
+                        .and_then(|&(pos, _)| spans.get(r, pos))
+                        .unwrap_or(last);
+                    next += 1;
+                    last = sp;
+                    sp
+                }
+            };
+            v.push(sp);
+        }
+        out.push(v);
+    }
+    SourceMap { ranks: out }
+}
+
 /// Checks a spec's expectations against a report: one `expectation` error per `expect`
 /// line that fails on some rank, naming the ranks (up to eight) with their figures.
 pub fn check_expectations(report: &mut Report, expects: &[crate::dsl::elab::Expectation]) {
     use crate::dsl::ast::ExpectKind;
     for e in expects {
+        if e.kind.is_timing() {
+            // Evaluated under a cost model: `check_timing_expectations`.
+            continue;
+        }
         let mut bad: Vec<String> = Vec::new();
         let (what, rel) = match e.kind {
             ExpectKind::Warmup => ("warmup", "=="),
             ExpectKind::PeakActivations => ("peak activations", "<="),
             ExpectKind::PeakActivationsExact => ("peak activations", "=="),
             ExpectKind::Idle => ("unit-time idle", "=="),
+            _ => unreachable!("timing expectations are skipped above"),
         };
         for (r, rr) in report.ranks.iter().enumerate() {
             let want = e.values[r];
@@ -323,6 +413,7 @@ pub fn check_expectations(report: &mut Report, expects: &[crate::dsl::elab::Expe
                     Some(i) => ((i - want as f64).abs() < 1e-9, i.to_string()),
                     None => (false, "undefined".to_string()),
                 },
+                _ => unreachable!("timing expectations are skipped above"),
             };
             if !ok {
                 bad.push(format!("rank {r}: {got}, expected {rel} {want}"));
@@ -350,4 +441,127 @@ pub fn check_expectations(report: &mut Report, expects: &[crate::dsl::elab::Expe
     if report.diagnostics.iter().any(Diagnostic::is_error) {
         report.verdict = Verdict::Rejected;
     }
+}
+
+/// True if some expectation is on the simulated timeline (makespan, bubble, exposed
+/// communication): [`check_timing_expectations`] then needs a simulation.
+pub fn has_timing_expectations(expects: &[crate::dsl::elab::Expectation]) -> bool {
+    expects.iter().any(|e| e.kind.is_timing())
+}
+
+/// The names a timing expectation's bound sees for the cost model: seconds of a whole F, B,
+/// W, BW (model-wide, scaled like the simulated ops), an unsplit overlapped pair FB, one
+/// dispatch and one combine all-to-all (0 when `moe_parts` is false: a schedule without MoE
+/// parts issues none).
+pub fn cost_names(cost: &crate::sim::cost::CostModel, moe_parts: bool) -> Vec<(&'static str, f64)> {
+    use schedc_ir::{Compute, Kind, Part};
+    // A stage id no per-stage override names: the model-wide times.
+    let any = u32::MAX;
+    let op = |k: Kind| cost.compute_time(&Compute::new(k, any, 0));
+    let f = Compute::new(Kind::F, any, 0);
+    let bw = Compute::new(Kind::BW, any, 0);
+    let a2a = |p: Part| {
+        if !moe_parts {
+            return 0.0;
+        }
+        cost.compute_time(&Compute {
+            part: p,
+            ..Compute::new(Kind::F, any, 0)
+        })
+    };
+    vec![
+        ("F", op(Kind::F)),
+        ("B", op(Kind::B)),
+        ("W", op(Kind::W)),
+        ("BW", op(Kind::BW)),
+        ("FB", cost.pair_time(&f, &bw)),
+        ("DISPATCH", a2a(Part::Dispatch)),
+        ("COMBINE", a2a(Part::Combine)),
+    ]
+}
+
+/// Checks a spec's timing expectations (makespan, bubble under a named convention, exposed
+/// all-to-all, exposed communication) against a simulation under `cost`: one `expectation`
+/// error per failing `expect` line, with the figure and the bound. A bound that cannot be
+/// evaluated (an unknown name, a division by zero) is an `expectation` error too, pointing
+/// at the expression.
+///
+/// `sim` is `None` when the schedule could not be simulated (it was rejected): the
+/// expectations are then not checked (the rejection says why).
+pub fn check_timing_expectations(
+    report: &mut Report,
+    expects: &[crate::dsl::elab::Expectation],
+    sim: Option<&crate::sim::SimResult>,
+    cost: &crate::sim::cost::CostModel,
+) {
+    use crate::dsl::ast::{ExpectKind, Rel};
+    let Some(sim) = sim else { return };
+    let names = cost_names(cost, sim.a2a.total > 0.0);
+    let span_of = |sp: crate::dsl::ast::Sp| schedc_ir::text::Span {
+        start: sp.start as u32,
+        len: (sp.end - sp.start) as u32,
+    };
+    for e in expects {
+        let Some(f) = &e.formula else { continue };
+        let bound = match f.eval(&names) {
+            Ok(b) => b,
+            Err((sp, msg)) => {
+                let mut d = Diagnostic::error(Code::Expectation, msg);
+                d.span = Some(span_of(sp));
+                report.diagnostics.push(d);
+                continue;
+            }
+        };
+        let (what, got, rel) = match &e.kind {
+            ExpectKind::Makespan(r) => ("makespan".to_string(), sim.makespan, *r),
+            ExpectKind::Bubble(c, r) => (
+                format!("bubble ({} convention)", c.as_str()),
+                sim.bubble.get(*c),
+                *r,
+            ),
+            ExpectKind::ExposedA2a(r) => (
+                "exposed all-to-all (fraction of the all-to-all time)".to_string(),
+                sim.a2a.exposed_fraction(),
+                *r,
+            ),
+            ExpectKind::ExposedComm(r) => (
+                "exposed communication (seconds, all ranks)".to_string(),
+                sim.ranks.iter().map(|x| x.exposed_comm).sum(),
+                *r,
+            ),
+            _ => continue,
+        };
+        let tol = 1e-9 * bound.abs().max(got.abs()).max(1e-12);
+        let ok = match rel {
+            Rel::Le => got <= bound + tol,
+            Rel::Eq => (got - bound).abs() <= tol,
+        };
+        if !ok {
+            let mut d = Diagnostic::error(
+                Code::Expectation,
+                format!("{what} is {got:.6}, expected {} {bound:.6}", rel.as_str()),
+            );
+            d.span = Some(span_of(e.sp));
+            report.diagnostics.push(d);
+        }
+    }
+    if report.diagnostics.iter().any(Diagnostic::is_error) {
+        report.verdict = Verdict::Rejected;
+    }
+}
+
+/// Simulates `checked` under `cost` and checks the timing expectations, when `expects` has
+/// any (otherwise nothing is simulated: `schedc check` stays as fast as the passes). A
+/// program that does not simulate leaves the expectations unchecked.
+pub fn evaluate_timing_expectations(
+    report: &mut Report,
+    checked: Option<&Program>,
+    expects: &[crate::dsl::elab::Expectation],
+    cost: &crate::sim::cost::CostModel,
+) {
+    if !has_timing_expectations(expects) || report.verdict == Verdict::Rejected {
+        return;
+    }
+    let sim = checked.and_then(|p| crate::sim::simulate(p, cost).ok());
+    check_timing_expectations(report, expects, sim.as_ref(), cost);
 }

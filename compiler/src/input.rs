@@ -63,6 +63,8 @@ pub struct Overrides {
     pub vpp: Option<u32>,
     /// `--param NAME=VALUE` (specs only).
     pub params: Vec<(String, i64)>,
+    /// `--moe[=STAGES]`: split the MoE stages' ops into parts ([`crate::moe`]).
+    pub moe: Option<crate::moe::MoeStages>,
 }
 
 /// A loaded input.
@@ -232,6 +234,10 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     if format != Format::Spec {
         apply_overrides(&mut program, ov).map_err(LoadError::Usage)?;
     }
+    let (program, spans) = match &ov.moe {
+        Some(sel) => apply_moe(&program, spans.as_ref(), sel).map_err(LoadError::Usage)?,
+        None => (program, spans),
+    };
     Ok(Loaded {
         program,
         spans,
@@ -245,7 +251,22 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     })
 }
 
-/// Parses and elaborates a spec for the instance in `ov`.
+/// Applies `--moe`: splits the ops of the selected MoE stages into parts
+/// ([`crate::moe::split`]), mapping `spans` along.
+///
+/// Errors: a selection that does not fit the pipeline (a stage out of range, `declared`
+/// without a declaration).
+pub fn apply_moe(
+    p: &Program,
+    spans: Option<&SourceMap>,
+    sel: &crate::moe::MoeStages,
+) -> Result<(Program, Option<SourceMap>), String> {
+    let stages = sel.resolve(&p.pipeline)?;
+    Ok(crate::moe::split(p, spans, &stages))
+}
+
+/// Parses and elaborates a spec for the instance in `ov` (`--moe` is not applied here: see
+/// [`apply_moe`]).
 pub fn load_spec(text: &str, ov: &Overrides) -> Result<crate::dsl::Elaborated, LoadError> {
     use crate::diag::{Code, Diagnostic};
     let file = crate::dsl::parse_file(text).map_err(|e| LoadError::Spec {

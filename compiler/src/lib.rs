@@ -9,10 +9,12 @@
 
 pub mod casefile;
 pub mod check;
+pub mod compare;
 pub mod diag;
 pub mod dsl;
 pub mod import;
 pub mod input;
+pub mod moe;
 pub mod passes;
 pub mod plan;
 pub mod sim;

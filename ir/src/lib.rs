@@ -79,6 +79,11 @@ pub struct Pipeline {
     /// Communicators for collectives (MoE expert-parallel groups and the like).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub communicators: Vec<Communicator>,
+    /// The MoE stages (increasing ids), whose F, B and BW may be split into [`Part`]s; the
+    /// other stages are dense and run whole. `None` (the default) declares nothing: any stage
+    /// may be split, and `schedc --moe` splits every stage. Text header: `moe 1 2 3`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe_stages: Option<Vec<Stage>>,
 }
 
 /// A named set of ranks that issue collectives together (e.g. `A2A` on an EP group).
@@ -166,6 +171,7 @@ impl Pipeline {
             placement,
             stage_to_rank,
             communicators: Vec::new(),
+            moe_stages: None,
         })
     }
 
@@ -194,6 +200,7 @@ impl Pipeline {
             placement: PlacementKind::Explicit,
             stage_to_rank: map,
             communicators: Vec::new(),
+            moe_stages: None,
         })
     }
 
@@ -243,6 +250,15 @@ impl Pipeline {
             None
         } else {
             Some(s - 1)
+        }
+    }
+
+    /// True if stage `s` may be split into MoE parts: it is listed in
+    /// [`Pipeline::moe_stages`], or nothing is declared.
+    pub fn is_moe_stage(&self, s: Stage) -> bool {
+        match &self.moe_stages {
+            None => true,
+            Some(v) => v.binary_search(&s).is_ok(),
         }
     }
 
@@ -548,6 +564,17 @@ impl Program {
         self.ranks.iter().all(|r| {
             r.iter()
                 .all(|i| !matches!(i, Instr::Comm(_) | Instr::Group(_)))
+        })
+    }
+
+    /// True if some rank has a send or a receive (collectives alone do not count: a program
+    /// whose only communication is collectives still needs its point-to-point messages
+    /// inserted by the lowering pass).
+    pub fn has_p2p(&self) -> bool {
+        self.ranks.iter().flatten().any(|i| {
+            i.comms()
+                .iter()
+                .any(|c| matches!(c, Comm::Send { .. } | Comm::Recv { .. }))
         })
     }
 

@@ -6,7 +6,8 @@
 //! stages 2
 //! microbatches 2
 //! placement loop                 # or: v | bidir | <rank of stage 0> <rank of stage 1> ...
-//! group ep 0 1                   # optional communicators for collectives
+//! group ep 0 1                   # optional communicators for collectives (or `communicator`)
+//! moe 0 1                        # optional: the MoE stages (the others are dense)
 //! rank 0: F(0,0) SA(0,0->1) F(0,1) {SA(0,1->1) RG(1,0<-1)} BW(0,0) RG(1,1<-1) BW(0,1)
 //! rank 1: RA(0,0<-0) F(1,0) BW(1,0) {SG(1,0->0) RA(0,1<-0)} F(1,1) BW(1,1) SG(1,1->0)
 //! ```
@@ -546,6 +547,7 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
     let mut mbs: Option<u32> = None;
     let mut placement: Option<(PlacementKind, Vec<u32>, usize, usize)> = None;
     let mut communicators = Vec::new();
+    let mut moe: Option<(Vec<u32>, usize)> = None;
     let mut expects = Vec::new();
     let mut budget = None;
     let mut ranks: Vec<(u32, usize, Vec<Instr>, Vec<Span>)> = Vec::new();
@@ -654,7 +656,7 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
                 placement = Some((k, Vec::new(), kw_start, c.pos));
                 c.end_header_line()?;
             }
-            "group" => {
+            "group" | "communicator" => {
                 c.skip_inline_ws();
                 let name = c.word("a communicator name")?.to_string();
                 let members = c.uint_list("a rank number")?;
@@ -662,6 +664,16 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
                     name,
                     ranks: members,
                 });
+                c.end_header_line()?;
+            }
+            "moe" => {
+                if moe.is_some() {
+                    return Err(c.err(kw_start, c.pos - kw_start, "`moe` is given twice"));
+                }
+                let mut v = c.uint_list("a stage number")?;
+                v.sort_unstable();
+                v.dedup();
+                moe = Some((v, kw_start));
                 c.end_header_line()?;
             }
             "budget" => {
@@ -744,7 +756,7 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
                     kw_start,
                     c.token_len(),
                     format!(
-                        "expected a header line (pp, stages, microbatches, placement, group, budget, expect) or `rank N:`, found `{}`",
+                        "expected a header line (pp, stages, microbatches, placement, group, moe, budget, expect) or `rank N:`, found `{}`",
                         &src[kw_start..kw_start + c.token_len().min(src.len() - kw_start)].chars().take(24).collect::<String>()
                     ),
                 );
@@ -856,6 +868,23 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
     })?;
     let mut pipeline = pipeline;
     pipeline.communicators = communicators;
+    if let Some((v, at)) = moe {
+        if let Some(&s) = v.iter().find(|&&s| s >= pipeline.stages) {
+            let (line, col) = line_col(src, at);
+            return Err(ParseError {
+                offset: at,
+                len: 3,
+                line,
+                col,
+                message: format!(
+                    "`moe` names stage {s}, but there are {} stages",
+                    pipeline.stages
+                ),
+                help: None,
+            });
+        }
+        pipeline.moe_stages = Some(v);
+    }
     let mut prog_ranks = vec![Vec::new(); pp as usize];
     let mut span_ranks = vec![Vec::new(); pp as usize];
     for (r, _, instrs, spans) in ranks {
@@ -1023,6 +1052,13 @@ pub fn print(p: &Program) -> String {
         let _ = write!(out, "group {}", g.name);
         for r in &g.ranks {
             let _ = write!(out, " {r}");
+        }
+        out.push('\n');
+    }
+    if let Some(v) = &pl.moe_stages {
+        out.push_str("moe");
+        for s in v {
+            let _ = write!(out, " {s}");
         }
         out.push('\n');
     }

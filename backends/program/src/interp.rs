@@ -307,10 +307,23 @@ pub trait Device {
     fn end_step(&mut self, _step: usize) -> Result<(), String> {
         Ok(())
     }
-    /// Called before each instruction is offered (fault injection, tracing).
+    /// Called before each instruction is offered (fault injection, tracing; a device with a
+    /// stream-ordered allocator takes the stream of the next `alloc` / `free` from it).
     fn before(&mut self, _at: Cursor) {}
+    /// Stream `stream` passed `record e`: a device with asynchronous streams records its
+    /// event for `e` there (`cudaEventRecord`). Called once per record, in program order.
+    fn record(&mut self, _stream: usize, _event: u32) -> Result<(), String> {
+        Ok(())
+    }
+    /// Stream `stream` passed `wait e`, whose record has run: a device with asynchronous
+    /// streams makes the stream wait for its event (`cudaStreamWaitEvent`). Called once per
+    /// wait, only after the matching [`Device::record`], so the device never waits for an
+    /// event that has not been recorded yet (which CUDA would treat as already complete).
+    fn wait_event(&mut self, _stream: usize, _event: u32) -> Result<(), String> {
+        Ok(())
+    }
     /// Allocates `buf` (zero-filled if `zero`). The interpreter has checked that it is not
-    /// allocated.
+    /// allocated. The stream it runs on is the one of the last [`Device::before`].
     fn alloc(&mut self, buf: Buf, zero: bool) -> Result<(), String>;
     /// Releases `buf`. The interpreter has checked that it is allocated.
     fn free(&mut self, buf: Buf) -> Result<(), String>;
@@ -397,12 +410,12 @@ pub fn run_rank<D: Device>(
                     let r = match op {
                         Op::Record { event } => {
                             recorded.insert(*event);
-                            Ok(Ready::Done)
+                            dev.record(s, *event).map(|_| Ready::Done)
                         }
                         Op::Wait { event } if !recorded.contains(event) => {
                             Ok(Ready::Blocked(format!("event e{event}")))
                         }
-                        Op::Wait { .. } => Ok(Ready::Done),
+                        Op::Wait { event } => dev.wait_event(s, *event).map(|_| Ready::Done),
                         Op::Alloc { buf, zero } => {
                             if live.insert(*buf) {
                                 dev.alloc(*buf, *zero).map(|_| Ready::Done)

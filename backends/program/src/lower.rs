@@ -220,44 +220,77 @@ fn lower_rank(
                 }
             }
             Instr::Comm(_) | Instr::Group(_) => {
-                // Sends first: they never block on this rank's receives (eager), so a
-                // group posted at once keeps its meaning.
+                // Per channel: the waits of the sends and the allocations of the receives,
+                // then the messages, sends first (they never block on this rank's receives
+                // (eager), so a group posted at once keeps its meaning), then the sends'
+                // releases and the receives' records. The messages of one instruction are
+                // thereby adjacent on their stream, and only they are (a lone message has
+                // a wait or an allocation before it and a release or a record after it),
+                // so a backend whose sends are rendezvous (NCCL) posts each run as one
+                // group, as the IR's `{...}` means.
                 let comms = ins.comms();
+                let mut channels: Vec<u32> = Vec::new();
                 for c in comms {
-                    if let Comm::Send {
-                        payload,
-                        peer: p,
-                        channel,
-                    } = c
-                    {
-                        let buf = Buf::of_payload(payload);
-                        let ops = b.comm_stream(*channel);
-                        ops.push(Op::Wait {
-                            event: send_ev[&buf],
-                        });
-                        ops.push(Op::Send {
-                            buf,
-                            peer: peer(*p)?,
-                        });
-                        ops.push(Op::Free { buf });
+                    let ch = match c {
+                        Comm::Send { channel, .. } | Comm::Recv { channel, .. } => *channel,
+                        Comm::Collective(_) => continue,
+                    };
+                    if !channels.contains(&ch) {
+                        channels.push(ch);
                     }
                 }
-                for c in comms {
-                    if let Comm::Recv {
-                        payload,
-                        peer: p,
-                        channel,
-                    } = c
-                    {
-                        let buf = Buf::of_payload(payload);
-                        let ops = b.comm_stream(*channel);
-                        ops.push(Op::Alloc { buf, zero: false });
-                        ops.push(Op::Recv {
-                            buf,
-                            peer: peer(*p)?,
+                for ch in channels {
+                    let mut sends = Vec::new();
+                    let mut recvs = Vec::new();
+                    for c in comms {
+                        match c {
+                            Comm::Send {
+                                payload,
+                                peer: p,
+                                channel,
+                            } if *channel == ch => {
+                                sends.push((Buf::of_payload(payload), peer(*p)?))
+                            }
+                            Comm::Recv {
+                                payload,
+                                peer: p,
+                                channel,
+                            } if *channel == ch => {
+                                recvs.push((Buf::of_payload(payload), peer(*p)?))
+                            }
+                            _ => {}
+                        }
+                    }
+                    let ops = b.comm_stream(ch);
+                    for (buf, _) in &sends {
+                        ops.push(Op::Wait {
+                            event: send_ev[buf],
                         });
+                    }
+                    for (buf, _) in &recvs {
+                        ops.push(Op::Alloc {
+                            buf: *buf,
+                            zero: false,
+                        });
+                    }
+                    for (buf, p) in &sends {
+                        ops.push(Op::Send {
+                            buf: *buf,
+                            peer: *p,
+                        });
+                    }
+                    for (buf, p) in &recvs {
+                        ops.push(Op::Recv {
+                            buf: *buf,
+                            peer: *p,
+                        });
+                    }
+                    for (buf, _) in &sends {
+                        ops.push(Op::Free { buf: *buf });
+                    }
+                    for (buf, _) in &recvs {
                         ops.push(Op::Record {
-                            event: recv_ev[&buf],
+                            event: recv_ev[buf],
                         });
                     }
                 }

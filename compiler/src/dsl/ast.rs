@@ -182,6 +182,48 @@ pub struct CommStmt {
     pub sp: Sp,
 }
 
+/// A collective statement: `A2A(comm, "label")`; `{NAME}` in the label is replaced by the
+/// value of `NAME` (as in a `require` message).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollStmt {
+    /// The communicator's name (declared with a `communicator` item or in a `literal` block).
+    pub comm: String,
+    /// The label, before interpolation.
+    pub label: String,
+    /// Span.
+    pub sp: Sp,
+}
+
+/// A set of ranks (`communicator`) or of stages (`moe`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SetSpec {
+    /// `all`: every rank, or every stage.
+    All,
+    /// `[e0, e1, ...]`.
+    List(Vec<Expr>),
+    /// `x => cond`: the ids `x` in `0..P` (ranks) or `0..S` (stages) where `cond` holds.
+    Where(String, Expr),
+}
+
+/// The relation of a timing expectation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rel {
+    /// `<=`
+    Le,
+    /// `==` (within a relative 1e-9)
+    Eq,
+}
+
+impl Rel {
+    /// The token.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rel::Le => "<=",
+            Rel::Eq => "==",
+        }
+    }
+}
+
 /// A statement of a rank program.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Stmt {
@@ -224,6 +266,12 @@ pub enum Stmt {
     Group(Vec<CommStmt>, Sp),
     /// `idle`: an idle slot.
     Idle(Sp),
+    /// `F(c).attn`, `BW(c, m).combine`, ...: one MoE part of an op. The first part in
+    /// execution order (attn for F, combine for B/BW) takes the op's micro-batch as `F(c)`
+    /// would; a later part joins the oldest op of that chunk and kind still missing it.
+    Part(OpStmt, schedc_ir::Part, Sp),
+    /// `A2A(comm, "label")`: a collective on a declared communicator.
+    Collective(CollStmt),
 }
 
 /// The placement item.
@@ -252,6 +300,45 @@ pub enum ExpectKind {
     PeakActivationsExact,
     /// `expect idle == e` (unit time, F=B=W=1, BW=2)
     Idle,
+    /// `expect makespan <= e` (or `==`): the step's makespan under the cost model, seconds.
+    Makespan(Rel),
+    /// `expect bubble(CONVENTION) <= e` (or `==`): the bubble fraction under a named
+    /// convention (`from_start`, `per_rank_span`, `steady_state`).
+    Bubble(crate::sim::Convention, Rel),
+    /// `expect exposed_a2a <= e` (or `==`): the fraction of the MoE all-to-all time not
+    /// hidden under compute (0 without all-to-alls).
+    ExposedA2a(Rel),
+    /// `expect exposed_comm <= e` (or `==`): communication the compute streams wait for,
+    /// seconds summed over ranks.
+    ExposedComm(Rel),
+}
+
+impl ExpectKind {
+    /// True for the expectations on the simulated timeline (makespan, bubble, exposed
+    /// communication), which are evaluated under a cost model with real arithmetic.
+    pub fn is_timing(&self) -> bool {
+        matches!(
+            self,
+            ExpectKind::Makespan(_)
+                | ExpectKind::Bubble(..)
+                | ExpectKind::ExposedA2a(_)
+                | ExpectKind::ExposedComm(_)
+        )
+    }
+
+    /// The left-hand side and relation as written: `makespan <=`, `bubble(from_start) ==`.
+    pub fn lhs(&self) -> String {
+        match self {
+            ExpectKind::Warmup => "warmup ==".into(),
+            ExpectKind::PeakActivations => "peak_activations <=".into(),
+            ExpectKind::PeakActivationsExact => "peak_activations ==".into(),
+            ExpectKind::Idle => "idle ==".into(),
+            ExpectKind::Makespan(r) => format!("makespan {}", r.as_str()),
+            ExpectKind::Bubble(c, r) => format!("bubble({}) {}", c.as_str(), r.as_str()),
+            ExpectKind::ExposedA2a(r) => format!("exposed_a2a {}", r.as_str()),
+            ExpectKind::ExposedComm(r) => format!("exposed_comm {}", r.as_str()),
+        }
+    }
 }
 
 /// A top-level item.
@@ -282,4 +369,10 @@ pub enum Item {
     Literal(String, Sp),
     /// `expect ...`
     Expect(ExpectKind, Expr, Sp),
+    /// `communicator NAME [r0, r1, ...]` (or `all`, or `r => cond`): a named set of ranks
+    /// for `A2A` collectives.
+    Communicator(String, SetSpec, Sp),
+    /// `moe [s0, s1, ...]` (or `all`, or `s => cond`): the MoE stages; the others are
+    /// dense (no MoE parts; `--moe` keeps them whole).
+    Moe(SetSpec, Sp),
 }

@@ -3,7 +3,8 @@
 use super::ast::*;
 use schedc_ir::text::{SourceMap, Span};
 use schedc_ir::{
-    Comm, Compute, Instr, Kind, Payload, PayloadKind, Pipeline, PlacementKind, Program,
+    Collective, Comm, Communicator, Compute, Instr, Kind, Part, Payload, PayloadKind, Pipeline,
+    PlacementKind, Program,
 };
 use std::collections::VecDeque;
 
@@ -40,10 +41,113 @@ pub struct ElabError {
 pub struct Expectation {
     /// What.
     pub kind: ExpectKind,
-    /// The expected value (or bound) per rank.
+    /// The expected value (or bound) per rank; empty for a timing expectation.
     pub values: Vec<i64>,
     /// The `expect` item.
     pub sp: Sp,
+    /// For a timing expectation ([`ExpectKind::is_timing`]): the bound, evaluated later under
+    /// the cost model ([`Formula::eval`]).
+    pub formula: Option<Formula>,
+}
+
+/// The bound of a timing expectation: an expression evaluated with real arithmetic (`/` is
+/// exact division) once the cost model is known. It sees the spec's top-level names (P, M,
+/// V, S, parameters, `let`s, `fn`s) and the cost model's seconds `F`, `B`, `W`, `BW`, `FB`
+/// (an overlapped pair), `DISPATCH`, `COMBINE` (one all-to-all of an MoE op; 0 when the
+/// schedule has no MoE parts); a spec name shadows them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Formula {
+    expr: Expr,
+    /// The top-level bindings where the `expect` item is, as integers (booleans 0/1).
+    vars: Vec<(String, i64)>,
+    /// The user functions visible there: (name, parameters, body).
+    fns: Vec<(String, Vec<String>, Expr)>,
+}
+
+impl Formula {
+    /// Evaluates the bound with `costs` (name, seconds) bound first.
+    ///
+    /// Errors: an unknown name, a division by zero, a comparison or boolean, a function
+    /// other than min, max, abs and the spec's own, a non-finite result; each with the
+    /// offending expression's span.
+    pub fn eval(&self, costs: &[(&str, f64)]) -> Result<f64, (Sp, String)> {
+        let mut env: Vec<(String, f64)> = costs.iter().map(|(n, v)| (n.to_string(), *v)).collect();
+        env.extend(self.vars.iter().map(|(n, v)| (n.clone(), *v as f64)));
+        let v = self.real(&self.expr, &env, 0)?;
+        if v.is_finite() {
+            Ok(v)
+        } else {
+            Err((self.expr.sp(), "the bound is not a finite number".into()))
+        }
+    }
+
+    fn real(&self, e: &Expr, env: &[(String, f64)], depth: u32) -> Result<f64, (Sp, String)> {
+        Ok(match e {
+            Expr::Int(v, _) => *v as f64,
+            Expr::Bool(_, sp) | Expr::Not(_, sp) => {
+                return Err((*sp, "a timing expectation's bound is a number, not a boolean".into()))
+            }
+            Expr::Var(n, sp) => env
+                .iter()
+                .rev()
+                .find(|(k, _)| k == n)
+                .map(|(_, v)| *v)
+                .ok_or_else(|| (*sp, format!("unknown name `{n}` (a timing expectation sees P, M, V, S, parameters, `let`s and the cost model's F, B, W, BW, FB, DISPATCH, COMBINE)")))?,
+            Expr::Neg(x, _) => -self.real(x, env, depth)?,
+            Expr::Bin(op, a, b, sp) => {
+                let (x, y) = (self.real(a, env, depth)?, self.real(b, env, depth)?);
+                match op {
+                    BinOp::Add => x + y,
+                    BinOp::Sub => x - y,
+                    BinOp::Mul => x * y,
+                    BinOp::Div => {
+                        if y == 0.0 {
+                            return Err((b.sp(), "division by zero".into()));
+                        }
+                        x / y
+                    }
+                    _ => {
+                        return Err((
+                            *sp,
+                            format!("`{}` has no meaning in a timing expectation's bound (+, -, *, / only)", op.as_str()),
+                        ))
+                    }
+                }
+            }
+            Expr::Call(name, args, sp) => {
+                let vals = args
+                    .iter()
+                    .map(|a| match a {
+                        Arg::Expr(x) => self.real(x, env, depth),
+                        Arg::Kind(_, s) => Err((*s, "expected a number, found an op kind".into())),
+                    })
+                    .collect::<Result<Vec<f64>, _>>()?;
+                match name.as_str() {
+                    "min" | "max" if !vals.is_empty() => {
+                        let f = if name == "min" { f64::min } else { f64::max };
+                        vals[1..].iter().fold(vals[0], |a, &b| f(a, b))
+                    }
+                    "abs" if vals.len() == 1 => vals[0].abs(),
+                    _ => {
+                        let Some((_, params, body)) =
+                            self.fns.iter().rev().find(|(n, _, _)| n == name)
+                        else {
+                            return Err((*sp, format!("`{name}` is not available in a timing expectation (min, max, abs and the spec's own functions are)")));
+                        };
+                        if params.len() != vals.len() {
+                            return Err((*sp, format!("`{name}` takes {} argument(s), given {}", params.len(), vals.len())));
+                        }
+                        if depth >= 64 {
+                            return Err((*sp, format!("`{name}` calls itself too deeply (64 levels)")));
+                        }
+                        let mut inner = env.to_vec();
+                        inner.extend(params.iter().cloned().zip(vals));
+                        self.real(body, &inner, depth + 1)?
+                    }
+                }
+            }
+        })
+    }
 }
 
 /// The result of elaborating one instance.
@@ -120,6 +224,9 @@ struct RankState<'a> {
     wdone: Vec<u32>,
     /// Pending weight gradients: (chunk, mb), oldest first.
     pending: VecDeque<(usize, u32)>,
+    /// Ops given in MoE parts whose four parts have not all been given yet, oldest first:
+    /// (stage, kind, mb, bitmask of the parts seen).
+    open: Vec<(u32, Kind, u32, u8)>,
     out: Vec<Instr>,
     spans: Vec<Span>,
     budget: &'a mut u64,
@@ -469,6 +576,85 @@ fn op_compute(o: &OpStmt, env: &Env, st: &mut RankState<'_>) -> Result<Option<Co
     Ok(Some(Compute::new(kind, stage, mb)))
 }
 
+fn part_bit(p: Part) -> u8 {
+    match p {
+        Part::Whole => 0,
+        Part::Attn => 1,
+        Part::Dispatch => 2,
+        Part::Mlp => 4,
+        Part::Combine => 8,
+    }
+}
+
+/// One MoE part of an op (`F(c).attn`): it joins the oldest open op of its stage and kind
+/// that is missing this part, else it opens a new op, taking the micro-batch as the whole op
+/// would (counters, the pending-W queue). The op closes once all four parts are given; a
+/// part given out of order is left for the checker to report, at this statement.
+fn part_compute(
+    o: &OpStmt,
+    part: Part,
+    sp: Sp,
+    env: &Env,
+    st: &mut RankState<'_>,
+) -> Result<Option<Compute>, ElabError> {
+    if o.kind == Kind::W {
+        let mut e = err(
+            sp,
+            "W has no MoE parts: only F, B and BW are split (attention, dispatch, MLP, combine)",
+        );
+        e.help = Some("write the weight gradient whole: `W(c)`".into());
+        return Err(e);
+    }
+    let bit = part_bit(part);
+    // The stage (and micro-batch, when named) the statement refers to.
+    let (stage, named_mb) = match &o.target {
+        Target::Next(None) => {
+            return Err(err(o.sp, format!("{}() needs a chunk", o.kind.as_str())))
+        }
+        Target::Next(Some(c)) => {
+            let ci = chunk(st, int(eval(c, env, Some(st))?, c.sp())?, c.sp())?;
+            (st.chunks[ci], None)
+        }
+        Target::Chunk(c, m) => {
+            let ci = chunk(st, int(eval(c, env, Some(st))?, c.sp())?, c.sp())?;
+            let m = u32_of(int(eval(m, env, Some(st))?, m.sp())?, m.sp(), "micro-batch")?;
+            (st.chunks[ci], Some(m))
+        }
+        Target::Stage(s, m) => {
+            let s = u32_of(int(eval(s, env, Some(st))?, s.sp())?, s.sp(), "stage")?;
+            let m = u32_of(int(eval(m, env, Some(st))?, m.sp())?, m.sp(), "micro-batch")?;
+            (s, Some(m))
+        }
+    };
+    let join = st.open.iter().position(|&(s, k, m, seen)| {
+        s == stage && k == o.kind && seen & bit == 0 && named_mb.is_none_or(|nm| nm == m)
+    });
+    let mb = match join {
+        Some(ix) => {
+            let e = &mut st.open[ix];
+            e.3 |= bit;
+            let m = e.2;
+            if e.3 == 15 {
+                st.open.remove(ix);
+            }
+            m
+        }
+        None => {
+            let Some(c) = op_compute(o, env, st)? else {
+                return Ok(None);
+            };
+            st.open.push((c.stage, o.kind, c.mb, bit));
+            c.mb
+        }
+    };
+    Ok(Some(Compute {
+        kind: o.kind,
+        stage,
+        mb,
+        part,
+    }))
+}
+
 /// Keeps counters and pending Ws consistent when a spec names micro-batches explicitly.
 fn note_explicit(st: &mut RankState<'_>, kind: Kind, c: usize, m: u32) {
     match kind {
@@ -681,6 +867,33 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                 tick(st, *sp)?;
                 st.out.push(Instr::Idle);
                 st.spans.push(span(*sp));
+            }
+            Stmt::Part(o, part, sp) => {
+                tick(st, *sp)?;
+                if let Some(c) = part_compute(o, *part, *sp, env, st)? {
+                    st.out.push(Instr::Compute(c));
+                    st.spans.push(span(*sp));
+                }
+            }
+            Stmt::Collective(c) => {
+                tick(st, c.sp)?;
+                let label = interpolate(&c.label, env);
+                if label.is_empty()
+                    || label.contains(|ch: char| ch.is_whitespace() || ",(){}".contains(ch))
+                {
+                    let mut e = err(
+                        c.sp,
+                        format!("the collective label `{label}` must be one word without `,`, `(`, `)`, `{{`, `}}` or white space"),
+                    );
+                    e.help = Some("write it like `dispatch.{m}`".into());
+                    return Err(e);
+                }
+                st.out
+                    .push(Instr::Comm(Comm::Collective(Box::new(Collective {
+                        comm: c.comm.clone(),
+                        label,
+                    }))));
+                st.spans.push(span(c.sp));
             }
         }
     }
@@ -934,6 +1147,36 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
     }
     .map_err(|e| vec![err(placement.map_or(any_sp, |p| p.1), e.to_string())])?;
 
+    // Communicators and MoE stages.
+    let mut pipeline = pipeline;
+    for it in &file.items {
+        match it {
+            Item::Communicator(name, set, sp) => {
+                if pipeline.communicators.iter().any(|c| &c.name == name) {
+                    return Err(vec![err(
+                        *sp,
+                        format!("communicator `{name}` is declared twice"),
+                    )]);
+                }
+                let ranks = id_set(set, pp, "rank", &mut env).map_err(|e| vec![e])?;
+                pipeline.communicators.push(Communicator {
+                    name: name.clone(),
+                    ranks,
+                });
+            }
+            Item::Moe(set, sp) => {
+                if pipeline.moe_stages.is_some() {
+                    return Err(vec![err(*sp, "`moe` is given twice")]);
+                }
+                let mut v = id_set(set, s_n, "stage", &mut env).map_err(|e| vec![e])?;
+                v.sort_unstable();
+                v.dedup();
+                pipeline.moe_stages = Some(v);
+            }
+            _ => {}
+        }
+    }
+
     // Rank programs.
     let mut ranks: Vec<Vec<Instr>> = vec![Vec::new(); pp as usize];
     let mut spans: Vec<Vec<Span>> = vec![Vec::new(); pp as usize];
@@ -974,6 +1217,7 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
                 bwd: vec![0; nc],
                 wdone: vec![0; nc],
                 pending: VecDeque::new(),
+                open: Vec::new(),
                 out: Vec::new(),
                 spans: Vec::new(),
                 budget: &mut budget,
@@ -993,8 +1237,14 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
         let Item::Literal(body, sp) = it else {
             continue;
         };
+        // The header carries the shape only: a literal block may declare its own
+        // communicators and MoE stages (`group`/`communicator`, `moe` lines).
         let header = schedc_ir::text::print(&Program {
-            pipeline: pipeline.clone(),
+            pipeline: Pipeline {
+                communicators: Vec::new(),
+                moe_stages: None,
+                ..pipeline.clone()
+            },
             ranks: Vec::new(),
         });
         let text = format!("{header}{body}");
@@ -1014,6 +1264,21 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
             }]
         })?;
         let body_start = sp.start + "literal {".len();
+        for c in parsed.program.pipeline.communicators {
+            if pipeline.communicators.iter().any(|x| x.name == c.name) {
+                return Err(vec![err(
+                    *sp,
+                    format!("communicator `{}` is declared twice", c.name),
+                )]);
+            }
+            pipeline.communicators.push(c);
+        }
+        if let Some(v) = parsed.program.pipeline.moe_stages {
+            if pipeline.moe_stages.is_some() {
+                return Err(vec![err(*sp, "`moe` is given twice")]);
+            }
+            pipeline.moe_stages = Some(v);
+        }
         for (r, instrs) in parsed.program.ranks.into_iter().enumerate() {
             if instrs.is_empty() {
                 continue;
@@ -1030,6 +1295,33 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
     let mut expects = Vec::new();
     for it in &file.items {
         if let Item::Expect(kind, e, sp) = it {
+            if kind.is_timing() {
+                expects.push(Expectation {
+                    kind: kind.clone(),
+                    values: Vec::new(),
+                    sp: *sp,
+                    formula: Some(Formula {
+                        expr: e.clone(),
+                        vars: env
+                            .vars
+                            .iter()
+                            .map(|b| {
+                                let v = match b.val {
+                                    Val::Int(x) => x,
+                                    Val::Bool(x) => i64::from(x),
+                                };
+                                (b.name.clone(), v)
+                            })
+                            .collect(),
+                        fns: env
+                            .fns
+                            .iter()
+                            .map(|f| (f.name.clone(), f.params.clone(), f.body.clone()))
+                            .collect(),
+                    }),
+                });
+                continue;
+            }
             let mut values = Vec::with_capacity(pp as usize);
             for r in 0..pp {
                 let var = rank_items
@@ -1051,6 +1343,7 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
                 kind: kind.clone(),
                 values,
                 sp: *sp,
+                formula: None,
             });
         }
     }
@@ -1060,6 +1353,40 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
         spans: SourceMap { ranks: spans },
         expects,
         name,
+    })
+}
+
+/// The ids `0..n` a set names (`all`, a list, `x => cond`), in the order given.
+fn id_set(set: &SetSpec, n: u32, what: &str, env: &mut Env) -> Result<Vec<u32>, ElabError> {
+    Ok(match set {
+        SetSpec::All => (0..n).collect(),
+        SetSpec::List(v) => {
+            let mut out = Vec::with_capacity(v.len());
+            for e in v {
+                let x = int(eval(e, env, None)?, e.sp())?;
+                if x < 0 || x >= n as i64 {
+                    let limit = if what == "rank" { "P" } else { "S" };
+                    return Err(err(
+                        e.sp(),
+                        format!("{what} {x} is out of range 0..{n} ({limit} = {n})"),
+                    ));
+                }
+                out.push(x as u32);
+            }
+            out
+        }
+        SetSpec::Where(var, cond) => {
+            let mut out = Vec::new();
+            for x in 0..n {
+                env.push(var, Val::Int(x as i64), false);
+                let b = eval(cond, env, None).and_then(|v| boolean(v, cond.sp()));
+                env.vars.pop();
+                if b? {
+                    out.push(x);
+                }
+            }
+            out
+        }
     })
 }
 

@@ -165,8 +165,25 @@ fn comm_str(c: &CommStmt) -> String {
     )
 }
 
+fn coll_str(c: &CollStmt) -> String {
+    format!("A2A({}, \"{}\")", c.comm, c.label)
+}
+
+fn set_str(v: &SetSpec) -> String {
+    match v {
+        SetSpec::All => "all".into(),
+        SetSpec::List(v) => format!(
+            "[{}]",
+            v.iter().map(expr_str).collect::<Vec<_>>().join(", ")
+        ),
+        SetSpec::Where(n, e) => format!("{n} => {}", expr_str(e)),
+    }
+}
+
 fn stmt_start(s: &Stmt) -> usize {
     match s {
+        Stmt::Part(_, _, sp) => sp.start,
+        Stmt::Collective(c) => c.sp.start,
         Stmt::Let(_, _, sp) | Stmt::Var(_, _, sp) | Stmt::Assign(_, _, sp) => sp.start,
         Stmt::For { sp, .. } => sp.start,
         Stmt::Repeat(_, _, sp) | Stmt::While(_, _, sp) | Stmt::If(_, _, _, sp) => sp.start,
@@ -199,7 +216,13 @@ fn close_brace_after(src: &str, pos: usize) -> usize {
 fn is_simple(s: &Stmt) -> bool {
     matches!(
         s,
-        Stmt::Op(_) | Stmt::Overlap(..) | Stmt::Idle(_) | Stmt::Comm(_) | Stmt::Group(..)
+        Stmt::Op(_)
+            | Stmt::Overlap(..)
+            | Stmt::Idle(_)
+            | Stmt::Comm(_)
+            | Stmt::Group(..)
+            | Stmt::Part(..)
+            | Stmt::Collective(_)
     )
 }
 
@@ -207,6 +230,8 @@ fn is_simple(s: &Stmt) -> bool {
 fn simple_str(s: &Stmt) -> String {
     match s {
         Stmt::Op(o) => op_str(o),
+        Stmt::Part(o, p, _) => format!("{}.{}", op_str(o), p.as_str()),
+        Stmt::Collective(c) => coll_str(c),
         Stmt::Overlap(a, b, _) => format!("{} & {}", op_str(a), op_str(b)),
         Stmt::Idle(_) => "idle".into(),
         Stmt::Comm(c) => comm_str(c),
@@ -289,6 +314,8 @@ fn stmt_end(s: &Stmt) -> usize {
         Stmt::Op(o) => o.sp.end,
         Stmt::Overlap(_, _, sp) | Stmt::Group(_, sp) | Stmt::Idle(sp) => sp.end,
         Stmt::Comm(c) => c.sp.end,
+        Stmt::Part(_, _, sp) => sp.end,
+        Stmt::Collective(c) => c.sp.end,
     }
 }
 
@@ -439,6 +466,9 @@ fn write_stmt(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
         Stmt::Idle(_) => {
             let _ = writeln!(f.out, "{pad}idle");
         }
+        Stmt::Part(..) | Stmt::Collective(_) => {
+            let _ = writeln!(f.out, "{pad}{}", simple_str(s));
+        }
     }
 }
 
@@ -455,7 +485,9 @@ fn item_sp(it: &Item) -> Sp {
         | Item::Require(_, _, s)
         | Item::Rank(_, _, s)
         | Item::Literal(_, s)
-        | Item::Expect(_, _, s) => *s,
+        | Item::Expect(_, _, s)
+        | Item::Communicator(_, _, s)
+        | Item::Moe(_, s) => *s,
     }
 }
 
@@ -544,13 +576,13 @@ pub fn format_file(file: &File, src: &str) -> String {
                 f.out.push_str("}\n");
             }
             Item::Expect(k, e, _) => {
-                let (w, op) = match k {
-                    ExpectKind::Warmup => ("warmup", "=="),
-                    ExpectKind::PeakActivations => ("peak_activations", "<="),
-                    ExpectKind::PeakActivationsExact => ("peak_activations", "=="),
-                    ExpectKind::Idle => ("idle", "=="),
-                };
-                let _ = writeln!(f.out, "expect {w} {op} {}", expr_str(e));
+                let _ = writeln!(f.out, "expect {} {}", k.lhs(), expr_str(e));
+            }
+            Item::Communicator(n, set, _) => {
+                let _ = writeln!(f.out, "communicator {n} {}", set_str(set));
+            }
+            Item::Moe(set, _) => {
+                let _ = writeln!(f.out, "moe {}", set_str(set));
             }
         }
         prev_block = is_block;

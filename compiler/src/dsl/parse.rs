@@ -477,6 +477,84 @@ fn comm_stmt(i: In<'_>) -> R<'_, CommStmt> {
     ))
 }
 
+/// `A2A(comm, "label")`.
+fn coll_stmt(i: In<'_>) -> R<'_, CollStmt> {
+    let start = i;
+    let (i2, w) = raw_ident(i)?;
+    if *w.fragment() != "A2A" {
+        return fail(i, "A2A");
+    }
+    let (i, _) = ws(i2)?;
+    let (i, _) = expect("`(`", tok("(")).parse(i)?;
+    let (i, (comm, label)) = cut(|i| -> R<'_, (String, String)> {
+        let (i, (c, _)) = expect("a communicator name", ident).parse(i)?;
+        let (i, _) = expect("`,` and a label in quotes", tok(",")).parse(i)?;
+        let (i, l) = expect("a label in quotes", string).parse(i)?;
+        let (i, _) = expect("`)`", tok(")")).parse(i)?;
+        Ok((i, (c, l)))
+    })
+    .parse(i)?;
+    Ok((
+        i,
+        CollStmt {
+            comm,
+            label,
+            sp: sp_of(start, i),
+        },
+    ))
+}
+
+/// `.attn`, `.dispatch`, `.mlp` or `.combine` right after an op.
+fn part_suffix(i: In<'_>) -> R<'_, schedc_ir::Part> {
+    let (i2, _) = char('.').parse(i)?;
+    let (i3, w) = cut(expect("a part: attn, dispatch, mlp or combine", raw_ident)).parse(i2)?;
+    let p = match *w.fragment() {
+        "attn" => schedc_ir::Part::Attn,
+        "dispatch" => schedc_ir::Part::Dispatch,
+        "mlp" => schedc_ir::Part::Mlp,
+        "combine" => schedc_ir::Part::Combine,
+        _ => {
+            return Err(nom::Err::Failure(PErr {
+                offset: i2.location_offset(),
+                expected: "a part: attn, dispatch, mlp or combine".into(),
+                help: None,
+                generic: false,
+            }))
+        }
+    };
+    let (i4, _) = ws(i3)?;
+    Ok((i4, p))
+}
+
+/// `all`, `[e, ...]` or `x => cond` (a `communicator`'s ranks, `moe`'s stages).
+fn set_spec<'a>(i: In<'a>, what: &'static str) -> R<'a, SetSpec> {
+    if let Ok((i2, _)) = kw("all").parse(i) {
+        return Ok((i2, SetSpec::All));
+    }
+    if let Ok((i2, _)) = tok("[").parse(i) {
+        let mut v = Vec::new();
+        let mut cur = i2;
+        loop {
+            if let Ok((i3, _)) = tok("]").parse(cur) {
+                return Ok((i3, SetSpec::List(v)));
+            }
+            let (i3, e) = expect(what, expr).parse(cur)?;
+            v.push(e);
+            cur = match tok(",").parse(i3) {
+                Ok((i4, _)) => i4,
+                Err(_) => {
+                    let (i4, _) = expect("`,` or `]`", tok("]")).parse(i3)?;
+                    return Ok((i4, SetSpec::List(v)));
+                }
+            };
+        }
+    }
+    let (i2, (n, _)) = expect("all, a list `[a, b, ...]` or `x => condition`", ident).parse(i)?;
+    let (i3, _) = expect("`=>`", tok("=>")).parse(i2)?;
+    let (i4, e) = expect("a condition", expr).parse(i3)?;
+    Ok((i4, SetSpec::Where(n, e)))
+}
+
 fn stmt(i: In<'_>) -> R<'_, Stmt> {
     let start = i;
     if let Ok((i2, _)) = kw("let").parse(i) {
@@ -563,7 +641,16 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
     if let Ok((i2, c)) = comm_stmt(i) {
         return Ok((i2, Stmt::Comm(c)));
     }
+    match coll_stmt(i) {
+        Ok((i2, c)) => return Ok((i2, Stmt::Collective(c))),
+        Err(nom::Err::Failure(e)) => return Err(nom::Err::Failure(e)),
+        Err(_) => {}
+    }
     if let Ok((i2, a)) = op_stmt(i) {
+        if i2.fragment().starts_with('.') {
+            let (i3, part) = part_suffix(i2)?;
+            return Ok((i3, Stmt::Part(a, part, sp_of(start, i3))));
+        }
         if let Ok((i3, _)) = tok("&").parse(i2) {
             let (i4, b) = cut(expect("a backward op after `&`", op_stmt)).parse(i3)?;
             return Ok((i4, Stmt::Overlap(a, b, sp_of(start, i4))));
@@ -584,7 +671,7 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
     }
     fail(
         i,
-        "a statement (let, var, for, while, repeat, if, an op such as F(0), a send or receive, group, idle)",
+        "a statement (let, var, for, while, repeat, if, an op such as F(0) or F(0).attn, a send or receive, A2A, group, idle)",
     )
 }
 
@@ -748,6 +835,15 @@ fn item(i: In<'_>) -> R<'_, Item> {
         let (i3, body) = cut(literal_body).parse(i2)?;
         return Ok((i3, Item::Literal(body, sp_of(start, i3))));
     }
+    if let Ok((i2, _)) = kw("communicator").parse(i) {
+        let (i3, (n, _)) = cut(expect("a communicator name", ident)).parse(i2)?;
+        let (i4, set) = cut(|i| set_spec(i, "a rank expression or `]`")).parse(i3)?;
+        return Ok((i4, Item::Communicator(n, set, sp_of(start, i4))));
+    }
+    if let Ok((i2, _)) = kw("moe").parse(i) {
+        let (i3, set) = cut(|i| set_spec(i, "a stage expression or `]`")).parse(i2)?;
+        return Ok((i3, Item::Moe(set, sp_of(start, i3))));
+    }
     if let Ok((i2, _)) = kw("expect").parse(i) {
         let (i3, k) = cut(|i| -> R<'_, (ExpectKind, &'static str)> {
             if let Ok((i2, _)) = kw("warmup").parse(i) {
@@ -762,7 +858,50 @@ fn item(i: In<'_>) -> R<'_, Item> {
             if let Ok((i2, _)) = kw("idle").parse(i) {
                 return Ok((i2, (ExpectKind::Idle, "==")));
             }
-            fail(i, "warmup, peak_activations or idle")
+            let rel = |i| -> R<'_, Rel> {
+                cut(expect(
+                    "`<=` or `==`",
+                    alt((value(Rel::Le, tok("<=")), value(Rel::Eq, tok("==")))),
+                ))
+                .parse(i)
+            };
+            if let Ok((i2, _)) = kw("makespan").parse(i) {
+                let (i3, r) = rel(i2)?;
+                return Ok((i3, (ExpectKind::Makespan(r), "")));
+            }
+            if let Ok((i2, _)) = kw("exposed_a2a").parse(i) {
+                let (i3, r) = rel(i2)?;
+                return Ok((i3, (ExpectKind::ExposedA2a(r), "")));
+            }
+            if let Ok((i2, _)) = kw("exposed_comm").parse(i) {
+                let (i3, r) = rel(i2)?;
+                return Ok((i3, (ExpectKind::ExposedComm(r), "")));
+            }
+            if let Ok((i2, _)) = kw("bubble").parse(i) {
+                let (i3, _) = cut(expect("`(` and a convention", tok("("))).parse(i2)?;
+                let (i4, w) = cut(expect(
+                    "a convention: from_start, per_rank_span or steady_state",
+                    raw_ident,
+                ))
+                .parse(i3)?;
+                let Some(conv) = crate::sim::Convention::from_name(w.fragment()) else {
+                    return Err(nom::Err::Failure(PErr {
+                        offset: i3.location_offset(),
+                        expected: "a convention: from_start, per_rank_span or steady_state"
+                            .into(),
+                        help: None,
+                        generic: false,
+                    }));
+                };
+                let (i5, _) = ws(i4)?;
+                let (i6, _) = cut(expect("`)`", tok(")"))).parse(i5)?;
+                let (i7, r) = rel(i6)?;
+                return Ok((i7, (ExpectKind::Bubble(conv, r), "")));
+            }
+            fail(
+                i,
+                "warmup, peak_activations, idle, makespan, bubble(CONVENTION), exposed_a2a or exposed_comm",
+            )
         })
         .parse(i2)?;
         let (kind, op) = k;
@@ -780,7 +919,7 @@ fn item(i: In<'_>) -> R<'_, Item> {
     }
     fail(
         i,
-        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, require, rank, literal, expect)",
+        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, require, rank, literal, communicator, moe, expect)",
     )
 }
 

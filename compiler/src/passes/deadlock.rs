@@ -111,6 +111,8 @@ pub enum CommError {
         at: Pos,
         /// Explanation.
         why: String,
+        /// The member's call it disagrees with, if any.
+        other: Option<Pos>,
     },
     /// A wait-for cycle.
     Deadlock(Vec<WaitStep>),
@@ -141,8 +143,15 @@ impl CommError {
             CommError::Unmatched { at, why, .. } => {
                 Diagnostic::error(Code::Unmatched, why.clone()).at(loc(at))
             }
-            CommError::CollectiveOrder { at, why } => {
-                Diagnostic::error(Code::CollectiveOrder, why.clone()).at(loc(at))
+            CommError::CollectiveOrder { at, why, other } => {
+                let d = Diagnostic::error(Code::CollectiveOrder, why.clone()).at(loc(at));
+                match other {
+                    Some(o) => d.with_related(
+                        loc(o),
+                        format!("rank {}'s call at the same place in its sequence", o.rank),
+                    ),
+                    None => d,
+                }
             }
             CommError::Deadlock(steps) | CommError::Stall(steps) => {
                 let dl = matches!(self, CommError::Deadlock(_));
@@ -380,7 +389,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
             for k in 0..longest {
                 let mut set = Vec::new();
                 let mut never = false;
-                let mut ref_label: Option<&str> = None;
+                let mut ref_label: Option<(&str, u32)> = None;
                 for &m in &members {
                     let seq = seqs.get(&m).unwrap_or(&empty);
                     match seq.get(k) {
@@ -388,14 +397,19 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                             set.push(id);
                             let l = label(id);
                             match ref_label {
-                                None => ref_label = Some(l),
-                                Some(rl) if rl != l && reported.insert(m) => {
+                                None => ref_label = Some((l, id)),
+                                Some((rl, rid)) if rl != l && reported.insert(m) => {
+                                    let other = Pos {
+                                        rank: ops.rank[rid as usize],
+                                        pos: ops.pos[rid as usize],
+                                    };
                                     errs.push(CommError::CollectiveOrder {
                                             at: Pos { rank: m, pos: ops.pos[id as usize] },
                                             why: format!(
                                                 "collective #{k} on communicator `{name}` is `{l}` on rank {m} but `{rl}` on rank {}: members must issue the same sequence",
-                                                members[0]
+                                                other.rank
                                             ),
+                                            other: Some(other),
                                         });
                                 }
                                 _ => {}
@@ -417,6 +431,7 @@ pub fn check(p: &Program, sem: Semantics) -> Vec<CommError> {
                                         "rank {m} issues {} collective(s) on communicator `{name}`, fewer than the {longest} of other members",
                                         seq.len()
                                     ),
+                                    other: None,
                                 });
                             }
                         }

@@ -86,14 +86,22 @@ fn produce_of(c: &Compute) -> Option<PayloadKind> {
 /// order their data becomes ready and the program runs at the unit-time makespan when
 /// communication is free. Use [`lower_timed`] to follow other durations.
 pub fn lower(p: &Program) -> Result<Program, LowerError> {
+    lower_with(p, super::makespan::unit_timing(p).as_ref())
+}
+
+/// [`lower`] with the unit-time schedule already computed (`None`: the order admits no
+/// execution), so that `schedc check` schedules once for this pass and pass 7.
+pub fn lower_with(
+    p: &Program,
+    timing: Option<&super::makespan::Timing>,
+) -> Result<Program, LowerError> {
     use super::makespan::unit_cost;
-    let timing = super::makespan::schedule_with(p, &unit_cost, &|f, b| unit_cost(f) + unit_cost(b));
     // Key each op by its unit-time end: that is when its messages are posted, so every
     // communication stream lists its messages in the order their data becomes ready.
     let ends = timing.map(|t| {
         p.ranks
             .iter()
-            .zip(t.starts)
+            .zip(&t.starts)
             .map(|(instrs, st)| {
                 instrs
                     .iter()

@@ -44,12 +44,21 @@ pub fn unit_cost(c: &Compute) -> f64 {
 /// Runs the unit-time schedule. Returns `None` if the compute order admits no execution
 /// (a cross-rank cycle; pass 3 reports it) or if an op's stage or micro-batch is out of range.
 pub fn analyze(p: &Program) -> Option<UnitTime> {
-    let t = schedule_with(p, &unit_cost, &|f, b| unit_cost(f) + unit_cost(b))?;
-    Some(UnitTime {
+    unit_timing(p).as_ref().map(from_timing)
+}
+
+/// The unit-time schedule ([`schedule_with`] with [`unit_cost`]; a pair takes the sum).
+pub fn unit_timing(p: &Program) -> Option<Timing> {
+    schedule_with(p, &unit_cost, &|f, b| unit_cost(f) + unit_cost(b))
+}
+
+/// The figures of a unit-time schedule.
+pub fn from_timing(t: &Timing) -> UnitTime {
+    UnitTime {
         makespan: t.makespan,
         idle: t.busy.iter().map(|b| t.makespan - b).collect(),
-        busy: t.busy,
-    })
+        busy: t.busy.clone(),
+    }
 }
 
 /// Start and end times of every instruction under given op durations.

@@ -2,7 +2,7 @@
 //!
 //! | pass | module | proves | codes |
 //! |---|---|---|---|
-//! | 1 | [`wellformed`] | every (stage, mb) has one F and one BW or one B then one W; no duplicates; ids in range; ops on the rank holding their stage; messages addressed to the right rank | `missing-op`, `duplicate-op`, `range`, `placement`, `collective-order` |
+//! | 1 | [`wellformed`] | every (stage, mb) has one F and one BW or one B then one W (a split op: its four MoE parts once each); no duplicates; ids in range; ops on the rank holding their stage; MoE parts only on MoE stages; messages addressed to the right rank; collectives on a declared communicator the rank belongs to | `missing-op`, `duplicate-op`, `range`, `placement`, `collective-order` |
 //! | 2 | [`deps`] | same-rank order: F after the previous stage's F, backward after the next stage's backward (or after the loss), W after B, MoE parts in order, sends after their producer, consumers after their receive, REDUCE_GRAD after the stage's last W/BW; cross-rank dependencies carried by a message | `order`, `unmatched` |
 //! | 3 | [`lower`] | (compute-only input) inserts sends and receives from one global interleaving, so the result is deadlock-free by construction; V folds hand over in memory | `deadlock` (when no interleaving exists) |
 //! | 4 | [`deadlock`] | FIFO matching with labels compared, collective order, and a stream-level simulation under the stated semantics: no wait-for cycle | `label-mismatch`, `unmatched`, `collective-order`, `deadlock`, `stall` |
@@ -226,6 +226,36 @@ impl OpIndex {
         }
     }
 }
+
+/// A hasher for small integer keys (ids, ranks, packed tuples): one multiply per word
+/// (Fibonacci hashing) instead of SipHash. Keys come from the program, not from an
+/// adversary who could choose collisions; a schedule has millions of them.
+#[derive(Default)]
+pub struct PackedHasher(u64);
+
+impl std::hash::Hasher for PackedHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(u64::from(x));
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 29)
+    }
+}
+
+/// A `HashMap` with [`PackedHasher`].
+pub type PackedMap<K, V> =
+    std::collections::HashMap<K, V, std::hash::BuildHasherDefault<PackedHasher>>;
 
 /// True if `c` is the first part (in execution order) of its op, or a whole op.
 #[inline]

@@ -5,7 +5,6 @@
 
 use super::{is_last_part, on_compute_stream};
 use schedc_ir::{Comm, Instr, Kind, PayloadKind, Program};
-use std::collections::HashMap;
 
 /// "None" in the index arrays.
 pub const NONE: u32 = u32::MAX;
@@ -50,8 +49,9 @@ pub struct Streams<'p> {
 impl Streams<'_> {
     /// Sends and receives by (sender, receiver, channel), each in program order: the k-th send
     /// pairs with the k-th receive.
-    pub fn channels(&self) -> HashMap<ChannelKey, (Vec<u32>, Vec<u32>)> {
-        let mut chans: HashMap<ChannelKey, (Vec<u32>, Vec<u32>)> = HashMap::new();
+    pub fn channels(&self) -> super::PackedMap<ChannelKey, (Vec<u32>, Vec<u32>)> {
+        let mut chans: super::PackedMap<ChannelKey, (Vec<u32>, Vec<u32>)> =
+            super::PackedMap::default();
         for (id, c) in self.comm.iter().enumerate() {
             let r = self.op_rank[id];
             match c {
@@ -97,7 +97,7 @@ pub fn flatten(p: &Program) -> Streams<'_> {
         items: Vec::with_capacity(np),
         waits: Vec::new(),
     };
-    let mut stream_of: HashMap<(u32, u32), usize> = HashMap::new();
+    let mut stream_of: super::PackedMap<(u32, u32), usize> = super::PackedMap::default();
     // Per-rank scratch, indexed by payload: the first receive and send of it, the item that
     // produces it. Reset after each rank.
     let mut prod_item = vec![NONE; 2 * n];

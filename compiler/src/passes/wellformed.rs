@@ -8,6 +8,7 @@
 //! * every send and receive names a payload in range, is on the rank that produces (send) or
 //!   consumes (receive) it, and names the right peer; no rank messages itself;
 //! * every collective names a declared communicator of which the rank is a member;
+//! * MoE parts only on MoE stages, when the pipeline declares them (`moe_stages`);
 //! * `REDUCE_GRAD(s)` appears at most once, on the rank holding `s`.
 //!
 //! It does not look at order (pass 2) or matching (pass 4).
@@ -95,6 +96,13 @@ pub enum WfError {
         /// The BW's text.
         bw_op: String,
     },
+    /// An MoE part of an op on a stage the pipeline declares dense.
+    DenseStage {
+        /// Where.
+        at: Pos,
+        /// The part.
+        op: Compute,
+    },
     /// The program's rank count differs from P.
     RankCount {
         /// Ranks in the program.
@@ -177,6 +185,28 @@ impl WfError {
             WfError::Collective { at, why } => {
                 Diagnostic::error(Code::CollectiveOrder, why.clone()).at(loc(at))
             }
+            WfError::DenseStage { at, op } => {
+                let moe = cx.program.pipeline.moe_stages.as_deref().unwrap_or(&[]);
+                Diagnostic::error(
+                    Code::Placement,
+                    format!(
+                        "{} is an MoE part, but stage {} is dense: only the MoE stages ({}) are split into attention, dispatch, MLP and combine",
+                        compute_str(op),
+                        op.stage,
+                        if moe.is_empty() {
+                            "none".to_string()
+                        } else {
+                            moe.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+                        }
+                    ),
+                )
+                .at(loc(at))
+                .with_help(format!(
+                    "run stage {} whole ({}), or declare it MoE (a spec's `moe` item, an IR file's `moe` line)",
+                    op.stage,
+                    compute_str(&Compute::new(op.kind, op.stage, op.mb))
+                ))
+            }
             WfError::RankCount { got, pp } => Diagnostic::error(
                 Code::Range,
                 format!("the program has {got} ranks but pp is {pp}"),
@@ -201,6 +231,11 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
     // Seen bitmaps per (kind, part) to find second occurrences in program order.
     let mut seen: Vec<Vec<u64>> = vec![vec![0u64; n.div_ceil(64)]; 4 * 5];
     let mut reduce_seen = vec![Pos::NONE; s_n as usize];
+    // Which stages may be split (None: any).
+    let moe_ok: Option<Vec<bool>> = pl
+        .moe_stages
+        .as_ref()
+        .map(|_| (0..s_n).map(|s| pl.is_moe_stage(s)).collect());
     for (r, instrs) in p.ranks.iter().enumerate() {
         let r32 = r as u32;
         for (i, ins) in instrs.iter().enumerate() {
@@ -212,6 +247,9 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                 if let Some(e) = range_error(pl, at, c.stage, c.mb) {
                     errs.push(e);
                     return;
+                }
+                if c.part != Part::Whole && !moe_ok.as_ref().is_none_or(|v| v[c.stage as usize]) {
+                    errs.push(WfError::DenseStage { at, op: *c });
                 }
                 let holder = pl.rank_of(c.stage);
                 if holder != r32 {
@@ -503,8 +541,8 @@ fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
             None => errs.push(WfError::Collective {
                 at,
                 why: format!(
-                    "unknown communicator `{}` (declare it with `group {} <ranks>`)",
-                    c.comm, c.comm
+                    "unknown communicator `{}` (declare it: in a spec, `communicator {} [ranks]`; in IR text or a `literal` block, `group {} <ranks>`)",
+                    c.comm, c.comm, c.comm
                 ),
             }),
             Some(g) => {

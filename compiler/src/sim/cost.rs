@@ -19,9 +19,13 @@
 //! seq = 4096
 //! micro_batch = 1
 //! dtype_bytes = 2
-//! [moe]
+//! [moe]                # the section's presence is what `--moe` requires
 //! dispatch = 0.0       # seconds per dispatch all-to-all (an MoE op's `.dispatch` part)
 //! combine = 0.0        # seconds per combine all-to-all
+//! # bandwidth = 0.0    # EP bytes per second: a dispatch or combine left at 0 takes
+//! # latency = 0.0      #   latency + seq * micro_batch * hidden * dtype_bytes * top_k / bandwidth
+//! # top_k = 1          #   (tokens x hidden x bytes, from [model]; each token goes to top_k experts)
+//! # attn_share = 0.5   # share of an F, B or BW that is attention (the MLP part gets the rest)
 //! overlap = true       # on a separate communication stream that overlaps compute
 //! a2a = 0.0            # seconds per explicit A2A collective
 //! [memory]
@@ -100,15 +104,36 @@ pub struct ModelShape {
 }
 
 /// MoE all-to-all costs.
+///
+/// A backward's dispatch and combine parts mirror the forward's (the gradient of combine is a
+/// dispatch-shaped all-to-all of the same volume, run where the forward's combine ran), so a
+/// `B` or `BW` part costs what the forward part of the same name costs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Moe {
-    /// Seconds per dispatch.
+    /// True when the model has a `[moe]` section (or `dispatch=`/`combine=` overrides): what
+    /// `--moe` requires, so that all-to-alls are never silently free.
+    #[serde(skip, default = "yes")]
+    pub present: bool,
+    /// Seconds per dispatch; 0 derives it from `bandwidth`.
     #[serde(default)]
     pub dispatch: f64,
-    /// Seconds per combine.
+    /// Seconds per combine; 0 derives it from `bandwidth`.
     #[serde(default)]
     pub combine: f64,
+    /// Expert-parallel bandwidth, bytes per second (0: no derived time).
+    #[serde(default)]
+    pub bandwidth: f64,
+    /// Seconds per derived all-to-all on top of its transfer time.
+    #[serde(default)]
+    pub latency: f64,
+    /// Experts each token is sent to (bytes multiply by it).
+    #[serde(default = "one")]
+    pub top_k: f64,
+    /// Share of an F, B or BW op's compute time in its attention part; the MLP part takes the
+    /// rest.
+    #[serde(default = "half")]
+    pub attn_share: f64,
     /// Whether dispatch/combine run on their own stream, overlapping compute.
     #[serde(default = "yes")]
     pub overlap: bool,
@@ -121,11 +146,20 @@ fn yes() -> bool {
     true
 }
 
+fn one() -> f64 {
+    1.0
+}
+
 impl Default for Moe {
     fn default() -> Self {
         Moe {
+            present: false,
             dispatch: 0.0,
             combine: 0.0,
+            bandwidth: 0.0,
+            latency: 0.0,
+            top_k: 1.0,
+            attn_share: 0.5,
             overlap: true,
             a2a: 0.0,
         }
@@ -269,8 +303,17 @@ impl CostModel {
             ("moe.dispatch", self.moe.dispatch),
             ("moe.combine", self.moe.combine),
             ("moe.a2a", self.moe.a2a),
+            ("moe.bandwidth", self.moe.bandwidth),
+            ("moe.latency", self.moe.latency),
+            ("moe.top_k", self.moe.top_k),
         ] {
             ok(n, v)?;
+        }
+        if !(0.0..=1.0).contains(&self.moe.attn_share) {
+            return Err(format!(
+                "`moe.attn_share` must be in [0, 1], got {}",
+                self.moe.attn_share
+            ));
         }
         let mem = &self.memory;
         for (n, v) in [
@@ -288,7 +331,11 @@ impl CostModel {
             ));
         }
         // Sums of times must stay finite too.
-        let total = self.op_time(Kind::F, 0) + self.op_time(Kind::BW, 0) + self.message_time();
+        let total = self.op_time(Kind::F, 0)
+            + self.op_time(Kind::BW, 0)
+            + self.message_time()
+            + self.a2a_time(Part::Dispatch)
+            + self.a2a_time(Part::Combine);
         if !total.is_finite() {
             return Err("the cost model's times are too large: their sums overflow".into());
         }
@@ -343,8 +390,24 @@ impl CostModel {
                 "latency" => self.p2p.latency = v,
                 "bandwidth" => self.p2p.bandwidth = v,
                 "bytes" => self.p2p.bytes = Some(v),
-                "dispatch" => self.moe.dispatch = v,
-                "combine" => self.moe.combine = v,
+                "dispatch" => {
+                    self.moe.dispatch = v;
+                    self.moe.present = true;
+                }
+                "combine" => {
+                    self.moe.combine = v;
+                    self.moe.present = true;
+                }
+                "ep_bandwidth" => {
+                    self.moe.bandwidth = v;
+                    self.moe.present = true;
+                }
+                "ep_latency" => {
+                    self.moe.latency = v;
+                    self.moe.present = true;
+                }
+                "top_k" => self.moe.top_k = v,
+                "attn_share" => self.moe.attn_share = v,
                 "a2a" => self.moe.a2a = v,
                 "activation_bytes" => self.memory.activation_bytes = v,
                 "released_at_b" => self.memory.released_at_b = v,
@@ -353,7 +416,7 @@ impl CostModel {
                 "optimizer_bytes" => self.memory.optimizer_bytes = v,
                 _ => {
                     return Err(format!(
-                        "unknown cost key `{k}`: expected F, B, W, BW, FB, latency, bandwidth, bytes, dispatch, combine, a2a, activation_bytes, released_at_b, param_bytes, grad_bytes, optimizer_bytes"
+                        "unknown cost key `{k}`: expected F, B, W, BW, FB, latency, bandwidth, bytes, dispatch, combine, ep_bandwidth, ep_latency, top_k, attn_share, a2a, activation_bytes, released_at_b, param_bytes, grad_bytes, optimizer_bytes"
                     ))
                 }
             }
@@ -384,8 +447,8 @@ impl CostModel {
         }
     }
 
-    /// Seconds of one compute op (an MoE part: a quarter of its op for attention and MLP;
-    /// the `[moe]` time for dispatch and combine).
+    /// Seconds of one compute op (an MoE part: `attn_share` of its op for attention, the rest
+    /// for the MLP; [`CostModel::a2a_time`] for dispatch and combine).
     pub fn compute_time(&self, c: &Compute) -> f64 {
         self.op_scale.unwrap_or(1.0) * self.compute_time_unscaled(c)
     }
@@ -393,13 +456,37 @@ impl CostModel {
     fn compute_time_unscaled(&self, c: &Compute) -> f64 {
         match c.part {
             Part::Whole => self.op_time(c.kind, c.stage),
-            Part::Attn | Part::Mlp => self.op_time(c.kind, c.stage) / 2.0,
-            Part::Dispatch => self.moe.dispatch,
-            Part::Combine => self.moe.combine,
+            Part::Attn => self.op_time(c.kind, c.stage) * self.moe.attn_share,
+            Part::Mlp => self.op_time(c.kind, c.stage) * (1.0 - self.moe.attn_share),
+            Part::Dispatch | Part::Combine => self.a2a_time(c.part),
         }
     }
 
-    /// Seconds of an overlapped pair.
+    /// Seconds of one dispatch or combine all-to-all (of a forward, or the mirror of a
+    /// backward): the `[moe]` time, or, when it is 0 and an EP `bandwidth` is given,
+    /// `latency + seq * micro_batch * hidden * dtype_bytes * top_k / bandwidth` with the
+    /// sizes of `[model]`. 0 for other parts. The time is per stage-chunk, like the op
+    /// times: [`CostModel::compute_time`] scales it by `op_scale` with them (a stage holding
+    /// half the layers issues half the all-to-alls).
+    pub fn a2a_time(&self, part: Part) -> f64 {
+        let given = match part {
+            Part::Dispatch => self.moe.dispatch,
+            Part::Combine => self.moe.combine,
+            _ => return 0.0,
+        };
+        if given > 0.0 || self.moe.bandwidth <= 0.0 {
+            return given;
+        }
+        let bytes = match &self.model {
+            Some(m) => m.seq * m.micro_batch * m.hidden * m.dtype_bytes * self.moe.top_k,
+            None => 0.0,
+        };
+        self.moe.latency + bytes / self.moe.bandwidth
+    }
+
+    /// Seconds of an overlapped pair that is not split into MoE parts: the `FB` override when
+    /// given, else the sum of its two ops (no overlap gain; split the pair with `--moe` to let
+    /// the simulator find the overlap).
     pub fn pair_time(&self, fwd: &Compute, bwd: &Compute) -> f64 {
         match self.pick(bwd.stage, |c| c.fb) {
             Some(t) => self.op_scale.unwrap_or(1.0) * t,

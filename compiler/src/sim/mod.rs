@@ -12,8 +12,39 @@
 //!
 //! Outputs per rank: busy (compute-stream time), idle = makespan - busy (the bubble of that
 //! rank), exposed communication (compute-stream waiting beyond what the producers' compute
-//! alone would cause), peak memory. Bubble ratio in both conventions of the literature:
-//! idle / (busy + idle) (Zero Bubble's README) and idle / busy (Megatron's).
+//! alone would cause), exposed all-to-all (the MoE dispatch and combine time during which the
+//! rank computes nothing), peak memory.
+//!
+//! ## MoE parts
+//!
+//! A dispatch or combine part runs on the rank's EP stream (`[moe] overlap = true`), after the
+//! previous part of its op; the next part waits for it. An op — whole, or the first part of a
+//! split one — starts only once every op whose last part comes before it in program order has
+//! completed, all-to-alls included: two ops overlap only where the program interleaves their
+//! parts, as the `--moe` lowering does for an overlapped pair (`crate::moe`). A plain split op
+//! therefore exposes its all-to-alls, as a chunk of several MoE layers does (each layer's
+//! all-to-all waits for that layer's compute and feeds the next), and a pair hides each
+//! all-to-all under the other op's compute.
+//!
+//! ## Bubble conventions
+//!
+//! Every bubble figure names its convention ([`Bubble`]); all three are computed:
+//!
+//! * `from_start`: one step with a barrier at both ends, every rank charged from time 0 to
+//!   the makespan: `1 - Σ busy / (P * makespan)`. GPipe's `(P-1)/(M+P-1)` is this.
+//! * `per_rank_span`: each rank from its first op to its last, the convention of the DualPipe
+//!   README's table and of the Zero Bubble generators (`max_stage_span`):
+//!   `1 - Σ busy / (P * max span)`, the `bubble_rate_span` of `shared/reference/zb`.
+//! * `steady_state`: consecutive steps with no barrier between them (Zero Bubble's optimizer
+//!   post-validation, arXiv 2401.10241 §4: the next step's warmup overlaps this step's
+//!   cooldown). The simulator runs the step again with every stream starting where the
+//!   previous step left it, until one step shifts every stream's end by the same time `T`
+//!   (then, the schedule being shift-invariant, every later step does too) or 8 steps have
+//!   run; `T` is the per-step increment of the makespan and the bubble is
+//!   `1 - Σ busy / (P * T)`.
+//!
+//! Also kept for compatibility: `bubble_ratio` (= `from_start`) and `bubble_ratio_busy`
+//! (Σ idle / Σ busy, Megatron's `(P-1)/M`).
 
 // Index loops over parallel arrays (ops, groups) read better than zipped iterators here.
 #![allow(clippy::needless_range_loop)]
@@ -101,12 +132,22 @@ impl Event {
 pub struct RankSim {
     /// Rank.
     pub rank: u32,
-    /// Compute-stream busy time, seconds.
+    /// Compute-stream busy time, seconds (compute only: an all-to-all that runs on the compute
+    /// stream, `[moe] overlap = false`, is exposed communication, not busy time).
     pub busy: f64,
-    /// makespan - busy, seconds.
+    /// makespan - busy, seconds (the `from_start` idle of the rank).
     pub idle: f64,
-    /// Time the compute stream waited on communication beyond its producers, seconds.
+    /// From the start of the rank's first op to the end of its last (compute and EP streams),
+    /// seconds; `span - busy` is the rank's `per_rank_span` idle.
+    pub span: f64,
+    /// Time the compute stream waited on communication beyond its producers, seconds
+    /// (point-to-point and all-to-all).
     pub exposed_comm: f64,
+    /// Seconds of MoE all-to-all (dispatch and combine parts) the rank issues.
+    pub a2a: f64,
+    /// All-to-all time during which the rank's compute stream computes nothing, seconds:
+    /// the part of `a2a` not hidden under compute.
+    pub exposed_a2a: f64,
     /// Peak memory: parameters, gradients and optimizer state of the stages held, plus the
     /// peak of live activations, bytes.
     pub peak_memory_bytes: f64,
@@ -114,15 +155,96 @@ pub struct RankSim {
     pub peak_activation_bytes: f64,
 }
 
+/// The bubble fraction under each convention (module docs), each in `[0, 1]`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Bubble {
+    /// One step, barrier at both ends: `1 - Σ busy / (P * makespan)`.
+    pub from_start: f64,
+    /// Each rank from its first op to its last: `1 - Σ busy / (P * max span)`.
+    pub per_rank_span: f64,
+    /// Consecutive steps without a barrier: `1 - Σ busy / (P * T)`, `T` the per-step time.
+    pub steady_state: f64,
+}
+
+/// A bubble convention, by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Convention {
+    /// [`Bubble::from_start`].
+    FromStart,
+    /// [`Bubble::per_rank_span`].
+    PerRankSpan,
+    /// [`Bubble::steady_state`].
+    SteadyState,
+}
+
+impl Convention {
+    /// Every convention, in report order.
+    pub const ALL: [Convention; 3] = [
+        Convention::FromStart,
+        Convention::PerRankSpan,
+        Convention::SteadyState,
+    ];
+    /// The name used in reports, JSON and `expect bubble(NAME)`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Convention::FromStart => "from_start",
+            Convention::PerRankSpan => "per_rank_span",
+            Convention::SteadyState => "steady_state",
+        }
+    }
+    /// Parses a name.
+    pub fn from_name(s: &str) -> Option<Self> {
+        Convention::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+}
+
+impl Bubble {
+    /// The fraction under `c`.
+    pub fn get(&self, c: Convention) -> f64 {
+        match c {
+            Convention::FromStart => self.from_start,
+            Convention::PerRankSpan => self.per_rank_span,
+            Convention::SteadyState => self.steady_state,
+        }
+    }
+}
+
+/// MoE all-to-all time over all ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct A2aStats {
+    /// Seconds of dispatch and combine parts, summed over ranks.
+    pub total: f64,
+    /// Seconds of it not hidden under the issuing rank's compute, summed over ranks.
+    pub exposed: f64,
+}
+
+impl A2aStats {
+    /// `exposed / total`, 0 without all-to-alls.
+    pub fn exposed_fraction(&self) -> f64 {
+        if self.total > 0.0 {
+            self.exposed / self.total
+        } else {
+            0.0
+        }
+    }
+}
+
 /// The result of a simulation.
 #[derive(Clone, Debug, Serialize)]
 pub struct SimResult {
     /// Latest end over all streams, seconds.
     pub makespan: f64,
-    /// Σ idle / (Σ busy + Σ idle) over all ranks.
+    /// Σ idle / (Σ busy + Σ idle) over all ranks (= `bubble.from_start`).
     pub bubble_ratio: f64,
     /// Σ idle / Σ busy over all ranks.
     pub bubble_ratio_busy: f64,
+    /// The bubble under each convention.
+    pub bubble: Bubble,
+    /// MoE all-to-all totals.
+    pub a2a: A2aStats,
+    /// Seconds per step in the steady state (`T` of [`Bubble::steady_state`]).
+    pub steady_step: f64,
     /// Per rank.
     pub ranks: Vec<RankSim>,
     /// Every interval.
@@ -133,7 +255,7 @@ pub struct SimResult {
     pub flows: Vec<(usize, usize)>,
 }
 
-use crate::passes::streams::NONE;
+use crate::passes::streams::{Streams, NONE};
 
 fn kind_of(c: &Compute) -> EventKind {
     if c.part.is_all_to_all() {
@@ -155,26 +277,33 @@ fn find(parent: &mut [u32], mut x: u32) -> u32 {
     x
 }
 
-/// Simulates a lowered program (one that passes `schedc check`; compute-only input must be
-/// lowered first with `passes::lower`).
-///
-/// Errors: a program that cannot run to the end (unmatched messages or a deadlock: run
-/// `schedc check` for the diagnosis).
-pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
-    let pl = &p.pipeline;
-    let np = p.ranks.len();
+fn kind_ix(k: Kind) -> usize {
+    match k {
+        Kind::F => 0,
+        Kind::B => 1,
+        Kind::W => 2,
+        Kind::BW => 3,
+    }
+}
+
+/// A flattened program with its matching: what every run of the event loop shares.
+struct Prepared<'p> {
+    flat: Streams<'p>,
+    partner: Vec<u32>,
+    comp_root: Vec<u32>,
+    comp_size: Vec<u32>,
+    comp_never: Vec<bool>,
+    comp_dur: Vec<f64>,
+    comp_start: Vec<u32>,
+    comp_members: Vec<u32>,
+}
+
+fn prepare<'p>(p: &'p Program, cost: &CostModel) -> Prepared<'p> {
     let msg_time = cost.message_time();
-
-    // ---- Flatten: comm ops and groups; compute items. ----
     let flat = crate::passes::streams::flatten(p);
-    let op_comm = &flat.comm;
-    let (op_rank, op_group) = (&flat.op_rank, &flat.op_group);
-    let (g_rank, g_pos, g_ops, g_prod) = (&flat.g_rank, &flat.g_pos, &flat.g_ops, &flat.g_producer);
-    let (stream_groups, rank_streams) = (&flat.stream_groups, &flat.rank_streams);
-    let (items, waits) = (&flat.items, &flat.waits);
-
-    // ---- FIFO matching and components. ----
-    let ng = g_rank.len();
+    let (op_comm, op_rank, op_group, g_ops) =
+        (&flat.comm, &flat.op_rank, &flat.op_group, &flat.g_ops);
+    let ng = flat.g_rank.len();
     let mut partner = vec![NONE; op_comm.len()];
     let chans = flat.channels();
     let mut colls: HashMap<&str, HashMap<u32, Vec<u32>>> = HashMap::new();
@@ -211,13 +340,6 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
             never[op_group[rv as usize] as usize] = true;
         }
     }
-    let mut op_dur: Vec<f64> = op_comm
-        .iter()
-        .map(|c| match c {
-            Comm::Collective(_) => cost.moe.a2a,
-            _ => msg_time,
-        })
-        .collect();
     for per_rank in colls.values() {
         let longest = per_rank.values().map(Vec::len).max().unwrap_or(0);
         let seqs: Vec<&Vec<u32>> = per_rank.values().collect();
@@ -250,7 +372,11 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
         comp_never[root as usize] |= never[g];
         let (a, b) = g_ops[g];
         for id in a..b {
-            comp_dur[root as usize] = comp_dur[root as usize].max(op_dur[id as usize]);
+            let d = match op_comm[id as usize] {
+                Comm::Collective(_) => cost.moe.a2a,
+                _ => msg_time,
+            };
+            comp_dur[root as usize] = comp_dur[root as usize].max(d);
         }
     }
     // Members of each component, as CSR arrays indexed by the root.
@@ -268,29 +394,109 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
         comp_members[fill[r] as usize] = g as u32;
         fill[r] += 1;
     }
-    drop(fill);
-    op_dur.clear();
+    Prepared {
+        flat,
+        partner,
+        comp_root,
+        comp_size,
+        comp_never,
+        comp_dur,
+        comp_start,
+        comp_members,
+    }
+}
 
-    // ---- Run. ----
+/// Where every stream is free: compute streams (one per rank), EP streams (one per rank),
+/// communication streams (one per rank and channel, as flattened).
+#[derive(Clone, Debug, PartialEq)]
+struct Clocks {
+    compute: Vec<f64>,
+    ep: Vec<f64>,
+    comm: Vec<f64>,
+}
+
+/// What one run of the event loop yields.
+struct Run {
+    makespan: f64,
+    busy: Vec<f64>,
+    exposed: Vec<f64>,
+    exposed_a2a: Vec<f64>,
+    a2a: Vec<f64>,
+    first: Vec<f64>,
+    last: Vec<f64>,
+    end: Clocks,
+    /// Which streams ran something (compute, EP, comm), for the periodicity test.
+    used: Clocks,
+    events: Vec<Event>,
+    g_event: Vec<usize>,
+    mem: Vec<Vec<(f64, f64)>>,
+}
+
+/// One step of the program from the stream clocks `init`. `record` keeps events and memory.
+fn run(
+    p: &Program,
+    cost: &CostModel,
+    prep: &Prepared<'_>,
+    init: &Clocks,
+    record: bool,
+) -> Result<Run, String> {
+    let pl = &p.pipeline;
+    let np = p.ranks.len();
+    let flat = &prep.flat;
+    let (op_group, g_rank, g_pos, g_prod) =
+        (&flat.op_group, &flat.g_rank, &flat.g_pos, &flat.g_producer);
+    let (stream_groups, rank_streams) = (&flat.stream_groups, &flat.rank_streams);
+    let (items, waits) = (&flat.items, &flat.waits);
+    let partner = &prep.partner;
+    let ng = g_rank.len();
+    let (s_n, m_n) = (pl.stages as usize, pl.microbatches as usize);
+    let per_dir = pl.stages_per_direction();
+    let bidir = pl.directions() == 2;
+
     let mut events: Vec<Event> = Vec::new();
-    let mut g_event = vec![usize::MAX; ng];
+    let mut g_event = vec![usize::MAX; if record { ng } else { 0 }];
     let mut cpos = vec![0usize; np];
     let ns = stream_groups.len();
     let mut spos = vec![0usize; ns];
-    let mut cfree = vec![0f64; np];
-    let mut mfree = vec![0f64; ns];
-    let mut epfree = vec![0f64; np];
+    let mut cfree = init.compute.clone();
+    let mut mfree = init.comm.clone();
+    let mut epfree = init.ep.clone();
     let mut busy = vec![0f64; np];
     let mut exposed = vec![0f64; np];
+    let mut a2a = vec![0f64; np];
+    // Busy intervals of each rank's compute stream and all-to-all intervals, each in time
+    // order (in-order streams), for the exposed all-to-all (recorded runs only).
+    let mut comp_iv: Vec<Vec<(f64, f64)>> = vec![Vec::new(); np];
+    let mut a2a_iv: Vec<Vec<(f64, f64)>> = vec![Vec::new(); np];
+    // Latest end of the ops closed so far on each rank (see the start rule below).
+    let mut closed = init.compute.clone();
+    let mut first = vec![f64::INFINITY; np];
+    let mut last = vec![f64::NEG_INFINITY; np];
+    let mut used = Clocks {
+        compute: vec![0.0; np],
+        ep: vec![0.0; np],
+        comm: vec![0.0; ns],
+    };
+    let mut makespan = f64::NEG_INFINITY;
     let mut item_end: Vec<Vec<f64>> = items.iter().map(|v| vec![f64::NAN; v.len()]).collect();
     let mut posted = vec![false; ng];
     let mut post_time = vec![0f64; ng];
     let mut ready_time = vec![0f64; ng]; // producer end of the group's sends
     let mut complete = vec![f64::NAN; ng];
     let mut posted_cnt = vec![0u32; ng];
-    let mut part_end: HashMap<(Kind, u32, u32), f64> = HashMap::new();
-    // Memory events: (time, delta bytes, is_free) per rank.
-    let mut mem: Vec<Vec<(f64, f64)>> = vec![Vec::new(); np];
+    // End of the latest part of each split op (kind, stage, mb); NaN before its first part.
+    let has_parts = p
+        .ranks
+        .iter()
+        .flatten()
+        .any(|i| matches!(i, Instr::Compute(c) if c.part != Part::Whole));
+    let mut part_end: Vec<f64> = vec![f64::NAN; if has_parts { 4 * s_n * m_n } else { 0 }];
+    let part_key = |c: &Compute| {
+        (c.stage < pl.stages && c.mb < pl.microbatches)
+            .then(|| kind_ix(c.kind) * s_n * m_n + c.stage as usize * m_n + c.mb as usize)
+    };
+    // Memory events: (time, delta bytes) per rank.
+    let mut mem: Vec<Vec<(f64, f64)>> = vec![Vec::new(); if record { np } else { 0 }];
     let act = cost.memory.activation_bytes;
     let rel_b = cost.memory.released_at_b.clamp(0.0, 1.0);
     let mut in_work = vec![true; np];
@@ -327,86 +533,135 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                     .fold(0.0, f64::max);
                 let ins = &p.ranks[r][pos as usize];
                 let before = cfree[r];
-                let mut start = before.max(data);
-                let (end, on_ep) = match ins {
+                // An op starts only once every op closed before it in program order (its last
+                // part issued) has completed, all-to-alls included: ops overlap only where the
+                // program interleaves their parts.
+                let opens = match ins {
+                    Instr::Compute(c) => is_first_part(c),
+                    _ => true,
+                };
+                let gate = if opens { closed[r] } else { 0.0 };
+                // (start, end, on the EP stream)
+                let (start, end, on_ep) = match ins {
                     Instr::Compute(c) => {
-                        if c.part != Part::Whole {
-                            if let Some(&pe) = part_end.get(&(c.kind, c.stage, c.mb)) {
-                                start = start.max(pe);
+                        let key = if c.part == Part::Whole {
+                            None
+                        } else {
+                            part_key(c)
+                        };
+                        let pe = key.map_or(f64::NAN, |k| part_end[k]);
+                        let pe = if pe.is_nan() { gate } else { pe.max(gate) };
+                        let d = cost.compute_time(c);
+                        let a2a_part = c.part.is_all_to_all();
+                        let (s, e, ep) = if a2a_part && cost.moe.overlap {
+                            let s2 = epfree[r].max(data).max(pe);
+                            epfree[r] = s2 + d;
+                            used.ep[r] = 1.0;
+                            (s2, s2 + d, true)
+                        } else {
+                            let base = before.max(data);
+                            let start = base.max(pe);
+                            exposed[r] += (start - before.max(producers)).max(0.0);
+                            if a2a_part {
+                                // On the compute stream: the stream waits all of it.
+                                exposed[r] += d;
+                            } else {
+                                busy[r] += d;
+                                if d > 0.0 && record {
+                                    comp_iv[r].push((start, start + d));
+                                }
+                            }
+                            cfree[r] = start + d;
+                            used.compute[r] = 1.0;
+                            (start, start + d, false)
+                        };
+                        if a2a_part {
+                            a2a[r] += d;
+                            if d > 0.0 && record {
+                                a2a_iv[r].push((s, e));
                             }
                         }
-                        let d = cost.compute_time(c);
-                        if c.part.is_all_to_all() && cost.moe.overlap {
-                            let s2 = epfree[r].max(data).max(
-                                part_end
-                                    .get(&(c.kind, c.stage, c.mb))
-                                    .copied()
-                                    .unwrap_or(0.0),
-                            );
-                            (s2 + d, Some(s2))
-                        } else {
-                            (start + d, None)
+                        if let Some(k) = key {
+                            part_end[k] = e;
                         }
+                        if is_last_part(c) {
+                            closed[r] = closed[r].max(e);
+                        }
+                        (s, e, ep)
                     }
-                    Instr::Overlap { fwd, bwd } => (start + cost.pair_time(fwd, bwd), None),
-                    _ => (start, None),
-                };
-                let (ev_start, stream) = match on_ep {
-                    Some(s2) => {
-                        epfree[r] = end;
-                        (s2, StreamKind::Ep)
-                    }
-                    None => {
+                    Instr::Overlap { fwd, bwd } => {
+                        let base = before.max(data);
+                        let start = base.max(gate);
                         exposed[r] += (start - before.max(producers)).max(0.0);
-                        busy[r] += end - start;
-                        cfree[r] = end;
-                        (start, StreamKind::Compute)
+                        let d = cost.pair_time(fwd, bwd);
+                        busy[r] += d;
+                        if d > 0.0 && record {
+                            comp_iv[r].push((start, start + d));
+                        }
+                        cfree[r] = start + d;
+                        closed[r] = closed[r].max(start + d);
+                        used.compute[r] = 1.0;
+                        (start, start + d, false)
+                    }
+                    _ => {
+                        let base = before.max(data);
+                        let start = base.max(gate);
+                        exposed[r] += (start - before.max(producers)).max(0.0);
+                        cfree[r] = start;
+                        (start, start, false)
                     }
                 };
-                let mut mbv = None;
-                let mut mb2 = None;
-                let mut direction = 0u8;
-                let per_dir = pl.stages_per_direction();
-                let mut kind = EventKind::Other;
-                ins.for_each_compute(|c| {
-                    if mbv.is_none() {
-                        mbv = Some(c.mb);
-                        direction = u8::from(pl.directions() == 2 && c.stage >= per_dir);
-                    } else {
-                        mb2 = Some(c.mb);
-                    }
-                    kind = kind_of(c);
-                    if c.part != Part::Whole {
-                        part_end.insert((c.kind, c.stage, c.mb), end);
-                    }
-                    // Memory accounting.
-                    if c.kind == Kind::F && is_first_part(c) {
-                        mem[r].push((ev_start, act));
-                    }
-                    if is_last_part(c) {
-                        match c.kind {
-                            Kind::B => mem[r].push((end, -act * rel_b)),
-                            Kind::W => mem[r].push((end, -act * (1.0 - rel_b))),
-                            Kind::BW => mem[r].push((end, -act)),
-                            Kind::F => {}
-                        }
-                    }
-                });
-                if matches!(ins, Instr::Overlap { .. }) {
-                    kind = EventKind::Overlap;
+                if ins.is_compute() {
+                    first[r] = first[r].min(start);
+                    last[r] = last[r].max(end);
                 }
-                if kind != EventKind::Other || end > ev_start {
-                    events.push(Event {
-                        rank: r as u32,
-                        stream,
-                        kind,
-                        pos,
-                        start: ev_start,
-                        end,
-                        mb: mbv,
-                        mb2,
-                        direction,
+                makespan = makespan.max(end);
+                if record {
+                    let mut mbv = None;
+                    let mut mb2 = None;
+                    let mut direction = 0u8;
+                    let mut kind = EventKind::Other;
+                    ins.for_each_compute(|c| {
+                        if mbv.is_none() {
+                            mbv = Some(c.mb);
+                            direction = u8::from(bidir && c.stage >= per_dir);
+                        } else {
+                            mb2 = Some(c.mb);
+                        }
+                        kind = kind_of(c);
+                        // Memory accounting.
+                        if c.kind == Kind::F && is_first_part(c) {
+                            mem[r].push((start, act));
+                        }
+                        if is_last_part(c) {
+                            match c.kind {
+                                Kind::B => mem[r].push((end, -act * rel_b)),
+                                Kind::W => mem[r].push((end, -act * (1.0 - rel_b))),
+                                Kind::BW => mem[r].push((end, -act)),
+                                Kind::F => {}
+                            }
+                        }
                     });
+                    if matches!(ins, Instr::Overlap { .. }) {
+                        kind = EventKind::Overlap;
+                    }
+                    if kind != EventKind::Other || end > start {
+                        events.push(Event {
+                            rank: r as u32,
+                            stream: if on_ep {
+                                StreamKind::Ep
+                            } else {
+                                StreamKind::Compute
+                            },
+                            kind,
+                            pos,
+                            start,
+                            end,
+                            mb: mbv,
+                            mb2,
+                            direction,
+                        });
+                    }
                 }
                 item_end[r][cpos[r]] = end;
                 cpos[r] += 1;
@@ -429,16 +684,16 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                         post_time[g] = mfree[k].max(pe);
                         posted[g] = true;
                         progressed = true;
-                        let root = comp_root[g] as usize;
+                        let root = prep.comp_root[g] as usize;
                         posted_cnt[root] += 1;
-                        if posted_cnt[root] == comp_size[root] && !comp_never[root] {
-                            let members = &comp_members
-                                [comp_start[root] as usize..comp_start[root + 1] as usize];
+                        if posted_cnt[root] == prep.comp_size[root] && !prep.comp_never[root] {
+                            let members = &prep.comp_members[prep.comp_start[root] as usize
+                                ..prep.comp_start[root + 1] as usize];
                             let t = members
                                 .iter()
                                 .map(|&h| post_time[h as usize])
                                 .fold(0.0, f64::max)
-                                + comp_dur[root];
+                                + prep.comp_dur[root];
                             for &h in members {
                                 let h = h as usize;
                                 complete[h] = t;
@@ -453,18 +708,22 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                     if !complete[g].is_nan() {
                         let t = complete[g];
                         mfree[k] = t;
-                        g_event[g] = events.len();
-                        events.push(Event {
-                            rank: r as u32,
-                            stream: StreamKind::Comm,
-                            kind: EventKind::Comm,
-                            pos: g_pos[g],
-                            start: post_time[g],
-                            end: t,
-                            mb: None,
-                            mb2: None,
-                            direction: 0,
-                        });
+                        used.comm[k] = 1.0;
+                        makespan = makespan.max(t);
+                        if record {
+                            g_event[g] = events.len();
+                            events.push(Event {
+                                rank: r as u32,
+                                stream: StreamKind::Comm,
+                                kind: EventKind::Comm,
+                                pos: g_pos[g],
+                                start: post_time[g],
+                                end: t,
+                                mb: None,
+                                mb2: None,
+                                direction: 0,
+                            });
+                        }
                         spos[k] += 1;
                         progressed = true;
                     } else {
@@ -486,20 +745,154 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
             "the program does not run to the end (rank {r} stops); run `schedc check` for the diagnosis"
         ));
     }
+    let exposed_a2a = (0..np)
+        .map(|r| uncovered(&a2a_iv[r], &comp_iv[r]))
+        .collect();
+    Ok(Run {
+        makespan: if makespan.is_finite() { makespan } else { 0.0 },
+        busy,
+        exposed,
+        exposed_a2a,
+        a2a,
+        first,
+        last,
+        end: Clocks {
+            compute: cfree,
+            ep: epfree,
+            comm: mfree,
+        },
+        used,
+        events,
+        g_event,
+        mem,
+    })
+}
+
+/// Total length of the intervals `a` not covered by the intervals `b`; both lists are in
+/// time order and non-overlapping (one in-order stream each). Linear.
+fn uncovered(a: &[(f64, f64)], b: &[(f64, f64)]) -> f64 {
+    let mut j = 0;
+    let mut total = 0.0;
+    for &(s, e) in a {
+        let mut t = s;
+        while j < b.len() && b[j].1 <= t {
+            j += 1;
+        }
+        let mut k = j;
+        while t < e {
+            match b.get(k) {
+                Some(&(bs, be)) if bs < e => {
+                    if bs > t {
+                        total += bs - t;
+                    }
+                    t = t.max(be);
+                    k += 1;
+                }
+                _ => {
+                    total += e - t;
+                    break;
+                }
+            }
+        }
+    }
+    total
+}
+
+/// The most steps the steady-state search runs (the first included).
+const MAX_STEADY_STEPS: usize = 8;
+
+/// True if every stream that ran something ended `t` later in `b` than in `a`.
+fn shifted_by(a: &Clocks, b: &Clocks, used: &Clocks, t: f64) -> bool {
+    let tol = 1e-9 * t.abs().max(1.0);
+    let same = |x: &[f64], y: &[f64], u: &[f64]| {
+        x.iter()
+            .zip(y)
+            .zip(u)
+            .all(|((x, y), u)| *u == 0.0 || ((y - x) - t).abs() <= tol)
+    };
+    same(&a.compute, &b.compute, &used.compute)
+        && same(&a.ep, &b.ep, &used.ep)
+        && same(&a.comm, &b.comm, &used.comm)
+}
+
+/// What [`simulate_with`] computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimOptions {
+    /// Run further steps for the `steady_state` bubble (typically one more run of the event
+    /// loop, about doubling the cost). Without it `bubble.steady_state` and `steady_step`
+    /// are NaN (JSON `null`).
+    pub steady_state: bool,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions { steady_state: true }
+    }
+}
+
+/// Simulates a lowered program (one that passes `schedc check`; compute-only input must be
+/// lowered first with `passes::lower`): the timeline, per-rank figures, the bubble under
+/// every convention (the steady state runs the step again, typically once more), the
+/// all-to-all totals. O(instructions) per run of the step.
+///
+/// Errors: a program that cannot run to the end (unmatched messages or a deadlock: run
+/// `schedc check` for the diagnosis).
+pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
+    simulate_with(p, cost, SimOptions::default())
+}
+
+/// [`simulate`] with options: an optimizer's inner loop that needs no steady-state figure
+/// turns it off.
+pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<SimResult, String> {
+    let pl = &p.pipeline;
+    let np = p.ranks.len();
+    let prep = prepare(p, cost);
+    let zero = Clocks {
+        compute: vec![0.0; np],
+        ep: vec![0.0; np],
+        comm: vec![0.0; prep.flat.stream_groups.len()],
+    };
+    let one = run(p, cost, &prep, &zero, true)?;
+
+    // Steady state: run further steps from where the previous one left every stream.
+    let mut prev_end = one.end.clone();
+    let mut prev_makespan = one.makespan;
+    let mut step = if opts.steady_state {
+        one.makespan
+    } else {
+        f64::NAN
+    };
+    for _ in 1..if opts.steady_state {
+        MAX_STEADY_STEPS
+    } else {
+        1
+    } {
+        let next = run(p, cost, &prep, &prev_end, false)?;
+        step = next.makespan - prev_makespan;
+        let periodic = shifted_by(&prev_end, &next.end, &one.used, step);
+        prev_end = next.end;
+        prev_makespan = next.makespan;
+        if periodic {
+            break;
+        }
+    }
+
     // Flows: each send's group to its receive's group.
+    let flat = &prep.flat;
     let mut flows = Vec::new();
-    for (id, c) in op_comm.iter().enumerate() {
-        if matches!(c, Comm::Send { .. }) && partner[id] != NONE {
+    for (id, c) in flat.comm.iter().enumerate() {
+        if matches!(c, Comm::Send { .. }) && prep.partner[id] != NONE {
             let (a, b) = (
-                g_event[op_group[id] as usize],
-                g_event[op_group[partner[id] as usize] as usize],
+                one.g_event[flat.op_group[id] as usize],
+                one.g_event[flat.op_group[prep.partner[id] as usize] as usize],
             );
             if a != usize::MAX && b != usize::MAX {
                 flows.push((a, b));
             }
         }
     }
-    let makespan = events.iter().map(|e| e.end).fold(0.0, f64::max);
+    let makespan = one.makespan;
+    let mut mem = one.mem;
     let ranks: Vec<RankSim> = (0..np)
         .map(|r| {
             let held = pl.stages_of(r as u32).len() as f64;
@@ -515,11 +908,19 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
                 live += d;
                 peak = peak.max(live);
             }
+            let span = if one.last[r] >= one.first[r] {
+                one.last[r] - one.first[r]
+            } else {
+                0.0
+            };
             RankSim {
                 rank: r as u32,
-                busy: busy[r],
-                idle: makespan - busy[r],
-                exposed_comm: exposed[r],
+                busy: one.busy[r],
+                idle: makespan - one.busy[r],
+                span,
+                exposed_comm: one.exposed[r],
+                a2a: one.a2a[r],
+                exposed_a2a: one.exposed_a2a[r],
                 peak_memory_bytes: stat + peak,
                 peak_activation_bytes: peak,
             }
@@ -527,19 +928,40 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
         .collect();
     let tb: f64 = ranks.iter().map(|r| r.busy).sum();
     let ti: f64 = ranks.iter().map(|r| r.idle).sum();
+    let max_span = ranks.iter().map(|r| r.span).fold(0.0, f64::max);
+    let frac = |window: f64| {
+        if window.is_nan() {
+            f64::NAN
+        } else if window > 0.0 && np > 0 {
+            (1.0 - tb / (np as f64 * window)).max(0.0)
+        } else {
+            0.0
+        }
+    };
+    let bubble = Bubble {
+        from_start: frac(makespan),
+        per_rank_span: frac(max_span),
+        steady_state: frac(step),
+    };
     Ok(SimResult {
         makespan,
         bubble_ratio: if tb + ti > 0.0 { ti / (tb + ti) } else { 0.0 },
         bubble_ratio_busy: if tb > 0.0 { ti / tb } else { 0.0 },
+        bubble,
+        a2a: A2aStats {
+            total: ranks.iter().map(|r| r.a2a).sum(),
+            exposed: ranks.iter().map(|r| r.exposed_a2a).sum(),
+        },
+        steady_step: step,
         ranks,
-        events,
+        events: one.events,
         flows,
     })
 }
 
 /// Lowers (if needed) and simulates.
 pub fn simulate_any(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
-    if p.is_compute_only() {
+    if !p.has_p2p() {
         let l = crate::passes::lower::lower(p).map_err(|_| {
             "the compute order admits no execution; run `schedc check` for the cycle".to_string()
         })?;

@@ -24,21 +24,36 @@ pub fn text_report(r: &SimResult, width: usize) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "makespan {:.6}  bubble {:.2}% of busy+idle, {:.2}% of busy",
-        r.makespan,
-        100.0 * r.bubble_ratio,
-        100.0 * r.bubble_ratio_busy
+        "makespan {:.6}  steady-state step {:.6}",
+        r.makespan, r.steady_step
     );
     let _ = writeln!(
         o,
-        "\n{:>5} {:>12} {:>12} {:>14} {:>18}",
-        "rank", "busy", "idle", "exposed_comm", "peak_memory_bytes"
+        "bubble: from_start {:.2}%, per_rank_span {:.2}%, steady_state {:.2}% (idle / (busy + idle)); from_start idle / busy {:.2}%",
+        100.0 * r.bubble.from_start,
+        100.0 * r.bubble.per_rank_span,
+        100.0 * r.bubble.steady_state,
+        100.0 * r.bubble_ratio_busy
+    );
+    if r.a2a.total > 0.0 {
+        let _ = writeln!(
+            o,
+            "all-to-all: {:.6} s, {:.6} s exposed ({:.1}%, not under compute)",
+            r.a2a.total,
+            r.a2a.exposed,
+            100.0 * r.a2a.exposed_fraction()
+        );
+    }
+    let _ = writeln!(
+        o,
+        "\n{:>5} {:>12} {:>12} {:>12} {:>14} {:>12} {:>18}",
+        "rank", "busy", "idle", "span", "exposed_comm", "exposed_a2a", "peak_memory_bytes"
     );
     for x in &r.ranks {
         let _ = writeln!(
             o,
-            "{:>5} {:>12.6} {:>12.6} {:>14.6} {:>18.4e}",
-            x.rank, x.busy, x.idle, x.exposed_comm, x.peak_memory_bytes
+            "{:>5} {:>12.6} {:>12.6} {:>12.6} {:>14.6} {:>12.6} {:>18.4e}",
+            x.rank, x.busy, x.idle, x.span, x.exposed_comm, x.exposed_a2a, x.peak_memory_bytes
         );
     }
     if r.makespan <= 0.0 {
@@ -48,7 +63,7 @@ pub fn text_report(r: &SimResult, width: usize) -> String {
     let scale = w as f64 / r.makespan;
     let _ = writeln!(
         o,
-        "\ntimeline (compute streams; F forward, B input-grad, W weight-grad, X fused backward, O overlapped F&B, . idle):"
+        "\ntimeline (compute streams; F forward, B input-grad, W weight-grad, X fused backward, O overlapped F&B, a all-to-all on the compute stream, . idle):"
     );
     let np = r.ranks.len();
     let mut rows = vec![vec!['.'; w]; np];
@@ -147,12 +162,20 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
-/// An SVG Gantt chart: a row per rank (its compute stream, with a thin communication lane
-/// below it), colours by op kind, the micro-batch written in each box wide enough, a time
-/// axis and a legend.
+/// An SVG Gantt chart: a row per rank (its compute stream; below it, when the program has MoE
+/// parts, a lane for its expert-parallel stream, so that an all-to-all under a gap of the
+/// compute row is exposed and one under a box is hidden; then a thin lane for its messages),
+/// colours by op kind, the micro-batch written in each box wide enough, a time axis and a
+/// legend.
 pub fn svg(r: &SimResult, p: &Program, title: &str) -> String {
     let np = r.ranks.len();
-    let (left, top, row_h, lane_h, gap) = (70.0, 50.0, 26.0, 6.0, 8.0);
+    let ep_h = if r.events.iter().any(|e| e.stream == StreamKind::Ep) {
+        10.0
+    } else {
+        0.0
+    };
+    let (left, top, row_h, gap) = (70.0, 50.0, 26.0, 8.0);
+    let lane_h = 6.0 + ep_h;
     let width = 1200.0;
     let plot_w = width - left - 20.0;
     let scale = if r.makespan > 0.0 {
@@ -174,9 +197,19 @@ pub fn svg(r: &SimResult, p: &Program, title: &str) -> String {
     );
     let _ = writeln!(
         o,
-        r##"<text x="{left}" y="40" font-size="11" fill="#555">makespan {:.4}, bubble {:.1}% (idle / (busy + idle))</text>"##,
+        r##"<text x="{left}" y="40" font-size="11" fill="#555">makespan {:.4}; bubble {:.1}% from_start, {:.1}% per_rank_span, {:.1}% steady_state{}</text>"##,
         r.makespan,
-        100.0 * r.bubble_ratio
+        100.0 * r.bubble.from_start,
+        100.0 * r.bubble.per_rank_span,
+        100.0 * r.bubble.steady_state,
+        if r.a2a.total > 0.0 {
+            format!(
+                "; all-to-all {:.1}% exposed",
+                100.0 * r.a2a.exposed_fraction()
+            )
+        } else {
+            String::new()
+        }
     );
     let row_y = |rank: u32| top + rank as f64 * (row_h + lane_h + gap);
     for x in &r.ranks {
@@ -205,8 +238,8 @@ pub fn svg(r: &SimResult, p: &Program, title: &str) -> String {
         let x = left + e.start * scale;
         let (y, h) = match e.stream {
             StreamKind::Compute => (row_y(e.rank), row_h),
-            StreamKind::Ep => (row_y(e.rank) + row_h * 0.55, row_h * 0.45),
-            StreamKind::Comm => (row_y(e.rank) + row_h + 1.0, lane_h - 1.0),
+            StreamKind::Ep => (row_y(e.rank) + row_h + 1.0, ep_h - 1.0),
+            StreamKind::Comm => (row_y(e.rank) + row_h + ep_h + 1.0, 5.0),
         };
         let _ = writeln!(
             o,

@@ -1,0 +1,438 @@
+//! GPU micro-benchmarks of the CUDA backend, through its own device API (`CudaGpu`): the
+//! expert GEMMs at DeepSeek-like shapes against a plain cuBLAS bf16 GEMM measured in the
+//! same run, an overlapped F&B chunk against F then B with the all-to-alls simulated by
+//! device copies of their size, and the launch overhead. Prints one JSON object.
+//!
+//! `gpu_bench [--device N] [--what gemm,overlap,launch]`; run by `backends/cuda/gpu-check.sh`.
+//! Without a GPU it prints why and exits 1.
+
+use schedc_cuda::api::*;
+use schedc_cuda::cuda::CudaGpu;
+use serde_json::json;
+use std::time::Instant;
+
+fn fill(g: &CudaGpu, s: StreamId, p: DevPtr, n: usize, seed: u32) -> Result<(), GpuError> {
+    g.launch(
+        s,
+        &Launch {
+            kernel: "fill_hash",
+            grid: [n.div_ceil(256).clamp(1, 65535) as u32, 1, 1],
+            block: [256, 1, 1],
+            args: vec![
+                Arg::Ptr(p),
+                Arg::I64(n as i64),
+                Arg::U32(seed),
+                Arg::F32(0.05),
+            ],
+        },
+    )
+}
+
+/// Milliseconds per run of `f` on stream `s` (3 warm-ups, `reps` timed, events).
+fn time(
+    g: &CudaGpu,
+    s: StreamId,
+    reps: usize,
+    mut f: impl FnMut() -> Result<(), GpuError>,
+) -> Result<f64, GpuError> {
+    for _ in 0..3 {
+        f()?;
+    }
+    let (a, b) = (g.new_event()?, g.new_event()?);
+    g.record(s, a)?;
+    for _ in 0..reps {
+        f()?;
+    }
+    g.record(s, b)?;
+    g.sync(s, std::time::Duration::from_secs(300))?;
+    Ok(g.elapsed_ms(a, b)? as f64 / reps as f64)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: DevPtr,
+    sa: usize,
+    b: DevPtr,
+    sb: usize,
+    tb: bool,
+    c: DevPtr,
+    sc: usize,
+    batch: usize,
+) -> Gemm {
+    Gemm {
+        m,
+        n,
+        k,
+        a,
+        lda: k,
+        sa,
+        ta: false,
+        b,
+        ldb: if tb { k } else { n },
+        sb,
+        tb,
+        c,
+        ldc: n,
+        sc,
+        batch,
+        alpha: 1.0,
+        beta: 0.0,
+        c_f32: false,
+    }
+}
+
+/// The peak: an 8192³ bf16 GEMM.
+fn peak(g: &CudaGpu, s: StreamId) -> Result<serde_json::Value, GpuError> {
+    let n = 8192;
+    let (a, b, c) = (
+        g.alloc(n * n * 2)?,
+        g.alloc(n * n * 2)?,
+        g.alloc(n * n * 2)?,
+    );
+    fill(g, s, a, n * n, 1)?;
+    fill(g, s, b, n * n, 2)?;
+    let ms = time(g, s, 10, || {
+        g.gemm(s, &gemm(n, n, n, a, 0, b, 0, false, c, 0, 1))
+    })?;
+    for p in [a, b, c] {
+        g.free(p)?;
+    }
+    let tf = 2.0 * (n as f64).powi(3) / (ms * 1e-3) / 1e12;
+    Ok(json!({"shape": "8192x8192x8192 bf16, f32 accumulation", "ms": ms, "tflops": tf}))
+}
+
+/// The expert GEMMs of the forward (`h1 = X W1`, `h3 = X W3`, `y = act W2`, batched over
+/// the local experts, weights interleaved w1, w3, w2 per expert as the driver lays them
+/// out) and of the weight gradient (`dW1 += Xᵀ dH1`, f32 accumulators), hidden 7168,
+/// expert hidden 2048, 4096 tokens per rank, top-8 of 256 experts, balanced.
+fn experts(
+    g: &CudaGpu,
+    s: StreamId,
+    local: usize,
+    rows: usize,
+) -> Result<serde_json::Value, GpuError> {
+    let (d, f) = (7168usize, 2048usize);
+    let stride = 3 * d * f;
+    let w = g.alloc(local * stride * 2)?;
+    let x = g.alloc(local * rows * d * 2)?;
+    let (h1, h3) = (
+        g.alloc(local * rows * f * 2)?,
+        g.alloc(local * rows * f * 2)?,
+    );
+    let y = g.alloc(local * rows * d * 2)?;
+    let dw = g.alloc(d * f * local * 4)?;
+    fill(g, s, w, local * stride, 3)?;
+    fill(g, s, x, local * rows * d, 4)?;
+    fill(g, s, h1, local * rows * f, 5)?;
+    let fwd = time(g, s, 5, || {
+        g.gemm(
+            s,
+            &gemm(
+                rows,
+                f,
+                d,
+                x,
+                rows * d,
+                w,
+                stride,
+                false,
+                h1,
+                rows * f,
+                local,
+            ),
+        )?;
+        g.gemm(
+            s,
+            &gemm(
+                rows,
+                f,
+                d,
+                x,
+                rows * d,
+                w + (d * f * 2) as u64,
+                stride,
+                false,
+                h3,
+                rows * f,
+                local,
+            ),
+        )?;
+        g.gemm(
+            s,
+            &gemm(
+                rows,
+                d,
+                f,
+                h1,
+                rows * f,
+                w + (2 * d * f * 2) as u64,
+                stride,
+                false,
+                y,
+                rows * d,
+                local,
+            ),
+        )
+    })?;
+    let wgrad = time(g, s, 5, || {
+        g.gemm(
+            s,
+            &Gemm {
+                m: d,
+                n: f,
+                k: rows,
+                a: x,
+                lda: d,
+                sa: rows * d,
+                ta: true,
+                b: h1,
+                ldb: f,
+                sb: rows * f,
+                tb: false,
+                c: dw,
+                ldc: f,
+                sc: d * f,
+                batch: local,
+                alpha: 1.0,
+                beta: 1.0,
+                c_f32: true,
+            },
+        )
+    })?;
+    for p in [w, x, h1, h3, y, dw] {
+        g.free(p)?;
+    }
+    let flops_fwd = 2.0 * (local * rows) as f64 * 3.0 * (d * f) as f64;
+    let flops_w = 2.0 * (local * rows) as f64 * (d * f) as f64;
+    Ok(json!({
+        "local_experts": local, "rows_per_expert": rows, "hidden": d, "expert_hidden": f,
+        "forward_ms": fwd, "forward_tflops": flops_fwd / (fwd * 1e-3) / 1e12,
+        "wgrad_w1_ms": wgrad, "wgrad_w1_tflops": flops_w / (wgrad * 1e-3) / 1e12,
+    }))
+}
+
+/// An F&B chunk of one layer: F = attention (4 GEMMs t x d x d), dispatch, experts
+/// (3 batched GEMMs), combine; B = combine, experts (6), dispatch, attention (8); the
+/// all-to-alls are device copies of t k d bf16 values. Serial: everything on one stream.
+/// Overlapped: compute and copies on two streams, ordered by events as DualPipe orders
+/// them. Compute only: no copies. Exposed all-to-all = overlapped - compute only.
+fn overlap(g: &CudaGpu) -> Result<serde_json::Value, GpuError> {
+    let (t, d, f, k, local) = (4096usize, 7168usize, 2048usize, 8usize, 32usize);
+    let rows = t * k / local;
+    let (cs, ms) = (g.new_stream()?, g.new_stream()?);
+    let aw = g.alloc(4 * d * d * 2)?;
+    let ax = g.alloc(t * d * 2)?;
+    let ay = g.alloc(t * d * 2)?;
+    let stride = 3 * d * f;
+    let w = g.alloc(local * stride * 2)?;
+    let x = g.alloc(local * rows * d * 2)?;
+    let h = g.alloc(local * rows * f * 2)?;
+    let a2a = t * k * d * 2;
+    let (src, dst) = (g.alloc(a2a)?, g.alloc(a2a)?);
+    for (p, n, seed) in [
+        (aw, 4 * d * d, 7),
+        (ax, t * d, 8),
+        (w, local * stride, 9),
+        (x, local * rows * d, 10),
+    ] {
+        fill(g, cs, p, n, seed)?;
+    }
+    g.sync(cs, std::time::Duration::from_secs(300))?;
+    let attn = |s: StreamId, n: usize| -> Result<(), GpuError> {
+        for i in 0..n {
+            g.gemm(
+                s,
+                &gemm(
+                    t,
+                    d,
+                    d,
+                    ax,
+                    0,
+                    aw + ((i % 4) * d * d * 2) as u64,
+                    0,
+                    false,
+                    ay,
+                    0,
+                    1,
+                ),
+            )?;
+        }
+        Ok(())
+    };
+    let mlp = |s: StreamId, n: usize| -> Result<(), GpuError> {
+        for i in 0..n {
+            if i % 3 == 2 {
+                g.gemm(
+                    s,
+                    &gemm(
+                        rows,
+                        d,
+                        f,
+                        h,
+                        rows * f,
+                        w + (2 * d * f * 2) as u64,
+                        stride,
+                        false,
+                        x,
+                        rows * d,
+                        local,
+                    ),
+                )?;
+            } else {
+                g.gemm(
+                    s,
+                    &gemm(
+                        rows,
+                        f,
+                        d,
+                        x,
+                        rows * d,
+                        w,
+                        stride,
+                        false,
+                        h,
+                        rows * f,
+                        local,
+                    ),
+                )?;
+            }
+        }
+        Ok(())
+    };
+    let copy = |s: StreamId| g.dtod(s, dst, src, a2a);
+    let serial = time(g, cs, 5, || {
+        attn(cs, 4)?;
+        copy(cs)?;
+        mlp(cs, 3)?;
+        copy(cs)?;
+        copy(cs)?;
+        mlp(cs, 6)?;
+        copy(cs)?;
+        attn(cs, 8)
+    })?;
+    let compute = time(g, cs, 5, || {
+        attn(cs, 4)?;
+        mlp(cs, 3)?;
+        mlp(cs, 6)?;
+        attn(cs, 8)
+    })?;
+    let ev: Vec<EventId> = (0..8).map(|_| g.new_event()).collect::<Result<_, _>>()?;
+    let overlapped = time(g, cs, 5, || {
+        attn(cs, 4)?; // attention F
+        g.record(cs, ev[0])?;
+        g.wait(ms, ev[0])?;
+        copy(ms)?; // dispatch F
+        g.record(ms, ev[1])?;
+        copy(ms)?; // combine B (its input is the next stage's gradient)
+        g.record(ms, ev[2])?;
+        g.wait(cs, ev[2])?;
+        mlp(cs, 6)?; // experts B
+        g.record(cs, ev[3])?;
+        g.wait(ms, ev[3])?;
+        copy(ms)?; // dispatch B
+        g.record(ms, ev[4])?;
+        g.wait(cs, ev[1])?;
+        mlp(cs, 3)?; // experts F
+        g.record(cs, ev[5])?;
+        g.wait(ms, ev[5])?;
+        copy(ms)?; // combine F
+        g.record(ms, ev[6])?;
+        g.wait(cs, ev[4])?;
+        attn(cs, 8)?; // attention B
+        g.wait(cs, ev[6])
+    })?;
+    for p in [aw, ax, ay, w, x, h, src, dst] {
+        g.free(p)?;
+    }
+    Ok(json!({
+        "tokens": t, "hidden": d, "top_k": k, "local_experts": local,
+        "all_to_all_bytes": a2a, "all_to_alls_per_chunk": 4,
+        "serial_f_then_b_ms": serial, "overlapped_ms": overlapped, "compute_only_ms": compute,
+        "exposed_all_to_all_serial_ms": serial - compute,
+        "exposed_all_to_all_overlapped_ms": overlapped - compute,
+        "note": "all-to-alls simulated by device-to-device copies on one GPU (no network)",
+    }))
+}
+
+/// Launch overhead: 20000 one-element `add` launches on one stream.
+fn launch(g: &CudaGpu, s: StreamId) -> Result<serde_json::Value, GpuError> {
+    let p = g.alloc(4096)?;
+    let l = Launch {
+        kernel: "add_f32",
+        grid: [1, 1, 1],
+        block: [32, 1, 1],
+        args: vec![Arg::Ptr(p), Arg::Ptr(p), Arg::Ptr(p + 1024), Arg::I64(1)],
+    };
+    let n = 20000;
+    let (a, b) = (g.new_event()?, g.new_event()?);
+    for _ in 0..100 {
+        g.launch(s, &l)?;
+    }
+    g.sync(s, std::time::Duration::from_secs(60))?;
+    let t0 = Instant::now();
+    g.record(s, a)?;
+    for _ in 0..n {
+        g.launch(s, &l)?;
+    }
+    g.record(s, b)?;
+    let host = t0.elapsed().as_secs_f64();
+    g.sync(s, std::time::Duration::from_secs(60))?;
+    let dev = g.elapsed_ms(a, b)? as f64;
+    g.free(p)?;
+    Ok(json!({
+        "launches": n, "host_us_per_launch": host * 1e6 / n as f64, "device_us_per_launch": dev * 1e3 / n as f64,
+    }))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let opt = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let device: usize = opt("--device").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let what = opt("--what").unwrap_or_else(|| "gemm,overlap,launch".into());
+    let g = match CudaGpu::new(device, DType::Bf16, None) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
+    let run = || -> Result<serde_json::Value, GpuError> {
+        let s = g.new_stream()?;
+        let mut out = json!({"device": g.describe()});
+        if what.contains("gemm") {
+            let pk = peak(&g, s)?;
+            let peak_tf = pk["tflops"].as_f64().unwrap_or(1.0);
+            let mut shapes = Vec::new();
+            for (local, rows) in [(256, 128), (32, 1024)] {
+                let mut e = experts(&g, s, local, rows)?;
+                let tf = e["forward_tflops"].as_f64().unwrap_or(0.0);
+                e["forward_fraction_of_peak"] = json!(tf / peak_tf);
+                shapes.push(e);
+            }
+            out["gemm_peak"] = pk;
+            out["expert_gemms"] = json!(shapes);
+        }
+        if what.contains("overlap") {
+            out["overlap"] = overlap(&g)?;
+        }
+        if what.contains("launch") {
+            out["launch"] = launch(&g, s)?;
+        }
+        Ok(out)
+    };
+    match run() {
+        Ok(v) => println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default()),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,1947 @@
+//! The MoE transformer on a [`Gpu`]: for every kernel of the per-rank program (`F`, `B`,
+//! `W` of a stage's parts), the launches and GEMMs that compute what the CPU backend's
+//! `StageKernels` computes (`backends/cpu/src/model.rs` documents the architecture and
+//! the formulas; the comments here name the CPU function each sequence mirrors).
+//!
+//! A stage copy's state on the device is a [`StageDev`]: the parameters (an `f32` master
+//! copy and, in bf16, a compute copy), Adam's moments and the routers' balancing state.
+//! A `(stage, micro-batch)` keeps everything between its forward and its weight gradient
+//! in its `stash` buffer ([`StashLayout`]).
+
+use crate::api::*;
+use crate::layout::*;
+use schedc_cpu::exec::Optimizer;
+use schedc_cpu::model::{RouterState, StageParams};
+use schedc_program::{LocalStage, ModelConfig, Part, Pass};
+
+/// Threads per block of elementwise kernels.
+pub const BLOCK: u32 = 256;
+
+fn p(x: DevPtr) -> Arg {
+    Arg::Ptr(x)
+}
+fn i(x: usize) -> Arg {
+    Arg::I32(x as i32)
+}
+fn n64(x: usize) -> Arg {
+    Arg::I64(x as i64)
+}
+
+/// A power-of-two block for a row of `n` elements (32..=256).
+pub fn row_block(n: usize) -> u32 {
+    (n.next_power_of_two() as u32).clamp(32, 256)
+}
+
+/// The parameters and state of one stage copy on the device.
+#[derive(Clone, Debug)]
+pub struct StageDev {
+    /// The stage as the program describes it.
+    pub info: LocalStage,
+    /// Where its tensors are.
+    pub layout: ParamLayout,
+    /// Its stash's regions.
+    pub stash: StashLayout,
+    /// `f32` master parameters, `[dense | expert]`.
+    pub master: DevPtr,
+    /// The compute copy read by the kernels (the master itself in f32).
+    pub weights: DevPtr,
+    /// Adam's first moments (0 for SGD).
+    pub adam_m: DevPtr,
+    /// Adam's second moments (0 for SGD).
+    pub adam_v: DevPtr,
+    /// Per layer, `E` selection biases.
+    pub bias: DevPtr,
+    /// Per layer, `E` load EMAs.
+    pub ema: DevPtr,
+    /// Per layer, the bias routing uses.
+    pub routing_bias: DevPtr,
+    /// Optimizer steps taken.
+    pub opt_t: u32,
+}
+
+impl StageDev {
+    /// Allocates and initializes stage copy `info` (weights by name, as the CPU backend's
+    /// `StageParams::init`; balancing state as `RouterState::new`). `s`: the stream of the
+    /// uploads.
+    pub fn new(
+        gpu: &dyn Gpu,
+        s: StreamId,
+        cfg: &ModelConfig,
+        dims: &Dims,
+        info: &LocalStage,
+        model_stages: usize,
+        opt: &Optimizer,
+    ) -> Result<StageDev, GpuError> {
+        let params = StageParams::<f32>::init(
+            cfg,
+            info.model_stage as usize,
+            model_stages,
+            info.expert_lo as usize,
+            info.expert_hi as usize,
+        );
+        let layout = ParamLayout::of(&params, cfg.experts);
+        let mut flat = params.flatten(schedc_cpu::model::Scope::Dense);
+        flat.extend(params.flatten(schedc_cpu::model::Scope::Expert));
+        let n = flat.len();
+        let master = gpu.alloc(n * 4)?;
+        gpu.htod(s, master, &encode(DType::F32, &flat))?;
+        let weights = if dims.dtype == DType::F32 {
+            master
+        } else {
+            let w = gpu.alloc(n * dims.ts)?;
+            gpu.htod(s, w, &encode(dims.dtype, &flat))?;
+            w
+        };
+        let (adam_m, adam_v) = match opt {
+            Optimizer::Adam { .. } => {
+                let m = gpu.alloc(n * 4)?;
+                let v = gpu.alloc(n * 4)?;
+                gpu.memset(s, m, n * 4)?;
+                gpu.memset(s, v, n * 4)?;
+                (m, v)
+            }
+            Optimizer::Sgd { .. } => (0, 0),
+        };
+        let le = dims.layers * cfg.experts;
+        let r = RouterState::<f32>::new(cfg);
+        let rep = |v: &Vec<f32>| -> Vec<f32> { (0..dims.layers).flat_map(|_| v.clone()).collect() };
+        let mut state = Vec::new();
+        for v in [&r.bias, &r.ema, &r.routing_bias] {
+            let ptr = gpu.alloc(le * 4)?;
+            gpu.htod(s, ptr, &encode(DType::F32, &rep(v)))?;
+            state.push(ptr);
+        }
+        Ok(StageDev {
+            info: info.clone(),
+            layout,
+            stash: StashLayout::new(dims, info),
+            master,
+            weights,
+            adam_m,
+            adam_v,
+            bias: state[0],
+            ema: state[1],
+            routing_bias: state[2],
+            opt_t: 0,
+        })
+    }
+
+    /// Releases the device memory.
+    pub fn release(&self, gpu: &dyn Gpu) -> Result<(), GpuError> {
+        let mut ptrs = vec![self.master, self.bias, self.ema, self.routing_bias];
+        if self.weights != self.master {
+            ptrs.push(self.weights);
+        }
+        if self.adam_m != 0 {
+            ptrs.extend([self.adam_m, self.adam_v]);
+        }
+        for q in ptrs {
+            gpu.free(q)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of parameters and optimizer state held.
+    pub fn bytes(&self, dims: &Dims) -> usize {
+        let n = self.layout.params();
+        let mut b = n * 4 + 3 * dims.layers * dims.e * 4;
+        if self.weights != self.master {
+            b += n * dims.ts;
+        }
+        if self.adam_m != 0 {
+            b += 2 * n * 4;
+        }
+        b
+    }
+}
+
+/// The buffers one kernel of the program touches besides its stash.
+#[derive(Clone, Debug, Default)]
+pub struct Io {
+    /// The stash of `(stage, mb)`.
+    pub stash: DevPtr,
+    /// The stage's `weight_grad` (f32, `[dense | loads | expert]`).
+    pub grads: DevPtr,
+    /// `act(prev, mb)` read by the first layer's forward (non-first stages).
+    pub act_in: Option<DevPtr>,
+    /// `act(stage, mb)` written by the last layer's forward (non-last stages).
+    pub act_out: Option<DevPtr>,
+    /// `grad(next, mb)` read by the last layer's backward (non-last stages).
+    pub grad_in: Option<DevPtr>,
+    /// `grad(stage, mb)` written by the first layer's backward (non-first stages).
+    pub grad_out: Option<DevPtr>,
+    /// Where the micro-batch's loss goes (last stage's forward head).
+    pub loss: DevPtr,
+    /// Tokens and targets of the micro-batch (uploaded by its first forward kernel).
+    pub tokens: Option<(Vec<u32>, Vec<u32>)>,
+    /// The loss scale `1/N`.
+    pub scale: f64,
+}
+
+/// What the kernels of one rank need: the device, the sizes, the model, the compute
+/// stream, the rank's error word and its position in the SP group.
+pub struct Model<'a> {
+    /// The device.
+    pub gpu: &'a dyn Gpu,
+    /// Sizes.
+    pub dims: &'a Dims,
+    /// The model.
+    pub cfg: &'a ModelConfig,
+    /// Global position of the rank's first token (`sp_rank * t`).
+    pub pos0: usize,
+    /// The rank's error word (kernels set it on bad input).
+    pub err: DevPtr,
+}
+
+impl Model<'_> {
+    fn go(
+        &self,
+        s: StreamId,
+        kernel: &'static str,
+        grid: [u32; 3],
+        block: u32,
+        args: Vec<Arg>,
+    ) -> Result<(), GpuError> {
+        self.gpu.launch(
+            s,
+            &Launch {
+                kernel,
+                grid,
+                block: [block, 1, 1],
+                args,
+            },
+        )
+    }
+
+    /// A grid-stride kernel over `n` elements.
+    fn ew(
+        &self,
+        s: StreamId,
+        kernel: &'static str,
+        n: usize,
+        args: Vec<Arg>,
+    ) -> Result<(), GpuError> {
+        let blocks = n.div_ceil(BLOCK as usize).clamp(1, 4096) as u32;
+        self.go(s, kernel, [blocks, 1, 1], BLOCK, args)
+    }
+
+    /// A one-thread kernel.
+    fn one(&self, s: StreamId, kernel: &'static str, args: Vec<Arg>) -> Result<(), GpuError> {
+        self.go(s, kernel, [1, 1, 1], 1, args)
+    }
+
+    /// `C = op(A) op(B)` (+ `C` when `acc`), row-major, one matrix.
+    #[allow(clippy::too_many_arguments)]
+    fn mm(
+        &self,
+        s: StreamId,
+        (m, n, k): (usize, usize, usize),
+        a: DevPtr,
+        ta: bool,
+        b: DevPtr,
+        tb: bool,
+        c: DevPtr,
+        acc: bool,
+        c_f32: bool,
+    ) -> Result<(), GpuError> {
+        self.gpu.gemm(
+            s,
+            &Gemm {
+                m,
+                n,
+                k,
+                a,
+                lda: if ta { m } else { k },
+                sa: 0,
+                ta,
+                b,
+                ldb: if tb { k } else { n },
+                sb: 0,
+                tb,
+                c,
+                ldc: n,
+                sc: 0,
+                batch: 1,
+                alpha: 1.0,
+                beta: if acc { 1.0 } else { 0.0 },
+                c_f32,
+            },
+        )
+    }
+
+    /// The batched form of [`Model::mm`] over the local experts: batch strides `sa`, `sb`,
+    /// `sc` in elements.
+    #[allow(clippy::too_many_arguments)]
+    fn bmm(
+        &self,
+        s: StreamId,
+        (m, n, k): (usize, usize, usize),
+        (a, sa, ta): (DevPtr, usize, bool),
+        (b, sb, tb): (DevPtr, usize, bool),
+        (c, sc): (DevPtr, usize),
+        acc: bool,
+        c_f32: bool,
+    ) -> Result<(), GpuError> {
+        self.gpu.gemm(
+            s,
+            &Gemm {
+                m,
+                n,
+                k,
+                a,
+                lda: if ta { m } else { k },
+                sa,
+                ta,
+                b,
+                ldb: if tb { k } else { n },
+                sb,
+                tb,
+                c,
+                ldc: n,
+                sc,
+                batch: self.dims.per,
+                alpha: 1.0,
+                beta: if acc { 1.0 } else { 0.0 },
+                c_f32,
+            },
+        )
+    }
+
+    fn add(&self, s: StreamId, y: DevPtr, a: DevPtr, b: DevPtr, n: usize) -> Result<(), GpuError> {
+        self.ew(s, "add", n, vec![p(y), p(a), p(b), n64(n)])
+    }
+
+    /// RMSNorm forward over `rows` rows of `width` (`d`, or a latent's rank).
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm(
+        &self,
+        s: StreamId,
+        (y, xhat, inv): (DevPtr, DevPtr, DevPtr),
+        x: DevPtr,
+        g: DevPtr,
+        rows: usize,
+        width: usize,
+    ) -> Result<(), GpuError> {
+        self.go(
+            s,
+            "rmsnorm_fwd",
+            [rows as u32, 1, 1],
+            row_block(width),
+            vec![
+                p(y),
+                p(xhat),
+                p(inv),
+                p(x),
+                i(width),
+                p(g),
+                i(rows),
+                i(width),
+                Arg::F32(self.cfg.norm_eps as f32),
+            ],
+        )
+    }
+
+    /// RMSNorm input gradient (`+ resid` when `resid` is not 0).
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_bwd(
+        &self,
+        s: StreamId,
+        dx: DevPtr,
+        dy: DevPtr,
+        (g, xhat, inv): (DevPtr, DevPtr, DevPtr),
+        resid: DevPtr,
+        rows: usize,
+        width: usize,
+    ) -> Result<(), GpuError> {
+        self.go(
+            s,
+            "rmsnorm_bwd",
+            [rows as u32, 1, 1],
+            row_block(width),
+            vec![
+                p(dx),
+                p(dy),
+                p(g),
+                p(xhat),
+                p(inv),
+                p(resid),
+                i(rows),
+                i(width),
+            ],
+        )
+    }
+
+    fn rmsnorm_w(
+        &self,
+        s: StreamId,
+        dg: DevPtr,
+        dy: DevPtr,
+        xhat: DevPtr,
+        rows: usize,
+        width: usize,
+    ) -> Result<(), GpuError> {
+        self.ew(
+            s,
+            "rmsnorm_w",
+            width,
+            vec![p(dg), p(dy), p(xhat), i(rows), i(width)],
+        )
+    }
+
+    /// RoPE (or its inverse) on `rows` rows of stride `ld`, in `heads` groups of `dr`, at the
+    /// rank's global positions.
+    fn rope(
+        &self,
+        s: StreamId,
+        x: DevPtr,
+        rows: usize,
+        ld: usize,
+        heads: usize,
+        inverse: bool,
+    ) -> Result<(), GpuError> {
+        let dr = self.dims.dr;
+        self.ew(
+            s,
+            "rope",
+            rows * heads * dr / 2,
+            vec![
+                p(x),
+                i(ld),
+                i(rows),
+                i(heads),
+                i(dr),
+                i(self.pos0),
+                Arg::F64(self.cfg.rope_base),
+                i(inverse as usize),
+            ],
+        )
+    }
+
+    /// The causal mask's offset: the global position of the rank's first query (0 under
+    /// the injected `local_causal_mask` bug).
+    pub fn mask_offset(&self) -> usize {
+        if self.cfg.bugs.local_causal_mask {
+            0
+        } else {
+            self.pos0
+        }
+    }
+
+    /// The softmax scale `1 / sqrt(d_h + d_h^R)` (DeepSeek-V3 eq. 10).
+    fn scale(&self) -> f32 {
+        (1.0 / ((self.dims.dn + self.dims.dr) as f64).sqrt()) as f32
+    }
+
+    /// MLA's attention core (the CPU backend's `attention`): `out` (`tq x H dv`) and
+    /// `probs` from the local queries' content and RoPE parts (`q_nope`, `q_pe`, `tq` rows)
+    /// over the gathered keys' content parts (`k_nope`), RoPE keys (`k_pe`, shared by the
+    /// heads) and values (`v`, `tk` rows), causal at `q_offset`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        s: StreamId,
+        (out, probs): (DevPtr, DevPtr),
+        (q_nope, q_pe): (DevPtr, DevPtr),
+        (k_nope, k_pe, v): (DevPtr, DevPtr, DevPtr),
+        tq: usize,
+        tk: usize,
+        q_offset: usize,
+    ) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (h, dn, dr, dv) = (dm.heads, dm.dn, dm.dr, dm.dv);
+        self.go(
+            s,
+            "attn_fwd",
+            [tq as u32, h as u32, 1],
+            row_block(tk),
+            vec![
+                p(out),
+                i(h * dv),
+                p(probs),
+                p(q_nope),
+                i(h * dn),
+                p(q_pe),
+                i(h * dr),
+                p(k_nope),
+                i(h * dn),
+                p(k_pe),
+                i(dm.kw()),
+                i(dm.kph),
+                p(v),
+                i(h * dv),
+                i(tq),
+                i(tk),
+                i(h),
+                i(dn),
+                i(dr),
+                i(dv),
+                i(q_offset),
+                Arg::F32(self.scale()),
+            ],
+        )
+    }
+
+    /// The attention core's backward (`attention_backward`): the gradients of the queries'
+    /// parts (`tq` rows), of the keys' content parts, the RoPE keys and the values (`tk`
+    /// rows) from `dout`. `ds`: scratch of `H x tq x tk` floats.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_bwd(
+        &self,
+        s: StreamId,
+        (dq_nope, dq_pe, dk_nope, dk_pe, dv_, ds): (DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr),
+        dout: DevPtr,
+        (q_nope, q_pe): (DevPtr, DevPtr),
+        (k_nope, k_pe, v): (DevPtr, DevPtr, DevPtr),
+        probs: DevPtr,
+        tq: usize,
+        tk: usize,
+    ) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (h, dn, dr, dv, kw, kph) = (dm.heads, dm.dn, dm.dr, dm.dv, dm.kw(), dm.kph);
+        self.go(
+            s,
+            "attn_bwd_ds",
+            [tq as u32, h as u32, 1],
+            row_block(tk),
+            vec![
+                p(ds),
+                p(probs),
+                p(dout),
+                i(h * dv),
+                p(v),
+                i(h * dv),
+                i(tq),
+                i(tk),
+                i(h),
+                i(dv),
+                Arg::F32(self.scale()),
+            ],
+        )?;
+        self.ew(
+            s,
+            "attn_bwd_dq",
+            tq * h * (dn + dr),
+            vec![
+                p(dq_nope),
+                i(h * dn),
+                p(dq_pe),
+                i(h * dr),
+                p(ds),
+                p(k_nope),
+                i(h * dn),
+                p(k_pe),
+                i(kw),
+                i(kph),
+                i(tq),
+                i(tk),
+                i(h),
+                i(dn),
+                i(dr),
+            ],
+        )?;
+        self.ew(
+            s,
+            "attn_bwd_dkv",
+            tk * (h * dn + h * dv + kw),
+            vec![
+                p(dk_nope),
+                i(h * dn),
+                p(dk_pe),
+                i(kw),
+                p(dv_),
+                i(h * dv),
+                p(ds),
+                p(probs),
+                p(q_nope),
+                i(h * dn),
+                p(q_pe),
+                i(h * dr),
+                p(dout),
+                i(h * dv),
+                i(kph),
+                i(tq),
+                i(tk),
+                i(h),
+                i(dn),
+                i(dr),
+                i(dv),
+            ],
+        )
+    }
+
+    fn slot(&self, base: DevPtr, j: usize) -> DevPtr {
+        base + (j * self.dims.slot_bytes) as u64
+    }
+    fn rows(&self, base: DevPtr, j: usize) -> DevPtr {
+        self.slot(base, j) + self.dims.rows_off as u64
+    }
+
+    /// Runs the kernel `(pass, part)` of stage copy `st` on stream `s`: the launches that
+    /// compute what the CPU backend's kernel of the same name computes.
+    pub fn kernel(
+        &self,
+        s: StreamId,
+        st: &StageDev,
+        pass: Pass,
+        part: Part,
+        io: &Io,
+    ) -> Result<(), GpuError> {
+        match (pass, part) {
+            (Pass::F, Part::Embed) => self.f_embed(s, st, io),
+            (Pass::F, Part::Qkv { layer }) => self.f_qkv(s, st, layer as usize, io),
+            (Pass::F, Part::Attn { layer }) => self.f_attn(s, st, layer as usize, io),
+            (Pass::F, Part::Experts { layer }) => self.f_experts(s, st, layer as usize, io),
+            (Pass::F, Part::Combine { layer }) => self.f_combine(s, st, layer as usize, io),
+            (Pass::F, Part::Head) => self.f_head(s, st, io),
+            (Pass::B, Part::Head) => self.b_head(s, st, io),
+            (Pass::B, Part::Combine { layer }) => self.b_combine(s, st, layer as usize, io),
+            (Pass::B, Part::Experts { layer }) => self.b_experts(s, st, layer as usize, io),
+            (Pass::B, Part::Attn { layer }) => self.b_attn(s, st, layer as usize, io),
+            (Pass::B, Part::Qkv { layer }) => self.b_qkv(s, st, layer as usize, io),
+            (Pass::W, Part::Weights) => self.w_weights(s, st, io),
+            (pass, part) => Err(GpuError(format!("no kernel {pass:?} {part:?}"))),
+        }
+    }
+
+    fn w(&self, st: &StageDev, name: &str) -> Result<DevPtr, GpuError> {
+        let t = st.layout.get(name).map_err(GpuError)?;
+        Ok(st.weights + (t.param * self.dims.ts) as u64)
+    }
+    fn g(&self, st: &StageDev, io: &Io, name: &str) -> Result<DevPtr, GpuError> {
+        let t = st.layout.get(name).map_err(GpuError)?;
+        Ok(io.grads + (t.grad * 4) as u64)
+    }
+    fn lname(&self, st: &StageDev, l: usize, what: &str) -> String {
+        format!(
+            "layer{}.{what}",
+            st.info.model_stage as usize * self.dims.layers + l
+        )
+    }
+    fn at(&self, io: &Io, r: Region) -> DevPtr {
+        io.stash + r.off as u64
+    }
+
+    fn upload_tokens(&self, s: StreamId, st: &StageDev, io: &Io) -> Result<(), GpuError> {
+        if let Some((tok, tgt)) = &io.tokens {
+            let bytes =
+                |v: &Vec<u32>| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+            if !tok.is_empty() {
+                self.gpu
+                    .htod(s, self.at(io, st.stash.tokens), &bytes(tok))?;
+            }
+            if !tgt.is_empty() {
+                self.gpu
+                    .htod(s, self.at(io, st.stash.targets), &bytes(tgt))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// F, embedding (`fwd_embed`).
+    fn f_embed(&self, s: StreamId, st: &StageDev, io: &Io) -> Result<(), GpuError> {
+        self.upload_tokens(s, st, io)?;
+        let dm = self.dims;
+        let x = self.at(io, st.stash.layers[0].xin);
+        self.ew(
+            s,
+            "embed_fwd",
+            dm.t * dm.d,
+            vec![
+                p(x),
+                p(self.w(st, "embed")?),
+                p(self.at(io, st.stash.tokens)),
+                i(dm.t),
+                i(dm.d),
+                i(dm.vocab),
+                p(self.err),
+            ],
+        )
+    }
+
+    /// F, norm and MLA's token-local projections (`fwd_qkv`): the queries' latent
+    /// `c_Q = RMSNorm(a W_DQ)`, their content and rotated RoPE parts, the key/value latent
+    /// `c_KV = RMSNorm(a W_DKV)` and the rotated RoPE key `k^R = RoPE(a W_KR)`; every SP
+    /// member's slot gets `[c_KV; k^R]` (the all-gather).
+    fn f_qkv(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, h, qr, kvr, kw) = (dm.t, dm.d, dm.heads, dm.qr, dm.kvr, dm.kw());
+        let r = &st.stash.layers[l];
+        let x = self.at(io, r.xin);
+        if l == 0 {
+            if let Some(input) = io.act_in {
+                self.upload_tokens(s, st, io)?;
+                self.gpu.dtod(s, x, input, dm.act_bytes())?;
+            }
+        }
+        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let at = |x: Region| self.at(io, x);
+        let a = at(r.a);
+        self.rmsnorm(s, (a, at(r.xhat1), at(r.inv1)), x, w("norm1")?, t, d)?;
+        self.mm(
+            s,
+            (t, qr, d),
+            a,
+            false,
+            w("wdq")?,
+            false,
+            at(r.cq_raw),
+            false,
+            false,
+        )?;
+        self.rmsnorm(
+            s,
+            (at(r.cq), at(r.cq_xhat), at(r.cq_inv)),
+            at(r.cq_raw),
+            w("q_norm")?,
+            t,
+            qr,
+        )?;
+        self.mm(
+            s,
+            (t, h * dm.dn, qr),
+            at(r.cq),
+            false,
+            w("wuq")?,
+            false,
+            at(r.q_nope),
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (t, h * dm.dr, qr),
+            at(r.cq),
+            false,
+            w("wqr")?,
+            false,
+            at(r.q_pe),
+            false,
+            false,
+        )?;
+        self.rope(s, at(r.q_pe), t, h * dm.dr, h, false)?;
+        self.mm(
+            s,
+            (t, kvr, d),
+            a,
+            false,
+            w("wdkv")?,
+            false,
+            at(r.ckv_raw),
+            false,
+            false,
+        )?;
+        self.rmsnorm(
+            s,
+            (at(r.ckv), at(r.ckv_xhat), at(r.ckv_inv)),
+            at(r.ckv_raw),
+            w("kv_norm")?,
+            t,
+            kvr,
+        )?;
+        self.mm(
+            s,
+            (t, kw, d),
+            a,
+            false,
+            w("wkr")?,
+            false,
+            at(r.kpe),
+            false,
+            false,
+        )?;
+        self.rope(s, at(r.kpe), t, kw, dm.kph, false)?;
+        let ob = at(st.stash.outbox);
+        let (nc, np) = (t * kvr * dm.ts, t * kw * dm.ts);
+        for j in 0..dm.sp {
+            self.gpu.dtod(s, self.rows(ob, j), at(r.ckv), nc)?;
+            self.gpu
+                .dtod(s, self.rows(ob, j) + nc as u64, at(r.kpe), np)?;
+        }
+        Ok(())
+    }
+
+    /// F, the rest of the attention and the router (`fwd_attn`): the gathered latents
+    /// up-projected to every head's content keys `c_KV W_UK` and values `c_KV W_UV`,
+    /// attention over them, output projection, residual, norm, routing, and the dispatch
+    /// packets.
+    fn f_attn(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, e, k, h, kvr, kw, tk) =
+            (dm.t, dm.d, dm.e, dm.k, dm.heads, dm.kvr, dm.kw(), dm.tk);
+        let r = &st.stash.layers[l];
+        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let at = |x: Region| self.at(io, x);
+        let ib = at(st.stash.inbox);
+        let (nc, np) = (t * kvr * dm.ts, t * kw * dm.ts);
+        let (ckv_all, kpe_all) = (at(r.ckv_all), at(r.kpe_all));
+        for j in 0..dm.sp {
+            self.gpu
+                .dtod(s, ckv_all + (j * nc) as u64, self.rows(ib, j), nc)?;
+            self.gpu.dtod(
+                s,
+                kpe_all + (j * np) as u64,
+                self.rows(ib, j) + nc as u64,
+                np,
+            )?;
+        }
+        let (k_nope, v) = (at(r.k_nope), at(r.v));
+        self.mm(
+            s,
+            (tk, h * dm.dn, kvr),
+            ckv_all,
+            false,
+            w("wuk")?,
+            false,
+            k_nope,
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (tk, h * dm.dv, kvr),
+            ckv_all,
+            false,
+            w("wuv")?,
+            false,
+            v,
+            false,
+            false,
+        )?;
+        let (o, h1) = (at(r.o), at(r.h1));
+        self.attention(
+            s,
+            (o, at(r.probs)),
+            (at(r.q_nope), at(r.q_pe)),
+            (k_nope, kpe_all, v),
+            t,
+            tk,
+            self.mask_offset(),
+        )?;
+        self.mm(
+            s,
+            (t, d, h * dm.dv),
+            o,
+            false,
+            w("wo")?,
+            false,
+            h1,
+            false,
+            false,
+        )?;
+        self.add(s, h1, h1, at(r.xin), t * d)?;
+        let n2 = at(r.n2);
+        self.rmsnorm(s, (n2, at(r.xhat2), at(r.inv2)), h1, w("norm2")?, t, d)?;
+        let (logits, sc) = (at(r.logits), at(r.s));
+        self.mm(
+            s,
+            (t, e, d),
+            n2,
+            false,
+            w("router")?,
+            false,
+            logits,
+            false,
+            true,
+        )?;
+        self.ew(s, "sigmoid", t * e, vec![p(sc), p(logits), n64(t * e)])?;
+        let loads = io.grads + (st.layout.loads_of(l, e) * 4) as u64;
+        let bugs = &self.cfg.bugs;
+        self.one(
+            s,
+            "route",
+            vec![
+                p(at(r.experts)),
+                p(at(r.desired)),
+                p(at(r.gates)),
+                p(at(r.z)),
+                p(at(r.softmax)),
+                p(loads),
+                p(at(r.cnt)),
+                p(logits),
+                p(sc),
+                p(st.routing_bias + (l * e * 4) as u64),
+                i(t),
+                i(e),
+                i(k),
+                Arg::I32(dm.cap),
+                i(bugs.softmax_gates as usize),
+                i(bugs.drop_overflow as usize),
+            ],
+        )?;
+        let ob = at(st.stash.outbox);
+        self.one(
+            s,
+            "dispatch_plan",
+            vec![
+                p(at(r.order)),
+                p(at(r.slot_dest)),
+                p(at(r.slot_pos)),
+                p(ob),
+                n64(dm.slot_bytes),
+                p(at(r.experts)),
+                i(t * k),
+                i(e),
+                i(dm.per),
+                i(dm.ep),
+            ],
+        )?;
+        self.ew(
+            s,
+            "dispatch_pack",
+            t * k * d,
+            vec![
+                p(ob),
+                n64(dm.slot_bytes),
+                n64(dm.rows_off),
+                p(n2),
+                p(at(r.slot_dest)),
+                p(at(r.slot_pos)),
+                i(t * k),
+                i(k),
+                i(d),
+            ],
+        )
+    }
+
+    /// The stride between consecutive local experts' tensors, and the first expert's
+    /// `w1`, `w3`, `w2` (offsets in elements of the parameter vector).
+    fn experts_at(&self, st: &StageDev, l: usize) -> Result<(usize, [usize; 3]), GpuError> {
+        let x0 = st.info.expert_lo as usize;
+        let name = |w: &str| format!("{}.{w}", self.lname(st, l, &format!("expert{x0}")));
+        let get = |w: &str| st.layout.get(&name(w)).map(|t| t.param).map_err(GpuError);
+        let (d, f) = (self.dims.d, self.dims.f);
+        Ok((3 * d * f, [get("w1")?, get("w3")?, get("w2")?]))
+    }
+
+    /// F, the local experts on the received rows (`fwd_experts`): rows into per-expert
+    /// blocks, `h1 = X W1`, `h3 = X W3`, `act = silu(h1) h3`, `y = act W2` as batched GEMMs
+    /// over the local experts, outputs back in the order received.
+    fn f_experts(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (d, f, cm) = (dm.d, dm.f, dm.cmax);
+        let r = &st.stash.layers[l];
+        let (ib, ob) = (self.at(io, st.stash.inbox), self.at(io, st.stash.outbox));
+        let (perm, cnt) = (self.at(io, r.perm), self.at(io, r.src_count));
+        self.one(
+            s,
+            "expert_plan",
+            vec![
+                p(perm),
+                p(self.at(io, r.ecount)),
+                p(cnt),
+                p(ib),
+                n64(dm.slot_bytes),
+                i(dm.ep),
+                i(dm.rmax),
+                i(st.info.expert_lo as usize),
+                i(dm.per),
+                i(cm),
+                p(self.err),
+            ],
+        )?;
+        let xe = self.at(io, r.xe);
+        self.gpu.memset(s, xe, r.xe.bytes)?;
+        self.ew(
+            s,
+            "expert_gather",
+            dm.ep * dm.rmax * d,
+            vec![
+                p(xe),
+                p(ib),
+                n64(dm.slot_bytes),
+                n64(dm.rows_off),
+                p(perm),
+                p(cnt),
+                i(dm.ep),
+                i(dm.rmax),
+                i(d),
+            ],
+        )?;
+        let (stride, [w1, w3, w2]) = self.experts_at(st, l)?;
+        let wp = |o: usize| st.weights + (o * dm.ts) as u64;
+        let (h1e, h3e, ae, ye) = (
+            self.at(io, r.h1e),
+            self.at(io, r.h3e),
+            self.at(io, r.ae),
+            self.at(io, r.ye),
+        );
+        self.bmm(
+            s,
+            (cm, f, d),
+            (xe, cm * d, false),
+            (wp(w1), stride, false),
+            (h1e, cm * f),
+            false,
+            false,
+        )?;
+        self.bmm(
+            s,
+            (cm, f, d),
+            (xe, cm * d, false),
+            (wp(w3), stride, false),
+            (h3e, cm * f),
+            false,
+            false,
+        )?;
+        let n = dm.per * cm * f;
+        self.ew(s, "swiglu_fwd", n, vec![p(ae), p(h1e), p(h3e), n64(n)])?;
+        self.bmm(
+            s,
+            (cm, d, f),
+            (ae, cm * f, false),
+            (wp(w2), stride, false),
+            (ye, cm * d),
+            false,
+            false,
+        )?;
+        self.ew(
+            s,
+            "expert_scatter",
+            dm.ep * dm.rmax * d,
+            vec![
+                p(ob),
+                n64(dm.slot_bytes),
+                n64(dm.rows_off),
+                p(ye),
+                p(perm),
+                p(cnt),
+                i(dm.ep),
+                i(dm.rmax),
+                i(d),
+            ],
+        )
+    }
+
+    /// A SwiGLU FFN on `x` (`rows x d`) with the dense tensors `prefix.w1/w3/w2`
+    /// (`ffn_forward`): `h1`, `h3`, `act` kept, output into `y`.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn(
+        &self,
+        s: StreamId,
+        st: &StageDev,
+        prefix: &str,
+        x: DevPtr,
+        rows: usize,
+        (h1, h3, act): (DevPtr, DevPtr, DevPtr),
+        y: DevPtr,
+    ) -> Result<(), GpuError> {
+        let (d, f) = (self.dims.d, self.dims.f);
+        self.mm(
+            s,
+            (rows, f, d),
+            x,
+            false,
+            self.w(st, &format!("{prefix}.w1"))?,
+            false,
+            h1,
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (rows, f, d),
+            x,
+            false,
+            self.w(st, &format!("{prefix}.w3"))?,
+            false,
+            h3,
+            false,
+            false,
+        )?;
+        let n = rows * f;
+        self.ew(s, "swiglu_fwd", n, vec![p(act), p(h1), p(h3), n64(n)])?;
+        self.mm(
+            s,
+            (rows, d, f),
+            act,
+            false,
+            self.w(st, &format!("{prefix}.w2"))?,
+            false,
+            y,
+            false,
+            false,
+        )
+    }
+
+    /// F, combine (`fwd_combine`): the gated sum of the expert outputs, the shared expert,
+    /// the residual; the stage output also into `act(stage, mb)`.
+    fn f_combine(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, k) = (dm.t, dm.d, dm.k);
+        let r = &st.stash.layers[l];
+        let y = if l + 1 < dm.layers {
+            self.at(io, st.stash.layers[l + 1].xin)
+        } else {
+            self.at(io, st.stash.xout)
+        };
+        let ib = self.at(io, st.stash.inbox);
+        self.ew(
+            s,
+            "combine_fwd",
+            t * d,
+            vec![
+                p(y),
+                p(self.at(io, r.eo)),
+                p(self.at(io, r.h1)),
+                p(ib),
+                n64(dm.slot_bytes),
+                n64(dm.rows_off),
+                p(self.at(io, r.slot_dest)),
+                p(self.at(io, r.slot_pos)),
+                p(self.at(io, r.gates)),
+                i(t),
+                i(k),
+                i(d),
+            ],
+        )?;
+        if dm.shared {
+            let ys = self.at(io, r.sh_y);
+            self.ffn(
+                s,
+                st,
+                &self.lname(st, l, "shared"),
+                self.at(io, r.n2),
+                t,
+                (
+                    self.at(io, r.sh_h1),
+                    self.at(io, r.sh_h3),
+                    self.at(io, r.sh_act),
+                ),
+                ys,
+            )?;
+            self.add(s, y, y, ys, t * d)?;
+        }
+        if l + 1 == dm.layers {
+            if let Some(out) = io.act_out {
+                self.gpu.dtod(s, out, y, dm.act_bytes())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// F, final norm, LM head, cross-entropy (`fwd_head`); the micro-batch's loss into
+    /// `io.loss`.
+    fn f_head(&self, s: StreamId, st: &StageDev, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, v) = (dm.t, dm.d, dm.vocab);
+        let sl = &st.stash;
+        let xf = self.at(io, sl.xf);
+        self.rmsnorm(
+            s,
+            (xf, self.at(io, sl.xhatf), self.at(io, sl.invf)),
+            self.at(io, sl.xout),
+            self.w(st, "final_norm")?,
+            t,
+            d,
+        )?;
+        let logits = self.at(io, sl.logits);
+        self.mm(
+            s,
+            (t, v, d),
+            xf,
+            false,
+            self.w(st, "head")?,
+            false,
+            logits,
+            false,
+            true,
+        )?;
+        let rowloss = self.at(io, sl.rowloss);
+        self.go(
+            s,
+            "cross_entropy",
+            [t as u32, 1, 1],
+            row_block(v),
+            vec![
+                p(self.at(io, sl.dlogits)),
+                p(rowloss),
+                p(logits),
+                p(self.at(io, sl.targets)),
+                i(t),
+                i(v),
+                Arg::F32(io.scale as f32),
+                p(self.err),
+            ],
+        )?;
+        self.one(s, "loss_sum", vec![p(io.loss), p(rowloss), i(t)])
+    }
+
+    /// B, LM head and final norm (`bwd_head`).
+    fn b_head(&self, s: StreamId, st: &StageDev, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, v) = (dm.t, dm.d, dm.vocab);
+        let sl = &st.stash;
+        let dxf = self.at(io, sl.dxf);
+        self.mm(
+            s,
+            (t, d, v),
+            self.at(io, sl.dlogits),
+            false,
+            self.w(st, "head")?,
+            true,
+            dxf,
+            false,
+            false,
+        )?;
+        self.rmsnorm_bwd(
+            s,
+            self.at(io, sl.gout),
+            dxf,
+            (
+                self.w(st, "final_norm")?,
+                self.at(io, sl.xhatf),
+                self.at(io, sl.invf),
+            ),
+            0,
+            t,
+            d,
+        )
+    }
+
+    /// The gradient w.r.t. layer `l`'s output.
+    fn dy(&self, st: &StageDev, l: usize, io: &Io) -> DevPtr {
+        if l + 1 < self.dims.layers {
+            self.at(io, st.stash.layers[l + 1].dx)
+        } else {
+            self.at(io, st.stash.gout)
+        }
+    }
+
+    /// B, combine (`bwd_combine`): output gradients to the experts, the gates' gradients,
+    /// the shared expert's backward.
+    fn b_combine(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, k, f) = (dm.t, dm.d, dm.k, dm.f);
+        let r = &st.stash.layers[l];
+        if l + 1 == dm.layers {
+            if let Some(g) = io.grad_in {
+                self.gpu
+                    .dtod(s, self.at(io, st.stash.gout), g, dm.act_bytes())?;
+            }
+        }
+        let dy = self.dy(st, l, io);
+        let ob = self.at(io, st.stash.outbox);
+        let (dest, pos) = (self.at(io, r.slot_dest), self.at(io, r.slot_pos));
+        self.ew(
+            s,
+            "combine_bwd_pack",
+            t * k * d,
+            vec![
+                p(ob),
+                n64(dm.slot_bytes),
+                n64(dm.rows_off),
+                p(dy),
+                p(self.at(io, r.gates)),
+                p(dest),
+                p(pos),
+                i(t * k),
+                i(k),
+                i(d),
+            ],
+        )?;
+        self.ew(
+            s,
+            "combine_bwd_dgate",
+            t * k,
+            vec![
+                p(self.at(io, r.dgates)),
+                p(dy),
+                p(self.at(io, r.eo)),
+                p(dest),
+                i(t * k),
+                i(k),
+                i(d),
+            ],
+        )?;
+        let dn2 = self.at(io, r.dn2);
+        if dm.shared {
+            let pre = self.lname(st, l, "shared");
+            let (da, dh1, dh3) = (
+                self.at(io, r.sh_da),
+                self.at(io, r.sh_dh1),
+                self.at(io, r.sh_dh3),
+            );
+            self.mm(
+                s,
+                (t, f, d),
+                dy,
+                false,
+                self.w(st, &format!("{pre}.w2"))?,
+                true,
+                da,
+                false,
+                false,
+            )?;
+            let n = t * f;
+            self.ew(
+                s,
+                "swiglu_bwd",
+                n,
+                vec![
+                    p(dh1),
+                    p(dh3),
+                    p(da),
+                    p(self.at(io, r.sh_h1)),
+                    p(self.at(io, r.sh_h3)),
+                    n64(n),
+                ],
+            )?;
+            self.mm(
+                s,
+                (t, d, f),
+                dh1,
+                false,
+                self.w(st, &format!("{pre}.w1"))?,
+                true,
+                dn2,
+                false,
+                false,
+            )?;
+            self.mm(
+                s,
+                (t, d, f),
+                dh3,
+                false,
+                self.w(st, &format!("{pre}.w3"))?,
+                true,
+                dn2,
+                true,
+                false,
+            )?;
+        } else {
+            self.gpu.memset(s, dn2, r.dn2.bytes)?;
+        }
+        Ok(())
+    }
+
+    /// B, the local experts (`bwd_experts`): input gradients of the received rows.
+    fn b_experts(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (d, f, cm) = (dm.d, dm.f, dm.cmax);
+        let r = &st.stash.layers[l];
+        let (ib, ob) = (self.at(io, st.stash.inbox), self.at(io, st.stash.outbox));
+        let (perm, cnt) = (self.at(io, r.perm), self.at(io, r.src_count));
+        let dye = self.at(io, r.dye);
+        self.gpu.memset(s, dye, r.dye.bytes)?;
+        self.ew(
+            s,
+            "expert_gather",
+            dm.ep * dm.rmax * d,
+            vec![
+                p(dye),
+                p(ib),
+                n64(dm.slot_bytes),
+                n64(dm.rows_off),
+                p(perm),
+                p(cnt),
+                i(dm.ep),
+                i(dm.rmax),
+                i(d),
+            ],
+        )?;
+        let (stride, [w1, w3, w2]) = self.experts_at(st, l)?;
+        let wp = |o: usize| st.weights + (o * dm.ts) as u64;
+        let (dae, dh1e, dh3e, dxe) = (
+            self.at(io, r.dae),
+            self.at(io, r.dh1e),
+            self.at(io, r.dh3e),
+            self.at(io, r.dxe),
+        );
+        self.bmm(
+            s,
+            (cm, f, d),
+            (dye, cm * d, false),
+            (wp(w2), stride, true),
+            (dae, cm * f),
+            false,
+            false,
+        )?;
+        let n = dm.per * cm * f;
+        self.ew(
+            s,
+            "swiglu_bwd",
+            n,
+            vec![
+                p(dh1e),
+                p(dh3e),
+                p(dae),
+                p(self.at(io, r.h1e)),
+                p(self.at(io, r.h3e)),
+                n64(n),
+            ],
+        )?;
+        self.bmm(
+            s,
+            (cm, d, f),
+            (dh1e, cm * f, false),
+            (wp(w1), stride, true),
+            (dxe, cm * d),
+            false,
+            false,
+        )?;
+        self.bmm(
+            s,
+            (cm, d, f),
+            (dh3e, cm * f, false),
+            (wp(w3), stride, true),
+            (dxe, cm * d),
+            true,
+            false,
+        )?;
+        self.ew(
+            s,
+            "expert_scatter",
+            dm.ep * dm.rmax * d,
+            vec![
+                p(ob),
+                n64(dm.slot_bytes),
+                n64(dm.rows_off),
+                p(dxe),
+                p(perm),
+                p(cnt),
+                i(dm.ep),
+                i(dm.rmax),
+                i(d),
+            ],
+        )
+    }
+
+    /// B, dispatch, router, norm, output projection, attention (`bwd_attn`): the gradients
+    /// of the gathered latents (`dk^C W_UKᵀ + dv W_UVᵀ`) and RoPE keys of every SP member's
+    /// chunk into its slot; the queries' RoPE gradient rotated back.
+    fn b_attn(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, k, e, h, kvr, kw, tk) =
+            (dm.t, dm.d, dm.k, dm.e, dm.heads, dm.kvr, dm.kw(), dm.tk);
+        let r = &st.stash.layers[l];
+        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let at = |x: Region| self.at(io, x);
+        let ib = at(st.stash.inbox);
+        let dn2 = at(r.dn2);
+        self.ew(
+            s,
+            "dispatch_bwd",
+            t * d,
+            vec![
+                p(dn2),
+                p(ib),
+                n64(dm.slot_bytes),
+                n64(dm.rows_off),
+                p(at(r.experts)),
+                p(at(r.slot_dest)),
+                p(at(r.slot_pos)),
+                i(t),
+                i(k),
+                i(d),
+            ],
+        )?;
+        let dlr = at(r.dlr);
+        self.ew(
+            s,
+            "gate_bwd",
+            t,
+            vec![
+                p(dlr),
+                p(at(r.dgates)),
+                p(at(r.gates)),
+                p(at(r.z)),
+                p(at(r.s)),
+                p(at(r.softmax)),
+                p(at(r.experts)),
+                i(t),
+                i(k),
+                i(e),
+                i(self.cfg.bugs.softmax_gates as usize),
+            ],
+        )?;
+        self.mm(
+            s,
+            (t, d, e),
+            dlr,
+            false,
+            w("router")?,
+            true,
+            dn2,
+            true,
+            false,
+        )?;
+        let dh1 = at(r.dh1);
+        self.rmsnorm_bwd(
+            s,
+            dh1,
+            dn2,
+            (w("norm2")?, at(r.xhat2), at(r.inv2)),
+            self.dy(st, l, io),
+            t,
+            d,
+        )?;
+        let doh = at(r.doh);
+        self.mm(
+            s,
+            (t, h * dm.dv, d),
+            dh1,
+            false,
+            w("wo")?,
+            true,
+            doh,
+            false,
+            false,
+        )?;
+        let (dk_nope, dk_pe, dvv) = (at(r.dk_nope), at(r.dk_pe), at(r.dvv));
+        self.attention_bwd(
+            s,
+            (at(r.dq_nope), at(r.dqr), dk_nope, dk_pe, dvv, at(r.ds)),
+            doh,
+            (at(r.q_nope), at(r.q_pe)),
+            (at(r.k_nope), at(r.kpe_all), at(r.v)),
+            at(r.probs),
+            t,
+            tk,
+        )?;
+        let dckv_all = at(r.dckv_all);
+        self.mm(
+            s,
+            (tk, kvr, h * dm.dn),
+            dk_nope,
+            false,
+            w("wuk")?,
+            true,
+            dckv_all,
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (tk, kvr, h * dm.dv),
+            dvv,
+            false,
+            w("wuv")?,
+            true,
+            dckv_all,
+            true,
+            false,
+        )?;
+        self.rope(s, at(r.dqr), t, h * dm.dr, h, true)?;
+        let ob = at(st.stash.outbox);
+        let (nc, np) = (t * kvr * dm.ts, t * kw * dm.ts);
+        for j in 0..dm.sp {
+            self.gpu
+                .dtod(s, self.rows(ob, j), dckv_all + (j * nc) as u64, nc)?;
+            self.gpu
+                .dtod(s, self.rows(ob, j) + nc as u64, dk_pe + (j * np) as u64, np)?;
+        }
+        Ok(())
+    }
+
+    /// B, MLA's projections and norm (`bwd_qkv`): sums the local chunk's latent and
+    /// RoPE-key gradients over the SP group, rotates the RoPE gradient back, runs the
+    /// gradients through the latents' norms and the down-projections, and the layer input's
+    /// gradient.
+    fn b_qkv(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, h, qr, kvr, kw) = (dm.t, dm.d, dm.heads, dm.qr, dm.kvr, dm.kw());
+        let r = &st.stash.layers[l];
+        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let at = |x: Region| self.at(io, x);
+        let ib = at(st.stash.inbox);
+        let (dckv, dkr) = (at(r.dckv), at(r.dkr));
+        for (y, off, n) in [
+            (dckv, dm.rows_off, t * kvr),
+            (dkr, dm.rows_off + t * kvr * dm.ts, t * kw),
+        ] {
+            self.ew(
+                s,
+                "sum_slots",
+                n,
+                vec![p(y), p(ib), n64(dm.slot_bytes), n64(off), i(dm.sp), n64(n)],
+            )?;
+        }
+        self.rope(s, dkr, t, kw, dm.kph, true)?;
+        let dckv_raw = at(r.dckv_raw);
+        self.rmsnorm_bwd(
+            s,
+            dckv_raw,
+            dckv,
+            (w("kv_norm")?, at(r.ckv_xhat), at(r.ckv_inv)),
+            0,
+            t,
+            kvr,
+        )?;
+        let (dcq, dcq_raw) = (at(r.dcq), at(r.dcq_raw));
+        self.mm(
+            s,
+            (t, qr, h * dm.dn),
+            at(r.dq_nope),
+            false,
+            w("wuq")?,
+            true,
+            dcq,
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (t, qr, h * dm.dr),
+            at(r.dqr),
+            false,
+            w("wqr")?,
+            true,
+            dcq,
+            true,
+            false,
+        )?;
+        self.rmsnorm_bwd(
+            s,
+            dcq_raw,
+            dcq,
+            (w("q_norm")?, at(r.cq_xhat), at(r.cq_inv)),
+            0,
+            t,
+            qr,
+        )?;
+        let da = at(r.da);
+        self.mm(
+            s,
+            (t, d, qr),
+            dcq_raw,
+            false,
+            w("wdq")?,
+            true,
+            da,
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (t, d, kvr),
+            dckv_raw,
+            false,
+            w("wdkv")?,
+            true,
+            da,
+            true,
+            false,
+        )?;
+        self.mm(s, (t, d, kw), dkr, false, w("wkr")?, true, da, true, false)?;
+        let dx = at(r.dx);
+        self.rmsnorm_bwd(
+            s,
+            dx,
+            da,
+            (w("norm1")?, at(r.xhat1), at(r.inv1)),
+            at(r.dh1),
+            t,
+            d,
+        )?;
+        if l == 0 {
+            if let Some(g) = io.grad_out {
+                self.gpu.dtod(s, g, dx, dm.act_bytes())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// W: every weight gradient of the stage added to `weight_grad` (`weights`).
+    fn w_weights(&self, s: StreamId, st: &StageDev, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, e, f, v) = (dm.t, dm.d, dm.e, dm.f, dm.vocab);
+        let sl = &st.stash;
+        if st.info.first {
+            self.ew(
+                s,
+                "embed_w",
+                v * d,
+                vec![
+                    p(self.g(st, io, "embed")?),
+                    p(self.at(io, sl.layers[0].dx)),
+                    p(self.at(io, sl.tokens)),
+                    i(t),
+                    i(d),
+                    i(v),
+                ],
+            )?;
+        }
+        let (h, qr, kvr, kw, tk) = (dm.heads, dm.qr, dm.kvr, dm.kw(), dm.tk);
+        for (li, r) in sl.layers.iter().enumerate() {
+            let g = |w: &str| self.g(st, io, &self.lname(st, li, w));
+            let at = |x: Region| self.at(io, x);
+            self.rmsnorm_w(s, g("norm1")?, at(r.da), at(r.xhat1), t, d)?;
+            self.mm(
+                s,
+                (d, qr, t),
+                at(r.a),
+                true,
+                at(r.dcq_raw),
+                false,
+                g("wdq")?,
+                true,
+                true,
+            )?;
+            self.rmsnorm_w(s, g("q_norm")?, at(r.dcq), at(r.cq_xhat), t, qr)?;
+            self.mm(
+                s,
+                (qr, h * dm.dn, t),
+                at(r.cq),
+                true,
+                at(r.dq_nope),
+                false,
+                g("wuq")?,
+                true,
+                true,
+            )?;
+            self.mm(
+                s,
+                (qr, h * dm.dr, t),
+                at(r.cq),
+                true,
+                at(r.dqr),
+                false,
+                g("wqr")?,
+                true,
+                true,
+            )?;
+            self.mm(
+                s,
+                (d, kvr, t),
+                at(r.a),
+                true,
+                at(r.dckv_raw),
+                false,
+                g("wdkv")?,
+                true,
+                true,
+            )?;
+            self.rmsnorm_w(s, g("kv_norm")?, at(r.dckv), at(r.ckv_xhat), t, kvr)?;
+            self.mm(
+                s,
+                (d, kw, t),
+                at(r.a),
+                true,
+                at(r.dkr),
+                false,
+                g("wkr")?,
+                true,
+                true,
+            )?;
+            // Over the gathered sequence: each SP member adds its queries' share; the
+            // data-parallel all-reduce, which spans the SP group, sums the shares.
+            self.mm(
+                s,
+                (kvr, h * dm.dn, tk),
+                at(r.ckv_all),
+                true,
+                at(r.dk_nope),
+                false,
+                g("wuk")?,
+                true,
+                true,
+            )?;
+            self.mm(
+                s,
+                (kvr, h * dm.dv, tk),
+                at(r.ckv_all),
+                true,
+                at(r.dvv),
+                false,
+                g("wuv")?,
+                true,
+                true,
+            )?;
+            self.mm(
+                s,
+                (h * dm.dv, d, t),
+                at(r.o),
+                true,
+                at(r.dh1),
+                false,
+                g("wo")?,
+                true,
+                true,
+            )?;
+            self.rmsnorm_w(s, g("norm2")?, at(r.dn2), at(r.xhat2), t, d)?;
+            self.mm(
+                s,
+                (d, e, t),
+                at(r.n2),
+                true,
+                at(r.dlr),
+                false,
+                g("router")?,
+                true,
+                true,
+            )?;
+            if dm.shared {
+                let dy = self.dy(st, li, io);
+                self.mm(
+                    s,
+                    (d, f, t),
+                    at(r.n2),
+                    true,
+                    at(r.sh_dh1),
+                    false,
+                    g("shared.w1")?,
+                    true,
+                    true,
+                )?;
+                self.mm(
+                    s,
+                    (d, f, t),
+                    at(r.n2),
+                    true,
+                    at(r.sh_dh3),
+                    false,
+                    g("shared.w3")?,
+                    true,
+                    true,
+                )?;
+                self.mm(
+                    s,
+                    (f, d, t),
+                    at(r.sh_act),
+                    true,
+                    dy,
+                    false,
+                    g("shared.w2")?,
+                    true,
+                    true,
+                )?;
+            }
+            let (stride, [w1, w3, w2]) = self.experts_at(st, li)?;
+            let nl = st.layout.loads;
+            let gp = |o: usize| io.grads + ((o + nl) * 4) as u64;
+            let cm = dm.cmax;
+            self.bmm(
+                s,
+                (d, f, cm),
+                (at(r.xe), cm * d, true),
+                (at(r.dh1e), cm * f, false),
+                (gp(w1), stride),
+                true,
+                true,
+            )?;
+            self.bmm(
+                s,
+                (d, f, cm),
+                (at(r.xe), cm * d, true),
+                (at(r.dh3e), cm * f, false),
+                (gp(w3), stride),
+                true,
+                true,
+            )?;
+            self.bmm(
+                s,
+                (f, d, cm),
+                (at(r.ae), cm * f, true),
+                (at(r.dye), cm * d, false),
+                (gp(w2), stride),
+                true,
+                true,
+            )?;
+        }
+        if st.info.last {
+            self.mm(
+                s,
+                (d, v, t),
+                self.at(io, sl.xf),
+                true,
+                self.at(io, sl.dlogits),
+                false,
+                self.g(st, io, "head")?,
+                true,
+                true,
+            )?;
+            self.rmsnorm_w(
+                s,
+                self.g(st, io, "final_norm")?,
+                self.at(io, sl.dxf),
+                self.at(io, sl.xhatf),
+                t,
+                d,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer step of stage copy `st` with its summed gradients (`optimizer_step`
+    /// and `RouterState::update` of the CPU backend), then the compute copy in bf16.
+    pub fn optimizer_step(
+        &self,
+        s: StreamId,
+        st: &mut StageDev,
+        grads: DevPtr,
+        opt: &Optimizer,
+    ) -> Result<(), GpuError> {
+        let lay = &st.layout;
+        st.opt_t += 1;
+        // [dense | expert] parameters against [dense | loads | expert] gradients.
+        let parts = [
+            (0usize, 0usize, lay.dense),
+            (lay.dense, lay.dense + lay.loads, lay.expert),
+        ];
+        for (po, go, n) in parts {
+            if n == 0 {
+                continue;
+            }
+            let (pp, gp) = (st.master + (po * 4) as u64, grads + (go * 4) as u64);
+            match *opt {
+                Optimizer::Sgd { lr } => {
+                    self.ew(s, "sgd", n, vec![p(pp), p(gp), n64(n), Arg::F32(lr as f32)])?
+                }
+                Optimizer::Adam {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                } => {
+                    let c1 = (1.0 - beta1.powi(st.opt_t as i32)) as f32;
+                    let c2 = (1.0 - beta2.powi(st.opt_t as i32)) as f32;
+                    self.ew(
+                        s,
+                        "adam",
+                        n,
+                        vec![
+                            p(pp),
+                            p(st.adam_m + (po * 4) as u64),
+                            p(st.adam_v + (po * 4) as u64),
+                            p(gp),
+                            n64(n),
+                            Arg::F32(lr as f32),
+                            Arg::F32(beta1 as f32),
+                            Arg::F32(beta2 as f32),
+                            Arg::F32(eps as f32),
+                            Arg::F32(c1),
+                            Arg::F32(c2),
+                        ],
+                    )?
+                }
+            }
+        }
+        let dm = self.dims;
+        self.ew(
+            s,
+            "router_update",
+            dm.layers,
+            vec![
+                p(st.bias),
+                p(st.ema),
+                p(st.routing_bias),
+                p(grads + (lay.dense * 4) as u64),
+                i(dm.e),
+                i(dm.layers),
+                Arg::F64(self.cfg.ema_decay),
+                Arg::F64(self.cfg.bias_rate),
+                i(self.cfg.bugs.bias_update_after_routing as usize),
+            ],
+        )?;
+        if st.weights != st.master {
+            let n = lay.params();
+            self.ew(
+                s,
+                "cast_master",
+                n,
+                vec![p(st.weights), p(st.master), n64(n)],
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,362 @@
+//! The entry point of `schedc run ... --backend cuda` ([`run`]): lowers and verifies the
+//! programs, opens the GPU (or reports why it cannot), trains, and reports like the CPU
+//! backend, with the device, the mode and each rank's device memory.
+
+use crate::api::{DType, Gpu};
+use crate::cuda::{self, CudaGpu, CudaNccl};
+use crate::driver::{
+    execute, execute_rank, stream_kinds, ExecOptions, GpuResult, OnStep, RankMemory,
+};
+use crate::rendezvous::{self, Rendezvous};
+use schedc_cpu::exec::{compare, reference, ExecResult, Optimizer};
+use schedc_ir::Program;
+use schedc_program::data::{Batching, Data};
+use schedc_program::interp::RunFailure;
+use schedc_program::mesh::{Dim, Mesh};
+use schedc_program::{lower_verified, ModelConfig, ProgramError, VerifyReport};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// `--mode`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Every rank in this process on one GPU (streams per rank, copies as transport).
+    #[default]
+    Single,
+    /// One process per GPU, NCCL between them.
+    Nccl,
+}
+
+/// NCCL mode's place of this process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NcclRank {
+    /// Global rank.
+    pub rank: u32,
+    /// Where the ranks meet.
+    pub rendezvous: Rendezvous,
+}
+
+/// What `schedc run --backend cuda` needs besides the schedule.
+#[derive(Clone)]
+pub struct RunConfig {
+    /// `--mesh`; `None`: `pp=P`.
+    pub mesh: Option<Mesh>,
+    /// `--dtype` (storage of activations and weights).
+    pub dtype: DType,
+    /// `--mode`.
+    pub mode: Mode,
+    /// `--steps`.
+    pub steps: usize,
+    /// `--data FILE`; `None`: the built-in text.
+    pub data: Option<PathBuf>,
+    /// `--verify`: also train sequentially on the CPU (f32) and compare.
+    pub verify: bool,
+    /// The model.
+    pub model: ModelConfig,
+    /// The optimizer.
+    pub optimizer: Optimizer,
+    /// How long a rank may wait without progress.
+    pub timeout: Duration,
+    /// A callback after each step (progress).
+    pub on_step: Option<OnStep>,
+    /// The GPU (ordinal) of this process.
+    pub device: usize,
+    /// `--arch` for NVRTC (default: the device's).
+    pub arch: Option<String>,
+    /// NCCL mode: this process's rank and the rendezvous.
+    pub nccl: Option<NcclRank>,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            mesh: None,
+            dtype: DType::F32,
+            mode: Mode::Single,
+            steps: 1,
+            data: None,
+            verify: false,
+            model: ModelConfig::small(),
+            optimizer: Optimizer::adam(3e-3),
+            timeout: Duration::from_secs(60),
+            on_step: None,
+            device: 0,
+            arch: None,
+            nccl: None,
+        }
+    }
+}
+
+/// The result of [`run`]; `--format json` prints it as is.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    /// Pipeline ranks P.
+    pub pp: u32,
+    /// Micro-batches per direction M.
+    pub microbatches: u32,
+    /// DualPipe's 2, else 1.
+    pub directions: u32,
+    /// IR stages.
+    pub stages: u32,
+    /// The mesh.
+    pub mesh: String,
+    /// Global ranks.
+    pub world: u32,
+    /// `f32` or `bf16`.
+    pub dtype: DType,
+    /// `single` or `nccl`.
+    pub mode: Mode,
+    /// The GPU.
+    pub device: String,
+    /// Steps run.
+    pub steps: usize,
+    /// Tokens per step.
+    pub tokens_per_step: usize,
+    /// Instructions of one step over all ranks.
+    pub instructions_per_step: usize,
+    /// The checks of the lowered programs.
+    pub verified: VerifyReport,
+    /// Loss of each step.
+    pub loss: Vec<f64>,
+    /// With `--verify`: the CPU's sequential reference's loss of each step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference_loss: Option<Vec<f64>>,
+    /// With `--verify`: the largest relative gradient difference.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_rel_grad_err: Option<f64>,
+    /// With `--verify`: the largest absolute loss difference.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_abs_loss_err: Option<f64>,
+    /// With `--verify`: the largest relative parameter difference after the last step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_rel_param_err: Option<f64>,
+    /// Device memory of each rank run by this process.
+    pub memory: Vec<RankMemory>,
+    /// The largest total over those ranks (bytes).
+    pub peak_device_memory: usize,
+    /// Wall seconds of the run (kernel compilation excluded).
+    pub seconds: f64,
+}
+
+impl RunReport {
+    /// The `--format json` text.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a run report serializes")
+    }
+
+    /// The `--format human` text: the CPU backend's lines, then the device's.
+    pub fn to_human(&self) -> String {
+        let mut s = format!(
+            "ran {} step(s) on {} rank(s) (mesh {}), P={} M={}{}, {}: {} instructions per step, {} tokens per step\n",
+            self.steps,
+            self.world,
+            self.mesh,
+            self.pp,
+            self.microbatches,
+            if self.directions == 2 {
+                format!(" per direction ({} in all)", 2 * self.microbatches)
+            } else {
+                String::new()
+            },
+            self.dtype.name(),
+            self.instructions_per_step,
+            self.tokens_per_step,
+        );
+        if let (Some(first), Some(last)) = (self.loss.first(), self.loss.last()) {
+            s += &format!(
+                "loss: {first:.4} (step 0) -> {last:.4} (step {})\n",
+                self.loss.len() - 1
+            );
+        }
+        s += &format!("pipelined: {:.3} s\n", self.seconds);
+        if let (Some(g), Some(l), Some(p)) = (
+            self.max_rel_grad_err,
+            self.max_abs_loss_err,
+            self.max_rel_param_err,
+        ) {
+            s += &format!("verify: max_rel_grad_err {g:.3e}, max_abs_loss_err {l:.3e}, max_rel_param_err {p:.3e}\n");
+        }
+        s += &format!(
+            "device: {} ({} mode), peak device memory per rank {:.1} MiB\n",
+            self.device,
+            match self.mode {
+                Mode::Single => "single-GPU",
+                Mode::Nccl => "NCCL",
+            },
+            self.peak_device_memory as f64 / (1u64 << 20) as f64
+        );
+        s
+    }
+}
+
+/// Why [`run`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Lowering or verifying the programs.
+    #[error(transparent)]
+    Program(#[from] ProgramError),
+    /// The data or the configuration.
+    #[error("{0}")]
+    Config(String),
+    /// No usable GPU (no driver, no device, a missing library, a kernel that does not
+    /// compile).
+    #[error("{0}")]
+    Device(String),
+    /// A rank failed.
+    #[error(transparent)]
+    Failed(Box<RunFailure>),
+}
+
+/// `schedc run INPUT ... --backend cuda` (see the module docs). Errors: [`RunError`]; on a
+/// machine without a GPU, [`RunError::Device`] starting "no CUDA driver" with the cause.
+pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
+    if let Some(m) = &cfg.mesh {
+        if m.size(Dim::Tp) > 1 {
+            return Err(RunError::Config(
+                "the CUDA backend has no tensor-parallel kernels: use tp=1".into(),
+            ));
+        }
+    }
+    if cfg.steps == 0 {
+        return Err(RunError::Config("--steps must be at least 1".into()));
+    }
+    if cfg.verify && cfg.mode == Mode::Nccl {
+        return Err(RunError::Config(
+            "--verify needs --mode single (in NCCL mode each process holds only its own ranks' gradients)".into(),
+        ));
+    }
+    if cfg.verify && cfg.dtype != DType::F32 {
+        return Err(RunError::Config(
+            "--verify compares in f32: use --dtype f32".into(),
+        ));
+    }
+    let data = match &cfg.data {
+        Some(p) => Data::from_file(p).map_err(RunError::Config)?,
+        None => Data::builtin(),
+    };
+    if data.vocab_needed() > cfg.model.vocab {
+        return Err(RunError::Config(format!(
+            "the data has token {} but the model's vocabulary is {}",
+            data.vocab_needed() - 1,
+            cfg.model.vocab
+        )));
+    }
+    data.sequence(0, cfg.model.seq_len)
+        .map_err(RunError::Config)?;
+    let (set, verified) = lower_verified(source, cfg.mesh.as_ref(), &cfg.model)?;
+    cuda::probe(cfg.mode == Mode::Nccl).map_err(RunError::Device)?;
+    let gpu = CudaGpu::new(cfg.device, cfg.dtype, cfg.arch.as_deref()).map_err(RunError::Device)?;
+    let opts = ExecOptions {
+        steps: cfg.steps,
+        optimizer: cfg.optimizer,
+        timeout: cfg.timeout,
+        record: cfg.verify,
+        on_step: cfg.on_step.clone(),
+    };
+    let res = match cfg.mode {
+        Mode::Single => execute(&gpu, &set, &data, &opts),
+        Mode::Nccl => {
+            let nr = cfg.nccl.as_ref().ok_or_else(|| {
+                RunError::Config(
+                    "--mode nccl needs this process's --rank and a --rendezvous".into(),
+                )
+            })?;
+            let world = set.manifest.world;
+            let n = stream_kinds(&set).len() + 1;
+            let ids = if nr.rank == 0 {
+                Some(
+                    (0..n)
+                        .map(|_| cuda::nccl_unique_id())
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(RunError::Device)?,
+                )
+            } else {
+                None
+            };
+            let ids = rendezvous::exchange(&nr.rendezvous, nr.rank, world, ids, cfg.timeout)
+                .map_err(RunError::Device)?;
+            let coll = CudaNccl::new(&gpu, nr.rank, world, &ids).map_err(RunError::Device)?;
+            execute_rank(&gpu, &coll, &set, nr.rank, &data, &opts)
+        }
+    };
+    let res = res.map_err(|e| RunError::Failed(Box::new(e)))?;
+    report(
+        &set.manifest,
+        &set,
+        verified,
+        &res,
+        cfg,
+        gpu.describe(),
+        &data,
+    )
+}
+
+fn report(
+    m: &schedc_program::Manifest,
+    set: &schedc_program::ProgramSet,
+    verified: VerifyReport,
+    res: &GpuResult,
+    cfg: &RunConfig,
+    device: String,
+    data: &Data,
+) -> Result<RunReport, RunError> {
+    let batching = Batching {
+        shards: m.mesh.data_shards() as usize,
+        microbatches: (m.microbatches * m.directions) as usize,
+        sp: m.mesh.size(Dim::Sp) as usize,
+    };
+    let mut rep = RunReport {
+        pp: m.pp,
+        microbatches: m.microbatches,
+        directions: m.directions,
+        stages: m.stages,
+        mesh: m.mesh.to_string(),
+        world: m.world,
+        dtype: cfg.dtype,
+        mode: cfg.mode,
+        device,
+        steps: cfg.steps,
+        tokens_per_step: batching.tokens(m.model.seq_len),
+        instructions_per_step: set.len(),
+        verified,
+        loss: res.losses.clone(),
+        reference_loss: None,
+        max_rel_grad_err: None,
+        max_abs_loss_err: None,
+        max_rel_param_err: None,
+        memory: res.memory.clone(),
+        peak_device_memory: res.memory.iter().map(|x| x.total()).max().unwrap_or(0),
+        seconds: res.seconds,
+    };
+    if cfg.verify {
+        let r = reference::<f32>(
+            &m.model,
+            m.model_stages as usize,
+            batching,
+            data,
+            cfg.steps,
+            &cfg.optimizer,
+        )
+        .map_err(RunError::Config)?;
+        let ex = as_exec_result(res);
+        let c = compare(&ex, &r).map_err(RunError::Config)?;
+        rep.reference_loss = Some(r.losses);
+        rep.max_rel_grad_err = Some(c.max_rel_grad_err);
+        rep.max_abs_loss_err = Some(c.max_abs_loss_err);
+        rep.max_rel_param_err = Some(c.max_rel_param_err);
+    }
+    Ok(rep)
+}
+
+/// A GPU run in the CPU executor's result type (for its comparisons).
+pub fn as_exec_result(r: &GpuResult) -> ExecResult {
+    ExecResult {
+        losses: r.losses.clone(),
+        grads: r.grads.clone(),
+        params: r.params.clone(),
+        seconds: r.seconds,
+        instructions: r.instructions,
+    }
+}

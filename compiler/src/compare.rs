@@ -1,0 +1,508 @@
+//! `schedc compare`: several schedules at one size under one cost model, side by side.
+//!
+//! Each input — a `.sched` spec (instantiated at `--pp`, `--mb`, its own V or `--vpp`, the
+//! `--param`s it declares), a directory (its `.sched` files), or any other schedule file
+//! `schedc check` reads (IR text or JSON, torch CSV, a DualPipe trace, at its own size) — is
+//! loaded, optionally split into MoE parts (`--moe`), checked, its expectations evaluated,
+//! and simulated. The outcome of each is a [`Row`]: its figures, or why it has none:
+//!
+//! * [`Status::NotApplicable`]: a spec's `require` refuses the size (the family does not
+//!   have this instance);
+//! * [`Status::Rejected`]: `schedc check` rejects the instance (a deadlock, an order error,
+//!   ...), with the first error's code and message;
+//! * [`Status::Expectation`]: the schedule runs, but an `expect` line fails (its figures are
+//!   shown, flagged);
+//! * [`Status::Error`]: the input cannot be read, parsed or elaborated.
+//!
+//! Op times are for a stage of 1/P of the model: a schedule that splits the model into more,
+//! smaller stages (interleaved, ZB-V, DualPipeV) has each op scaled by `P / stages per
+//! direction` ([`crate::sim::cost::CostModel::op_scale`]), so all do the same work.
+
+use crate::check::{self, Verdict};
+use crate::input::{self, LoadError, Overrides};
+use crate::moe::MoeStages;
+use crate::sim::cost::CostModel;
+use crate::sim::{A2aStats, Bubble};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// What `compare` is asked.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// P for specs.
+    pub pp: u32,
+    /// M (micro-batches per step) for specs.
+    pub mb: u32,
+    /// V for specs whose V is free (default 2 on the command line).
+    pub vpp: u32,
+    /// `--param NAME=VALUE`: given to each spec that declares `NAME`.
+    pub params: Vec<(String, i64)>,
+    /// `--moe`.
+    pub moe: Option<MoeStages>,
+    /// The cost model.
+    pub cost: CostModel,
+    /// Its name, for the report.
+    pub cost_name: String,
+}
+
+/// Why a row has no figures, or what is wrong with them.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Status {
+    /// Simulated; every expectation holds.
+    Ok,
+    /// Simulated, but these `expect` lines fail (messages).
+    Expectation {
+        /// One message per failing line.
+        failed: Vec<String>,
+    },
+    /// The spec's `require` refuses this size.
+    NotApplicable {
+        /// The `require` message.
+        why: String,
+    },
+    /// `schedc check` rejects the instance.
+    Rejected {
+        /// The first error's code (`deadlock`, `order`, ...).
+        code: String,
+        /// Its message.
+        message: String,
+        /// Errors in all.
+        errors: usize,
+    },
+    /// Unreadable, unparsable or not elaborated.
+    Error {
+        /// Why.
+        message: String,
+    },
+}
+
+/// The figures of one simulated schedule.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Figures {
+    /// P.
+    pub pp: u32,
+    /// Micro-batches per step.
+    pub microbatches: u32,
+    /// Seconds.
+    pub makespan: f64,
+    /// The bubble fraction under each convention.
+    pub bubble: Bubble,
+    /// Σ idle / Σ busy (`from_start` idle; Megatron's `(P-1)/M`).
+    pub bubble_ratio_busy: f64,
+    /// MoE all-to-all: seconds in all, seconds exposed.
+    pub a2a: A2aStats,
+    /// Communication the compute streams wait for, seconds over all ranks.
+    pub exposed_comm: f64,
+    /// Peak live activations, the largest over ranks, in units of one micro-batch on a stage
+    /// of 1/P of the model.
+    pub peak_activations: f64,
+    /// Copies of the parameters (2 for DualPipe's two directions).
+    pub param_copies: u32,
+    /// Stages per rank.
+    pub stages_per_rank: f64,
+}
+
+/// One input's outcome.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Row {
+    /// The schedule's name (the file stem).
+    pub schedule: String,
+    /// The file.
+    pub path: String,
+    /// The figures, when it was simulated.
+    pub figures: Option<Figures>,
+    /// The outcome.
+    #[serde(flatten)]
+    pub status: Status,
+}
+
+/// The whole comparison.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// P asked.
+    pub pp: u32,
+    /// M asked.
+    pub mb: u32,
+    /// The cost model's name.
+    pub cost: String,
+    /// Whether `--moe` split the MoE stages.
+    pub moe: bool,
+    /// Every input, simulated ones by makespan first, then the others in input order.
+    pub rows: Vec<Row>,
+}
+
+impl Report {
+    /// True if some input failed: rejected, a failed expectation, or an error (not a
+    /// refused size).
+    pub fn has_failures(&self) -> bool {
+        self.rows.iter().any(|r| {
+            matches!(
+                r.status,
+                Status::Rejected { .. } | Status::Expectation { .. } | Status::Error { .. }
+            )
+        })
+    }
+}
+
+/// The files to compare: each directory expands to its `.sched` files, sorted.
+///
+/// Errors: an unreadable directory or a path that does not exist.
+pub fn expand(inputs: &[String]) -> Result<Vec<PathBuf>, String> {
+    let mut out = Vec::new();
+    for i in inputs {
+        let p = Path::new(i);
+        if p.is_dir() {
+            let mut v: Vec<PathBuf> = std::fs::read_dir(p)
+                .map_err(|e| format!("cannot read the directory `{i}`: {e}"))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "sched"))
+                .collect();
+            v.sort();
+            out.extend(v);
+        } else if p.exists() {
+            out.push(p.to_path_buf());
+        } else {
+            return Err(format!(
+                "`{i}` does not exist (run from the repository root for the default `specs`, or name the files)"
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// Compares `files` (see [`expand`]).
+///
+/// Errors (usage, the whole command fails): a `--param` that no spec declares; `--moe`
+/// with a cost model that has no `[moe]` section ([`crate::moe::require_moe_costs`]).
+pub fn compare(files: &[PathBuf], opts: &Options) -> Result<Report, String> {
+    if opts.moe.is_some() {
+        crate::moe::require_moe_costs(&opts.cost, &opts.cost_name)?;
+    }
+    // Each parameter must be declared by some spec.
+    let declared: Vec<(PathBuf, Vec<String>, bool)> = files
+        .iter()
+        .map(|f| {
+            let text = std::fs::read_to_string(f).unwrap_or_default();
+            let parsed = is_spec(f)
+                .then(|| crate::dsl::parse_file(&text).ok())
+                .flatten();
+            let names = parsed
+                .as_ref()
+                .map(|p| {
+                    p.items
+                        .iter()
+                        .filter_map(|i| match i {
+                            crate::dsl::ast::Item::Param(n, _, _) => Some(n.clone()),
+                            _ => None,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let fixed_v = parsed.as_ref().is_some_and(|p| {
+                p.items
+                    .iter()
+                    .any(|i| matches!(i, crate::dsl::ast::Item::Vpp(..)))
+            });
+            (f.clone(), names, fixed_v)
+        })
+        .collect();
+    for (n, _) in &opts.params {
+        if !declared.iter().any(|(_, names, _)| names.contains(n)) {
+            return Err(format!(
+                "--param {n}: no compared spec declares a parameter `{n}`"
+            ));
+        }
+    }
+    let mut rows: Vec<Row> = declared
+        .iter()
+        .map(|(f, names, fixed_v)| one(f, names, *fixed_v, opts))
+        .collect();
+    // Simulated rows by makespan, then the others in input order.
+    rows.sort_by(|a, b| match (&a.figures, &b.figures) {
+        (Some(x), Some(y)) => x.makespan.total_cmp(&y.makespan),
+        (Some(_), None) => std::cmp::Ordering::Less,
+        (None, Some(_)) => std::cmp::Ordering::Greater,
+        (None, None) => std::cmp::Ordering::Equal,
+    });
+    Ok(Report {
+        pp: opts.pp,
+        mb: opts.mb,
+        cost: opts.cost_name.clone(),
+        moe: opts.moe.is_some(),
+        rows,
+    })
+}
+
+fn is_spec(f: &Path) -> bool {
+    f.extension().is_some_and(|x| x == "sched")
+}
+
+fn one(f: &Path, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
+    let schedule = f
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("?")
+        .to_string();
+    let path = f.display().to_string();
+    let row = |figures, status| Row {
+        schedule: schedule.clone(),
+        path: path.clone(),
+        figures,
+        status,
+    };
+    let spec = is_spec(f);
+    let ov = if spec {
+        Overrides {
+            pp: Some(opts.pp),
+            microbatches: Some(opts.mb),
+            vpp: if fixed_v { None } else { Some(opts.vpp) },
+            params: opts
+                .params
+                .iter()
+                .filter(|(n, _)| declared.contains(n))
+                .cloned()
+                .collect(),
+            moe: opts.moe.clone(),
+            placement: None,
+        }
+    } else {
+        Overrides {
+            moe: opts.moe.clone(),
+            ..Default::default()
+        }
+    };
+    let loaded = match input::load_path(&f.display().to_string(), &ov) {
+        Ok(l) => l,
+        Err(LoadError::Spec {
+            diags,
+            refused: true,
+            ..
+        }) => {
+            return row(
+                None,
+                Status::NotApplicable {
+                    why: diags.first().map(|d| d.message.clone()).unwrap_or_default(),
+                },
+            )
+        }
+        Err(LoadError::Spec { diags, .. }) => {
+            let d = diags.first();
+            return row(
+                None,
+                Status::Error {
+                    message: d
+                        .map(|d| format!("{}: {}", d.code.as_str(), d.message))
+                        .unwrap_or_default(),
+                },
+            );
+        }
+        Err(LoadError::Parse(e)) => {
+            return row(
+                None,
+                Status::Error {
+                    message: format!("syntax error at {}:{}: {}", e.line, e.col, e.message),
+                },
+            )
+        }
+        Err(LoadError::Io(m)) | Err(LoadError::Usage(m)) => {
+            return row(None, Status::Error { message: m })
+        }
+    };
+    let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
+    check::check_expectations(&mut out.report, &loaded.spec_expects);
+    let pl = &loaded.program.pipeline;
+    let mut model = opts.cost.clone();
+    model.op_scale = Some(pl.pp as f64 / pl.stages_per_direction() as f64);
+    let sim = match (&out.checked, out.report.verdict) {
+        (Some(prog), _)
+            if out
+                .report
+                .diagnostics
+                .iter()
+                .all(|d| !d.is_error() || d.code == crate::diag::Code::Expectation) =>
+        {
+            Some(crate::sim::simulate(prog, &model))
+        }
+        _ => None,
+    };
+    if let Some(Ok(s)) = &sim {
+        check::check_timing_expectations(&mut out.report, &loaded.spec_expects, Some(s), &model);
+    }
+    let errors: Vec<_> = out
+        .report
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error())
+        .collect();
+    let structural = errors
+        .iter()
+        .find(|d| d.code != crate::diag::Code::Expectation);
+    if let Some(d) = structural {
+        return row(
+            None,
+            Status::Rejected {
+                code: d.code.as_str().to_string(),
+                message: d.message.clone(),
+                errors: errors.len(),
+            },
+        );
+    }
+    let res = match sim {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => return row(None, Status::Error { message: e }),
+        None => {
+            return row(
+                None,
+                Status::Error {
+                    message: "the schedule was not lowered".into(),
+                },
+            )
+        }
+    };
+    let per_dir = pl.stages_per_direction() as f64;
+    let peak = out
+        .report
+        .ranks
+        .iter()
+        .map(|r| r.peak_activations)
+        .max()
+        .unwrap_or(0) as f64
+        * pl.pp as f64
+        / per_dir;
+    let figures = Figures {
+        pp: pl.pp,
+        microbatches: pl.total_microbatches(),
+        makespan: res.makespan,
+        bubble: res.bubble,
+        bubble_ratio_busy: res.bubble_ratio_busy,
+        a2a: res.a2a,
+        exposed_comm: res.ranks.iter().map(|r| r.exposed_comm).sum(),
+        peak_activations: peak,
+        param_copies: pl.directions(),
+        stages_per_rank: pl.stages as f64 / pl.pp as f64,
+    };
+    let status = if errors.is_empty() {
+        Status::Ok
+    } else {
+        debug_assert!(out.report.verdict == Verdict::Rejected);
+        Status::Expectation {
+            failed: errors.iter().map(|d| d.message.clone()).collect(),
+        }
+    };
+    row(Some(figures), status)
+}
+
+/// The human table: one line per simulated schedule (bubble under each convention,
+/// exposed all-to-all), then the failures and the sizes that do not apply.
+pub fn render(r: &Report) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "P = {}, M = {}, cost model `{}`{} (op times per stage of 1/P of the model; a stage of a V-way split takes 1/V)",
+        r.pp,
+        r.mb,
+        r.cost,
+        if r.moe { ", --moe (MoE stages split into attention, dispatch, MLP, combine)" } else { "" }
+    );
+    let _ = writeln!(
+        o,
+        "bubble: idle fraction under each convention — from_start (one step, barrier at both ends), per_rank_span (each rank from its first op to its last), steady_state (steps back to back, no barrier)\n"
+    );
+    let _ = writeln!(
+        o,
+        "{:<18} {:>10} {:>11} {:>13} {:>12} {:>13} {:>9} {:>7}",
+        "schedule",
+        "makespan",
+        "from_start",
+        "per_rank_span",
+        "steady_state",
+        "a2a exposed",
+        "peak_act",
+        "params"
+    );
+    let _ = writeln!(
+        o,
+        "{:<18} {:>10} {:>11} {:>13} {:>12} {:>13} {:>9} {:>7}",
+        "", "(s)", "(bubble)", "(bubble)", "(bubble)", "(of a2a)", "(1/P)", ""
+    );
+    for row in &r.rows {
+        let Some(f) = &row.figures else { continue };
+        let a2a = if f.a2a.total > 0.0 {
+            format!("{:.1}%", 100.0 * f.a2a.exposed_fraction())
+        } else {
+            "-".to_string()
+        };
+        let mut name = row.schedule.clone();
+        if matches!(row.status, Status::Expectation { .. }) {
+            name.push_str(" (!)");
+        }
+        let _ = writeln!(
+            o,
+            "{:<18} {:>10.4} {:>10.1}% {:>12.1}% {:>11.1}% {:>13} {:>9.1} {:>6}x",
+            name,
+            f.makespan,
+            100.0 * f.bubble.from_start,
+            100.0 * f.bubble.per_rank_span,
+            100.0 * f.bubble.steady_state,
+            a2a,
+            f.peak_activations,
+            f.param_copies
+        );
+    }
+    let failed: Vec<&Row> = r
+        .rows
+        .iter()
+        .filter(|x| {
+            matches!(
+                x.status,
+                Status::Rejected { .. } | Status::Expectation { .. } | Status::Error { .. }
+            )
+        })
+        .collect();
+    if !failed.is_empty() {
+        let _ = writeln!(o, "\nfailed:");
+        for x in failed {
+            match &x.status {
+                Status::Rejected {
+                    code,
+                    message,
+                    errors,
+                } => {
+                    let _ = writeln!(
+                        o,
+                        "  {}: rejected by `schedc check` ({errors} error(s)), first: [{code}] {message}",
+                        x.schedule
+                    );
+                }
+                Status::Expectation { failed } => {
+                    for m in failed {
+                        let _ = writeln!(o, "  {} (!): expectation fails: {m}", x.schedule);
+                    }
+                }
+                Status::Error { message } => {
+                    let _ = writeln!(o, "  {}: {message}", x.schedule);
+                }
+                _ => {}
+            }
+        }
+    }
+    let na: Vec<&Row> = r
+        .rows
+        .iter()
+        .filter(|x| matches!(x.status, Status::NotApplicable { .. }))
+        .collect();
+    if !na.is_empty() {
+        let _ = writeln!(
+            o,
+            "\nnot applicable at this size (refused by the spec's `require`):"
+        );
+        for x in na {
+            if let Status::NotApplicable { why } = &x.status {
+                let _ = writeln!(o, "  {}: {why}", x.schedule);
+            }
+        }
+    }
+    o
+}
