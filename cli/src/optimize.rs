@@ -181,6 +181,7 @@ pub fn run(a: Args) -> ExitCode {
                 vpp: a.vpp.map(|v| RangeArg(vec![v])),
                 params: a.params.clone(),
                 placement: a.placement.clone(),
+                moe: None,
             };
             let loaded = match load(&args) {
                 Ok(l) => l,
