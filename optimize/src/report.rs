@@ -31,6 +31,14 @@ pub struct Row {
     pub bubble_from_start: f64,
     /// Bubble, idle / busy summed over ranks, from time 0 to the makespan (Megatron's).
     pub bubble_from_start_per_busy: f64,
+    /// Bubble under the per-rank-span convention: each rank from its first op to its last
+    /// (`schedc::sim::Bubble::per_rank_span`).
+    pub bubble_per_rank_span: f64,
+    /// Bubble under the steady-state convention: steps back to back, no barrier
+    /// (`schedc::sim::Bubble::steady_state`).
+    pub bubble_steady_state: f64,
+    /// Seconds per step when steps run back to back (`SimResult::steady_step`).
+    pub steady_step: f64,
     /// Peak live activations on the worst rank, in reference-stage units.
     pub peak_activations: f64,
     /// Peak memory on the worst rank (simulator, with the cost model's `[memory]`), bytes.
@@ -85,6 +93,9 @@ pub fn row(name: &str, v: &Verified, scale: f64, cap_ref: u64) -> Row {
         makespan: v.sim.makespan,
         bubble_from_start: v.sim.bubble_ratio,
         bubble_from_start_per_busy: v.sim.bubble_ratio_busy,
+        bubble_per_rank_span: v.sim.bubble.per_rank_span,
+        bubble_steady_state: v.sim.bubble.steady_state,
+        steady_step: v.sim.steady_step,
         peak_activations: peak,
         peak_memory_bytes: v
             .sim
