@@ -6,7 +6,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use schedc::input::PlacementArg;
 use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind, Program};
-use schedc_optimize::report::{cap_for, evaluate, load_specs, scale_of, scaled_cost, Row};
+use schedc_optimize::report::{cap_for, evaluate_moe, load_specs, scale_of, scaled_cost, Row};
 use schedc_optimize::search::{optimize, Options, Outcome};
 use schedc_optimize::{verify, Instance, Sched};
 use std::io::IsTerminal;
@@ -118,6 +118,13 @@ pub struct Args {
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Score with the ops of the MoE stages split into attention, dispatch, MLP and combine
+    /// parts (all-to-alls on the expert-parallel stream; the cost model needs `[moe]`). The
+    /// search runs on a whole-op proxy (`schedc_optimize::report::moe_proxy`); its result
+    /// and every start within the cap are then ranked, and every row reported, by the split
+    /// simulation. STAGES as for `check --moe`.
+    #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
+    pub moe: Option<schedc::moe::MoeStages>,
 }
 
 fn fail(msg: impl std::fmt::Display) -> ExitCode {
@@ -129,7 +136,10 @@ fn fail(msg: impl std::fmt::Display) -> ExitCode {
 struct Candidate {
     pipeline: Pipeline,
     inst: Instance,
+    /// The cost the search and `verify` use (the `--moe` proxy under `--moe`), scaled.
     cost: CostModel,
+    /// The cost model as given, scaled (for the `--moe` simulation).
+    real_cost: CostModel,
     starts: Vec<(String, Sched)>,
     scale: f64,
 }
@@ -157,6 +167,11 @@ pub fn run(a: Args) -> ExitCode {
     }
     if !schedc_optimize::instance::has_times(&cost) {
         return fail(schedc_optimize::ProblemError::NoTimes);
+    }
+    if a.moe.is_some() {
+        if let Err(e) = schedc::moe::require_moe_costs(&cost, &a.cost) {
+            return fail(e);
+        }
     }
     if let Some(o) = &a.output {
         if o != "-" && !a.force && std::path::Path::new(o).exists() {
@@ -257,7 +272,18 @@ pub fn run(a: Args) -> ExitCode {
     let specs = load_specs(std::path::Path::new(&a.specs), pp, mb, 2);
     let mut candidates = Vec::new();
     for pl in &pipelines {
-        let c = scaled_cost(&cost, ref_stages, pl);
+        let real_cost = scaled_cost(&cost, ref_stages, pl);
+        let c = match &a.moe {
+            Some(sel) => match sel.resolve(pl) {
+                Ok(st) => scaled_cost(
+                    &schedc_optimize::report::moe_proxy(&cost, &st),
+                    ref_stages,
+                    pl,
+                ),
+                Err(e) => return fail(e),
+            },
+            None => real_cost.clone(),
+        };
         let cap = cap_for(a.max_activations, ref_stages, pl);
         let inst = match Instance::new(pl, &c, Some(cap)) {
             Ok(i) => i,
@@ -285,6 +311,7 @@ pub fn run(a: Args) -> ExitCode {
             pipeline: pl.clone(),
             inst,
             cost: c,
+            real_cost,
             starts,
             scale: scale_of(ref_stages, pl),
         });
@@ -338,30 +365,45 @@ pub fn run(a: Args) -> ExitCode {
 
     // The best verified result: by from-start makespan, or under `steady_state` by the
     // steady-state step over the search's results and every start within the cap.
+    // Under --moe the scores come from the split simulation.
     let steady = a.objective == Objective::SteadyState;
-    let key = |v: &schedc_optimize::Verified| {
+    let key = |s: &schedc::sim::SimResult| {
         if steady {
-            (v.sim.steady_step, v.sim.makespan)
+            (s.steady_step, s.makespan)
         } else {
-            (v.sim.makespan, 0.0)
+            (s.makespan, 0.0)
         }
     };
-    let better = |v: &schedc_optimize::Verified, b: &schedc_optimize::Verified| {
-        let (k, kb) = (key(v), key(b));
+    let better = |s: &schedc::sim::SimResult, b: &schedc::sim::SimResult| {
+        let (k, kb) = (key(s), key(b));
         k.0 < kb.0 - 1e-9 || (k.0 <= kb.0 + 1e-9 && k.1 < kb.1 - 1e-9)
     };
-    let mut best: Option<(usize, Outcome, schedc_optimize::Verified)> = None;
+    type Best = (
+        usize,
+        Outcome,
+        schedc_optimize::Verified,
+        schedc::sim::SimResult,
+    );
+    let mut best: Option<Best> = None;
     for (i, out) in results {
         let c = &candidates[i];
         if !out.makespan.is_finite() {
             continue;
         }
         let mut tries = vec![out.clone()];
-        if steady {
+        if steady || a.moe.is_some() {
             for (name, sc) in &c.starts {
                 tries.push(Outcome {
                     best: sc.clone(),
-                    found_by: format!("{name} (ranked by steady-state step)"),
+                    found_by: format!(
+                        "{name} (ranked by the {}{})",
+                        if a.moe.is_some() { "--moe " } else { "" },
+                        if steady {
+                            "steady-state step"
+                        } else {
+                            "makespan"
+                        }
+                    ),
                     optimal: false,
                     ..out.clone()
                 });
@@ -370,8 +412,20 @@ pub fn run(a: Args) -> ExitCode {
         for (k, t) in tries.into_iter().enumerate() {
             match verify(&c.inst, &c.cost, &t.best) {
                 Ok(v) => {
-                    if best.as_ref().is_none_or(|(_, _, bv)| better(&v, bv)) {
-                        best = Some((i, t, v));
+                    let s = match &a.moe {
+                        Some(sel) => {
+                            match schedc_optimize::report::simulate_moe(&v, &c.real_cost, sel) {
+                                Ok(s) => s,
+                                Err(e) => {
+                                    eprintln!("error: the --moe simulation fails: {e}");
+                                    return ExitCode::from(1);
+                                }
+                            }
+                        }
+                        None => v.sim.clone(),
+                    };
+                    if best.as_ref().is_none_or(|(_, _, _, bs)| better(&s, bs)) {
+                        best = Some((i, t, v, s));
                     }
                 }
                 // A start over the cap is no candidate; the search's own result must verify.
@@ -383,18 +437,26 @@ pub fn run(a: Args) -> ExitCode {
             }
         }
     }
-    let Some((ci, out, ver)) = best else {
+    let Some((ci, out, ver, ver_sim)) = best else {
         eprintln!("error: no schedule within the cap was found");
         return ExitCode::from(1);
     };
     let cand = &candidates[ci];
     let cap = a.max_activations;
-    let opt_row = schedc_optimize::report::row("optimized", &ver, cand.scale, cap);
+    let opt_row = schedc_optimize::report::row_with("optimized", &ver, &ver_sim, cand.scale, cap);
 
     // Rows to compare with.
     let mut rows: Vec<Row> = vec![opt_row.clone()];
     if let Some((spl, sc)) = &start {
-        match evaluate("start (the input)", spl, sc, &cost, ref_stages, cap) {
+        match evaluate_moe(
+            "start (the input)",
+            spl,
+            sc,
+            &cost,
+            ref_stages,
+            cap,
+            a.moe.as_ref(),
+        ) {
             Ok((r, _)) => rows.push(r),
             Err(e) => eprintln!("note: the input does not simulate: {e}"),
         }
@@ -405,13 +467,14 @@ pub fn run(a: Args) -> ExitCode {
         let c = scaled_cost(&cost, ref_stages, gpl);
         if let Ok(gi) = Instance::new(gpl, &c, Some(cap_for(cap, ref_stages, gpl))) {
             if let Ok(g) = schedc_optimize::greedy::zero_bubble_greedy(&gi) {
-                if let Ok((r, _)) = evaluate(
+                if let Ok((r, _)) = evaluate_moe(
                     "greedy (Zero Bubble, best of 8)",
                     gpl,
                     &g.sched,
                     &cost,
                     ref_stages,
                     cap,
+                    a.moe.as_ref(),
                 ) {
                     greedy_row = Some(r.clone());
                     rows.push(r);
@@ -421,13 +484,14 @@ pub fn run(a: Args) -> ExitCode {
     }
     let mut spec_rows = Vec::new();
     for s in &specs {
-        if let Ok((r, _)) = evaluate(
+        if let Ok((r, _)) = evaluate_moe(
             &format!("spec {}", s.name),
             &s.pipeline,
             &s.sched,
             &cost,
             ref_stages,
             cap,
+            a.moe.as_ref(),
         ) {
             if r.fits {
                 spec_rows.push(r.clone());
@@ -463,6 +527,7 @@ pub fn run(a: Args) -> ExitCode {
                 "makespan": opt_row.makespan,
                 "objective": if steady { "steady_state" } else { "from_start" },
                 "steady_step": opt_row.steady_step,
+                "moe": a.moe.is_some(),
                 "bubble": {
                     "from_start": opt_row.bubble_from_start,
                     "from_start_per_busy": opt_row.bubble_from_start_per_busy,
@@ -495,8 +560,13 @@ pub fn run(a: Args) -> ExitCode {
             let mut o = String::new();
             let _ = writeln!(
                 o,
-                "P = {pp}, M = {mb}, cost `{}`, at most {cap} live activations per rank (stage units of {})",
+                "P = {pp}, M = {mb}, cost `{}`{}, at most {cap} live activations per rank (stage units of {})",
                 a.cost,
+                if a.moe.is_some() {
+                    ", --moe (MoE stages split into attention, dispatch, MLP, combine; the search on a whole-op proxy)"
+                } else {
+                    ""
+                },
                 if a.input.is_some() { "the input" } else { "one stage per rank" }
             );
             let _ = writeln!(

@@ -13,7 +13,10 @@ use crate::instance::{Instance, ProblemError};
 use crate::sched::Sched;
 use crate::{verify, Verified};
 use schedc::input::{load_spec, LoadError, Overrides};
-use schedc::sim::cost::CostModel;
+use schedc::moe::MoeStages;
+use schedc::sim::cost::{CostModel, OpCosts};
+use schedc::sim::SimResult;
+use schedc_ir::{Kind, Part};
 use schedc_ir::{Pipeline, PlacementKind};
 use serde::Serialize;
 use std::path::Path;
@@ -74,6 +77,12 @@ pub fn cap_for(cap_ref: u64, ref_stages: u32, pl: &Pipeline) -> u64 {
 
 /// The row of a verified schedule.
 pub fn row(name: &str, v: &Verified, scale: f64, cap_ref: u64) -> Row {
+    row_with(name, v, &v.sim, scale, cap_ref)
+}
+
+/// The row of a verified schedule with its times from `sim` (the `--moe` simulation of
+/// [`simulate_moe`], or `v.sim`); the peak activations come from `check`'s report.
+pub fn row_with(name: &str, v: &Verified, sim: &SimResult, scale: f64, cap_ref: u64) -> Row {
     let pl = &v.program.pipeline;
     let peak = v
         .report
@@ -90,15 +99,14 @@ pub fn row(name: &str, v: &Verified, scale: f64, cap_ref: u64) -> Row {
             placement_name(pl.placement),
             pl.stages / pl.pp.max(1)
         ),
-        makespan: v.sim.makespan,
-        bubble_from_start: v.sim.bubble_ratio,
-        bubble_from_start_per_busy: v.sim.bubble_ratio_busy,
-        bubble_per_rank_span: v.sim.bubble.per_rank_span,
-        bubble_steady_state: v.sim.bubble.steady_state,
-        steady_step: v.sim.steady_step,
+        makespan: sim.makespan,
+        bubble_from_start: sim.bubble_ratio,
+        bubble_from_start_per_busy: sim.bubble_ratio_busy,
+        bubble_per_rank_span: sim.bubble.per_rank_span,
+        bubble_steady_state: sim.bubble.steady_state,
+        steady_step: sim.steady_step,
         peak_activations: peak,
-        peak_memory_bytes: v
-            .sim
+        peak_memory_bytes: sim
             .ranks
             .iter()
             .map(|r| r.peak_memory_bytes)
@@ -128,10 +136,83 @@ pub fn evaluate(
     ref_stages: u32,
     cap_ref: u64,
 ) -> Result<(Row, Verified), String> {
+    evaluate_moe(name, pl, sc, cost, ref_stages, cap_ref, None)
+}
+
+/// [`evaluate`], with the row's times from the `--moe` simulation when `moe` is given.
+///
+/// Errors: those of [`evaluate`] and [`simulate_moe`].
+pub fn evaluate_moe(
+    name: &str,
+    pl: &Pipeline,
+    sc: &Sched,
+    cost: &CostModel,
+    ref_stages: u32,
+    cap_ref: u64,
+    moe: Option<&MoeStages>,
+) -> Result<(Row, Verified), String> {
     let c = scaled_cost(cost, ref_stages, pl);
     let inst = Instance::new(pl, &c, None).map_err(|e: ProblemError| e.to_string())?;
     let v = verify(&inst, &c, sc)?;
-    Ok((row(name, &v, scale_of(ref_stages, pl), cap_ref), v))
+    let scale = scale_of(ref_stages, pl);
+    let r = match moe {
+        Some(sel) => row_with(name, &v, &simulate_moe(&v, &c, sel)?, scale, cap_ref),
+        None => row(name, &v, scale, cap_ref),
+    };
+    Ok((r, v))
+}
+
+/// Splits the verified program's MoE stages into attention, dispatch, MLP and combine parts
+/// (`schedc::moe::split`, what `--moe` does to an input) and simulates it under `cost`, whose
+/// `[moe]` section times the all-to-alls on the expert-parallel stream.
+///
+/// Errors: the stage selection does not fit the pipeline; the simulation does not finish.
+pub fn simulate_moe(v: &Verified, cost: &CostModel, sel: &MoeStages) -> Result<SimResult, String> {
+    let stages = sel.resolve(&v.program.pipeline)?;
+    let (p, _) = schedc::moe::split(&v.program, None, &stages);
+    schedc::sim::simulate(&p, cost)
+}
+
+/// The whole-op cost model the search uses under `--moe` (a proxy: the search's evaluator
+/// has no expert-parallel stream). On each MoE stage a plain F, B or BW also takes its
+/// dispatch and combine (`a` = their sum; the compute stream waits for them, as in the
+/// simulator's plain ops), W none, and an overlapped pair takes `max(F + B, 2a)` when the
+/// `[moe]` section overlaps (DeepSeek-V3's pair hides its all-to-alls under the other
+/// op's compute), else `F + B + 2a`. A given `FB` is kept. Unscaled, like the model's own
+/// times.
+pub fn moe_proxy(cost: &CostModel, stages: &[u32]) -> CostModel {
+    let a = cost.a2a_time(Part::Dispatch) + cost.a2a_time(Part::Combine);
+    let mut c = cost.clone();
+    for &s in stages {
+        let (f, b, w, bw) = (
+            cost.op_time(Kind::F, s),
+            cost.op_time(Kind::B, s),
+            cost.op_time(Kind::W, s),
+            cost.op_time(Kind::BW, s),
+        );
+        let given_fb = cost
+            .compute
+            .stage
+            .get(&s.to_string())
+            .and_then(|o| o.fb)
+            .or(cost.compute.all.fb);
+        let fb = given_fb.unwrap_or(if cost.moe.overlap {
+            (f + b).max(2.0 * a)
+        } else {
+            f + b + 2.0 * a
+        });
+        c.compute.stage.insert(
+            s.to_string(),
+            OpCosts {
+                f: Some(f + a),
+                b: Some(b + a),
+                w: Some(w),
+                bw: Some(bw + a),
+                fb: Some(fb),
+            },
+        );
+    }
+    c
 }
 
 /// A spec of the standard library, elaborated at one size.
