@@ -445,6 +445,12 @@ pub fn run(a: Args) -> ExitCode {
     let cap = a.max_activations;
     let opt_row = schedc_optimize::report::row_with("optimized", &ver, &ver_sim, cand.scale, cap);
 
+    // Under --moe on a V placement: the lower bound on the per-rank span (rank 0's warmup
+    // and cooldown must expose all-to-all; schedc_optimize::moe_bound).
+    let moe_bound = a.moe.as_ref().and_then(|_| {
+        schedc_optimize::moe_bound::v_span_bound(&cand.pipeline, &cand.real_cost, cand.inst.cap)
+    });
+
     // Rows to compare with.
     let mut rows: Vec<Row> = vec![opt_row.clone()];
     if let Some((spl, sc)) = &start {
@@ -528,6 +534,10 @@ pub fn run(a: Args) -> ExitCode {
                 "objective": if steady { "steady_state" } else { "from_start" },
                 "steady_step": opt_row.steady_step,
                 "moe": a.moe.is_some(),
+                "moe_span_bound": moe_bound.as_ref().map(|b| serde_json::json!({
+                    "span": b.span, "busy": b.busy, "warmup_idle": b.warmup_idle,
+                    "cooldown_idle": b.cooldown_idle, "per_rank_span_bubble": b.bubble,
+                })),
                 "bubble": {
                     "from_start": opt_row.bubble_from_start,
                     "from_start_per_busy": opt_row.bubble_from_start_per_busy,
@@ -618,6 +628,16 @@ pub fn run(a: Args) -> ExitCode {
                     r.steady_step,
                     r.peak_activations,
                     r.peak_memory_bytes
+                );
+            }
+            if let Some(b) = &moe_bound {
+                let _ = writeln!(
+                    o,
+                    "\nlower bound under --moe on this placement and cap (rank 0's forced idle: warmup {:.4} s, cooldown {:.4} s): largest per-rank span >= {:.4} s, per_rank_span bubble >= {:.1}%",
+                    b.warmup_idle,
+                    b.cooldown_idle,
+                    b.span,
+                    100.0 * b.bubble
                 );
             }
             if out.timed_out {

@@ -40,6 +40,7 @@ pub mod instance;
 pub mod list;
 pub mod local;
 pub mod lower;
+pub mod moe_bound;
 pub mod periodic;
 pub mod refdata;
 pub mod report;

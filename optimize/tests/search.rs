@@ -132,3 +132,56 @@ fn the_lower_bound_holds_when_pairs_are_quicker() {
         assert_eq!(seen, 2, "dualpipe and dualpipev at P={p}, M={m}");
     }
 }
+
+/// The `--moe` span bound of `moe_bound` never exceeds what the split simulation gives for
+/// the V-placement specs within the cap (DualPipeV, ZB-V) and the search's result.
+#[test]
+fn the_moe_span_bound_is_below_every_simulated_span() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs");
+    let base = CostModel::resolve(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/costs/moe-1to1.toml")
+            .to_string_lossy(),
+    )
+    .unwrap();
+    let sel = schedc::moe::MoeStages::All;
+    for (p, m) in [(4u32, 8u32), (8, 16)] {
+        let specs = schedc_optimize::report::load_specs(&dir, p, m, 2);
+        let cap = 2 * p as u64 + 1;
+        let mut checked = 0;
+        for s in specs
+            .iter()
+            .filter(|s| s.name == "dualpipev" || s.name == "zbv")
+        {
+            let i = Instance::new(&s.pipeline, &base, Some(cap)).unwrap();
+            let bound = schedc_optimize::moe_bound::v_span_bound(&s.pipeline, &base, cap).unwrap();
+            assert!(bound.warmup_idle > 0.0 && bound.cooldown_idle > 0.0);
+            let stages: Vec<u32> = (0..s.pipeline.stages).collect();
+            let proxy = schedc_optimize::report::moe_proxy(&base, &stages);
+            let pi = Instance::new(&s.pipeline, &proxy, Some(cap)).unwrap();
+            let found = optimize(
+                &pi,
+                &[(s.name.clone(), s.sched.clone())],
+                &Options {
+                    effort: 0.05,
+                    ..Options::default()
+                },
+                &|_| {},
+            );
+            for sc in [&s.sched, &found.best] {
+                let v = verify(&i, &base, sc).unwrap();
+                let sim = schedc_optimize::report::simulate_moe(&v, &base, &sel).unwrap();
+                let span = sim.ranks.iter().map(|r| r.span).fold(0.0, f64::max);
+                assert!(
+                    bound.span <= span + 1e-9,
+                    "{} P={p} M={m}: bound {} above the simulated span {span}",
+                    s.name,
+                    bound.span
+                );
+                assert!(bound.bubble <= sim.bubble.per_rank_span + 1e-9);
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 4);
+    }
+}
