@@ -419,7 +419,8 @@ impl<'a> Builder<'a> {
                         owed = owed.min(later.len() as i64);
                     }
                     let ok = self.live[r] < cap
-                        && (later.is_empty() || self.live[r] + 1 + owed <= cap + pending_w);
+                        && (later.is_empty()
+                            || self.live[r] + 1 + owed <= cap.saturating_add(pending_w));
                     if !ok {
                         if matches!(x, Some(a) if a <= now) {
                             d.f_blocked_by_cap = true;
