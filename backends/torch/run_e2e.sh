@@ -12,36 +12,12 @@
 # Exits non-zero on any failure.
 set -euo pipefail
 
-TORCH_VERSION=2.15.0
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-VENV="${SCHEDC_TORCH_VENV:-$HOME/.cache/schedc/torch-$TORCH_VERSION-venv}"
-PY="$VENV/bin/python"
 start=$(date +%s)
 export PYTHONDONTWRITEBYTECODE=1  # no __pycache__ in the source tree
-
-have_torch() {
-    [ -x "$PY" ] && "$PY" -c "import sys, torch, numpy; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null
-}
-
-if have_torch; then
-    echo "run_e2e: reusing $VENV ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
-else
-    echo "run_e2e: installing torch==$TORCH_VERSION into $VENV (first run: several GB from PyPI)"
-    mkdir -p "$(dirname "$VENV")"
-    if [ ! -x "$PY" ]; then
-        python3 -m venv "$VENV"
-    fi
-    "$PY" -m pip install --quiet --upgrade pip || echo "run_e2e: (pip upgrade failed; continuing)"
-    if ! "$PY" -m pip install "torch==$TORCH_VERSION" numpy; then
-        echo "run_e2e: FAILED: pip could not install torch==$TORCH_VERSION into $VENV" >&2
-        exit 1
-    fi
-    if ! have_torch; then
-        echo "run_e2e: FAILED: $VENV does not import torch $TORCH_VERSION after installing it" >&2
-        exit 1
-    fi
-    echo "run_e2e: installed in $(( $(date +%s) - start ))s"
-fi
+LOG=run_e2e
+# shellcheck source=venv.sh
+source "$ROOT/backends/torch/venv.sh"
 
 echo "run_e2e: building schedc"
 (cd "$ROOT" && cargo build -p schedc-cli)

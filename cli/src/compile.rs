@@ -23,6 +23,11 @@ pub struct Args {
     /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`).
     #[arg(long)]
     pub mesh: Option<String>,
+    /// What the kernels are: `model` (schedc's MoE transformer per layer, what `schedc run`
+    /// trains) or `stage` (one kernel per F/B/W/BW of a stage or MoE part, for a runtime that
+    /// runs the user's model: `backends/torch/schedc_torch_runtime.py`).
+    #[arg(long, default_value = "model", value_parser = ["model", "stage"])]
+    pub granularity: String,
     /// Output directory of the programs (created; existing files in it are not
     /// overwritten).
     #[arg(short, long)]
@@ -66,6 +71,20 @@ pub fn run(args: Args) -> ExitCode {
         eprintln!("error: --ptx and --arch need --backend cuda");
         return ExitCode::from(2);
     }
+    let opts = schedc_program::LowerOptions {
+        granularity: match args.granularity.parse() {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("error: --granularity: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        ..Default::default()
+    };
+    if opts.granularity == schedc_program::Granularity::Stage && args.backend == Backend::Cuda {
+        eprintln!("error: --granularity stage is for a runtime of your own model; the CUDA backend runs schedc's model (--granularity model)");
+        return ExitCode::from(2);
+    }
     let program = match load(&args.input) {
         Ok(l) => l.program,
         Err(c) => return c,
@@ -81,7 +100,7 @@ pub fn run(args: Args) -> ExitCode {
     }
     let model = schedc_program::ModelConfig::small();
     if let Some(output) = &args.output {
-        match schedc_program::compile(&program, mesh.as_ref(), &model, output) {
+        match schedc_program::compile(&program, mesh.as_ref(), &model, opts, output) {
             Ok((rep, files)) => {
                 emit(&format!(
                     "wrote {} files to {} (verified: {} instructions, {} messages, peak stash per rank {:?})\n",
@@ -97,7 +116,9 @@ pub fn run(args: Args) -> ExitCode {
                 return ExitCode::from(1);
             }
         }
-    } else if let Err(e) = schedc_program::lower_verified(&program, mesh.as_ref(), &model) {
+    } else if let Err(e) =
+        schedc_program::lower_verified_with(&program, mesh.as_ref(), &model, opts)
+    {
         eprintln!("error: {e}");
         return ExitCode::from(1);
     }

@@ -53,7 +53,8 @@ enum Cmd {
     Run(run::Args),
     /// Lower the schedule to per-rank stream programs (compute, p2p and EP streams, events,
     /// buffers, gradient reduction, optimizer step), verify them and write one file per rank
-    /// and a manifest.
+    /// and a manifest; `--granularity stage` for a runtime of your own model
+    /// (backends/torch/schedc_torch_runtime.py).
     Compile(compile::Args),
     /// Search for a schedule with a shorter simulated makespan under an activation cap,
     /// keeping the placement; report it next to the input, the specs that fit and the Zero

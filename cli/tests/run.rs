@@ -78,6 +78,11 @@ fn compile_writes_one_file_per_rank_and_a_manifest() {
             "rank3.json"
         ]
     );
+    let manifest = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
+    assert!(
+        manifest.contains("\"granularity\": \"model\""),
+        "{manifest}"
+    );
     // A second compile into the same directory is refused; nothing is overwritten.
     let out = bin()
         .args(["compile", "specs/zbv.sched", "--pp", "2", "--mb", "4", "-o"])
@@ -85,6 +90,61 @@ fn compile_writes_one_file_per_rank_and_a_manifest() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn compile_at_stage_granularity() {
+    let dir = std::env::temp_dir().join(format!("schedc-stage-compile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = bin()
+        .args([
+            "compile",
+            "specs/dualpipe.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--granularity",
+            "stage",
+            "-o",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["format_version"], 2);
+    assert_eq!(m["granularity"], "stage");
+    assert!(m.get("model").is_none());
+    // DualPipe's mirror ranks sum their copies' gradients over one group.
+    assert_eq!(m["groups"], serde_json::json!([[0, 1]]));
+    let r0 = std::fs::read_to_string(dir.join("rank0.json")).unwrap();
+    assert!(r0.contains("\"op\": \"overlap\""));
+    assert!(r0.contains("\"op\": \"replica_sum\""));
+    std::fs::remove_dir_all(&dir).unwrap();
+    // An unknown granularity is bad usage.
+    let out = bin()
+        .args([
+            "compile",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "2",
+            "--granularity",
+            "layer",
+            "-o",
+            "/nonexistent",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("layer"));
 }
 
 #[test]

@@ -507,6 +507,11 @@ impl<'a, T: Real> Rank<'a, T> {
             Op::Alloc { .. } | Op::Free { .. } | Op::Record { .. } | Op::Wait { .. } => {
                 return Err(format!("`{op}` is the interpreter's"))
             }
+            Op::Overlap { .. } | Op::Collective { .. } => {
+                return Err(format!(
+                    "`{op}` is a stage-granularity op; the CPU backend runs schedc's model"
+                ))
+            }
             Op::Kernel(k) => self.kernel(k)?,
             Op::Send { buf, peer } => {
                 let t = self.tensor(buf)?;
@@ -747,7 +752,17 @@ fn run_rank<T: Real>(
     cursor: &Mutex<Cursor>,
 ) -> Result<(), ExecError> {
     let prog = &sh.set.ranks[g];
-    let cfg = &sh.set.manifest.model;
+    let cfg = match (&sh.set.manifest.model, sh.set.manifest.granularity) {
+        (Some(cfg), schedc_program::Granularity::Model) => cfg,
+        (_, gran) => {
+            return Err(ExecError::Failed {
+                at: interp::at_of(prog, Cursor::default()),
+                message: format!(
+                    "the programs are at {gran} granularity, without schedc's model; the CPU backend runs model-granularity programs (`schedc compile` without `--granularity stage`)"
+                ),
+            })
+        }
+    };
     let n_model = sh.set.manifest.model_stages as usize;
     let stages = prog
         .stages

@@ -274,7 +274,7 @@ fn run_typed<T: Real>(
             DType::F64
         },
         steps: cfg.steps,
-        tokens_per_step: batching.tokens(m.model.seq_len),
+        tokens_per_step: batching.tokens(cfg.model.seq_len),
         instructions_per_step: set.len(),
         verified,
         loss: res.losses.clone(),
@@ -287,7 +287,7 @@ fn run_typed<T: Real>(
     };
     if cfg.verify {
         let r = reference::<T>(
-            &m.model,
+            &cfg.model,
             m.model_stages as usize,
             batching,
             data,

@@ -247,6 +247,7 @@ fn silent_failure_dualpipe_replica_gradient_is_the_sum_of_both_copies() {
     // (each copy saw only its direction's half of the batch), and the test must see it.
     let bug = LowerOptions {
         bug_skip_replica_sum: true,
+        ..Default::default()
     };
     let bad = run_case(
         "dualpipe",
@@ -473,4 +474,28 @@ fn silent_failure_per_head_kpe_trains_like_sequential_so_the_model_guard_must_ca
     kpe_shared_across_heads(&ModelConfig::tiny()).unwrap();
     let e = kpe_shared_across_heads(&bug).unwrap_err();
     assert!(e.contains("2 RoPE keys per token"), "{e}");
+}
+
+#[test]
+fn refuses_stage_granularity_programs() {
+    // Programs for the user's model (the torch runtime's) name no kernel of schedc's model:
+    // the CPU backend stops at once, saying so, instead of failing at the first kernel.
+    let src = spec("1f1b", 2, 2, None).unwrap();
+    let set = ProgramSet::lower(
+        &src,
+        &Mesh::pipeline(2),
+        &ModelConfig::tiny(),
+        LowerOptions {
+            granularity: schedc_program::Granularity::Stage,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let e = execute::<f64>(&set, &Data::builtin(), &ExecOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("stage granularity") && e.contains("model-granularity programs"),
+        "{e}"
+    );
 }

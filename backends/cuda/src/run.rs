@@ -318,7 +318,7 @@ fn report(
         mode: cfg.mode,
         device,
         steps: cfg.steps,
-        tokens_per_step: batching.tokens(m.model.seq_len),
+        tokens_per_step: batching.tokens(cfg.model.seq_len),
         instructions_per_step: set.len(),
         verified,
         loss: res.losses.clone(),
@@ -332,7 +332,7 @@ fn report(
     };
     if cfg.verify {
         let r = reference::<f32>(
-            &m.model,
+            &cfg.model,
             m.model_stages as usize,
             batching,
             data,

@@ -1,10 +1,12 @@
 //! # schedc-program: per-rank stream programs, the contract between schedc and its backends
 //!
 //! A verified schedule (an IR [`Program`]) becomes one stream program per global rank of a
-//! device [`Mesh`]; every backend (the CPU reference executor in `schedc-cpu`, the coming
-//! CUDA/NCCL and torch.distributed runtimes) runs exactly these programs.
+//! device [`Mesh`]; every backend runs exactly these programs: the CPU reference executor in
+//! `schedc-cpu` at [`Granularity::Model`] (kernels of schedc's own model), the
+//! `torch.distributed` runtime of `backends/torch/schedc_torch_runtime.py` at
+//! [`Granularity::Stage`] (one kernel per op of the user's own stages).
 //!
-//! * [`format`]: the programs (streams, events, buffers, kernels, messages, collectives), the
+//! * [`format`](mod@format): the programs (streams, events, buffers, kernels, messages, collectives), the
 //!   manifest and their JSON files (`schedc compile -o DIR`), with [`FORMAT_VERSION`];
 //! * [`lower`](mod@lower): [`ProgramSet::lower`], from an IR program, a mesh and a
 //!   [`ModelConfig`];
@@ -59,24 +61,35 @@ pub fn lower_verified(
     mesh: Option<&Mesh>,
     model: &ModelConfig,
 ) -> Result<(ProgramSet, VerifyReport), ProgramError> {
+    lower_verified_with(source, mesh, model, LowerOptions::default())
+}
+
+/// [`lower_verified`] with lowering options (e.g. [`Granularity::Stage`]).
+pub fn lower_verified_with(
+    source: &Program,
+    mesh: Option<&Mesh>,
+    model: &ModelConfig,
+    opts: LowerOptions,
+) -> Result<(ProgramSet, VerifyReport), ProgramError> {
     let mesh = mesh
         .cloned()
         .unwrap_or_else(|| Mesh::pipeline(source.pipeline.pp));
-    let set = ProgramSet::lower(source, &mesh, model, LowerOptions::default())?;
+    let set = ProgramSet::lower(source, &mesh, model, opts)?;
     let rep = verify(&set, source)?;
     Ok((set, rep))
 }
 
-/// `schedc compile INPUT ... -o DIR`: lowers, verifies, writes `manifest.json` and one
-/// `rankG.json` per global rank ([`ProgramSet::write_dir`]); returns the verification and
-/// the files written. Errors: [`CompileError`].
+/// `schedc compile INPUT ... [--granularity stage] -o DIR`: lowers, verifies, writes
+/// `manifest.json` and one `rankG.json` per global rank ([`ProgramSet::write_dir`]);
+/// returns the verification and the files written. Errors: [`CompileError`].
 pub fn compile(
     source: &Program,
     mesh: Option<&Mesh>,
     model: &ModelConfig,
+    opts: LowerOptions,
     dir: &Path,
 ) -> Result<(VerifyReport, Vec<PathBuf>), CompileError> {
-    let (set, rep) = lower_verified(source, mesh, model)?;
+    let (set, rep) = lower_verified_with(source, mesh, model, opts)?;
     let files = set.write_dir(dir)?;
     Ok((rep, files))
 }

@@ -10,6 +10,8 @@ use std::collections::HashMap;
 /// Lowering switches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LowerOptions {
+    /// What the kernels are (default: schedc's model, per layer).
+    pub granularity: Granularity,
     /// Injected bug (tests only): DualPipe's two copies of a stage keep their own
     /// gradients instead of summing them.
     pub bug_skip_replica_sum: bool,
@@ -30,16 +32,27 @@ pub(crate) fn rejected(out: &schedc::check::Outcome) -> Option<String> {
 
 impl ProgramSet {
     /// Lowers a schedule (compute-only IR, which schedc lowers first, or already lowered)
-    /// for `mesh` and `model`. Errors: the schedule fails schedc's checker; the mesh does
-    /// not fit; the schedule has ops this backend does not run (MoE part-split ops, IR
-    /// collectives); the model config is invalid.
+    /// for `mesh` and `model`.
+    ///
+    /// At [`Granularity::Model`] every op becomes schedc's own kernels (see the module docs
+    /// of [`crate::format`]); at [`Granularity::Stage`] every F, B, W, BW (or MoE part of
+    /// one) becomes one kernel on the user's stage, overlapped pairs become [`Op::Overlap`],
+    /// and the schedule's collectives [`Op::Collective`]s (`model` is then not used).
+    ///
+    /// Errors: the schedule fails schedc's checker; the mesh does not fit (at stage
+    /// granularity: only its pipeline size is checked, and `tp`, `sp` must be 1); at model
+    /// granularity, the schedule has ops the model's kernels do not cover (MoE part-split
+    /// ops, IR collectives) or the model config is invalid.
     pub fn lower(
         source: &Program,
         mesh: &Mesh,
         model: &ModelConfig,
         opts: LowerOptions,
     ) -> Result<ProgramSet, ProgramError> {
-        model.validate().map_err(ProgramError::Model)?;
+        let stage = opts.granularity == Granularity::Stage;
+        if !stage {
+            model.validate().map_err(ProgramError::Model)?;
+        }
         let out = schedc::check::check(source, None, &Default::default());
         if let Some(why) = rejected(&out) {
             return Err(ProgramError::Rejected(why));
@@ -48,18 +61,37 @@ impl ProgramSet {
             .checked
             .ok_or_else(|| ProgramError::Rejected("no checked program".into()))?;
         let pl = &ir.pipeline;
-        mesh.validate(
-            None,
-            &Fit {
+        let fit = if stage {
+            for d in [Dim::Tp, Dim::Sp] {
+                if mesh.size(d) > 1 {
+                    return Err(ProgramError::Unsupported(format!(
+                        "a `{}` dimension at stage granularity: the user's model does its own tensor and sequence parallelism inside a stage; give the mesh pp, dp and ep only",
+                        d.as_str()
+                    )));
+                }
+            }
+            Fit {
+                pp: pl.pp,
+                experts: mesh.size(Dim::Ep),
+                heads: 1,
+                hidden: 1,
+                expert_hidden: 1,
+                seq_len: 1,
+            }
+        } else {
+            Fit {
                 pp: pl.pp,
                 experts: model.experts as u32,
                 heads: model.heads as u32,
                 hidden: model.hidden as u32,
                 expert_hidden: model.expert_hidden as u32,
                 seq_len: model.seq_len as u32,
-            },
-        )?;
-        for (r, instrs) in ir.ranks.iter().enumerate() {
+            }
+        };
+        mesh.validate(None, &fit)?;
+        // The model's kernels cover whole ops only; the user's stages take parts and
+        // collectives too.
+        for (r, instrs) in ir.ranks.iter().enumerate().filter(|_| !stage) {
             for ins in instrs {
                 let mut bad = None;
                 ins.for_each_compute(|c| {
@@ -84,9 +116,11 @@ impl ProgramSet {
         let ranks = (0..world)
             .map(|g| lower_rank(&ir, mesh, model, g, opts))
             .collect::<Result<Vec<_>, _>>()?;
+        let (groups, channels) = groups_and_channels(&ranks);
         Ok(ProgramSet {
             manifest: Manifest {
                 format_version: FORMAT_VERSION,
+                granularity: opts.granularity,
                 pp: pl.pp,
                 stages: pl.stages,
                 microbatches: pl.microbatches,
@@ -94,14 +128,48 @@ impl ProgramSet {
                 placement: pl.placement,
                 stage_to_rank: pl.stage_to_rank.clone(),
                 model_stages: pl.stages_per_direction(),
-                model: model.clone(),
+                model: (!stage).then(|| model.clone()),
                 mesh: mesh.clone(),
                 world,
                 files: (0..world).map(|g| format!("rank{g}.json")).collect(),
+                groups,
+                channels,
             },
             ranks,
         })
     }
+}
+
+/// Every collective group of the rank programs (each sorted, each once) and every channel of
+/// their comm streams (increasing, 0 included).
+fn groups_and_channels(ranks: &[RankProgram]) -> (Vec<Vec<u32>>, Vec<u32>) {
+    let mut groups = std::collections::BTreeSet::new();
+    let mut channels = std::collections::BTreeSet::from([0u32]);
+    for rp in ranks {
+        for st in &rp.streams {
+            if let StreamKind::Comm { channel } = st.kind {
+                channels.insert(channel);
+            }
+            for op in &st.ops {
+                match op {
+                    Op::AllToAll { group, .. }
+                    | Op::AllReduce { group, .. }
+                    | Op::Collective { group, .. } => {
+                        let mut g = group.clone();
+                        g.sort_unstable();
+                        groups.insert(g);
+                    }
+                    Op::ReplicaSum { peer, .. } => {
+                        let mut g = vec![rp.rank, *peer];
+                        g.sort_unstable();
+                        groups.insert(g);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    (groups.into_iter().collect(), channels.into_iter().collect())
 }
 
 struct Builder {
@@ -138,7 +206,13 @@ fn lower_rank(
     let coords = mesh.coords(g)?;
     let r = coords.pp;
     let ep = mesh.size(Dim::Ep);
-    let per = model.experts as u32 / ep;
+    let stage_gran = opts.granularity == Granularity::Stage;
+    // The user's model places its own experts.
+    let per = if stage_gran {
+        0
+    } else {
+        model.experts as u32 / ep
+    };
     let bidir = pl.placement == PlacementKind::Bidir;
     let n_model = pl.stages_per_direction();
     let lps = model.layers_per_stage as u32;
@@ -204,8 +278,39 @@ fn lower_rank(
             zero: true,
         });
     }
+    let held = |s: u32| {
+        info(s).ok_or_else(|| ProgramError::Rejected(format!("stage {s} is not held by rank {r}")))
+    };
     for ins in &ir.ranks[r as usize] {
         match ins {
+            Instr::Compute(c) if stage_gran => {
+                let (pre, k, post) = stage_op(pl, &held(c.stage)?, c, &recv_ev, &send_ev);
+                b.compute.extend(pre);
+                b.compute.push(Op::Kernel(k));
+                b.compute.extend(post);
+            }
+            Instr::Overlap { fwd, bwd } if stage_gran => {
+                let (pf, kf, qf) = stage_op(pl, &held(fwd.stage)?, fwd, &recv_ev, &send_ev);
+                let (pb, kb, qb) = stage_op(pl, &held(bwd.stage)?, bwd, &recv_ev, &send_ev);
+                let pair = fwd.part == IrPart::Whole
+                    && bwd.part == IrPart::Whole
+                    && (fwd.stage, fwd.mb) != (bwd.stage, bwd.mb);
+                if pair {
+                    b.compute.extend(pf);
+                    b.compute.extend(pb);
+                    b.compute.push(Op::Overlap { fwd: kf, bwd: kb });
+                    b.compute.extend(qf);
+                    b.compute.extend(qb);
+                } else {
+                    // Parts, or a stage's own forward and backward: one after the other.
+                    b.compute.extend(pf);
+                    b.compute.push(Op::Kernel(kf));
+                    b.compute.extend(qf);
+                    b.compute.extend(pb);
+                    b.compute.push(Op::Kernel(kb));
+                    b.compute.extend(qb);
+                }
+            }
             Instr::Compute(_) | Instr::Overlap { .. } => {
                 let mut cs = Vec::new();
                 ins.for_each_compute(|c| cs.push(*c));
@@ -228,15 +333,46 @@ fn lower_rank(
                 // a wait or an allocation before it and a release or a record after it),
                 // so a backend whose sends are rendezvous (NCCL) posts each run as one
                 // group, as the IR's `{...}` means.
+                //
+                // The schedule's collectives (stage granularity; the model granularity
+                // refused them) go on channel 0's stream between its sends and its
+                // receives: posted with the group's messages, they never wait for this
+                // rank's receives, and a backend posts the run of sends, collectives and
+                // receives at once.
                 let comms = ins.comms();
                 let mut channels: Vec<u32> = Vec::new();
                 for c in comms {
                     let ch = match c {
                         Comm::Send { channel, .. } | Comm::Recv { channel, .. } => *channel,
-                        Comm::Collective(_) => continue,
+                        Comm::Collective(_) => 0,
                     };
                     if !channels.contains(&ch) {
                         channels.push(ch);
+                    }
+                }
+                let mut collectives = Vec::new();
+                for c in comms {
+                    if let Comm::Collective(col) = c {
+                        let members = pl
+                            .communicators
+                            .iter()
+                            .find(|x| x.name == col.comm)
+                            .ok_or_else(|| {
+                                ProgramError::Rejected(format!(
+                                    "communicator `{}` is not declared",
+                                    col.comm
+                                ))
+                            })?;
+                        let group = members
+                            .ranks
+                            .iter()
+                            .map(|&p| peer(p))
+                            .collect::<Result<Vec<_>, _>>()?;
+                        collectives.push(Op::Collective {
+                            comm: col.comm.clone(),
+                            label: col.label.clone(),
+                            group,
+                        });
                     }
                 }
                 for ch in channels {
@@ -278,6 +414,9 @@ fn lower_rank(
                             buf: *buf,
                             peer: *p,
                         });
+                    }
+                    if ch == 0 {
+                        ops.append(&mut collectives);
                     }
                     for (buf, p) in &recvs {
                         ops.push(Op::Recv {
@@ -552,4 +691,128 @@ fn emit_weights(b: &mut Builder, s: u32, mb: u32) {
         writes: vec![wg],
     }));
     b.compute.push(Op::Free { buf: stash });
+}
+
+/// Stage granularity: what one compute op (or MoE part) of `st` runs on the compute stream:
+/// the waits and allocations before its kernel, the kernel, the releases and send events
+/// after it.
+///
+/// A forward's first piece (the whole op, or its `attn` part) waits for its received input,
+/// allocates the stash and releases the input; its last piece (whole, or `combine`) writes
+/// the output activation and records the event its send waits for. A backward's first
+/// piece (whole, or `combine`, the parts' reverse order) waits for and releases the
+/// received gradient; its last piece (whole, or `attn`) writes the input gradient; a `BW`
+/// accumulates into `weight_grad` in every piece and releases the stash after its last; a
+/// `W` (always whole) releases the stash.
+fn stage_op(
+    pl: &schedc_ir::Pipeline,
+    st: &LocalStage,
+    c: &schedc_ir::Compute,
+    recv_ev: &HashMap<Buf, u32>,
+    send_ev: &HashMap<Buf, u32>,
+) -> (Vec<Op>, Kernel, Vec<Op>) {
+    let s = st.stage;
+    let mb = c.mb;
+    let stash = Buf::Stash { stage: s, mb };
+    let wg = Buf::WeightGrad { stage: s };
+    let (mut pre, mut post) = (Vec::new(), Vec::new());
+    let (mut reads, mut writes) = (Vec::new(), Vec::new());
+    let whole = c.part == IrPart::Whole;
+    let pass = match c.kind {
+        Kind::F => Pass::F,
+        Kind::B => Pass::B,
+        Kind::W => Pass::W,
+        Kind::BW => Pass::BW,
+    };
+    match c.kind {
+        Kind::F => {
+            let first = whole || c.part == IrPart::Attn;
+            let last = whole || c.part == IrPart::Combine;
+            let input = pl.prev_stage(s).map(|p| Buf::Act { stage: p, mb });
+            let output = pl.next_stage(s).map(|_| Buf::Act { stage: s, mb });
+            if first {
+                if let Some(e) = input.and_then(|i| recv_ev.get(&i)) {
+                    pre.push(Op::Wait { event: *e });
+                }
+                pre.push(Op::Alloc {
+                    buf: stash,
+                    zero: false,
+                });
+                reads.extend(input);
+                if let Some(i) = input {
+                    post.push(Op::Free { buf: i });
+                }
+            } else {
+                reads.push(stash);
+            }
+            writes.push(stash);
+            if last {
+                if let Some(o) = output {
+                    pre.push(Op::Alloc {
+                        buf: o,
+                        zero: false,
+                    });
+                    writes.push(o);
+                    if let Some(e) = send_ev.get(&o) {
+                        post.push(Op::Record { event: *e });
+                    }
+                }
+            }
+        }
+        Kind::B | Kind::BW => {
+            let first = whole || c.part == IrPart::Combine;
+            let last = whole || c.part == IrPart::Attn;
+            let gin = pl.next_stage(s).map(|n| Buf::Grad { stage: n, mb });
+            let gout = pl.prev_stage(s).map(|_| Buf::Grad { stage: s, mb });
+            reads.push(stash);
+            writes.push(stash);
+            if first {
+                if let Some(g) = gin {
+                    if let Some(e) = recv_ev.get(&g) {
+                        pre.push(Op::Wait { event: *e });
+                    }
+                    reads.push(g);
+                    post.push(Op::Free { buf: g });
+                }
+            }
+            if last {
+                if let Some(o) = gout {
+                    pre.push(Op::Alloc {
+                        buf: o,
+                        zero: false,
+                    });
+                    writes.push(o);
+                    if let Some(e) = send_ev.get(&o) {
+                        post.push(Op::Record { event: *e });
+                    }
+                }
+            }
+            if c.kind == Kind::BW {
+                reads.push(wg);
+                writes.push(wg);
+                if last {
+                    post.push(Op::Free { buf: stash });
+                }
+            }
+        }
+        Kind::W => {
+            reads.extend([stash, wg]);
+            writes.push(wg);
+            post.push(Op::Free { buf: stash });
+        }
+    }
+    reads.sort();
+    writes.sort();
+    (
+        pre,
+        Kernel {
+            pass,
+            stage: s,
+            mb,
+            part: Part::Stage { moe: c.part },
+            reads,
+            writes,
+        },
+        post,
+    )
 }

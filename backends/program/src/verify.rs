@@ -278,10 +278,19 @@ enum CollKey {
     A2a(u32, u32, u32, A2a, Vec<u32>),
     Replica(u32, Vec<u32>),
     AllReduce(u32, Scope, Vec<u32>),
+    /// The schedule's own collective: communicator, label, group, and which call of the
+    /// communicator it is on the rank (the k-th matches the k-th of every member).
+    Schedule(String, String, Vec<u32>, u32),
 }
 
-fn coll_key(rank: u32, op: &Op) -> Option<(CollKey, Vec<u32>)> {
+/// `occurrence`: for an [`Op::Collective`], how many collectives on its communicator the
+/// rank issued before it.
+fn coll_key(rank: u32, op: &Op, occurrence: u32) -> Option<(CollKey, Vec<u32>)> {
     match op {
+        Op::Collective { comm, label, group } => Some((
+            CollKey::Schedule(comm.clone(), label.clone(), group.clone(), occurrence),
+            group.clone(),
+        )),
         Op::AllToAll {
             stage,
             mb,
@@ -323,6 +332,25 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
     let mut received: HashMap<(u32, u32, Buf), u32> = HashMap::new();
     let mut arrived: HashMap<CollKey, HashSet<u32>> = HashMap::new();
     let mut messages = 0usize;
+    // occurrence[g][(s, i)]: the k of the collective at stream s, op i of rank g.
+    let occurrence: Vec<HashMap<(usize, usize), u32>> = set
+        .ranks
+        .iter()
+        .map(|rp| {
+            let mut seen: HashMap<&str, u32> = HashMap::new();
+            let mut out = HashMap::new();
+            for (s, st) in rp.streams.iter().enumerate() {
+                for (i, op) in st.ops.iter().enumerate() {
+                    if let Op::Collective { comm, .. } = op {
+                        let k = seen.entry(comm.as_str()).or_default();
+                        out.insert((s, i), *k);
+                        *k += 1;
+                    }
+                }
+            }
+            out
+        })
+        .collect();
     for (g, rp) in set.ranks.iter().enumerate() {
         if rp.rank != g as u32 {
             return Err(ProgramError::Deadlock(format!(
@@ -345,7 +373,11 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
                             sent.get(&k).copied().unwrap_or(0)
                                 > received.get(&k).copied().unwrap_or(0)
                         }
-                        _ => match coll_key(g as u32, op) {
+                        _ => match coll_key(
+                            g as u32,
+                            op,
+                            occurrence[g].get(&(s, ptr[g][s])).copied().unwrap_or(0),
+                        ) {
                             Some((key, group)) => {
                                 if !group.contains(&(g as u32)) {
                                     return Err(invalid(
