@@ -46,6 +46,14 @@ pub struct RangeArg {
 }
 
 impl RangeArg {
+    /// The range of one value.
+    pub fn one(v: u32) -> Self {
+        RangeArg {
+            start: v,
+            end: v,
+            step: 1,
+        }
+    }
     /// The number of values.
     pub fn len(&self) -> u64 {
         (self.end - self.start) as u64 / self.step as u64 + 1
@@ -269,8 +277,6 @@ pub struct LoadFailure {
     pub code: ExitCode,
     /// [`LoadFailure::code`] as a number, for a JSON report.
     pub exit: u8,
-    /// True for an instance outside the family.
-    pub refused: bool,
     /// The verdict a JSON report gives it: `refused` (a `require`), `rejected` (an
     /// elaboration error), `unreadable` (everything else).
     pub verdict: &'static str,
@@ -284,7 +290,6 @@ impl LoadFailure {
         LoadFailure {
             code: ExitCode::from(2),
             exit: 2,
-            refused: false,
             verdict: "unreadable",
             message: format!("error: {message}\n"),
         }
@@ -342,11 +347,9 @@ pub fn load_for_under(
     let loaded = load_path(&args.input, &ov).map_err(|e| {
         let message = load_error_text(&e, &name);
         print_load_error(&e, &name);
-        let refused = matches!(e, LoadError::Spec { refused: true, .. });
         LoadFailure {
             code: ExitCode::from(e.exit_code()),
             exit: e.exit_code(),
-            refused,
             verdict: e.verdict(),
             message,
         }
