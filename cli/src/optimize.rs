@@ -564,10 +564,10 @@ pub fn run(a: Args) -> ExitCode {
                 "greedy": greedy_row,
                 "specs": spec_rows,
             });
-            return emit_then(
+            emit_then(
                 &format!("{}\n", serde_json::to_string_pretty(&j).expect("json")),
                 ExitCode::SUCCESS,
-            );
+            )
         }
         OutFormat::Human => {
             use std::fmt::Write as _;

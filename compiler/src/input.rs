@@ -118,11 +118,14 @@ pub enum LoadError {
 impl LoadError {
     /// The exit status of a command that could not load its input: 1 for a spec that parses
     /// but whose instance is refused by a `require` or cannot be elaborated (the spec is
-    /// readable; the instance is rejected), 2 for unreadable input (I/O, syntax) or bad usage.
+    /// readable; the instance is rejected), 2 for unreadable input (I/O, syntax) or bad usage
+    /// (an unknown or missing `--param`: [`crate::diag::Code::Usage`]).
     pub fn exit_code(&self) -> u8 {
         match self {
             LoadError::Spec { diags, .. }
-                if !diags.iter().any(|d| d.code == crate::diag::Code::Syntax) =>
+                if !diags.iter().any(|d| {
+                    matches!(d.code, crate::diag::Code::Syntax | crate::diag::Code::Usage)
+                }) =>
             {
                 1
             }
@@ -428,6 +431,8 @@ pub fn elab_diag(e: &crate::dsl::ElabError) -> crate::diag::Diagnostic {
     use crate::diag::{Code, Diagnostic};
     let code = if e.refused {
         Code::Refused
+    } else if e.usage {
+        Code::Usage
     } else {
         Code::Elaboration
     };

@@ -141,10 +141,19 @@ impl MoeStages {
 /// parts would be free, and every schedule would look as good as DualPipe.
 ///
 /// Errors: the model has no `[moe]` section (and no `dispatch=`/`combine=`/`ep_bandwidth=`
-/// override); the message names the model.
+/// override), or its dispatch and combine both take 0 s ([`CostModel::a2a_time`]: no time
+/// given and none derivable from a bandwidth and `[model]` sizes); the message names the
+/// model.
+///
+/// [`CostModel::a2a_time`]: crate::sim::cost::CostModel::a2a_time
 pub fn require_moe_costs(cost: &crate::sim::cost::CostModel, name: &str) -> Result<(), String> {
     if cost.moe.present {
-        return Ok(());
+        if cost.a2a_time(Part::Dispatch) > 0.0 || cost.a2a_time(Part::Combine) > 0.0 {
+            return Ok(());
+        }
+        return Err(format!(
+            "--moe with the cost model `{name}`, whose [moe] section gives the all-to-alls no time (dispatch = combine = 0 s, and no EP bandwidth with [model] sizes to derive them): every schedule would look as good as DualPipe. Give their times ([moe] dispatch = S, combine = S, or [moe] bandwidth = BYTES_PER_S with [model]), e.g. --cost ../shared/costs/moe-1to1.toml"
+        ));
     }
     Err(format!(
         "--moe with the cost model `{name}`, which has no [moe] section: its dispatch and combine all-to-alls would take no time. Give their times ([moe] dispatch = S, combine = S, or an EP bandwidth: [moe] bandwidth = BYTES_PER_S with [model]), e.g. --cost ../shared/costs/moe-1to1.toml, or --set dispatch=S,combine=S"
