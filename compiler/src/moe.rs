@@ -69,13 +69,24 @@ pub enum MoeStages {
     Declared,
     /// These stage ids.
     List(Vec<u32>),
+    /// The inner selection, lowered with [`Interleave::Adjacent`] (`STAGES:adjacent`).
+    Adjacent(Box<MoeStages>),
 }
 
 impl std::str::FromStr for MoeStages {
     type Err = String;
     /// `auto`, `all`, `dense-ends`, `declared`, or stage ids and inclusive ranges separated by
-    /// commas (`1-6,9`).
+    /// commas (`1-6,9`); any of them followed by `:adjacent` ([`MoeStages::Adjacent`]; a bare
+    /// `:adjacent` is `auto:adjacent`).
     fn from_str(s: &str) -> Result<Self, String> {
+        if let Some((sel, mode)) = s.trim().rsplit_once(':') {
+            return match mode.trim() {
+                "adjacent" => Ok(MoeStages::Adjacent(Box::new(sel.parse()?))),
+                other => Err(format!(
+                    "invalid --moe `{s}`: unknown lowering `{other}` after `:` (expected adjacent)"
+                )),
+            };
+        }
         match s.trim() {
             "" | "auto" => Ok(MoeStages::Auto),
             "all" => Ok(MoeStages::All),
@@ -110,6 +121,14 @@ impl std::str::FromStr for MoeStages {
 }
 
 impl MoeStages {
+    /// How the selection orders the parts of consecutive plain ops.
+    pub fn interleave(&self) -> Interleave {
+        match self {
+            MoeStages::Adjacent(_) => Interleave::Adjacent,
+            _ => Interleave::None,
+        }
+    }
+
     /// The MoE stage ids for `pl`, increasing.
     ///
     /// Errors: `declared` on a pipeline that declares nothing; a listed stage out of range.
@@ -133,6 +152,7 @@ impl MoeStages {
                 }
                 v.clone()
             }
+            MoeStages::Adjacent(inner) => inner.resolve(pl)?,
         })
     }
 }
@@ -165,14 +185,126 @@ fn plain(c: &Compute, out: &mut Vec<Instr>) {
     out.extend(order.iter().map(|&p| part(c, p)));
 }
 
+/// How [`split_with`] orders the parts of consecutive plain (not overlapped) ops on a rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Interleave {
+    /// Each plain op runs its parts back to back: its all-to-alls are exposed unless the
+    /// schedule overlaps it with another op (`&`).
+    #[default]
+    None,
+    /// Consecutive independent ops on a rank interleave at part level, at most two ops in
+    /// flight (module docs, "Interleaving consecutive plain ops").
+    Adjacent,
+}
+
+/// One op of a rank's program in a run of consecutive plain ops: its parts in execution order.
+struct Chain {
+    parts: Vec<Instr>,
+    /// The micro-batch and direction whose data the op reads and writes.
+    key: usize,
+    /// Whether the op may run alongside the previous op of its run (its cross-rank inputs are
+    /// ready, in the unit-time schedule of the unsplit program, when that op ends).
+    joins: bool,
+    span: Span,
+}
+
+/// Unit durations of the static interleaving: a part takes 1, a whole op 2 (attention + MLP).
+fn unit(i: &Instr) -> u64 {
+    match i {
+        Instr::Compute(c) if c.part == Part::Whole => 2,
+        _ => 1,
+    }
+}
+
+/// Emits the parts of `run` (consecutive plain ops of one rank, in program order) in the
+/// order of a two-stream list schedule at unit durations: compute parts on the compute
+/// stream, all-to-alls on the EP stream, each part after its op's previous part, at most two
+/// ops in flight (op `i + 2` starts after op `i` has ended), an op that reads data an earlier
+/// op writes (the same micro-batch and direction) only after that op has ended. Ties go to the
+/// earlier op. Linear in the run's parts; `last_end` is scratch of one slot per key.
+fn interleave_run(
+    run: &mut Vec<Chain>,
+    last_end: &mut [u64],
+    out: &mut Vec<Instr>,
+    sp: &mut Vec<Span>,
+) {
+    let n = run.len();
+    if n <= 1 {
+        for ch in run.drain(..) {
+            sp.extend(std::iter::repeat_n(ch.span, ch.parts.len()));
+            out.append(&mut { ch.parts });
+        }
+        return;
+    }
+    let mut next = vec![0usize; n];
+    let mut ready = vec![0u64; n];
+    let (mut cfree, mut efree) = (0u64, 0u64);
+    let mut lo = 0usize;
+    let mut opened = 0usize; // ops whose ready time holds their dependencies
+    while lo < n {
+        let hi = if lo + 1 < n && run[lo + 1].joins && run[lo + 1].key != run[lo].key {
+            lo + 2
+        } else {
+            lo + 1
+        };
+        while opened < hi {
+            ready[opened] = ready[opened].max(last_end[run[opened].key]);
+            opened += 1;
+        }
+        let mut best: Option<(u64, usize)> = None;
+        for j in lo..hi {
+            if let Some(ins) = run[j].parts.get(next[j]) {
+                let ep = matches!(ins, Instr::Compute(c) if c.part.is_all_to_all());
+                let s = ready[j].max(if ep { efree } else { cfree });
+                if best.is_none_or(|(b, _)| s < b) {
+                    best = Some((s, j));
+                }
+            }
+        }
+        let (s, j) = best.expect("an op in the window has a part left");
+        let ins = &run[j].parts[next[j]];
+        let e = s + unit(ins);
+        if matches!(ins, Instr::Compute(c) if c.part.is_all_to_all()) {
+            efree = e;
+        } else {
+            cfree = e;
+        }
+        ready[j] = e;
+        out.push(ins.clone());
+        sp.push(run[j].span);
+        next[j] += 1;
+        if next[j] == run[j].parts.len() {
+            last_end[run[j].key] = last_end[run[j].key].max(e);
+        }
+        while lo < n && next[lo] == run[lo].parts.len() {
+            lo += 1;
+        }
+    }
+    for ch in run.iter() {
+        last_end[ch.key] = 0;
+    }
+    run.clear();
+}
+
+/// [`split_with`] at the default [`Interleave`].
+pub fn split(p: &Program, spans: Option<&SourceMap>, moe: &[u32]) -> (Program, Option<SourceMap>) {
+    split_with(p, spans, moe, Interleave::default())
+}
+
 /// Splits every whole F, B and BW of the stages in `moe` (increasing ids) into MoE parts in
 /// the documented order (module docs), and records `moe` as the pipeline's MoE stages.
 /// `spans`, when given, is mapped to the new instructions (each part gets its op's span).
 ///
 /// Linear in the program's size. Never fails: ops out of range are copied unchanged for
 /// pass 1 to report.
-pub fn split(p: &Program, spans: Option<&SourceMap>, moe: &[u32]) -> (Program, Option<SourceMap>) {
-    let mut is_moe = vec![false; p.pipeline.stages as usize];
+pub fn split_with(
+    p: &Program,
+    spans: Option<&SourceMap>,
+    moe: &[u32],
+    interleave: Interleave,
+) -> (Program, Option<SourceMap>) {
+    let pl = &p.pipeline;
+    let mut is_moe = vec![false; pl.stages as usize];
     for &s in moe {
         if let Some(x) = is_moe.get_mut(s as usize) {
             *x = true;
@@ -183,12 +315,100 @@ pub fn split(p: &Program, spans: Option<&SourceMap>, moe: &[u32]) -> (Program, O
             && c.kind != Kind::W
             && is_moe.get(c.stage as usize).copied().unwrap_or(false)
     };
+    let per_dir = pl.stages_per_direction().max(1);
+    let key_of = |c: &Compute| {
+        (c.mb.min(pl.microbatches) as usize) * 2
+            + usize::from(c.stage >= per_dir && pl.directions() == 2)
+    };
+    let mut last_end = vec![0u64; 2 * (pl.microbatches as usize + 1)];
+    // The unit-time schedule of the unsplit program: when each op ends (`ends[r][i]`) and
+    // when each forward and input-gradient backward (kind class 0, 1) ends (`done`).
+    let timing = (interleave != Interleave::None
+        && p.ranks
+            .iter()
+            .flatten()
+            .all(|i| matches!(i, Instr::Compute(_) | Instr::Overlap { .. })))
+    .then(|| crate::passes::makespan::unit_timing(p))
+    .flatten();
+    let interleave = if timing.is_some() {
+        interleave
+    } else {
+        Interleave::None
+    };
+    let (s_n, m_n) = (pl.stages as usize, pl.microbatches as usize);
+    let slot = |class: usize, s: u32, m: u32| {
+        ((s as usize) < s_n && (m as usize) < m_n)
+            .then(|| (class * s_n + s as usize) * m_n + m as usize)
+    };
+    let mut done = vec![f64::INFINITY; if timing.is_some() { 2 * s_n * m_n } else { 0 }];
+    let mut ends: Vec<Vec<f64>> = Vec::new();
+    let starts: &[Vec<f64>] = timing.as_ref().map_or(&[], |t| &t.starts);
+    if let Some(t) = &timing {
+        use crate::passes::makespan::unit_cost;
+        for (instrs, st) in p.ranks.iter().zip(&t.starts) {
+            let mut e = Vec::with_capacity(instrs.len());
+            for (ins, &s0) in instrs.iter().zip(st) {
+                let mut d = 0.0;
+                ins.for_each_compute(|c| d += unit_cost(c));
+                let end = s0 + d;
+                ins.for_each_compute(|c| {
+                    let class = match c.kind {
+                        Kind::F => Some(0),
+                        Kind::B | Kind::BW => Some(1),
+                        Kind::W => None,
+                    };
+                    if let Some(k) = class.and_then(|cl| slot(cl, c.stage, c.mb)) {
+                        done[k] = end;
+                    }
+                });
+                e.push(end);
+            }
+            ends.push(e);
+        }
+    }
+    // The end of the cross-rank input of `c` on rank `r` in the unit-time schedule (0 without).
+    let input_end = |c: &Compute, r: usize| -> f64 {
+        let src = match c.kind {
+            Kind::F => pl.prev_stage(c.stage).map(|s| (0, s)),
+            Kind::B | Kind::BW => pl.next_stage(c.stage).map(|s| (1, s)),
+            Kind::W => None,
+        };
+        match src {
+            Some((cl, s)) if pl.rank_of(s) as usize != r => {
+                slot(cl, s, c.mb).map_or(f64::INFINITY, |k| done[k])
+            }
+            _ => 0.0,
+        }
+    };
     let mut ranks = Vec::with_capacity(p.ranks.len());
     let mut span_ranks = Vec::with_capacity(p.ranks.len());
+    let mut run: Vec<Chain> = Vec::new();
     for (r, instrs) in p.ranks.iter().enumerate() {
         let mut out = Vec::with_capacity(instrs.len() * 3);
         let mut sp: Vec<Span> = Vec::new();
         for (i, ins) in instrs.iter().enumerate() {
+            let span = spans.and_then(|m| m.get(r, i)).unwrap_or_default();
+            if interleave != Interleave::None {
+                if let Instr::Compute(c) = ins {
+                    if c.part == Part::Whole {
+                        let mut parts = Vec::with_capacity(4);
+                        if splits(c) {
+                            plain(c, &mut parts);
+                        } else {
+                            parts.push(ins.clone());
+                        }
+                        let joins = i > 0 && input_end(c, r) <= starts[r][i - 1];
+                        run.push(Chain {
+                            parts,
+                            key: key_of(c),
+                            joins,
+                            span,
+                        });
+                        continue;
+                    }
+                }
+                interleave_run(&mut run, &mut last_end, &mut out, &mut sp);
+            }
             let before = out.len();
             match ins {
                 Instr::Compute(c) if splits(c) => plain(c, &mut out),
@@ -233,10 +453,13 @@ pub fn split(p: &Program, spans: Option<&SourceMap>, moe: &[u32]) -> (Program, O
                 }
                 other => out.push(other.clone()),
             }
-            if let Some(m) = spans {
-                let s = m.get(r, i).unwrap_or_default();
-                sp.extend(std::iter::repeat_n(s, out.len() - before));
+            if spans.is_some() {
+                sp.extend(std::iter::repeat_n(span, out.len() - before));
             }
+        }
+        interleave_run(&mut run, &mut last_end, &mut out, &mut sp);
+        if spans.is_none() {
+            sp.clear();
         }
         ranks.push(out);
         span_ranks.push(sp);
