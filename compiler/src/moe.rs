@@ -251,17 +251,20 @@ fn interleave_run(
             ready[opened] = ready[opened].max(last_end[run[opened].key]);
             opened += 1;
         }
-        let mut best: Option<(u64, usize)> = None;
+        // (start, whether the part is not its op's first, op): at equal starts an op's first
+        // part goes before the other op's part, which may be its last and would gate it.
+        let mut best: Option<(u64, bool, usize)> = None;
         for j in lo..hi {
             if let Some(ins) = run[j].parts.get(next[j]) {
                 let ep = matches!(ins, Instr::Compute(c) if c.part.is_all_to_all());
                 let s = ready[j].max(if ep { efree } else { cfree });
-                if best.is_none_or(|(b, _)| s < b) {
-                    best = Some((s, j));
+                let cand = (s, next[j] > 0, j);
+                if best.is_none_or(|b| cand < b) {
+                    best = Some(cand);
                 }
             }
         }
-        let (s, j) = best.expect("an op in the window has a part left");
+        let (s, _, j) = best.expect("an op in the window has a part left");
         let ins = &run[j].parts[next[j]];
         let e = s + unit(ins);
         if matches!(ins, Instr::Compute(c) if c.part.is_all_to_all()) {
@@ -328,7 +331,13 @@ pub fn split_with(
             .iter()
             .flatten()
             .all(|i| matches!(i, Instr::Compute(_) | Instr::Overlap { .. })))
-    .then(|| crate::passes::makespan::unit_timing(p))
+    .then(|| {
+        use crate::passes::makespan::{schedule_with, unit_cost};
+        // A plain MoE op is charged its compute and as long again for its exposed all-to-alls
+        // (the 1:1 regime the interleaving is for); a pair its compute.
+        let plain = |c: &Compute| unit_cost(c) * if splits(c) { 2.0 } else { 1.0 };
+        schedule_with(p, &plain, &|f, b| unit_cost(f) + unit_cost(b))
+    })
     .flatten();
     let interleave = if timing.is_some() {
         interleave
@@ -348,8 +357,11 @@ pub fn split_with(
         for (instrs, st) in p.ranks.iter().zip(&t.starts) {
             let mut e = Vec::with_capacity(instrs.len());
             for (ins, &s0) in instrs.iter().zip(st) {
-                let mut d = 0.0;
-                ins.for_each_compute(|c| d += unit_cost(c));
+                let d = match ins {
+                    Instr::Compute(c) => unit_cost(c) * if splits(c) { 2.0 } else { 1.0 },
+                    Instr::Overlap { fwd, bwd } => unit_cost(fwd) + unit_cost(bwd),
+                    _ => 0.0,
+                };
                 let end = s0 + d;
                 ins.for_each_compute(|c| {
                     let class = match c.kind {
