@@ -37,13 +37,59 @@
 //! first. Each part keeps the source span of the op it comes from, so a check error in a part
 //! points at the spec statement that emitted the op.
 //!
+//! ## Interleaving consecutive plain ops (`--moe=STAGES:adjacent`, opt-in)
+//!
+//! By default ([`Interleave::None`]) a plain op runs its four parts back to back and the next
+//! op starts after its last all-to-all: only `&` pairs overlap. With
+//! [`Interleave::Adjacent`], each run of consecutive whole ops on a rank (no pair, no
+//! communication op between them; `W` and dense ops included, as one part each) is emitted in
+//! the order of a two-stream list schedule at unit durations (a part 1, a whole op 2): compute
+//! parts on the compute stream, all-to-alls on the EP stream, each part after its op's
+//! previous part, at most two ops in flight (op `k + 2` starts after op `k` ends), ties to an
+//! op's first part, then to the earlier op. So op `k + 1`'s attention can run while op `k`'s
+//! dispatch is in flight, and a backward's first all-to-all under the previous op's compute;
+//! each stream keeps a fixed order, which is what a runtime with one compute and one EP stream
+//! per rank executes. For example two forwards on a rank whose inputs are there:
+//!
+//! ```text
+//! F(0,0).attn F(0,1).attn F(0,0).dispatch F(0,0).mlp F(0,1).dispatch F(0,0).combine F(0,1).mlp F(0,1).combine
+//! ```
+//!
+//! Part orders are therefore no longer per-op blocks: a back end must follow the parts in
+//! program order, each after its op's previous part, and not assume that an op's parts are
+//! contiguous (an `&` pair's already were not).
+//!
+//! An op joins the op before it only when
+//! * it reads nothing that op writes (a different micro-batch, or the other direction of a
+//!   bidirectional pipeline), and
+//! * its cross-rank input (the previous stage's forward, the next stage's backward) has
+//!   finished, in an as-soon-as-possible schedule of the unsplit program, by the time the
+//!   previous op starts. That schedule charges unit time per op (`F = B = W = 1`, `BW = 2`),
+//!   twice that for a plain MoE op (its all-to-alls exposed, the 1:1 regime), a pair the sum
+//!   of its ops.
+//!
+//! The second condition keeps the result deadlock-free: every new in-stream order (a part of
+//! op `k + 1` before a part of op `k`) enters op `k + 1` from data that was ready before op
+//! `k` started and leaves through op `k`'s or a later op's outputs, which are consumed after
+//! op `k` ended, so no wait-for cycle can close through it (pass 4 proves it on every
+//! program). It also keeps a joined op from waiting for its data at the head of the compute
+//! stream, mostly: the schedule is unit-time, so with other costs an interleaved op can still
+//! hold the previous op's next compute part back. Programs with communication ops already in
+//! them (IR, traces) are not interleaved.
+//!
+//! Costs of the choice: one activation more in flight (peak activations and a spec's
+//! `expect warmup`/`peak_activations` grow by one on the ranks that interleave), and pass 7's
+//! unit-time idle, which runs all parts on one stream, grows; the simulator times the EP
+//! stream concurrently and is the figure to read.
+//!
 //! ## Which stages are MoE
 //!
 //! [`MoeStages`]: `all` (every stage), `dense-ends` (the first and the last stage of each
 //! direction stay dense: the embedding and the head), `declared` (the input's own `moe`
 //! declaration: the `moe` item of a spec, the `moe` header of IR text), or a list of stage ids
 //! and ranges (`1-6,9`). `auto` (what a bare `--moe` means) is `declared` when the input
-//! declares MoE stages and `all` otherwise.
+//! declares MoE stages and `all` otherwise. Any of them followed by `:adjacent` interleaves
+//! consecutive plain ops (above); a bare `--moe=:adjacent` is `auto:adjacent`.
 //!
 //! ## What the lowered IR holds (for back ends)
 //!
@@ -522,6 +568,46 @@ mod tests {
              BW(1,1).combine BW(1,1).mlp BW(1,1).dispatch BW(1,1).attn \
              F(1,1).attn F(1,1).dispatch BW(0,0) F(1,1).mlp F(1,1).combine BW(0,1)"
         );
+    }
+
+    #[test]
+    fn adjacent_interleaves_independent_ops_only() {
+        // Rank 0 has its inputs: its forwards interleave, then its backwards (different
+        // micro-batches). On rank 1 F(1,0) and BW(1,0) share a micro-batch: no interleaving;
+        // F(1,1)'s input comes from rank 0's second forward, which the unit-time schedule
+        // has ready before BW(1,0) starts, so F(1,1) runs its attention first.
+        let src = "pp 2\nstages 2\nmicrobatches 3\nrank 0: F(0,0) F(0,1) F(0,2) BW(0,0) BW(0,1) BW(0,2)\nrank 1: F(1,0) BW(1,0) F(1,1) BW(1,1) F(1,2) BW(1,2)\n";
+        let p = parse(src).unwrap().program;
+        let (q, _) = split_with(&p, None, &[0, 1], Interleave::Adjacent);
+        assert_eq!(
+            texts(&q, 0).join(" "),
+            "F(0,0).attn F(0,1).attn F(0,0).dispatch F(0,0).mlp F(0,1).dispatch F(0,0).combine \
+             F(0,2).attn F(0,1).mlp F(0,2).dispatch F(0,1).combine F(0,2).mlp F(0,2).combine \
+             BW(0,0).combine BW(0,0).mlp BW(0,0).dispatch BW(0,0).attn \
+             BW(0,1).combine BW(0,1).mlp BW(0,1).dispatch BW(0,1).attn \
+             BW(0,2).combine BW(0,2).mlp BW(0,2).dispatch BW(0,2).attn"
+        );
+        assert_eq!(
+            texts(&q, 1).join(" "),
+            "F(1,0).attn F(1,0).dispatch F(1,0).mlp F(1,0).combine \
+             F(1,1).attn BW(1,0).combine BW(1,0).mlp F(1,1).dispatch BW(1,0).dispatch F(1,1).mlp BW(1,0).attn F(1,1).combine \
+             BW(1,1).combine F(1,2).attn BW(1,1).mlp F(1,2).dispatch BW(1,1).dispatch F(1,2).mlp BW(1,1).attn F(1,2).combine \
+             BW(1,2).combine BW(1,2).mlp BW(1,2).dispatch BW(1,2).attn"
+        );
+        // The default keeps every op's parts together.
+        let (d, _) = split(&p, None, &[0, 1]);
+        assert!(texts(&d, 0)
+            .join(" ")
+            .starts_with("F(0,0).attn F(0,0).dispatch F(0,0).mlp F(0,0).combine F(0,1).attn"));
+        assert_eq!(
+            ":adjacent".parse::<MoeStages>().unwrap(),
+            MoeStages::Adjacent(Box::new(MoeStages::Auto))
+        );
+        assert_eq!(
+            "1-2:adjacent".parse::<MoeStages>().unwrap().interleave(),
+            Interleave::Adjacent
+        );
+        assert!("all:overlap".parse::<MoeStages>().is_err());
     }
 
     #[test]
