@@ -26,6 +26,8 @@ from typing import Any
 __all__ = [
     "SchedcTorchError",
     "read_schedule",
+    "detect_format",
+    "microbatches_of",
     "stage_to_rank",
     "stages_of_rank",
     "load_schedule",
@@ -86,6 +88,51 @@ def read_schedule(csv_path: str | os.PathLike) -> list[list[str]]:
     return rows
 
 
+def detect_format(csv_path: str | os.PathLike) -> str:
+    """Which of torch's forms the CSV is in: ``"compute_comms"`` if any cell holds a
+    communication or bookkeeping action (``SEND_*``, ``RECV_*``, ``WAIT_*``, ``REDUCE_GRAD``,
+    ``UNSHARD``, ``RESHARD``), else ``"compute_only"`` (what ``schedc convert --to
+    torch-csv`` writes by default).
+    """
+    rows = read_schedule(csv_path)
+    for r, row in enumerate(rows):
+        for i, cell in enumerate(row):
+            for _, ty, _ in _cell_actions(cell, f"{csv_path}: rank {r}, cell {i + 1}"):
+                if ty not in _COMPUTE:
+                    return "compute_comms"
+    return "compute_only"
+
+
+def microbatches_of(csv_path: str | os.PathLike) -> int:
+    """M, the number of micro-batches the CSV runs: its largest micro-batch id plus one.
+
+    Raises :class:`SchedcTorchError` if no action names a micro-batch, or if a stage's
+    forwards do not cover micro-batches 0..M-1 (the CSV was cut or edited).
+    """
+    rows = read_schedule(csv_path)
+    forwards: dict[int, set[int]] = {}
+    top = -1
+    for r, row in enumerate(rows):
+        for i, cell in enumerate(row):
+            for stage, ty, mb in _cell_actions(cell, f"{csv_path}: rank {r}, cell {i + 1}"):
+                if mb is None or ty not in _COMPUTE:
+                    continue
+                top = max(top, mb)
+                if ty == "F":
+                    forwards.setdefault(stage, set()).add(mb)
+    if top < 0:
+        raise SchedcTorchError(f"{csv_path}: no compute action names a micro-batch")
+    m = top + 1
+    for stage, mbs in sorted(forwards.items()):
+        if len(mbs) != m:
+            missing = min(set(range(m)) - mbs)
+            raise SchedcTorchError(
+                f"{csv_path}: stage {stage} has no forward of micro-batch {missing}, but the "
+                f"CSV runs micro-batches 0..{m - 1}"
+            )
+    return m
+
+
 def stage_to_rank(csv_path: str | os.PathLike) -> list[int]:
     """The rank of each stage (index = stage id), as the CSV places them.
 
@@ -131,7 +178,7 @@ def load_schedule(
     n_microbatches: int,
     loss_fn: Callable | None = None,
     *,
-    format: str = "compute_comms",
+    format: str | None = None,
     scale_grads: bool = True,
     **schedule_kwargs: Any,
 ):
@@ -145,9 +192,12 @@ def load_schedule(
             pipeline process group.
         n_microbatches: M; the CSV must run micro-batches 0..M-1 of every stage.
         loss_fn: ``loss_fn(output, target)``, applied on the last stage; required to train.
-        format: ``"compute_comms"`` (the default: run the CSV as written, with the
+        format: ``None`` (the default: the form the file is in, see
+            :func:`detect_format`), ``"compute_comms"`` (run the CSV as written, with the
             send/receive order ``schedc check`` verified) or ``"compute_only"`` (compute
-            actions only; torch inserts its own sends, receives and bookkeeping).
+            actions only; torch inserts its own sends, receives and bookkeeping). A form the
+            file is not in is an error: torch would otherwise fail inside its runtime
+            (``Computing action=3F0 before receiving input``).
         scale_grads: Divide gradients by M at the end of the step (torch's default), so that
             they match one backward of the mean loss over the whole batch.
         **schedule_kwargs: Passed to ``_PipelineScheduleRuntime`` (e.g. ``args_chunk_spec``).
@@ -156,17 +206,29 @@ def load_schedule(
         The schedule; call ``schedule.step(*inputs, target=..., losses=[])`` on every rank.
 
     Raises:
-        SchedcTorchError: an unknown ``format``, no stages, an unreadable CSV, a CSV whose
-            row count is not the pipeline group size, or whose row for this rank holds other
+        SchedcTorchError: an unknown ``format`` or one the file is not in, no stages, an
+            unreadable CSV, ``n_microbatches`` other than the M the CSV runs, a CSV whose row
+            count is not the pipeline group size, or whose row for this rank holds other
             stages than ``stages``.
     """
-    if format not in FORMATS:
-        raise SchedcTorchError(f"format must be one of {FORMATS}, not {format!r}")
+    if format is not None and format not in FORMATS:
+        raise SchedcTorchError(f"format must be one of {FORMATS} or None, not {format!r}")
     if not stages:
         raise SchedcTorchError("no stages: pass this rank's PipelineStage objects")
     if n_microbatches < 1:
         raise SchedcTorchError(f"n_microbatches must be at least 1, not {n_microbatches}")
     rows = read_schedule(csv_path)
+    found = detect_format(csv_path)
+    if format is None:
+        format = found
+    elif format == "compute_comms" and found == "compute_only":
+        raise SchedcTorchError(
+            f"{csv_path} is in torch's compute_only form (compute actions only, what "
+            "`schedc convert --to torch-csv` writes by default), but format='compute_comms' "
+            "was asked for: leave format unset (or pass format='compute_only') so that torch "
+            "inserts the communication, or export the file with `--torch-format "
+            "compute-comms` to run schedc's verified send/receive order"
+        )
     placement = stage_to_rank(csv_path)
     first = stages[0]
     pp, rank, num_stages = first.group_size, first.group_rank, first.num_stages
@@ -185,6 +247,12 @@ def load_schedule(
         raise SchedcTorchError(
             f"{csv_path} puts stages {want} on rank {rank}, but this rank built stages {have}; "
             "build the stages stages_of_rank(csv_path, rank) returns"
+        )
+    m = microbatches_of(csv_path)
+    if m != n_microbatches:
+        raise SchedcTorchError(
+            f"{csv_path} runs micro-batches 0..{m - 1} (M = {m}), but n_microbatches = "
+            f"{n_microbatches}: pass the M the file was exported for (`schedc convert --mb`)"
         )
     if format == "compute_only":
         for r, row in enumerate(rows):

@@ -29,7 +29,7 @@ pub struct Args {
     /// Cost model for a spec's timing expectations (`expect makespan`, `bubble(..)`,
     /// `exposed_a2a`, `exposed_comm`), as for `sim` (default: unit).
     #[arg(long, value_name = "FILE|PRESET|K=V,...")]
-    pub cost: Option<String>,
+    pub cost: Option<std::ffi::OsString>,
     /// Further inline overrides applied on top of --cost (e.g. --set latency=0).
     #[arg(long = "set", value_name = "K=V,...")]
     pub set: Option<String>,
@@ -51,12 +51,15 @@ pub fn run(args: Args) -> ExitCode {
         cost,
         set,
     } = args;
-    let model = match resolve_cost(cost.as_deref().unwrap_or("unit"), set.as_deref()) {
+    let model = match resolve_cost(
+        cost.as_deref().unwrap_or(std::ffi::OsStr::new("unit")),
+        set.as_deref(),
+    ) {
         Ok(m) => m,
         Err(c) => return c,
     };
     if let (Some(_), Some(name)) = (&input.moe, &cost) {
-        if let Err(c) = require_moe_costs(&model, name) {
+        if let Err(c) = require_moe_costs(&model, &name.to_string_lossy()) {
             return c;
         }
     }
@@ -71,22 +74,21 @@ pub fn run(args: Args) -> ExitCode {
             &model,
         );
     }
-    let loaded = match load(&input) {
+    let loaded = match load_for(&input, Some(Work::Check)) {
         Ok(l) => l,
-        Err(c) => {
-            // With --format json, standard output still carries one object.
+        Err(f) => {
+            // With --format json, standard output still carries one object, with the message.
             if format == OutFormat::Json {
-                let verdict = if c == ExitCode::from(1) {
-                    "refused"
-                } else {
-                    "unreadable"
-                };
-                emit(&format!(
-                    "{}\n",
-                    serde_json::json!({"verdict": verdict, "input": input.input, "diagnostics": [], "note": "see standard error"})
-                ));
+                let verdict = if f.refused { "refused" } else { "unreadable" };
+                let v = serde_json::json!({
+                    "verdict": verdict,
+                    "input": input.name(),
+                    "error": f.message,
+                    "diagnostics": [],
+                });
+                return emit_then(&format!("{v}\n"), f.code);
             }
-            return c;
+            return f.code;
         }
     };
     let opts = check::Options {
@@ -111,19 +113,20 @@ pub fn run(args: Args) -> ExitCode {
         }
     }
     let rep = &out.report;
-    match format {
-        OutFormat::Json => {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(rep).expect("report serializes")
-            );
-        }
-        OutFormat::Human => emit(&print_human(&loaded, rep)),
-    }
-    if rep.verdict == Verdict::Accepted {
+    let code = if rep.verdict == Verdict::Accepted {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
+    };
+    match format {
+        OutFormat::Json => emit_then(
+            &format!(
+                "{}\n",
+                serde_json::to_string_pretty(rep).expect("report serializes")
+            ),
+            code,
+        ),
+        OutFormat::Human => emit_then(&print_human(&loaded, rep), code),
     }
 }
 
@@ -161,12 +164,22 @@ fn print_human(loaded: &Loaded, rep: &check::Report) -> String {
             format!(", {} comm ops", p.comm_ops())
         }
     );
-    if let Some(m) = rep.makespan {
-        let _ = writeln!(
-            o,
-            "unit-time makespan {m} (F=B=W=1, BW=2), bubble {:.1}% (from_start)",
-            100.0 * rep.bubble.unwrap_or(0.0)
-        );
+    match rep.makespan {
+        Some(m) => {
+            let _ = writeln!(
+                o,
+                "unit-time makespan {m} (F=B=W=1, BW=2), bubble {:.1}% (from_start)",
+                100.0 * rep.bubble.unwrap_or(0.0)
+            );
+        }
+        None if rep
+            .diagnostics
+            .iter()
+            .any(|d| d.code == diag::Code::Deadlock) =>
+        {
+            o.push_str("no unit-time makespan: the schedule does not run to the end\n");
+        }
+        None => {}
     }
     o.push('\n');
     let _ = writeln!(
@@ -213,8 +226,21 @@ fn print_human(loaded: &Loaded, rep: &check::Report) -> String {
     o
 }
 
-/// One instance's outcome: (P, M, V, passed / refused by `require` / failed with a message).
-type SweepResult = (u32, u32, Option<u32>, Result<bool, String>);
+/// One instance's outcome.
+#[derive(Clone, Debug)]
+enum Outcome {
+    /// Every pass and expectation holds.
+    Passed,
+    /// Outside the family (a `require` refuses it).
+    Refused,
+    /// Rejected by a pass or an expectation (exit 1).
+    Failed(String),
+    /// The spec does not elaborate for it, or it is over the memory limit (exit 2).
+    Broken(String),
+}
+
+/// (P, M, V) and the outcome.
+type SweepResult = (u32, u32, Option<u32>, Outcome);
 
 /// `schedc check SPEC` over ranges of `--pp`, `--mb`, `--vpp`: every instance in parallel,
 /// failures smallest first.
@@ -229,41 +255,68 @@ fn sweep(
 ) -> ExitCode {
     use indicatif::{ProgressBar, ProgressStyle};
     use rayon::prelude::*;
-    if !input.input.ends_with(".sched") {
-        eprintln!(
-            "error: ranges of --pp/--mb/--vpp sweep a .sched spec; `{}` is a single schedule",
-            input.input
-        );
-        return ExitCode::from(2);
-    }
-    let text = match std::fs::read_to_string(&input.input) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("error: cannot read `{}`: {e}", input.input);
-            return ExitCode::from(2);
+    let name = input.name();
+    let refuse = |msg: String| -> ExitCode {
+        eprintln!("error: {msg}");
+        if format == OutFormat::Json {
+            let v = serde_json::json!({"input": name, "error": format!("error: {msg}\n")});
+            return emit_then(&format!("{v}\n"), ExitCode::from(2));
         }
+        ExitCode::from(2)
     };
-    let Some(pps) = input.pp.as_ref() else {
-        eprintln!("error: a sweep needs --pp");
-        return ExitCode::from(2);
+    if let Err(e) = unique_params(&input.params) {
+        return refuse(e);
+    }
+    if input.placement.is_some() {
+        return refuse("--placement does not apply to a spec: its `placement` item decides".into());
+    }
+    let (Some(pps), Some(mbs)) = (input.pp, input.mb) else {
+        return refuse("a sweep needs both --pp and --mb".into());
     };
-    let Some(mbs) = input.mb.as_ref() else {
-        eprintln!("error: a sweep needs --mb");
-        return ExitCode::from(2);
-    };
-    let vpps: Vec<Option<u32>> = match &input.vpp {
-        None => vec![None],
-        Some(r) => r.0.iter().map(|v| Some(*v)).collect(),
-    };
-    let mut insts = Vec::new();
-    for &p in &pps.0 {
-        for &m in &mbs.0 {
-            for &v in &vpps {
-                insts.push((p, m, v));
+    for (flag, r) in [
+        ("--pp", Some(pps)),
+        ("--mb", Some(mbs)),
+        ("--vpp", input.vpp),
+    ] {
+        if let Some(r) = r {
+            if r.start == 0 {
+                return refuse(format!("{flag} must be at least 1; the range starts at 0"));
             }
         }
     }
-    let bar = ProgressBar::new(insts.len() as u64);
+    let count = pps
+        .len()
+        .saturating_mul(mbs.len())
+        .saturating_mul(input.vpp.map_or(1, |r| r.len()));
+    if count > MAX_SWEEP_INSTANCES {
+        return refuse(format!(
+            "the sweep has {count} instances ({} values of --pp x {} of --mb{}), more than the limit of {MAX_SWEEP_INSTANCES}; narrow the ranges or add a step (2..=64:2)",
+            pps.len(),
+            mbs.len(),
+            input.vpp.map_or(String::new(), |r| format!(" x {} of --vpp", r.len()))
+        ));
+    }
+    // The largest instance, on each of the threads that run at once, must fit.
+    let largest = schedc::limits::spec_size_lower_bound(pps.end, mbs.end, input.vpp.map(|r| r.end));
+    let threads = rayon::current_num_threads() as u64;
+    if let Err(e) = schedc::limits::within_limit(
+        &format!(
+            "the sweep's largest instance (--pp {} --mb {}), on {threads} threads at once,",
+            pps.end, mbs.end
+        ),
+        schedc::limits::estimate(schedc::limits::Work::Check, &largest).saturating_mul(threads),
+    ) {
+        return refuse(e);
+    }
+    let text = match read_spec_text(&input.input) {
+        Ok(t) => t,
+        Err(e) => return refuse(e),
+    };
+    let vpps: Vec<Option<u32>> = match &input.vpp {
+        None => vec![None],
+        Some(r) => r.iter().map(Some).collect(),
+    };
+    let bar = ProgressBar::new(count);
     if std::io::stderr().is_terminal() {
         bar.set_style(
             ProgressStyle::with_template(
@@ -282,10 +335,13 @@ fn sweep(
         },
         max_activations: max_act,
     };
-    // (pp, mb, vpp, outcome): None = passed, Some(Ok(())) = refused by `require`, Some(Err(msg)) = failed.
+    let insts = pps
+        .iter()
+        .flat_map(|p| mbs.iter().map(move |m| (p, m)))
+        .flat_map(|(p, m)| vpps.iter().map(move |&v| (p, m, v)));
     let results: Vec<SweepResult> = insts
-        .par_iter()
-        .map(|&(p, m, v)| {
+        .par_bridge()
+        .map(|(p, m, v)| {
             let ov = Overrides {
                 microbatches: Some(m),
                 pp: Some(p),
@@ -295,90 +351,143 @@ fn sweep(
                 moe: None,
             };
             let r = match schedc::input::load_spec(&text, &ov) {
-                Err(LoadError::Spec { refused: true, .. }) => Ok(false),
+                Err(LoadError::Spec { refused: true, .. }) => Outcome::Refused,
                 Err(LoadError::Spec { diags, .. }) => {
-                    Err(diags.first().map(|d| d.message.clone()).unwrap_or_default())
+                    Outcome::Broken(diags.first().map(|d| d.message.clone()).unwrap_or_default())
                 }
-                Err(LoadError::Usage(u)) | Err(LoadError::Io(u)) => Err(u),
-                Err(LoadError::Parse(e)) => Err(e.message),
-                Ok(e) => match &input.moe {
-                    Some(sel) => schedc::input::apply_moe(&e.program, Some(&e.spans), sel)
-                        .map(|(p, s)| (p, s.unwrap_or_default())),
-                    None => Ok((e.program, e.spans)),
-                }
-                .and_then(|(prog, spans)| {
-                    let mut out = check::check(&prog, Some(&spans), &opts);
-                    check::check_expectations(&mut out.report, &e.expects);
-                    check::evaluate_timing_expectations(
-                        &mut out.report,
-                        out.checked.as_ref(),
-                        &e.expects,
-                        model,
-                    );
-                    match out.report.diagnostics.iter().find(|d| d.is_error()) {
-                        None => Ok(true),
-                        Some(d) => Err(format!("[{}] {}", d.code.as_str(), d.message)),
+                Err(LoadError::Usage(u)) | Err(LoadError::Io(u)) => Outcome::Broken(u),
+                Err(LoadError::Parse(e)) => Outcome::Broken(e.message),
+                Ok(e) => {
+                    let size = schedc::limits::Size::of(&e.program);
+                    let split = match &input.moe {
+                        Some(sel) => schedc::input::apply_moe(&e.program, Some(&e.spans), sel)
+                            .map(|(p, s)| (p, s.unwrap_or_default())),
+                        None => Ok((e.program, e.spans)),
+                    };
+                    match schedc::limits::within_limit(
+                        "this instance",
+                        schedc::limits::estimate(schedc::limits::Work::Check, &size),
+                    )
+                    .and(split)
+                    {
+                        Err(msg) => Outcome::Broken(msg),
+                        Ok((prog, spans)) => {
+                            let mut out = check::check(&prog, Some(&spans), &opts);
+                            check::check_expectations(&mut out.report, &e.expects);
+                            check::evaluate_timing_expectations(
+                                &mut out.report,
+                                out.checked.as_ref(),
+                                &e.expects,
+                                model,
+                            );
+                            match out.report.diagnostics.iter().find(|d| d.is_error()) {
+                                None => Outcome::Passed,
+                                Some(d) => {
+                                    Outcome::Failed(format!("[{}] {}", d.code.as_str(), d.message))
+                                }
+                            }
+                        }
                     }
-                }),
+                }
             };
             bar.inc(1);
             (p, m, v, r)
         })
         .collect();
     bar.finish_and_clear();
-    let mut failed: Vec<_> = results.iter().filter(|r| r.3.is_err()).collect();
+    let bad = |o: &Outcome| matches!(o, Outcome::Failed(_) | Outcome::Broken(_));
+    let mut failed: Vec<&SweepResult> = results.iter().filter(|r| bad(&r.3)).collect();
     failed.sort_by_key(|r| (r.0, r.1, r.2));
-    let passed = results.iter().filter(|r| matches!(r.3, Ok(true))).count();
-    let refused = results.iter().filter(|r| matches!(r.3, Ok(false))).count();
+    let passed = results
+        .iter()
+        .filter(|r| matches!(r.3, Outcome::Passed))
+        .count();
+    let refused = results
+        .iter()
+        .filter(|r| matches!(r.3, Outcome::Refused))
+        .count();
+    let broken = results
+        .iter()
+        .filter(|r| matches!(r.3, Outcome::Broken(_)))
+        .count();
+    let why = |o: &Outcome| match o {
+        Outcome::Failed(m) | Outcome::Broken(m) => m.clone(),
+        _ => String::new(),
+    };
     let inst_str = |p: u32, m: u32, v: Option<u32>| match v {
         Some(v) => format!("--pp {p} --mb {m} --vpp {v}"),
         None => format!("--pp {p} --mb {m}"),
     };
+    let code = if broken > 0 {
+        ExitCode::from(2)
+    } else if failed.is_empty() && passed > 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    };
+    if passed == 0 && failed.is_empty() {
+        eprintln!("error: every instance is outside the family: nothing was checked");
+    }
     match format {
         OutFormat::Json => {
             let v = serde_json::json!({
+                "input": name,
                 "instances": results.len(),
                 "passed": passed,
                 "refused": refused,
                 "failed": failed.iter().map(|(p, m, v, r)| serde_json::json!({
-                    "pp": p, "mb": m, "vpp": v, "error": r.as_ref().err()
+                    "pp": p, "mb": m, "vpp": v, "error": why(r),
+                    "kind": if matches!(r, Outcome::Broken(_)) { "does not elaborate" } else { "rejected" },
                 })).collect::<Vec<_>>(),
             });
-            emit(&format!(
-                "{}\n",
-                serde_json::to_string_pretty(&v).expect("json")
-            ));
+            emit_then(
+                &format!("{}\n", serde_json::to_string_pretty(&v).expect("json")),
+                code,
+            )
         }
         OutFormat::Human => {
             use std::fmt::Write as _;
             let mut o = String::new();
             for (p, m, v, r) in failed.iter().take(20) {
-                let _ = writeln!(
-                    o,
-                    "FAIL {}: {}",
-                    inst_str(*p, *m, *v),
-                    r.as_ref().err().map_or("", String::as_str)
-                );
+                let tag = if matches!(r, Outcome::Broken(_)) {
+                    "ERROR"
+                } else {
+                    "FAIL"
+                };
+                let _ = writeln!(o, "{tag} {}: {}", inst_str(*p, *m, *v), why(r));
             }
             if failed.len() > 20 {
                 let _ = writeln!(o, "... and {} more failing instances", failed.len() - 20);
             }
             let _ = writeln!(
                 o,
-                "{}: {} instances: {passed} passed, {} failed, {refused} outside the family (refused by `require`)",
-                input.input,
+                "{name}: {} instances: {passed} passed, {} failed{}, {refused} outside the family (refused by `require`)",
                 results.len(),
-                failed.len()
+                failed.len() - broken,
+                if broken > 0 {
+                    format!(", {broken} not checked (the spec does not elaborate, or over the memory limit)")
+                } else {
+                    String::new()
+                }
             );
-            emit(&o);
+            emit_then(&o, code)
         }
     }
-    if failed.is_empty() && passed > 0 {
-        ExitCode::SUCCESS
-    } else {
-        if passed == 0 && failed.is_empty() {
-            eprintln!("error: every instance is outside the family: nothing was checked");
-        }
-        ExitCode::from(1)
+}
+
+/// The text of a spec to sweep: a `.sched` file, or a file or standard input whose content
+/// reads as a spec. Errors: unreadable, or not a spec.
+fn read_spec_text(path: &std::path::Path) -> Result<String, String> {
+    let name = path.to_string_lossy();
+    let text = schedc::input::read_text(path).map_err(|e| match e {
+        LoadError::Io(m) | LoadError::Usage(m) => m,
+        LoadError::Parse(p) => p.message,
+        LoadError::Spec { .. } => String::new(),
+    })?;
+    if schedc::input::detect(&name, &text) != schedc::input::Format::Spec {
+        return Err(format!(
+            "ranges of --pp/--mb/--vpp sweep a .sched spec; `{name}` is a single schedule"
+        ));
     }
+    Ok(text)
 }

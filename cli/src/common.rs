@@ -4,6 +4,8 @@
 use clap::ValueEnum;
 use schedc::diag;
 use schedc::input::{load_path, LoadError, Loaded, Overrides, PlacementArg};
+use schedc::limits;
+pub use schedc::limits::Work;
 use schedc_ir::text::ParseError;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -30,9 +32,33 @@ pub enum TorchForm {
     ComputeComms,
 }
 
-/// A value or a range of values: `8`, `2..=16`, `2..=16:2` (step), `1..9`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RangeArg(pub Vec<u32>);
+/// A value or a range of values: `8`, `2..=16`, `2..=16:2` (step), `1..9`. Kept as its
+/// bounds, so that a huge range costs nothing until it is walked (sweeps refuse more than
+/// [`MAX_SWEEP_INSTANCES`] instances).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RangeArg {
+    /// First value.
+    pub start: u32,
+    /// Last value (inclusive), `start + k * step` for some k.
+    pub end: u32,
+    /// Step, at least 1.
+    pub step: u32,
+}
+
+impl RangeArg {
+    /// The number of values.
+    pub fn len(&self) -> u64 {
+        (self.end - self.start) as u64 / self.step as u64 + 1
+    }
+    /// The values.
+    pub fn iter(&self) -> impl Iterator<Item = u32> + Clone {
+        (self.start..=self.end).step_by(self.step as usize)
+    }
+    /// The value of a one-value range.
+    pub fn single(&self) -> Option<u32> {
+        (self.start == self.end).then_some(self.start)
+    }
+}
 
 impl std::str::FromStr for RangeArg {
     type Err = String;
@@ -62,30 +88,62 @@ impl std::str::FromStr for RangeArg {
             if end < a {
                 return Err(format!("invalid range `{s}`: it is empty"));
             }
-            return Ok(RangeArg((a..=end).step_by(step as usize).collect()));
+            // The last value the step reaches.
+            let end = a + (end - a) / step * step;
+            return Ok(RangeArg {
+                start: a,
+                end,
+                step,
+            });
         }
-        Ok(RangeArg(vec![body.trim().parse().map_err(|_| bad())?]))
+        let v = body.trim().parse().map_err(|_| bad())?;
+        Ok(RangeArg {
+            start: v,
+            end: v,
+            step: 1,
+        })
     }
 }
+
+/// The most instances one sweep may have (the product of the lengths of `--pp`, `--mb` and
+/// `--vpp`).
+pub const MAX_SWEEP_INSTANCES: u64 = 1_000_000;
 
 /// `--param NAME=VALUE`.
 pub fn parse_param(s: &str) -> Result<(String, i64), String> {
     let (k, v) = s
         .split_once('=')
         .ok_or_else(|| format!("invalid --param `{s}`: expected NAME=VALUE"))?;
+    let k = k.trim();
+    if k.is_empty() {
+        return Err(format!("invalid --param `{s}`: the name is empty"));
+    }
     let v: i64 = v
         .trim()
         .parse()
         .map_err(|_| format!("invalid --param `{s}`: the value must be an integer"))?;
-    Ok((k.trim().to_string(), v))
+    Ok((k.to_string(), v))
+}
+
+/// Refuses a parameter given twice (`--param x=1 --param x=2`). Errors: the message.
+pub fn unique_params(params: &[(String, i64)]) -> Result<(), String> {
+    for (i, (k, v)) in params.iter().enumerate() {
+        if let Some((_, w)) = params[..i].iter().find(|(j, _)| j == k) {
+            return Err(format!(
+                "--param {k} is given twice ({k}={w} and {k}={v}); give it once"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The input of every command that reads one schedule.
 #[derive(clap::Args)]
 pub struct InputArgs {
     /// Input: a `.sched` spec, IR text (.ir, .case), IR JSON, PyTorch CSV (compute_only or
-    /// compute_comms), or a DualPipe trace (.json); `-` reads standard input.
-    pub input: String,
+    /// compute_comms), or a DualPipe trace (.json); `-` reads standard input (a spec there
+    /// is recognised by its content).
+    pub input: std::path::PathBuf,
     /// Number of micro-batches M (for a spec: the instance's M, a range to sweep with
     /// `check`; otherwise an override of what the input implies).
     #[arg(long = "mb", value_name = "M")]
@@ -96,7 +154,7 @@ pub struct InputArgs {
     /// Virtual stages per rank V of a spec's instance (a range sweeps with `check`).
     #[arg(long, value_name = "V")]
     pub vpp: Option<RangeArg>,
-    /// A spec parameter, NAME=VALUE (repeatable).
+    /// A spec parameter, NAME=VALUE (repeatable; each name once).
     #[arg(long = "param", value_name = "NAME=VALUE", value_parser = parse_param)]
     pub params: Vec<(String, i64)>,
     /// Placement of stages on ranks: loop, v, bidir, or a list such as 0,1,1,0
@@ -113,23 +171,28 @@ pub struct InputArgs {
 }
 
 impl InputArgs {
+    /// The input's name in messages.
+    pub fn name(&self) -> String {
+        self.input.to_string_lossy().into_owned()
+    }
     /// True if `--pp`, `--mb` or `--vpp` is a range of more than one value.
     pub fn is_sweep(&self) -> bool {
         [&self.pp, &self.mb, &self.vpp]
             .iter()
-            .any(|r| r.as_ref().is_some_and(|r| r.0.len() > 1))
+            .any(|r| r.as_ref().is_some_and(|r| r.len() > 1))
     }
     fn single(r: &Option<RangeArg>, flag: &str) -> Result<Option<u32>, String> {
         match r {
             None => Ok(None),
-            Some(RangeArg(v)) if v.len() == 1 => Ok(Some(v[0])),
-            Some(_) => Err(format!(
-                "{flag} takes one value here; ranges sweep with `schedc check`"
-            )),
+            Some(r) => r.single().map(Some).ok_or_else(|| {
+                format!("{flag} takes one value here; ranges sweep with `schedc check`")
+            }),
         }
     }
-    /// The overrides of a single instance. Errors: a range where one value is needed.
+    /// The overrides of a single instance. Errors: a range where one value is needed, a
+    /// parameter given twice.
     pub fn overrides(&self) -> Result<Overrides, String> {
+        unique_params(&self.params)?;
         Ok(Overrides {
             microbatches: Self::single(&self.mb, "--mb")?,
             placement: self.placement.clone(),
@@ -143,23 +206,39 @@ impl InputArgs {
 
 /// Prints a load error to standard error (with the source excerpt where there is one).
 pub fn print_load_error(e: &LoadError, name: &str) {
+    eprint!("{}", render_load_error(e, name));
+}
+
+/// A load error as text (with the source excerpt where there is one), for standard error
+/// or a JSON report's `error` field.
+pub fn render_load_error(e: &LoadError, name: &str) -> String {
+    render_load_error_color(e, name, std::io::stderr().is_terminal())
+}
+
+fn render_load_error_color(e: &LoadError, name: &str, color: bool) -> String {
     match e {
-        LoadError::Io(s) | LoadError::Usage(s) => eprintln!("error: {s}"),
-        LoadError::Parse(p) => eprint!("{}", render_parse_error(p, name)),
+        LoadError::Io(s) | LoadError::Usage(s) => format!("error: {s}\n"),
+        LoadError::Parse(p) => render_parse_error(p, name),
         LoadError::Spec {
             diags,
             text,
             refused,
         } => {
-            let color = std::io::stderr().is_terminal();
+            let mut o = String::new();
             if *refused {
-                eprintln!("error: {name}: this instance is outside the schedule's family");
+                o += &format!("error: {name}: this instance is outside the schedule's family\n");
             }
             for d in diags {
-                eprint!("{}", diag::render_color(d, Some((name, text)), color));
+                o += &diag::render_color(d, Some((name, text)), color);
             }
+            o
         }
     }
+}
+
+/// A load error without colour, for JSON.
+pub fn load_error_text(e: &LoadError, name: &str) -> String {
+    render_load_error_color(e, name, false)
 }
 
 fn read_source(name: &str) -> Option<String> {
@@ -182,35 +261,302 @@ pub fn render_parse_error(p: &ParseError, name: &str) -> String {
     }
 }
 
-/// Loads the input. Errors: the exit code (1 for an instance outside a spec's family, 2
-/// for unreadable input), after printing why.
-pub fn load(args: &InputArgs) -> Result<Loaded, ExitCode> {
-    let ov = args.overrides().map_err(|e| {
+/// Why [`load`] failed: the exit status, and the message (already printed to standard
+/// error) for a JSON report.
+pub struct LoadFailure {
+    /// 1 for an instance outside a spec's family, 2 for anything else.
+    pub code: ExitCode,
+    /// True for an instance outside the family.
+    pub refused: bool,
+    /// The message, without colour.
+    pub message: String,
+}
+
+impl LoadFailure {
+    fn usage(message: String) -> Self {
+        eprintln!("error: {message}");
+        LoadFailure {
+            code: ExitCode::from(2),
+            refused: false,
+            message: format!("error: {message}\n"),
+        }
+    }
+}
+
+/// Refuses a spec's instance (`--pp` and `--mb` given) whose estimate by `estimate`, on the
+/// least size the instance can have, exceeds the memory limit: before it is elaborated.
+/// Errors: exit status 2 after printing why.
+pub fn pre_check(
+    args: &InputArgs,
+    what: &str,
+    estimate: impl Fn(&limits::Size) -> u64,
+) -> Result<(), ExitCode> {
+    let (Some(pp), Some(mb)) = (
+        args.pp.and_then(|r| r.single()),
+        args.mb.and_then(|r| r.single()),
+    ) else {
+        return Ok(());
+    };
+    let lower = limits::spec_size_lower_bound(pp, mb, args.vpp.and_then(|r| r.single()));
+    limits::within_limit(&format!("{what} --pp {pp} --mb {mb}"), estimate(&lower)).map_err(|e| {
         eprintln!("error: {e}");
         ExitCode::from(2)
-    })?;
-    load_path(&args.input, &ov).map_err(|e| {
-        print_load_error(&e, &args.input);
-        match e {
-            LoadError::Spec { refused: true, .. } => ExitCode::from(1),
-            _ => ExitCode::from(2),
-        }
     })
 }
 
-/// Writes to standard output; a closed pipe (`schedc ... | head`) is not an error.
-pub fn emit(s: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = out.write_all(s.as_bytes());
-    let _ = out.flush();
+/// Loads the input for `work`, refusing an instance whose estimated memory exceeds the limit
+/// ([`schedc::limits`]). Errors: [`LoadFailure`] (1 for an instance outside a spec's family,
+/// 2 for unreadable input, bad usage or an instance over the limit), after printing why.
+pub fn load_for(args: &InputArgs, work: Option<Work>) -> Result<Loaded, LoadFailure> {
+    let ov = args.overrides().map_err(LoadFailure::usage)?;
+    let name = args.name();
+    // A spec's instance is known before it is elaborated: refuse what cannot fit at once.
+    if let (Some(work), Some(pp), Some(mb)) = (work, ov.pp, ov.microbatches) {
+        let lower = limits::spec_size_lower_bound(pp, mb, ov.vpp);
+        limits::within_limit(
+            &format!("the instance --pp {pp} --mb {mb}"),
+            limits::estimate(work, &lower),
+        )
+        .map_err(LoadFailure::usage)?;
+    }
+    let loaded = load_path(&args.input, &ov).map_err(|e| {
+        let message = load_error_text(&e, &name);
+        print_load_error(&e, &name);
+        let refused = matches!(e, LoadError::Spec { refused: true, .. });
+        LoadFailure {
+            code: ExitCode::from(if refused { 1 } else { 2 }),
+            refused,
+            message,
+        }
+    })?;
+    if let Some(work) = work {
+        let size = limits::Size::of(&loaded.program);
+        limits::within_limit(
+            &format!(
+                "{name} ({} ranks, {} stages, {} micro-batches, {} ops)",
+                size.ranks,
+                size.stages,
+                size.microbatches,
+                size.compute_ops + size.comm_ops
+            ),
+            limits::estimate(work, &size),
+        )
+        .map_err(LoadFailure::usage)?;
+    }
+    Ok(loaded)
 }
 
-/// A cost model by name (preset, file, `K=V,...`) with `--set` overrides; exit 2 on error.
+/// [`load_for`], keeping only the exit status.
+pub fn load(args: &InputArgs, work: Option<Work>) -> Result<Loaded, ExitCode> {
+    load_for(args, work).map_err(|f| f.code)
+}
+
+/// Standard output for a command's results.
+///
+/// A closed pipe (`schedc ... | head`) ends the output quietly: the reader has what it
+/// wanted, and the command's exit status stays what its verdict says. Any other write error
+/// (a full disk, `/dev/full`, a closed descriptor) is printed to standard error and ends the
+/// command with exit status 2, so that `schedc ... > file` never exits 0 with the file short.
+pub struct Out {
+    closed: bool,
+}
+
+impl Out {
+    /// Standard output, open.
+    pub fn new() -> Self {
+        Out { closed: false }
+    }
+
+    /// True once the reader has closed the pipe: nothing more is written.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Writes `s` and flushes it. Errors: exit status 2 on a write error other than a
+    /// closed pipe, after printing why.
+    pub fn write(&mut self, s: &str) -> Result<(), ExitCode> {
+        if self.closed {
+            return Ok(());
+        }
+        let mut out = std::io::stdout().lock();
+        match out.write_all(s.as_bytes()).and_then(|_| out.flush()) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                self.closed = true;
+                Ok(())
+            }
+            Err(e) => {
+                eprintln!("error: cannot write to standard output: {e}");
+                Err(ExitCode::from(2))
+            }
+        }
+    }
+}
+
+/// Where streamed output goes: standard output ([`Out`]), or a buffer in tests.
+pub trait Sink {
+    /// Writes one piece. Errors: the exit status.
+    fn put(&mut self, s: &str) -> Result<(), ExitCode>;
+    /// True once nothing more will be read.
+    fn closed(&self) -> bool;
+}
+
+impl Sink for Out {
+    fn put(&mut self, s: &str) -> Result<(), ExitCode> {
+        self.write(s)
+    }
+    fn closed(&self) -> bool {
+        self.is_closed()
+    }
+}
+
+impl Default for Out {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Writes `s` to standard output (see [`Out`]). Errors: exit status 2 on a write error
+/// other than a closed pipe.
+pub fn emit(s: &str) -> Result<(), ExitCode> {
+    Out::new().write(s)
+}
+
+/// [`emit`], then `code`: the exit status of a command whose last act is printing its
+/// result.
+pub fn emit_then(s: &str, code: ExitCode) -> ExitCode {
+    match emit(s) {
+        Ok(()) => code,
+        Err(c) => c,
+    }
+}
+
+/// True if `p` names standard output (`-`).
+pub fn is_stdout(p: &std::path::Path) -> bool {
+    p.as_os_str() == "-"
+}
+
+/// A temporary name next to `target`: `.NAME.schedc-PID-TAG.tmp` in the same directory, so
+/// that renaming it onto `target` is atomic.
+pub fn temp_sibling(target: &std::path::Path, tag: &str) -> std::path::PathBuf {
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "output".into());
+    let tmp = format!(".{name}.schedc-{}-{tag}.tmp", std::process::id());
+    match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.join(tmp),
+        _ => std::path::PathBuf::from(tmp),
+    }
+}
+
+/// Writes an output file: `-` is standard output; otherwise the bytes go to a temporary
+/// file in the same directory, which is renamed onto `path` once complete, so that a full
+/// disk or a kill never leaves a truncated `path` behind. An existing `path` is refused
+/// unless `force` (then a symbolic link is followed and the file's permissions kept). A
+/// device or a pipe (`/dev/stdout`, a FIFO) is written in place.
+///
+/// Errors: exit status 2 after printing why, naming the file.
+pub fn write_output(path: &std::path::Path, bytes: &[u8], force: bool) -> Result<(), ExitCode> {
+    if is_stdout(path) {
+        return Out::new().write(&String::from_utf8_lossy(bytes));
+    }
+    let shown = path.display();
+    // A device, a pipe or a socket (`-o /dev/stdout`, a FIFO) is written in place: it holds
+    // no file to lose, and renaming onto it would replace the node itself.
+    if let Ok(m) = std::fs::metadata(path) {
+        if !m.is_file() && !m.is_dir() {
+            let res = std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .and_then(|mut f| f.write_all(bytes).and_then(|_| f.flush()));
+            return res.map_err(|e| {
+                eprintln!("error: cannot write `{shown}`: {e}");
+                ExitCode::from(2)
+            });
+        }
+    }
+    let exists = std::fs::symlink_metadata(path).is_ok();
+    if exists && !force {
+        eprintln!("error: `{shown}` exists; not overwriting it (pass --force to replace it)");
+        return Err(ExitCode::from(2));
+    }
+    let target = if exists {
+        std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+    } else {
+        path.to_path_buf()
+    };
+    if target.is_dir() {
+        eprintln!("error: `{shown}` is a directory");
+        return Err(ExitCode::from(2));
+    }
+    let tmp = temp_sibling(&target, "out");
+    let res = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        if let Ok(m) = std::fs::metadata(&target) {
+            std::fs::set_permissions(&tmp, m.permissions())?;
+        }
+        std::fs::rename(&tmp, &target)
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        eprintln!("error: cannot write `{shown}`: {e}");
+        return Err(ExitCode::from(2));
+    }
+    Ok(())
+}
+
+/// Refuses an output path that cannot be written before any work is done: an existing file
+/// without `force`, a directory, or a missing parent directory. `-` is always accepted.
+/// Errors: exit status 2 after printing why.
+pub fn check_output(path: &std::path::Path, force: bool) -> Result<(), ExitCode> {
+    if is_stdout(path) {
+        return Ok(());
+    }
+    let shown = path.display();
+    if std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
+        return Ok(()); // a device or a pipe: written in place
+    }
+    if std::fs::symlink_metadata(path).is_ok() {
+        if path.is_dir() {
+            eprintln!("error: `{shown}` is a directory");
+            return Err(ExitCode::from(2));
+        }
+        if !force {
+            eprintln!("error: `{shown}` exists; not overwriting it (pass --force to replace it)");
+            return Err(ExitCode::from(2));
+        }
+    }
+    if let Some(d) = path.parent() {
+        if !d.as_os_str().is_empty() && !d.is_dir() {
+            eprintln!(
+                "error: cannot write `{shown}`: the directory `{}` does not exist",
+                d.display()
+            );
+            return Err(ExitCode::from(2));
+        }
+    }
+    Ok(())
+}
+
+/// `--cost`: a preset, inline `K=V,...`, or a TOML file (whose name need not be UTF-8), with
+/// `--set` overrides on top. Errors: exit status 2 after printing why.
 pub fn resolve_cost(
-    name: &str,
+    cost: &std::ffi::OsStr,
     set: Option<&str>,
 ) -> Result<schedc::sim::cost::CostModel, ExitCode> {
-    let mut model = schedc::sim::cost::CostModel::resolve(name).map_err(|e| {
+    let r = match cost.to_str() {
+        Some(s) => schedc::sim::cost::CostModel::resolve(s),
+        None => std::fs::read_to_string(cost)
+            .map_err(|e| format!("cannot read cost model `{}`: {e}", cost.to_string_lossy()))
+            .and_then(|t| {
+                schedc::sim::cost::CostModel::from_toml(&t)
+                    .map_err(|e| format!("{}: {e}", cost.to_string_lossy()))
+            }),
+    };
+    let mut model = r.map_err(|e| {
         eprintln!("error: {e}");
         ExitCode::from(2)
     })?;
@@ -223,11 +569,12 @@ pub fn resolve_cost(
     Ok(model)
 }
 
-/// `--moe` needs all-to-all times: exit 1 with why when the cost model has none.
+/// `--moe` needs all-to-all times: exit 2 (bad usage: the cost model does not fit the flag)
+/// with why when the cost model has none.
 pub fn require_moe_costs(model: &schedc::sim::cost::CostModel, name: &str) -> Result<(), ExitCode> {
     schedc::moe::require_moe_costs(model, name).map_err(|e| {
         eprintln!("error: {e}");
-        ExitCode::from(1)
+        ExitCode::from(2)
     })
 }
 

@@ -8,8 +8,9 @@ use std::process::ExitCode;
 #[derive(clap::Args)]
 pub struct Args {
     /// Spec files, directories of specs, or other schedule files (IR, torch CSV, DualPipe
-    /// traces, at their own size); default `specs`.
-    pub inputs: Vec<String>,
+    /// traces, at their own size); default: the standard library, which is built into
+    /// schedc, so that compare works from any directory.
+    pub inputs: Vec<std::path::PathBuf>,
     /// Pipeline ranks.
     #[arg(long)]
     pub pp: u32,
@@ -28,13 +29,13 @@ pub struct Args {
     pub moe: Option<schedc::moe::MoeStages>,
     /// Cost model (as for `sim`).
     #[arg(long, default_value = "unit")]
-    pub cost: String,
+    pub cost: std::ffi::OsString,
     /// Further inline overrides applied on top of --cost.
     #[arg(long = "set", value_name = "K=V,...")]
     pub set: Option<String>,
     /// A directory of specs (the same as naming it as an input).
     #[arg(long, value_name = "DIR")]
-    pub specs: Option<String>,
+    pub specs: Option<std::path::PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     pub format: OutFormat,
@@ -42,7 +43,7 @@ pub struct Args {
 
 /// Runs `schedc compare`: exit 0 when every input was simulated with its expectations
 /// holding (or is outside its family at this size), 1 when one is rejected, fails an
-/// expectation or does not elaborate, 2 on bad usage.
+/// expectation or does not elaborate, 2 on bad usage or an instance over the memory limit.
 pub fn run(args: Args) -> ExitCode {
     let Args {
         mut inputs,
@@ -64,20 +65,34 @@ pub fn run(args: Args) -> ExitCode {
         Ok(m) => m,
         Err(c) => return c,
     };
+    let cost = cost.to_string_lossy().into_owned();
     if moe.is_some() {
         if let Err(c) = require_moe_costs(&model, &cost) {
             return c;
         }
     }
-    inputs.extend(specs);
-    if inputs.is_empty() {
-        inputs.push("specs".into());
+    // The largest instance compare builds from a spec: V = --vpp, or 2 for the V-shaped
+    // specs.
+    if let Err(e) = schedc::limits::within_limit(
+        &format!("comparing at --pp {pp} --mb {mb} --vpp {vpp}"),
+        schedc::limits::estimate(
+            Work::Sim,
+            &schedc::limits::spec_size_lower_bound(pp, mb, Some(vpp.max(2))),
+        ),
+    ) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
     }
-    let files = match schedc::compare::expand(&inputs) {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
+    inputs.extend(specs);
+    let files = if inputs.is_empty() {
+        schedc::compare::standard_library()
+    } else {
+        match schedc::compare::expand(&inputs) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
         }
     };
     let opts = schedc::compare::Options {
@@ -96,16 +111,16 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match format {
-        OutFormat::Json => emit(&format!(
-            "{}\n",
-            serde_json::to_string_pretty(&report).expect("json")
-        )),
-        OutFormat::Human => emit(&schedc::compare::render(&report)),
-    }
-    if report.has_failures() {
+    let code = if report.has_failures() {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
+    };
+    match format {
+        OutFormat::Json => emit_then(
+            &format!("{}\n", serde_json::to_string_pretty(&report).expect("json")),
+            code,
+        ),
+        OutFormat::Human => emit_then(&schedc::compare::render(&report), code),
     }
 }

@@ -15,13 +15,14 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum)]
     pub to: ConvertTo,
-    /// For --to torch-csv: torch's compute_only or compute_comms form.
-    #[arg(long, value_enum, default_value = "compute-only")]
-    pub torch_format: TorchForm,
-    /// Output file (default: standard output). An existing file is not overwritten
-    /// unless --force is given.
+    /// For --to torch-csv: torch's compute_only (the default) or compute_comms form.
+    #[arg(long, value_enum)]
+    pub torch_format: Option<TorchForm>,
+    /// Output file (default, or `-`: standard output). It is written whole or not at all
+    /// (a temporary file renamed into place); an existing file is not overwritten unless
+    /// --force is given.
     #[arg(short, long, value_name = "FILE")]
-    pub output: Option<String>,
+    pub output: Option<std::path::PathBuf>,
     /// Convert the program as `schedc check` lowers it (sends and receives inserted in
     /// the verified order) rather than as written.
     #[arg(long)]
@@ -41,7 +42,19 @@ pub fn run(args: Args) -> ExitCode {
         lowered,
         force,
     } = args;
-    let mut loaded = match load(&input) {
+    if torch_format.is_some() && to != ConvertTo::TorchCsv {
+        eprintln!("error: --torch-format applies to --to torch-csv only");
+        return ExitCode::from(2);
+    }
+    let torch_format = torch_format.unwrap_or(TorchForm::ComputeOnly);
+    if let Some(path) = &output {
+        if let Err(c) = check_output(path, force) {
+            return c;
+        }
+    }
+    let checks = lowered || (to == ConvertTo::TorchCsv && torch_format == TorchForm::ComputeComms);
+    let work = if checks { Work::Check } else { Work::Convert };
+    let mut loaded = match load(&input, Some(work)) {
         Ok(l) => l,
         Err(c) => return c,
     };
@@ -107,22 +120,10 @@ pub fn run(args: Args) -> ExitCode {
         }
     };
     match output {
-        None => {
-            emit(&text);
-        }
-        Some(path) if path == "-" => emit(&text),
-        Some(path) => {
-            if !force && std::path::Path::new(&path).exists() {
-                eprintln!(
-                    "error: `{path}` exists; not overwriting it (pass --force to replace it)"
-                );
-                return ExitCode::from(2);
-            }
-            if let Err(e) = std::fs::write(&path, text) {
-                eprintln!("error: cannot write `{path}`: {e}");
-                return ExitCode::from(2);
-            }
-        }
+        None => emit_then(&text, ExitCode::SUCCESS),
+        Some(path) => match write_output(&path, text.as_bytes(), force) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(c) => c,
+        },
     }
-    ExitCode::SUCCESS
 }

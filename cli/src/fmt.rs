@@ -7,8 +7,8 @@ use std::process::ExitCode;
 /// `schedc fmt`'s arguments.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The spec.
-    pub file: String,
+    /// The spec (`-` reads standard input).
+    pub file: std::path::PathBuf,
     /// Rewrite the file in place (only if it parses; the original is replaced atomically).
     #[arg(long, conflicts_with = "check")]
     pub write: bool,
@@ -20,20 +20,15 @@ pub struct Args {
 /// Runs `schedc fmt`.
 pub fn run(args: Args) -> ExitCode {
     let Args { file, write, check } = args;
-    if file == "-" && write {
+    let name = file.to_string_lossy().into_owned();
+    if is_stdout(&file) && write {
         eprintln!("error: --write needs a file, not standard input");
         return ExitCode::from(2);
     }
-    let read = if file == "-" {
-        let mut t = String::new();
-        std::io::Read::read_to_string(&mut std::io::stdin(), &mut t).map(|_| t)
-    } else {
-        std::fs::read_to_string(&file)
-    };
-    let text = match read {
+    let text = match schedc::input::read_text(&file) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("error: cannot read `{file}`: {e}");
+            print_load_error(&e, &name);
             return ExitCode::from(2);
         }
     };
@@ -48,7 +43,7 @@ pub fn run(args: Args) -> ExitCode {
                 message: e.message,
                 help: e.help,
             };
-            eprint!("{}", render_parse_error(&pe, &file));
+            eprint!("{}", render_parse_error(&pe, &name));
             return ExitCode::from(2);
         }
     };
@@ -57,7 +52,7 @@ pub fn run(args: Args) -> ExitCode {
         return if out == text {
             ExitCode::SUCCESS
         } else {
-            eprintln!("{file} is not formatted (run `schedc fmt --write {file}`)");
+            eprintln!("{name} is not formatted (run `schedc fmt --write {name}`)");
             ExitCode::from(1)
         };
     }
@@ -65,7 +60,7 @@ pub fn run(args: Args) -> ExitCode {
         if out != text {
             // Write the file a symbolic link points to, keep its permissions, and
             // replace it atomically.
-            let target = std::fs::canonicalize(&file).unwrap_or_else(|_| file.clone().into());
+            let target = std::fs::canonicalize(&file).unwrap_or_else(|_| file.clone());
             let tmp = target.with_extension("schedc-fmt.tmp");
             let res = std::fs::write(&tmp, &out)
                 .and_then(|_| std::fs::metadata(&target))
@@ -78,7 +73,7 @@ pub fn run(args: Args) -> ExitCode {
             }
         }
     } else {
-        emit(&out);
+        return emit_then(&out, ExitCode::SUCCESS);
     }
     ExitCode::SUCCESS
 }

@@ -1,6 +1,23 @@
 //! The `schedc` command line: one module per command over the compiler library (`schedc`),
 //! the program crate (`schedc-program`) and the backends (`schedc-cpu`).
 
+/// `eprintln!` that ignores a failed write: standard error closed or full must not turn an
+/// error message into a panic (std's `eprintln!` panics when it cannot write).
+macro_rules! eprintln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
+/// `eprint!` that ignores a failed write (see `eprintln!`).
+macro_rules! eprint {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod check;
 mod common;
 mod compare;
@@ -20,7 +37,8 @@ use std::process::ExitCode;
 #[command(
     name = "schedc",
     version,
-    about = "A schedule compiler for pipeline-parallel training: check, show and convert schedules"
+    about = "A schedule compiler for pipeline-parallel training: verify schedules (check, show, test), convert them (convert, fmt), simulate and compare them under a cost model (sim, compare, plan), lower them to per-rank programs and train on them (compile, run)",
+    after_help = "Exit status: 0 accepted, 1 rejected by a pass (or a failed expectation), 2 unreadable input or bad usage.\nSCHEDC_MEMORY_LIMIT (default 8G) bounds the memory an instance may need by schedc's estimate."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -52,7 +70,8 @@ enum Cmd {
     Run(run::Args),
     /// Lower the schedule to per-rank stream programs (compute, p2p and EP streams, events,
     /// buffers, gradient reduction, optimizer step), verify them and write one file per rank
-    /// and a manifest.
+    /// and a manifest; `--granularity stage` for a runtime of your own model
+    /// (backends/torch/schedc_torch_runtime.py).
     Compile(compile::Args),
     /// Print a `.sched` spec in canonical layout (to standard output unless --write).
     Fmt(fmt::Args),
@@ -82,10 +101,23 @@ fn real_main() -> ExitCode {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { 2 } else { 0 };
-            let _ = e.print();
-            return ExitCode::from(code);
+            // `--help > /dev/full` is a failed write, not success; a closed pipe is not.
+            return match e.print() {
+                Err(err) if err.kind() != std::io::ErrorKind::BrokenPipe => {
+                    eprintln!("error: cannot write to standard output: {err}");
+                    ExitCode::from(2)
+                }
+                _ => ExitCode::from(code),
+            };
         }
     };
+    // The memory limit: a bad SCHEDC_MEMORY_LIMIT is bad usage; the elaboration budget of a
+    // spec follows the limit.
+    if let Err(e) = schedc::limits::memory_limit() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    schedc::dsl::elab::set_step_budget(schedc::limits::elaboration_budget());
     match cli.cmd {
         Cmd::Check(a) => check::run(a),
         Cmd::Show(a) => show::run(a),

@@ -12,30 +12,38 @@ pub struct Args {
     /// GPUs per node.
     #[arg(long, default_value_t = 8)]
     pub gpus_per_node: u32,
-    /// Model: a preset (dsv3, dense70b) or a TOML file with the fields of `ModelSpec`.
+    /// Model: a preset (dsv3, dense70b) or a TOML file with the fields of `ModelSpec`
+    /// (name, layers, hidden, seq, total_params, active_params, expert_params, experts,
+    /// top_k).
     #[arg(long)]
-    pub model: String,
+    pub model: std::path::PathBuf,
     /// Inter-node links: ib800, ib400, ib200, roce100.
     #[arg(long, default_value = "ib400")]
     pub interconnect: String,
+    /// Intra-node (NVLink) bandwidth per GPU, GB/s: what an expert-parallel all-to-all
+    /// within a node runs at.
+    #[arg(long, value_name = "GB/S", default_value_t = 160.0)]
+    pub intra_node_bandwidth: f64,
     /// Memory per GPU, GB.
     #[arg(long, default_value_t = 80.0)]
     pub gpu_memory: f64,
     /// Peak dense bf16 TFLOP/s per GPU.
     #[arg(long, default_value_t = 989.0)]
     pub peak_tflops: f64,
-    /// Model FLOPs utilization assumed for compute.
+    /// Model FLOPs utilization assumed for compute, in (0, 1].
     #[arg(long, default_value_t = 0.4)]
     pub mfu: f64,
     /// Tokens per optimizer step.
     #[arg(long, default_value_t = 16.0e6)]
     pub global_batch_tokens: f64,
-    /// Expert-parallel degree (MoE; default: GPUs per node).
+    /// Expert-parallel degree (MoE models only; it must divide the routed experts; default:
+    /// GPUs per node).
     #[arg(long)]
     pub ep: Option<u32>,
-    /// Where the specs are.
-    #[arg(long, default_value = "specs")]
-    pub specs: String,
+    /// A directory of specs to plan with instead of the standard library (which is built
+    /// into schedc, so that plan works from any directory).
+    #[arg(long, value_name = "DIR")]
+    pub specs: Option<std::path::PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     pub format: OutFormat,
@@ -48,6 +56,7 @@ pub fn run(args: Args) -> ExitCode {
         gpus_per_node,
         model,
         interconnect,
+        intra_node_bandwidth,
         gpu_memory,
         peak_tflops,
         mfu,
@@ -56,42 +65,36 @@ pub fn run(args: Args) -> ExitCode {
         specs,
         format,
     } = args;
-    let spec = match schedc::plan::preset(&model) {
+    let model_name = model.to_string_lossy().into_owned();
+    let preset = model.to_str().and_then(schedc::plan::preset);
+    let spec = match preset {
         Some(m) => m,
         None => match std::fs::read_to_string(&model) {
             Ok(t) => match toml::from_str::<schedc::plan::ModelSpec>(&t) {
                 Ok(m) => m,
                 Err(e) => {
-                    eprintln!("error: {model}: {e}");
+                    eprintln!("error: {model_name}: {e}");
                     return ExitCode::from(2);
                 }
             },
+            Err(e) if model.exists() => {
+                eprintln!("error: cannot read `{model_name}`: {e}");
+                return ExitCode::from(2);
+            }
             Err(_) => {
-                eprintln!("error: unknown model `{model}`: presets are dsv3 and dense70b, or give a TOML file");
+                eprintln!("error: unknown model `{model_name}`: presets are dsv3 and dense70b, or give a TOML file");
                 return ExitCode::from(2);
             }
         },
     };
     if let Err(e) = spec.validate() {
-        eprintln!("error: model `{model}`: {e}");
+        eprintln!("error: model `{model_name}`: {e}");
         return ExitCode::from(2);
     }
     let Some((bw, lat)) = schedc::plan::interconnect(&interconnect) else {
         eprintln!("error: unknown interconnect `{interconnect}`: ib800, ib400, ib200, roce100");
         return ExitCode::from(2);
     };
-    if gpus == 0 || gpus_per_node == 0 || gpus % gpus_per_node != 0 {
-        eprintln!("error: --gpus must be a positive multiple of --gpus-per-node");
-        return ExitCode::from(2);
-    }
-    if ep == Some(0) {
-        eprintln!("error: --ep must be at least 1");
-        return ExitCode::from(2);
-    }
-    if !(mfu > 0.0 && mfu <= 1.0) {
-        eprintln!("error: --mfu must be in (0, 1]");
-        return ExitCode::from(2);
-    }
     let cluster = schedc::plan::Cluster {
         gpus,
         gpus_per_node,
@@ -99,23 +102,35 @@ pub fn run(args: Args) -> ExitCode {
         peak_flops: peak_tflops * 1e12,
         mfu,
         inter_bw: bw,
+        intra_bw: intra_node_bandwidth * 1e9,
         latency: lat,
         global_batch_tokens,
         ep,
     };
-    let p = match schedc::plan::plan(&spec, &cluster, &specs) {
+    if let Err(e) = cluster.validate(&spec) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    let library = match &specs {
+        None => schedc::specs::standard_library_owned(),
+        Some(d) => match schedc::specs::from_dir(d) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
+    let p = match schedc::plan::plan(&spec, &cluster, &library) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
-    match format {
-        OutFormat::Json => emit(&format!(
-            "{}\n",
-            serde_json::to_string_pretty(&p).expect("json")
-        )),
-        OutFormat::Human => emit(&schedc::plan::report(&spec, &cluster, &p)),
-    }
-    ExitCode::SUCCESS
+    let o = match format {
+        OutFormat::Json => format!("{}\n", serde_json::to_string_pretty(&p).expect("json")),
+        OutFormat::Human => schedc::plan::report(&spec, &cluster, &p),
+    };
+    emit_then(&o, ExitCode::SUCCESS)
 }

@@ -2,8 +2,9 @@
 
 use crate::common::*;
 use clap::ValueEnum;
-use schedc_cpu::{DType, RunConfig};
+use schedc_cpu::{DType, RunConfig, RunError};
 use schedc_program::mesh::Mesh;
+use schedc_program::ProgramError;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -66,15 +67,24 @@ pub struct Args {
     /// CUDA: the GPU architecture NVRTC compiles for (default: the device's, e.g. sm_90).
     #[arg(long)]
     pub arch: Option<String>,
-    /// Optimizer steps.
+    /// Optimizer steps (at least 1).
     #[arg(long, default_value_t = 1)]
     pub steps: usize,
     /// Training text (bytes are tokens); default: a short built-in text.
     #[arg(long)]
     pub data: Option<std::path::PathBuf>,
-    /// Also train sequentially on the same data and weights and compare.
+    /// Also train sequentially on the same data and weights and compare: exit status 1 if
+    /// a difference exceeds the dtype's tolerance or is NaN (f64: every loss, gradient and
+    /// parameter to 1e-9; f32: the first step's gradients to 1e-3 and every loss to 2%).
     #[arg(long)]
     pub verify: bool,
+    /// CPU: write the Chrome trace of the run (open in Perfetto or chrome://tracing): one
+    /// process per global rank, a thread per stream (`ep`: the all-to-alls of MoE parts).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<std::path::PathBuf>,
+    /// Overwrite an existing --trace file.
+    #[arg(long)]
+    pub force: bool,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     pub format: OutFormat,
@@ -89,6 +99,29 @@ pub fn mesh(m: &Option<String>) -> Result<Option<Mesh>, ExitCode> {
             ExitCode::from(2)
         }),
     }
+}
+
+/// The exit status of a program error: 2 for what the command line got wrong (the mesh,
+/// the model, something the backend does not run), 1 for a schedule the checks reject.
+pub fn program_error_code(e: &ProgramError) -> u8 {
+    match e {
+        ProgramError::Mesh(_) | ProgramError::Model(_) | ProgramError::Unsupported(_) => 2,
+        ProgramError::Rejected(_)
+        | ProgramError::Invalid { .. }
+        | ProgramError::Buffer { .. }
+        | ProgramError::Deadlock(_) => 1,
+    }
+}
+
+/// Prints an error: to standard error, and with `--format json` as `{"error": ..., "exit":
+/// N}` on standard output. Returns the exit status.
+fn fail(format: OutFormat, message: &str, code: u8) -> ExitCode {
+    eprintln!("error: {message}");
+    if format == OutFormat::Json {
+        let v = serde_json::json!({"error": message, "exit": code});
+        return emit_then(&format!("{v}\n"), ExitCode::from(code));
+    }
+    ExitCode::from(code)
 }
 
 fn usage(msg: &str) -> ExitCode {
@@ -122,16 +155,28 @@ fn progress(
 
 /// Runs `schedc run`.
 pub fn run(args: Args) -> ExitCode {
-    let program = match load(&args.input) {
-        Ok(l) => l.program,
-        Err(c) => return c,
-    };
-    let mesh = match mesh(&args.mesh) {
+    let format = args.format;
+    let mesh = match args.mesh.as_ref().map(|m| m.parse::<Mesh>()).transpose() {
         Ok(m) => m,
-        Err(c) => return c,
+        Err(e) => return fail(format, &format!("--mesh: {e}"), 2),
     };
     if args.backend == Backend::Cuda {
+        if args.trace.is_some() {
+            return usage("--trace is for --backend cpu");
+        }
+        let program = match load_program(&args.input, format) {
+            Ok(p) => p,
+            Err(c) => return c,
+        };
         return run_cuda(args, program, mesh);
+    }
+    if let Some(f) = &args.trace {
+        if !args.force && f.exists() {
+            return usage(&format!(
+                "`{}` exists; not overwriting it (pass --force to replace it)",
+                f.display()
+            ));
+        }
     }
     if args.mode != Mode::Single
         || args.rank.is_some()
@@ -139,12 +184,22 @@ pub fn run(args: Args) -> ExitCode {
         || args.arch.is_some()
         || args.device.is_some()
     {
-        return usage("--mode, --rank, --rendezvous, --device and --arch are for --backend cuda");
+        return fail(
+            format,
+            "--mode, --rank, --rendezvous, --device and --arch are for --backend cuda",
+            2,
+        );
     }
     let dtype = match args.dtype.unwrap_or(Dtype::F64) {
         Dtype::F32 => DType::F32,
         Dtype::F64 => DType::F64,
-        Dtype::Bf16 => return usage("the CPU backend computes in f32 or f64, not bf16"),
+        Dtype::Bf16 => {
+            return fail(
+                format,
+                "the CPU backend computes in f32 or f64, not bf16",
+                2,
+            )
+        }
     };
     let cfg = RunConfig {
         mesh,
@@ -152,20 +207,68 @@ pub fn run(args: Args) -> ExitCode {
         steps: args.steps,
         data: args.data,
         verify: args.verify,
-        progress: args.format == OutFormat::Human,
+        progress: format == OutFormat::Human,
+        trace: args.trace.is_some(),
         ..RunConfig::default()
+    };
+    // Refuse what cannot fit before the spec is elaborated.
+    if let Err(c) = pre_check(&args.input, "running", |size| {
+        let world = cfg.mesh.as_ref().map_or(size.ranks, |m| m.world() as u64);
+        schedc_cpu::run::estimate_memory_of(size, world, &cfg)
+    }) {
+        return c;
+    }
+    let program = match load_program(&args.input, format) {
+        Ok(p) => p,
+        Err(c) => return c,
     };
     match schedc_cpu::run(&program, &cfg) {
         Ok(r) => {
-            match args.format {
-                OutFormat::Json => emit(&format!("{}\n", r.to_json())),
-                OutFormat::Human => emit(&r.to_human()),
+            if let (Some(f), Some(t)) = (&args.trace, &r.trace) {
+                if let Err(e) = std::fs::write(f, t) {
+                    return fail(format, &format!("cannot write `{}`: {e}", f.display()), 2);
+                }
             }
-            ExitCode::SUCCESS
+            let code = if r.verify_passed == Some(false) {
+                eprintln!(
+                    "error: --verify: the pipelined run differs from sequential training by more than the {} tolerance",
+                    match cfg.dtype {
+                        DType::F32 => "f32",
+                        DType::F64 => "f64",
+                    }
+                );
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            };
+            match format {
+                OutFormat::Json => emit_then(&format!("{}\n", r.to_json()), code),
+                OutFormat::Human => emit_then(&r.to_human(), code),
+            }
         }
         Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(1)
+            let code = match &e {
+                RunError::Program(p) => program_error_code(p),
+                RunError::Config(_) | RunError::TooLarge(_) => 2,
+                RunError::Failed(_) => 1,
+            };
+            fail(format, &e.to_string(), code)
+        }
+    }
+}
+
+/// Loads the schedule; with `--format json` a failure is also `{"error": ..., "exit": N}`
+/// on standard output.
+fn load_program(input: &InputArgs, format: OutFormat) -> Result<schedc_ir::Program, ExitCode> {
+    match load_for(input, None) {
+        Ok(l) => Ok(l.program),
+        Err(f) => {
+            if format == OutFormat::Json {
+                let v =
+                    serde_json::json!({"error": f.message, "exit": if f.refused { 1 } else { 2 }});
+                return Err(emit_then(&format!("{v}\n"), f.code));
+            }
+            Err(f.code)
         }
     }
 }
@@ -219,17 +322,48 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
     }
     match r {
         Ok(r) => {
+            let code = if r.verify_passed == Some(false) {
+                eprintln!("error: --verify: the GPU run differs from sequential training on the CPU by more than the f32 tolerance");
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            };
             match args.format {
-                OutFormat::Json => emit(&format!("{}\n", r.to_json())),
-                OutFormat::Human => emit(&r.to_human()),
+                OutFormat::Json => emit_then(&format!("{}\n", r.to_json()), code),
+                OutFormat::Human => emit_then(&r.to_human(), code),
             }
-            ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(1)
+            let code = match &e {
+                cu::RunError::Program(p) => program_error_code(p),
+                cu::RunError::Config(_) => 2,
+                cu::RunError::Device(_) | cu::RunError::Failed(_) => 1,
+            };
+            fail(args.format, &e.to_string(), code)
         }
     }
+}
+
+/// Makes the child started by `c` receive SIGTERM when the thread that starts it ends (the
+/// launcher's main thread: when the launcher exits or is killed). Linux only (prctl
+/// `PR_SET_PDEATHSIG`); elsewhere nothing.
+fn die_with_parent(c: &mut std::process::Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: the closure runs in the child between fork and exec and calls only prctl,
+        // which is async-signal-safe, and reads errno through last_os_error.
+        unsafe {
+            c.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = c;
 }
 
 /// NCCL mode without --rank: one process per rank on this node's GPUs (rank r on GPU r),
@@ -276,6 +410,9 @@ fn launch_local(world: u32) -> ExitCode {
         if r != 0 {
             c.stdout(std::process::Stdio::null());
         }
+        // A rank ends with this launcher (SIGTERM, SIGINT, a crash), so that none keeps a
+        // GPU busy training alone (issue 11, item 8).
+        die_with_parent(&mut c);
         match c.spawn() {
             Ok(ch) => children.push(ch),
             Err(e) => {
@@ -303,4 +440,38 @@ fn launch_local(world: u32) -> ExitCode {
     }
     let _ = std::fs::remove_dir_all(&dir);
     code
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+
+    // Issue 11, item 8: a process started by the NCCL launcher ends when its starter does.
+    // The starter here is a thread (PR_SET_PDEATHSIG follows the starting thread), so the
+    // test needs no GPU and kills nothing but its own child.
+    #[test]
+    fn a_started_rank_ends_with_its_launcher() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut c = std::process::Command::new("sleep");
+            c.arg("60");
+            super::die_with_parent(&mut c);
+            tx.send(c.spawn().unwrap()).unwrap();
+        })
+        .join()
+        .unwrap();
+        let mut child = rx.recv().unwrap();
+        let t0 = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if t0.elapsed() > std::time::Duration::from_secs(20) {
+                let _ = child.kill();
+                panic!("the child outlived its launcher by 20 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+    }
 }

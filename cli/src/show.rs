@@ -16,7 +16,7 @@ pub struct Args {
 /// Runs `schedc show`.
 pub fn run(args: Args) -> ExitCode {
     let Args { input } = args;
-    let loaded = match load(&input) {
+    let loaded = match load(&input, Some(Work::Check)) {
         Ok(l) => l,
         Err(c) => return c,
     };
@@ -25,16 +25,30 @@ pub fn run(args: Args) -> ExitCode {
         let first = out.report.diagnostics.iter().find(|d| d.is_error());
         eprintln!(
             "note: `schedc check` rejects this schedule ({}); the grid shows the compute order only",
-            first.map(|d| format!("{}: {}", d.code.as_str(), d.message)).unwrap_or_default()
+            first.map(diag_summary).unwrap_or_default()
         );
     }
-    emit(&grid(&loaded.program));
-    ExitCode::SUCCESS
+    let mut o = Out::new();
+    match write_grid(&loaded.program, &mut o) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(c) => c,
+    }
 }
 
-/// The rank-by-step grid with unit-time spacing (pass 7's schedule: F = B = W = 1, BW = 2,
-/// an MoE part a quarter step); ops in program order where the order admits no execution.
-fn grid(p: &schedc_ir::Program) -> String {
+/// `code: message`, without repeating the code when the message starts with it.
+fn diag_summary(d: &schedc::diag::Diagnostic) -> String {
+    let code = d.code.as_str();
+    if d.message.starts_with(&format!("{code}:")) {
+        d.message.clone()
+    } else {
+        format!("{code}: {}", d.message)
+    }
+}
+
+/// Writes the rank-by-step grid with unit-time spacing (pass 7's schedule: F = B = W = 1,
+/// BW = 2, an MoE part a quarter step); ops in program order where the order admits no
+/// execution. Rows are written one at a time, so the output can be far larger than memory.
+fn write_grid(p: &schedc_ir::Program, o: &mut dyn Sink) -> Result<(), ExitCode> {
     let has_parts = p
         .ranks
         .iter()
@@ -45,7 +59,10 @@ fn grid(p: &schedc_ir::Program) -> String {
     let timing = makespan::schedule_with(p, &makespan::unit_cost, &|f, b| {
         makespan::unit_cost(f) + makespan::unit_cost(b)
     });
-    let mut rows: Vec<Vec<(usize, String, usize)>> = Vec::new(); // (start col, text, width)
+    // Per rank: (start column, instruction position, width); the text is rendered when the
+    // row is written.
+    let mut rows: Vec<Vec<(usize, usize, usize)>> = Vec::with_capacity(p.ranks.len());
+    let mut cellw = 4usize;
     for (r, instrs) in p.ranks.iter().enumerate() {
         let mut row = Vec::new();
         let mut t = 0usize;
@@ -60,7 +77,8 @@ fn grid(p: &schedc_ir::Program) -> String {
                 Some(tm) => (tm.starts[r][i] / res).round() as usize,
                 None => t,
             };
-            row.push((start, text::instr_to_string(ins), w));
+            cellw = cellw.max(text::instr_to_string(ins).len().div_ceil(w));
+            row.push((start, i, w));
             t = start + w;
         }
         rows.push(row);
@@ -70,38 +88,74 @@ fn grid(p: &schedc_ir::Program) -> String {
         .filter_map(|r| r.last().map(|(s, _, w)| s + w))
         .max()
         .unwrap_or(0);
-    let cellw = rows
-        .iter()
-        .flatten()
-        .map(|(_, t, w)| t.len().div_ceil(*w))
-        .max()
-        .unwrap_or(4)
-        .max(4);
-    let mut out = String::new();
+    let mut head = String::new();
     if timing.is_none() {
-        out.push_str("(the order admits no execution: ops shown in program order)\n");
+        head.push_str("(the order admits no execution: ops shown in program order)\n");
     }
-    out.push_str(&format!("{:>7} ", if res < 1.0 { "t*4" } else { "step" }));
+    head.push_str(&format!("{:>7} ", if res < 1.0 { "t*4" } else { "step" }));
     for s in 0..steps {
-        out.push_str(&format!("{:<cellw$} ", s));
+        head.push_str(&format!("{:<cellw$} ", s));
     }
-    let trimmed = out.trim_end().len();
-    out.truncate(trimmed);
-    out.push('\n');
+    let trimmed = head.trim_end().len();
+    head.truncate(trimmed);
+    head.push('\n');
+    o.put(&head)?;
     for (r, row) in rows.iter().enumerate() {
+        if o.closed() {
+            break;
+        }
         let mut line = format!("{:>7} ", format!("rank {r}"));
         let mut t = 0;
-        for (start, txt, w) in row {
-            while t < *start {
+        for &(start, i, w) in row {
+            while t < start {
                 line.push_str(&format!("{:<cellw$} ", "."));
                 t += 1;
             }
             let width = w * (cellw + 1) - 1;
+            let txt = text::instr_to_string(&p.ranks[r][i]);
             line.push_str(&format!("{:<width$} ", txt));
-            t = (*start).max(t) + w;
+            t = start.max(t) + w;
         }
-        out.push_str(line.trim_end());
-        out.push('\n');
+        let n = line.trim_end().len();
+        line.truncate(n);
+        line.push('\n');
+        o.put(&line)?;
     }
-    out
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records the size of each piece written.
+    struct Pieces(Vec<usize>);
+    impl Sink for Pieces {
+        fn put(&mut self, s: &str) -> Result<(), ExitCode> {
+            self.0.push(s.len());
+            Ok(())
+        }
+        fn closed(&self) -> bool {
+            false
+        }
+    }
+
+    /// Issue 11, item 6: the grid is written row by row, never whole: no piece is larger
+    /// than one row, and there is one piece per rank plus the header.
+    #[test]
+    fn the_grid_is_streamed_row_by_row() {
+        let text = schedc::specs::get("1f1b").unwrap();
+        let ov = schedc::input::Overrides {
+            pp: Some(64),
+            microbatches: Some(16),
+            ..Default::default()
+        };
+        let e = schedc::input::load_spec(text, &ov).ok().unwrap();
+        let mut sink = Pieces(Vec::new());
+        write_grid(&e.program, &mut sink).unwrap_or_else(|_| panic!("write"));
+        assert_eq!(sink.0.len(), 1 + 64);
+        let total: usize = sink.0.iter().sum();
+        let largest = *sink.0.iter().max().unwrap();
+        assert!(largest * 32 < total, "largest piece {largest} of {total}");
+    }
 }

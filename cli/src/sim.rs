@@ -14,19 +14,20 @@ pub struct Args {
     /// Cost model: a preset (unit, dualpipe-readme, dsv3-h800), a TOML file, or inline
     /// overrides such as F=1,B=1,W=1,FB=3.
     #[arg(long, value_name = "FILE|PRESET|K=V,...", default_value = "unit")]
-    pub cost: String,
+    pub cost: std::ffi::OsString,
     /// Further inline overrides applied on top of --cost (e.g. --set latency=1e-5).
     #[arg(long = "set", value_name = "K=V,...")]
     pub set: Option<String>,
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     pub format: OutFormat,
-    /// Write a Chrome trace (open in Perfetto or chrome://tracing).
+    /// Write a Chrome trace (open in Perfetto or chrome://tracing); `-` is standard output
+    /// (instead of the report).
     #[arg(long, value_name = "FILE")]
-    pub trace: Option<String>,
-    /// Write an SVG Gantt chart.
+    pub trace: Option<std::path::PathBuf>,
+    /// Write an SVG Gantt chart; `-` is standard output (instead of the report).
     #[arg(long, value_name = "FILE")]
-    pub svg: Option<String>,
+    pub svg: Option<std::path::PathBuf>,
     /// Overwrite existing --trace/--svg files.
     #[arg(long)]
     pub force: bool,
@@ -48,24 +49,40 @@ pub fn run(args: Args) -> ExitCode {
         Err(c) => return c,
     };
     if input.moe.is_some() {
-        if let Err(c) = require_moe_costs(&model, &cost) {
+        if let Err(c) = require_moe_costs(&model, &cost.to_string_lossy()) {
             return c;
         }
+    }
+    let to_stdout = [&trace, &svg]
+        .into_iter()
+        .flatten()
+        .filter(|f| is_stdout(f))
+        .count();
+    if to_stdout > 1 {
+        eprintln!("error: only one of --trace and --svg can be standard output (`-`)");
+        return ExitCode::from(2);
+    }
+    if to_stdout == 1 && format == OutFormat::Json {
+        eprintln!("error: --format json prints the report on standard output; write the trace or SVG to a file");
+        return ExitCode::from(2);
     }
     if trace.is_some() && trace == svg {
         eprintln!("error: --trace and --svg name the same file");
         return ExitCode::from(2);
     }
     for f in [&trace, &svg].into_iter().flatten() {
-        if !force && std::path::Path::new(f).exists() {
-            eprintln!("error: `{f}` exists; not overwriting it (pass --force to replace it)");
-            return ExitCode::from(2);
+        if let Err(c) = check_output(f, force) {
+            return c;
         }
     }
-    let loaded = match load(&input) {
+    let loaded = match load(&input, Some(Work::Sim)) {
         Ok(l) => l,
         Err(c) => return c,
     };
+    if let Err(e) = check_stage_overrides(&model, loaded.program.pipeline.stages) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let mut checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
     // The spec's expectations are the check's; its timing ones must hold under this model.
     let structural = checked.report.verdict != Verdict::Accepted;
@@ -83,9 +100,9 @@ pub fn run(args: Args) -> ExitCode {
         }
     };
     if let Some(f) = &trace {
-        if let Err(e) = std::fs::write(f, schedc::sim::render::chrome_trace(&res, &prog)) {
-            eprintln!("error: cannot write `{f}`: {e}");
-            return ExitCode::from(2);
+        let t = schedc::sim::render::chrome_trace(&res, &prog);
+        if let Err(c) = write_output(f, t.as_bytes(), force) {
+            return c;
         }
     }
     if let Some(f) = &svg {
@@ -95,18 +112,10 @@ pub fn run(args: Args) -> ExitCode {
             prog.pipeline.pp,
             prog.pipeline.total_microbatches()
         );
-        if let Err(e) = std::fs::write(f, schedc::sim::render::svg(&res, &prog, &title)) {
-            eprintln!("error: cannot write `{f}`: {e}");
-            return ExitCode::from(2);
+        let t = schedc::sim::render::svg(&res, &prog, &title);
+        if let Err(c) = write_output(f, t.as_bytes(), force) {
+            return c;
         }
-    }
-    match format {
-        OutFormat::Json => {
-            let mut j = serde_json::to_string_pretty(&res).expect("json");
-            j.push('\n');
-            emit(&j);
-        }
-        OutFormat::Human => emit(&schedc::sim::render::text_report(&res, 100)),
     }
     check::check_timing_expectations(
         &mut checked.report,
@@ -132,15 +141,46 @@ pub fn run(args: Args) -> ExitCode {
             )
         );
     }
-    if n_failed > 0 {
+    let code = if n_failed > 0 {
         eprintln!("error: {n_failed} expectation(s) of the spec do not hold under this cost model");
-        return ExitCode::from(1);
-    }
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    };
     let exposed: f64 = res.ranks.iter().map(|r| r.exposed_comm).sum();
     if exposed > 0.0 && model.message_time() == 0.0 && model.moe.a2a == 0.0 {
         eprintln!(
             "note: {exposed:.4} s of communication is exposed although messages are free: this program's message order makes ranks wait on one in-order stream per channel (schedc's lowering of the compute-only form orders messages as their data becomes ready)"
         );
     }
-    ExitCode::SUCCESS
+    if to_stdout == 1 {
+        return code;
+    }
+    match format {
+        OutFormat::Json => {
+            let mut j = serde_json::to_string_pretty(&res).expect("json");
+            j.push('\n');
+            emit_then(&j, code)
+        }
+        OutFormat::Human => emit_then(&schedc::sim::render::text_report(&res, 100), code),
+    }
+}
+
+/// Refuses `[compute.stage.N]` overrides for stages the schedule does not have (they would
+/// be ignored silently). Errors: the message.
+pub fn check_stage_overrides(
+    model: &schedc::sim::cost::CostModel,
+    stages: u32,
+) -> Result<(), String> {
+    for k in model.compute.stage.keys() {
+        if let Ok(s) = k.parse::<u32>() {
+            if s >= stages {
+                return Err(format!(
+                    "the cost model sets [compute.stage.{s}], but the schedule has {stages} stage(s) (0..={})",
+                    stages.saturating_sub(1)
+                ));
+            }
+        }
+    }
+    Ok(())
 }

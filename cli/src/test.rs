@@ -8,7 +8,7 @@ use std::process::ExitCode;
 pub struct Args {
     /// The case files.
     #[arg(required = true)]
-    pub files: Vec<String>,
+    pub files: Vec<std::path::PathBuf>,
 }
 
 /// Runs `schedc test`.
@@ -19,6 +19,7 @@ pub fn run(args: Args) -> ExitCode {
     let (mut pass, mut fail, mut unreadable) = (0, 0, false);
     for f in &files {
         let r = schedc::casefile::run_case(f);
+        let f = f.display();
         if r.passed {
             pass += 1;
             let _ = writeln!(o, "PASS {f}");
@@ -32,12 +33,12 @@ pub fn run(args: Args) -> ExitCode {
         }
     }
     let _ = writeln!(o, "{pass} passed, {fail} failed");
-    emit(&o);
-    if unreadable {
+    let code = if unreadable {
         ExitCode::from(2)
     } else if fail == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
-    }
+    };
+    emit_then(&o, code)
 }

@@ -318,7 +318,8 @@ fn moe_needs_a_cost_model_with_all_to_all_times() {
         ],
     ] {
         let out = schedc(&args);
-        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        // Bad usage (the cost model does not fit --moe), as for compare: exit 2.
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("has no [moe] section"), "{args:?}: {err}");
     }

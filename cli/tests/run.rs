@@ -78,6 +78,11 @@ fn compile_writes_one_file_per_rank_and_a_manifest() {
             "rank3.json"
         ]
     );
+    let manifest = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
+    assert!(
+        manifest.contains("\"granularity\": \"model\""),
+        "{manifest}"
+    );
     // A second compile into the same directory is refused; nothing is overwritten.
     let out = bin()
         .args(["compile", "specs/zbv.sched", "--pp", "2", "--mb", "4", "-o"])
@@ -85,6 +90,61 @@ fn compile_writes_one_file_per_rank_and_a_manifest() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn compile_at_stage_granularity() {
+    let dir = std::env::temp_dir().join(format!("schedc-stage-compile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = bin()
+        .args([
+            "compile",
+            "specs/dualpipe.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--granularity",
+            "stage",
+            "-o",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["format_version"], 2);
+    assert_eq!(m["granularity"], "stage");
+    assert!(m.get("model").is_none());
+    // DualPipe's mirror ranks sum their copies' gradients over one group.
+    assert_eq!(m["groups"], serde_json::json!([[0, 1]]));
+    let r0 = std::fs::read_to_string(dir.join("rank0.json")).unwrap();
+    assert!(r0.contains("\"op\": \"overlap\""));
+    assert!(r0.contains("\"op\": \"replica_sum\""));
+    std::fs::remove_dir_all(&dir).unwrap();
+    // An unknown granularity is bad usage.
+    let out = bin()
+        .args([
+            "compile",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "2",
+            "--granularity",
+            "layer",
+            "-o",
+            "/nonexistent",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("layer"));
 }
 
 #[test]
@@ -257,4 +317,78 @@ fn compile_ptx_needs_cuda_and_nvrtc() {
         assert!(err.contains("NVRTC library cannot be loaded"), "{err}");
         println!("skipped the PTX check: no NVRTC on the library path here (.ci/run checks it)");
     }
+}
+
+#[test]
+fn run_and_compile_moe_parts_with_a_trace() {
+    let dir = std::env::temp_dir().join(format!("schedc-cpu-moe-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.json");
+    let args = [
+        "run",
+        "specs/dualpipev.sched",
+        "--pp",
+        "2",
+        "--mb",
+        "4",
+        "--moe",
+        "--mesh",
+        "pp=2,ep=2",
+        "--verify",
+        "--format",
+        "json",
+        "--trace",
+    ];
+    let out = bin().args(args).arg(&trace).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let err = v["max_rel_grad_err"].as_f64().unwrap();
+    assert!(err <= 1e-12, "{err}");
+    assert!(v["max_rel_param_err"].as_f64().unwrap() <= 1e-12);
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let ev = t["traceEvents"].as_array().unwrap();
+    assert!(ev
+        .iter()
+        .any(|e| e["cat"] == "all_to_all" && e["name"].as_str().unwrap().contains("Dispatch")));
+    assert!(ev
+        .iter()
+        .any(|e| e["ph"] == "M" && e["args"]["name"] == "ep"));
+    // The trace is not overwritten without --force.
+    let out = bin().args(args).arg(&trace).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+    // compile --moe: every rank program has the EP stream last.
+    let progs = dir.join("programs");
+    let out = bin()
+        .args([
+            "compile",
+            "specs/dualpipe.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--moe",
+            "--mesh",
+            "pp=2,ep=2",
+            "-o",
+        ])
+        .arg(&progs)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r0: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(progs.join("rank0.json")).unwrap()).unwrap();
+    let streams = r0["streams"].as_array().unwrap();
+    assert_eq!(streams.last().unwrap()["kind"], "ep");
+    let _ = std::fs::remove_dir_all(&dir);
 }

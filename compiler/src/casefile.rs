@@ -23,10 +23,22 @@ fn fmt_list<T: std::fmt::Display>(v: &[T]) -> String {
         .join(" ")
 }
 
-/// Runs one case file.
-pub fn run_case(path: &str) -> CaseResult {
+/// Runs one case file (a file over the memory limit of [`crate::limits`] cannot be loaded).
+pub fn run_case(path: impl AsRef<std::path::Path>) -> CaseResult {
+    let path_buf = path.as_ref();
+    let shown = path_buf.to_string_lossy().into_owned();
+    let path = shown.as_str();
     let mut diffs = Vec::new();
-    let loaded = match load_path(path, &Overrides::default()) {
+    let loaded = load_path(path_buf, &Overrides::default()).and_then(|l| {
+        let size = crate::limits::Size::of(&l.program);
+        crate::limits::within_limit(
+            "this case",
+            crate::limits::estimate(crate::limits::Work::Check, &size),
+        )
+        .map_err(LoadError::Usage)?;
+        Ok(l)
+    });
+    let loaded = match loaded {
         Ok(l) => l,
         Err(e) => {
             let msg = match e {

@@ -246,8 +246,10 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     let wu = warmup::analyze(p);
     let (live, over) = liveness::analyze(p, opts.max_activations);
     diags.extend(over.iter().map(|e| e.to_diagnostic(&cx)));
-    // Unit-time figures mean something only for a well-formed schedule.
-    let ut = if wf.is_empty() {
+    // Unit-time figures mean something only for a well-formed schedule that runs to the end
+    // (a deadlock leaves no makespan to speak of).
+    let deadlocks = diags.iter().any(|d| d.code == Code::Deadlock);
+    let ut = if wf.is_empty() && !deadlocks {
         unit.as_ref().map(makespan::from_timing)
     } else {
         None

@@ -24,7 +24,7 @@ use crate::moe::MoeStages;
 use crate::sim::cost::CostModel;
 use crate::sim::{A2aStats, Bubble};
 use serde::Serialize;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// What `compare` is asked.
 #[derive(Clone, Debug)]
@@ -147,46 +147,102 @@ impl Report {
     }
 }
 
+/// One input of a comparison.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A schedule file: a spec or any other format `schedc check` reads.
+    File(PathBuf),
+    /// A spec given as text: a spec of the standard library built into schedc
+    /// ([`crate::specs`]), named without its `.sched`.
+    Spec {
+        /// The spec's name (`1f1b`).
+        name: String,
+        /// Its text.
+        text: String,
+    },
+}
+
+impl Source {
+    /// The name shown in the report: the file stem or the spec's name.
+    pub fn schedule(&self) -> String {
+        match self {
+            Source::File(f) => f
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "?".into()),
+            Source::Spec { name, .. } => name.clone(),
+        }
+    }
+
+    /// Where it comes from: the file, or `NAME.sched (built in)`.
+    pub fn path(&self) -> String {
+        match self {
+            Source::File(f) => f.display().to_string(),
+            Source::Spec { name, .. } => format!("{name}.sched (built in)"),
+        }
+    }
+
+    /// Its text (empty when the file cannot be read; loading it then reports why).
+    fn text(&self) -> String {
+        match self {
+            Source::File(f) => std::fs::read_to_string(f).unwrap_or_default(),
+            Source::Spec { text, .. } => text.clone(),
+        }
+    }
+}
+
+/// The standard library built into schedc, as sources.
+pub fn standard_library() -> Vec<Source> {
+    crate::specs::standard_library()
+        .iter()
+        .map(|(n, t)| Source::Spec {
+            name: n.to_string(),
+            text: t.to_string(),
+        })
+        .collect()
+}
+
 /// The files to compare: each directory expands to its `.sched` files, sorted.
 ///
 /// Errors: an unreadable directory or a path that does not exist.
-pub fn expand(inputs: &[String]) -> Result<Vec<PathBuf>, String> {
+pub fn expand(inputs: &[PathBuf]) -> Result<Vec<Source>, String> {
     let mut out = Vec::new();
-    for i in inputs {
-        let p = Path::new(i);
+    for p in inputs {
+        let shown = p.display();
         if p.is_dir() {
             let mut v: Vec<PathBuf> = std::fs::read_dir(p)
-                .map_err(|e| format!("cannot read the directory `{i}`: {e}"))?
+                .map_err(|e| format!("cannot read the directory `{shown}`: {e}"))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|x| x == "sched"))
                 .collect();
             v.sort();
-            out.extend(v);
+            if v.is_empty() {
+                return Err(format!("the directory `{shown}` holds no `.sched` spec"));
+            }
+            out.extend(v.into_iter().map(Source::File));
         } else if p.exists() {
-            out.push(p.to_path_buf());
+            out.push(Source::File(p.to_path_buf()));
         } else {
-            return Err(format!(
-                "`{i}` does not exist (run from the repository root for the default `specs`, or name the files)"
-            ));
+            return Err(format!("`{shown}` does not exist"));
         }
     }
     Ok(out)
 }
 
-/// Compares `files` (see [`expand`]).
+/// Compares `files` (see [`expand`] and [`standard_library`]).
 ///
 /// Errors (usage, the whole command fails): a `--param` that no spec declares; `--moe`
 /// with a cost model that has no `[moe]` section ([`crate::moe::require_moe_costs`]).
-pub fn compare(files: &[PathBuf], opts: &Options) -> Result<Report, String> {
+pub fn compare(files: &[Source], opts: &Options) -> Result<Report, String> {
     if opts.moe.is_some() {
         crate::moe::require_moe_costs(&opts.cost, &opts.cost_name)?;
     }
     // Each parameter must be declared by some spec.
-    let declared: Vec<(PathBuf, Vec<String>, bool)> = files
+    let declared: Vec<(&Source, Vec<String>, bool)> = files
         .iter()
         .map(|f| {
-            let text = std::fs::read_to_string(f).unwrap_or_default();
-            let parsed = is_spec(f)
+            let text = f.text();
+            let parsed = is_spec(f, &text)
                 .then(|| crate::dsl::parse_file(&text).ok())
                 .flatten();
             let names = parsed
@@ -206,7 +262,7 @@ pub fn compare(files: &[PathBuf], opts: &Options) -> Result<Report, String> {
                     .iter()
                     .any(|i| matches!(i, crate::dsl::ast::Item::Vpp(..)))
             });
-            (f.clone(), names, fixed_v)
+            (f, names, fixed_v)
         })
         .collect();
     for (n, _) in &opts.params {
@@ -240,24 +296,26 @@ pub fn compare(files: &[PathBuf], opts: &Options) -> Result<Report, String> {
     })
 }
 
-fn is_spec(f: &Path) -> bool {
-    f.extension().is_some_and(|x| x == "sched")
+/// A spec by its extension or, for another name, by its content.
+fn is_spec(f: &Source, text: &str) -> bool {
+    match f {
+        Source::Spec { .. } => true,
+        Source::File(p) => {
+            p.extension().is_some_and(|x| x == "sched") || input::looks_like_spec(text)
+        }
+    }
 }
 
-fn one(f: &Path, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
-    let schedule = f
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or("?")
-        .to_string();
-    let path = f.display().to_string();
+fn one(f: &Source, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
+    let schedule = f.schedule();
+    let path = f.path();
     let row = |figures, status| Row {
         schedule: schedule.clone(),
         path: path.clone(),
         figures,
         status,
     };
-    let spec = is_spec(f);
+    let spec = is_spec(f, &f.text());
     let ov = if spec {
         Overrides {
             pp: Some(opts.pp),
@@ -278,7 +336,10 @@ fn one(f: &Path, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
             ..Default::default()
         }
     };
-    let loaded = match input::load_path(&f.display().to_string(), &ov) {
+    let loaded = match match f {
+        Source::File(p) => input::load_path(p, &ov),
+        Source::Spec { name, text } => input::load_str(&format!("{name}.sched"), text.clone(), &ov),
+    } {
         Ok(l) => l,
         Err(LoadError::Spec {
             diags,

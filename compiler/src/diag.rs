@@ -225,8 +225,69 @@ impl Diagnostic {
     }
 }
 
-/// Lines longer than this (bytes) are not shown as excerpts.
-const MAX_EXCERPT_LINE: usize = 4096;
+/// Lines longer than this (bytes) are not shown whole: the excerpt is a window around the
+/// span instead ([`crop_excerpt`]).
+const MAX_EXCERPT_LINE: usize = 200;
+
+/// Bytes of context on each side of the span in a cropped excerpt.
+const CROP_CONTEXT: usize = 24;
+
+/// Show and underline at most this many characters of the span itself.
+const MAX_UNDERLINE: usize = 32;
+
+/// A window of the line holding `sp` in `text`: its line number, about [`CROP_CONTEXT`]
+/// bytes on each side of the span (on character boundaries, `…` where cut), and a caret
+/// underline of at most [`MAX_UNDERLINE`] columns:
+///
+/// ```text
+///    3 │ …1F2,1I2,1W2,1F3,1I3,0SEND_F0,1RECV_B1,1W3,…
+///      │                      ^^^^^^^^
+/// ```
+pub fn crop_excerpt(text: &str, sp: Span) -> String {
+    let off = (sp.start as usize).min(text.len());
+    let b = text.as_bytes();
+    let line_start = b[..off]
+        .iter()
+        .rposition(|&c| c == b'\n')
+        .map_or(0, |k| k + 1);
+    let line_end = b[off..]
+        .iter()
+        .position(|&c| c == b'\n')
+        .map_or(b.len(), |k| off + k);
+    let line_no = b[..line_start].iter().filter(|&&c| c == b'\n').count() + 1;
+    let floor = |mut i: usize| {
+        while i > line_start && !text.is_char_boundary(i) {
+            i -= 1;
+        }
+        i
+    };
+    let ceil = |mut i: usize| {
+        while i < line_end && !text.is_char_boundary(i) {
+            i += 1;
+        }
+        i
+    };
+    let off = floor(off);
+    let span_stop = ceil((off + sp.len as usize).min(line_end));
+    let span_end = text[off..span_stop]
+        .char_indices()
+        .nth(MAX_UNDERLINE)
+        .map_or(span_stop, |(k, _)| off + k);
+    let from = floor(off.saturating_sub(CROP_CONTEXT).max(line_start));
+    let to = ceil((span_end + CROP_CONTEXT).min(line_end));
+    let window = text[from..to].replace('\t', " ");
+    let lead = if from > line_start { "…" } else { "" };
+    let tail = if to < line_end { "…" } else { "" };
+    let pad = lead.chars().count() + text[from..off].chars().count();
+    let width = text[off..span_end].chars().count().clamp(1, MAX_UNDERLINE);
+    let num = line_no.to_string();
+    format!(
+        "{num} │ {lead}{window}{tail}\n{} │ {}{}",
+        " ".repeat(num.len()),
+        " ".repeat(pad),
+        "^".repeat(width)
+    )
+}
 
 /// The length of the line containing byte `off`.
 fn line_len_at(text: &str, off: usize) -> usize {
@@ -249,6 +310,8 @@ pub struct Rendered<'a> {
     diag: &'a Diagnostic,
     src: Option<miette::NamedSource<String>>,
     code: String,
+    /// A cropped excerpt of a long line (see [`crop_excerpt`]).
+    crop: Option<String>,
 }
 
 impl<'a> Rendered<'a> {
@@ -260,15 +323,24 @@ impl<'a> Rendered<'a> {
             .span
             .into_iter()
             .chain(diag.related.iter().filter_map(|(l, _)| l.span));
-        let src = src.filter(|(_, text)| {
+        let long = src.is_some_and(|(_, text)| {
             spans
                 .clone()
-                .all(|sp| line_len_at(text, sp.start as usize) <= MAX_EXCERPT_LINE)
+                .any(|sp| line_len_at(text, sp.start as usize) > MAX_EXCERPT_LINE)
         });
+        // A long line gets a cropped window around the primary span instead.
+        let crop = match (long, src, diag.span) {
+            (true, Some((_, text)), Some(sp)) if (sp.start as usize) <= text.len() => {
+                Some(crop_excerpt(text, sp))
+            }
+            _ => None,
+        };
+        let src = if long { None } else { src };
         Rendered {
             diag,
             src: src.map(|(n, t)| miette::NamedSource::new(n, t.to_string())),
             code: format!("schedc::{}", diag.code.as_str()),
+            crop,
         }
     }
 }
@@ -290,6 +362,9 @@ impl std::fmt::Display for Rendered<'_> {
             } else if let Some(r) = d.rank {
                 write!(f, " (rank {r})")?;
             }
+        }
+        if let Some(c) = &self.crop {
+            write!(f, "\n{c}")?;
         }
         Ok(())
     }
@@ -400,4 +475,71 @@ pub fn syntax(e: &schedc_ir::text::ParseError) -> Diagnostic {
         d = d.with_help(h.clone());
     }
     d
+}
+
+#[cfg(test)]
+mod crop_tests {
+    use super::*;
+
+    #[test]
+    fn a_long_line_is_cropped_around_the_span() {
+        // A 3000-byte row with multi-byte characters, the span in the middle.
+        let row: String = (0..300).map(|i| format!("é{i:04}abc,")).collect();
+        let text = format!("head\n{row}\ntail\n");
+        let at = text.find("é0150").unwrap();
+        let out = crop_excerpt(
+            &text,
+            Span {
+                start: at as u32,
+                len: 6,
+            },
+        );
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 2, "{out}");
+        assert!(
+            lines[0].starts_with("2 │ …") && lines[0].ends_with('…'),
+            "{out}"
+        );
+        assert!(lines.iter().all(|l| l.chars().count() < 100), "{out}");
+        // The carets sit under the span.
+        let col = lines[1].find('^').unwrap();
+        let under: String = lines[0][..]
+            .chars()
+            .skip(lines[1][..col].chars().count())
+            .take(5)
+            .collect();
+        assert_eq!(under, "é0150", "{out}");
+        assert_eq!(lines[1].matches('^').count(), 5);
+        // A long span is underlined up to the cap.
+        let out = crop_excerpt(
+            &text,
+            Span {
+                start: 5,
+                len: 2000,
+            },
+        );
+        assert_eq!(
+            out.lines().nth(1).unwrap().matches('^').count(),
+            MAX_UNDERLINE
+        );
+    }
+
+    #[test]
+    fn diagnostics_on_long_lines_show_the_window_and_the_location() {
+        let row = "x,".repeat(1000);
+        let text = format!("{row}BAD,{row}\n");
+        let mut d = Diagnostic::error(Code::Syntax, "unknown cell");
+        d.span = Some(Span {
+            start: 2000,
+            len: 3,
+        });
+        d.locate("f.csv", &text);
+        let out = render(&d, Some(("f.csv", &text)), 100);
+        assert!(out.contains("f.csv:1:2001"), "{out}");
+        assert!(
+            out.contains("1 │ …x,x,") && out.contains("x,x,BAD,x,x"),
+            "{out}"
+        );
+        assert!(out.lines().all(|l| l.chars().count() <= 100), "{out}");
+    }
 }

@@ -110,7 +110,32 @@ pub enum LoadError {
     },
 }
 
-/// Detects the format from the name and the text.
+/// True if `text` reads as a `.sched` spec: one of its lines (outside comments) starts with a
+/// keyword only the schedule language has (`schedule`, `param`, `vpp`, `let`, `fn`,
+/// `require`), or is a rank block `rank r {` with a name rather than a number.
+pub fn looks_like_spec(text: &str) -> bool {
+    text.lines().any(|l| {
+        let l = l.trim_start();
+        let word: String = l
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        let rest = l[word.len()..].trim_start();
+        match word.as_str() {
+            "schedule" | "param" | "vpp" | "let" | "fn" | "require" => {
+                !rest.is_empty() && !rest.starts_with(':')
+            }
+            "rank" => rest
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_'),
+            _ => false,
+        }
+    })
+}
+
+/// Detects the format from the name and the text: the extension decides (`.sched`, `.csv`,
+/// `.json`, `.ir`, `.case`); otherwise the content.
 pub fn detect(name: &str, text: &str) -> Format {
     let lower = name.to_ascii_lowercase();
     if lower.ends_with(".sched") {
@@ -119,7 +144,11 @@ pub fn detect(name: &str, text: &str) -> Format {
     if lower.ends_with(".csv") {
         return Format::TorchCsv;
     }
+    let known_ir = lower.ends_with(".ir") || lower.ends_with(".case");
     let t = text.trim_start();
+    if !known_ir && !lower.ends_with(".json") && !t.starts_with('{') && looks_like_spec(text) {
+        return Format::Spec;
+    }
     if lower.ends_with(".json") || t.starts_with('{') {
         if t.contains("\"num_chunks\"") && t.contains("\"num_ranks\"") {
             return Format::DualPipe;
@@ -139,29 +168,61 @@ pub fn detect(name: &str, text: &str) -> Format {
     Format::IrText
 }
 
-/// Loads a file from disk (`-` is standard input).
-pub fn load_path(path: &str, ov: &Overrides) -> Result<Loaded, LoadError> {
-    let text = if path == "-" {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+/// Loads a file from disk (`-` is standard input). The path need not be UTF-8; messages show
+/// it lossily.
+pub fn load_path(path: impl AsRef<std::path::Path>, ov: &Overrides) -> Result<Loaded, LoadError> {
+    let path = path.as_ref();
+    let text = read_text(path)?;
+    load_str(&path.to_string_lossy(), text, ov)
+}
+
+/// Reads an input's text: a file, or standard input for `-`; at most
+/// [`crate::limits::max_input_bytes`]; UTF-8, without a byte-order mark.
+///
+/// Errors: [`LoadError::Io`] for a missing, unreadable, too large or non-UTF-8 input, or a
+/// directory.
+pub fn read_text(path_ref: &std::path::Path) -> Result<String, LoadError> {
+    let name = path_ref.to_string_lossy().into_owned();
+    let path = name.as_str();
+    let max = crate::limits::max_input_bytes();
+    let (shown, bytes) = if path_ref.as_os_str() == "-" {
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(std::io::stdin(), max + 1), &mut b)
             .map_err(|e| LoadError::Io(format!("cannot read standard input: {e}")))?;
-        s
+        ("standard input".to_string(), b)
     } else {
-        let bytes =
-            std::fs::read(path).map_err(|e| LoadError::Io(format!("cannot read `{path}`: {e}")))?;
-        String::from_utf8(bytes).map_err(|e| {
-            LoadError::Io(format!(
-                "`{path}` is not UTF-8 text (invalid byte at offset {})",
-                e.utf8_error().valid_up_to()
-            ))
-        })?
+        if path_ref.is_dir() {
+            return Err(LoadError::Io(format!(
+                "`{path}` is a directory, not a schedule"
+            )));
+        }
+        let f = std::fs::File::open(path_ref)
+            .map_err(|e| LoadError::Io(format!("cannot read `{path}`: {e}")))?;
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(f, max + 1), &mut b)
+            .map_err(|e| LoadError::Io(format!("cannot read `{path}`: {e}")))?;
+        (format!("`{path}`"), b)
     };
+    if bytes.len() as u64 > max {
+        return Err(LoadError::Io(format!(
+            "{shown} is larger than {} bytes, the most schedc reads under its memory limit ({}; set {} to allow more)",
+            max,
+            crate::limits::human_bytes(crate::limits::memory_limit().unwrap_or(crate::limits::DEFAULT_MEMORY_LIMIT)),
+            crate::limits::LIMIT_VAR
+        )));
+    }
+    let text = String::from_utf8(bytes).map_err(|e| {
+        LoadError::Io(format!(
+            "{shown} is not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ))
+    })?;
     // A UTF-8 byte-order mark is not part of the text.
     let text = match text.strip_prefix('\u{feff}') {
         Some(t) => t.to_string(),
         None => text,
     };
-    load_str(path, text, ov)
+    Ok(text)
 }
 
 fn json_error(text: &str, e: serde_json::Error) -> ParseError {
@@ -192,9 +253,16 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     let mut torch_format = None;
     let mut spec_expects = Vec::new();
     if format != Format::Spec && (ov.pp.is_some() || ov.vpp.is_some() || !ov.params.is_empty()) {
-        return Err(LoadError::Usage(
-            "--pp, --vpp and --param apply to .sched specs only".into(),
-        ));
+        return Err(LoadError::Usage(format!(
+            "--pp, --vpp and --param apply to .sched specs only, and `{name}` reads as {} (a spec is recognised by its .sched extension or by its content: a `schedule`, `param`, `let` or `require` line, or a `rank r {{` block)",
+            match format {
+                Format::IrText => "IR text",
+                Format::IrJson => "IR JSON",
+                Format::TorchCsv => "a PyTorch CSV",
+                Format::DualPipe => "a DualPipe trace",
+                Format::Spec => "a spec",
+            }
+        )));
     }
     let (mut program, spans) = match format {
         Format::Spec => {

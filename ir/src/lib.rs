@@ -262,9 +262,22 @@ impl Pipeline {
         }
     }
 
-    /// The stages held by rank `r`, in increasing id order.
+    /// The stages held by rank `r`, in increasing id order. O(S): for every rank at once,
+    /// use [`Pipeline::stages_by_rank`].
     pub fn stages_of(&self, r: Rank) -> Vec<Stage> {
         (0..self.stages).filter(|&s| self.rank_of(s) == r).collect()
+    }
+
+    /// The stages of every rank, each in increasing id order, in one pass over the stages
+    /// (O(P + S), where calling [`Pipeline::stages_of`] per rank is O(P * S)).
+    pub fn stages_by_rank(&self) -> Vec<Vec<Stage>> {
+        let mut out = vec![Vec::new(); self.pp as usize];
+        for s in 0..self.stages {
+            if let Some(v) = out.get_mut(self.rank_of(s) as usize) {
+                v.push(s);
+            }
+        }
+        out
     }
 }
 

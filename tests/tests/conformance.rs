@@ -199,3 +199,41 @@ fn dualpipe_peaks_are_stable() {
     assert_eq!(warm, vec![4, 5, 5, 4]);
     assert_eq!(peaks, vec![5, 5, 5, 5]);
 }
+
+/// Issue 11, item 32: without the shared data the conformance tests pass with a visible
+/// "skipped" line in `cargo test`'s ordinary output (no `--nocapture`), and fail under
+/// `SCHEDC_REQUIRE_SHARED=1`. Runs this test binary again with the data pointed elsewhere.
+#[test]
+fn a_missing_shared_dir_is_said_where_it_is_seen() {
+    if std::env::var_os("SCHEDC_CONFORMANCE_CHILD").is_some() {
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let run = |require: bool| {
+        let mut c = std::process::Command::new(&exe);
+        c.args([
+            "--exact",
+            "every_accepted_torch_config_checks_with_torch_figures",
+        ])
+        .env("SCHEDC_SHARED_DIR", "/nonexistent/schedc-shared")
+        .env("SCHEDC_CONFORMANCE_CHILD", "1")
+        .env_remove("SCHEDC_REQUIRE_SHARED");
+        if require {
+            c.env("SCHEDC_REQUIRE_SHARED", "1");
+        }
+        c.output().unwrap()
+    };
+    let o = run(false);
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "{all}");
+    assert!(
+        all.contains("skipped: /nonexistent/schedc-shared not found"),
+        "{all}"
+    );
+    let o = run(true);
+    assert!(!o.status.success());
+}

@@ -204,7 +204,7 @@ fn every_spec_passes_its_checks_with_moe_parts() {
 fn moe_splits_a_lowered_program() {
     let path = schedc_tests::conform::root()
         .join("tests/data/torch/ScheduleInterleavedZeroBubble_P4_M8_V2.comms.csv");
-    let l = schedc::input::load_path(&path.display().to_string(), &Default::default()).unwrap();
+    let l = schedc::input::load_path(&path, &Default::default()).unwrap();
     assert!(l.program.has_p2p());
     let (p, spans) = apply_moe(&l.program, l.spans.as_ref(), &MoeStages::All).unwrap();
     assert_eq!(p.compute_ops(), 4 * l.program.compute_ops() - 3 * 8 * 8); // W stays whole

@@ -251,3 +251,35 @@ fn lowering_exposes_no_communication_when_it_is_free() {
     }
     assert!(torch_exposed > 0.0);
 }
+
+/// Issue 11, items 26 and 33: the report and the SVG carry units, a V schedule's second
+/// chunk is shaded, and a trace without MoE declares no all-to-all thread.
+#[test]
+fn pictures_carry_units_and_chunks() {
+    let (r, prog) = run_with_program("zbv", 4, 8, "unit");
+    let svg = schedc::sim::render::svg(&r, &prog, "ZB-V");
+    assert!(svg.contains(">time (s)</text>"), "no axis label");
+    assert!(
+        svg.contains(&format!("makespan {:.4} s", r.makespan)),
+        "no unit in the title"
+    );
+    assert!(svg.contains("second and later chunks"), "no chunk legend");
+    // Chunk 0's forwards in the base colour, chunk 1's in the darker shade.
+    assert!(svg.contains("fill=\"#4e79a7\"") && svg.contains("fill=\"#2c4a6e\""));
+    // 1F1B has one chunk per rank: no shading, no legend line for it.
+    let (r1, p1) = run_with_program("1f1b", 4, 8, "unit");
+    let svg1 = schedc::sim::render::svg(&r1, &p1, "1F1B");
+    assert!(!svg1.contains("second and later chunks") && !svg1.contains("#2c4a6e"));
+    let trace = schedc::sim::render::chrome_trace(&r1, &p1);
+    assert!(!trace.contains("ep all-to-all"), "empty EP thread declared");
+    // Memory in GB when the cost model has figures, `-` when it has none.
+    let m = run("1f1b", 4, 8, "activation_bytes=2e9,param_bytes=1e9");
+    let text = schedc::sim::render::text_report(&m, 40);
+    assert!(
+        text.contains("peak_memory (GB)") && text.contains("9.00"),
+        "{text}"
+    );
+    assert!(!text.contains("no [memory] figures"), "{text}");
+    let text = schedc::sim::render::text_report(&r1, 40);
+    assert!(text.contains("makespan 33.000000 s") && text.contains("no [memory] figures"));
+}

@@ -148,6 +148,8 @@ pub struct ExecOptions {
     pub record: bool,
     /// Injected faults (tests).
     pub faults: Faults,
+    /// Record when every instruction ran ([`ExecResult::trace`], [`chrome_trace`]).
+    pub trace: bool,
     /// Called after every step with (step, loss) from the main thread (progress).
     pub on_step: Option<OnStep>,
 }
@@ -160,6 +162,7 @@ impl Default for ExecOptions {
             timeout: Duration::from_secs(60),
             record: false,
             faults: Faults::default(),
+            trace: false,
             on_step: None,
         }
     }
@@ -193,6 +196,88 @@ pub struct ExecResult {
     pub seconds: f64,
     /// Instructions executed over all ranks.
     pub instructions: u64,
+    /// With [`ExecOptions::trace`]: every instruction that touches data (kernels,
+    /// messages, collectives, the optimizer), by rank, in the order each rank finished them.
+    pub trace: Vec<Span>,
+}
+
+/// When one instruction ran on one stream of one rank ([`ExecOptions::trace`]). An
+/// asynchronous instruction (an all-to-all, a reduction) spans from its posting to the turn
+/// of its stream that took its completion; the others are their execution.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Span {
+    /// Global rank.
+    pub rank: u32,
+    /// Step.
+    pub step: usize,
+    /// Index of the stream in the rank program.
+    pub stream: usize,
+    /// The stream's name (`compute`, `comm`, `comm@c`, `ep`).
+    pub stream_name: String,
+    /// The instruction's text.
+    pub name: String,
+    /// `kernel`, `all_to_all`, `p2p`, `reduce` or `optimizer`.
+    pub cat: &'static str,
+    /// The chunk the instruction belongs to, `F(s,m)`, `B(s,m)` or `W(s,m)` (an all-to-all
+    /// of `dispatch`, `combine`, `gather_kv` is the forward's, the others the backward's);
+    /// `None` for messages, reductions and the optimizer.
+    pub chunk: Option<String>,
+    /// Microseconds from the start of the run.
+    pub start_us: f64,
+    /// Microseconds.
+    pub dur_us: f64,
+}
+
+impl Span {
+    /// True if the two spans share some time (open intervals).
+    pub fn overlaps(&self, o: &Span) -> bool {
+        self.start_us < o.start_us + o.dur_us && o.start_us < self.start_us + self.dur_us
+    }
+}
+
+fn span_of(op: &Op) -> (&'static str, Option<String>) {
+    match op {
+        Op::Kernel(k) => (
+            "kernel",
+            Some(format!("{:?}({},{})", k.pass, k.stage, k.mb)),
+        ),
+        Op::AllToAll {
+            stage, mb, phase, ..
+        } => {
+            let pass = match phase {
+                A2a::GatherKv | A2a::Dispatch | A2a::Combine => "F",
+                A2a::ScatterKvGrad | A2a::CombineGrad | A2a::DispatchGrad => "B",
+            };
+            ("all_to_all", Some(format!("{pass}({stage},{mb})")))
+        }
+        Op::Send { .. } | Op::Recv { .. } => ("p2p", None),
+        Op::ReplicaSum { .. } | Op::AllReduce { .. } => ("reduce", None),
+        _ => ("optimizer", None),
+    }
+}
+
+/// Chrome trace JSON (Perfetto, chrome://tracing) of a traced run: one process per global
+/// rank, one thread per stream (`compute`, `comm`, ..., `ep`), a complete event per
+/// [`Span`] with its chunk and step in `args`; times in microseconds.
+pub fn chrome_trace(spans: &[Span]) -> String {
+    use serde_json::json;
+    let mut ev = Vec::new();
+    let mut named: HashSet<(u32, usize)> = HashSet::new();
+    for s in spans {
+        if named.insert((s.rank, usize::MAX)) {
+            ev.push(json!({"name": "process_name", "ph": "M", "pid": s.rank, "args": {"name": format!("rank {}", s.rank)}}));
+        }
+        if named.insert((s.rank, s.stream)) {
+            ev.push(json!({"name": "thread_name", "ph": "M", "pid": s.rank, "tid": s.stream, "args": {"name": s.stream_name}}));
+        }
+        ev.push(json!({
+            "name": s.name, "cat": s.cat, "ph": "X", "pid": s.rank, "tid": s.stream,
+            "ts": s.start_us, "dur": s.dur_us,
+            "args": {"chunk": s.chunk, "step": s.step},
+        }));
+    }
+    serde_json::to_string(&json!({"traceEvents": ev, "displayTimeUnit": "ms"}))
+        .expect("a trace serializes")
 }
 
 // ---------------------------------------------------------------------------------------
@@ -225,6 +310,7 @@ enum Report {
     Grads(usize, u32, u32, Named),
     Params(u32, u32, Named),
     Ops(u64),
+    Trace(Vec<Span>),
     Exit,
 }
 
@@ -236,6 +322,8 @@ struct Shared<'a, T> {
     senders: Vec<Sender<Msg<T>>>,
     abort: Abort,
     reports: Mutex<Sender<Report>>,
+    /// The start of the run (trace times).
+    t0: Instant,
 }
 
 enum Value<T> {
@@ -265,6 +353,10 @@ struct Rank<'a, T> {
     sent_to: HashMap<u32, usize>,
     step: usize,
     loss: f64,
+    /// With [`ExecOptions::trace`]: finished spans, and per stream when the instruction at
+    /// its head was posted.
+    spans: Vec<Span>,
+    posted_at: Vec<Option<Instant>>,
 }
 
 impl<'a, T: Real> Rank<'a, T> {
@@ -500,12 +592,17 @@ impl<'a, T: Real> Rank<'a, T> {
         Ok(())
     }
 
-    /// Runs a data instruction (see [`Device::exec`]).
-    fn run_op(&mut self, op: &Op, posted: &mut bool) -> Result<Ready, String> {
+    /// Runs a data instruction of stream `stream` (see [`Device::exec`]).
+    fn run_op(&mut self, stream: usize, op: &Op, posted: &mut bool) -> Result<Ready, String> {
         let me = self.prog.rank;
         match op {
             Op::Alloc { .. } | Op::Free { .. } | Op::Record { .. } | Op::Wait { .. } => {
                 return Err(format!("`{op}` is the interpreter's"))
+            }
+            Op::Overlap { .. } | Op::Collective { .. } => {
+                return Err(format!(
+                    "`{op}` is a stage-granularity op; the CPU backend runs schedc's model"
+                ))
             }
             Op::Kernel(k) => self.kernel(k)?,
             Op::Send { buf, peer } => {
@@ -555,6 +652,14 @@ impl<'a, T: Real> Rank<'a, T> {
                         self.send(*to, tag.clone(), Body::Packet(pk));
                     }
                     *posted = true;
+                    if stream != 0 {
+                        // Off the compute stream (MoE parts' EP stream) an all-to-all is
+                        // asynchronous: the compute stream runs on, and its completion is
+                        // taken at this stream's next turn.
+                        return Ok(Ready::Blocked(format!(
+                            "the {phase:?} all-to-all of stage {stage}, micro-batch {mb}, layer {layer} (posted)"
+                        )));
+                    }
                 }
                 let missing = self.missing_from(group, &tag);
                 if !missing.is_empty() {
@@ -727,8 +832,35 @@ impl<T: Real> Device for Rank<'_, T> {
         Ok(())
     }
 
-    fn exec(&mut self, _stream: usize, op: &Op, issued: &mut bool) -> Result<Ready, String> {
-        self.run_op(op, issued)
+    fn exec(&mut self, stream: usize, op: &Op, issued: &mut bool) -> Result<Ready, String> {
+        if !self.sh.opts.trace {
+            return self.run_op(stream, op, issued);
+        }
+        let t = Instant::now();
+        if !*issued {
+            self.posted_at[stream] = Some(t);
+        }
+        let r = self.run_op(stream, op, issued);
+        if let Ok(Ready::Done) = r {
+            let start = self.posted_at[stream].take().unwrap_or(t);
+            let (cat, chunk) = span_of(op);
+            let us = |i: Instant| i.saturating_duration_since(self.sh.t0).as_secs_f64() * 1e6;
+            self.spans.push(Span {
+                rank: self.prog.rank,
+                step: self.step,
+                stream,
+                stream_name: self.prog.streams[stream].kind.to_string(),
+                name: op.to_string(),
+                cat,
+                chunk,
+                start_us: us(start),
+                dur_us: Instant::now()
+                    .saturating_duration_since(start)
+                    .as_secs_f64()
+                    * 1e6,
+            });
+        }
+        r
     }
 
     fn wait(&mut self, at_most: Duration) {
@@ -747,7 +879,17 @@ fn run_rank<T: Real>(
     cursor: &Mutex<Cursor>,
 ) -> Result<(), ExecError> {
     let prog = &sh.set.ranks[g];
-    let cfg = &sh.set.manifest.model;
+    let cfg = match (&sh.set.manifest.model, sh.set.manifest.granularity) {
+        (Some(cfg), schedc_program::Granularity::Model) => cfg,
+        (_, gran) => {
+            return Err(ExecError::Failed {
+                at: interp::at_of(prog, Cursor::default()),
+                message: format!(
+                    "the programs are at {gran} granularity, without schedc's model; the CPU backend runs model-granularity programs (`schedc compile` without `--granularity stage`)"
+                ),
+            })
+        }
+    };
     let n_model = sh.set.manifest.model_stages as usize;
     let stages = prog
         .stages
@@ -780,6 +922,8 @@ fn run_rank<T: Real>(
         sent_to: HashMap::new(),
         step: 0,
         loss: 0.0,
+        spans: Vec::new(),
+        posted_at: vec![None; prog.streams.len()],
     };
     let opts = InterpOptions {
         steps: sh.opts.steps,
@@ -796,6 +940,10 @@ fn run_rank<T: Real>(
         }
     }
     rank.report(Report::Ops(ops));
+    if sh.opts.trace {
+        let spans = std::mem::take(&mut rank.spans);
+        rank.report(Report::Trace(spans));
+    }
     Ok(())
 }
 
@@ -822,8 +970,9 @@ pub fn execute<T: Real>(
         senders: txs,
         abort: Abort::default(),
         reports: Mutex::new(rep_tx),
+        t0: Instant::now(),
     };
-    let start = Instant::now();
+    let start = sh.t0;
     let mut result = ExecResult {
         losses: vec![0.0; opts.steps],
         grads: vec![Vec::new(); if opts.record { opts.steps } else { 0 }],
@@ -869,6 +1018,7 @@ pub fn execute<T: Real>(
                 Ok(Report::Grads(step, r, s, named)) => result.grads[step].push((r, s, named)),
                 Ok(Report::Params(r, s, named)) => result.params.push((r, s, named)),
                 Ok(Report::Ops(n)) => result.instructions += n,
+                Ok(Report::Trace(t)) => result.trace.extend(t),
                 Err(_) => {
                     // A thread that died without reporting (it cannot: the exit report is
                     // sent after catch_unwind) would otherwise be waited for forever.
@@ -884,6 +1034,7 @@ pub fn execute<T: Real>(
                 Report::Grads(step, r, s, named) => result.grads[step].push((r, s, named)),
                 Report::Params(r, s, named) => result.params.push((r, s, named)),
                 Report::Ops(n) => result.instructions += n,
+                Report::Trace(t) => result.trace.extend(t),
                 Report::Exit => {}
             }
         }
@@ -1023,7 +1174,8 @@ pub fn reference<T: Real>(
     Ok(out)
 }
 
-/// How far an executor run is from the reference.
+/// How far an executor run is from the reference. A NaN anywhere (in the run or the
+/// reference) makes the figure it enters NaN, which no tolerance accepts.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Comparison {
     /// Largest relative difference (infinity norm per tensor) of any gradient of any copy
@@ -1033,10 +1185,26 @@ pub struct Comparison {
     pub max_abs_loss_err: f64,
     /// Largest relative difference of any parameter of any copy after the last step.
     pub max_rel_param_err: f64,
-    /// Where the largest gradient error is (tensor, step, rank).
+    /// Largest relative difference of the step loss, |run - reference| / |reference|.
+    pub max_rel_loss_err: f64,
+    /// [`Comparison::max_rel_grad_err`] over the first step only (both runs start from the
+    /// same weights: only the order of summation differs).
+    pub first_step_rel_grad_err: f64,
+    /// [`Comparison::max_abs_loss_err`] of the first step only.
+    pub first_step_abs_loss_err: f64,
+    /// Where the largest gradient error is: `TENSOR at step S on rank R`.
     pub worst_grad: String,
+    /// The step of the largest loss difference.
+    pub worst_loss_step: usize,
+    /// Where the largest parameter error is: `TENSOR on rank R` (after the last step).
+    pub worst_param: String,
     /// Gradient tensors compared (over copies and steps).
     pub tensors_compared: usize,
+}
+
+/// True if `e` is worse than `worst`: larger, or NaN (a NaN is never replaced).
+fn worse(e: f64, worst: f64) -> bool {
+    !worst.is_nan() && (e.is_nan() || e > worst)
 }
 
 fn rel(a: &[f64], b: &[f64]) -> f64 {
@@ -1050,8 +1218,19 @@ fn rel(a: &[f64], b: &[f64]) -> f64 {
 /// that the reference lacks, or a reference tensor no copy holds.
 pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
     let mut c = Comparison::default();
-    for (a, b) in run.losses.iter().zip(&r.losses) {
-        c.max_abs_loss_err = c.max_abs_loss_err.max((a - b).abs());
+    for (step, (a, b)) in run.losses.iter().zip(&r.losses).enumerate() {
+        let e = (a - b).abs();
+        if worse(e, c.max_abs_loss_err) {
+            c.max_abs_loss_err = e;
+            c.worst_loss_step = step;
+        }
+        let rel = e / b.abs().max(1e-300);
+        if worse(rel, c.max_rel_loss_err) {
+            c.max_rel_loss_err = rel;
+        }
+        if step == 0 {
+            c.first_step_abs_loss_err = e;
+        }
     }
     for (step, copies) in run.grads.iter().enumerate() {
         let want: HashMap<&str, &Vec<f64>> =
@@ -1065,8 +1244,13 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
                 covered.insert(w_name(&want, n));
                 let e = rel(t, w);
                 c.tensors_compared += 1;
-                if e > c.max_rel_grad_err || c.worst_grad.is_empty() {
-                    c.max_rel_grad_err = c.max_rel_grad_err.max(e);
+                if step == 0 && worse(e, c.first_step_rel_grad_err) {
+                    c.first_step_rel_grad_err = e;
+                }
+                if worse(e, c.max_rel_grad_err) || c.worst_grad.is_empty() {
+                    if worse(e, c.max_rel_grad_err) {
+                        c.max_rel_grad_err = e;
+                    }
                     c.worst_grad = format!("{n} at step {step} on rank {rank}");
                 }
             }
@@ -1076,12 +1260,18 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
         }
     }
     let want: HashMap<&str, &Vec<f64>> = r.params.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    for (_, _, named) in &run.params {
+    for (rank, _, named) in &run.params {
         for (n, t) in named {
             let w = want
                 .get(n.as_str())
                 .ok_or_else(|| format!("the reference has no {n}"))?;
-            c.max_rel_param_err = c.max_rel_param_err.max(rel(t, w));
+            let e = rel(t, w);
+            if worse(e, c.max_rel_param_err) || c.worst_param.is_empty() {
+                if worse(e, c.max_rel_param_err) {
+                    c.max_rel_param_err = e;
+                }
+                c.worst_param = format!("{n} on rank {rank}");
+            }
         }
     }
     Ok(c)

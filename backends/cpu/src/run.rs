@@ -1,7 +1,8 @@
 //! The entry point of `schedc run ... --backend cpu` ([`run`]).
 
 use crate::exec::{
-    compare, execute, reference, Batching, Data, ExecOptions, OnStep, Optimizer, RunFailure,
+    compare, execute, reference, Batching, Comparison, Data, ExecOptions, OnStep, Optimizer,
+    RunFailure,
 };
 use crate::tensor::Real;
 use schedc_ir::Program;
@@ -56,6 +57,8 @@ pub struct RunConfig {
     pub timeout: Duration,
     /// Draw a progress bar on standard error.
     pub progress: bool,
+    /// Record the Chrome trace of the pipelined run ([`RunReport::trace`]).
+    pub trace: bool,
 }
 
 impl Default for RunConfig {
@@ -70,7 +73,105 @@ impl Default for RunConfig {
             optimizer: Optimizer::adam(3e-3),
             timeout: Duration::from_secs(60),
             progress: false,
+            trace: false,
         }
+    }
+}
+
+/// Where `--verify` found the largest differences.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Worst {
+    /// The gradient: `TENSOR at step S on rank R`.
+    pub grad: String,
+    /// The step of the largest loss difference.
+    pub loss_step: usize,
+    /// The parameter after the last step: `TENSOR on rank R`.
+    pub param: String,
+}
+
+/// The differences `--verify` accepts between the pipelined run and sequential training.
+///
+/// f64 holds every figure of every step to 1e-9 (the CPU backend measures 1e-13 or less
+/// over hundreds of steps; `backends/cpu/tests/equivalence.rs` asserts 1e-10). In f32 the
+/// two runs' different orders of summation change a top-k expert choice after some steps,
+/// and from then on their trajectories differ: f32 holds the first step's gradients to 1e-3
+/// and loss to 1e-4 (same weights, only the summation order differs), and every step's loss
+/// to 2% (relative); its later gradients and final parameters are reported, not judged.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Tolerance {
+    /// Largest relative gradient difference (infinity norm per tensor), over every step, or
+    /// over the first only if `grads_first_step_only`.
+    pub rel_grad: f64,
+    /// The gradient tolerance applies to the first step only.
+    pub grads_first_step_only: bool,
+    /// Largest absolute loss difference of the first step.
+    pub abs_loss_first_step: f64,
+    /// Largest relative loss difference of any step.
+    pub rel_loss: f64,
+    /// Largest relative parameter difference after the last step (`None`: not judged).
+    pub rel_param: Option<f64>,
+}
+
+impl Tolerance {
+    /// The tolerance of a dtype (see the type's docs).
+    pub fn of(dtype: DType) -> Tolerance {
+        match dtype {
+            DType::F64 => Tolerance {
+                rel_grad: 1e-9,
+                grads_first_step_only: false,
+                abs_loss_first_step: 1e-9,
+                rel_loss: 1e-9,
+                rel_param: Some(1e-9),
+            },
+            DType::F32 => Tolerance {
+                rel_grad: 1e-3,
+                grads_first_step_only: true,
+                abs_loss_first_step: 1e-4,
+                rel_loss: 2e-2,
+                rel_param: None,
+            },
+        }
+    }
+
+    /// Ok if every judged difference is within its tolerance; otherwise the first that is
+    /// not, as `what: value > tolerance`. NaN never passes.
+    pub fn judge(&self, c: &Comparison) -> Result<(), String> {
+        let grad = if self.grads_first_step_only {
+            c.first_step_rel_grad_err
+        } else {
+            c.max_rel_grad_err
+        };
+        let mut checks = vec![
+            (
+                if self.grads_first_step_only {
+                    "relative gradient difference at the first step"
+                } else {
+                    "relative gradient difference"
+                },
+                grad,
+                self.rel_grad,
+            ),
+            (
+                "absolute loss difference at the first step",
+                c.first_step_abs_loss_err,
+                self.abs_loss_first_step,
+            ),
+            (
+                "relative loss difference",
+                c.max_rel_loss_err,
+                self.rel_loss,
+            ),
+        ];
+        if let Some(p) = self.rel_param {
+            checks.push(("relative parameter difference", c.max_rel_param_err, p));
+        }
+        for (what, v, tol) in checks {
+            // `!(v <= tol)` is true for NaN.
+            if v.is_nan() || v > tol {
+                return Err(format!("{what} {v:.3e} > {tol:.0e}"));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -113,11 +214,30 @@ pub struct RunReport {
     /// With `--verify`: largest relative parameter difference after the last step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_rel_param_err: Option<f64>,
+    /// With `--verify`: where the largest gradient difference is (`TENSOR at step S on rank
+    /// R`), the step of the largest loss difference, where the largest parameter difference
+    /// is (`TENSOR on rank R`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worst: Option<Worst>,
+    /// With `--verify`: the tolerances of the dtype.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tolerance: Option<Tolerance>,
+    /// With `--verify`: true if every judged difference is within its tolerance (NaN never
+    /// is).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verify_passed: Option<bool>,
+    /// With `--verify`, when it failed: which difference, its value and its tolerance.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verify_failure: Option<String>,
     /// Wall seconds of the pipelined run.
     pub seconds: f64,
     /// With `--verify`: wall seconds of the sequential reference.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reference_seconds: Option<f64>,
+    /// With [`RunConfig::trace`]: the Chrome trace JSON of the pipelined run
+    /// ([`crate::exec::chrome_trace`]); not part of the report's JSON.
+    #[serde(skip)]
+    pub trace: Option<String>,
 }
 
 impl RunReport {
@@ -147,11 +267,17 @@ impl RunReport {
             self.instructions_per_step,
             self.tokens_per_step,
         );
-        if let (Some(first), Some(last)) = (self.loss.first(), self.loss.last()) {
-            s += &format!(
-                "loss: {first:.4} (step 0) -> {last:.4} (step {})\n",
-                self.loss.len() - 1
-            );
+        match (self.loss.first(), self.loss.last()) {
+            (Some(only), _) if self.loss.len() == 1 => {
+                s += &format!("loss: {only:.4} (one step)\n")
+            }
+            (Some(first), Some(last)) => {
+                s += &format!(
+                    "loss: {first:.4} (step 0) -> {last:.4} (step {})\n",
+                    self.loss.len() - 1
+                )
+            }
+            _ => {}
         }
         s += &format!("pipelined: {:.3} s", self.seconds);
         if let Some(r) = self.reference_seconds {
@@ -163,9 +289,30 @@ impl RunReport {
             self.max_abs_loss_err,
             self.max_rel_param_err,
         ) {
+            let verdict = match self.verify_passed {
+                Some(true) => "passed",
+                _ => "FAILED",
+            };
             s += &format!(
-                "verify: max_rel_grad_err {g:.3e}, max_abs_loss_err {l:.3e}, max_rel_param_err {p:.3e}\n"
+                "verify {verdict}: max_rel_grad_err {g:.3e}, max_abs_loss_err {l:.3e}, max_rel_param_err {p:.3e}"
             );
+            s += &format!(
+                " (tolerance {})",
+                match self.dtype {
+                    DType::F32 => "f32: first-step gradients 1e-3, losses 2% relative",
+                    DType::F64 => "f64: 1e-9",
+                }
+            );
+            s += "\n";
+            if let Some(f) = &self.verify_failure {
+                s += &format!("  failed: {f}\n");
+            }
+            if let Some(w) = &self.worst {
+                s += &format!(
+                    "  worst gradient: {}; worst loss: step {}; worst parameter: {}\n",
+                    w.grad, w.loss_step, w.param
+                );
+            }
         }
         s
     }
@@ -183,6 +330,59 @@ pub enum RunError {
     /// A rank failed.
     #[error(transparent)]
     Failed(Box<RunFailure>),
+    /// The run's estimated memory exceeds the limit ([`estimate_memory`]).
+    #[error("{0}")]
+    TooLarge(String),
+}
+
+/// Resident bytes per global rank besides its instructions (the thread, its stack, the
+/// stage's weights, gradients and Adam state, channels), measured: 604 MB for `schedc run
+/// specs/1f1b.sched --pp 128 --mb 16` (128 ranks, 76 400 instructions), about 4.6 MB per
+/// rank, rounded up to 8 MiB.
+pub const BYTES_PER_RANK: u64 = 8 << 20;
+
+/// An upper bound on the parameters of one stage of `m`: every stage counted with the
+/// embedding and the output head.
+pub fn params_per_stage(m: &ModelConfig) -> u64 {
+    let (h, eh, v, e) = (
+        m.hidden as u64,
+        m.expert_hidden as u64,
+        m.vocab as u64,
+        m.experts as u64,
+    );
+    // Attention (MLA: low-rank query and key-value projections, bounded generously) plus
+    // the routed experts, the shared expert, the router and the norms.
+    let (ql, kvl, heads) = (m.q_lora_rank as u64, m.kv_lora_rank as u64, m.heads as u64);
+    let head = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) as u64;
+    let attn =
+        h * (ql + kvl + m.qk_rope_head_dim as u64) + (ql + kvl + h) * heads * head + ql + kvl;
+    let layer = attn.max(4 * h * h) + e * 3 * h * eh + 3 * h * eh + h * e + 2 * h + e;
+    m.layers_per_stage as u64 * layer + 2 * v * h + h
+}
+
+/// The estimated peak memory of [`run`], bytes (saturating): lowering and verifying the
+/// programs ([`schedc_program::estimate_memory`]), [`BYTES_PER_RANK`] per global rank, and
+/// with `verify` the recorded gradients of every step (f64, on every rank and in the
+/// sequential reference).
+pub fn estimate_memory(source: &Program, world: u64, cfg: &RunConfig) -> u64 {
+    estimate_memory_of(&schedc::limits::Size::of(source), world, cfg)
+}
+
+/// [`estimate_memory`] from the size of the instance alone (for a spec, before it is
+/// elaborated: see [`schedc::limits::spec_size_lower_bound`]).
+pub fn estimate_memory_of(size: &schedc::limits::Size, world: u64, cfg: &RunConfig) -> u64 {
+    let stages = size.stages.max(1);
+    let mut b = schedc_program::estimate_memory(size, world, &cfg.model)
+        .saturating_add(world.saturating_mul(BYTES_PER_RANK))
+        .saturating_add((cfg.steps as u64).saturating_mul(16));
+    if cfg.verify {
+        let per_step = world
+            .saturating_add(stages)
+            .saturating_mul(params_per_stage(&cfg.model))
+            .saturating_mul(8);
+        b = b.saturating_add(per_step.saturating_mul(cfg.steps as u64));
+    }
+    b
 }
 
 /// `schedc run INPUT ... --backend cpu`: lowers and verifies the programs, trains
@@ -200,6 +400,21 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
     if cfg.steps == 0 {
         return Err(RunError::Config("--steps must be at least 1".into()));
     }
+    let world = cfg
+        .mesh
+        .as_ref()
+        .map_or(source.pipeline.pp as u64, |m| m.world() as u64);
+    schedc::limits::within_limit(
+        &format!(
+            "running P={} M={} on {world} global ranks for {} step(s){}",
+            source.pipeline.pp,
+            source.pipeline.total_microbatches(),
+            cfg.steps,
+            if cfg.verify { " with --verify" } else { "" }
+        ),
+        estimate_memory(source, world, cfg),
+    )
+    .map_err(RunError::TooLarge)?;
     let data = match &cfg.data {
         Some(p) => Data::from_file(p).map_err(RunError::Config)?,
         None => Data::builtin(),
@@ -253,6 +468,7 @@ fn run_typed<T: Real>(
         optimizer: cfg.optimizer,
         timeout: cfg.timeout,
         record: cfg.verify,
+        trace: cfg.trace,
         on_step,
         ..ExecOptions::default()
     };
@@ -274,7 +490,7 @@ fn run_typed<T: Real>(
             DType::F64
         },
         steps: cfg.steps,
-        tokens_per_step: batching.tokens(m.model.seq_len),
+        tokens_per_step: batching.tokens(cfg.model.seq_len),
         instructions_per_step: set.len(),
         verified,
         loss: res.losses.clone(),
@@ -282,12 +498,17 @@ fn run_typed<T: Real>(
         max_rel_grad_err: None,
         max_abs_loss_err: None,
         max_rel_param_err: None,
+        worst: None,
+        tolerance: None,
+        verify_passed: None,
+        verify_failure: None,
         seconds: res.seconds,
         reference_seconds: None,
+        trace: cfg.trace.then(|| crate::exec::chrome_trace(&res.trace)),
     };
     if cfg.verify {
         let r = reference::<T>(
-            &m.model,
+            &cfg.model,
             m.model_stages as usize,
             batching,
             data,
@@ -301,6 +522,16 @@ fn run_typed<T: Real>(
         report.max_rel_grad_err = Some(c.max_rel_grad_err);
         report.max_abs_loss_err = Some(c.max_abs_loss_err);
         report.max_rel_param_err = Some(c.max_rel_param_err);
+        let tol = Tolerance::of(report.dtype);
+        let judged = tol.judge(&c);
+        report.verify_passed = Some(judged.is_ok());
+        report.verify_failure = judged.err();
+        report.tolerance = Some(tol);
+        report.worst = Some(Worst {
+            grad: c.worst_grad,
+            loss_step: c.worst_loss_step,
+            param: c.worst_param,
+        });
     }
     Ok(report)
 }

@@ -176,14 +176,24 @@ pub fn max_abs<T: Real>(a: &[T]) -> f64 {
 }
 
 /// `max |a - b| / max(max |b|, floor)`: the relative error of `a` against reference `b`
-/// in the infinity norm. Panics if the lengths differ.
+/// in the infinity norm; NaN if any element of either is NaN (or both are the same
+/// infinity). Panics if the lengths differ.
 pub fn rel_err<T: Real, U: Real>(a: &[T], b: &[U], floor: f64) -> f64 {
     assert_eq!(a.len(), b.len(), "rel_err: lengths differ");
     let mut d: f64 = 0.0;
     for (x, y) in a.iter().zip(b) {
-        d = d.max((x.f64() - y.f64()).abs());
+        let e = (x.f64() - y.f64()).abs();
+        // `f64::max` drops a NaN: a NaN (or an infinity minus itself) is the error itself.
+        if e.is_nan() {
+            return f64::NAN;
+        }
+        d = d.max(e);
     }
-    d / max_abs(b).max(floor)
+    let scale = max_abs(b);
+    if scale.is_nan() {
+        return f64::NAN;
+    }
+    d / scale.max(floor)
 }
 
 /// A deterministic generator (SplitMix64): weight initialization and test data.
@@ -251,6 +261,9 @@ mod tests {
         assert!((r.iter().sum::<f64>() - 1.0).abs() < 1e-15);
         assert!((r[2] / r[1] - std::f64::consts::E).abs() < 1e-12);
         assert_eq!(rel_err(&[1.0f64, 2.0], &[1.0f64, 4.0], 1e-30), 0.5);
+        // A NaN is an error, not a zero difference.
+        assert!(rel_err(&[1.0f64, f64::NAN], &[1.0f64, 4.0], 1e-30).is_nan());
+        assert!(rel_err(&[1.0f64, 2.0], &[f64::NAN, 4.0], 1e-30).is_nan());
     }
 
     #[test]

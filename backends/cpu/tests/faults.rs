@@ -139,3 +139,82 @@ fn a_lost_message_mid_pipeline_stops_every_rank_in_bounded_time() {
     }
     assert!(e.to_string().contains("which never came"), "{e}");
 }
+
+/// Issue 11, item 4: `--verify` fails when a gradient differs beyond the dtype's tolerance,
+/// names the worst tensor with its step and rank, and a NaN anywhere is a failure, never a
+/// zero difference.
+#[test]
+fn verify_fails_above_the_tolerance_and_on_nan() {
+    use schedc_cpu::exec::{compare, ExecResult, Reference};
+    use schedc_cpu::{RunConfig, Tolerance};
+    let path = format!("{}/../../specs/1f1b.sched", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(path).unwrap();
+    let ov = Overrides {
+        pp: Some(2),
+        microbatches: Some(2),
+        ..Default::default()
+    };
+    let src = load_spec(&text, &ov).ok().unwrap().program;
+    // A bug that only SP shows (the causal mask by local positions): the comparison catches
+    // it, and the report says so.
+    let mut cfg = RunConfig {
+        mesh: Some("pp=2,sp=2".parse().unwrap()),
+        verify: true,
+        model: ModelConfig::tiny(),
+        ..RunConfig::default()
+    };
+    cfg.model.bugs.local_causal_mask = true;
+    let rep = schedc_cpu::run(&src, &cfg).unwrap();
+    assert_eq!(rep.verify_passed, Some(false), "{}", rep.to_human());
+    let worst = rep.worst.as_ref().unwrap();
+    assert!(worst.grad.contains(" at step 0 on rank "), "{}", worst.grad);
+    assert!(
+        rep.to_human().contains("verify FAILED"),
+        "{}",
+        rep.to_human()
+    );
+    cfg.model.bugs.local_causal_mask = false;
+    let rep = schedc_cpu::run(&src, &cfg).unwrap();
+    assert_eq!(rep.verify_passed, Some(true), "{}", rep.to_human());
+    // NaN: a gradient of the run, a loss, a parameter.
+    let named = |v: f64| vec![("w".to_string(), vec![1.0, v])];
+    let run = |g: f64, loss: f64, p: f64| ExecResult {
+        losses: vec![loss],
+        grads: vec![vec![(1, 0, named(g))]],
+        params: vec![(1, 0, named(p))],
+        ..ExecResult::default()
+    };
+    let reference = Reference {
+        losses: vec![2.0],
+        grads: vec![named(2.0)],
+        params: named(2.0),
+        seconds: 0.0,
+    };
+    let tol = Tolerance::of(schedc_cpu::DType::F64);
+    let ok = compare(&run(2.0, 2.0, 2.0), &reference).unwrap();
+    assert_eq!(tol.judge(&ok), Ok(()));
+    for (g, l, p, what) in [
+        (f64::NAN, 2.0, 2.0, "gradient"),
+        (2.0, f64::NAN, 2.0, "loss"),
+        (2.0, 2.0, f64::NAN, "parameter"),
+    ] {
+        let c = compare(&run(g, l, p), &reference).unwrap();
+        let e = tol.judge(&c).unwrap_err();
+        assert!(e.contains(what) && e.contains("NaN"), "{e}");
+    }
+    let c = compare(&run(f64::NAN, 2.0, 2.0), &reference).unwrap();
+    assert!(c.max_rel_grad_err.is_nan() && c.first_step_rel_grad_err.is_nan());
+    assert_eq!(c.worst_grad, "w at step 0 on rank 1");
+    // Just above the f64 tolerance fails; f32's is looser, and NaN fails it too.
+    let c = compare(&run(2.0 + 2.0 * 2e-9, 2.0, 2.0), &reference).unwrap();
+    assert!(tol
+        .judge(&c)
+        .unwrap_err()
+        .starts_with("relative gradient difference"));
+    let t32 = Tolerance::of(schedc_cpu::DType::F32);
+    assert_eq!(t32.judge(&c), Ok(()));
+    let c = compare(&run(f64::NAN, 2.0, 2.0), &reference).unwrap();
+    assert!(t32.judge(&c).is_err());
+    let c = compare(&run(2.0, 2.1, 2.0), &reference).unwrap();
+    assert!(t32.judge(&c).unwrap_err().contains("loss"));
+}

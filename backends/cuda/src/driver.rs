@@ -30,6 +30,7 @@ use schedc_program::interp::{
 use schedc_program::mesh::Dim;
 use schedc_program::model::Scope;
 use schedc_program::{Buf, Op, Part, Pass, ProgramSet, RankProgram, StreamKind};
+use schedc_program::{Granularity, ModelConfig};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -106,8 +107,8 @@ pub struct GpuResult {
 }
 
 /// The communicator index of every stream kind of the program set (the same list on every
-/// rank): compute first, then the communication channels in order; one more, after them,
-/// carries the losses.
+/// rank): compute first, then the communication channels in order, then the EP stream of
+/// MoE parts if any rank has one; one more, after them, carries the losses.
 pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     let mut kinds: Vec<StreamKind> = vec![StreamKind::Compute];
     let mut chans: Vec<u32> = set
@@ -116,7 +117,7 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
         .flat_map(|r| &r.streams)
         .filter_map(|s| match s.kind {
             StreamKind::Comm { channel } => Some(channel),
-            StreamKind::Compute => None,
+            StreamKind::Compute | StreamKind::Ep => None,
         })
         .collect();
     chans.sort();
@@ -126,6 +127,14 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
             .into_iter()
             .map(|channel| StreamKind::Comm { channel }),
     );
+    if set
+        .ranks
+        .iter()
+        .flat_map(|r| &r.streams)
+        .any(|s| s.kind == StreamKind::Ep)
+    {
+        kinds.push(StreamKind::Ep);
+    }
     kinds
 }
 
@@ -169,6 +178,8 @@ pub struct RankDev<'a> {
     gpu: &'a dyn Gpu,
     prog: &'a RankProgram,
     set: &'a ProgramSet,
+    /// schedc's model the kernels belong to (model-granularity programs only).
+    cfg: &'a ModelConfig,
     dims: Dims,
     streams: Vec<StreamId>,
     comms: Vec<usize>,
@@ -217,7 +228,14 @@ impl<'a> RankDev<'a> {
         loss_reduce: Option<(&'a dyn Collectives, usize)>,
     ) -> Result<RankDev<'a>, String> {
         let m = &set.manifest;
-        let cfg = &m.model;
+        let cfg = match (&m.model, m.granularity) {
+            (Some(cfg), Granularity::Model) => cfg,
+            (_, gran) => {
+                return Err(format!(
+                    "the programs are at {gran} granularity, without schedc's model; the CUDA backend runs model-granularity programs (`schedc compile` without `--granularity stage`)"
+                ))
+            }
+        };
         let dims = Dims::new(cfg, &m.mesh, gpu.dtype())?;
         let streams = prog
             .streams
@@ -267,6 +285,7 @@ impl<'a> RankDev<'a> {
             gpu,
             prog,
             set,
+            cfg,
             batching: Batching {
                 shards: m.mesh.data_shards() as usize,
                 microbatches: mt,
@@ -324,7 +343,7 @@ impl<'a> RankDev<'a> {
     }
 
     fn model(&self) -> Model<'_> {
-        let cfg = &self.set.manifest.model;
+        let cfg = self.cfg;
         Model {
             gpu: self.gpu,
             dims: &self.dims,
@@ -342,7 +361,7 @@ impl<'a> RankDev<'a> {
         let idx = self
             .batching
             .index(self.step, self.prog.data_shard as usize, gmb);
-        let cfg = &self.set.manifest.model;
+        let cfg = self.cfg;
         let (tokens, targets) = self.data.sequence(idx, cfg.seq_len)?;
         let lo = self.prog.coords.sp as usize * self.dims.t;
         let hi = lo + self.dims.t;
@@ -433,7 +452,7 @@ impl<'a> RankDev<'a> {
             let named = named(&self.stages[si].layout, &g, true);
             self.grads.push((self.step, stage, named));
         }
-        let cfg = &self.set.manifest.model;
+        let cfg = self.cfg;
         let m = Model {
             gpu: self.gpu,
             dims: &self.dims,
@@ -648,6 +667,9 @@ impl Device for RankDev<'_> {
             Op::Alloc { .. } | Op::Free { .. } | Op::Record { .. } | Op::Wait { .. } => {
                 Err(format!("`{op}` is the interpreter's"))
             }
+            Op::Overlap { .. } | Op::Collective { .. } => Err(format!(
+                "`{op}` is a stage-granularity op; the CUDA backend runs schedc's model"
+            )),
             Op::Kernel(k) => self.kernel(stream, k).map(|_| Ready::Done),
             Op::Send { .. } | Op::Recv { .. } if self.transport.groups_messages() => {
                 self.post_group(stream)

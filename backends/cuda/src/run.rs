@@ -132,6 +132,20 @@ pub struct RunReport {
     /// With `--verify`: the largest relative parameter difference after the last step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_rel_param_err: Option<f64>,
+    /// With `--verify`: where the largest differences are (as for the CPU backend).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worst: Option<schedc_cpu::Worst>,
+    /// With `--verify`: the tolerance judged, the CPU backend's f32 one
+    /// ([`schedc_cpu::Tolerance::of`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tolerance: Option<schedc_cpu::Tolerance>,
+    /// With `--verify`: true if every judged difference is within its tolerance (NaN never
+    /// is); `schedc run` exits 1 otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verify_passed: Option<bool>,
+    /// With `--verify`, when it failed: which difference, its value and its tolerance.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verify_failure: Option<String>,
     /// Device memory of each rank run by this process.
     pub memory: Vec<RankMemory>,
     /// The largest total over those ranks (bytes).
@@ -164,11 +178,17 @@ impl RunReport {
             self.instructions_per_step,
             self.tokens_per_step,
         );
-        if let (Some(first), Some(last)) = (self.loss.first(), self.loss.last()) {
-            s += &format!(
-                "loss: {first:.4} (step 0) -> {last:.4} (step {})\n",
-                self.loss.len() - 1
-            );
+        match (self.loss.first(), self.loss.last()) {
+            (Some(only), _) if self.loss.len() == 1 => {
+                s += &format!("loss: {only:.4} (one step)\n")
+            }
+            (Some(first), Some(last)) => {
+                s += &format!(
+                    "loss: {first:.4} (step 0) -> {last:.4} (step {})\n",
+                    self.loss.len() - 1
+                )
+            }
+            _ => {}
         }
         s += &format!("pipelined: {:.3} s\n", self.seconds);
         if let (Some(g), Some(l), Some(p)) = (
@@ -176,7 +196,20 @@ impl RunReport {
             self.max_abs_loss_err,
             self.max_rel_param_err,
         ) {
-            s += &format!("verify: max_rel_grad_err {g:.3e}, max_abs_loss_err {l:.3e}, max_rel_param_err {p:.3e}\n");
+            let verdict = match self.verify_passed {
+                Some(true) => "passed",
+                _ => "FAILED",
+            };
+            s += &format!("verify {verdict}: max_rel_grad_err {g:.3e}, max_abs_loss_err {l:.3e}, max_rel_param_err {p:.3e} (tolerance f32: first-step gradients 1e-3, losses 2% relative)\n");
+            if let Some(f) = &self.verify_failure {
+                s += &format!("  failed: {f}\n");
+            }
+            if let Some(w) = &self.worst {
+                s += &format!(
+                    "  worst gradient: {}; worst loss: step {}; worst parameter: {}\n",
+                    w.grad, w.loss_step, w.param
+                );
+            }
         }
         s += &format!(
             "device: {} ({} mode), peak device memory per rank {:.1} MiB\n",
@@ -318,7 +351,7 @@ fn report(
         mode: cfg.mode,
         device,
         steps: cfg.steps,
-        tokens_per_step: batching.tokens(m.model.seq_len),
+        tokens_per_step: batching.tokens(cfg.model.seq_len),
         instructions_per_step: set.len(),
         verified,
         loss: res.losses.clone(),
@@ -326,13 +359,17 @@ fn report(
         max_rel_grad_err: None,
         max_abs_loss_err: None,
         max_rel_param_err: None,
+        worst: None,
+        tolerance: None,
+        verify_passed: None,
+        verify_failure: None,
         memory: res.memory.clone(),
         peak_device_memory: res.memory.iter().map(|x| x.total()).max().unwrap_or(0),
         seconds: res.seconds,
     };
     if cfg.verify {
         let r = reference::<f32>(
-            &m.model,
+            &cfg.model,
             m.model_stages as usize,
             batching,
             data,
@@ -343,11 +380,29 @@ fn report(
         let ex = as_exec_result(res);
         let c = compare(&ex, &r).map_err(RunError::Config)?;
         rep.reference_loss = Some(r.losses);
-        rep.max_rel_grad_err = Some(c.max_rel_grad_err);
-        rep.max_abs_loss_err = Some(c.max_abs_loss_err);
-        rep.max_rel_param_err = Some(c.max_rel_param_err);
+        rep.judge(c);
     }
     Ok(rep)
+}
+
+impl RunReport {
+    /// Records `--verify`'s comparison and its verdict under the CPU backend's f32 tolerance
+    /// ([`schedc_cpu::Tolerance::of`]; a NaN difference never passes).
+    pub fn judge(&mut self, c: schedc_cpu::exec::Comparison) {
+        self.max_rel_grad_err = Some(c.max_rel_grad_err);
+        self.max_abs_loss_err = Some(c.max_abs_loss_err);
+        self.max_rel_param_err = Some(c.max_rel_param_err);
+        let tol = schedc_cpu::Tolerance::of(schedc_cpu::DType::F32);
+        let judged = tol.judge(&c);
+        self.verify_passed = Some(judged.is_ok());
+        self.verify_failure = judged.err();
+        self.tolerance = Some(tol);
+        self.worst = Some(schedc_cpu::Worst {
+            grad: c.worst_grad,
+            loss_step: c.worst_loss_step,
+            param: c.worst_param,
+        });
+    }
 }
 
 /// A GPU run in the CPU executor's result type (for its comparisons).
@@ -358,5 +413,76 @@ pub fn as_exec_result(r: &GpuResult) -> ExecResult {
         params: r.params.clone(),
         seconds: r.seconds,
         instructions: r.instructions,
+        trace: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(loss: Vec<f64>) -> RunReport {
+        RunReport {
+            pp: 2,
+            microbatches: 2,
+            directions: 1,
+            stages: 2,
+            mesh: "pp=2".into(),
+            world: 2,
+            dtype: DType::F32,
+            mode: Mode::Single,
+            device: "test".into(),
+            steps: loss.len(),
+            tokens_per_step: 8,
+            instructions_per_step: 10,
+            verified: VerifyReport {
+                ops: 10,
+                messages: 2,
+                collectives: 0,
+                peak_stash: vec![2, 1],
+            },
+            loss,
+            reference_loss: None,
+            max_rel_grad_err: None,
+            max_abs_loss_err: None,
+            max_rel_param_err: None,
+            worst: None,
+            tolerance: None,
+            verify_passed: None,
+            verify_failure: None,
+            memory: Vec::new(),
+            peak_device_memory: 0,
+            seconds: 0.5,
+        }
+    }
+
+    fn comparison(grad: f64) -> schedc_cpu::exec::Comparison {
+        schedc_cpu::exec::Comparison {
+            max_rel_grad_err: grad,
+            first_step_rel_grad_err: grad,
+            worst_grad: "layer0.wq at step 0 on rank 1".into(),
+            ..Default::default()
+        }
+    }
+
+    // Issue 11, item 4 for the CUDA backend: --verify judges (NaN fails) and names the worst
+    // tensor, step and rank; item 33: one step's loss is one figure.
+    #[test]
+    fn verify_verdict_and_one_step_loss() {
+        let mut r = report(vec![5.8131]);
+        r.judge(comparison(1e-5));
+        assert_eq!(r.verify_passed, Some(true));
+        let h = r.to_human();
+        assert!(h.contains("loss: 5.8131 (one step)"), "{h}");
+        assert!(h.contains("verify passed"), "{h}");
+        for bad in [2e-3, f64::NAN] {
+            let mut r = report(vec![5.8131, 5.5]);
+            r.judge(comparison(bad));
+            assert_eq!(r.verify_passed, Some(false), "{bad}");
+            let h = r.to_human();
+            assert!(h.contains("verify FAILED"), "{h}");
+            assert!(h.contains("layer0.wq at step 0 on rank 1"), "{h}");
+            assert!(h.contains("(step 0) -> 5.5000 (step 1)"), "{h}");
+        }
     }
 }

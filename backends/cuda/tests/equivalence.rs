@@ -17,6 +17,19 @@ use schedc_program::{LowerOptions, ProgramSet};
 use std::collections::HashMap;
 
 fn lower(name: &str, pp: u32, mb: u32, mesh: &str, cfg: &ModelConfig) -> ProgramSet {
+    lower_with(name, pp, mb, mesh, cfg, false)
+}
+
+/// `lower`, with `moe`: split every stage into MoE parts first (`--moe=all`; the
+/// programs then have an `ep` stream).
+fn lower_with(
+    name: &str,
+    pp: u32,
+    mb: u32,
+    mesh: &str,
+    cfg: &ModelConfig,
+    moe: bool,
+) -> ProgramSet {
     let path = format!("{}/../../specs/{name}.sched", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(&path).unwrap();
     let ov = Overrides {
@@ -24,7 +37,11 @@ fn lower(name: &str, pp: u32, mb: u32, mesh: &str, cfg: &ModelConfig) -> Program
         microbatches: Some(mb),
         ..Default::default()
     };
-    let src = load_spec(&text, &ov).unwrap().program;
+    let mut src = load_spec(&text, &ov).unwrap().program;
+    if moe {
+        let all: Vec<u32> = (0..src.pipeline.stages).collect();
+        src = schedc::moe::split(&src, None, &all).0;
+    }
     let mesh: Mesh = mesh.parse().unwrap();
     ProgramSet::lower(&src, &mesh, cfg, LowerOptions::default()).unwrap()
 }
@@ -91,7 +108,19 @@ fn compare(gpu: &GpuResult, cpu: &ExecResult) -> Diff {
 }
 
 fn case(name: &str, pp: u32, mb: u32, mesh: &str, cfg: &ModelConfig, steps: usize) -> Diff {
-    let set = lower(name, pp, mb, mesh, cfg);
+    case_with(name, pp, mb, mesh, cfg, steps, false)
+}
+
+fn case_with(
+    name: &str,
+    pp: u32,
+    mb: u32,
+    mesh: &str,
+    cfg: &ModelConfig,
+    steps: usize,
+    moe: bool,
+) -> Diff {
+    let set = lower_with(name, pp, mb, mesh, cfg, moe);
     let data = Data::builtin();
     // SGD: Adam turns gradients near its epsilon (an expert with few rows in the tiny
     // model) into steps whose size depends on their last bits; the adam kernel is checked
@@ -153,6 +182,14 @@ fn expert_sequence_and_data_parallel_groups_equal_the_cpu() {
     assert_close(&case("zb_h1", 2, 4, "pp=2,sp=2", &cfg, 2));
     assert_close(&case("1f1b", 2, 4, "pp=2,dp=2", &cfg, 2));
     assert_close(&case("dualpipe", 2, 4, "pp=2,ep=2", &cfg, 2));
+}
+
+#[test]
+fn moe_parts_with_their_ep_stream_equal_the_cpu() {
+    // `--moe`: the all-to-alls of MoE parts on the `ep` stream (its own communicator).
+    let cfg = ModelConfig::tiny();
+    assert_close(&case_with("dualpipe", 2, 4, "pp=2,ep=2", &cfg, 2, true));
+    assert_close(&case_with("1f1b", 2, 4, "pp=2,ep=2", &cfg, 2, true));
 }
 
 #[test]

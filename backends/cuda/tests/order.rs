@@ -66,7 +66,12 @@ fn check_rank(
     log: &[(Option<StreamId>, Call)],
     nccl: bool,
 ) -> Result<(), String> {
-    let dims = Dims::new(&set.manifest.model, &set.manifest.mesh, DType::F32)?;
+    let model = set
+        .manifest
+        .model
+        .as_ref()
+        .ok_or("a model-granularity program has schedc's model")?;
+    let dims = Dims::new(model, &set.manifest.mesh, DType::F32)?;
     let kinds = stream_kinds(set);
     let r = prog.rank;
     for (s, stream) in prog.streams.iter().enumerate() {
@@ -523,4 +528,43 @@ fn the_checks_catch_a_reordered_stream_and_an_asymmetric_group() {
         .unwrap();
     broken[1].remove(at);
     assert!(check_symmetric(&broken).is_err());
+}
+
+/// Stage-granularity programs (`schedc compile --granularity stage`, for a runtime of the
+/// user's model) have no schedc model: the driver refuses them on every rank with a sentence
+/// naming the granularity, before any device work.
+#[test]
+fn stage_granularity_programs_are_refused() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let text = std::fs::read_to_string(format!("{root}/../../specs/dualpipev.sched")).unwrap();
+    let ov = Overrides {
+        pp: Some(2),
+        microbatches: Some(4),
+        ..Default::default()
+    };
+    let src = load_spec(&text, &ov).unwrap().program;
+    let opts = LowerOptions {
+        granularity: schedc_program::Granularity::Stage,
+        ..Default::default()
+    };
+    let mesh: Mesh = "pp=2".parse().unwrap();
+    let set = ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), opts).unwrap();
+    assert!(set.manifest.model.is_none());
+    let recs: Vec<Recorder> = set
+        .ranks
+        .iter()
+        .map(|p| Recorder::new(p.rank, DType::F32))
+        .collect();
+    let gpus: Vec<&dyn schedc_cuda::api::Gpu> = recs
+        .iter()
+        .map(|r| r as &dyn schedc_cuda::api::Gpu)
+        .collect();
+    let Err(err) = execute_on(&gpus, &set, &Data::builtin(), &ExecOptions::default()) else {
+        panic!("a stage-granularity program must be refused");
+    };
+    let msg = err.to_string();
+    assert!(
+        msg.contains("stage granularity") && msg.contains("model-granularity"),
+        "{msg}"
+    );
 }

@@ -37,13 +37,44 @@
 //! `experts`, `dispatch_grad`, `attn`, `scatter_kv_grad`, `qkv`); `W` is one `weights`
 //! kernel. With a group of one, an all-to-all hands the packet to the rank itself.
 //!
+//! ### Stage granularity ([`Granularity::Stage`])
+//!
+//! For a runtime that runs the user's own model (opaque to schedc), the kernels are the
+//! schedule's ops themselves: one [`Kernel`] with [`Part::Stage`] per `F`, `B`, `W` and `BW`
+//! of a (stage, micro-batch) (a `BW` stays one kernel, [`Pass::BW`]), or per MoE part
+//! (`attn`, `dispatch`, `mlp`, `combine`) when the schedule splits the op, in the schedule's
+//! order. A forward's first piece waits for its input and allocates the stash, its last
+//! writes the output activation; a backward's first piece waits for the received gradient,
+//! its last writes the input gradient; `BW` and `W` release the stash. An overlapped pair
+//! (`F&BW`, DualPipe's F&B chunk) is one [`Op::Overlap`], which a runtime may interleave;
+//! the schedule's own collectives (`A2A(comm, label)`) are [`Op::Collective`]s on the comm
+//! stream, in program order. No [`Op::AllToAll`]: the user's MoE pieces do their own. The
+//! manifest has no model; the mesh may have `pp`, `dp` and `ep` dimensions.
+//!
+//! **MoE parts** (a schedule lowered with `--moe`, `schedc::moe`): an op split into `attn`,
+//! `dispatch`, `mlp` and `combine` runs the same kernels, but part by part and layer by
+//! layer, and its four EP all-to-alls go to the [`StreamKind::Ep`] stream, bracketed by
+//! events, so that the compute stream runs the other chunk's parts while they are in flight.
+//! Per layer `l` (a forward from the first layer, a backward from the last):
+//!
+//! | part | forward | backward |
+//! |---|---|---|
+//! | `attn` | (`embed`,) the previous layer's `combine` kernel, `qkv`, `gather_kv`, `attn` | `attn`, `scatter_kv_grad`, `qkv` |
+//! | `dispatch` | EP: `dispatch` | EP: `dispatch_grad` |
+//! | `mlp` | `experts` | `experts` |
+//! | `combine` | EP: `combine`; its `combine` kernel waits for the op's next compute part or the end of the group (then `head`) | (`head`,) `combine`, then EP: `combine_grad` |
+//!
+//! Parts that interleave (an overlapped F&B pair) form a group; the group's part order is
+//! run once per layer, so each layer's all-to-alls hide under the other chunk's compute of
+//! that layer.
+//!
 //! One step: `alloc weight_grad` (zeroed) for every local stage; the schedule's compute ops
 //! and messages; `ReplicaSum` (DualPipe: ranks `r` and `P-1-r` exchange and add the
 //! gradients of the model stage they both hold), `AllReduce` of the dense gradients over
 //! `dp x ep x sp` and of the expert gradients over `dp x sp`; `OptimizerStep`. Every
 //! replica then holds the sum over the whole global batch and takes the same step.
 //!
-//! ## Verification ([`verify`])
+//! ## Verification ([`verify`](crate::verify()))
 //!
 //! * every `wait` has exactly one `record` of its event on the rank;
 //! * per rank, under happens-before (stream order plus record→wait edges): every buffer is
@@ -51,7 +82,8 @@
 //!   before it, and no two accesses of which one writes are unordered (no race between
 //!   streams);
 //! * all ranks together run to completion (sends eager, receives and collectives
-//!   blocking): every message and collective is matched, no wait-for cycle;
+//!   blocking): every message and collective is matched (the k-th [`Op::Collective`] of a
+//!   communicator on one member with the k-th on every other), no wait-for cycle;
 //! * the source IR program passes schedc's checker (deadlock freedom under rendezvous
 //!   semantics, which the programs keep: each rank's messages are in the IR's order).
 
@@ -62,7 +94,47 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Version of the JSON format written by [`ProgramSet::write_dir`].
-pub const FORMAT_VERSION: u32 = 1;
+///
+/// 2: the manifest says its [`Granularity`] and lists every process group
+/// ([`Manifest::groups`]) and channel ([`Manifest::channels`]); stage-granularity kernels
+/// ([`Part::Stage`], [`Pass::BW`]), [`Op::Overlap`] and [`Op::Collective`].
+pub const FORMAT_VERSION: u32 = 2;
+
+/// What a kernel is: a piece of schedc's own model, or one whole stage of the user's model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Granularity {
+    /// schedc's MoE transformer, per layer (`qkv`, `attn`, `experts`, `combine`, with the
+    /// sequence- and expert-parallel all-to-alls): what the CPU backend runs.
+    #[default]
+    Model,
+    /// One kernel per F, B, W or BW of a (stage, micro-batch), or per MoE part when the
+    /// schedule splits the op into parts: the granularity of a runtime that runs the user's
+    /// own, opaque model (`backends/torch/schedc_torch_runtime.py`).
+    Stage,
+}
+
+impl fmt::Display for Granularity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Granularity::Model => "model",
+            Granularity::Stage => "stage",
+        })
+    }
+}
+
+impl std::str::FromStr for Granularity {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "model" => Ok(Granularity::Model),
+            "stage" => Ok(Granularity::Stage),
+            _ => Err(format!(
+                "unknown granularity `{s}`: expected `model` (schedc's own model, per layer) or `stage` (one kernel per stage op, for the user's model)"
+            )),
+        }
+    }
+}
 
 /// A buffer of a rank program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -143,6 +215,10 @@ pub enum StreamKind {
         /// The IR channel.
         channel: u32,
     },
+    /// The expert-parallel stream: the dispatch and combine all-to-alls of MoE parts (a
+    /// `--moe` schedule), so that they run under another chunk's compute. Present only in
+    /// programs lowered from MoE parts; always the last stream.
+    Ep,
 }
 
 impl fmt::Display for StreamKind {
@@ -151,19 +227,23 @@ impl fmt::Display for StreamKind {
             StreamKind::Compute => f.write_str("compute"),
             StreamKind::Comm { channel: 0 } => f.write_str("comm"),
             StreamKind::Comm { channel } => write!(f, "comm@{channel}"),
+            StreamKind::Ep => f.write_str("ep"),
         }
     }
 }
 
-/// Forward, input gradient, weight gradient.
+/// Forward, input gradient, weight gradient, fused backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Pass {
     /// Forward.
     F,
-    /// Input gradient.
+    /// Input gradient (torch's `I`).
     B,
     /// Weight gradient.
     W,
+    /// Input and weight gradients in one kernel (torch's `B`); stage granularity only (the
+    /// model granularity lowers a `BW` into its `B` kernels and a `W` kernel).
+    BW,
 }
 
 /// Which piece of a stage a kernel runs.
@@ -200,6 +280,18 @@ pub enum Part {
     Head,
     /// Every weight gradient of the stage (pass `W`).
     Weights,
+    /// Stage granularity: the whole stage of the user's model for the kernel's pass, or one
+    /// MoE part of it (`moe`: `attn`, `dispatch`, `mlp`, `combine`, the schedule's parts, in
+    /// the order the schedule gives them; `whole` is left out of the JSON).
+    Stage {
+        /// The MoE part, or `whole`.
+        #[serde(default, skip_serializing_if = "is_whole")]
+        moe: schedc_ir::Part,
+    },
+}
+
+fn is_whole(p: &schedc_ir::Part) -> bool {
+    *p == schedc_ir::Part::Whole
 }
 
 /// A compute kernel on `(stage, mb)`, with the buffers it touches.
@@ -324,6 +416,28 @@ pub enum Op {
         /// Stage.
         stage: u32,
     },
+    /// Stage granularity: a forward and a backward of different (stage, micro-batch) that
+    /// the schedule issues as one overlapped pair (DualPipe's F&B chunk, torch's
+    /// `OVERLAP_F_B`). A runtime may interleave their pieces (the user's
+    /// `overlapped_forward_backward`) or run `fwd` then `bwd`. Reads and writes what both
+    /// kernels do.
+    Overlap {
+        /// The forward kernel.
+        fwd: Kernel,
+        /// The backward kernel (`B` or `BW`).
+        bwd: Kernel,
+    },
+    /// Stage granularity: one of the schedule's own collectives (`A2A(comm, label)`) on
+    /// communicator `comm`; every member issues the same sequence. Carries no buffer: a
+    /// runtime synchronizes the group (or calls the user's hook for it).
+    Collective {
+        /// The communicator's name in the schedule.
+        comm: String,
+        /// The call's label.
+        label: String,
+        /// The members, global ranks in order.
+        group: Vec<u32>,
+    },
 }
 
 impl fmt::Display for Kernel {
@@ -336,6 +450,21 @@ impl fmt::Display for Kernel {
             Part::Combine { layer } => format!("combine[{layer}]"),
             Part::Head => "head".to_string(),
             Part::Weights => "weights".to_string(),
+            Part::Stage { moe } => {
+                return match moe {
+                    schedc_ir::Part::Whole => {
+                        write!(f, "{:?}({},{})", self.pass, self.stage, self.mb)
+                    }
+                    p => write!(
+                        f,
+                        "{:?}({},{}).{}",
+                        self.pass,
+                        self.stage,
+                        self.mb,
+                        p.as_str()
+                    ),
+                };
+            }
         };
         write!(f, "{:?}({},{}).{part}", self.pass, self.stage, self.mb)
     }
@@ -380,6 +509,10 @@ impl fmt::Display for Op {
                 "all_reduce {scope:?} weight_grad({stage}) over {group:?}"
             ),
             Op::OptimizerStep { stage } => write!(f, "optimizer_step stage {stage}"),
+            Op::Overlap { fwd, bwd } => write!(f, "{fwd} & {bwd}"),
+            Op::Collective { comm, label, group } => {
+                write!(f, "collective {comm}:{label} over {group:?}")
+            }
         }
     }
 }
@@ -403,9 +536,22 @@ impl Op {
                 (vec![b], vec![b])
             }
             Op::OptimizerStep { stage } => (vec![Buf::WeightGrad { stage: *stage }], vec![]),
-            Op::Alloc { .. } | Op::Free { .. } | Op::Record { .. } | Op::Wait { .. } => {
-                (vec![], vec![])
+            Op::Overlap { fwd, bwd } => {
+                let mut r = fwd.reads.clone();
+                r.extend(&bwd.reads);
+                let mut w = fwd.writes.clone();
+                w.extend(&bwd.writes);
+                r.sort();
+                r.dedup();
+                w.sort();
+                w.dedup();
+                (r, w)
             }
+            Op::Alloc { .. }
+            | Op::Free { .. }
+            | Op::Record { .. }
+            | Op::Wait { .. }
+            | Op::Collective { .. } => (vec![], vec![]),
         }
     }
 }
@@ -453,7 +599,7 @@ pub struct RankProgram {
     /// The stages it holds, in reduction order (model stage, then direction).
     pub stages: Vec<LocalStage>,
     /// `compute`, then `comm` (channel 0), then the other channels' comm streams in
-    /// increasing channel order.
+    /// increasing channel order, then (for MoE parts only) the `ep` stream.
     pub streams: Vec<Stream>,
     /// Number of events (ids `0..events`).
     pub events: u32,
@@ -464,6 +610,8 @@ pub struct RankProgram {
 pub struct Manifest {
     /// [`FORMAT_VERSION`].
     pub format_version: u32,
+    /// What the kernels are: schedc's model per layer, or the user's stages.
+    pub granularity: Granularity,
     /// Pipeline ranks P.
     pub pp: u32,
     /// IR stage ids S (both directions for DualPipe).
@@ -478,14 +626,26 @@ pub struct Manifest {
     pub stage_to_rank: Vec<u32>,
     /// Model stages (stages per direction).
     pub model_stages: u32,
-    /// The model the kernels belong to.
-    pub model: ModelConfig,
+    /// The model the kernels belong to (model granularity; none at stage granularity, where
+    /// the model is the user's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelConfig>,
     /// The mesh.
     pub mesh: Mesh,
     /// Global ranks.
     pub world: u32,
     /// Files written by [`ProgramSet::write_dir`], rank order.
     pub files: Vec<String>,
+    /// Every group of global ranks some rank program runs a collective over (all-to-alls,
+    /// replica sums, all-reduces, the schedule's collectives), sorted, each once: a runtime
+    /// whose group creation is collective over the world (`torch.distributed.new_group`)
+    /// creates them all, in this order, on every rank.
+    #[serde(default)]
+    pub groups: Vec<Vec<u32>>,
+    /// The IR channels the rank programs' comm streams use (0 always), increasing: a runtime
+    /// gives each its own in-order communicator.
+    #[serde(default)]
+    pub channels: Vec<u32>,
 }
 
 /// Every rank's program and the manifest.

@@ -9,7 +9,9 @@
 //! completes:
 //!
 //! * `record e` marks the event done; `wait e` is ready once `e` is recorded (CUDA's
-//!   `cudaEventRecord` / `cudaStreamWaitEvent`);
+//!   `cudaEventRecord` / `cudaStreamWaitEvent`). After a `record` the compute stream
+//!   yields to the others for the rest of the round, so that a communication stream
+//!   waiting for the event posts its work (an all-to-all) before the next kernel runs;
 //! * `alloc b` / `free b` are checked here (a buffer allocated twice, freed or used while not
 //!   allocated, or still allocated at the end of a step is an error naming the rank, step,
 //!   stream and instruction) and then handed to [`Device::alloc`] / [`Device::free`];
@@ -439,6 +441,11 @@ pub fn run_rank<D: Device>(
                             issued[s] = false;
                             blocked[s] = None;
                             moved = true;
+                            if s == 0 && matches!(op, Op::Record { .. }) {
+                                // Let the streams that wait for it post their work (an
+                                // all-to-all) before the next kernel runs.
+                                break;
+                            }
                         }
                         Ok(Ready::Blocked(what)) => {
                             blocked[s] = Some(what);

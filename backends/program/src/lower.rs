@@ -10,6 +10,8 @@ use std::collections::HashMap;
 /// Lowering switches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LowerOptions {
+    /// What the kernels are (default: schedc's model, per layer).
+    pub granularity: Granularity,
     /// Injected bug (tests only): DualPipe's two copies of a stage keep their own
     /// gradients instead of summing them.
     pub bug_skip_replica_sum: bool,
@@ -30,16 +32,32 @@ pub(crate) fn rejected(out: &schedc::check::Outcome) -> Option<String> {
 
 impl ProgramSet {
     /// Lowers a schedule (compute-only IR, which schedc lowers first, or already lowered)
-    /// for `mesh` and `model`. Errors: the schedule fails schedc's checker; the mesh does
-    /// not fit; the schedule has ops this backend does not run (MoE part-split ops, IR
-    /// collectives); the model config is invalid.
+    /// for `mesh` and `model`.
+    ///
+    /// At [`Granularity::Model`] every op becomes schedc's own kernels (see the module docs
+    /// of [`crate::format`]); at [`Granularity::Stage`] every F, B, W, BW (or MoE part of
+    /// one) becomes one kernel on the user's stage, overlapped pairs become [`Op::Overlap`],
+    /// and the schedule's collectives [`Op::Collective`]s (`model` is then not used).
+    ///
+    /// Errors: the schedule fails schedc's checker; the mesh does not fit (at stage
+    /// granularity: only its pipeline size is checked, and `tp`, `sp` must be 1); at model
+    /// granularity, the schedule has ops the model's kernels do not cover (see below) or the
+    /// model config is invalid.
+    ///
+    /// MoE parts (`--moe`) at model granularity run as described in [`crate::format`]: layer
+    /// by layer, their EP all-to-alls on the `ep` stream; refused there: IR collectives, a `W`
+    /// in parts, interleaved parts of ops that depend on each other when a stage has more than
+    /// one layer.
     pub fn lower(
         source: &Program,
         mesh: &Mesh,
         model: &ModelConfig,
         opts: LowerOptions,
     ) -> Result<ProgramSet, ProgramError> {
-        model.validate().map_err(ProgramError::Model)?;
+        let stage = opts.granularity == Granularity::Stage;
+        if !stage {
+            model.validate().map_err(ProgramError::Model)?;
+        }
         let out = schedc::check::check(source, None, &Default::default());
         if let Some(why) = rejected(&out) {
             return Err(ProgramError::Rejected(why));
@@ -48,45 +66,55 @@ impl ProgramSet {
             .checked
             .ok_or_else(|| ProgramError::Rejected("no checked program".into()))?;
         let pl = &ir.pipeline;
-        mesh.validate(
-            None,
-            &Fit {
+        let fit = if stage {
+            for d in [Dim::Tp, Dim::Sp] {
+                if mesh.size(d) > 1 {
+                    return Err(ProgramError::Unsupported(format!(
+                        "a `{}` dimension at stage granularity: the user's model does its own tensor and sequence parallelism inside a stage; give the mesh pp, dp and ep only",
+                        d.as_str()
+                    )));
+                }
+            }
+            Fit {
+                pp: pl.pp,
+                experts: mesh.size(Dim::Ep),
+                heads: 1,
+                hidden: 1,
+                expert_hidden: 1,
+                seq_len: 1,
+            }
+        } else {
+            Fit {
                 pp: pl.pp,
                 experts: model.experts as u32,
                 heads: model.heads as u32,
                 hidden: model.hidden as u32,
                 expert_hidden: model.expert_hidden as u32,
                 seq_len: model.seq_len as u32,
-            },
-        )?;
-        for (r, instrs) in ir.ranks.iter().enumerate() {
+            }
+        };
+        mesh.validate(None, &fit)?;
+        // The model's kernels cover whole ops only; the user's stages take parts and
+        // collectives too.
+        for (r, instrs) in ir.ranks.iter().enumerate().filter(|_| !stage) {
             for ins in instrs {
-                let mut bad = None;
-                ins.for_each_compute(|c| {
-                    if c.part != IrPart::Whole {
-                        bad = Some(format!(
-                            "rank {r} has an MoE part-split op ({}); the CPU backend runs whole-stage ops and makes the all-to-alls itself",
-                            schedc::passes::compute_str(c)
-                        ));
-                    }
-                });
                 if ins.comms().iter().any(|c| matches!(c, Comm::Collective(_))) {
-                    bad = Some(format!(
-                        "rank {r} has an IR collective; the CPU backend makes the expert-parallel all-to-alls itself"
-                    ));
-                }
-                if let Some(b) = bad {
-                    return Err(ProgramError::Unsupported(b));
+                    return Err(ProgramError::Unsupported(format!(
+                        "rank {r} has an IR collective; the CPU backend makes the expert-parallel all-to-alls of MoE parts itself (over the mesh's EP group: lower with --moe instead of writing A2A)"
+                    )));
                 }
             }
         }
         let world = mesh.world();
+        let by_rank = ir.pipeline.stages_by_rank();
         let ranks = (0..world)
-            .map(|g| lower_rank(&ir, mesh, model, g, opts))
+            .map(|g| lower_rank(&ir, mesh, model, g, opts, &by_rank))
             .collect::<Result<Vec<_>, _>>()?;
+        let (groups, channels) = groups_and_channels(&ranks);
         Ok(ProgramSet {
             manifest: Manifest {
                 format_version: FORMAT_VERSION,
+                granularity: opts.granularity,
                 pp: pl.pp,
                 stages: pl.stages,
                 microbatches: pl.microbatches,
@@ -94,19 +122,55 @@ impl ProgramSet {
                 placement: pl.placement,
                 stage_to_rank: pl.stage_to_rank.clone(),
                 model_stages: pl.stages_per_direction(),
-                model: model.clone(),
+                model: (!stage).then(|| model.clone()),
                 mesh: mesh.clone(),
                 world,
                 files: (0..world).map(|g| format!("rank{g}.json")).collect(),
+                groups,
+                channels,
             },
             ranks,
         })
     }
 }
 
+/// Every collective group of the rank programs (each sorted, each once) and every channel of
+/// their comm streams (increasing, 0 included).
+fn groups_and_channels(ranks: &[RankProgram]) -> (Vec<Vec<u32>>, Vec<u32>) {
+    let mut groups = std::collections::BTreeSet::new();
+    let mut channels = std::collections::BTreeSet::from([0u32]);
+    for rp in ranks {
+        for st in &rp.streams {
+            if let StreamKind::Comm { channel } = st.kind {
+                channels.insert(channel);
+            }
+            for op in &st.ops {
+                match op {
+                    Op::AllToAll { group, .. }
+                    | Op::AllReduce { group, .. }
+                    | Op::Collective { group, .. } => {
+                        let mut g = group.clone();
+                        g.sort_unstable();
+                        groups.insert(g);
+                    }
+                    Op::ReplicaSum { peer, .. } => {
+                        let mut g = vec![rp.rank, *peer];
+                        g.sort_unstable();
+                        groups.insert(g);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    (groups.into_iter().collect(), channels.into_iter().collect())
+}
+
 struct Builder {
     compute: Vec<Op>,
     comm: Vec<Op>,
+    /// The expert-parallel stream (MoE parts' all-to-alls).
+    ep: Vec<Op>,
     channels: std::collections::BTreeMap<u32, Vec<Op>>,
     events: u32,
 }
@@ -133,17 +197,26 @@ fn lower_rank(
     model: &ModelConfig,
     g: u32,
     opts: LowerOptions,
+    by_rank: &[Vec<u32>],
 ) -> Result<RankProgram, ProgramError> {
     let pl = &ir.pipeline;
     let coords = mesh.coords(g)?;
     let r = coords.pp;
     let ep = mesh.size(Dim::Ep);
-    let per = model.experts as u32 / ep;
+    let stage_gran = opts.granularity == Granularity::Stage;
+    // The user's model places its own experts.
+    let per = if stage_gran {
+        0
+    } else {
+        model.experts as u32 / ep
+    };
     let bidir = pl.placement == PlacementKind::Bidir;
     let n_model = pl.stages_per_direction();
     let lps = model.layers_per_stage as u32;
-    let mut stages: Vec<LocalStage> = pl
-        .stages_of(r)
+    let mut stages: Vec<LocalStage> = by_rank
+        .get(r as usize)
+        .cloned()
+        .unwrap_or_default()
         .into_iter()
         .map(|s| {
             let (model_stage, direction) = if bidir {
@@ -176,6 +249,7 @@ fn lower_rank(
     let mut b = Builder {
         compute: Vec::new(),
         comm: Vec::new(),
+        ep: Vec::new(),
         channels: Default::default(),
         events: 0,
     };
@@ -204,8 +278,48 @@ fn lower_rank(
             zero: true,
         });
     }
+    let held = |s: u32| {
+        info(s).ok_or_else(|| ProgramError::Rejected(format!("stage {s} is not held by rank {r}")))
+    };
+    let cx = PartCtx {
+        pl,
+        layers: lps,
+        ep_group: &ep_group,
+        sp_group: &sp_group,
+        recv_ev: &recv_ev,
+        send_ev: &send_ev,
+    };
+    let mut win = Window::default();
     for ins in &ir.ranks[r as usize] {
         match ins {
+            Instr::Compute(c) if stage_gran => {
+                let (pre, k, post) = stage_op(pl, &held(c.stage)?, c, &recv_ev, &send_ev);
+                b.compute.extend(pre);
+                b.compute.push(Op::Kernel(k));
+                b.compute.extend(post);
+            }
+            Instr::Overlap { fwd, bwd } if stage_gran => {
+                let (pf, kf, qf) = stage_op(pl, &held(fwd.stage)?, fwd, &recv_ev, &send_ev);
+                let (pb, kb, qb) = stage_op(pl, &held(bwd.stage)?, bwd, &recv_ev, &send_ev);
+                let pair = fwd.part == IrPart::Whole
+                    && bwd.part == IrPart::Whole
+                    && (fwd.stage, fwd.mb) != (bwd.stage, bwd.mb);
+                if pair {
+                    b.compute.extend(pf);
+                    b.compute.extend(pb);
+                    b.compute.push(Op::Overlap { fwd: kf, bwd: kb });
+                    b.compute.extend(qf);
+                    b.compute.extend(qb);
+                } else {
+                    // Parts, or a stage's own forward and backward: one after the other.
+                    b.compute.extend(pf);
+                    b.compute.push(Op::Kernel(kf));
+                    b.compute.extend(qf);
+                    b.compute.extend(pb);
+                    b.compute.push(Op::Kernel(kb));
+                    b.compute.extend(qb);
+                }
+            }
             Instr::Compute(_) | Instr::Overlap { .. } => {
                 let mut cs = Vec::new();
                 ins.for_each_compute(|c| cs.push(*c));
@@ -213,10 +327,25 @@ fn lower_rank(
                     let st = info(c.stage).ok_or_else(|| {
                         ProgramError::Rejected(format!("stage {} is not held by rank {r}", c.stage))
                     })?;
-                    emit_compute(
-                        &mut b, pl, &st, c.kind, c.mb, lps, &ep_group, &sp_group, &recv_ev,
-                        &send_ev,
-                    );
+                    if c.part != IrPart::Whole {
+                        if c.kind == Kind::W {
+                            return Err(ProgramError::Unsupported(format!(
+                                "rank {r}: {} is a weight gradient in parts; W has no all-to-all and runs whole",
+                                schedc::passes::compute_str(&c)
+                            )));
+                        }
+                        win.push_part(c, st);
+                        if win.open == 0 {
+                            flush_window(&mut b, &cx, &mut win, r)?;
+                        }
+                    } else if !win.items.is_empty() {
+                        win.items.push((c, st));
+                    } else {
+                        emit_compute(
+                            &mut b, pl, &st, c.kind, c.mb, lps, &ep_group, &sp_group, &recv_ev,
+                            &send_ev,
+                        );
+                    }
                 }
             }
             Instr::Comm(_) | Instr::Group(_) => {
@@ -228,15 +357,46 @@ fn lower_rank(
                 // a wait or an allocation before it and a release or a record after it),
                 // so a backend whose sends are rendezvous (NCCL) posts each run as one
                 // group, as the IR's `{...}` means.
+                //
+                // The schedule's collectives (stage granularity; the model granularity
+                // refused them) go on channel 0's stream between its sends and its
+                // receives: posted with the group's messages, they never wait for this
+                // rank's receives, and a backend posts the run of sends, collectives and
+                // receives at once.
                 let comms = ins.comms();
                 let mut channels: Vec<u32> = Vec::new();
                 for c in comms {
                     let ch = match c {
                         Comm::Send { channel, .. } | Comm::Recv { channel, .. } => *channel,
-                        Comm::Collective(_) => continue,
+                        Comm::Collective(_) => 0,
                     };
                     if !channels.contains(&ch) {
                         channels.push(ch);
+                    }
+                }
+                let mut collectives = Vec::new();
+                for c in comms {
+                    if let Comm::Collective(col) = c {
+                        let members = pl
+                            .communicators
+                            .iter()
+                            .find(|x| x.name == col.comm)
+                            .ok_or_else(|| {
+                                ProgramError::Rejected(format!(
+                                    "communicator `{}` is not declared",
+                                    col.comm
+                                ))
+                            })?;
+                        let group = members
+                            .ranks
+                            .iter()
+                            .map(|&p| peer(p))
+                            .collect::<Result<Vec<_>, _>>()?;
+                        collectives.push(Op::Collective {
+                            comm: col.comm.clone(),
+                            label: col.label.clone(),
+                            group,
+                        });
                     }
                 }
                 for ch in channels {
@@ -279,6 +439,9 @@ fn lower_rank(
                             peer: *p,
                         });
                     }
+                    if ch == 0 {
+                        ops.append(&mut collectives);
+                    }
                     for (buf, p) in &recvs {
                         ops.push(Op::Recv {
                             buf: *buf,
@@ -304,6 +467,11 @@ fn lower_rank(
             | Instr::WaitSend(_)
             | Instr::Idle => {}
         }
+    }
+    if !win.items.is_empty() {
+        return Err(ProgramError::Rejected(format!(
+            "rank {r} ends inside an op split into MoE parts (its parts are incomplete)"
+        )));
     }
     // End of step.
     let done = b.event();
@@ -357,6 +525,12 @@ fn lower_rank(
         streams.push(Stream {
             kind: StreamKind::Comm { channel },
             ops,
+        });
+    }
+    if !b.ep.is_empty() {
+        streams.push(Stream {
+            kind: StreamKind::Ep,
+            ops: b.ep,
         });
     }
     Ok(RankProgram {
@@ -552,4 +726,526 @@ fn emit_weights(b: &mut Builder, s: u32, mb: u32) {
         writes: vec![wg],
     }));
     b.compute.push(Op::Free { buf: stash });
+}
+
+/// Stage granularity: what one compute op (or MoE part) of `st` runs on the compute stream:
+/// the waits and allocations before its kernel, the kernel, the releases and send events
+/// after it.
+///
+/// A forward's first piece (the whole op, or its `attn` part) waits for its received input,
+/// allocates the stash and releases the input; its last piece (whole, or `combine`) writes
+/// the output activation and records the event its send waits for. A backward's first
+/// piece (whole, or `combine`, the parts' reverse order) waits for and releases the
+/// received gradient; its last piece (whole, or `attn`) writes the input gradient; a `BW`
+/// accumulates into `weight_grad` in every piece and releases the stash after its last; a
+/// `W` (always whole) releases the stash.
+fn stage_op(
+    pl: &schedc_ir::Pipeline,
+    st: &LocalStage,
+    c: &schedc_ir::Compute,
+    recv_ev: &HashMap<Buf, u32>,
+    send_ev: &HashMap<Buf, u32>,
+) -> (Vec<Op>, Kernel, Vec<Op>) {
+    let s = st.stage;
+    let mb = c.mb;
+    let stash = Buf::Stash { stage: s, mb };
+    let wg = Buf::WeightGrad { stage: s };
+    let (mut pre, mut post) = (Vec::new(), Vec::new());
+    let (mut reads, mut writes) = (Vec::new(), Vec::new());
+    let whole = c.part == IrPart::Whole;
+    let pass = match c.kind {
+        Kind::F => Pass::F,
+        Kind::B => Pass::B,
+        Kind::W => Pass::W,
+        Kind::BW => Pass::BW,
+    };
+    match c.kind {
+        Kind::F => {
+            let first = whole || c.part == IrPart::Attn;
+            let last = whole || c.part == IrPart::Combine;
+            let input = pl.prev_stage(s).map(|p| Buf::Act { stage: p, mb });
+            let output = pl.next_stage(s).map(|_| Buf::Act { stage: s, mb });
+            if first {
+                if let Some(e) = input.and_then(|i| recv_ev.get(&i)) {
+                    pre.push(Op::Wait { event: *e });
+                }
+                pre.push(Op::Alloc {
+                    buf: stash,
+                    zero: false,
+                });
+                reads.extend(input);
+                if let Some(i) = input {
+                    post.push(Op::Free { buf: i });
+                }
+            } else {
+                reads.push(stash);
+            }
+            writes.push(stash);
+            if last {
+                if let Some(o) = output {
+                    pre.push(Op::Alloc {
+                        buf: o,
+                        zero: false,
+                    });
+                    writes.push(o);
+                    if let Some(e) = send_ev.get(&o) {
+                        post.push(Op::Record { event: *e });
+                    }
+                }
+            }
+        }
+        Kind::B | Kind::BW => {
+            let first = whole || c.part == IrPart::Combine;
+            let last = whole || c.part == IrPart::Attn;
+            let gin = pl.next_stage(s).map(|n| Buf::Grad { stage: n, mb });
+            let gout = pl.prev_stage(s).map(|_| Buf::Grad { stage: s, mb });
+            reads.push(stash);
+            writes.push(stash);
+            if first {
+                if let Some(g) = gin {
+                    if let Some(e) = recv_ev.get(&g) {
+                        pre.push(Op::Wait { event: *e });
+                    }
+                    reads.push(g);
+                    post.push(Op::Free { buf: g });
+                }
+            }
+            if last {
+                if let Some(o) = gout {
+                    pre.push(Op::Alloc {
+                        buf: o,
+                        zero: false,
+                    });
+                    writes.push(o);
+                    if let Some(e) = send_ev.get(&o) {
+                        post.push(Op::Record { event: *e });
+                    }
+                }
+            }
+            if c.kind == Kind::BW {
+                reads.push(wg);
+                writes.push(wg);
+                if last {
+                    post.push(Op::Free { buf: stash });
+                }
+            }
+        }
+        Kind::W => {
+            reads.extend([stash, wg]);
+            writes.push(wg);
+            post.push(Op::Free { buf: stash });
+        }
+    }
+    reads.sort();
+    writes.sort();
+    (
+        pre,
+        Kernel {
+            pass,
+            stage: s,
+            mb,
+            part: Part::Stage { moe: c.part },
+            reads,
+            writes,
+        },
+        post,
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// MoE parts (`--moe`): see the format's docs.
+
+/// What the parts of one rank need besides the builder.
+struct PartCtx<'a> {
+    pl: &'a schedc_ir::Pipeline,
+    layers: u32,
+    ep_group: &'a [u32],
+    sp_group: &'a [u32],
+    recv_ev: &'a HashMap<Buf, u32>,
+    send_ev: &'a HashMap<Buf, u32>,
+}
+
+/// A group of interleaved MoE parts: from the first part of an op until every op begun in
+/// it has all four parts. Whole ops written among the parts (a dense op of a mixed pair)
+/// belong to it too.
+#[derive(Default)]
+struct Window {
+    /// Parts and whole ops, in program order.
+    items: Vec<(schedc_ir::Compute, LocalStage)>,
+    /// The split ops: `(kind, stage, mb)` and how many parts have come.
+    ops: Vec<(Kind, u32, u32, u8)>,
+    /// Split ops still missing parts.
+    open: usize,
+}
+
+impl Window {
+    fn push_part(&mut self, c: schedc_ir::Compute, st: LocalStage) {
+        let key = (c.kind, c.stage, c.mb);
+        match self
+            .ops
+            .iter_mut()
+            .find(|o| (o.0, o.1, o.2) == key && o.3 < 4)
+        {
+            Some(o) => {
+                o.3 += 1;
+                if o.3 == 4 {
+                    self.open -= 1;
+                }
+            }
+            None => {
+                self.ops.push((c.kind, c.stage, c.mb, 1));
+                self.open += 1;
+            }
+        }
+        self.items.push((c, st));
+    }
+}
+
+/// Per split op of a window: the event the compute stream waits for before the op's next
+/// compute kernel (the all-to-all in flight), and the forward's `combine` kernel still to
+/// run (its layer), which waits for the combine all-to-all.
+#[derive(Clone, Copy, Default)]
+struct PartState {
+    wait: Option<u32>,
+    pending_combine: Option<u32>,
+    /// A forward's tail has run.
+    tail_done: bool,
+}
+
+fn kernel_op(pass: Pass, stage: u32, mb: u32, part: Part, reads: Vec<Buf>, writes: Vec<Buf>) -> Op {
+    Op::Kernel(Kernel {
+        pass,
+        stage,
+        mb,
+        part,
+        reads,
+        writes,
+    })
+}
+
+/// Emits a complete window: its part order once per layer (a forward's layer `l` in
+/// round `l`, a backward's layer `L-1-l`), whole ops in the first round, then each
+/// forward's last `combine` kernel (and `head`, and the event of its output's send), then
+/// each backward's tail (`BW`: the weight gradient). Errors: with more than one layer per
+/// stage, two ops of the window of which one needs the other's result (layer-by-layer
+/// rounds would run them out of order).
+fn flush_window(
+    b: &mut Builder,
+    cx: &PartCtx<'_>,
+    win: &mut Window,
+    r: u32,
+) -> Result<(), ProgramError> {
+    let items = std::mem::take(&mut win.items);
+    win.ops.clear();
+    win.open = 0;
+    let layers = cx.layers;
+    if layers > 1 {
+        let related = |a: &schedc_ir::Compute, c: &schedc_ir::Compute| {
+            a.mb == c.mb
+                && (a.stage == c.stage
+                    || cx.pl.next_stage(a.stage) == Some(c.stage)
+                    || cx.pl.prev_stage(a.stage) == Some(c.stage))
+        };
+        for (i, (a, _)) in items.iter().enumerate() {
+            for (c, _) in &items[i + 1..] {
+                if (a.kind, a.stage, a.mb) != (c.kind, c.stage, c.mb) && related(a, c) {
+                    return Err(ProgramError::Unsupported(format!(
+                        "rank {r}: the MoE parts of {} and {} interleave, but one needs the other's result; with {layers} layers per stage the CPU backend runs interleaved parts layer by layer, so only independent ops may interleave",
+                        schedc::passes::compute_str(&schedc_ir::Compute { part: IrPart::Whole, ..*a }),
+                        schedc::passes::compute_str(&schedc_ir::Compute { part: IrPart::Whole, ..*c }),
+                    )));
+                }
+            }
+        }
+    }
+    let mut state: HashMap<(Kind, u32, u32), PartState> = HashMap::new();
+    // Before `c` runs: the tail of every forward of the window whose result it reads (its
+    // previous stage's output, or its own stage's stash for a backward or W), so that a
+    // deferred `combine` kernel never runs after its reader (one layer per stage only: with
+    // more, such ops were refused above).
+    let producers_first = |b: &mut Builder,
+                           state: &mut HashMap<(Kind, u32, u32), PartState>,
+                           c: &schedc_ir::Compute| {
+        for (x, xst) in &items {
+            if x.kind != Kind::F || x.part == IrPart::Whole || x.mb != c.mb {
+                continue;
+            }
+            let reads = if c.kind == Kind::F {
+                cx.pl.next_stage(x.stage) == Some(c.stage)
+            } else {
+                x.stage == c.stage
+            };
+            if reads {
+                let ps = state.entry((x.kind, x.stage, x.mb)).or_default();
+                forward_tail(b, cx, xst, x.mb, ps);
+            }
+        }
+    };
+    for round in 0..layers {
+        for (c, st) in &items {
+            if c.part == IrPart::Whole {
+                if round == 0 {
+                    producers_first(b, &mut state, c);
+                    emit_compute(
+                        b,
+                        cx.pl,
+                        st,
+                        c.kind,
+                        c.mb,
+                        layers,
+                        cx.ep_group,
+                        cx.sp_group,
+                        cx.recv_ev,
+                        cx.send_ev,
+                    );
+                }
+                continue;
+            }
+            let layer = if c.kind == Kind::F {
+                round
+            } else {
+                layers - 1 - round
+            };
+            if round == 0 {
+                producers_first(b, &mut state, c);
+            }
+            let ps = state.entry((c.kind, c.stage, c.mb)).or_default();
+            emit_part(b, cx, st, c, layer, ps);
+        }
+    }
+    // Tails: forwards first (their outputs go to the next stage), then backwards.
+    let mut done: Vec<(Kind, u32, u32)> = Vec::new();
+    for fwd in [true, false] {
+        for (c, st) in &items {
+            let key = (c.kind, c.stage, c.mb);
+            if c.part == IrPart::Whole || (c.kind == Kind::F) != fwd || done.contains(&key) {
+                continue;
+            }
+            done.push(key);
+            let ps = state.entry(key).or_default();
+            if c.kind == Kind::F {
+                forward_tail(b, cx, st, c.mb, ps);
+            } else if c.kind == Kind::BW {
+                emit_weights(b, st.stage, c.mb);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The end of a forward in parts (once): its last `combine` kernel, `head` on the last
+/// stage, and the event its output's send waits for.
+fn forward_tail(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, mb: u32, ps: &mut PartState) {
+    if ps.tail_done {
+        return;
+    }
+    ps.tail_done = true;
+    flush_combine(b, cx, st, mb, ps);
+    let s = st.stage;
+    let stash = Buf::Stash { stage: s, mb };
+    if st.last {
+        b.compute.push(kernel_op(
+            Pass::F,
+            s,
+            mb,
+            Part::Head,
+            vec![stash],
+            vec![stash],
+        ));
+    }
+    let output = cx.pl.next_stage(s).map(|_| Buf::Act { stage: s, mb });
+    if let Some(e) = output.and_then(|o| cx.send_ev.get(&o)) {
+        b.compute.push(Op::Record { event: *e });
+    }
+}
+
+/// The forward's deferred `combine` kernel, after the combine all-to-all it waits for.
+fn flush_combine(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, mb: u32, ps: &mut PartState) {
+    let Some(l) = ps.pending_combine.take() else {
+        return;
+    };
+    let s = st.stage;
+    let stash = Buf::Stash { stage: s, mb };
+    if let Some(e) = ps.wait.take() {
+        b.compute.push(Op::Wait { event: e });
+    }
+    let mut writes = vec![stash];
+    if l + 1 == cx.layers {
+        writes.extend(cx.pl.next_stage(s).map(|_| Buf::Act { stage: s, mb }));
+    }
+    b.compute.push(kernel_op(
+        Pass::F,
+        s,
+        mb,
+        Part::Combine { layer: l },
+        vec![stash],
+        writes,
+    ));
+}
+
+/// One part of one layer (see the table in [`crate::format`]).
+fn emit_part(
+    b: &mut Builder,
+    cx: &PartCtx<'_>,
+    st: &LocalStage,
+    c: &schedc_ir::Compute,
+    l: u32,
+    ps: &mut PartState,
+) {
+    let (s, mb) = (st.stage, c.mb);
+    let stash = Buf::Stash { stage: s, mb };
+    let wg = Buf::WeightGrad { stage: s };
+    let k = |pass, part, reads, writes| kernel_op(pass, s, mb, part, reads, writes);
+    let a2a = |phase| Op::AllToAll {
+        stage: s,
+        mb,
+        layer: l,
+        phase,
+        group: if matches!(phase, A2a::GatherKv | A2a::ScatterKvGrad) {
+            cx.sp_group.to_vec()
+        } else {
+            cx.ep_group.to_vec()
+        },
+    };
+    // An EP all-to-all: after the compute stream's last kernel of this op, on the EP
+    // stream; the op's next compute kernel waits for it.
+    let ep_a2a = |b: &mut Builder, ps: &mut PartState, phase| {
+        let ready = b.event();
+        b.compute.push(Op::Record { event: ready });
+        let done = b.event();
+        b.ep.push(Op::Wait { event: ready });
+        b.ep.push(a2a(phase));
+        b.ep.push(Op::Record { event: done });
+        ps.wait = Some(done);
+    };
+    let wait = |b: &mut Builder, ps: &mut PartState| {
+        if let Some(e) = ps.wait.take() {
+            b.compute.push(Op::Wait { event: e });
+        }
+    };
+    let last_layer = l + 1 == cx.layers;
+    match (c.kind, c.part) {
+        (Kind::F, IrPart::Attn) => {
+            let input = cx.pl.prev_stage(s).map(|p| Buf::Act { stage: p, mb });
+            if l == 0 {
+                if let Some(e) = input.and_then(|i| cx.recv_ev.get(&i)) {
+                    b.compute.push(Op::Wait { event: *e });
+                }
+                b.compute.push(Op::Alloc {
+                    buf: stash,
+                    zero: false,
+                });
+                if let Some(o) = cx.pl.next_stage(s).map(|_| Buf::Act { stage: s, mb }) {
+                    b.compute.push(Op::Alloc {
+                        buf: o,
+                        zero: false,
+                    });
+                }
+                if st.first {
+                    b.compute.push(k(Pass::F, Part::Embed, vec![], vec![stash]));
+                }
+            }
+            flush_combine(b, cx, st, mb, ps);
+            wait(b, ps);
+            let reads = if l == 0 && !st.first {
+                vec![input.expect("a non-first stage has a previous stage")]
+            } else {
+                vec![stash]
+            };
+            b.compute
+                .push(k(Pass::F, Part::Qkv { layer: l }, reads, vec![stash]));
+            if l == 0 && !st.first {
+                b.compute.push(Op::Free {
+                    buf: input.expect("checked"),
+                });
+            }
+            b.compute.push(a2a(A2a::GatherKv));
+            b.compute.push(k(
+                Pass::F,
+                Part::Attn { layer: l },
+                vec![stash],
+                vec![stash, wg],
+            ));
+        }
+        (Kind::F, IrPart::Dispatch) => ep_a2a(b, ps, A2a::Dispatch),
+        (Kind::F, IrPart::Mlp) => {
+            wait(b, ps);
+            b.compute.push(k(
+                Pass::F,
+                Part::Experts { layer: l },
+                vec![stash],
+                vec![stash],
+            ));
+        }
+        (Kind::F, IrPart::Combine) => {
+            ep_a2a(b, ps, A2a::Combine);
+            ps.pending_combine = Some(l);
+        }
+        (_, IrPart::Combine) => {
+            // B or BW, from the last layer.
+            let gin = cx.pl.next_stage(s).map(|n| Buf::Grad { stage: n, mb });
+            let gout = cx.pl.prev_stage(s).map(|_| Buf::Grad { stage: s, mb });
+            if last_layer {
+                if let Some(e) = gin.and_then(|i| cx.recv_ev.get(&i)) {
+                    b.compute.push(Op::Wait { event: *e });
+                }
+                if let Some(o) = gout {
+                    b.compute.push(Op::Alloc {
+                        buf: o,
+                        zero: false,
+                    });
+                }
+                if st.last {
+                    b.compute
+                        .push(k(Pass::B, Part::Head, vec![stash], vec![stash]));
+                }
+            }
+            wait(b, ps);
+            let mut reads = vec![stash];
+            if last_layer && !st.last {
+                reads.push(gin.expect("a non-last stage has a next stage"));
+            }
+            b.compute
+                .push(k(Pass::B, Part::Combine { layer: l }, reads, vec![stash]));
+            if last_layer && !st.last {
+                b.compute.push(Op::Free {
+                    buf: gin.expect("checked"),
+                });
+            }
+            ep_a2a(b, ps, A2a::CombineGrad);
+        }
+        (_, IrPart::Mlp) => {
+            wait(b, ps);
+            b.compute.push(k(
+                Pass::B,
+                Part::Experts { layer: l },
+                vec![stash],
+                vec![stash],
+            ));
+        }
+        (_, IrPart::Dispatch) => ep_a2a(b, ps, A2a::DispatchGrad),
+        (_, IrPart::Attn) => {
+            wait(b, ps);
+            b.compute.push(k(
+                Pass::B,
+                Part::Attn { layer: l },
+                vec![stash],
+                vec![stash],
+            ));
+            b.compute.push(a2a(A2a::ScatterKvGrad));
+            let gout = cx.pl.prev_stage(s).map(|_| Buf::Grad { stage: s, mb });
+            let mut writes = vec![stash];
+            if l == 0 {
+                writes.extend(gout);
+            }
+            b.compute
+                .push(k(Pass::B, Part::Qkv { layer: l }, vec![stash], writes));
+            if l == 0 {
+                if let Some(e) = gout.and_then(|o| cx.send_ev.get(&o)) {
+                    b.compute.push(Op::Record { event: *e });
+                }
+            }
+        }
+        (_, IrPart::Whole) => unreachable!("whole ops are emitted by emit_compute"),
+    }
 }

@@ -62,10 +62,16 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
     let ns = rp.streams.len();
     let kinds: Vec<StreamKind> = rp.streams.iter().map(|s| s.kind).collect();
     let mut last_channel = 0;
-    let channels_ok = kinds.len() >= 2
+    // The EP stream, when there is one, comes last.
+    let comm_end = if kinds.last() == Some(&StreamKind::Ep) {
+        kinds.len() - 1
+    } else {
+        kinds.len()
+    };
+    let channels_ok = comm_end >= 2
         && kinds[0] == StreamKind::Compute
         && kinds[1] == (StreamKind::Comm { channel: 0 })
-        && kinds[2..].iter().all(|k| match k {
+        && kinds[2..comm_end].iter().all(|k| match k {
             StreamKind::Comm { channel } if *channel > last_channel => {
                 last_channel = *channel;
                 true
@@ -76,7 +82,7 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
         return Err(ProgramError::Buffer {
             rank: rp.rank,
             why: format!(
-                "a rank program has a compute stream, a comm stream for channel 0, then one per other channel in increasing order; got {kinds:?}"
+                "a rank program has a compute stream, a comm stream for channel 0, then one per other channel in increasing order, then optionally the ep stream; got {kinds:?}"
             ),
         });
     }
@@ -278,10 +284,19 @@ enum CollKey {
     A2a(u32, u32, u32, A2a, Vec<u32>),
     Replica(u32, Vec<u32>),
     AllReduce(u32, Scope, Vec<u32>),
+    /// The schedule's own collective: communicator, label, group, and which call of the
+    /// communicator it is on the rank (the k-th matches the k-th of every member).
+    Schedule(String, String, Vec<u32>, u32),
 }
 
-fn coll_key(rank: u32, op: &Op) -> Option<(CollKey, Vec<u32>)> {
+/// `occurrence`: for an [`Op::Collective`], how many collectives on its communicator the
+/// rank issued before it.
+fn coll_key(rank: u32, op: &Op, occurrence: u32) -> Option<(CollKey, Vec<u32>)> {
     match op {
+        Op::Collective { comm, label, group } => Some((
+            CollKey::Schedule(comm.clone(), label.clone(), group.clone(), occurrence),
+            group.clone(),
+        )),
         Op::AllToAll {
             stage,
             mb,
@@ -313,6 +328,11 @@ fn coll_key(rank: u32, op: &Op) -> Option<(CollKey, Vec<u32>)> {
 
 /// Runs every rank's streams together (sends eager; receives wait for their send;
 /// collectives for every member); returns (messages, collectives).
+///
+/// A worklist of ranks: a rank runs until every stream is blocked, and is run again only
+/// when something it may wait for happens (a send to it, the last member arriving at one
+/// of its collectives), so the work is linear in the instructions plus the wake-ups, not
+/// ranks x rounds.
 // Index loops over parallel arrays (streams, pointers) read better than zipped iterators.
 #[allow(clippy::needless_range_loop)]
 fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
@@ -323,6 +343,25 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
     let mut received: HashMap<(u32, u32, Buf), u32> = HashMap::new();
     let mut arrived: HashMap<CollKey, HashSet<u32>> = HashMap::new();
     let mut messages = 0usize;
+    // occurrence[g][(s, i)]: the k of the collective at stream s, op i of rank g.
+    let occurrence: Vec<HashMap<(usize, usize), u32>> = set
+        .ranks
+        .iter()
+        .map(|rp| {
+            let mut seen: HashMap<&str, u32> = HashMap::new();
+            let mut out = HashMap::new();
+            for (s, st) in rp.streams.iter().enumerate() {
+                for (i, op) in st.ops.iter().enumerate() {
+                    if let Op::Collective { comm, .. } = op {
+                        let k = seen.entry(comm.as_str()).or_default();
+                        out.insert((s, i), *k);
+                        *k += 1;
+                    }
+                }
+            }
+            out
+        })
+        .collect();
     for (g, rp) in set.ranks.iter().enumerate() {
         if rp.rank != g as u32 {
             return Err(ProgramError::Deadlock(format!(
@@ -331,10 +370,19 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
             )));
         }
     }
-    loop {
-        let mut moved = false;
-        for g in 0..n {
-            let rp = &set.ranks[g];
+    let mut queued = vec![true; n];
+    let mut work: std::collections::VecDeque<usize> = (0..n).collect();
+    let wake = |r: usize, queued: &mut Vec<bool>, work: &mut std::collections::VecDeque<usize>| {
+        if r < queued.len() && !queued[r] {
+            queued[r] = true;
+            work.push_back(r);
+        }
+    };
+    while let Some(g) = work.pop_front() {
+        queued[g] = false;
+        let rp = &set.ranks[g];
+        loop {
+            let mut moved = false;
             for s in 0..rp.streams.len() {
                 while ptr[g][s] < rp.streams[s].ops.len() {
                     let op = &rp.streams[s].ops[ptr[g][s]];
@@ -345,7 +393,11 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
                             sent.get(&k).copied().unwrap_or(0)
                                 > received.get(&k).copied().unwrap_or(0)
                         }
-                        _ => match coll_key(g as u32, op) {
+                        _ => match coll_key(
+                            g as u32,
+                            op,
+                            occurrence[g].get(&(s, ptr[g][s])).copied().unwrap_or(0),
+                        ) {
                             Some((key, group)) => {
                                 if !group.contains(&(g as u32)) {
                                     return Err(invalid(
@@ -356,8 +408,18 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
                                     ));
                                 }
                                 let a = arrived.entry(key).or_default();
-                                a.insert(g as u32);
-                                group.iter().all(|m| a.contains(m))
+                                let first_visit = a.insert(g as u32);
+                                let all = group.iter().all(|m| a.contains(m));
+                                if all && first_visit {
+                                    // This rank completes the collective: the others waiting
+                                    // at it can go on.
+                                    for &m in &group {
+                                        if m as usize != g {
+                                            wake(m as usize, &mut queued, &mut work);
+                                        }
+                                    }
+                                }
+                                all
                             }
                             None => true,
                         },
@@ -375,6 +437,7 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
                             }
                             *sent.entry((g as u32, *peer, *buf)).or_default() += 1;
                             messages += 1;
+                            wake(*peer as usize, &mut queued, &mut work);
                         }
                         Op::Recv { buf, peer } => {
                             *received.entry((*peer, g as u32, *buf)).or_default() += 1;
@@ -385,34 +448,34 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
                     moved = true;
                 }
             }
+            if !moved {
+                break;
+            }
         }
-        let done = (0..n).all(|g| {
-            (0..set.ranks[g].streams.len()).all(|s| ptr[g][s] == set.ranks[g].streams[s].ops.len())
-        });
-        if done {
-            break;
-        }
-        if !moved {
-            let stuck: Vec<String> = (0..n)
-                .flat_map(|g| {
-                    let rp = &set.ranks[g];
-                    let ptr = &ptr;
-                    (0..rp.streams.len()).filter_map(move |s| {
-                        rp.streams[s].ops.get(ptr[g][s]).map(|op| {
-                            format!(
-                                "rank {g} {} stream at op #{} `{op}`",
-                                rp.streams[s].kind, ptr[g][s]
-                            )
-                        })
+    }
+    let done = (0..n).all(|g| {
+        (0..set.ranks[g].streams.len()).all(|s| ptr[g][s] == set.ranks[g].streams[s].ops.len())
+    });
+    if !done {
+        let stuck: Vec<String> = (0..n)
+            .flat_map(|g| {
+                let rp = &set.ranks[g];
+                let ptr = &ptr;
+                (0..rp.streams.len()).filter_map(move |s| {
+                    rp.streams[s].ops.get(ptr[g][s]).map(|op| {
+                        format!(
+                            "rank {g} {} stream at op #{} `{op}`",
+                            rp.streams[s].kind, ptr[g][s]
+                        )
                     })
                 })
-                .take(8)
-                .collect();
-            return Err(ProgramError::Deadlock(format!(
-                "stuck: {}",
-                stuck.join("; ")
-            )));
-        }
+            })
+            .take(8)
+            .collect();
+        return Err(ProgramError::Deadlock(format!(
+            "stuck: {}",
+            stuck.join("; ")
+        )));
     }
     for (k, c) in &sent {
         if received.get(k) != Some(c) {

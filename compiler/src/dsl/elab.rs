@@ -1206,8 +1206,9 @@ pub fn elaborate(file: &File, inst: &Instance) -> Result<Elaborated, Vec<ElabErr
         )]);
     }
     if let Some(Item::Rank(var, body, _)) = rank_items.first() {
+        let mut by_rank = pipeline.stages_by_rank();
         for r in 0..pp {
-            let chunks = pipeline.stages_of(r);
+            let chunks = std::mem::take(&mut by_rank[r as usize]);
             let nc = chunks.len();
             let mut st = RankState {
                 rank: r,

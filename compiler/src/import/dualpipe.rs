@@ -692,12 +692,11 @@ fn locate(src: &str, path: &[Seg<'_>]) -> Option<(usize, usize)> {
 mod tests {
     use super::*;
     use std::collections::{HashMap, VecDeque};
-    use std::path::PathBuf;
 
     fn traces() -> Vec<(String, String)> {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/dualpipe");
+        let dir = crate::test_support::shared().join("reference/dualpipe");
         let Ok(rd) = std::fs::read_dir(&dir) else {
-            eprintln!("note: {} not found; skipping", dir.display());
+            crate::test_support::skip_missing(&dir);
             return Vec::new();
         };
         let mut v: Vec<(String, String)> = rd

@@ -1247,13 +1247,13 @@ mod tests {
     use std::path::PathBuf;
 
     fn ref_dir() -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/torch")
+        crate::test_support::shared().join("reference/torch")
     }
 
     fn files(suffix: &str) -> Vec<PathBuf> {
         let dir = ref_dir();
         let Ok(rd) = std::fs::read_dir(&dir) else {
-            eprintln!("note: {} not found; skipping", dir.display());
+            crate::test_support::skip_missing(&dir);
             return Vec::new();
         };
         let mut v: Vec<PathBuf> = rd
@@ -1390,7 +1390,7 @@ mod tests {
     fn torch_1f1b_last_rank_forward_ids_are_shifted() {
         let f = ref_dir().join("Schedule1F1B_P2_M2_V1.compute.csv");
         let Ok(src) = std::fs::read_to_string(&f) else {
-            eprintln!("note: {} not found; skipping", f.display());
+            crate::test_support::skip_missing(&f);
             return;
         };
         let p = parse(&src).unwrap().program;
@@ -1413,7 +1413,7 @@ mod tests {
         for ext in ["compute", "comms"] {
             let f = dir.join(format!("ScheduleInterleaved1F1B_P64_M1024_V2.{ext}.csv"));
             let Ok(src) = std::fs::read_to_string(&f) else {
-                eprintln!("note: {} not found; skipping", f.display());
+                crate::test_support::skip_missing(&f);
                 continue;
             };
             let imp = parse(&src).unwrap();
@@ -1434,7 +1434,7 @@ mod tests {
     fn placement_matches_expected_json() {
         let path = ref_dir().join("expected.json");
         let Ok(text) = std::fs::read_to_string(&path) else {
-            eprintln!("note: {} not found; skipping", path.display());
+            crate::test_support::skip_missing(&path);
             return;
         };
         let recs: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
@@ -1873,7 +1873,7 @@ mod tests {
     fn fuzz_mutated_reference_never_panics() {
         let f = ref_dir().join("ScheduleDualPipeV_P2_M4_V2.comms.csv");
         let Ok(src) = std::fs::read_to_string(&f) else {
-            eprintln!("note: {} not found; skipping", f.display());
+            crate::test_support::skip_missing(&f);
             return;
         };
         let bytes = b"0123456789FIWBSEND_RECVOAPLH();,\n\r \"x";
@@ -1929,7 +1929,7 @@ mod tests {
             microbatches: Some(mb),
             ..Default::default()
         };
-        match crate::input::load_path(&path.to_string_lossy(), &ov) {
+        match crate::input::load_path(&path, &ov) {
             Ok(l) => l,
             Err(_) => panic!("{spec} P={pp} V={vpp} M={mb} does not load"),
         }

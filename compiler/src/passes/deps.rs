@@ -313,12 +313,17 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                     }
                 }
                 Instr::WaitSend(pl_) if !sent.contains_key(pl_) => {
+                    let (ir, torch, what) = match pl_.kind {
+                        schedc_ir::PayloadKind::Act => ("SA", "SEND_F", "activation"),
+                        schedc_ir::PayloadKind::Grad => ("SG", "SEND_B", "gradient"),
+                    };
                     errs.push(DepError::Order {
                         at,
                         dep: Pos::NONE,
-                        why:
-                            "this waits for a send that has not been issued before it on this rank"
-                                .into(),
+                        why: format!(
+                            "this waits for the send of the {what} of stage {}, micro-batch {} (`{ir}({},{}->…)`, torch's `{}{torch}{}`), but rank {} issues no such send before it: the send is missing or comes after the wait",
+                            pl_.stage, pl_.mb, pl_.stage, pl_.mb, pl_.stage, pl_.mb, at.rank
+                        ),
                     });
                 }
                 _ => {}

@@ -893,9 +893,10 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
     }
     let makespan = one.makespan;
     let mut mem = one.mem;
+    let by_rank = pl.stages_by_rank();
     let ranks: Vec<RankSim> = (0..np)
         .map(|r| {
-            let held = pl.stages_of(r as u32).len() as f64;
+            let held = by_rank.get(r).map_or(0, Vec::len) as f64;
             let stat = held
                 * (cost.memory.param_bytes + cost.memory.grad_bytes + cost.memory.optimizer_bytes);
             let mut ev = std::mem::take(&mut mem[r]);

@@ -19,14 +19,27 @@ fn letter(k: EventKind) -> char {
     }
 }
 
-/// Per-rank table and an ASCII timeline of the compute streams, `width` columns wide.
+/// Bytes as gigabytes (10^9) with two decimals, or `-` when the cost model has no memory
+/// figures (every rank at zero).
+fn gb(b: f64, known: bool) -> String {
+    if known {
+        format!("{:.2}", b / 1e9)
+    } else {
+        "-".into()
+    }
+}
+
+/// Per-rank table and an ASCII timeline of the compute streams, `width` columns wide. Times
+/// are in seconds of the cost model (the `unit` model's F = B = W = 1 s), memory in GB
+/// (10^9 bytes).
 pub fn text_report(r: &SimResult, width: usize) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "makespan {:.6}  steady-state step {:.6}",
+        "makespan {:.6} s  steady-state step {:.6} s",
         r.makespan, r.steady_step
     );
+    let mem_known = r.ranks.iter().any(|x| x.peak_memory_bytes > 0.0);
     let _ = writeln!(
         o,
         "bubble: from_start {:.2}%, per_rank_span {:.2}%, steady_state {:.2}% (idle / (busy + idle)); from_start idle / busy {:.2}%",
@@ -46,15 +59,30 @@ pub fn text_report(r: &SimResult, width: usize) -> String {
     }
     let _ = writeln!(
         o,
-        "\n{:>5} {:>12} {:>12} {:>12} {:>14} {:>12} {:>18}",
-        "rank", "busy", "idle", "span", "exposed_comm", "exposed_a2a", "peak_memory_bytes"
+        "\n{:>5} {:>12} {:>12} {:>12} {:>16} {:>15} {:>16}",
+        "rank",
+        "busy (s)",
+        "idle (s)",
+        "span (s)",
+        "exposed_comm (s)",
+        "exposed_a2a (s)",
+        "peak_memory (GB)"
     );
     for x in &r.ranks {
         let _ = writeln!(
             o,
-            "{:>5} {:>12.6} {:>12.6} {:>12.6} {:>14.6} {:>12.6} {:>18.4e}",
-            x.rank, x.busy, x.idle, x.span, x.exposed_comm, x.exposed_a2a, x.peak_memory_bytes
+            "{:>5} {:>12.6} {:>12.6} {:>12.6} {:>16.6} {:>15.6} {:>16}",
+            x.rank,
+            x.busy,
+            x.idle,
+            x.span,
+            x.exposed_comm,
+            x.exposed_a2a,
+            gb(x.peak_memory_bytes, mem_known)
         );
+    }
+    if !mem_known {
+        let _ = writeln!(o, "(peak memory: the cost model has no [memory] figures)");
     }
     if r.makespan <= 0.0 {
         return o;
@@ -92,6 +120,15 @@ pub fn chrome_trace(r: &SimResult, p: &Program) -> String {
         ev.push(json!({"ph": "M", "name": "process_name", "pid": x.rank, "args": {"name": format!("rank {}", x.rank)}}));
         ev.push(json!({"ph": "M", "name": "process_sort_index", "pid": x.rank, "args": {"sort_index": x.rank}}));
         for (tid, n) in [(0, "compute"), (1, "p2p"), (2, "ep all-to-all")] {
+            // A rank without expert-parallel events has no all-to-all thread to name.
+            if tid == 2
+                && !r
+                    .events
+                    .iter()
+                    .any(|e| e.rank == x.rank && e.stream == StreamKind::Ep)
+            {
+                continue;
+            }
             ev.push(json!({"ph": "M", "name": "thread_name", "pid": x.rank, "tid": tid, "args": {"name": n}}));
         }
     }
@@ -116,7 +153,8 @@ pub fn chrome_trace(r: &SimResult, p: &Program) -> String {
         .expect("trace serializes")
 }
 
-/// Direction 1 of a bidirectional schedule is drawn in a darker shade of the same hue.
+/// Direction 1 of a bidirectional schedule, and every chunk after a rank's first of an
+/// interleaved or V schedule, is drawn in a darker shade of the same hue.
 fn colour_dir(k: EventKind, direction: u8) -> &'static str {
     if direction == 0 {
         return colour(k);
@@ -197,7 +235,7 @@ pub fn svg(r: &SimResult, p: &Program, title: &str) -> String {
     );
     let _ = writeln!(
         o,
-        r##"<text x="{left}" y="40" font-size="11" fill="#555">makespan {:.4}; bubble {:.1}% from_start, {:.1}% per_rank_span, {:.1}% steady_state{}</text>"##,
+        r##"<text x="{left}" y="40" font-size="11" fill="#555">makespan {:.4} s; bubble {:.1}% from_start, {:.1}% per_rank_span, {:.1}% steady_state{}</text>"##,
         r.makespan,
         100.0 * r.bubble.from_start,
         100.0 * r.bubble.per_rank_span,
@@ -226,7 +264,44 @@ pub fn svg(r: &SimResult, p: &Program, title: &str) -> String {
             r##"<rect x="{left}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f4f4f4"/>"##
         );
     }
+    // The chunk (0 for the rank's first stage) of each compute event, for the shading of V
+    // and interleaved schedules.
+    let multi_chunk = p.pipeline.directions() == 1 && p.pipeline.stages > p.pipeline.pp;
+    let first_chunk: Vec<bool> = if multi_chunk {
+        let mut seen = vec![false; p.pipeline.pp as usize];
+        (0..p.pipeline.stages)
+            .map(|s| {
+                let r = p.pipeline.rank_of(s) as usize;
+                !std::mem::replace(&mut seen[r], true)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let chunk_of = |e: &Event| -> u8 {
+        if !multi_chunk || e.stream != StreamKind::Compute {
+            return 0;
+        }
+        let mut stage = None;
+        if let Some(ins) = p
+            .ranks
+            .get(e.rank as usize)
+            .and_then(|r| r.get(e.pos as usize))
+        {
+            ins.for_each_compute(|c| {
+                if stage.is_none() {
+                    stage = Some(c.stage)
+                }
+            });
+        }
+        // Chunks are numbered by stage order on the rank.
+        match stage {
+            Some(s) => u8::from(!first_chunk.get(s as usize).copied().unwrap_or(true)),
+            None => 0,
+        }
+    };
     let mut used = Vec::new();
+    let mut shaded = false;
     for e in &r.events {
         let w = ((e.end - e.start) * scale).max(0.0);
         if w <= 0.0 {
@@ -244,7 +319,11 @@ pub fn svg(r: &SimResult, p: &Program, title: &str) -> String {
         let _ = writeln!(
             o,
             r#"<rect x="{x:.2}" y="{y:.2}" width="{w:.2}" height="{h:.2}" fill="{}" stroke="white" stroke-width="0.6"><title>{} [{:.4}, {:.4}]</title></rect>"#,
-            colour_dir(e.kind, e.direction),
+            colour_dir(e.kind, {
+                let d = e.direction.max(chunk_of(e));
+                shaded |= multi_chunk && d == 1;
+                d
+            }),
             esc(&e.name(p)),
             e.start,
             e.end
@@ -293,9 +372,22 @@ pub fn svg(r: &SimResult, p: &Program, title: &str) -> String {
             fmt_t(t)
         );
     }
+    let _ = writeln!(
+        o,
+        r##"<text x="{}" y="{}" font-size="10" text-anchor="end" fill="#333">time (s)</text>"##,
+        left + plot_w,
+        axis_y + 28.0
+    );
     // Legend.
     let mut lx = left;
     let ly = axis_y + 34.0;
+    if shaded {
+        let _ = writeln!(
+            o,
+            r##"<text x="{left}" y="{}" font-size="11" fill="#555">darker shade: a rank's second and later chunks (virtual stages)</text>"##,
+            ly + 18.0
+        );
+    }
     if r.events.iter().any(|e| e.direction == 1) {
         let _ = writeln!(
             o,

@@ -1,0 +1,1078 @@
+"""Run schedc's per-rank programs on torch.distributed with the user's own model.
+
+``schedc compile SPEC --pp P --mb M --granularity stage -o DIR`` writes one verified stream
+program per global rank (``DIR/rankG.json``) and a manifest. This module executes them::
+
+    import torch.distributed as dist
+    from schedc_torch_runtime import load_program
+
+    dist.init_process_group("gloo")                 # or "nccl"; one process per global rank
+    rt = load_program("DIR", make_stage=make_stage, loss_fn=loss_fn,
+                      optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    for x, y in batches:
+        losses = rt.step(x, y)                      # the micro-batch losses this rank computed
+
+Whatever the schedule: GPipe, 1F1B, interleaved, zero bubble, ZB-V, DualPipeV, DualPipe (each
+rank holds two copies of two stages; their gradients are summed with the mirror rank), channels
+(each its own communicator and thread), the schedule's collectives and MoE parts (the user's
+``attn`` / ``dispatch`` / ``mlp`` / ``combine`` pieces of a stage).
+
+How a rank runs its program (the format is documented in ``backends/program/src/format.rs``):
+
+* the **compute stream** runs in the calling thread: F, B, W, BW kernels on the user's stage
+  modules (B and W from separate autograd calls, :mod:`schedc_autograd`), overlapped pairs
+  (the user's ``overlapped_forward_backward``, else F then B), buffer allocation and release,
+  the optimizer;
+* each **comm stream** (one per channel of the schedule) runs in a thread of its own:
+  ``isend``/``irecv`` in the program's verified order on the channel's own process group,
+  then (channel 0) DualPipe's replica sums and the data-parallel all-reduces;
+* streams meet only at the program's events (``threading.Event``), as CUDA streams do.
+
+Faults: a wait that does not complete within ``timeout`` seconds, or a peer whose connection
+closes, ends the step with :class:`SchedcRuntimeError` naming the rank, the step, the stream,
+the op (``recv act(1,3) from rank 2``) and the peer; the rank then aborts its process groups,
+so that every rank waiting on it fails the same way instead of hanging.
+
+Calibration: ``profile=True`` times every kernel and message; :meth:`ProgramRuntime.write_profile`
+writes a cost model in schedc's TOML that ``schedc sim --cost FILE`` reads.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import schedc_autograd as _ag
+from schedc_program import (  # noqa: F401 - re-exported
+    ALLOC, ALLREDUCE, COLLECTIVE, FORMAT_VERSION, FREE, KERNEL, OPT, OVERLAP, RECORD, RECV,
+    REPLICA, SEND, WAIT, Kernel, LocalStage, Program, ProgramFormatError, _peer_of, buf_text,
+    op_text, read_program,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SchedcRuntimeError",
+    "ProgramFormatError",
+    "Program",
+    "read_program",
+    "load_program",
+    "ProgramRuntime",
+    "MoEParts",
+    "FChunk",
+    "BChunk",
+]
+
+
+class SchedcRuntimeError(RuntimeError):
+    """A step that failed: where (rank, step, stream, op), with whom (``peer``), and why."""
+
+    def __init__(self, message: str, *, rank: int, step: int, stream: str = "",
+                 index: int = -1, op: str = "", peer: int | None = None):
+        super().__init__(message)
+        self.rank, self.step, self.stream, self.index = rank, step, stream, index
+        self.op, self.peer = op, peer
+
+
+# ------------------------------------------------------------------------------------------
+# What the user supplies
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoEParts:
+    """The four pieces of an MoE stage, each ``fn(module, *tensors) -> tensor | tuple``:
+    ``attn`` gets the stage's input, each next piece the previous one's outputs, and
+    ``combine`` returns the stage's output. ``dispatch`` and ``combine`` are the all-to-alls
+    of the expert-parallel group (a local permutation with one expert-parallel rank).
+    Tensors between pieces are cut from the autograd graph, so each piece's backward (and its
+    weight gradient) runs as the schedule orders it."""
+
+    attn: Callable
+    dispatch: Callable
+    mlp: Callable
+    combine: Callable
+
+    @classmethod
+    def methods(cls) -> "MoEParts":
+        """Pieces that call the stage module's own methods ``attn``, ``dispatch``, ``mlp``
+        and ``combine``."""
+        return cls(
+            lambda m, *a: m.attn(*a),
+            lambda m, *a: m.dispatch(*a),
+            lambda m, *a: m.mlp(*a),
+            lambda m, *a: m.combine(*a),
+        )
+
+    def get(self, part: str) -> Callable:
+        return getattr(self, part)
+
+
+@dataclass
+class FChunk:
+    """The forward half of an overlapped pair, for ``overlapped_forward_backward(f, b)``.
+
+    ``inputs``: the stage's input leaves; ``loss_fn``/``target``: set when the stage is a last
+    stage. The callback runs the forward (call :meth:`forward`, or interleave the module's
+    pieces itself and set ``outputs`` and, on a last stage, optionally ``loss``)."""
+
+    module: torch.nn.Module
+    stage: int
+    mb: int
+    inputs: tuple
+    loss_fn: Callable | None = None
+    target: Any = None
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+
+    def forward(self):
+        """The plain forward (and the loss on a last stage); returns the outputs."""
+        self.outputs = self.module(*self.inputs)
+        if self.loss_fn is not None:
+            self.loss = self.loss_fn(self.outputs, self.target)
+        return self.outputs
+
+
+@dataclass
+class BChunk:
+    """The backward half of an overlapped pair (always a fused ``BW``).
+
+    ``outputs`` and ``output_grads``: the stage's outputs and their gradients (``loss``, scaled
+    as the step's mean requires, instead on a last stage); ``inputs``: its input leaves. The
+    callback must backpropagate so that every input leaf's ``.grad`` and the parameters'
+    ``.grad`` are filled (call :meth:`backward`, or ``torch.autograd.backward`` over
+    interleaved pieces)."""
+
+    module: torch.nn.Module
+    stage: int
+    mb: int
+    inputs: tuple
+    outputs: tuple
+    output_grads: tuple
+    loss: torch.Tensor | None = None
+    params: list = field(default_factory=list)
+
+    def backward(self) -> None:
+        """The plain fused backward."""
+        if self.loss is not None:
+            roots, grads = [self.loss], [None]
+        else:
+            roots, grads = list(self.outputs), list(self.output_grads)
+        torch.autograd.backward(roots, grads, inputs=[*[x for x in self.inputs if x.requires_grad], *self.params])
+
+
+# ------------------------------------------------------------------------------------------
+# Messages
+# ------------------------------------------------------------------------------------------
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+_HEADER = 64  # int64 words: [count, (dtype, ndim, dims...)...]
+
+
+def _header(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
+    words = [len(tensors)]
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"cannot send a tensor of dtype {t.dtype}")
+        words += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    if len(words) > _HEADER:
+        raise ValueError(f"a message of {len(tensors)} tensors is too large a header ({len(words)} > {_HEADER} words)")
+    return torch.tensor(words + [0] * (_HEADER - len(words)), dtype=torch.int64, device=device)
+
+
+def _parse_header(h: torch.Tensor) -> list[tuple[torch.dtype, tuple]]:
+    w = h.tolist()
+    out, i = [], 1
+    for _ in range(w[0]):
+        dt, nd = _DTYPES[w[i]], w[i + 1]
+        out.append((dt, tuple(w[i + 2: i + 2 + nd])))
+        i += 2 + nd
+    return out
+
+
+def _tuple(x) -> tuple:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)):
+        return tuple(x)
+    raise TypeError(f"a stage must return a tensor or a tuple of tensors, not {type(x).__name__}")
+
+
+def _leaves(ts: Sequence[torch.Tensor], grad: bool) -> tuple:
+    return tuple(t.detach().requires_grad_(grad and t.is_floating_point()) for t in ts)
+
+
+class _Abort(Exception):
+    """Another stream of this rank failed."""
+
+
+@dataclass
+class _Seg:
+    """One autograd segment of a (stage, micro-batch): the whole stage or one MoE part."""
+
+    part: str | None
+    inputs: tuple
+    outputs: tuple
+    plan: Any = None
+
+
+class _Stash:
+    """Everything a (stage, micro-batch)'s backward needs from its forward."""
+
+    __slots__ = ("segs", "loss", "pending", "__weakref__")
+
+    def __init__(self):
+        self.segs: list[_Seg] = []
+        self.loss = None
+        self.pending = None  # gradients for the last segment's outputs (between parts)
+
+
+@dataclass
+class _Stage:
+    info: LocalStage
+    module: torch.nn.Module
+    params: list  # the parameters that require grad, in named_parameters() order
+    names: list
+    expert: list  # per parameter: reduced over the expert data-parallel group
+    optimizer: Any = None
+
+
+# ------------------------------------------------------------------------------------------
+# The runtime
+# ------------------------------------------------------------------------------------------
+
+
+def load_program(path_or_dir: str | os.PathLike, rank: int | None = None, **kwargs) -> "ProgramRuntime":
+    """Reads rank ``rank``'s program (default: this process's rank in the default process
+    group) and builds its runtime; ``kwargs`` go to :class:`ProgramRuntime`.
+
+    Collective over the default process group (it creates the programs' process groups):
+    every rank calls it. Raises :class:`ProgramFormatError` for programs it cannot run (see
+    :func:`read_program`) and :class:`SchedcRuntimeError` for a process group or stages that
+    do not fit them."""
+    if rank is None:
+        if not dist.is_initialized():
+            raise SchedcRuntimeError(
+                "torch.distributed is not initialized: call dist.init_process_group first",
+                rank=-1, step=-1)
+        rank = dist.get_rank()
+    return ProgramRuntime(read_program(path_or_dir, rank), **kwargs)
+
+
+class ProgramRuntime:
+    """Runs one rank's stage-granularity program, one training step per :meth:`step`.
+
+    Args:
+        program: from :func:`read_program`.
+        stages: the rank's stage modules by IR stage id (``program.stages``), or
+        make_stage: ``make_stage(model_stage) -> nn.Module``, called once per local stage (for
+            DualPipe twice per model stage over the mirror pair: once on each of the two ranks;
+            the runtime copies the direction-0 copy's parameters into the other).
+        loss_fn: ``loss_fn(output, target) -> scalar``, on last stages.
+        optimizer: ``optimizer(params) -> torch.optim.Optimizer``: one per local stage, stepped
+            where the program has ``optimizer_step``. Without it the gradients stay in
+            ``.grad`` for the caller (each step starts from zero gradients: the program's
+            ``alloc weight_grad (zeroed)``).
+        moe_parts: :class:`MoEParts`, required when the program splits stages into MoE parts.
+        overlapped_forward_backward: ``fn(f: FChunk, b: BChunk)`` for an overlapped pair whose
+            backward is fused; without it the pair runs F then B.
+        collective: ``fn(comm, label, process_group)`` for the schedule's own collectives
+            (default: an all-reduce of one number over the group, which keeps their order).
+        is_expert: ``fn(name, param) -> bool``: expert parameters (reduced over the expert
+            data-parallel group); default none.
+        timeout: seconds any wait may take before the step fails.
+        profile: time every kernel and message (see :meth:`write_profile`).
+        scale_grads: seed each micro-batch's loss with ``1 / (micro-batches x data shards)``
+            so that gradients are those of the mean loss over the global batch (torch's
+            ``scale_grads``); otherwise of the sum.
+        static_shapes: message shapes and dtypes are exchanged in the first step only (False:
+            every step, for inputs whose shapes vary).
+        device: where received tensors go (default: CUDA's current device under NCCL, else CPU).
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        *,
+        stages: Mapping[int, torch.nn.Module] | torch.nn.Module | None = None,
+        make_stage: Callable[[int], torch.nn.Module] | None = None,
+        loss_fn: Callable | None = None,
+        optimizer: Callable | None = None,
+        moe_parts: MoEParts | None = None,
+        overlapped_forward_backward: Callable | None = None,
+        collective: Callable | None = None,
+        is_expert: Callable | None = None,
+        timeout: float = 300.0,
+        profile: bool = False,
+        scale_grads: bool = True,
+        static_shapes: bool = True,
+        sync_replicas: bool = True,
+        device: torch.device | str | None = None,
+        _faults: dict | None = None,
+    ):
+        if not dist.is_initialized():
+            raise SchedcRuntimeError("torch.distributed is not initialized", rank=program.rank, step=-1)
+        self.program = program
+        self.rank = program.rank
+        if dist.get_world_size() != program.world:
+            raise SchedcRuntimeError(
+                f"the programs are for {program.world} ranks but the process group has "
+                f"{dist.get_world_size()}", rank=self.rank, step=-1)
+        if dist.get_rank() != self.rank:
+            raise SchedcRuntimeError(
+                f"this process is rank {dist.get_rank()} but loaded rank {self.rank}'s program",
+                rank=self.rank, step=-1)
+        self.loss_fn = loss_fn
+        self.moe_parts = moe_parts
+        self.overlap_fn = overlapped_forward_backward
+        self.collective_fn = collective
+        self.timeout = float(timeout)
+        self.profile = profile
+        self.static_shapes = static_shapes
+        self._faults = dict(_faults or {})
+        backend = dist.get_backend()
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if backend == "nccl" else torch.device("cpu"))
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        m = program.manifest
+        shards = 1
+        for dim, n in m["mesh"]["dims"]:
+            if dim in ("dp", "ep"):
+                shards *= n
+        self.scale = 1.0 / (program.total_microbatches * shards) if scale_grads else 1.0
+
+        # Stage modules.
+        self.stages: dict[int, _Stage] = {}
+        for info in program.stages:
+            if isinstance(stages, Mapping):
+                if info.stage not in stages:
+                    raise SchedcRuntimeError(
+                        f"rank {self.rank} holds stages {[s.stage for s in program.stages]} "
+                        f"but `stages` has {sorted(stages)}", rank=self.rank, step=-1)
+                mod = stages[info.stage]
+            elif isinstance(stages, torch.nn.Module) and len(program.stages) == 1:
+                mod = stages
+            elif make_stage is not None:
+                mod = make_stage(info.model_stage)
+            else:
+                raise SchedcRuntimeError(
+                    f"rank {self.rank} holds stages {[s.stage for s in program.stages]}: pass "
+                    "`stages={stage: module}` or `make_stage`", rank=self.rank, step=-1)
+            named = [(n, p) for n, p in mod.named_parameters() if p.requires_grad]
+            st = _Stage(info, mod, [p for _, p in named], [n for n, _ in named],
+                        [bool(is_expert and is_expert(n, p)) for n, p in named])
+            if optimizer is not None and st.params:
+                st.optimizer = optimizer(st.params)
+            self.stages[info.stage] = st
+        self._check_program()
+
+        # Process groups: one per channel, one per collective group; every rank creates all
+        # of them in the manifest's order (new_group is collective over the world).
+        world = list(range(program.world))
+        td = timedelta(seconds=self.timeout)
+        self._chan_pg = {c: dist.new_group(world, timeout=td) for c in m["channels"]}
+        self._pgs = {tuple(g): dist.new_group(list(g), timeout=td) for g in m["groups"]}
+        self._stream_pg = []
+        for name, _ in program.streams:
+            ch = 0 if name in ("compute", "comm") else int(name.split("@")[1])
+            self._stream_pg.append(self._chan_pg[ch])
+        if sync_replicas:
+            self._sync_replicas()
+
+        # CUDA: each comm stream of the program is a CUDA stream of its own; the compute
+        # stream is the caller's current stream at each step.
+        self._cuda_streams = ([None] + [torch.cuda.Stream(self.device) for _ in program.streams[1:]]
+                              if self._cuda else [])
+        # event -> (stream, index of its record, the op before the record)
+        self._recorder = {}
+        for name, ops in program.streams:
+            for i, op in enumerate(ops):
+                if op[0] == RECORD:
+                    self._recorder[op[1]] = (name, i, ops[i - 1] if i > 0 else op)
+        self._step = 0
+        self._broken: SchedcRuntimeError | None = None
+        self._shapes: dict = {}  # buffer key -> [(dtype, shape)] from the first step
+        self.peak_stash = 0
+        self.leaked_stashes = 0
+        self.times: dict[tuple, list] = {}  # profile: (pass, stage, part) -> [(step, seconds)]
+        self.msg_times: list[tuple] = []  # profile: (step, seconds, bytes) per receive
+        self.step_times: list[float] = []
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _check_program(self) -> None:
+        held = set(self.stages)
+        for name, ops in self.program.streams:
+            for i, op in enumerate(ops):
+                ks = [op[1]] if op[0] == KERNEL else [op[1], op[2]] if op[0] == OVERLAP else []
+                for k in ks:
+                    if k.stage not in held:
+                        raise ProgramFormatError(
+                            f"{self.program.path}: rank {self.rank} {name} op #{i} `{k}` runs "
+                            f"stage {k.stage}, which the rank does not hold")
+                    if k.part and self.moe_parts is None:
+                        raise SchedcRuntimeError(
+                            f"rank {self.rank}'s program splits stage {k.stage} into MoE parts "
+                            f"({name} op #{i} `{k}`): pass moe_parts=MoEParts(...)",
+                            rank=self.rank, step=-1)
+        if self.loss_fn is None and any(s.last for s in self.program.stages):
+            raise SchedcRuntimeError(
+                f"rank {self.rank} holds a last stage: pass loss_fn", rank=self.rank, step=-1)
+
+    def _sync_replicas(self) -> None:
+        """DualPipe: both copies of a model stage start from the direction-0 copy."""
+        for st in sorted(self.stages.values(), key=lambda s: (s.info.model_stage, s.info.direction)):
+            peer = st.info.replica_peer
+            if peer is None:
+                continue
+            pg = self._pgs[tuple(sorted((self.rank, peer)))]
+            src = self.rank if st.info.direction == 0 else peer
+            with torch.no_grad():
+                for p in st.params:
+                    dist.broadcast(p.data, src=src, group=pg)
+
+    def parameters(self) -> list:
+        """Every parameter of the rank's stages (both copies for DualPipe)."""
+        return [p for st in self.stages.values() for p in st.params]
+
+    @property
+    def local_stages(self) -> list[LocalStage]:
+        return list(self.program.stages)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self, inputs: Any = None, targets: Any = None) -> list[torch.Tensor]:
+        """One training step on the whole batch (split along dimension 0 into
+        ``program.total_microbatches`` chunks; DualPipe's direction 0 takes the first half).
+
+        ``inputs`` (a tensor or a tuple of tensors) is needed on ranks holding a first stage,
+        ``targets`` on ranks holding a last stage. Returns the losses (detached, unscaled) of
+        the micro-batches whose loss this rank computed, in chunk order; :attr:`loss_chunks`
+        says which chunks they are.
+
+        Raises:
+            SchedcRuntimeError: a kernel raised, a message never came or a peer vanished
+                (within ``timeout``), or a previous step failed.
+        """
+        if self._broken is not None:
+            raise SchedcRuntimeError(
+                f"rank {self.rank}: a previous step failed ({self._broken}); the process groups "
+                "are aborted, start a new process group", rank=self.rank, step=self._step)
+        n = self.program.total_microbatches
+        self._in = self._split(inputs, n, "inputs") if any(s.info.first for s in self.stages.values()) else None
+        self._tg = self._split(targets, n, "targets") if any(s.info.last for s in self.stages.values()) else None
+        self._bufs: dict = {}
+        self._events = [threading.Event() for _ in range(self.program.events)]
+        self._losses: dict[int, torch.Tensor] = {}
+        self._failure: SchedcRuntimeError | None = None
+        self._abort = False
+        self._live_stash = 0
+        self._headers = (self._step == 0) or not self.static_shapes
+        self._leak_refs: list = []
+        self._cuda_timings: list = []
+        self._cuda_events: list = [None] * self.program.events
+        if self._cuda:
+            self._cuda_streams[0] = torch.cuda.current_stream(self.device)
+        self._pending_sends = {si: [] for si in range(len(self.program.streams))}
+        self._posted = {si: {} for si in range(len(self.program.streams))}
+        t0 = time.perf_counter()
+        self._mark, self._carry, self._samples_step = t0, 0.0, []
+        threads = [
+            threading.Thread(target=self._thread_main, args=(si,), daemon=True,
+                             name=f"schedc-rank{self.rank}-{self.program.streams[si][0]}")
+            for si in range(1, len(self.program.streams))
+        ]
+        for t in threads:
+            t.start()
+        self._thread_main(0)
+        if self.profile and not self._cuda and self._samples_step:
+            # What the compute stream did after its last kernel (the optimizer, releases)
+            # is shared by the step's kernels.
+            tail = (time.perf_counter() - self._mark + self._carry) / len(self._samples_step)
+            for key, t in self._samples_step:
+                self.times.setdefault(key, []).append((self._step, t + tail))
+        deadline = time.monotonic() + self.timeout + 5.0
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive() and self._failure is None:
+                self._fail(SchedcRuntimeError(
+                    f"rank {self.rank}, step {self._step}: the {t.name} thread did not finish "
+                    f"within {self.timeout:.1f} s after the compute stream", rank=self.rank,
+                    step=self._step))
+        if self._failure is not None:
+            self._broken = self._failure
+            self._abort_groups()
+            raise self._failure
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self.step_times.append(time.perf_counter() - t0)
+        for key, ev0, ev1 in self._cuda_timings:
+            self.times.setdefault(key, []).append((self._step, ev0.elapsed_time(ev1) / 1e3))
+        left = [buf_text(k) for k in self._bufs if k[0] != "weight_grad"]
+        if left:
+            raise SchedcRuntimeError(
+                f"rank {self.rank}, step {self._step}: buffers still allocated after the step: "
+                f"{', '.join(sorted(left)[:8])}", rank=self.rank, step=self._step)
+        self._step += 1
+        self.loss_chunks = sorted(self._losses)
+        return [self._losses[g] for g in self.loss_chunks]
+
+    def _split(self, x, n: int, what: str) -> list[tuple]:
+        if x is None:
+            raise SchedcRuntimeError(
+                f"rank {self.rank} holds a {'first' if what == 'inputs' else 'last'} stage: "
+                f"step() needs {what}", rank=self.rank, step=self._step)
+        ts = _tuple(x)
+        for t in ts:
+            if t.shape[0] < n:
+                raise SchedcRuntimeError(
+                    f"{what} has {t.shape[0]} rows along dimension 0, fewer than the "
+                    f"{n} micro-batches of a step", rank=self.rank, step=self._step)
+        chunks = [torch.tensor_split(t, n) for t in ts]
+        return [tuple(c[i] for c in chunks) for i in range(n)]
+
+    # -- streams ----------------------------------------------------------------------------
+
+    def _fail(self, err: SchedcRuntimeError) -> None:
+        if self._failure is None:
+            self._failure = err
+        self._abort = True
+
+    def _abort_groups(self) -> None:
+        for pg in [*self._chan_pg.values(), *self._pgs.values()]:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - best effort: the error is already reported
+                pass
+
+    def _thread_main(self, si: int) -> None:
+        if self._cuda and si > 0:
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(self._cuda_streams[si]):
+                self._run_stream(si)
+        else:
+            self._run_stream(si)
+
+    def _run_stream(self, si: int) -> None:
+        name, ops = self.program.streams[si]
+        i = -1
+        try:
+            for i, op in enumerate(ops):
+                if self._abort:
+                    raise _Abort
+                self._fault_hook(si, i)
+                self._exec(si, i, op)
+            for op, i2, work in self._pending_sends[si]:
+                i = i2
+                self._wait_work(work, si, i2, op)
+            self._pending_sends[si] = []
+        except _Abort:
+            pass
+        except BaseException as e:  # noqa: BLE001 - every failure becomes the step's error
+            op = ops[i] if 0 <= i < len(ops) else None
+            self._fail(self._error(e, si, i, op))
+            # Unblock this rank's other streams (and, through closed connections, the peers
+            # waiting on this rank).
+            self._abort_groups()
+
+    def _error(self, e: BaseException, si: int, i: int, op) -> SchedcRuntimeError:
+        if isinstance(e, SchedcRuntimeError):
+            return e
+        name = self.program.streams[si][0]
+        text = op_text(op) if op is not None else "?"
+        peer = _peer_of(op) if op is not None else None
+        msg = str(e).strip()
+        low = msg.lower()
+        comm = op is not None and op[0] in (SEND, RECV, COLLECTIVE, REPLICA, ALLREDUCE)
+        if isinstance(e, TimeoutError) and op is not None and op[0] == WAIT:
+            why = msg
+        elif comm and ("timed out" in low or "timeout" in low):
+            why = (f"no message from rank {peer} within {self.timeout:.1f} s (the peer is stuck, "
+                   "or never sent it)") if peer is not None and op[0] == RECV else (
+                   f"not completed within {self.timeout:.1f} s" + (f" by rank {peer}" if peer is not None else ""))
+        elif comm and any(w in low for w in ("closed", "reset", "broken pipe", "connection", "abort")):
+            why = (f"rank {peer}'s connection closed (its process died or stopped after an error)"
+                   if peer is not None else "a peer's connection closed (its process died or stopped)")
+        else:
+            why = f"{type(e).__name__}: {msg.splitlines()[0] if msg else ''}"
+        where = f"rank {self.rank}, step {self._step}, {name} stream op #{i} `{text}`"
+        err = SchedcRuntimeError(f"{where}: {why}", rank=self.rank, step=self._step,
+                                 stream=name, index=i, op=text, peer=peer)
+        err.__cause__ = e
+        return err
+
+    def _fault_hook(self, si: int, i: int) -> None:
+        f = self._faults
+        if f.get("kill") == (self._step, si, i):
+            os.kill(os.getpid(), 9)
+
+    def _wait_event(self, e: int) -> None:
+        ev = self._events[e]
+        # The op that records the event has its own timeout (a receive's names its peer);
+        # this one is a backstop, a little later.
+        deadline = time.monotonic() + self.timeout + 5.0
+        while not ev.wait(0.05):
+            if self._abort:
+                raise _Abort
+            if time.monotonic() > deadline:
+                name, i, op = self._recorder[e]
+                raise TimeoutError(
+                    f"waited {self.timeout + 5.0:.1f} s for e{e}, recorded after {name} op "
+                    f"#{i - 1} `{op_text(op)}`, which did not complete")
+
+    def _wait_work(self, work, si: int, i: int, op) -> None:
+        if self._cuda:
+            deadline = time.monotonic() + self.timeout
+            sleep = 1e-5
+            while not work.is_completed():
+                if self._abort:
+                    raise _Abort
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"timed out after {self.timeout:.1f} s")
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 1e-3)
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+
+    def _exec(self, si: int, i: int, op: tuple) -> None:
+        c = op[0]
+        if c == KERNEL:
+            self._timed_kernel(op[1])
+        elif c == WAIT:
+            if si == 0 and self.profile:
+                t = time.perf_counter()
+                self._carry += t - self._mark
+                self._wait_event(op[1])
+                self._mark = time.perf_counter()
+            else:
+                self._wait_event(op[1])
+            if self._cuda:
+                torch.cuda.current_stream().wait_event(self._cuda_events[op[1]])
+        elif c == RECORD:
+            if self._cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+                self._cuda_events[op[1]] = ev
+            self._events[op[1]].set()
+        elif c == ALLOC:
+            self._alloc(op[1], op[2])
+        elif c == FREE:
+            self._free(op[1])
+        elif c == SEND:
+            self._send(si, i, op)
+        elif c == RECV:
+            self._recv(si, i)
+        elif c == OVERLAP:
+            self._overlap(op[1], op[2])
+        elif c == REPLICA:
+            if self._faults.get("skip_replica_sum"):
+                return
+            self._reduce(self.stages[op[1]], (self.rank, op[3]), "all", si, i, op)
+        elif c == ALLREDUCE:
+            self._reduce(self.stages[op[1]], op[3], op[2], si, i, op)
+        elif c == COLLECTIVE:
+            self._collective(op, si, i)
+        elif c == OPT:
+            st = self.stages[op[1]]
+            if st.optimizer is not None:
+                st.optimizer.step()
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    def _alloc(self, key: tuple, zero: bool) -> None:
+        kind = key[0]
+        if kind == "weight_grad":
+            for p in self.stages[key[1]].params:
+                p.grad = None
+            self._bufs[key] = True
+        elif kind == "stash":
+            self._bufs[key] = _Stash()
+            self._live_stash += 1
+            self.peak_stash = max(self.peak_stash, self._live_stash)
+        # act / grad: written by the kernel or the receive that produces them.
+
+    def _free(self, key: tuple) -> None:
+        v = self._bufs.pop(key, None)
+        if key[0] == "stash":
+            self._live_stash -= 1
+            if v is not None and self._faults.get("keep_stashes"):  # negative control
+                self._faults.setdefault("kept", []).append(v.segs[-1].outputs if v.segs else ())
+            if v is not None and self._faults.get("check_leaks"):
+                outs = [o for seg in v.segs for o in seg.outputs if isinstance(o, torch.Tensor)]
+                refs = [weakref.ref(o) for o in outs]
+                del v, outs
+                if any(r() is not None for r in refs):
+                    self.leaked_stashes += 1
+
+    # -- kernels ----------------------------------------------------------------------------
+
+    def _timed_kernel(self, k: Kernel) -> None:
+        if not self.profile:
+            self._kernel(k)
+            return
+        key = (k.pass_, k.stage, k.part)
+        if self._cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            self._kernel(k)
+            e1.record()
+            self._cuda_timings.append((key, e0, e1))
+        else:
+            self._kernel(k)
+            self._attribute(key)
+
+    def _attribute(self, key: tuple) -> None:
+        """CPU profile: the compute stream's time since its last op or wait ends with this op
+        (so the runtime's own bookkeeping between kernels is counted; waiting is not)."""
+        now = time.perf_counter()
+        self._samples_step.append((key, now - self._mark + self._carry))
+        self._mark, self._carry = now, 0.0
+
+    def _stage_input(self, st: _Stage, mb: int) -> tuple:
+        if st.info.first:
+            g = self.program.global_mb(st.info.stage, mb)
+            x = self._in[g]
+            return _leaves(x, False)
+        prev = ("act", st.info.stage - 1, mb)
+        return _leaves(self._bufs[prev], True)
+
+    def _target(self, st: _Stage, mb: int):
+        t = self._tg[self.program.global_mb(st.info.stage, mb)]
+        return t[0] if len(t) == 1 else t
+
+    def _finish_forward(self, st: _Stage, k: Kernel, stash: _Stash, out) -> None:
+        """After the forward's last piece: the loss (last stage) or the output activation."""
+        if st.info.last:
+            loss = self.loss_fn(out, self._target(st, k.mb))
+            stash.loss = loss
+            self._losses[self.program.global_mb(st.info.stage, k.mb)] = loss.detach()
+        key = ("act", k.stage, k.mb)
+        if key in k.writes:
+            self._bufs[key] = tuple(o.detach() for o in stash.segs[-1].outputs)
+
+    def _kernel(self, k: Kernel) -> None:
+        st = self.stages[k.stage]
+        skey = ("stash", k.stage, k.mb)
+        stash: _Stash = self._bufs[skey]
+        p = k.pass_
+        if p == "F":
+            if k.part in (None, "attn"):
+                x = self._stage_input(st, k.mb)
+            else:
+                x = _leaves(stash.segs[-1].outputs, True)
+            fn = st.module if k.part is None else (lambda *a: self.moe_parts.get(k.part)(st.module, *a))
+            out = fn(*x)
+            stash.segs.append(_Seg(k.part, x, _tuple(out)))
+            if k.part in (None, "combine"):
+                self._finish_forward(st, k, stash, out)
+        elif p in ("B", "BW"):
+            self._backward(st, k, stash, fused=(p == "BW"))
+        elif p == "W":
+            for seg in stash.segs:
+                if seg.plan is not None:
+                    _ag.weight_backward(seg.plan, st.params)
+                    seg.plan = None
+        else:
+            raise ValueError(f"unknown pass {p}")
+
+    def _seg_for(self, stash: _Stash, part: str | None) -> _Seg:
+        for seg in stash.segs:
+            if seg.part == part:
+                return seg
+        raise KeyError(f"no forward segment {part or 'whole'}")
+
+    def _roots(self, st: _Stage, k: Kernel, stash: _Stash, seg: _Seg):
+        """The tensors to differentiate for this backward piece, and their gradients."""
+        first_piece = k.part in (None, "combine")
+        if first_piece and st.info.last:
+            return [stash.loss], [torch.full_like(stash.loss, self.scale)]
+        if first_piece:
+            got = self._bufs[("grad", k.stage + 1, k.mb)]
+            it = iter(got)
+            grads = [next(it) if o.is_floating_point() else None for o in seg.outputs]
+        else:
+            grads = list(stash.pending)
+        roots, gs = [], []
+        for o, g in zip(seg.outputs, grads):
+            if g is not None and o.requires_grad:
+                roots.append(o)
+                gs.append(g)
+        return roots, gs
+
+    def _backward(self, st: _Stage, k: Kernel, stash: _Stash, fused: bool) -> None:
+        seg = self._seg_for(stash, k.part)
+        roots, grads = self._roots(st, k, stash, seg)
+        want = [x for x in seg.inputs if x.requires_grad]
+        if not roots:
+            got = [None] * len(want)
+        elif fused:
+            got = _ag.full_backward(roots, grads, want, st.params)
+        else:
+            got, seg.plan = _ag.input_backward(roots, grads, want, st.params)
+        it = iter(got)
+        per_input = [next(it) if x.requires_grad else None for x in seg.inputs]
+        self._emit_input_grads(st, k, stash, seg, per_input)
+
+    def _emit_input_grads(self, st, k, stash, seg, per_input) -> None:
+        last_piece = k.part in (None, "attn")
+        if last_piece:
+            key = ("grad", k.stage, k.mb)
+            if key in k.writes:
+                self._bufs[key] = tuple(
+                    g if g is not None else torch.zeros_like(x)
+                    for x, g in zip(seg.inputs, per_input) if x.is_floating_point())
+        else:
+            stash.pending = per_input
+
+    def _overlap(self, kf: Kernel, kb: Kernel) -> None:
+        """An overlapped pair: the user's callback when the backward is fused, else F, B."""
+        if self.overlap_fn is None or kb.pass_ != "BW" or kf.part or kb.part:
+            self._timed_kernel(kf)
+            self._timed_kernel(kb)
+            return
+        sf, sb = self.stages[kf.stage], self.stages[kb.stage]
+        stf: _Stash = self._bufs[("stash", kf.stage, kf.mb)]
+        stb: _Stash = self._bufs[("stash", kb.stage, kb.mb)]
+        x = self._stage_input(sf, kf.mb)
+        f = FChunk(sf.module, kf.stage, kf.mb, x)
+        if sf.info.last:
+            f.loss_fn, f.target = self.loss_fn, self._target(sf, kf.mb)
+        seg = self._seg_for(stb, None)
+        roots, grads = self._roots(sb, kb, stb, seg)
+        b = BChunk(sb.module, kb.stage, kb.mb, seg.inputs, tuple(roots), tuple(grads), params=sb.params)
+        if sb.info.last:
+            b.loss = stb.loss * self.scale
+            b.outputs, b.output_grads = (), ()
+        for xx in seg.inputs:
+            xx.grad = None
+        if self.profile and self._cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            self.overlap_fn(f, b)
+            e1.record()
+            self._cuda_timings.append((("FB", kb.stage, None), e0, e1))
+        else:
+            self.overlap_fn(f, b)
+        if f.outputs is None:
+            raise ValueError("overlapped_forward_backward did not set the forward's outputs "
+                             "(call f.forward() or set f.outputs)")
+        stf.segs.append(_Seg(None, x, _tuple(f.outputs)))
+        if sf.info.last:
+            if f.loss is None:
+                f.loss = self.loss_fn(f.outputs, f.target)
+            stf.loss = f.loss
+            self._losses[self.program.global_mb(sf.info.stage, kf.mb)] = f.loss.detach()
+        key = ("act", kf.stage, kf.mb)
+        if key in kf.writes:
+            self._bufs[key] = tuple(o.detach() for o in stf.segs[-1].outputs)
+        per_input = [xx.grad if xx.requires_grad else None for xx in seg.inputs]
+        self._emit_input_grads(sb, kb, stb, seg, per_input)
+        if self.profile and not self._cuda:
+            self._attribute(("FB", kb.stage, None))
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def _send(self, si: int, i: int, op: tuple) -> None:
+        key, peer = op[1], op[2]
+        if self._faults.get("drop") == (self._step, key):
+            return
+        tensors = [t.contiguous() for t in self._bufs[key]]
+        pg = self._stream_pg[si]
+        if self._headers:
+            h = _header(tensors, self.device)
+            self._pending_sends[si].append((op, i, dist.isend(h, peer, group=pg)))
+        for t in tensors:
+            self._pending_sends[si].append((op, i, dist.isend(t, peer, group=pg)))
+        # Retire completed sends (their tensors go with them).
+        pend = self._pending_sends[si]
+        while pend and pend[0][2].is_completed():
+            pend.pop(0)
+
+    def _recv(self, si: int, i: int) -> None:
+        """Posts this receive and every receive right after it in the stream (a group is
+        posted at once), then waits for this one."""
+        posted = self._posted[si]
+        ops = self.program.streams[si][1]
+        if i not in posted:
+            run = []
+            j = i
+            # With headers (the first step), one at a time: a second header posted before
+            # the first message's data would take that data (messages match in order).
+            while j < len(ops) and ops[j][0] in (RECV, ALLOC, RECORD) and (not run or not self._headers):
+                if ops[j][0] == RECV:
+                    run.append(j)
+                j += 1
+            pg = self._stream_pg[si]
+            for j in run:
+                key, peer = ops[j][1], ops[j][2]
+                entry = {"t0": time.perf_counter(), "peer": peer, "key": key}
+                if self._headers:
+                    entry["header"] = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+                    entry["hwork"] = dist.irecv(entry["header"], peer, group=pg)
+                else:
+                    entry["bufs"], entry["works"] = self._post_data(key, peer, pg)
+                posted[j] = entry
+        entry = posted.pop(i)
+        op = ops[i]
+        if "hwork" in entry:
+            self._wait_work(entry["hwork"], si, i, op)
+            self._shapes[entry["key"]] = _parse_header(entry["header"])
+            entry["bufs"], entry["works"] = self._post_data(entry["key"], entry["peer"], self._stream_pg[si])
+        for w in entry["works"]:
+            self._wait_work(w, si, i, op)
+        if self.profile:
+            nbytes = sum(b.numel() * b.element_size() for b in entry["bufs"])
+            self.msg_times.append((self._step, time.perf_counter() - entry["t0"], nbytes))
+        if self._cuda:
+            for b in entry["bufs"]:
+                b.record_stream(self._cuda_streams[0])  # used on the compute stream
+        self._bufs[entry["key"]] = tuple(entry["bufs"])
+
+    def _post_data(self, key, peer, pg):
+        shapes = self._shapes.get(key)
+        if shapes is None:
+            raise RuntimeError(f"no shape known for {buf_text(key)} (static_shapes needs the first step to carry headers)")
+        bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in shapes]
+        return bufs, [dist.irecv(b, peer, group=pg) for b in bufs]
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def _reduce(self, st: _Stage, group, scope: str, si: int, i: int, op) -> None:
+        """Sums the stage's gradients over ``group`` (DualPipe's pair, or a data-parallel
+        group): ``scope`` all, dense (not expert) or expert parameters."""
+        pg = self._pgs[tuple(sorted(group))]
+        sel = [p for p, e in zip(st.params, st.expert)
+               if scope == "all" or (scope == "expert") == e]
+        if not sel:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in sel]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=pg, async_op=True)
+        self._wait_work(work, si, i, op)
+        off = 0
+        for p, g in zip(sel, grads):
+            n = g.numel()
+            p.grad = flat[off: off + n].view_as(g).clone()
+            if self._cuda:
+                p.grad.record_stream(self._cuda_streams[0])  # the optimizer runs there
+            off += n
+
+    def _collective(self, op, si: int, i: int) -> None:
+        pg = self._pgs[tuple(sorted(op[3]))]
+        if self.collective_fn is not None:
+            self.collective_fn(op[1], op[2], pg)
+            return
+        work = dist.all_reduce(torch.zeros(1, device=self.device), group=pg, async_op=True)
+        self._wait_work(work, si, i, op)
+
+    # -- calibration ------------------------------------------------------------------------
+
+    def write_profile(self, path: str | os.PathLike, *, skip_steps: int = 1) -> str | None:
+        """Gathers every rank's timings (collective: call on every rank) and writes, on rank 0,
+        a cost model in schedc's TOML (``compiler/src/sim/cost.rs``): ``[compute]`` means and
+        ``[compute.stage.N]`` per IR stage (F, B, W, BW, FB), ``[p2p]`` (the time of one
+        message of the measured size as ``latency``), ``[moe]`` (dispatch and combine, run on
+        the compute stream here: ``overlap = false``). MoE ``attn`` and ``mlp`` pieces add up
+        into their op (schedc charges each half of it). Returns the TOML on rank 0, else None.
+
+        The first ``skip_steps`` steps' samples are dropped (warm-up, shape exchange)."""
+        mine = self._samples(skip_steps)
+        allp: list = [None] * dist.get_world_size()
+        dist.all_gather_object(allp, mine)
+        if dist.get_rank() != 0:
+            return None
+        text = profile_toml(allp, self.program.manifest)
+        with open(path, "w") as f:
+            f.write(text)
+        return text
+
+    def _samples(self, skip: int) -> dict:
+        comp: dict = {}
+        for (pass_, stage, part), ts in self.times.items():
+            kept = [t for step, t in ts if step >= skip] or [t for _, t in ts]
+            comp.setdefault(str(stage), {})[pass_ if part is None else f"{pass_}.{part}"] = kept
+        msgs = [(t, b) for step, t, b in self.msg_times if step >= skip] or [
+            (t, b) for _, t, b in self.msg_times]
+        return {"compute": comp, "messages": msgs, "steps": self.step_times[skip:] or self.step_times}
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def profile_toml(ranks: Sequence[dict], manifest: dict) -> str:
+    """The cost model TOML of gathered samples (see :meth:`ProgramRuntime.write_profile`)."""
+    stages: dict[int, dict[str, float]] = {}
+    dispatch, combine, fb = [], [], []
+    for r in ranks:
+        for s, ops in r["compute"].items():
+            d = stages.setdefault(int(s), {})
+            agg: dict[str, float] = {}
+            for name, ts in ops.items():
+                if not ts:
+                    continue
+                if "." in name:
+                    pass_, part = name.split(".")
+                    if part == "dispatch":
+                        dispatch.extend(ts)
+                        continue
+                    if part == "combine":
+                        combine.extend(ts)
+                        continue
+                    # attn + mlp make the op: each occurrence is one piece of one op.
+                    agg[pass_] = agg.get(pass_, 0.0) + _mean(ts)
+                else:
+                    agg[name] = agg.get(name, 0.0) + _mean(ts)
+            d.update(agg)
+            if "FB" in d:
+                fb.append(d["FB"])
+    msgs = [t for r in ranks for t, _ in r["messages"]]
+    sizes = [b for r in ranks for _, b in r["messages"]]
+    steps = [t for r in ranks for t in r["steps"]]
+    lines = [
+        "# Cost profile measured by schedc_torch_runtime (ProgramRuntime.write_profile):",
+        f"# {manifest['pp']} pipeline ranks, {manifest['stages']} stages, "
+        f"{manifest['microbatches']} micro-batches per direction; seconds.",
+        f"# Measured step time (median over ranks and steps): {statistics.median(steps) if steps else 0.0:.6f} s",
+        "[compute]",
+    ]
+    for k in ("F", "B", "W", "BW"):
+        vals = [d[k] for d in stages.values() if k in d]
+        if vals:
+            lines.append(f"{k} = {_mean(vals):.9f}")
+    for s in sorted(stages):
+        d = stages[s]
+        lines.append(f"[compute.stage.{s}]")
+        for k in ("F", "B", "W", "BW", "FB"):
+            if k in d:
+                lines.append(f"{k} = {d[k]:.9f}")
+    lat = sorted(msgs)[len(msgs) // 5] if msgs else 0.0
+    lines += [
+        "[p2p]",
+        "# The time of one message of the measured size, as latency (the lowest fifth of the",
+        "# receives: those whose sender was already done, so the time is the transfer's).",
+        f"latency = {lat:.9f}",
+        "bandwidth = 0.0",
+        f"bytes = {_mean(sizes):.1f}",
+    ]
+    if dispatch or combine:
+        lines += [
+            "[moe]",
+            f"dispatch = {_mean(dispatch):.9f}",
+            f"combine = {_mean(combine):.9f}",
+            "overlap = false",
+        ]
+    return "\n".join(lines) + "\n"
