@@ -57,7 +57,12 @@
 //!
 //! Part orders are therefore no longer per-op blocks: a back end must follow the parts in
 //! program order, each after its op's previous part, and not assume that an op's parts are
-//! contiguous (an `&` pair's already were not).
+//! contiguous (an `&` pair's already were not). The CPU back end's lowering
+//! (`backends/program/src/lower.rs`) groups interleaved parts into windows that close when
+//! every op begun in them is complete; a rolling interleave can keep a window open for a
+//! whole warmup, and for DualPipe (P = 4, M = 8) it then refuses the program ("the rank's
+//! streams wait for each other's events in a cycle") while 1F1B runs and equals sequential
+//! training. `check` and `sim` accept both.
 //!
 //! An op joins the op before it only when
 //! * it reads nothing that op writes (a different micro-batch, or the other direction of a
