@@ -172,7 +172,8 @@ pub struct InputArgs {
     /// Split every F, B and BW of the MoE stages into attention, dispatch, MLP and combine
     /// parts (DeepSeek-V3's order in an overlapped pair). STAGES: auto (the input's `moe`
     /// declaration, else all), all, dense-ends (embedding and head stages stay whole),
-    /// declared, or ids and ranges such as 1-6,9.
+    /// declared, or ids and ranges such as 1-6,9; append `:adjacent` (e.g. `--moe=all:adjacent`)
+    /// to interleave consecutive independent plain ops at part level.
     #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
     pub moe: Option<schedc::moe::MoeStages>,
 }

@@ -360,7 +360,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
 }
 
 /// Applies `--moe`: splits the ops of the selected MoE stages into parts
-/// ([`crate::moe::split`]), mapping `spans` along.
+/// ([`crate::moe::split_with`], interleaved as the selection says), mapping `spans` along.
 ///
 /// Errors: a selection that does not fit the pipeline (a stage out of range, `declared`
 /// without a declaration).
@@ -370,7 +370,7 @@ pub fn apply_moe(
     sel: &crate::moe::MoeStages,
 ) -> Result<(Program, Option<SourceMap>), String> {
     let stages = sel.resolve(&p.pipeline)?;
-    Ok(crate::moe::split(p, spans, &stages))
+    Ok(crate::moe::split_with(p, spans, &stages, sel.interleave()))
 }
 
 /// Parses and elaborates a spec for the instance in `ov` (a `list` block is scheduled under
