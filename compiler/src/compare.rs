@@ -508,6 +508,10 @@ pub fn render(r: &Report) -> String {
         if matches!(row.status, Status::Expectation { .. }) {
             name.push_str(" (!)");
         }
+        // A fixed-size input (IR, torch CSV, case, trace) keeps its own P and M.
+        if f.pp != r.pp || f.microbatches != r.mb {
+            name.push_str(" (*)");
+        }
         let _ = writeln!(
             o,
             "{:<18} {:>10.4} {:>10.1}% {:>12.1}% {:>11.1}% {:>13} {:>9.1} {:>6}x",
@@ -519,6 +523,22 @@ pub fn render(r: &Report) -> String {
             a2a,
             f.peak_activations,
             f.param_copies
+        );
+    }
+    let other: Vec<String> = r
+        .rows
+        .iter()
+        .filter_map(|x| {
+            let f = x.figures.as_ref()?;
+            (f.pp != r.pp || f.microbatches != r.mb)
+                .then(|| format!("{} is P = {}, M = {}", x.schedule, f.pp, f.microbatches))
+        })
+        .collect();
+    if !other.is_empty() {
+        let _ = writeln!(
+            o,
+            "\n(*) not at the size asked, a fixed-size input: {}; its figures are not comparable with the others'",
+            other.join("; ")
         );
     }
     let failed: Vec<&Row> = r
