@@ -192,13 +192,17 @@ impl InputArgs {
     fn single(r: &Option<RangeArg>, flag: &str) -> Result<Option<u32>, String> {
         match r {
             None => Ok(None),
-            Some(r) => r.single().map(Some).ok_or_else(|| {
-                format!("{flag} takes one value here; ranges sweep with `schedc check`")
-            }),
+            Some(r) => match r.single() {
+                Some(0) => Err(format!("{flag} must be at least 1")),
+                Some(v) => Ok(Some(v)),
+                None => Err(format!(
+                    "{flag} takes one value here; ranges sweep with `schedc check`"
+                )),
+            },
         }
     }
     /// The overrides of a single instance. Errors: a range where one value is needed, a
-    /// parameter given twice.
+    /// size of 0, a parameter given twice.
     pub fn overrides(&self) -> Result<Overrides, String> {
         unique_params(&self.params)?;
         Ok(Overrides {

@@ -596,3 +596,24 @@ fn compare_marks_fixed_size_inputs_not_at_the_size_asked() {
         "{out}"
     );
 }
+
+#[test]
+fn zero_sizes_are_bad_usage() {
+    for (flag, extra) in [("--pp", "--mb"), ("--mb", "--pp"), ("--vpp", "--pp")] {
+        let mut args = vec![
+            "check",
+            "specs/interleaved_1f1b.sched",
+            flag,
+            "0",
+            extra,
+            "4",
+        ];
+        if flag == "--vpp" {
+            args.extend(["--mb", "4"]);
+        }
+        let o = schedc(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(&format!("{flag} must be at least 1")), "{err}");
+    }
+}
