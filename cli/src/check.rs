@@ -236,7 +236,10 @@ enum Outcome {
     Refused,
     /// Rejected by a pass or an expectation (exit 1).
     Failed(String),
-    /// The spec does not elaborate for it, or it is over the memory limit (exit 2).
+    /// The spec is read but does not elaborate for it (exit 1: the instance is rejected, as
+    /// for a single instance).
+    Unelaborated(String),
+    /// Unreadable for it: bad usage (a `--param`), or over the memory limit (exit 2).
     Broken(String),
 }
 
@@ -361,8 +364,16 @@ fn sweep(
             };
             let r = match loaded {
                 Err(LoadError::Spec { refused: true, .. }) => Outcome::Refused,
-                Err(LoadError::Spec { diags, .. }) => {
-                    Outcome::Broken(diags.first().map(|d| d.message.clone()).unwrap_or_default())
+                Err(e @ LoadError::Spec { .. }) => {
+                    let LoadError::Spec { diags, .. } = &e else {
+                        unreachable!()
+                    };
+                    let msg = diags.first().map(|d| d.message.clone()).unwrap_or_default();
+                    if e.exit_code() == 1 {
+                        Outcome::Unelaborated(msg)
+                    } else {
+                        Outcome::Broken(msg)
+                    }
                 }
                 Err(LoadError::Usage(u)) | Err(LoadError::Io(u)) => Outcome::Broken(u),
                 Err(LoadError::Parse(e)) => Outcome::Broken(e.message),
@@ -404,7 +415,13 @@ fn sweep(
         })
         .collect();
     bar.finish_and_clear();
-    let bad = |o: &Outcome| matches!(o, Outcome::Failed(_) | Outcome::Broken(_));
+    let bad = |o: &Outcome| {
+        matches!(
+            o,
+            Outcome::Failed(_) | Outcome::Unelaborated(_) | Outcome::Broken(_)
+        )
+    };
+    let errored = |o: &Outcome| matches!(o, Outcome::Unelaborated(_) | Outcome::Broken(_));
     let mut failed: Vec<&SweepResult> = results.iter().filter(|r| bad(&r.3)).collect();
     failed.sort_by_key(|r| (r.0, r.1, r.2));
     let passed = results
@@ -415,19 +432,20 @@ fn sweep(
         .iter()
         .filter(|r| matches!(r.3, Outcome::Refused))
         .count();
-    let broken = results
+    let broken = results.iter().filter(|r| errored(&r.3)).count();
+    let unreadable = results
         .iter()
         .filter(|r| matches!(r.3, Outcome::Broken(_)))
         .count();
     let why = |o: &Outcome| match o {
-        Outcome::Failed(m) | Outcome::Broken(m) => m.clone(),
+        Outcome::Failed(m) | Outcome::Unelaborated(m) | Outcome::Broken(m) => m.clone(),
         _ => String::new(),
     };
     let inst_str = |p: u32, m: u32, v: Option<u32>| match v {
         Some(v) => format!("--pp {p} --mb {m} --vpp {v}"),
         None => format!("--pp {p} --mb {m}"),
     };
-    let code = if broken > 0 {
+    let code = if unreadable > 0 {
         ExitCode::from(2)
     } else if failed.is_empty() && passed > 0 {
         ExitCode::SUCCESS
@@ -446,7 +464,11 @@ fn sweep(
                 "refused": refused,
                 "failed": failed.iter().map(|(p, m, v, r)| serde_json::json!({
                     "pp": p, "mb": m, "vpp": v, "error": why(r),
-                    "kind": if matches!(r, Outcome::Broken(_)) { "does not elaborate" } else { "rejected" },
+                    "kind": match r {
+                        Outcome::Unelaborated(_) => "does not elaborate",
+                        Outcome::Broken(_) => "unreadable",
+                        _ => "rejected",
+                    },
                 })).collect::<Vec<_>>(),
             });
             emit_then(
@@ -458,11 +480,7 @@ fn sweep(
             use std::fmt::Write as _;
             let mut o = String::new();
             for (p, m, v, r) in failed.iter().take(20) {
-                let tag = if matches!(r, Outcome::Broken(_)) {
-                    "ERROR"
-                } else {
-                    "FAIL"
-                };
+                let tag = if errored(r) { "ERROR" } else { "FAIL" };
                 let _ = writeln!(o, "{tag} {}: {}", inst_str(*p, *m, *v), why(r));
             }
             if failed.len() > 20 {

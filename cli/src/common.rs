@@ -46,6 +46,14 @@ pub struct RangeArg {
 }
 
 impl RangeArg {
+    /// The range of one value.
+    pub fn one(v: u32) -> Self {
+        RangeArg {
+            start: v,
+            end: v,
+            step: 1,
+        }
+    }
     /// The number of values.
     pub fn len(&self) -> u64 {
         (self.end - self.start) as u64 / self.step as u64 + 1
@@ -164,7 +172,8 @@ pub struct InputArgs {
     /// Split every F, B and BW of the MoE stages into attention, dispatch, MLP and combine
     /// parts (DeepSeek-V3's order in an overlapped pair). STAGES: auto (the input's `moe`
     /// declaration, else all), all, dense-ends (embedding and head stages stay whole),
-    /// declared, or ids and ranges such as 1-6,9.
+    /// declared, or ids and ranges such as 1-6,9; append `:adjacent` (e.g. `--moe=all:adjacent`)
+    /// to interleave consecutive independent plain ops at part level.
     #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
     pub moe: Option<schedc::moe::MoeStages>,
 }
@@ -183,13 +192,17 @@ impl InputArgs {
     fn single(r: &Option<RangeArg>, flag: &str) -> Result<Option<u32>, String> {
         match r {
             None => Ok(None),
-            Some(r) => r.single().map(Some).ok_or_else(|| {
-                format!("{flag} takes one value here; ranges sweep with `schedc check`")
-            }),
+            Some(r) => match r.single() {
+                Some(0) => Err(format!("{flag} must be at least 1")),
+                Some(v) => Ok(Some(v)),
+                None => Err(format!(
+                    "{flag} takes one value here; ranges sweep with `schedc check`"
+                )),
+            },
         }
     }
     /// The overrides of a single instance. Errors: a range where one value is needed, a
-    /// parameter given twice.
+    /// size of 0, a parameter given twice.
     pub fn overrides(&self) -> Result<Overrides, String> {
         unique_params(&self.params)?;
         Ok(Overrides {
@@ -269,8 +282,6 @@ pub struct LoadFailure {
     pub code: ExitCode,
     /// [`LoadFailure::code`] as a number, for a JSON report.
     pub exit: u8,
-    /// True for an instance outside the family.
-    pub refused: bool,
     /// The verdict a JSON report gives it: `refused` (a `require`), `rejected` (an
     /// elaboration error), `unreadable` (everything else).
     pub verdict: &'static str,
@@ -284,7 +295,6 @@ impl LoadFailure {
         LoadFailure {
             code: ExitCode::from(2),
             exit: 2,
-            refused: false,
             verdict: "unreadable",
             message: format!("error: {message}\n"),
         }
@@ -342,11 +352,9 @@ pub fn load_for_under(
     let loaded = load_path(&args.input, &ov).map_err(|e| {
         let message = load_error_text(&e, &name);
         print_load_error(&e, &name);
-        let refused = matches!(e, LoadError::Spec { refused: true, .. });
         LoadFailure {
             code: ExitCode::from(e.exit_code()),
             exit: e.exit_code(),
-            refused,
             verdict: e.verdict(),
             message,
         }

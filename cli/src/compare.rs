@@ -23,7 +23,8 @@ pub struct Args {
     /// A spec parameter, NAME=VALUE, given to the specs that declare it (repeatable).
     #[arg(long = "param", value_name = "NAME=VALUE", value_parser = parse_param)]
     pub params: Vec<(String, i64)>,
-    /// Split the MoE stages into parts, as for `check` (needs a cost model with [moe]).
+    /// Split the MoE stages into parts, as for `check` (needs a cost model with [moe]);
+    /// `--moe=STAGES:adjacent` also interleaves consecutive independent plain ops.
     #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
     pub moe: Option<schedc::moe::MoeStages>,
     /// Cost model (as for `sim`).

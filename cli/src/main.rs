@@ -24,6 +24,7 @@ mod compare;
 mod compile;
 mod convert;
 mod fmt;
+mod optimize;
 mod plan;
 mod run;
 mod show;
@@ -73,6 +74,10 @@ enum Cmd {
     /// and a manifest; `--granularity stage` for a runtime of your own model
     /// (backends/torch/schedc_torch_runtime.py).
     Compile(compile::Args),
+    /// Search for a schedule with a shorter simulated makespan under an activation cap,
+    /// keeping the placement; report it next to the input, the specs that fit and the Zero
+    /// Bubble greedy, and write it as IR text, a spec or torch CSV.
+    Optimize(optimize::Args),
     /// Print a `.sched` spec in canonical layout (to standard output unless --write).
     Fmt(fmt::Args),
     /// Run `.case` files and compare their verdicts and figures with their `expect` lines.
@@ -127,6 +132,7 @@ fn real_main() -> ExitCode {
         Cmd::Plan(a) => plan::run(a),
         Cmd::Run(a) => run::run(a),
         Cmd::Compile(a) => compile::run(a),
+        Cmd::Optimize(a) => optimize::run(a),
         Cmd::Fmt(a) => fmt::run(a),
         Cmd::Test(a) => test::run(a),
     }

@@ -171,11 +171,15 @@ pub fn run(args: Args) -> ExitCode {
         return run_cuda(args, program, mesh);
     }
     if let Some(f) = &args.trace {
-        if !args.force && f.exists() {
-            return usage(&format!(
-                "`{}` exists; not overwriting it (pass --force to replace it)",
-                f.display()
-            ));
+        // Refused before training: standard output carries the run's report, and a path
+        // that cannot be written is found now rather than after the run.
+        if is_stdout(f) {
+            return usage(
+                "--trace -: standard output carries the run's report; give the trace a file name",
+            );
+        }
+        if let Err(c) = check_output(f, args.force) {
+            return c;
         }
     }
     if args.mode != Mode::Single
@@ -225,8 +229,9 @@ pub fn run(args: Args) -> ExitCode {
     match schedc_cpu::run(&program, &cfg) {
         Ok(r) => {
             if let (Some(f), Some(t)) = (&args.trace, &r.trace) {
-                if let Err(e) = std::fs::write(f, t) {
-                    return fail(format, &format!("cannot write `{}`: {e}", f.display()), 2);
+                // Whole or absent: a temporary sibling renamed into place.
+                if let Err(c) = write_output(f, t.as_bytes(), args.force) {
+                    return c;
                 }
             }
             let code = if r.verify_passed == Some(false) {

@@ -478,7 +478,8 @@ fn item11_exit_codes() {
         "1..=2",
     ]);
     assert_eq!(o.status.code(), Some(2));
-    // A spec that does not elaborate is exit 2, in a sweep too.
+    // A spec that does not elaborate is rejected, exit 1 (issue 15 item 10: exit 2 is for
+    // unreadable input and bad usage), in a sweep too.
     let bad = dir.join("bad.sched");
     std::fs::write(
         &bad,
@@ -490,10 +491,10 @@ fn item11_exit_codes() {
         schedc(&["check", b, "--pp", "2", "--mb", "2"])
             .status
             .code(),
-        Some(2)
+        Some(1)
     );
     let o = schedc(&["check", b, "--pp", "2..=3", "--mb", "2"]);
-    assert_eq!(o.status.code(), Some(2), "{}", stdout(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
     assert!(stdout(&o).contains("ERROR --pp 2 --mb 2"), "{}", stdout(&o));
 }
 

@@ -561,3 +561,59 @@ fn check_cost_schedules_list_blocks_under_the_model() {
     );
     assert!(said.contains("makespan"), "{said}");
 }
+
+#[test]
+fn compare_marks_fixed_size_inputs_not_at_the_size_asked() {
+    let case = root().join("../shared/cases/05b-paired-1f1b.case");
+    if !case.exists() {
+        assert!(
+            std::env::var_os("SCHEDC_REQUIRE_SHARED").is_none(),
+            "SCHEDC_REQUIRE_SHARED is set but ../shared/cases is missing"
+        );
+        eprintln!("skipped: ../shared/cases is not next to the repository");
+        return;
+    }
+    let o = schedc(&[
+        "compare",
+        case.to_str().unwrap(),
+        "specs/1f1b.sched",
+        "--pp",
+        "8",
+        "--mb",
+        "16",
+    ]);
+    assert!(o.status.success());
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("05b-paired-1f1b (*)"), "{out}");
+    assert!(
+        out.contains(
+            "(*) not at the size asked, a fixed-size input: 05b-paired-1f1b is P = 2, M = 2"
+        ),
+        "{out}"
+    );
+    assert!(
+        !out.contains("1f1b (*)\n") && out.contains("\n1f1b  "),
+        "{out}"
+    );
+}
+
+#[test]
+fn zero_sizes_are_bad_usage() {
+    for (flag, extra) in [("--pp", "--mb"), ("--mb", "--pp"), ("--vpp", "--pp")] {
+        let mut args = vec![
+            "check",
+            "specs/interleaved_1f1b.sched",
+            flag,
+            "0",
+            extra,
+            "4",
+        ];
+        if flag == "--vpp" {
+            args.extend(["--mb", "4"]);
+        }
+        let o = schedc(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(&format!("{flag} must be at least 1")), "{err}");
+    }
+}

@@ -392,3 +392,39 @@ fn run_and_compile_moe_parts_with_a_trace() {
     assert_eq!(streams.last().unwrap()["kind"], "ep");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn run_trace_is_refused_before_training_when_it_cannot_be_written() {
+    let base = [
+        "run",
+        "specs/1f1b.sched",
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "--backend",
+        "cpu",
+        "--steps",
+        "1",
+        "--trace",
+    ];
+    // `-`: standard output carries the report, so no file named `-` appears.
+    let out = bin().args(base).arg("-").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("standard output carries the run's report"),
+        "{err}"
+    );
+    assert!(!std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../-")).exists());
+    // A missing directory is found before the run, which prints no loss.
+    let out = bin()
+        .args(base)
+        .arg("/nonexistent-schedc-dir/t.json")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("does not exist"), "{err}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("loss"));
+}

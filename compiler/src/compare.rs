@@ -128,6 +128,8 @@ pub struct Report {
     pub cost: String,
     /// Whether `--moe` split the MoE stages.
     pub moe: bool,
+    /// Whether the split interleaves consecutive plain ops (`--moe=STAGES:adjacent`).
+    pub moe_adjacent: bool,
     /// Every input, simulated ones by makespan first, then the others in input order.
     pub rows: Vec<Row>,
 }
@@ -286,6 +288,10 @@ pub fn compare(files: &[Source], opts: &Options) -> Result<Report, String> {
         mb: opts.mb,
         cost: opts.cost_name.clone(),
         moe: opts.moe.is_some(),
+        moe_adjacent: opts
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.interleave() == crate::moe::Interleave::Adjacent),
         rows,
     })
 }
@@ -463,11 +469,12 @@ pub fn render(r: &Report) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "P = {}, M = {}, cost model `{}`{} (op times per stage of 1/P of the model; a stage of a V-way split takes 1/V)",
+        "P = {}, M = {}, cost model `{}`{}{} (op times per stage of 1/P of the model; a stage of a V-way split takes 1/V)",
         r.pp,
         r.mb,
         r.cost,
-        if r.moe { ", --moe (MoE stages split into attention, dispatch, MLP, combine)" } else { "" }
+        if r.moe { ", --moe (MoE stages split into attention, dispatch, MLP, combine)" } else { "" },
+        if r.moe_adjacent { ", consecutive independent plain ops interleaved (:adjacent)" } else { "" }
     );
     let _ = writeln!(
         o,
@@ -501,6 +508,10 @@ pub fn render(r: &Report) -> String {
         if matches!(row.status, Status::Expectation { .. }) {
             name.push_str(" (!)");
         }
+        // A fixed-size input (IR, torch CSV, case, trace) keeps its own P and M.
+        if f.pp != r.pp || f.microbatches != r.mb {
+            name.push_str(" (*)");
+        }
         let _ = writeln!(
             o,
             "{:<18} {:>10.4} {:>10.1}% {:>12.1}% {:>11.1}% {:>13} {:>9.1} {:>6}x",
@@ -512,6 +523,22 @@ pub fn render(r: &Report) -> String {
             a2a,
             f.peak_activations,
             f.param_copies
+        );
+    }
+    let other: Vec<String> = r
+        .rows
+        .iter()
+        .filter_map(|x| {
+            let f = x.figures.as_ref()?;
+            (f.pp != r.pp || f.microbatches != r.mb)
+                .then(|| format!("{} is P = {}, M = {}", x.schedule, f.pp, f.microbatches))
+        })
+        .collect();
+    if !other.is_empty() {
+        let _ = writeln!(
+            o,
+            "\n(*) not at the size asked, a fixed-size input: {}; its figures are not comparable with the others'",
+            other.join("; ")
         );
     }
     let failed: Vec<&Row> = r

@@ -51,6 +51,9 @@ pub enum Code {
     /// A spec that cannot be elaborated (unknown name, division by zero, a chunk with no
     /// micro-batch left, ...; exit status 1: the spec was read, the instance is rejected).
     Elaboration,
+    /// A spec's instance asked for with a `--param` the spec does not declare, or without
+    /// one it requires (bad usage: exit status 2).
+    Usage,
 }
 
 impl Code {
@@ -72,11 +75,12 @@ impl Code {
             Code::Syntax => "syntax",
             Code::Refused => "refused",
             Code::Elaboration => "elaboration",
+            Code::Usage => "usage",
         }
     }
 
     /// Every code, for listings.
-    pub const ALL: [Code; 15] = [
+    pub const ALL: [Code; 16] = [
         Code::Deadlock,
         Code::Stall,
         Code::LabelMismatch,
@@ -92,6 +96,7 @@ impl Code {
         Code::Syntax,
         Code::Refused,
         Code::Elaboration,
+        Code::Usage,
     ];
 }
 

@@ -118,11 +118,14 @@ pub enum LoadError {
 impl LoadError {
     /// The exit status of a command that could not load its input: 1 for a spec that parses
     /// but whose instance is refused by a `require` or cannot be elaborated (the spec is
-    /// readable; the instance is rejected), 2 for unreadable input (I/O, syntax) or bad usage.
+    /// readable; the instance is rejected), 2 for unreadable input (I/O, syntax) or bad usage
+    /// (an unknown or missing `--param`: [`crate::diag::Code::Usage`]).
     pub fn exit_code(&self) -> u8 {
         match self {
             LoadError::Spec { diags, .. }
-                if !diags.iter().any(|d| d.code == crate::diag::Code::Syntax) =>
+                if !diags.iter().any(|d| {
+                    matches!(d.code, crate::diag::Code::Syntax | crate::diag::Code::Usage)
+                }) =>
             {
                 1
             }
@@ -357,7 +360,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
 }
 
 /// Applies `--moe`: splits the ops of the selected MoE stages into parts
-/// ([`crate::moe::split`]), mapping `spans` along.
+/// ([`crate::moe::split_with`], interleaved as the selection says), mapping `spans` along.
 ///
 /// Errors: a selection that does not fit the pipeline (a stage out of range, `declared`
 /// without a declaration).
@@ -367,7 +370,7 @@ pub fn apply_moe(
     sel: &crate::moe::MoeStages,
 ) -> Result<(Program, Option<SourceMap>), String> {
     let stages = sel.resolve(&p.pipeline)?;
-    Ok(crate::moe::split(p, spans, &stages))
+    Ok(crate::moe::split_with(p, spans, &stages, sel.interleave()))
 }
 
 /// Parses and elaborates a spec for the instance in `ov` (a `list` block is scheduled under
@@ -428,6 +431,8 @@ pub fn elab_diag(e: &crate::dsl::ElabError) -> crate::diag::Diagnostic {
     use crate::diag::{Code, Diagnostic};
     let code = if e.refused {
         Code::Refused
+    } else if e.usage {
+        Code::Usage
     } else {
         Code::Elaboration
     };

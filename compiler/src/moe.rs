@@ -37,13 +37,64 @@
 //! first. Each part keeps the source span of the op it comes from, so a check error in a part
 //! points at the spec statement that emitted the op.
 //!
+//! ## Interleaving consecutive plain ops (`--moe=STAGES:adjacent`, opt-in)
+//!
+//! By default ([`Interleave::None`]) a plain op runs its four parts back to back and the next
+//! op starts after its last all-to-all: only `&` pairs overlap. With
+//! [`Interleave::Adjacent`], each run of consecutive whole ops on a rank (no pair, no
+//! communication op between them; `W` and dense ops included, as one part each) is emitted in
+//! the order of a two-stream list schedule at unit durations (a part 1, a whole op 2): compute
+//! parts on the compute stream, all-to-alls on the EP stream, each part after its op's
+//! previous part, at most two ops in flight (op `k + 2` starts after op `k` ends), ties to an
+//! op's first part, then to the earlier op. So op `k + 1`'s attention can run while op `k`'s
+//! dispatch is in flight, and a backward's first all-to-all under the previous op's compute;
+//! each stream keeps a fixed order, which is what a runtime with one compute and one EP stream
+//! per rank executes. For example two forwards on a rank whose inputs are there:
+//!
+//! ```text
+//! F(0,0).attn F(0,1).attn F(0,0).dispatch F(0,0).mlp F(0,1).dispatch F(0,0).combine F(0,1).mlp F(0,1).combine
+//! ```
+//!
+//! Part orders are therefore no longer per-op blocks: a back end must follow the parts in
+//! program order, each after its op's previous part, and not assume that an op's parts are
+//! contiguous (an `&` pair's already were not). The CPU back end's lowering
+//! (`backends/program/src/lower.rs`) groups interleaved parts into windows that close when
+//! every op begun in them is complete; a rolling interleave can keep a window open for a
+//! whole warmup, and for DualPipe (P = 4, M = 8) it then refuses the program ("the rank's
+//! streams wait for each other's events in a cycle") while 1F1B runs and equals sequential
+//! training. `check` and `sim` accept both.
+//!
+//! An op joins the op before it only when
+//! * it reads nothing that op writes (a different micro-batch, or the other direction of a
+//!   bidirectional pipeline), and
+//! * its cross-rank input (the previous stage's forward, the next stage's backward) has
+//!   finished, in an as-soon-as-possible schedule of the unsplit program, by the time the
+//!   previous op starts. That schedule charges unit time per op (`F = B = W = 1`, `BW = 2`),
+//!   twice that for a plain MoE op (its all-to-alls exposed, the 1:1 regime), a pair the sum
+//!   of its ops.
+//!
+//! The second condition keeps the result deadlock-free: every new in-stream order (a part of
+//! op `k + 1` before a part of op `k`) enters op `k + 1` from data that was ready before op
+//! `k` started and leaves through op `k`'s or a later op's outputs, which are consumed after
+//! op `k` ended, so no wait-for cycle can close through it (pass 4 proves it on every
+//! program). It also keeps a joined op from waiting for its data at the head of the compute
+//! stream, mostly: the schedule is unit-time, so with other costs an interleaved op can still
+//! hold the previous op's next compute part back. Programs with communication ops already in
+//! them (IR, traces) are not interleaved.
+//!
+//! Costs of the choice: one activation more in flight (peak activations and a spec's
+//! `expect warmup`/`peak_activations` grow by one on the ranks that interleave), and pass 7's
+//! unit-time idle, which runs all parts on one stream, grows; the simulator times the EP
+//! stream concurrently and is the figure to read.
+//!
 //! ## Which stages are MoE
 //!
 //! [`MoeStages`]: `all` (every stage), `dense-ends` (the first and the last stage of each
 //! direction stay dense: the embedding and the head), `declared` (the input's own `moe`
 //! declaration: the `moe` item of a spec, the `moe` header of IR text), or a list of stage ids
 //! and ranges (`1-6,9`). `auto` (what a bare `--moe` means) is `declared` when the input
-//! declares MoE stages and `all` otherwise.
+//! declares MoE stages and `all` otherwise. Any of them followed by `:adjacent` interleaves
+//! consecutive plain ops (above); a bare `--moe=:adjacent` is `auto:adjacent`.
 //!
 //! ## What the lowered IR holds (for back ends)
 //!
@@ -69,13 +120,24 @@ pub enum MoeStages {
     Declared,
     /// These stage ids.
     List(Vec<u32>),
+    /// The inner selection, lowered with [`Interleave::Adjacent`] (`STAGES:adjacent`).
+    Adjacent(Box<MoeStages>),
 }
 
 impl std::str::FromStr for MoeStages {
     type Err = String;
     /// `auto`, `all`, `dense-ends`, `declared`, or stage ids and inclusive ranges separated by
-    /// commas (`1-6,9`).
+    /// commas (`1-6,9`); any of them followed by `:adjacent` ([`MoeStages::Adjacent`]; a bare
+    /// `:adjacent` is `auto:adjacent`).
     fn from_str(s: &str) -> Result<Self, String> {
+        if let Some((sel, mode)) = s.trim().rsplit_once(':') {
+            return match mode.trim() {
+                "adjacent" => Ok(MoeStages::Adjacent(Box::new(sel.parse()?))),
+                other => Err(format!(
+                    "invalid --moe `{s}`: unknown lowering `{other}` after `:` (expected adjacent)"
+                )),
+            };
+        }
         match s.trim() {
             "" | "auto" => Ok(MoeStages::Auto),
             "all" => Ok(MoeStages::All),
@@ -110,6 +172,14 @@ impl std::str::FromStr for MoeStages {
 }
 
 impl MoeStages {
+    /// How the selection orders the parts of consecutive plain ops.
+    pub fn interleave(&self) -> Interleave {
+        match self {
+            MoeStages::Adjacent(_) => Interleave::Adjacent,
+            _ => Interleave::None,
+        }
+    }
+
     /// The MoE stage ids for `pl`, increasing.
     ///
     /// Errors: `declared` on a pipeline that declares nothing; a listed stage out of range.
@@ -133,6 +203,7 @@ impl MoeStages {
                 }
                 v.clone()
             }
+            MoeStages::Adjacent(inner) => inner.resolve(pl)?,
         })
     }
 }
@@ -141,10 +212,19 @@ impl MoeStages {
 /// parts would be free, and every schedule would look as good as DualPipe.
 ///
 /// Errors: the model has no `[moe]` section (and no `dispatch=`/`combine=`/`ep_bandwidth=`
-/// override); the message names the model.
+/// override), or its dispatch and combine both take 0 s ([`CostModel::a2a_time`]: no time
+/// given and none derivable from a bandwidth and `[model]` sizes); the message names the
+/// model.
+///
+/// [`CostModel::a2a_time`]: crate::sim::cost::CostModel::a2a_time
 pub fn require_moe_costs(cost: &crate::sim::cost::CostModel, name: &str) -> Result<(), String> {
     if cost.moe.present {
-        return Ok(());
+        if cost.a2a_time(Part::Dispatch) > 0.0 || cost.a2a_time(Part::Combine) > 0.0 {
+            return Ok(());
+        }
+        return Err(format!(
+            "--moe with the cost model `{name}`, whose [moe] section gives the all-to-alls no time (dispatch = combine = 0 s, and no EP bandwidth with [model] sizes to derive them): every schedule would look as good as DualPipe. Give their times ([moe] dispatch = S, combine = S, or [moe] bandwidth = BYTES_PER_S with [model]), e.g. --cost ../shared/costs/moe-1to1.toml"
+        ));
     }
     Err(format!(
         "--moe with the cost model `{name}`, which has no [moe] section: its dispatch and combine all-to-alls would take no time. Give their times ([moe] dispatch = S, combine = S, or an EP bandwidth: [moe] bandwidth = BYTES_PER_S with [model]), e.g. --cost ../shared/costs/moe-1to1.toml, or --set dispatch=S,combine=S"
@@ -165,14 +245,129 @@ fn plain(c: &Compute, out: &mut Vec<Instr>) {
     out.extend(order.iter().map(|&p| part(c, p)));
 }
 
+/// How [`split_with`] orders the parts of consecutive plain (not overlapped) ops on a rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Interleave {
+    /// Each plain op runs its parts back to back: its all-to-alls are exposed unless the
+    /// schedule overlaps it with another op (`&`).
+    #[default]
+    None,
+    /// Consecutive independent ops on a rank interleave at part level, at most two ops in
+    /// flight (module docs, "Interleaving consecutive plain ops").
+    Adjacent,
+}
+
+/// One op of a rank's program in a run of consecutive plain ops: its parts in execution order.
+struct Chain {
+    parts: Vec<Instr>,
+    /// The micro-batch and direction whose data the op reads and writes.
+    key: usize,
+    /// Whether the op may run alongside the previous op of its run (its cross-rank inputs are
+    /// ready, in the unit-time schedule of the unsplit program, when that op ends).
+    joins: bool,
+    span: Span,
+}
+
+/// Unit durations of the static interleaving: a part takes 1, a whole op 2 (attention + MLP).
+fn unit(i: &Instr) -> u64 {
+    match i {
+        Instr::Compute(c) if c.part == Part::Whole => 2,
+        _ => 1,
+    }
+}
+
+/// Emits the parts of `run` (consecutive plain ops of one rank, in program order) in the
+/// order of a two-stream list schedule at unit durations: compute parts on the compute
+/// stream, all-to-alls on the EP stream, each part after its op's previous part, at most two
+/// ops in flight (op `i + 2` starts after op `i` has ended), an op that reads data an earlier
+/// op writes (the same micro-batch and direction) only after that op has ended. Ties go to the
+/// earlier op. Linear in the run's parts; `last_end` is scratch of one slot per key.
+fn interleave_run(
+    run: &mut Vec<Chain>,
+    last_end: &mut [u64],
+    out: &mut Vec<Instr>,
+    sp: &mut Vec<Span>,
+) {
+    let n = run.len();
+    if n <= 1 {
+        for ch in run.drain(..) {
+            sp.extend(std::iter::repeat_n(ch.span, ch.parts.len()));
+            out.append(&mut { ch.parts });
+        }
+        return;
+    }
+    let mut next = vec![0usize; n];
+    let mut ready = vec![0u64; n];
+    let (mut cfree, mut efree) = (0u64, 0u64);
+    let mut lo = 0usize;
+    let mut opened = 0usize; // ops whose ready time holds their dependencies
+    while lo < n {
+        let hi = if lo + 1 < n && run[lo + 1].joins && run[lo + 1].key != run[lo].key {
+            lo + 2
+        } else {
+            lo + 1
+        };
+        while opened < hi {
+            ready[opened] = ready[opened].max(last_end[run[opened].key]);
+            opened += 1;
+        }
+        // (start, whether the part is not its op's first, op): at equal starts an op's first
+        // part goes before the other op's part, which may be its last and would gate it.
+        let mut best: Option<(u64, bool, usize)> = None;
+        for j in lo..hi {
+            if let Some(ins) = run[j].parts.get(next[j]) {
+                let ep = matches!(ins, Instr::Compute(c) if c.part.is_all_to_all());
+                let s = ready[j].max(if ep { efree } else { cfree });
+                let cand = (s, next[j] > 0, j);
+                if best.is_none_or(|b| cand < b) {
+                    best = Some(cand);
+                }
+            }
+        }
+        let (s, _, j) = best.expect("an op in the window has a part left");
+        let ins = &run[j].parts[next[j]];
+        let e = s + unit(ins);
+        if matches!(ins, Instr::Compute(c) if c.part.is_all_to_all()) {
+            efree = e;
+        } else {
+            cfree = e;
+        }
+        ready[j] = e;
+        out.push(ins.clone());
+        sp.push(run[j].span);
+        next[j] += 1;
+        if next[j] == run[j].parts.len() {
+            last_end[run[j].key] = last_end[run[j].key].max(e);
+        }
+        while lo < n && next[lo] == run[lo].parts.len() {
+            lo += 1;
+        }
+    }
+    for ch in run.iter() {
+        last_end[ch.key] = 0;
+    }
+    run.clear();
+}
+
+/// [`split_with`] at the default [`Interleave`].
+pub fn split(p: &Program, spans: Option<&SourceMap>, moe: &[u32]) -> (Program, Option<SourceMap>) {
+    split_with(p, spans, moe, Interleave::default())
+}
+
 /// Splits every whole F, B and BW of the stages in `moe` (increasing ids) into MoE parts in
 /// the documented order (module docs), and records `moe` as the pipeline's MoE stages.
 /// `spans`, when given, is mapped to the new instructions (each part gets its op's span).
 ///
 /// Linear in the program's size. Never fails: ops out of range are copied unchanged for
 /// pass 1 to report.
-pub fn split(p: &Program, spans: Option<&SourceMap>, moe: &[u32]) -> (Program, Option<SourceMap>) {
-    let mut is_moe = vec![false; p.pipeline.stages as usize];
+pub fn split_with(
+    p: &Program,
+    spans: Option<&SourceMap>,
+    moe: &[u32],
+    interleave: Interleave,
+) -> (Program, Option<SourceMap>) {
+    let pl = &p.pipeline;
+    let mut is_moe = vec![false; pl.stages as usize];
     for &s in moe {
         if let Some(x) = is_moe.get_mut(s as usize) {
             *x = true;
@@ -183,12 +378,109 @@ pub fn split(p: &Program, spans: Option<&SourceMap>, moe: &[u32]) -> (Program, O
             && c.kind != Kind::W
             && is_moe.get(c.stage as usize).copied().unwrap_or(false)
     };
+    let per_dir = pl.stages_per_direction().max(1);
+    let key_of = |c: &Compute| {
+        (c.mb.min(pl.microbatches) as usize) * 2
+            + usize::from(c.stage >= per_dir && pl.directions() == 2)
+    };
+    let mut last_end = vec![0u64; 2 * (pl.microbatches as usize + 1)];
+    // The unit-time schedule of the unsplit program: when each op ends (`ends[r][i]`) and
+    // when each forward and input-gradient backward (kind class 0, 1) ends (`done`).
+    let timing = (interleave != Interleave::None
+        && p.ranks
+            .iter()
+            .flatten()
+            .all(|i| matches!(i, Instr::Compute(_) | Instr::Overlap { .. })))
+    .then(|| {
+        use crate::passes::makespan::{schedule_with, unit_cost};
+        // A plain MoE op is charged its compute and as long again for its exposed all-to-alls
+        // (the 1:1 regime the interleaving is for); a pair its compute.
+        let plain = |c: &Compute| unit_cost(c) * if splits(c) { 2.0 } else { 1.0 };
+        schedule_with(p, &plain, &|f, b| unit_cost(f) + unit_cost(b))
+    })
+    .flatten();
+    let interleave = if timing.is_some() {
+        interleave
+    } else {
+        Interleave::None
+    };
+    let (s_n, m_n) = (pl.stages as usize, pl.microbatches as usize);
+    let slot = |class: usize, s: u32, m: u32| {
+        ((s as usize) < s_n && (m as usize) < m_n)
+            .then(|| (class * s_n + s as usize) * m_n + m as usize)
+    };
+    let mut done = vec![f64::INFINITY; if timing.is_some() { 2 * s_n * m_n } else { 0 }];
+    let mut ends: Vec<Vec<f64>> = Vec::new();
+    let starts: &[Vec<f64>] = timing.as_ref().map_or(&[], |t| &t.starts);
+    if let Some(t) = &timing {
+        use crate::passes::makespan::unit_cost;
+        for (instrs, st) in p.ranks.iter().zip(&t.starts) {
+            let mut e = Vec::with_capacity(instrs.len());
+            for (ins, &s0) in instrs.iter().zip(st) {
+                let d = match ins {
+                    Instr::Compute(c) => unit_cost(c) * if splits(c) { 2.0 } else { 1.0 },
+                    Instr::Overlap { fwd, bwd } => unit_cost(fwd) + unit_cost(bwd),
+                    _ => 0.0,
+                };
+                let end = s0 + d;
+                ins.for_each_compute(|c| {
+                    let class = match c.kind {
+                        Kind::F => Some(0),
+                        Kind::B | Kind::BW => Some(1),
+                        Kind::W => None,
+                    };
+                    if let Some(k) = class.and_then(|cl| slot(cl, c.stage, c.mb)) {
+                        done[k] = end;
+                    }
+                });
+                e.push(end);
+            }
+            ends.push(e);
+        }
+    }
+    // The end of the cross-rank input of `c` on rank `r` in the unit-time schedule (0 without).
+    let input_end = |c: &Compute, r: usize| -> f64 {
+        let src = match c.kind {
+            Kind::F => pl.prev_stage(c.stage).map(|s| (0, s)),
+            Kind::B | Kind::BW => pl.next_stage(c.stage).map(|s| (1, s)),
+            Kind::W => None,
+        };
+        match src {
+            Some((cl, s)) if pl.rank_of(s) as usize != r => {
+                slot(cl, s, c.mb).map_or(f64::INFINITY, |k| done[k])
+            }
+            _ => 0.0,
+        }
+    };
     let mut ranks = Vec::with_capacity(p.ranks.len());
     let mut span_ranks = Vec::with_capacity(p.ranks.len());
+    let mut run: Vec<Chain> = Vec::new();
     for (r, instrs) in p.ranks.iter().enumerate() {
         let mut out = Vec::with_capacity(instrs.len() * 3);
         let mut sp: Vec<Span> = Vec::new();
         for (i, ins) in instrs.iter().enumerate() {
+            let span = spans.and_then(|m| m.get(r, i)).unwrap_or_default();
+            if interleave != Interleave::None {
+                if let Instr::Compute(c) = ins {
+                    if c.part == Part::Whole {
+                        let mut parts = Vec::with_capacity(4);
+                        if splits(c) {
+                            plain(c, &mut parts);
+                        } else {
+                            parts.push(ins.clone());
+                        }
+                        let joins = i > 0 && input_end(c, r) <= starts[r][i - 1];
+                        run.push(Chain {
+                            parts,
+                            key: key_of(c),
+                            joins,
+                            span,
+                        });
+                        continue;
+                    }
+                }
+                interleave_run(&mut run, &mut last_end, &mut out, &mut sp);
+            }
             let before = out.len();
             match ins {
                 Instr::Compute(c) if splits(c) => plain(c, &mut out),
@@ -233,10 +525,13 @@ pub fn split(p: &Program, spans: Option<&SourceMap>, moe: &[u32]) -> (Program, O
                 }
                 other => out.push(other.clone()),
             }
-            if let Some(m) = spans {
-                let s = m.get(r, i).unwrap_or_default();
-                sp.extend(std::iter::repeat_n(s, out.len() - before));
+            if spans.is_some() {
+                sp.extend(std::iter::repeat_n(span, out.len() - before));
             }
+        }
+        interleave_run(&mut run, &mut last_end, &mut out, &mut sp);
+        if spans.is_none() {
+            sp.clear();
         }
         ranks.push(out);
         span_ranks.push(sp);
@@ -287,6 +582,46 @@ mod tests {
              BW(1,1).combine BW(1,1).mlp BW(1,1).dispatch BW(1,1).attn \
              F(1,1).attn F(1,1).dispatch BW(0,0) F(1,1).mlp F(1,1).combine BW(0,1)"
         );
+    }
+
+    #[test]
+    fn adjacent_interleaves_independent_ops_only() {
+        // Rank 0 has its inputs: its forwards interleave, then its backwards (different
+        // micro-batches). On rank 1 F(1,0) and BW(1,0) share a micro-batch: no interleaving;
+        // F(1,1)'s input comes from rank 0's second forward, which the unit-time schedule
+        // has ready before BW(1,0) starts, so F(1,1) runs its attention first.
+        let src = "pp 2\nstages 2\nmicrobatches 3\nrank 0: F(0,0) F(0,1) F(0,2) BW(0,0) BW(0,1) BW(0,2)\nrank 1: F(1,0) BW(1,0) F(1,1) BW(1,1) F(1,2) BW(1,2)\n";
+        let p = parse(src).unwrap().program;
+        let (q, _) = split_with(&p, None, &[0, 1], Interleave::Adjacent);
+        assert_eq!(
+            texts(&q, 0).join(" "),
+            "F(0,0).attn F(0,1).attn F(0,0).dispatch F(0,0).mlp F(0,1).dispatch F(0,0).combine \
+             F(0,2).attn F(0,1).mlp F(0,2).dispatch F(0,1).combine F(0,2).mlp F(0,2).combine \
+             BW(0,0).combine BW(0,0).mlp BW(0,0).dispatch BW(0,0).attn \
+             BW(0,1).combine BW(0,1).mlp BW(0,1).dispatch BW(0,1).attn \
+             BW(0,2).combine BW(0,2).mlp BW(0,2).dispatch BW(0,2).attn"
+        );
+        assert_eq!(
+            texts(&q, 1).join(" "),
+            "F(1,0).attn F(1,0).dispatch F(1,0).mlp F(1,0).combine \
+             F(1,1).attn BW(1,0).combine BW(1,0).mlp F(1,1).dispatch BW(1,0).dispatch F(1,1).mlp BW(1,0).attn F(1,1).combine \
+             BW(1,1).combine F(1,2).attn BW(1,1).mlp F(1,2).dispatch BW(1,1).dispatch F(1,2).mlp BW(1,1).attn F(1,2).combine \
+             BW(1,2).combine BW(1,2).mlp BW(1,2).dispatch BW(1,2).attn"
+        );
+        // The default keeps every op's parts together.
+        let (d, _) = split(&p, None, &[0, 1]);
+        assert!(texts(&d, 0)
+            .join(" ")
+            .starts_with("F(0,0).attn F(0,0).dispatch F(0,0).mlp F(0,0).combine F(0,1).attn"));
+        assert_eq!(
+            ":adjacent".parse::<MoeStages>().unwrap(),
+            MoeStages::Adjacent(Box::new(MoeStages::Auto))
+        );
+        assert_eq!(
+            "1-2:adjacent".parse::<MoeStages>().unwrap().interleave(),
+            Interleave::Adjacent
+        );
+        assert!("all:overlap".parse::<MoeStages>().is_err());
     }
 
     #[test]

@@ -469,4 +469,12 @@ fn bad_input_moe_without_moe_costs() {
     insta::assert_snapshot!(e);
     let with = schedc::sim::cost::CostModel::resolve("dispatch=0.1,combine=0.1").unwrap();
     assert!(schedc::moe::require_moe_costs(&with, "inline").is_ok());
+    // A [moe] section that gives the all-to-alls no time (zero times, or a bandwidth with no
+    // [model] sizes to derive them from) is refused too: they would still be free.
+    for free in ["dispatch=0,combine=0", "ep_bandwidth=1e9"] {
+        let m = schedc::sim::cost::CostModel::resolve(free).unwrap();
+        assert!(m.moe.present, "{free}");
+        let e = schedc::moe::require_moe_costs(&m, free).unwrap_err();
+        assert!(e.contains("gives the all-to-alls no time"), "{free}: {e}");
+    }
 }

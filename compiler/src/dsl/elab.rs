@@ -34,6 +34,9 @@ pub struct ElabError {
     pub rank: Option<u32>,
     /// True for a failed `require` (the instance is outside the family: exit 1, not 2).
     pub refused: bool,
+    /// True for bad usage of the command line: an unknown `--param`, or a parameter without
+    /// a default that was not given (exit 2, like any other bad usage).
+    pub usage: bool,
     /// Where in the program it happened, innermost first: the loop iterations
     /// (`` in iteration `i = 3` of the `for` loop ``).
     pub context: Vec<String>,
@@ -258,6 +261,7 @@ fn err(sp: Sp, message: impl Into<String>) -> ElabError {
         help: None,
         rank: None,
         refused: false,
+        usage: false,
         context: Vec::new(),
     }
 }
@@ -1075,6 +1079,7 @@ pub fn elaborate_with(
             } else {
                 format!("this spec's parameters: {}", declared.join(", "))
             });
+            e.usage = true;
             return Err(vec![e]);
         }
     }
@@ -1195,6 +1200,7 @@ pub fn elaborate_with(
                         None => {
                             let mut e = err(*sp, format!("parameter `{n}` has no default"));
                             e.help = Some(format!("pass --param {n}=VALUE"));
+                            e.usage = true;
                             return Err(vec![e]);
                         }
                     },
@@ -1473,6 +1479,7 @@ pub fn elaborate_with(
                 help: e.help,
                 rank: None,
                 refused: false,
+                usage: false,
                 context: Vec::new(),
             }]
         })?;

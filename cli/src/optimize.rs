@@ -1,0 +1,708 @@
+//! `schedc optimize`: search for a shorter schedule under an activation cap.
+
+use crate::common::*;
+use clap::ValueEnum;
+use indicatif::{ProgressBar, ProgressStyle};
+use schedc::input::PlacementArg;
+use schedc::sim::cost::CostModel;
+use schedc_ir::{Pipeline, PlacementKind, Program};
+use schedc_optimize::report::{cap_for, evaluate_moe, load_specs, scale_of, scaled_cost, Row};
+use schedc_optimize::search::{optimize, Options, Outcome};
+use schedc_optimize::{verify, Instance, Sched};
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// What the search minimises.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+pub enum Objective {
+    /// Makespan from time 0, when every rank may start.
+    #[value(name = "from_start", alias = "from-start")]
+    FromStart,
+    /// The step time when steps run back to back (the simulator's steady-state convention):
+    /// the search's result and every starting schedule within the cap (the input, the specs
+    /// of this placement) are ranked by it, ties broken by the from-start makespan.
+    #[value(name = "steady_state", alias = "steady-state")]
+    SteadyState,
+}
+
+/// When to run branch and bound.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+pub enum ExactMode {
+    /// On instances of at most 150 ops.
+    Auto,
+    /// Always (it may not finish: the node budget then stops it).
+    On,
+    /// Never.
+    Off,
+}
+
+/// The output's form.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+pub enum OutKind {
+    /// IR text of the lowered program (sends and receives in place).
+    IrText,
+    /// A `.sched` spec with the schedule in a `literal { }` block, for this P and M.
+    Spec,
+    /// PyTorch's compute_only CSV (torch's `I` is our B, its `B` our BW).
+    TorchCsv,
+}
+
+/// `schedc optimize`'s arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The starting schedule (a spec, IR text or JSON, torch CSV, a DualPipe trace); its
+    /// placement is kept. Without it: the standard placements (loop with one stage per
+    /// rank, V with two, interleaved loop with two) unless --placement or --vpp picks one.
+    pub input: Option<String>,
+    /// Pipeline ranks P (a spec's instance, or the pipeline to search without input).
+    #[arg(long, value_name = "P")]
+    pub pp: Option<u32>,
+    /// Micro-batches M.
+    #[arg(long = "mb", value_name = "M")]
+    pub mb: Option<u32>,
+    /// Virtual stages per rank V.
+    #[arg(long, value_name = "V")]
+    pub vpp: Option<u32>,
+    /// A spec parameter, NAME=VALUE (repeatable).
+    #[arg(long = "param", value_name = "NAME=VALUE", value_parser = parse_param)]
+    pub params: Vec<(String, i64)>,
+    /// Placement: loop, v, bidir, or a list such as 0,1,1,0.
+    #[arg(long, value_name = "PLACEMENT")]
+    pub placement: Option<PlacementArg>,
+    /// Cost model: a preset (unit, dualpipe-readme, dsv3-h800), a TOML file, or inline
+    /// overrides such as F=1,B=1.1,W=0.9,latency=0.05. Times are per stage of the input
+    /// (one stage per rank without input).
+    #[arg(long, value_name = "FILE|PRESET|K=V,...", default_value = "unit")]
+    pub cost: String,
+    /// Further inline overrides applied on top of --cost.
+    #[arg(long = "set", value_name = "K=V,...")]
+    pub set: Option<String>,
+    /// Most live activations per rank, in stages of the input (one stage per rank without
+    /// input): `schedc check --max-activations`'s unit.
+    #[arg(long, value_name = "N")]
+    pub max_activations: u64,
+    /// What to minimise.
+    #[arg(long, value_enum, default_value = "from_start")]
+    pub objective: Objective,
+    /// Stop the search after this many seconds (the best schedule so far is reported).
+    #[arg(long, value_name = "SECONDS")]
+    pub time_limit: Option<f64>,
+    /// Seed of the search's random choices (same input and seed, same output).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Scales every evaluation budget (0.1 quick, 1 default, 10 thorough).
+    #[arg(long, default_value_t = 1.0)]
+    pub effort: f64,
+    /// Branch and bound: on small instances (auto), always, or never.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub exact: ExactMode,
+    /// Heuristic mode for very large instances: list scheduling and the greedy only.
+    #[arg(long)]
+    pub heuristic: bool,
+    /// Write the schedule here (default: not written; `-` for standard output).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<String>,
+    /// Form of the written schedule.
+    #[arg(long, value_enum, default_value = "ir-text")]
+    pub to: OutKind,
+    /// Overwrite an existing output file.
+    #[arg(long)]
+    pub force: bool,
+    /// Report format.
+    #[arg(long, value_enum, default_value = "human")]
+    pub format: OutFormat,
+    /// Where the specs to compare with are.
+    #[arg(long, default_value = "specs")]
+    pub specs: String,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Score with the ops of the MoE stages split into attention, dispatch, MLP and combine
+    /// parts (all-to-alls on the expert-parallel stream; the cost model needs `[moe]`). The
+    /// search runs on a whole-op proxy (`schedc_optimize::report::moe_proxy`); its result
+    /// and every start within the cap are then ranked, and every row reported, by the split
+    /// simulation. STAGES as for `check --moe`.
+    #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
+    pub moe: Option<schedc::moe::MoeStages>,
+}
+
+fn fail(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("error: {msg}");
+    ExitCode::from(2)
+}
+
+/// One pipeline to search, with its cost, cap and starting schedules.
+struct Candidate {
+    pipeline: Pipeline,
+    inst: Instance,
+    /// The cost the search and `verify` use (the `--moe` proxy under `--moe`), scaled.
+    cost: CostModel,
+    /// The cost model as given, scaled (for the `--moe` simulation).
+    real_cost: CostModel,
+    starts: Vec<(String, Sched)>,
+    scale: f64,
+}
+
+/// Runs `schedc optimize`.
+pub fn run(a: Args) -> ExitCode {
+    if let Some(t) = a.time_limit {
+        if !(t.is_finite() && t > 0.0) {
+            return fail(format!(
+                "--time-limit must be a positive number of seconds, got {t}"
+            ));
+        }
+    }
+    if !(a.effort.is_finite() && a.effort > 0.0) {
+        return fail(format!("--effort must be positive, got {}", a.effort));
+    }
+    let mut cost = match CostModel::resolve(&a.cost) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    if let Some(kv) = &a.set {
+        if let Err(e) = cost.apply_overrides(kv) {
+            return fail(e);
+        }
+    }
+    if !schedc_optimize::instance::has_times(&cost) {
+        return fail(schedc_optimize::ProblemError::NoTimes);
+    }
+    if a.moe.is_some() {
+        if let Err(e) = schedc::moe::require_moe_costs(&cost, &a.cost) {
+            return fail(e);
+        }
+    }
+    if let Some(o) = &a.output {
+        if o != "-" && !a.force && std::path::Path::new(o).exists() {
+            return fail(format!(
+                "`{o}` exists; not overwriting it (pass --force to replace it)"
+            ));
+        }
+    }
+
+    // The pipelines to search and their starting schedules.
+    let mut start: Option<(Pipeline, Sched)> = None;
+    let (ref_stages, pipelines, pp, mb): (u32, Vec<Pipeline>, u32, u32) = match &a.input {
+        Some(input) => {
+            let args = InputArgs {
+                input: input.into(),
+                mb: a.mb.map(RangeArg::one),
+                pp: a.pp.map(RangeArg::one),
+                vpp: a.vpp.map(RangeArg::one),
+                params: a.params.clone(),
+                placement: a.placement.clone(),
+                moe: None,
+            };
+            let loaded = match load(&args, Some(Work::Check)) {
+                Ok(l) => l,
+                Err(c) => return c,
+            };
+            let p: Program = loaded.program;
+            let sc = match Sched::from_program(&p) {
+                Ok(s) => s,
+                Err(e) => return fail(format!("{input}: {e}")),
+            };
+            let pl = p.pipeline.clone();
+            start = Some((pl.clone(), sc));
+            (
+                pl.stages_per_direction(),
+                vec![pl.clone()],
+                pl.pp,
+                pl.total_microbatches(),
+            )
+        }
+        None => {
+            let (Some(pp), Some(mb)) = (a.pp, a.mb) else {
+                return fail("without an input schedule, --pp and --mb are required");
+            };
+            if pp == 0 || mb == 0 {
+                return fail("--pp and --mb must be at least 1");
+            }
+            let mut v = Vec::new();
+            let make = |kind: &PlacementArg, vpp: u32| -> Result<Pipeline, String> {
+                match kind {
+                    PlacementArg::Kind(k) => {
+                        let stages = if *k == PlacementKind::Bidir {
+                            2 * pp
+                        } else {
+                            pp * vpp
+                        };
+                        let m = if *k == PlacementKind::Bidir {
+                            if mb % 2 != 0 {
+                                return Err(
+                                    "a bidirectional placement needs an even --mb".to_string()
+                                );
+                            }
+                            mb / 2
+                        } else {
+                            mb
+                        };
+                        Pipeline::new(pp, stages, m, *k).map_err(|e| e.to_string())
+                    }
+                    PlacementArg::Map(map) => {
+                        Pipeline::explicit(pp, mb, map.clone()).map_err(|e| e.to_string())
+                    }
+                }
+            };
+            match (&a.placement, a.vpp) {
+                (None, None) => {
+                    v.push(make(&PlacementArg::Kind(PlacementKind::Loop), 1).unwrap());
+                    for (k, vpp) in [(PlacementKind::V, 2), (PlacementKind::Loop, 2)] {
+                        if let Ok(pl) = make(&PlacementArg::Kind(k), vpp) {
+                            v.push(pl);
+                        }
+                    }
+                }
+                (pl, vpp) => {
+                    let kind = pl
+                        .clone()
+                        .unwrap_or(PlacementArg::Kind(PlacementKind::Loop));
+                    match make(&kind, vpp.unwrap_or(1)) {
+                        Ok(p) => v.push(p),
+                        Err(e) => return fail(e),
+                    }
+                }
+            }
+            (pp, v, pp, mb)
+        }
+    };
+
+    // Specs of the standard library at this size (V = 2 for those whose V is free).
+    let specs = load_specs(std::path::Path::new(&a.specs), pp, mb, 2);
+    let mut candidates = Vec::new();
+    for pl in &pipelines {
+        let real_cost = scaled_cost(&cost, ref_stages, pl);
+        let c = match &a.moe {
+            Some(sel) => match sel.resolve(pl) {
+                Ok(st) => scaled_cost(
+                    &schedc_optimize::report::moe_proxy(&cost, &st),
+                    ref_stages,
+                    pl,
+                ),
+                Err(e) => return fail(e),
+            },
+            None => real_cost.clone(),
+        };
+        let cap = cap_for(a.max_activations, ref_stages, pl);
+        let inst = match Instance::new(pl, &c, Some(cap)) {
+            Ok(i) => i,
+            Err(e) => {
+                if pipelines.len() > 1
+                    && matches!(e, schedc_optimize::ProblemError::CapBelowMinimum { .. })
+                {
+                    continue;
+                }
+                return fail(e);
+            }
+        };
+        let mut starts = Vec::new();
+        if let Some((spl, sc)) = &start {
+            if spl == pl {
+                starts.push(("the input".to_string(), sc.clone()));
+            }
+        }
+        for s in &specs {
+            if s.pipeline == *pl {
+                starts.push((format!("spec {}", s.name), s.sched.clone()));
+            }
+        }
+        candidates.push(Candidate {
+            pipeline: pl.clone(),
+            inst,
+            cost: c,
+            real_cost,
+            starts,
+            scale: scale_of(ref_stages, pl),
+        });
+    }
+    if candidates.is_empty() {
+        return fail(format!(
+            "--max-activations {} is below the minimum of every placement tried",
+            a.max_activations
+        ));
+    }
+
+    // Search.
+    let show = !a.no_progress && a.format == OutFormat::Human && std::io::stderr().is_terminal();
+    let bar = if show {
+        let b = ProgressBar::new_spinner();
+        b.set_style(ProgressStyle::with_template("{spinner} [{elapsed}] {msg}").unwrap());
+        b.enable_steady_tick(Duration::from_millis(120));
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    let opts = Options {
+        seed: a.seed,
+        time_limit: a.time_limit.map(Duration::from_secs_f64),
+        effort: a.effort,
+        exact_max_ops: match a.exact {
+            ExactMode::Auto => 150,
+            ExactMode::On => usize::MAX,
+            ExactMode::Off => 0,
+        },
+        construct_only: a.heuristic,
+        ..Options::default()
+    };
+    let mut results: Vec<(usize, Outcome)> = Vec::new();
+    for (i, c) in candidates.iter().enumerate() {
+        let label = format!(
+            "{} V={}",
+            schedc_optimize::report::placement_name(c.pipeline.placement),
+            c.pipeline.stages / c.pipeline.pp
+        );
+        let progress = |p: &schedc_optimize::Progress| {
+            bar.set_message(format!(
+                "{label}: {}: best makespan {:.4} (lower bound {:.4})",
+                p.phase, p.best, p.lower_bound
+            ));
+        };
+        let out = optimize(&c.inst, &c.starts, &opts, &progress);
+        results.push((i, out));
+    }
+    bar.finish_and_clear();
+
+    // The best verified result: by from-start makespan, or under `steady_state` by the
+    // steady-state step over the search's results and every start within the cap.
+    // Under --moe the scores come from the split simulation.
+    let steady = a.objective == Objective::SteadyState;
+    let key = |s: &schedc::sim::SimResult| {
+        if steady {
+            (s.steady_step, s.makespan)
+        } else {
+            (s.makespan, 0.0)
+        }
+    };
+    let better = |s: &schedc::sim::SimResult, b: &schedc::sim::SimResult| {
+        let (k, kb) = (key(s), key(b));
+        k.0 < kb.0 - 1e-9 || (k.0 <= kb.0 + 1e-9 && k.1 < kb.1 - 1e-9)
+    };
+    type Best = (
+        usize,
+        Outcome,
+        schedc_optimize::Verified,
+        schedc::sim::SimResult,
+    );
+    let mut best: Option<Best> = None;
+    for (i, out) in results {
+        let c = &candidates[i];
+        if !out.makespan.is_finite() {
+            continue;
+        }
+        let mut tries = vec![out.clone()];
+        if steady || a.moe.is_some() {
+            for (name, sc) in &c.starts {
+                tries.push(Outcome {
+                    best: sc.clone(),
+                    found_by: format!(
+                        "{name} (ranked by the {}{})",
+                        if a.moe.is_some() { "--moe " } else { "" },
+                        if steady {
+                            "steady-state step"
+                        } else {
+                            "makespan"
+                        }
+                    ),
+                    optimal: false,
+                    ..out.clone()
+                });
+            }
+        }
+        for (k, t) in tries.into_iter().enumerate() {
+            match verify(&c.inst, &c.cost, &t.best) {
+                Ok(v) => {
+                    let s = match &a.moe {
+                        Some(sel) => {
+                            match schedc_optimize::report::simulate_moe(&v, &c.real_cost, sel) {
+                                Ok(s) => s,
+                                Err(e) => {
+                                    eprintln!("error: the --moe simulation fails: {e}");
+                                    return ExitCode::from(1);
+                                }
+                            }
+                        }
+                        None => v.sim.clone(),
+                    };
+                    if best.as_ref().is_none_or(|(_, _, _, bs)| better(&s, bs)) {
+                        best = Some((i, t, v, s));
+                    }
+                }
+                // A start over the cap is no candidate; the search's own result must verify.
+                Err(_) if k > 0 => {}
+                Err(e) => {
+                    eprintln!("error: the schedule found does not verify: {e}");
+                    return ExitCode::from(1);
+                }
+            }
+        }
+    }
+    let Some((ci, out, ver, ver_sim)) = best else {
+        eprintln!("error: no schedule within the cap was found");
+        return ExitCode::from(1);
+    };
+    let cand = &candidates[ci];
+    let cap = a.max_activations;
+    let opt_row = schedc_optimize::report::row_with("optimized", &ver, &ver_sim, cand.scale, cap);
+
+    // Under --moe on a V placement: the lower bound on the per-rank span (rank 0's warmup
+    // and cooldown must expose all-to-all; schedc_optimize::moe_bound).
+    let moe_bound = a.moe.as_ref().and_then(|_| {
+        schedc_optimize::moe_bound::v_span_bound(&cand.pipeline, &cand.real_cost, cand.inst.cap)
+    });
+
+    // Rows to compare with.
+    let mut rows: Vec<Row> = vec![opt_row.clone()];
+    if let Some((spl, sc)) = &start {
+        match evaluate_moe(
+            "start (the input)",
+            spl,
+            sc,
+            &cost,
+            ref_stages,
+            cap,
+            a.moe.as_ref(),
+        ) {
+            Ok((r, _)) => rows.push(r),
+            Err(e) => eprintln!("note: the input does not simulate: {e}"),
+        }
+    }
+    let greedy_pl = Pipeline::new(pp, pp, mb, PlacementKind::Loop).ok();
+    let mut greedy_row = None;
+    if let Some(gpl) = &greedy_pl {
+        let c = scaled_cost(&cost, ref_stages, gpl);
+        if let Ok(gi) = Instance::new(gpl, &c, Some(cap_for(cap, ref_stages, gpl))) {
+            if let Ok(g) = schedc_optimize::greedy::zero_bubble_greedy(&gi) {
+                if let Ok((r, _)) = evaluate_moe(
+                    "greedy (Zero Bubble, best of 8)",
+                    gpl,
+                    &g.sched,
+                    &cost,
+                    ref_stages,
+                    cap,
+                    a.moe.as_ref(),
+                ) {
+                    greedy_row = Some(r.clone());
+                    rows.push(r);
+                }
+            }
+        }
+    }
+    let mut spec_rows = Vec::new();
+    for s in &specs {
+        if let Ok((r, _)) = evaluate_moe(
+            &format!("spec {}", s.name),
+            &s.pipeline,
+            &s.sched,
+            &cost,
+            ref_stages,
+            cap,
+            a.moe.as_ref(),
+        ) {
+            if r.fits {
+                spec_rows.push(r.clone());
+                rows.push(r);
+            }
+        }
+    }
+
+    // Output.
+    if let Some(o) = &a.output {
+        let compute_only = out_program(&cand.inst, &out.best);
+        let text = match a.to {
+            OutKind::IrText => schedc_ir::text::print(&ver.program),
+            OutKind::TorchCsv => match schedc::import::torch::write_csv(
+                &compute_only,
+                schedc::import::torch::TorchFormat::ComputeOnly,
+            ) {
+                Ok(t) => t,
+                Err(e) => return fail(e),
+            },
+            OutKind::Spec => spec_text(&compute_only, &a, &out, &opt_row),
+        };
+        let written = if o == "-" {
+            emit(&text)
+        } else {
+            // Whole or absent: a temporary sibling renamed into place.
+            write_output(std::path::Path::new(o), text.as_bytes(), a.force)
+        };
+        if let Err(c) = written {
+            return c;
+        }
+    }
+
+    match a.format {
+        OutFormat::Json => {
+            let j = serde_json::json!({
+                "makespan": opt_row.makespan,
+                "objective": if steady { "steady_state" } else { "from_start" },
+                "steady_step": opt_row.steady_step,
+                "moe": a.moe.is_some(),
+                "moe_span_bound": moe_bound.as_ref().map(|b| serde_json::json!({
+                    "span": b.span, "busy": b.busy, "warmup_idle": b.warmup_idle,
+                    "cooldown_idle": b.cooldown_idle, "per_rank_span_bubble": b.bubble,
+                })),
+                "bubble": {
+                    "from_start": opt_row.bubble_from_start,
+                    "from_start_per_busy": opt_row.bubble_from_start_per_busy,
+                    "per_rank_span": opt_row.bubble_per_rank_span,
+                    "steady_state": opt_row.bubble_steady_state,
+                },
+                "peak_activations": opt_row.peak_activations,
+                "peak_memory_bytes": opt_row.peak_memory_bytes,
+                "max_activations": cap,
+                "placement": opt_row.placement,
+                "lower_bound": out.lower_bound,
+                "optimal": out.optimal,
+                "found_by": out.found_by,
+                "timed_out": out.timed_out,
+                "seed": a.seed,
+                "phases": out.phases.iter().map(|p| serde_json::json!({
+                    "name": p.name, "best": p.best, "evaluations": p.evals, "seconds": p.seconds
+                })).collect::<Vec<_>>(),
+                "start": rows.iter().find(|r| r.name.starts_with("start")),
+                "greedy": greedy_row,
+                "specs": spec_rows,
+            });
+            emit_then(
+                &format!("{}\n", serde_json::to_string_pretty(&j).expect("json")),
+                ExitCode::SUCCESS,
+            )
+        }
+        OutFormat::Human => {
+            use std::fmt::Write as _;
+            let mut o = String::new();
+            let _ = writeln!(
+                o,
+                "P = {pp}, M = {mb}, cost `{}`{}, at most {cap} live activations per rank (stage units of {})",
+                a.cost,
+                if a.moe.is_some() {
+                    ", --moe (MoE stages split into attention, dispatch, MLP, combine; the search on a whole-op proxy)"
+                } else {
+                    ""
+                },
+                if a.input.is_some() { "the input" } else { "one stage per rank" }
+            );
+            let _ = writeln!(
+                o,
+                "optimized{}: makespan {:.4} ({}; lower bound {:.4}{}), found by {}\n",
+                if steady {
+                    format!(" for steady_state: step {:.4}", opt_row.steady_step)
+                } else {
+                    String::new()
+                },
+                opt_row.makespan,
+                opt_row.placement,
+                out.lower_bound,
+                if out.optimal { ", optimal" } else { "" },
+                out.found_by
+            );
+            let _ = writeln!(
+                o,
+                "bubble: idle fraction under each convention — from_start (one step, barrier at both ends), per_rank_span (each rank from its first op to its last), steady_state (steps back to back, no barrier); bubble/busy is idle / busy from start\n"
+            );
+            let _ = writeln!(
+                o,
+                "{:<44} {:>10} {:>11} {:>13} {:>12} {:>11} {:>10} {:>10} {:>12}",
+                "schedule",
+                "makespan",
+                "from_start",
+                "per_rank_span",
+                "steady_state",
+                "bubble/busy",
+                "step",
+                "peak_act",
+                "peak_bytes"
+            );
+            let _ = writeln!(
+                o,
+                "{:<44} {:>10} {:>11} {:>13} {:>12} {:>11} {:>10} {:>10} {:>12}",
+                "", "(s)", "(bubble)", "(bubble)", "(bubble)", "", "(steady)", "", ""
+            );
+            for r in &rows {
+                let _ = writeln!(
+                    o,
+                    "{:<44} {:>10.4} {:>10.1}% {:>12.1}% {:>11.1}% {:>10.1}% {:>10.4} {:>10.1} {:>12.3e}",
+                    format!("{} [{}]", r.name, r.placement),
+                    r.makespan,
+                    100.0 * r.bubble_from_start,
+                    100.0 * r.bubble_per_rank_span,
+                    100.0 * r.bubble_steady_state,
+                    100.0 * r.bubble_from_start_per_busy,
+                    r.steady_step,
+                    r.peak_activations,
+                    r.peak_memory_bytes
+                );
+            }
+            if let Some(b) = &moe_bound {
+                let _ = writeln!(
+                    o,
+                    "\nlower bound under --moe on this placement and cap (rank 0's forced idle: warmup {:.4} s, cooldown {:.4} s): largest per-rank span >= {:.4} s, per_rank_span bubble >= {:.1}%",
+                    b.warmup_idle,
+                    b.cooldown_idle,
+                    b.span,
+                    100.0 * b.bubble
+                );
+            }
+            if out.timed_out {
+                let _ = writeln!(o, "\nthe time limit stopped the search");
+            }
+            emit_then(&o, ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn out_program(inst: &Instance, sc: &Sched) -> Program {
+    sc.to_program(inst)
+}
+
+fn spec_text(p: &Program, a: &Args, out: &Outcome, row: &Row) -> String {
+    use std::fmt::Write as _;
+    let pl = &p.pipeline;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "# Found by `schedc optimize` (seed {}): makespan {:.6} under cost `{}`, at most {} live\n# activations per rank, {}.",
+        a.seed, row.makespan, a.cost, a.max_activations, out.found_by
+    );
+    let _ = writeln!(s, "schedule \"optimized\"");
+    let v = pl.stages / pl.pp.max(1);
+    if pl.placement != PlacementKind::Bidir {
+        let _ = writeln!(s, "vpp {v}");
+    }
+    match pl.placement {
+        PlacementKind::Loop => s.push_str("placement loop\n"),
+        PlacementKind::V => s.push_str("placement v\n"),
+        PlacementKind::Bidir => s.push_str("placement bidir\n"),
+        PlacementKind::Explicit => {
+            let _ = writeln!(
+                s,
+                "stages {}\nplacement [{}]",
+                pl.stages,
+                pl.stage_to_rank
+                    .iter()
+                    .map(|r| r.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
+    let _ = writeln!(
+        s,
+        "require P == {}, \"this schedule was found for P = {}\"",
+        pl.pp, pl.pp
+    );
+    let _ = writeln!(
+        s,
+        "require M == {}, \"this schedule was found for M = {}\"",
+        pl.total_microbatches(),
+        pl.total_microbatches()
+    );
+    s.push_str("literal {\n");
+    let text = schedc_ir::text::print(p);
+    for line in text.lines().filter(|l| l.starts_with("rank ")) {
+        let _ = writeln!(s, "{line}");
+    }
+    s.push_str("}\n");
+    s
+}

@@ -1,0 +1,79 @@
+//! Small instances: the heuristic search (branch and bound off) against the exact optimum
+//! from branch and bound, over P in {2, 3, 4}, M in 1..=6, three cost sets and caps {P, 2P},
+//! for the loop placement (one stage per rank) and the V placement (two).
+//!
+//! `cargo run --release -p schedc-optimize --example small_grid -- [loop|v] [NODES]`
+
+use schedc::sim::cost::CostModel;
+use schedc_ir::{Pipeline, PlacementKind};
+use schedc_optimize::exact::solve;
+use schedc_optimize::search::{optimize, Options};
+use schedc_optimize::Instance;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let v_place = args.get(1).is_some_and(|x| x == "v");
+    let nodes: u64 = args
+        .get(2)
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(20_000_000);
+    let costs = [
+        ("unit", "F=1,B=1,W=1"),
+        ("profA", "F=1,B=1.1,W=0.9,latency=0.05"),
+        ("profB", "F=1,B=2,W=1"),
+    ];
+    println!("| P | M | cost | cap | heuristic | exact | proved | nodes |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let (mut total, mut proved, mut equal, mut gaps) = (0, 0, 0, Vec::new());
+    for p in 2..=4u32 {
+        for m in 1..=6u32 {
+            for (cn, cs) in costs {
+                for cap in [p as u64, 2 * p as u64] {
+                    let pl = if v_place {
+                        Pipeline::new(p, 2 * p, m, PlacementKind::V).unwrap()
+                    } else {
+                        Pipeline::new(p, p, m, PlacementKind::Loop).unwrap()
+                    };
+                    let c = CostModel::resolve(cs).unwrap();
+                    let inst = Instance::new(&pl, &c, Some(cap)).unwrap();
+                    let h = optimize(
+                        &inst,
+                        &[],
+                        &Options {
+                            exact_max_ops: 0,
+                            ..Options::default()
+                        },
+                        &|_| {},
+                    );
+                    let e = solve(&inst, Some((&h.best, h.makespan)), nodes, None).unwrap();
+                    total += 1;
+                    if e.proved {
+                        proved += 1;
+                        if (e.makespan - h.makespan).abs() < 1e-9 {
+                            equal += 1;
+                        } else {
+                            gaps.push(format!(
+                                "P={p} M={m} {cn} cap {cap}: {} vs {}",
+                                h.makespan, e.makespan
+                            ));
+                        }
+                    }
+                    println!(
+                        "| {p} | {m} | {cn} | {cap} | {:.4} | {:.4} | {} | {} |",
+                        h.makespan,
+                        e.makespan,
+                        if e.proved { "yes" } else { "no" },
+                        e.nodes
+                    );
+                }
+            }
+        }
+    }
+    println!(
+        "\n{} placement: {total} instances, {proved} proved optimal by branch and bound, heuristic equal to the optimum on {equal} of them",
+        if v_place { "V" } else { "loop" }
+    );
+    for g in gaps {
+        println!("gap: {g}");
+    }
+}

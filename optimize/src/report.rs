@@ -1,0 +1,276 @@
+//! What `schedc optimize` reports next to its result: the starting schedule, every spec of
+//! the standard library that fits the cap, and the Zero Bubble greedy, each checked and
+//! simulated under the same cost model.
+//!
+//! **Units across placements.** Times in the cost model are for one stage of the
+//! *reference* pipeline (the input's, or one stage per rank when there is no input). A
+//! schedule whose pipeline splits the model into more stages runs each op for
+//! `reference stages / its stages` of that time (`CostModel::op_scale`, as `schedc compare`
+//! does), and its live activations are counted in reference stages the same way, so a ZB-V
+//! peak of 16 half-stage activations is 8. The cap is in those units too.
+
+use crate::instance::{Instance, ProblemError};
+use crate::sched::Sched;
+use crate::{verify, Verified};
+use schedc::input::{load_spec, LoadError, Overrides};
+use schedc::moe::MoeStages;
+use schedc::sim::cost::{CostModel, OpCosts};
+use schedc::sim::SimResult;
+use schedc_ir::{Kind, Part};
+use schedc_ir::{Pipeline, PlacementKind};
+use serde::Serialize;
+use std::path::Path;
+
+/// One row of the comparison.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// What the row is: `optimized`, `start`, `greedy (Zero Bubble, best of 8)`, a spec name.
+    pub name: String,
+    /// The placement (`loop`, `v`, `bidir`, `explicit`) and stages per rank.
+    pub placement: String,
+    /// From-start makespan (simulator), seconds.
+    pub makespan: f64,
+    /// Bubble, idle / (busy + idle) summed over ranks, from time 0 to the makespan.
+    pub bubble_from_start: f64,
+    /// Bubble, idle / busy summed over ranks, from time 0 to the makespan (Megatron's).
+    pub bubble_from_start_per_busy: f64,
+    /// Bubble under the per-rank-span convention: each rank from its first op to its last
+    /// (`schedc::sim::Bubble::per_rank_span`).
+    pub bubble_per_rank_span: f64,
+    /// Bubble under the steady-state convention: steps back to back, no barrier
+    /// (`schedc::sim::Bubble::steady_state`).
+    pub bubble_steady_state: f64,
+    /// Seconds per step when steps run back to back (`SimResult::steady_step`).
+    pub steady_step: f64,
+    /// Peak live activations on the worst rank, in reference-stage units.
+    pub peak_activations: f64,
+    /// Peak memory on the worst rank (simulator, with the cost model's `[memory]`), bytes.
+    pub peak_memory_bytes: f64,
+    /// True if the peak fits the cap.
+    pub fits: bool,
+}
+
+/// `reference stages / stages` of `pl` (per direction): how long its ops are relative to a
+/// reference stage.
+pub fn scale_of(ref_stages: u32, pl: &Pipeline) -> f64 {
+    ref_stages as f64 / pl.stages_per_direction() as f64
+}
+
+/// The cost model for `pl` with op times scaled to its stage size.
+pub fn scaled_cost(cost: &CostModel, ref_stages: u32, pl: &Pipeline) -> CostModel {
+    let mut c = cost.clone();
+    let s = scale_of(ref_stages, pl);
+    c.op_scale = if (s - 1.0).abs() < 1e-12 {
+        cost.op_scale
+    } else {
+        Some(cost.op_scale.unwrap_or(1.0) * s)
+    };
+    c
+}
+
+/// The cap in `pl`'s own (stage, micro-batch) activations, from reference units (rounded
+/// down).
+pub fn cap_for(cap_ref: u64, ref_stages: u32, pl: &Pipeline) -> u64 {
+    let s = scale_of(ref_stages, pl);
+    ((cap_ref as f64 / s) + 1e-9).floor() as u64
+}
+
+/// The row of a verified schedule.
+pub fn row(name: &str, v: &Verified, scale: f64, cap_ref: u64) -> Row {
+    row_with(name, v, &v.sim, scale, cap_ref)
+}
+
+/// The row of a verified schedule with its times from `sim` (the `--moe` simulation of
+/// [`simulate_moe`], or `v.sim`); the peak activations come from `check`'s report.
+pub fn row_with(name: &str, v: &Verified, sim: &SimResult, scale: f64, cap_ref: u64) -> Row {
+    let pl = &v.program.pipeline;
+    let peak = v
+        .report
+        .ranks
+        .iter()
+        .map(|r| r.peak_activations)
+        .max()
+        .unwrap_or(0) as f64
+        * scale;
+    Row {
+        name: name.to_string(),
+        placement: format!(
+            "{} V={}",
+            placement_name(pl.placement),
+            pl.stages / pl.pp.max(1)
+        ),
+        makespan: sim.makespan,
+        bubble_from_start: sim.bubble_ratio,
+        bubble_from_start_per_busy: sim.bubble_ratio_busy,
+        bubble_per_rank_span: sim.bubble.per_rank_span,
+        bubble_steady_state: sim.bubble.steady_state,
+        steady_step: sim.steady_step,
+        peak_activations: peak,
+        peak_memory_bytes: sim
+            .ranks
+            .iter()
+            .map(|r| r.peak_memory_bytes)
+            .fold(0.0, f64::max),
+        fits: peak <= cap_ref as f64 + 1e-9,
+    }
+}
+
+/// The placement's name.
+pub fn placement_name(k: PlacementKind) -> &'static str {
+    match k {
+        PlacementKind::Loop => "loop",
+        PlacementKind::V => "v",
+        PlacementKind::Bidir => "bidir",
+        PlacementKind::Explicit => "explicit",
+    }
+}
+
+/// Checks and simulates `sc` on `pl` without a cap (the row says whether it fits).
+///
+/// Errors: the cost model has no times, or the schedule does not verify.
+pub fn evaluate(
+    name: &str,
+    pl: &Pipeline,
+    sc: &Sched,
+    cost: &CostModel,
+    ref_stages: u32,
+    cap_ref: u64,
+) -> Result<(Row, Verified), String> {
+    evaluate_moe(name, pl, sc, cost, ref_stages, cap_ref, None)
+}
+
+/// [`evaluate`], with the row's times from the `--moe` simulation when `moe` is given.
+///
+/// Errors: those of [`evaluate`] and [`simulate_moe`].
+pub fn evaluate_moe(
+    name: &str,
+    pl: &Pipeline,
+    sc: &Sched,
+    cost: &CostModel,
+    ref_stages: u32,
+    cap_ref: u64,
+    moe: Option<&MoeStages>,
+) -> Result<(Row, Verified), String> {
+    let c = scaled_cost(cost, ref_stages, pl);
+    let inst = Instance::new(pl, &c, None).map_err(|e: ProblemError| e.to_string())?;
+    let v = verify(&inst, &c, sc)?;
+    let scale = scale_of(ref_stages, pl);
+    let r = match moe {
+        Some(sel) => row_with(name, &v, &simulate_moe(&v, &c, sel)?, scale, cap_ref),
+        None => row(name, &v, scale, cap_ref),
+    };
+    Ok((r, v))
+}
+
+/// Splits the verified program's MoE stages into attention, dispatch, MLP and combine parts
+/// (`schedc::moe::split`, what `--moe` does to an input) and simulates it under `cost`, whose
+/// `[moe]` section times the all-to-alls on the expert-parallel stream.
+///
+/// Errors: the stage selection does not fit the pipeline; the simulation does not finish.
+pub fn simulate_moe(v: &Verified, cost: &CostModel, sel: &MoeStages) -> Result<SimResult, String> {
+    let stages = sel.resolve(&v.program.pipeline)?;
+    let (p, _) = schedc::moe::split(&v.program, None, &stages);
+    schedc::sim::simulate(&p, cost)
+}
+
+/// The whole-op cost model the search uses under `--moe` (a proxy: the search's evaluator
+/// has no expert-parallel stream). On each MoE stage a plain F, B or BW also takes its
+/// dispatch and combine (`a` = their sum; the compute stream waits for them, as in the
+/// simulator's plain ops), W none, and an overlapped pair takes `max(F + B, 2a)` when the
+/// `[moe]` section overlaps (DeepSeek-V3's pair hides its all-to-alls under the other
+/// op's compute), else `F + B + 2a`. A given `FB` is kept. Unscaled, like the model's own
+/// times.
+pub fn moe_proxy(cost: &CostModel, stages: &[u32]) -> CostModel {
+    let a = cost.a2a_time(Part::Dispatch) + cost.a2a_time(Part::Combine);
+    let mut c = cost.clone();
+    for &s in stages {
+        let (f, b, w, bw) = (
+            cost.op_time(Kind::F, s),
+            cost.op_time(Kind::B, s),
+            cost.op_time(Kind::W, s),
+            cost.op_time(Kind::BW, s),
+        );
+        let given_fb = cost
+            .compute
+            .stage
+            .get(&s.to_string())
+            .and_then(|o| o.fb)
+            .or(cost.compute.all.fb);
+        let fb = given_fb.unwrap_or(if cost.moe.overlap {
+            (f + b).max(2.0 * a)
+        } else {
+            f + b + 2.0 * a
+        });
+        c.compute.stage.insert(
+            s.to_string(),
+            OpCosts {
+                f: Some(f + a),
+                b: Some(b + a),
+                w: Some(w),
+                bw: Some(bw + a),
+                fb: Some(fb),
+            },
+        );
+    }
+    c
+}
+
+/// A spec of the standard library, elaborated at one size.
+pub struct SpecInstance {
+    /// File stem (`zb_h1`).
+    pub name: String,
+    /// The schedule.
+    pub sched: Sched,
+    /// Its pipeline.
+    pub pipeline: Pipeline,
+}
+
+/// Every spec in `dir` that accepts P and M (specs whose V is free get `vpp`), sorted by
+/// name. Specs that are refused, do not elaborate or use MoE parts are left out.
+pub fn load_specs(dir: &Path, pp: u32, mb: u32, vpp: u32) -> Vec<SpecInstance> {
+    let mut files: Vec<std::path::PathBuf> = match std::fs::read_dir(dir) {
+        Ok(d) => d
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "sched"))
+            .collect(),
+        Err(_) => return Vec::new(),
+    };
+    files.sort();
+    let mut out = Vec::new();
+    for f in files {
+        let Ok(text) = std::fs::read_to_string(&f) else {
+            continue;
+        };
+        let name = f
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("?")
+            .to_string();
+        let fixed_v = schedc::dsl::parse_file(&text)
+            .map(|p| {
+                p.items
+                    .iter()
+                    .any(|i| matches!(i, schedc::dsl::ast::Item::Vpp(..)))
+            })
+            .unwrap_or(false);
+        let ov = Overrides {
+            pp: Some(pp),
+            microbatches: Some(mb),
+            vpp: if fixed_v { None } else { Some(vpp) },
+            ..Default::default()
+        };
+        match load_spec(&text, &ov) {
+            Ok(e) => {
+                if let Ok(sc) = Sched::from_program(&e.program) {
+                    out.push(SpecInstance {
+                        name,
+                        sched: sc,
+                        pipeline: e.program.pipeline,
+                    });
+                }
+            }
+            Err(LoadError::Spec { .. }) | Err(_) => continue,
+        }
+    }
+    out
+}

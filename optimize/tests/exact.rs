@@ -1,0 +1,221 @@
+//! Branch and bound, rule by rule, against brute force on tiny instances: the (start, rank)
+//! order reaches every schedule exactly once, the bound and the transposition table never
+//! cut an optimum, the fused alternative is taken when `BW < B + W`, and the search finds
+//! the brute-force optimum from no incumbent and proves a given optimal one.
+
+use schedc::sim::cost::CostModel;
+use schedc_ir::{Pipeline, PlacementKind};
+use schedc_optimize::eval::Evaluator;
+use schedc_optimize::exact::{solve, solve_with, SolveOptions};
+use schedc_optimize::{Instance, Sched, Tok};
+
+/// All distinct permutations of `v` (sorted first).
+fn perms(mut v: Vec<Tok>) -> Vec<Vec<Tok>> {
+    v.sort();
+    let mut out = vec![v.clone()];
+    loop {
+        // next_permutation
+        let n = v.len();
+        let Some(i) = (0..n.saturating_sub(1)).rev().find(|&i| v[i] < v[i + 1]) else {
+            break;
+        };
+        let j = (i + 1..n).rev().find(|&j| v[j] > v[i]).unwrap();
+        v.swap(i, j);
+        v[i + 1..].reverse();
+        out.push(v.clone());
+    }
+    out
+}
+
+/// Every per-rank token multiset choice (each backward split, or fused when `fused`
+/// alternatives are allowed), every order: (valid schedules, best makespan).
+fn brute(inst: &Instance, fuse_choices: bool) -> (u64, f64) {
+    let mut per_rank: Vec<Vec<Vec<Tok>>> = Vec::new();
+    for r in 0..inst.p {
+        let mut options = Vec::new();
+        let stages = &inst.stages_of[r];
+        let n_b = stages.len() * inst.m;
+        let combos = if fuse_choices { 1usize << n_b } else { 1 };
+        for mask in 0..combos {
+            let mut toks = Vec::new();
+            let mut bit = 0;
+            for &s in stages {
+                for _ in 0..inst.m {
+                    toks.push(Tok::F(s));
+                    if mask >> bit & 1 == 1 {
+                        toks.push(Tok::BW(s));
+                    } else {
+                        toks.push(Tok::B(s));
+                        toks.push(Tok::W(s));
+                    }
+                    bit += 1;
+                }
+            }
+            toks.sort();
+            let ps = perms(toks);
+            for p in ps {
+                if !options.contains(&p) {
+                    options.push(p);
+                }
+            }
+        }
+        per_rank.push(options);
+    }
+    let mut ev = Evaluator::new(inst);
+    let mut count = 0u64;
+    let mut best = f64::INFINITY;
+    let mut idx = vec![0usize; inst.p];
+    loop {
+        let sc = Sched {
+            ranks: (0..inst.p).map(|r| per_rank[r][idx[r]].clone()).collect(),
+        };
+        if let Ok(e) = ev.eval(&sc) {
+            count += 1;
+            best = best.min(e.makespan);
+        }
+        let mut r = 0;
+        loop {
+            if r == inst.p {
+                return (count, best);
+            }
+            idx[r] += 1;
+            if idx[r] < per_rank[r].len() {
+                break;
+            }
+            idx[r] = 0;
+            r += 1;
+        }
+    }
+}
+
+fn inst(p: u32, m: u32, v: u32, cost: &str, cap: Option<u64>) -> Instance {
+    let pl = if v == 1 {
+        Pipeline::new(p, p, m, PlacementKind::Loop).unwrap()
+    } else {
+        Pipeline::new(p, v * p, m, PlacementKind::V).unwrap()
+    };
+    Instance::new(&pl, &CostModel::resolve(cost).unwrap(), cap).unwrap()
+}
+
+const NO_CUTS: SolveOptions = SolveOptions {
+    bound: false,
+    table: false,
+    all: true,
+    max_nodes: u64::MAX,
+    deadline: None,
+};
+
+#[test]
+fn the_start_rank_order_reaches_every_schedule_once() {
+    for (p, m, v, cost, cap) in [
+        (2, 2, 1, "F=1,B=1,W=1", None),
+        (2, 2, 1, "F=1,B=1.1,W=0.9,latency=0.05", Some(2)),
+        (3, 1, 1, "F=1,B=2,W=1", None),
+        (2, 1, 2, "F=1,B=1,W=1", None),
+        (2, 2, 1, "F=1,B=2,W=1", Some(1)),
+    ] {
+        let i = inst(p, m, v, cost, cap);
+        let (count, best) = brute(&i, false);
+        let r = solve_with(&i, None, NO_CUTS).unwrap();
+        assert_eq!(
+            r.leaves, count,
+            "P={p} M={m} V={v} {cost} cap {cap:?}: every valid order once"
+        );
+        assert!((r.makespan - best).abs() < 1e-9, "{} vs {best}", r.makespan);
+        assert!(r.proved);
+    }
+}
+
+#[test]
+fn the_bound_never_cuts_an_optimum() {
+    for (p, m, v, cost, cap) in [
+        (2, 2, 1, "F=1,B=1.1,W=0.9,latency=0.05", Some(2)),
+        (3, 1, 1, "F=1,B=2,W=1", Some(1)),
+        (2, 1, 2, "F=1,B=1,W=1", Some(2)),
+        (2, 3, 1, "F=1,B=2,W=1", Some(1)),
+    ] {
+        let i = inst(p, m, v, cost, cap);
+        let (_, best) = brute(&i, false);
+        let only_bound = SolveOptions {
+            bound: true,
+            table: false,
+            all: false,
+            ..NO_CUTS
+        };
+        let r = solve_with(&i, None, only_bound).unwrap();
+        assert!(
+            (r.makespan - best).abs() < 1e-9,
+            "bound: {} vs {best}",
+            r.makespan
+        );
+        let plain = solve_with(&i, None, NO_CUTS).unwrap();
+        assert!(r.nodes < plain.nodes, "the bound cuts nodes");
+    }
+}
+
+#[test]
+fn the_transposition_table_never_cuts_an_optimum() {
+    for (p, m, v, cost, cap) in [
+        (2, 2, 1, "F=1,B=1,W=1", Some(2)),
+        (3, 1, 1, "F=1,B=1.1,W=0.9,latency=0.05", Some(3)),
+        (2, 1, 2, "F=1,B=2,W=1", Some(3)),
+        (2, 3, 1, "F=1,B=1.1,W=0.9,latency=0.05", Some(2)),
+    ] {
+        let i = inst(p, m, v, cost, cap);
+        let (_, best) = brute(&i, false);
+        let only_table = SolveOptions {
+            bound: false,
+            table: true,
+            all: false,
+            ..NO_CUTS
+        };
+        let r = solve_with(&i, None, only_table).unwrap();
+        assert!(
+            (r.makespan - best).abs() < 1e-9,
+            "table: {} vs {best}",
+            r.makespan
+        );
+    }
+}
+
+#[test]
+fn a_faster_fused_backward_is_an_alternative() {
+    // BW = 1.2 < B + W = 2: the optimum fuses.
+    let i = inst(2, 2, 1, "F=1,B=1,W=1,BW=1.2", None);
+    assert!(!i.split_dominates());
+    let (count, best) = brute(&i, true);
+    let r = solve_with(&i, None, NO_CUTS).unwrap();
+    assert_eq!(r.leaves, count);
+    assert!((r.makespan - best).abs() < 1e-9);
+    let split_only = brute(&i, false).1;
+    assert!(
+        best < split_only - 1e-9,
+        "fusing helps here: {best} < {split_only}"
+    );
+    let fast = solve(&i, None, u64::MAX, None).unwrap();
+    assert!((fast.makespan - best).abs() < 1e-9);
+}
+
+#[test]
+fn an_optimal_incumbent_is_proved_and_kept() {
+    let i = inst(2, 3, 1, "F=1,B=2,W=1", Some(2));
+    let (_, best) = brute(&i, false);
+    let r0 = solve(&i, None, u64::MAX, None).unwrap();
+    let sc = r0.best.clone().unwrap();
+    let r = solve(&i, Some((&sc, r0.makespan)), u64::MAX, None).unwrap();
+    assert!(r.proved);
+    assert!((r.makespan - best).abs() < 1e-9);
+    assert_eq!(
+        r.best.unwrap(),
+        sc,
+        "no strictly better schedule: the incumbent stays"
+    );
+}
+
+#[test]
+fn a_node_budget_stops_without_a_proof() {
+    let i = inst(4, 6, 1, "F=1,B=1.1,W=0.9,latency=0.05", Some(4));
+    let r = solve(&i, None, 50, None).unwrap();
+    assert!(!r.proved);
+    assert!(r.nodes <= 51);
+}
