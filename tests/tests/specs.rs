@@ -388,6 +388,14 @@ fn hanayo_bubble_vs_interleaved_1f1b_and_formula() {
     }
 }
 
+/// A spec, a line start to replace, its replacement, and the `--param`s.
+type Mutation = (
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static [(&'static str, i64)],
+);
+
 /// Issue 15, bug 11: a legal but worse schedule fails its spec. Each new spec, with one
 /// priority made worse (or, for `chimera`, run `strict`ly, which is the authors' direct
 /// concatenation), is still a legal schedule, but its unit-time makespan or idle
@@ -419,7 +427,7 @@ fn worse_priorities_fail_their_spec() {
             .map(|d| format!("{}: {}", d.code.as_str(), d.message))
             .collect()
     };
-    let cases: [(&str, &str, &str, &[(&str, i64)]); 6] = [
+    let cases: [Mutation; 6] = [
         ("v_half", "    F(c, m) = 6 * m", "    F(c, m) = 12 * m", &[]),
         ("v_min", "    F(c, m) = 6 * m", "    F(c, m) = 12 * m", &[]),
         ("hanayo", "    F(c, m) = 4 * m", "    F(c, m) = 8 * m", &[]),
