@@ -427,16 +427,10 @@ fn worse_priorities_fail_their_spec() {
             .map(|d| format!("{}: {}", d.code.as_str(), d.message))
             .collect()
     };
-    let cases: [Mutation; 6] = [
+    let cases: [Mutation; 5] = [
         ("v_half", "    F(c, m) = 6 * m", "    F(c, m) = 12 * m", &[]),
         ("v_min", "    F(c, m) = 6 * m", "    F(c, m) = 12 * m", &[]),
         ("hanayo", "    F(c, m) = 4 * m", "    F(c, m) = 8 * m", &[]),
-        (
-            "hanayo",
-            "    F(c, m) = 4 * m",
-            "    F(c, m) = 8 * m",
-            &[("waves", 3)],
-        ),
         ("chimera", "    memory <=", "    strict\n    memory <=", &[]),
         (
             "chimera_direct",
