@@ -387,3 +387,75 @@ fn hanayo_bubble_vs_interleaved_1f1b_and_formula() {
         }
     }
 }
+
+/// A spec, a line start to replace, its replacement, and the `--param`s.
+type Mutation = (
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static [(&'static str, i64)],
+);
+
+/// Issue 15, bug 11: a legal but worse schedule fails its spec. Each new spec, with one
+/// priority made worse (or, for `chimera`, run `strict`ly, which is the authors' direct
+/// concatenation), is still a legal schedule, but its unit-time makespan or idle
+/// expectation rejects it; the spec as written passes the same instance.
+#[test]
+fn worse_priorities_fail_their_spec() {
+    use schedc::sim::cost::CostModel;
+    let unit = CostModel::resolve("unit").unwrap();
+    let errors = |text: &str, pp: u32, mb: u32, params: &[(&str, i64)]| -> Vec<String> {
+        let ov = schedc::input::Overrides {
+            pp: Some(pp),
+            microbatches: Some(mb),
+            params: params.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            ..Default::default()
+        };
+        let e = schedc::input::load_spec(text, &ov).expect("the mutated spec elaborates");
+        let mut out = check(&e.program, Some(&e.spans), &Options::default());
+        check_expectations(&mut out.report, &e.expects);
+        schedc::check::evaluate_timing_expectations(
+            &mut out.report,
+            out.checked.as_ref(),
+            &e.expects,
+            &unit,
+        );
+        out.report
+            .diagnostics
+            .iter()
+            .filter(|d| d.is_error())
+            .map(|d| format!("{}: {}", d.code.as_str(), d.message))
+            .collect()
+    };
+    let cases: [Mutation; 5] = [
+        ("v_half", "    F(c, m) = 6 * m", "    F(c, m) = 12 * m", &[]),
+        ("v_min", "    F(c, m) = 6 * m", "    F(c, m) = 12 * m", &[]),
+        ("hanayo", "    F(c, m) = 4 * m", "    F(c, m) = 8 * m", &[]),
+        ("chimera", "    memory <=", "    strict\n    memory <=", &[]),
+        (
+            "chimera_direct",
+            "    BW(c, m) = base(m)",
+            "    BW(c, m) = 3 * base(m)",
+            &[],
+        ),
+    ];
+    for (spec, from, to, params) in cases {
+        let path = conform::root().join("specs").join(format!("{spec}.sched"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains(from), "{spec}: the mutation point moved");
+        let worse = text.replacen(from, to, 1);
+        let (pp, mb) = (8, 32);
+        let good = errors(&text, pp, mb, params);
+        assert!(good.is_empty(), "{spec} {params:?}: {good:?}");
+        let bad = errors(&worse, pp, mb, params);
+        println!("{spec} {params:?} with `{}`: {bad:?}", to.trim());
+        assert!(
+            !bad.is_empty(),
+            "{spec} {params:?}: the worse schedule passes"
+        );
+        assert!(
+            bad.iter().all(|m| m.starts_with("expectation")),
+            "{spec}: rejected for something other than an expectation: {bad:?}"
+        );
+    }
+}
