@@ -234,7 +234,7 @@ pub fn run(args: Args) -> ExitCode {
                     return c;
                 }
             }
-            let code = if r.verify_passed == Some(false) {
+            let code = if r.verify.as_ref().is_some_and(|v| !v.verify_passed) {
                 eprintln!(
                     "error: --verify: the pipelined run differs from sequential training by more than the {} tolerance",
                     match cfg.dtype {
@@ -326,7 +326,7 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
     }
     match r {
         Ok(r) => {
-            let code = if r.verify_passed == Some(false) {
+            let code = if r.verify.as_ref().is_some_and(|v| !v.verify_passed) {
                 eprintln!("error: --verify: the GPU run differs from sequential training on the CPU by more than the f32 tolerance");
                 ExitCode::from(1)
             } else {
