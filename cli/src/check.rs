@@ -87,9 +87,9 @@ pub fn run(args: Args) -> ExitCode {
                     "error": f.message,
                     "diagnostics": [],
                 });
-                return emit_then(&format!("{v}\n"), f.code);
+                return emit_then(&format!("{v}\n"), f.code());
             }
-            return f.code;
+            return f.code();
         }
     };
     let opts = check::Options {

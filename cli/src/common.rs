@@ -277,10 +277,8 @@ pub fn render_parse_error(p: &ParseError, name: &str) -> String {
 /// Why [`load`] failed: the exit status, and the message (already printed to standard
 /// error) for a JSON report.
 pub struct LoadFailure {
-    /// 1 for an instance outside a spec's family or a spec that does not elaborate, 2 for
-    /// anything else.
-    pub code: ExitCode,
-    /// [`LoadFailure::code`] as a number, for a JSON report.
+    /// The exit status: 1 for an instance outside a spec's family or a spec that does not
+    /// elaborate, 2 for anything else ([`LoadFailure::code`] as an [`ExitCode`]).
     pub exit: u8,
     /// The verdict a JSON report gives it: `refused` (a `require`), `rejected` (an
     /// elaboration error), `unreadable` (everything else).
@@ -290,10 +288,14 @@ pub struct LoadFailure {
 }
 
 impl LoadFailure {
+    /// [`LoadFailure::exit`] as the process's exit status.
+    pub fn code(&self) -> ExitCode {
+        ExitCode::from(self.exit)
+    }
+
     fn usage(message: String) -> Self {
         eprintln!("error: {message}");
         LoadFailure {
-            code: ExitCode::from(2),
             exit: 2,
             verdict: "unreadable",
             message: format!("error: {message}\n"),
@@ -353,7 +355,6 @@ pub fn load_for_under(
         let message = load_error_text(&e, &name);
         print_load_error(&e, &name);
         LoadFailure {
-            code: ExitCode::from(e.exit_code()),
             exit: e.exit_code(),
             verdict: e.verdict(),
             message,
@@ -381,7 +382,7 @@ pub fn load_for_under(
 
 /// [`load_for`], keeping only the exit status.
 pub fn load(args: &InputArgs, work: Option<Work>) -> Result<Loaded, ExitCode> {
-    load_for(args, work).map_err(|f| f.code)
+    load_for(args, work).map_err(|f| f.code())
 }
 
 /// Standard output for a command's results.

@@ -270,9 +270,9 @@ fn load_program(input: &InputArgs, format: OutFormat) -> Result<schedc_ir::Progr
         Err(f) => {
             if format == OutFormat::Json {
                 let v = serde_json::json!({"error": f.message, "exit": f.exit});
-                return Err(emit_then(&format!("{v}\n"), f.code));
+                return Err(emit_then(&format!("{v}\n"), f.code()));
             }
-            Err(f.code)
+            Err(f.code())
         }
     }
 }
