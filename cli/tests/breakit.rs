@@ -74,9 +74,14 @@ fn item01_plan_refuses_impossible_ep() {
         "--ep",
         "64",
     ]);
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // Nothing fits: the table is printed, and exit status 1 says there is no recommendation.
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let out = stdout(&o);
-    assert!(!out.contains("recommendation: PP = 32"), "{out}");
+    assert!(!out.contains("recommendation"), "{out}");
+    assert!(
+        out.contains("no pipelined configuration fits in 80 GB per GPU"),
+        "{out}"
+    );
     assert!(
         out.contains("every schedule at PP = 32: EP = 64 needs 64 GPUs"),
         "{out}"
