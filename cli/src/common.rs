@@ -318,7 +318,12 @@ pub fn pre_check(
         return Ok(());
     };
     let lower = limits::spec_size_lower_bound(pp, mb, args.vpp.and_then(|r| r.single()));
-    limits::within_limit(&format!("{what} --pp {pp} --mb {mb}"), estimate(&lower)).map_err(|e| {
+    let vpp = args.vpp.and_then(|r| r.single());
+    let instance = format!(
+        "{what} --pp {pp} --mb {mb}{}",
+        vpp.map(|v| format!(" --vpp {v}")).unwrap_or_default()
+    );
+    limits::within_limit(&instance, estimate(&lower)).map_err(|e| {
         eprintln!("error: {e}");
         ExitCode::from(2)
     })
@@ -346,7 +351,10 @@ pub fn load_for_under(
     if let (Some(work), Some(pp), Some(mb)) = (work, ov.pp, ov.microbatches) {
         let lower = limits::spec_size_lower_bound(pp, mb, ov.vpp);
         limits::within_limit(
-            &format!("the instance --pp {pp} --mb {mb}"),
+            &format!(
+                "the instance --pp {pp} --mb {mb}{}",
+                ov.vpp.map(|v| format!(" --vpp {v}")).unwrap_or_default()
+            ),
             limits::estimate(work, &lower),
         )
         .map_err(LoadFailure::usage)?;

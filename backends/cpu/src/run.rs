@@ -427,9 +427,18 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
         .map_or(source.pipeline.pp as u64, |m| m.world() as u64);
     schedc::limits::within_limit(
         &format!(
-            "running P={} M={} on {world} global ranks for {} step(s){}",
+            "running P={} M={}{} on {world} global ranks{} for {} step(s){}",
             source.pipeline.pp,
             source.pipeline.total_microbatches(),
+            if source.pipeline.stages != source.pipeline.pp {
+                format!(" with {} stages", source.pipeline.stages)
+            } else {
+                String::new()
+            },
+            cfg.mesh
+                .as_ref()
+                .map(|m| format!(" (mesh {m})"))
+                .unwrap_or_default(),
             cfg.steps,
             if cfg.verify { " with --verify" } else { "" }
         ),
