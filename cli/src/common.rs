@@ -304,11 +304,13 @@ impl LoadFailure {
 }
 
 /// Refuses a spec's instance (`--pp` and `--mb` given) whose estimate by `estimate`, on the
-/// least size the instance can have, exceeds the memory limit: before it is elaborated.
+/// least size the instance can have, exceeds the memory limit: before it is elaborated. The
+/// message names `what`, the instance and `mesh` (where given).
 /// Errors: exit status 2 after printing why.
 pub fn pre_check(
     args: &InputArgs,
     what: &str,
+    mesh: Option<&schedc_program::mesh::Mesh>,
     estimate: impl Fn(&limits::Size) -> u64,
 ) -> Result<(), ExitCode> {
     let (Some(pp), Some(mb)) = (
@@ -320,8 +322,10 @@ pub fn pre_check(
     let lower = limits::spec_size_lower_bound(pp, mb, args.vpp.and_then(|r| r.single()));
     let vpp = args.vpp.and_then(|r| r.single());
     let instance = format!(
-        "{what} --pp {pp} --mb {mb}{}",
-        vpp.map(|v| format!(" --vpp {v}")).unwrap_or_default()
+        "{what} --pp {pp} --mb {mb}{}{}",
+        vpp.map(|v| format!(" --vpp {v}")).unwrap_or_default(),
+        mesh.map(|m| format!(" on the mesh {m}"))
+            .unwrap_or_default()
     );
     limits::within_limit(&instance, estimate(&lower)).map_err(|e| {
         eprintln!("error: {e}");

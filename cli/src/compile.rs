@@ -197,7 +197,7 @@ pub fn run(args: Args) -> ExitCode {
     };
     let model = schedc_program::ModelConfig::small();
     // Refuse what cannot fit before the spec is elaborated.
-    if let Err(c) = pre_check(&args.input, "compiling", |size| {
+    if let Err(c) = pre_check(&args.input, "compiling", mesh.as_ref(), |size| {
         let world = mesh.as_ref().map_or(size.ranks, |m| m.world() as u64);
         schedc_program::estimate_memory(size, world, &model)
     }) {

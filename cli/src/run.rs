@@ -216,7 +216,7 @@ pub fn run(args: Args) -> ExitCode {
         ..RunConfig::default()
     };
     // Refuse what cannot fit before the spec is elaborated.
-    if let Err(c) = pre_check(&args.input, "running", |size| {
+    if let Err(c) = pre_check(&args.input, "running", cfg.mesh.as_ref(), |size| {
         let world = cfg.mesh.as_ref().map_or(size.ranks, |m| m.world() as u64);
         schedc_cpu::run::estimate_memory_of(size, world, &cfg)
     }) {
