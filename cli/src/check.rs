@@ -85,7 +85,7 @@ pub fn run(args: Args) -> ExitCode {
                     "verdict": f.verdict,
                     "input": input.name(),
                     "error": f.message,
-                    "diagnostics": [],
+                    "diagnostics": f.diagnostics,
                 });
                 return emit_then(&format!("{v}\n"), f.code());
             }

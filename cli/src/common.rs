@@ -258,6 +258,30 @@ fn read_source(name: &str) -> Option<String> {
     std::fs::read_to_string(name).ok()
 }
 
+/// A load error as located diagnostics, for a JSON report (see
+/// [`LoadFailure::diagnostics`]).
+pub fn load_error_diagnostics(e: &LoadError, name: &str) -> Vec<diag::Diagnostic> {
+    match e {
+        LoadError::Io(_) | LoadError::Usage(_) => Vec::new(),
+        LoadError::Parse(p) => {
+            let mut d = diag::syntax(p);
+            match read_source(name) {
+                Some(s) if p.offset <= s.len() => d.locate(name, &s),
+                _ => d.location = Some(format!("{name}:{}:{}", p.line, p.col)),
+            }
+            vec![d]
+        }
+        LoadError::Spec { diags, text, .. } => diags
+            .iter()
+            .map(|d| {
+                let mut d = d.clone();
+                d.locate(name, text);
+                d
+            })
+            .collect(),
+    }
+}
+
 /// A syntax error rendered with its source excerpt and `file:line:col`.
 pub fn render_parse_error(p: &ParseError, name: &str) -> String {
     let d = diag::syntax(p);
@@ -285,6 +309,10 @@ pub struct LoadFailure {
     pub verdict: &'static str,
     /// The message, without colour.
     pub message: String,
+    /// The same as structured diagnostics (a syntax error, elaboration errors, a `require`
+    /// that refused the instance), each with its `file:line:col` where known; empty for an
+    /// unreadable file, bad usage or an instance over the memory limit.
+    pub diagnostics: Vec<diag::Diagnostic>,
 }
 
 impl LoadFailure {
@@ -299,6 +327,7 @@ impl LoadFailure {
             exit: 2,
             verdict: "unreadable",
             message: format!("error: {message}\n"),
+            diagnostics: Vec::new(),
         }
     }
 }
@@ -370,6 +399,7 @@ pub fn load_for_under(
             exit: e.exit_code(),
             verdict: e.verdict(),
             message,
+            diagnostics: load_error_diagnostics(&e, &name),
         }
     })?;
     for n in &loaded.notes {

@@ -262,14 +262,18 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-/// Loads the schedule; with `--format json` a failure is also `{"error": ..., "exit": N}`
-/// on standard output.
+/// Loads the schedule; with `--format json` a failure is also `{"error": ..., "exit": N,
+/// "diagnostics": [...]}` on standard output.
 fn load_program(input: &InputArgs, format: OutFormat) -> Result<schedc_ir::Program, ExitCode> {
     match load_for(input, None) {
         Ok(l) => Ok(l.program),
         Err(f) => {
             if format == OutFormat::Json {
-                let v = serde_json::json!({"error": f.message, "exit": f.exit});
+                let v = serde_json::json!({
+                    "error": f.message,
+                    "exit": f.exit,
+                    "diagnostics": f.diagnostics,
+                });
                 return Err(emit_then(&format!("{v}\n"), f.code()));
             }
             Err(f.code())

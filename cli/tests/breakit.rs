@@ -538,6 +538,31 @@ fn item13_json_on_errors() {
         .as_str()
         .unwrap()
         .contains("cannot read `nonexist.csv`"));
+    assert_eq!(v["diagnostics"], serde_json::json!([]));
+    // A syntax error and a refused instance: structured diagnostics with file:line:col.
+    let o = schedc(&["check", "book/src/examples/syntax.ir", "--format", "json"]);
+    assert_eq!(o.status.code(), Some(2));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["diagnostics"][0]["code"], "syntax");
+    assert_eq!(
+        v["diagnostics"][0]["location"],
+        "book/src/examples/syntax.ir:2:16"
+    );
+    let o = schedc(&[
+        "check",
+        "specs/chimera.sched",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["verdict"], "refused");
+    assert_eq!(v["diagnostics"][0]["code"], "refused");
+    assert_eq!(v["diagnostics"][0]["location"], "specs/chimera.sched:18:1");
     let o = schedc(&[
         "run",
         "specs/1f1b.sched",
