@@ -7,7 +7,7 @@ use schedc::input::PlacementArg;
 use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind, Program};
 use schedc_optimize::report::{cap_for, evaluate_moe, load_specs, scale_of, scaled_cost, Row};
-use schedc_optimize::search::{optimize, Options, Outcome};
+use schedc_optimize::search::{optimize_placements, Options, Outcome};
 use schedc_optimize::{verify, Instance, Sched};
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -247,11 +247,9 @@ pub fn run(a: Args) -> ExitCode {
             };
             match (&a.placement, a.vpp) {
                 (None, None) => {
-                    v.push(make(&PlacementArg::Kind(PlacementKind::Loop), 1).unwrap());
-                    for (k, vpp) in [(PlacementKind::V, 2), (PlacementKind::Loop, 2)] {
-                        if let Ok(pl) = make(&PlacementArg::Kind(k), vpp) {
-                            v.push(pl);
-                        }
+                    v = schedc_optimize::search::default_pipelines(pp, mb);
+                    if v.is_empty() {
+                        return fail(format!("no placement exists for --pp {pp} --mb {mb}"));
                     }
                 }
                 (pl, vpp) => {
@@ -345,22 +343,35 @@ pub fn run(a: Args) -> ExitCode {
         construct_only: a.heuristic,
         ..Options::default()
     };
-    let mut results: Vec<(usize, Outcome)> = Vec::new();
-    for (i, c) in candidates.iter().enumerate() {
-        let label = format!(
-            "{} V={}",
-            schedc_optimize::report::placement_name(c.pipeline.placement),
-            c.pipeline.stages / c.pipeline.pp
-        );
-        let progress = |p: &schedc_optimize::Progress| {
-            bar.set_message(format!(
-                "{label}: {}: best makespan {:.4} (lower bound {:.4})",
-                p.phase, p.best, p.lower_bound
-            ));
-        };
-        let out = optimize(&c.inst, &c.starts, &opts, &progress);
-        results.push((i, out));
-    }
+    // Every placement under one time limit and one shared evaluation budget, the cheap
+    // constructions first; under the from-start objective without --moe a placement whose
+    // lower bound cannot beat the best found skips the expensive phases
+    // (`schedc_optimize::search::optimize_placements`).
+    let labels: Vec<String> = candidates
+        .iter()
+        .map(|c| {
+            format!(
+                "{} V={}",
+                schedc_optimize::report::placement_name(c.pipeline.placement),
+                c.pipeline.stages / c.pipeline.pp
+            )
+        })
+        .collect();
+    let progress = |i: usize, p: &schedc_optimize::Progress| {
+        bar.set_message(format!(
+            "{}: {}: best makespan {:.4} (lower bound {:.4})",
+            labels[i], p.phase, p.best, p.lower_bound
+        ));
+    };
+    let problems: Vec<(&Instance, &[(String, Sched)])> = candidates
+        .iter()
+        .map(|c| (&c.inst, c.starts.as_slice()))
+        .collect();
+    let prune = a.objective == Objective::FromStart && a.moe.is_none();
+    let results: Vec<(usize, Outcome)> = optimize_placements(&problems, &opts, prune, &progress)
+        .into_iter()
+        .enumerate()
+        .collect();
     bar.finish_and_clear();
 
     // The best verified result: by from-start makespan, or under `steady_state` by the

@@ -2,7 +2,9 @@
 //! one stage per rank; a V stage counts half, as `schedc compare` scales it). At each point:
 //! the best spec of specs/ within the cap, the Zero Bubble greedy, and the search on the
 //! loop (one stage per rank), V (two) and interleaved loop (two) placements with the specs
-//! of that placement as starts, as `schedc optimize --pp P --mb M --cost C --max-activations N` runs it.
+//! of that placement as starts, through `search::optimize_placements` as `schedc optimize --pp P
+//! --mb M --cost C --max-activations N` runs it (shared budget, pruning, branch and bound on
+//! instances of at most 150 ops).
 //! Every figure is the simulator's, after `schedc check`.
 //!
 //! `cargo run --release -p schedc-optimize --example grid -- [EFFORT] [P...]`
@@ -10,7 +12,7 @@
 use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind};
 use schedc_optimize::report::{cap_for, evaluate, load_specs, scaled_cost};
-use schedc_optimize::search::{optimize, Options};
+use schedc_optimize::search::{optimize_placements, Options};
 use schedc_optimize::{verify, Instance};
 use std::path::Path;
 
@@ -54,8 +56,8 @@ fn main() {
                     let greedy = schedc_optimize::greedy::zero_bubble_greedy(&gi)
                         .ok()
                         .map(|g| verify(&gi, &cost, &g.sched).unwrap().sim.makespan);
-                    // The search on both placements.
-                    let mut best: Option<(f64, &str)> = None;
+                    // The search on the three placements, as the CLI runs it.
+                    let mut problems = Vec::new();
                     for (name, pl) in [
                         ("loop", gpl.clone()),
                         ("v", Pipeline::new(p, 2 * p, m, PlacementKind::V).unwrap()),
@@ -73,19 +75,24 @@ fn main() {
                             .filter(|s| s.pipeline == pl)
                             .map(|s| (format!("spec {}", s.name), s.sched.clone()))
                             .collect();
-                        let out = optimize(
-                            &inst,
-                            &starts,
-                            &Options {
-                                effort,
-                                ..Options::default()
-                            },
-                            &|_| {},
-                        );
+                        problems.push((name, inst, c, starts));
+                    }
+                    let refs: Vec<_> = problems
+                        .iter()
+                        .map(|(_, i, _, s)| (i, s.as_slice()))
+                        .collect();
+                    let opts = Options {
+                        effort,
+                        exact_max_ops: 150,
+                        ..Options::default()
+                    };
+                    let outs = optimize_placements(&refs, &opts, true, &|_, _| {});
+                    let mut best: Option<(f64, &str)> = None;
+                    for ((name, inst, c, _), out) in problems.iter().zip(outs) {
                         if !out.makespan.is_finite() {
                             continue;
                         }
-                        let mk = verify(&inst, &c, &out.best).unwrap().sim.makespan;
+                        let mk = verify(inst, c, &out.best).unwrap().sim.makespan;
                         if best.is_none_or(|b| mk < b.0) {
                             best = Some((mk, name));
                         }

@@ -2,7 +2,8 @@
 
 use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind};
-use schedc_optimize::search::{optimize, Options};
+use schedc_optimize::report::{cap_for, scaled_cost};
+use schedc_optimize::search::{default_pipelines, optimize, optimize_placements, Options};
 use schedc_optimize::{verify, Instance, ProblemError};
 use std::time::{Duration, Instant};
 
@@ -184,4 +185,92 @@ fn the_moe_span_bound_is_below_every_simulated_span() {
         }
         assert_eq!(checked, 4);
     }
+}
+
+/// The default command's placements (loop, V, interleaved) at P, M under `cost`, cap in
+/// one-stage-per-rank units, no starts.
+fn default_insts(p: u32, m: u32, cost: &str, cap: u64) -> Vec<Instance> {
+    let c = CostModel::resolve(cost).unwrap();
+    default_pipelines(p, m)
+        .iter()
+        .filter_map(|pl| Instance::new(pl, &scaled_cost(&c, p, pl), Some(cap_for(cap, p, pl))).ok())
+        .collect()
+}
+
+#[test]
+fn placements_same_input_and_seed_same_output() {
+    let insts = default_insts(4, 8, "F=1,B=1.1,W=0.9,latency=0.05", 4);
+    assert_eq!(insts.len(), 3);
+    let problems: Vec<_> = insts.iter().map(|i| (i, &[][..])).collect();
+    let o = Options {
+        seed: 3,
+        effort: 0.2,
+        ..Options::default()
+    };
+    let a = optimize_placements(&problems, &o, true, &|_, _| {});
+    let b = optimize_placements(&problems, &o, true, &|_, _| {});
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.best, y.best);
+        assert_eq!(x.makespan, y.makespan);
+        assert_eq!(x.found_by, y.found_by);
+    }
+}
+
+#[test]
+fn pruning_a_placement_that_cannot_win_changes_no_result() {
+    // P = 4, M = 8, profA, cap 4: the loop placement's lower bound is above what the V
+    // placement's cheap constructions reach, so with pruning it skips every expensive phase.
+    let insts = default_insts(4, 8, "F=1,B=1.1,W=0.9,latency=0.05", 4);
+    let problems: Vec<_> = insts.iter().map(|i| (i, &[][..])).collect();
+    let o = Options {
+        effort: 0.2,
+        ..Options::default()
+    };
+    let pruned = optimize_placements(&problems, &o, true, &|_, _| {});
+    let full = optimize_placements(&problems, &o, false, &|_, _| {});
+    let skipped: Vec<usize> = (0..3).filter(|&k| pruned[k].phases.len() == 1).collect();
+    assert!(!skipped.is_empty(), "no placement was pruned");
+    for &k in &skipped {
+        assert!(
+            pruned[k].lower_bound
+                >= pruned
+                    .iter()
+                    .map(|x| x.makespan)
+                    .fold(f64::INFINITY, f64::min)
+                    - 1e-9
+        );
+        assert!(full[k].phases.len() > 1, "without pruning it is searched");
+    }
+    let best =
+        |v: &[schedc_optimize::Outcome]| v.iter().map(|x| x.makespan).fold(f64::INFINITY, f64::min);
+    assert_eq!(best(&pruned), best(&full));
+}
+
+#[test]
+fn one_time_limit_covers_every_placement() {
+    let insts = default_insts(8, 16, "F=1,B=2,W=1", 8);
+    let problems: Vec<_> = insts.iter().map(|i| (i, &[][..])).collect();
+    let t = Instant::now();
+    let outs = optimize_placements(
+        &problems,
+        &Options {
+            time_limit: Some(Duration::from_millis(300)),
+            effort: 100.0,
+            ..Options::default()
+        },
+        false,
+        &|_, _| {},
+    );
+    assert!(outs.iter().all(|o| o.timed_out));
+    assert!(outs.iter().any(|o| o.makespan.is_finite()));
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+}
+
+#[test]
+fn the_first_placement_gets_half_the_budget() {
+    use schedc_optimize::search::placement_share;
+    assert_eq!(placement_share(0, 1), 1.0);
+    assert_eq!(placement_share(0, 3), 0.5);
+    assert_eq!(placement_share(1, 3), 0.25);
+    assert_eq!(placement_share(2, 3), 0.25);
 }
