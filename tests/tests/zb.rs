@@ -59,32 +59,16 @@ fn compare(spec: &str, generator: &str) -> (usize, usize, Vec<String>) {
     (same, better, worse)
 }
 
-/// V-Half: no worse than the authors' generator on 33 of 36 configs. On three profA
-/// configs (F = 1, B = 1.1, W = 0.9, 0.05 latency per message) the greedy's steady state
-/// picks up one message latency every second micro-batch that the authors' fixed pattern
-/// hides: at most 0.25% longer. This test pins that list, so any other regression fails.
+/// V-Half: no worse than the authors' generator on all 36 configs (makespan from t0 and
+/// peak). The three profA configs where the greedy's steady state once picked up a message
+/// latency every second micro-batch (P8 M24, P12 M36, P16 M32) are now shorter: the variant
+/// with `W` due at its building-block slot keeps the authors' period.
 #[test]
 fn v_half_vs_authors() {
     let (s, b, w) = compare("v_half", "vhalf");
     println!("v_half: {s} identical, {b} no worse, {} worse", w.len());
-    let known = [
-        "vhalf_P8_M24_profA",
-        "vhalf_P12_M36_profA",
-        "vhalf_P16_M32_profA",
-    ];
-    for line in &w {
-        let id = line.split(':').next().unwrap();
-        assert!(known.contains(&id), "new regression: {line}");
-        // "id: makespan OURS vs THEIRS, peak A vs B"
-        let nums: Vec<f64> = line
-            .split(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .filter_map(|t| t.parse().ok())
-            .collect();
-        let (ours, theirs) = (nums[nums.len() - 4], nums[nums.len() - 3]);
-        assert!(ours <= theirs * 1.0025, "{line}");
-        assert!(nums[nums.len() - 2] <= nums[nums.len() - 1], "peak: {line}");
-    }
-    assert!(w.len() <= known.len());
+    assert!(w.is_empty(), "{}", w.join("\n"));
+    assert_eq!(s + b, zb::configs("vhalf").len());
 }
 
 #[test]

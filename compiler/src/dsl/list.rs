@@ -29,17 +29,26 @@
 //! * `defer W`: weight gradients leave the order; the rank runs one (smallest priority first
 //!   among those whose `B` has run) only where it ends before the head and every backfill
 //!   candidate can start (a bubble), when the memory cap blocks the head, or when nothing else
-//!   is left — Zero Bubble's placement of W (Qi et al., ICLR 2024, §3).
+//!   is left — Zero Bubble's placement of W (Qi et al., ICLR 2024, §3). A second form is
+//!   also tried (below): while the rank still has forwards to run, a ready `W` whose priority
+//!   comes before the head's runs first, as if it were in the order (its priority places it
+//!   in a building block's free slot, as the Controllable Memory authors' `put_w` does,
+//!   `zbv_greedy.py`); from the rank's last forward on (the cooldown) it only fills bubbles.
+//!   A `W` never waits for a slot: one whose `B` has not run does not hold the head back.
 //! * `strict`: no backfilling; the order is run as it is (deferred W's still fill bubbles).
 //!
 //! Time advances from event to event (an op ends, a message arrives); at each event every idle
 //! rank, lowest first, may start one op, so the result is the schedule a list scheduler
-//! produces in simulated time. [`schedule`] runs the greedy twice (backfilling any op, then
-//! only backwards and weight gradients) and keeps the shorter; `strict` runs it once without
-//! backfilling. Every choice is a pure function of the input: the orders are deterministic.
+//! produces in simulated time. [`schedule`] runs the greedy in variants (backfilling any op,
+//! or only backwards and weight gradients; with `defer W`, also each with `W` due at its
+//! priority before the cooldown) and keeps the orders with the shortest makespan when run as
+//! they are (from t0, each op as soon as its rank is free and its input has arrived);
+//! `strict` runs it once without backfilling. Every choice is a pure function of the input:
+//! the orders are deterministic.
 //! One decision costs `O(kinds x stages per rank)` plus a walk along the head's chain of
 //! inputs; a run is `O(events x P)` decisions at most (P = 64, M = 512, V = 2: about 2 s in a
-//! release build, `check` included).
+//! release build for the two variants without `defer W`, `check` included; `defer W` runs
+//! four).
 
 use crate::sim::cost::CostModel;
 use schedc_ir::{Kind, Pipeline};
@@ -114,10 +123,13 @@ fn class(k: Kind) -> usize {
 ///
 /// Returns, per rank, the indices into `ops` in execution order.
 ///
-/// The greedy runs twice: backfilling any op, then backfilling only backwards and weight
-/// gradients (forwards keep their order); the run with the shorter simulated makespan is
-/// kept (on a tie, the first). Keeping the best of a few deterministic greedy variants is
-/// what the Zero Bubble authors' scheduler does (`zb.py`, eight variants).
+/// The greedy runs in variants: backfilling any op, or backfilling only backwards and weight
+/// gradients (forwards keep their order); with `defer W`, each of these also with a ready `W`
+/// due at its priority while the rank has forwards left (see the module doc). Each variant's
+/// orders are run as they are, from t0 under the same op times and message latency, and the
+/// shortest makespan is kept (on a tie, the earlier variant). Keeping the best of a few
+/// deterministic greedy variants is what the Zero Bubble authors' scheduler does (`zb.py`,
+/// eight variants).
 ///
 /// Errors: [`Stuck`] when no rank can start an op (a memory or in-flight cap that the
 /// priorities cannot meet) in every variant; the first variant's is returned.
@@ -127,42 +139,47 @@ pub fn schedule(
     rules: &Rules,
     cost: &CostModel,
 ) -> Result<Vec<Vec<usize>>, Stuck> {
+    let dur: Vec<f64> = ops.iter().map(|o| cost.op_time(o.kind, o.stage)).collect();
+    let comm = cost.message_time();
     if rules.strict {
-        return run(pl, ops, rules, cost, false).map(|r| r.0);
+        return run(pl, ops, rules, &dur, comm, false, false).map(|r| r.0);
     }
-    let a = run(pl, ops, rules, cost, true);
-    let b = run(pl, ops, rules, cost, false);
-    match (a, b) {
-        (Ok(a), Ok(b)) => Ok(if b.1 < a.1 - EPS { b.0 } else { a.0 }),
-        (Ok(a), Err(_)) => Ok(a.0),
-        (Err(_), Ok(b)) => Ok(b.0),
-        (Err(e), Err(_)) => Err(e),
+    let pred = inputs(pl, ops);
+    let mut best: Option<(Vec<Vec<usize>>, f64)> = None;
+    let mut first_err = None;
+    for (backfill_forwards, w_due) in [(true, false), (false, false), (true, true), (false, true)] {
+        if w_due && !rules.defer_w {
+            continue;
+        }
+        match run(pl, ops, rules, &dur, comm, backfill_forwards, w_due) {
+            Ok((o, _)) => {
+                let t = replay(&pred, &o, &dur, comm);
+                if best.as_ref().is_none_or(|b| t < b.1 - EPS) {
+                    best = Some((o, t));
+                }
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    match best {
+        Some((o, _)) => Ok(o),
+        None => Err(first_err.expect("a variant ran")),
     }
 }
 
-/// One greedy run; `backfill_forwards`: whether forwards may run out of order. Returns the
-/// orders and the simulated makespan.
-fn run(
-    pl: &Pipeline,
-    ops: &[Op],
-    rules: &Rules,
-    cost: &CostModel,
-    backfill_forwards: bool,
-) -> Result<(Vec<Vec<usize>>, f64), Stuck> {
-    let np = pl.pp as usize;
+/// The one input of each op (index into `ops`, or `NONE`): the forward of the previous
+/// stage (`F`); the backward of the next stage, or on a last stage its own forward (`B`,
+/// `BW`); its own `B` (`W`).
+fn inputs(pl: &Pipeline, ops: &[Op]) -> Vec<u32> {
     let mbs = pl.microbatches as usize;
-    let n = ops.len();
-    let comm = cost.message_time();
     let key = |c: usize, s: u32, m: u32| (c * pl.stages as usize + s as usize) * mbs + m as usize;
-    // Op of (class, stage, micro-batch).
     let mut by_key = vec![NONE; 3 * pl.stages as usize * mbs];
     for (i, o) in ops.iter().enumerate() {
         by_key[key(class(o.kind), o.stage, o.mb)] = i as u32;
     }
-    let rank_of: Vec<u32> = ops.iter().map(|o| pl.rank_of(o.stage)).collect();
-    // The one input of each op.
-    let pred: Vec<u32> = ops
-        .iter()
+    ops.iter()
         .map(|o| match o.kind {
             Kind::F => pl
                 .prev_stage(o.stage)
@@ -173,7 +190,72 @@ fn run(
             },
             Kind::W => by_key[key(1, o.stage, o.mb)],
         })
-        .collect();
+        .collect()
+}
+
+/// The makespan (seconds from the first op's start) of per-rank `orders` run eagerly: each
+/// op starts once its rank is free and its input has ended (plus `comm` across ranks).
+/// Orders that cannot run (a cycle) give infinity.
+fn replay(pred: &[u32], orders: &[Vec<usize>], dur: &[f64], comm: f64) -> f64 {
+    let mut op_rank = vec![0u32; pred.len()];
+    for (r, o) in orders.iter().enumerate() {
+        for &i in o {
+            op_rank[i] = r as u32;
+        }
+    }
+    let mut end = vec![f64::NAN; pred.len()];
+    let mut pos = vec![0usize; orders.len()];
+    let mut free = vec![0f64; orders.len()];
+    let mut left: usize = orders.iter().map(Vec::len).sum();
+    loop {
+        let mut progress = false;
+        for (r, o) in orders.iter().enumerate() {
+            while let Some(&i) = o.get(pos[r]) {
+                let p = pred[i];
+                let ready = if p == NONE {
+                    0.0
+                } else if end[p as usize].is_nan() {
+                    break;
+                } else if op_rank[p as usize] != r as u32 {
+                    end[p as usize] + comm
+                } else {
+                    end[p as usize]
+                };
+                let s = ready.max(free[r]);
+                end[i] = s + dur[i];
+                free[r] = end[i];
+                pos[r] += 1;
+                left -= 1;
+                progress = true;
+            }
+        }
+        if left == 0 {
+            return free.iter().copied().fold(0.0, f64::max);
+        }
+        if !progress {
+            return f64::INFINITY;
+        }
+    }
+}
+
+/// One greedy run with op times `dur` (seconds, per op) and message latency `comm`;
+/// `backfill_forwards`: whether forwards may run out of order; `w_due`: whether a deferred
+/// `W` whose priority comes before the head runs first while the rank has forwards left.
+/// Returns the orders and the simulated makespan.
+fn run(
+    pl: &Pipeline,
+    ops: &[Op],
+    rules: &Rules,
+    dur: &[f64],
+    comm: f64,
+    backfill_forwards: bool,
+    w_due: bool,
+) -> Result<(Vec<Vec<usize>>, f64), Stuck> {
+    let np = pl.pp as usize;
+    let mbs = pl.microbatches as usize;
+    let n = ops.len();
+    let rank_of: Vec<u32> = ops.iter().map(|o| pl.rank_of(o.stage)).collect();
+    let pred = inputs(pl, ops);
     let mut succ_start = vec![0u32; n + 1];
     for &p in &pred {
         if p != NONE {
@@ -192,7 +274,6 @@ fn run(
         }
     }
     drop(fill);
-    let dur: Vec<f64> = ops.iter().map(|o| cost.op_time(o.kind, o.stage)).collect();
     let deferred = |o: &Op| rules.defer_w && o.kind == Kind::W;
     let cmp_ops = |a: u32, b: u32| {
         let (x, y) = (&ops[a as usize], &ops[b as usize]);
@@ -268,8 +349,12 @@ fn run(
     let mut head = vec![0usize; np];
     let mut qhead: Vec<Vec<usize>> = queues.iter().map(|q| vec![0; q.len()]).collect();
     let mut remaining: Vec<usize> = vec![0; np];
-    for r in &rank_of {
+    let mut fwd_left: Vec<usize> = vec![0; np];
+    for (i, r) in rank_of.iter().enumerate() {
         remaining[*r as usize] += 1;
+        if ops[i].kind == Kind::F {
+            fwd_left[*r as usize] += 1;
+        }
     }
     // Deferred W's whose B has run, by priority.
     let mut wready: Vec<BinaryHeap<Reverse<(i64, u32)>>> = vec![BinaryHeap::new(); np];
@@ -296,10 +381,11 @@ fn run(
                     head: head[r],
                     pred: &pred,
                     rank_of: &rank_of,
-                    dur: &dur,
+                    dur,
                     opos: &opos,
                     comm,
                     backfill_forwards,
+                    w_due,
                 },
                 &State {
                     done: &done,
@@ -312,6 +398,7 @@ fn run(
                     mbkey: &mbkey,
                     mem_tree: &mem_tree[r],
                     wready: &wready[r],
+                    fwd_left: fwd_left[r],
                 },
             ) else {
                 continue;
@@ -329,6 +416,7 @@ fn run(
             match o.kind {
                 Kind::F => {
                     live[r] += 1;
+                    fwd_left[r] -= 1;
                     if !entered[r][k] {
                         entered[r][k] = true;
                         inflight[r] += 1;
@@ -447,6 +535,8 @@ struct Ctx<'a> {
     opos: &'a [u32],
     comm: f64,
     backfill_forwards: bool,
+    /// A deferred `W` whose priority comes before the head runs first (forwards left).
+    w_due: bool,
 }
 
 /// The state a decision reads.
@@ -461,6 +551,8 @@ struct State<'a> {
     mbkey: &'a dyn Fn(&Op) -> usize,
     mem_tree: &'a PrefixMax,
     wready: &'a BinaryHeap<Reverse<(i64, u32)>>,
+    /// Forwards this rank has still to run.
+    fwd_left: usize,
 }
 
 /// A segment tree over a sequence of small integers: point updates and the largest prefix
@@ -583,7 +675,8 @@ impl Ctx<'_> {
     }
 }
 
-/// The op rank `r` starts at `now`, if any: its head if ready and allowed; else the
+/// The op rank `r` starts at `now`, if any: with `w_due` and forwards left, a ready deferred
+/// W whose priority comes before the head; else its head if ready and allowed; else the
 /// smallest-priority backfill candidate that ends before the head can start; else a deferred
 /// W (in a bubble, or to free memory the cap needs).
 fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
@@ -592,6 +685,20 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
         h += 1;
     }
     let head_op = cx.order.get(h).map(|&i| i as usize);
+    if cx.w_due && st.fwd_left > 0 {
+        if let Some(Reverse((p, w))) = st.wready.peek() {
+            let before = match head_op {
+                None => true,
+                Some(i) => {
+                    let (x, y) = (&cx.ops[*w as usize], &cx.ops[i]);
+                    (*p, 2, x.stage, x.mb) < (y.prio, class(y.kind), y.stage, y.mb)
+                }
+            };
+            if before {
+                return Some(*w as usize);
+            }
+        }
+    }
     let mut mem_blocked = false;
     let horizon = match head_op {
         None => f64::INFINITY,
@@ -663,4 +770,80 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schedc_ir::PlacementKind;
+
+    /// V-Half's priorities (specs/v_half.sched) at P = 8, M = 24 under profA op times
+    /// (F = 1, B = 1.1, W = 0.9, 0.05 per message; shared/reference/zb): the greedy with `W`s
+    /// only deferred to bubbles runs `B B` back to back and idles 0.1 every second
+    /// micro-batch (166.6 from t0); with `W` due at its building-block slot it keeps the
+    /// authors' period of 6.0 (165.9, against the authors' 166.2), and `schedule` keeps it.
+    #[test]
+    fn w_due_at_its_slot_keeps_the_steady_state_period() {
+        let (p, mbs) = (8u32, 24u32);
+        let pl = Pipeline::new(p, 2 * p, mbs, PlacementKind::V).unwrap();
+        let (pi, gap) = (p as i64, 3i64);
+        let mut ops = Vec::new();
+        for s in 0..2 * p {
+            let r = pl.rank_of(s) as i64;
+            let c = (s / p) as i64;
+            let (b1, b0) = (3 * pi + gap + 2 * r - 1, 6 * pi + gap - r - 2);
+            for m in 0..mbs {
+                let m6 = 6 * m as i64;
+                let f = m6 + if c == 0 { 2 * r } else { 3 * pi - r - 2 };
+                let b = m6 + if c == 1 { b1 } else { b0 };
+                let slip = if c == 0 && (pi + r) % 2 == 0 { 3 } else { 0 };
+                for (kind, prio) in [(Kind::F, f), (Kind::B, b), (Kind::W, b + 1 + slip)] {
+                    ops.push(Op {
+                        kind,
+                        stage: s,
+                        mb: m,
+                        prio,
+                    });
+                }
+            }
+        }
+        let rules = Rules {
+            memory: Some(vec![2 * ((pi + 2) / 2); p as usize]),
+            defer_w: true,
+            ..Default::default()
+        };
+        let dur: Vec<f64> = ops
+            .iter()
+            .map(|o| match o.kind {
+                Kind::F => 1.0,
+                Kind::B => 1.1,
+                _ => 0.9,
+            })
+            .collect();
+        let pred = inputs(&pl, &ops);
+        let t = |w_due| {
+            let (o, _) = run(&pl, &ops, &rules, &dur, 0.05, true, w_due).unwrap();
+            (replay(&pred, &o, &dur, 0.05), o)
+        };
+        let (deferred, _) = t(false);
+        let (due, orders) = t(true);
+        assert!((deferred - 166.6).abs() < 1e-6, "{deferred}");
+        assert!((due - 165.9).abs() < 1e-6, "{due}");
+        // On the last rank, in the steady state, each W right after its B.
+        let last = &orders[p as usize - 1];
+        for m in 4..16 {
+            let at = |k: Kind, s: u32| {
+                last.iter()
+                    .position(|&i| ops[i].kind == k && ops[i].stage == s && ops[i].mb == m)
+                    .unwrap()
+            };
+            assert_eq!(at(Kind::W, p), at(Kind::B, p) + 1, "m = {m}");
+            assert_eq!(at(Kind::W, p - 1), at(Kind::B, p - 1) + 1, "m = {m}");
+        }
+        let cost =
+            CostModel::from_toml("[compute]\nF = 1\nB = 1.1\nW = 0.9\n[p2p]\nlatency = 0.05\n")
+                .unwrap();
+        let best = schedule(&pl, &ops, &rules, &cost).unwrap();
+        assert_eq!(best, orders);
+    }
 }
