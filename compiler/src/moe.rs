@@ -715,6 +715,44 @@ mod tests {
     }
 
     #[test]
+    fn list_keeps_both_streams_full_on_a_stream_of_forwards() {
+        // Unit times (no cost model), 1:1: two forwards in flight fill the compute stream
+        // (attn attn mlp mlp ...) and the EP stream (disp disp comb comb ...); the backwards
+        // follow their forwards' order, each after its own forward (the loss stage).
+        let src = "pp 1\nstages 1\nmicrobatches 4\nrank 0: F(0,0) F(0,1) F(0,2) F(0,3) BW(0,0) BW(0,1) BW(0,2) BW(0,3)\n";
+        let p = parse(src).unwrap().program;
+        let (q, _) = split_timed(&p, None, &[0], Interleave::List(2), None);
+        let t = texts(&q, 0);
+        let stream = |ep: bool| {
+            t.iter()
+                .filter(|s| (s.ends_with(".dispatch") || s.ends_with(".combine")) == ep)
+                .take(8)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        assert_eq!(
+            stream(false),
+            "F(0,0).attn F(0,1).attn F(0,0).mlp F(0,1).mlp F(0,2).attn F(0,3).attn F(0,2).mlp F(0,3).mlp"
+        );
+        assert_eq!(
+            stream(true),
+            "F(0,0).dispatch F(0,1).dispatch F(0,0).combine F(0,1).combine F(0,2).dispatch F(0,3).dispatch F(0,2).combine F(0,3).combine"
+        );
+        assert_eq!(t.len(), 32);
+        assert_eq!(
+            "all:list".parse::<MoeStages>().unwrap().interleave(),
+            Interleave::List(2)
+        );
+        assert_eq!(
+            ":list3".parse::<MoeStages>().unwrap(),
+            MoeStages::Listed(Box::new(MoeStages::Auto), 3)
+        );
+        assert!("all:list0".parse::<MoeStages>().is_err());
+        assert!("all:list9".parse::<MoeStages>().is_err());
+    }
+
+    #[test]
     fn spans_follow_the_parts() {
         let src = "pp 1\nstages 1\nmicrobatches 1\nrank 0: F(0,0) BW(0,0)\n";
         let parsed = parse(src).unwrap();
