@@ -78,6 +78,10 @@ struct Op {
     span: Span,
 }
 
+/// A message placed by [`order`]: (time: its producer's end, global sequence number, after
+/// how many of the rank's parts it may go, the send or receive, its span).
+type Message = (f64, u64, usize, Instr, Span);
+
 /// Per-rank state of the greedy.
 struct RankState {
     ops: Vec<Op>,
@@ -186,7 +190,7 @@ pub(crate) fn order(
     // Per rank: each placed part's start, and its messages (time, global sequence number,
     // after how many of the rank's parts, the op, span).
     let mut starts: Vec<Vec<f64>> = vec![Vec::new(); st.len()];
-    let mut msgs: Vec<Vec<(f64, u64, usize, Instr, Span)>> = vec![Vec::new(); st.len()];
+    let mut msgs: Vec<Vec<Message>> = vec![Vec::new(); st.len()];
     let mut seq = 0u64;
     let mut out: Vec<(Vec<Instr>, Vec<Span>)> = st
         .iter()
@@ -283,10 +287,10 @@ pub(crate) fn order(
     // Min-heap of (start bits, rank, version): starts are finite and >= 0, so their bit
     // patterns order as the numbers do.
     let mut heap: BinaryHeap<Reverse<(u64, u32, u64)>> = BinaryHeap::new();
-    for r in 0..st.len() {
-        evaluate(&mut st[r], r, &act, &grad, &part_end);
-        if let Some((t, _)) = st[r].best {
-            heap.push(Reverse((t.max(0.0).to_bits(), r as u32, st[r].version)));
+    for (r, s) in st.iter_mut().enumerate() {
+        evaluate(s, r, &act, &grad, &part_end);
+        if let Some((t, _)) = s.best {
+            heap.push(Reverse((t.max(0.0).to_bits(), r as u32, s.version)));
         }
     }
     while let Some(Reverse((_, r, ver))) = heap.pop() {
