@@ -173,7 +173,9 @@ pub struct InputArgs {
     /// parts (DeepSeek-V3's order in an overlapped pair). STAGES: auto (the input's `moe`
     /// declaration, else all), all, dense-ends (embedding and head stages stay whole),
     /// declared, or ids and ranges such as 1-6,9; append `:adjacent` (e.g. `--moe=all:adjacent`)
-    /// to interleave consecutive independent plain ops at part level.
+    /// to interleave consecutive independent plain ops at part level, or `:list` / `:listN`
+    /// (e.g. `--moe=all:list3`) to order the parts by a greedy list schedule simulated under
+    /// the cost model, each rank's op order kept, at most N ops in flight (2 without N).
     #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
     pub moe: Option<schedc::moe::MoeStages>,
 }

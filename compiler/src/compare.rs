@@ -130,6 +130,8 @@ pub struct Report {
     pub moe: bool,
     /// Whether the split interleaves consecutive plain ops (`--moe=STAGES:adjacent`).
     pub moe_adjacent: bool,
+    /// Ops in flight per rank of a `--moe=STAGES:list` run (cost-aware part order), if any.
+    pub moe_list: Option<u8>,
     /// Every input, simulated ones by makespan first, then the others in input order.
     pub rows: Vec<Row>,
 }
@@ -288,6 +290,10 @@ pub fn compare(files: &[Source], opts: &Options) -> Result<Report, String> {
         mb: opts.mb,
         cost: opts.cost_name.clone(),
         moe: opts.moe.is_some(),
+        moe_list: match opts.moe.as_ref().map(|m| m.interleave()) {
+            Some(crate::moe::Interleave::List(k)) => Some(k),
+            _ => None,
+        },
         moe_adjacent: opts
             .moe
             .as_ref()
@@ -476,6 +482,12 @@ pub fn render(r: &Report) -> String {
         if r.moe { ", --moe (MoE stages split into attention, dispatch, MLP, combine)" } else { "" },
         if r.moe_adjacent { ", consecutive independent plain ops interleaved (:adjacent)" } else { "" }
     );
+    if let Some(k) = r.moe_list {
+        let _ = writeln!(
+            o,
+            "parts ordered by a greedy list schedule under the cost model (:list, at most {k} ops in flight per rank; the op order of each rank is the input's)"
+        );
+    }
     let _ = writeln!(
         o,
         "bubble: idle fraction under each convention — from_start (one step, barrier at both ends), per_rank_span (each rank from its first op to its last), steady_state (steps back to back, no barrier)\n"

@@ -342,7 +342,8 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
         apply_overrides(&mut program, ov).map_err(LoadError::Usage)?;
     }
     let (program, spans) = match &ov.moe {
-        Some(sel) => apply_moe(&program, spans.as_ref(), sel).map_err(LoadError::Usage)?,
+        Some(sel) => apply_moe_under(&program, spans.as_ref(), sel, ov.list_cost.as_ref())
+            .map_err(LoadError::Usage)?,
         None => (program, spans),
     };
     Ok(Loaded {
@@ -369,8 +370,26 @@ pub fn apply_moe(
     spans: Option<&SourceMap>,
     sel: &crate::moe::MoeStages,
 ) -> Result<(Program, Option<SourceMap>), String> {
+    apply_moe_under(p, spans, sel, None)
+}
+
+/// [`apply_moe`], a `:list` selection scheduled under `cost` (unit times without one).
+///
+/// Errors: as [`apply_moe`].
+pub fn apply_moe_under(
+    p: &Program,
+    spans: Option<&SourceMap>,
+    sel: &crate::moe::MoeStages,
+    cost: Option<&crate::sim::cost::CostModel>,
+) -> Result<(Program, Option<SourceMap>), String> {
     let stages = sel.resolve(&p.pipeline)?;
-    Ok(crate::moe::split_with(p, spans, &stages, sel.interleave()))
+    Ok(crate::moe::split_timed(
+        p,
+        spans,
+        &stages,
+        sel.interleave(),
+        cost,
+    ))
 }
 
 /// Parses and elaborates a spec for the instance in `ov` (a `list` block is scheduled under

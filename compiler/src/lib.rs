@@ -16,6 +16,7 @@ pub mod import;
 pub mod input;
 pub mod limits;
 pub mod moe;
+pub mod moe_list;
 pub mod passes;
 pub mod plan;
 pub mod sim;

@@ -87,6 +87,24 @@
 //! unit-time idle, which runs all parts on one stream, grows; the simulator times the EP
 //! stream concurrently and is the figure to read.
 //!
+//! ## Cost-aware part order (`--moe=STAGES:list`, `:listN`, opt-in)
+//!
+//! With [`Interleave::List`] each rank keeps its op order, and the parts of a sliding window
+//! of `N` ops (2 for a bare `:list`) are ordered by a greedy list schedule simulated under the
+//! cost model across all ranks ([`crate::moe_list`]): a part of a later op runs before the
+//! parts of an earlier op when its inputs are there and it holds no older op back; `&` pairs
+//! keep DeepSeek's order inside. The result comes with its point-to-point messages already
+//! placed in the order of the simulated times (a lowered program). Without a cost model
+//! (`check --moe=all:list` with no `--cost`) it schedules under unit times, 1:1.
+//!
+//! Measured (`compare --moe=all:list --cost ../shared/costs/moe-1to1.toml`, P = 8; the book's
+//! MoE chapter has the table): exposed all-to-all of DualPipe 48.8% at M = 16 and 16.1% at
+//! M = 64 (default order: 64.0%, 19.8%), DualPipeV 47.8% and 18.5% (65.1%, 23.7%), the same
+//! peak activations as the default order for both; `:list3` 39.9% / 13.9% and 40.9% / 16.8%
+//! with one activation more. The targets (10%, 25%) are not reached: what is left is
+//! the fill and the drain, where a rank holds one micro-batch's op whose input arrives alone
+//! and the spec's op order puts no other work within the window.
+//!
 //! ## Which stages are MoE
 //!
 //! [`MoeStages`]: `all` (every stage), `dense-ends` (the first and the last stage of each
@@ -98,7 +116,8 @@
 //!
 //! ## What the lowered IR holds (for back ends)
 //!
-//! No collectives are added. A `.dispatch` or `.combine` part is one all-to-all among the
+//! No collectives are added (and, except in the `:list` mode, no point-to-point messages:
+//! pass 3 places them). A `.dispatch` or `.combine` part is one all-to-all among the
 //! rank's expert-parallel peers: the copies of that pipeline rank at the other EP positions of
 //! the device mesh, which run the same program, so all-to-all order agrees across the EP group
 //! by construction. The simulator and the CPU back end run these parts on the rank's EP
@@ -122,19 +141,39 @@ pub enum MoeStages {
     List(Vec<u32>),
     /// The inner selection, lowered with [`Interleave::Adjacent`] (`STAGES:adjacent`).
     Adjacent(Box<MoeStages>),
+    /// The inner selection, lowered with [`Interleave::List`] (`STAGES:list`, or
+    /// `STAGES:listN` for `N` ops in flight per rank).
+    Listed(Box<MoeStages>, u8),
 }
 
 impl std::str::FromStr for MoeStages {
     type Err = String;
     /// `auto`, `all`, `dense-ends`, `declared`, or stage ids and inclusive ranges separated by
     /// commas (`1-6,9`); any of them followed by `:adjacent` ([`MoeStages::Adjacent`]; a bare
-    /// `:adjacent` is `auto:adjacent`).
+    /// `:adjacent` is `auto:adjacent`) or by `:list` / `:listN`, `N` in 1..=8
+    /// ([`MoeStages::Listed`], [`crate::moe_list::DEFAULT_WINDOW`] ops in flight without `N`).
     fn from_str(s: &str) -> Result<Self, String> {
         if let Some((sel, mode)) = s.trim().rsplit_once(':') {
-            return match mode.trim() {
+            let mode = mode.trim();
+            if let Some(n) = mode.strip_prefix("list") {
+                let window = if n.is_empty() {
+                    crate::moe_list::DEFAULT_WINDOW as u8
+                } else {
+                    match n.parse::<u8>() {
+                        Ok(k @ 1..=8) => k,
+                        _ => {
+                            return Err(format!(
+                                "invalid --moe `{s}`: `{mode}`: the ops in flight of `:listN` must be 1 to 8"
+                            ))
+                        }
+                    }
+                };
+                return Ok(MoeStages::Listed(Box::new(sel.parse()?), window));
+            }
+            return match mode {
                 "adjacent" => Ok(MoeStages::Adjacent(Box::new(sel.parse()?))),
                 other => Err(format!(
-                    "invalid --moe `{s}`: unknown lowering `{other}` after `:` (expected adjacent)"
+                    "invalid --moe `{s}`: unknown lowering `{other}` after `:` (expected adjacent, list or listN)"
                 )),
             };
         }
@@ -176,6 +215,7 @@ impl MoeStages {
     pub fn interleave(&self) -> Interleave {
         match self {
             MoeStages::Adjacent(_) => Interleave::Adjacent,
+            MoeStages::Listed(_, k) => Interleave::List(*k),
             _ => Interleave::None,
         }
     }
@@ -203,7 +243,7 @@ impl MoeStages {
                 }
                 v.clone()
             }
-            MoeStages::Adjacent(inner) => inner.resolve(pl)?,
+            MoeStages::Adjacent(inner) | MoeStages::Listed(inner, _) => inner.resolve(pl)?,
         })
     }
 }
@@ -255,6 +295,9 @@ pub enum Interleave {
     /// Consecutive independent ops on a rank interleave at part level, at most two ops in
     /// flight (module docs, "Interleaving consecutive plain ops").
     Adjacent,
+    /// Each rank's parts in the order of a greedy list schedule simulated under the cost
+    /// model across ranks, at most this many ops in flight per rank ([`crate::moe_list`]).
+    List(u8),
 }
 
 /// One op of a rank's program in a run of consecutive plain ops: its parts in execution order.
@@ -349,6 +392,54 @@ fn interleave_run(
     run.clear();
 }
 
+/// Appends the parts of `ins` in the default order (module docs): a plain op of an MoE
+/// stage as its four parts, a pair in DeepSeek's order, anything else unchanged.
+fn emit(ins: &Instr, splits: &dyn Fn(&Compute) -> bool, out: &mut Vec<Instr>) {
+    match ins {
+        Instr::Compute(c) if splits(c) => plain(c, out),
+        Instr::Overlap { fwd, bwd } if splits(fwd) || splits(bwd) => {
+            let (f, b) = (fwd, bwd);
+            if f.stage == b.stage && f.mb == b.mb {
+                // The loss stage's own forward and backward: no overlap possible.
+                for c in [f, b] {
+                    if splits(c) {
+                        plain(c, out);
+                    } else {
+                        out.push(Instr::Compute(*c));
+                    }
+                }
+            } else if splits(f) && splits(b) {
+                use Part::*;
+                for (c, p_) in [
+                    (b, Combine),
+                    (f, Attn),
+                    (f, Dispatch),
+                    (b, Mlp),
+                    (b, Dispatch),
+                    (f, Mlp),
+                    (f, Combine),
+                    (b, Attn),
+                ] {
+                    out.push(part(c, p_));
+                }
+            } else if splits(f) {
+                out.push(part(f, Part::Attn));
+                out.push(part(f, Part::Dispatch));
+                out.push(Instr::Compute(*b));
+                out.push(part(f, Part::Mlp));
+                out.push(part(f, Part::Combine));
+            } else {
+                out.push(part(b, Part::Combine));
+                out.push(Instr::Compute(*f));
+                out.push(part(b, Part::Mlp));
+                out.push(part(b, Part::Dispatch));
+                out.push(part(b, Part::Attn));
+            }
+        }
+        other => out.push(other.clone()),
+    }
+}
+
 /// [`split_with`] at the default [`Interleave`].
 pub fn split(p: &Program, spans: Option<&SourceMap>, moe: &[u32]) -> (Program, Option<SourceMap>) {
     split_with(p, spans, moe, Interleave::default())
@@ -366,6 +457,18 @@ pub fn split_with(
     moe: &[u32],
     interleave: Interleave,
 ) -> (Program, Option<SourceMap>) {
+    split_timed(p, spans, moe, interleave, None)
+}
+
+/// [`split_with`], with the cost model that [`Interleave::List`] schedules under (`None`:
+/// unit times, [`crate::moe_list`]); the other modes ignore it.
+pub fn split_timed(
+    p: &Program,
+    spans: Option<&SourceMap>,
+    moe: &[u32],
+    interleave: Interleave,
+    cost: Option<&crate::sim::cost::CostModel>,
+) -> (Program, Option<SourceMap>) {
     let pl = &p.pipeline;
     let mut is_moe = vec![false; pl.stages as usize];
     for &s in moe {
@@ -378,6 +481,35 @@ pub fn split_with(
             && c.kind != Kind::W
             && is_moe.get(c.stage as usize).copied().unwrap_or(false)
     };
+    if let Interleave::List(window) = interleave {
+        let units_of = |ins: &Instr| {
+            let mut v = Vec::with_capacity(8);
+            emit(ins, &splits, &mut v);
+            v
+        };
+        let no_spans = Vec::new();
+        let sp = spans.map_or(&no_spans, |m| &m.ranks);
+        // Op times per stage-chunk, as `compare` scales them (1/P of the model per stage).
+        let scaled = cost.map(|c| {
+            let mut c = c.clone();
+            if c.op_scale.is_none() {
+                c.op_scale = Some(pl.pp as f64 / pl.stages_per_direction().max(1) as f64);
+            }
+            c
+        });
+        if let Some(orders) =
+            crate::moe_list::order(p, sp, &units_of, scaled.as_ref(), window as usize)
+        {
+            let (ranks, span_ranks): (Vec<_>, Vec<_>) = orders.into_iter().unzip();
+            let mut pipeline = p.pipeline.clone();
+            pipeline.moe_stages = Some(moe.to_vec());
+            return (
+                Program { pipeline, ranks },
+                spans.map(|_| SourceMap { ranks: span_ranks }),
+            );
+        }
+        return split_timed(p, spans, moe, Interleave::None, None);
+    }
     let per_dir = pl.stages_per_direction().max(1);
     let key_of = |c: &Compute| {
         (c.mb.min(pl.microbatches) as usize) * 2
@@ -482,49 +614,7 @@ pub fn split_with(
                 interleave_run(&mut run, &mut last_end, &mut out, &mut sp);
             }
             let before = out.len();
-            match ins {
-                Instr::Compute(c) if splits(c) => plain(c, &mut out),
-                Instr::Overlap { fwd, bwd } if splits(fwd) || splits(bwd) => {
-                    let (f, b) = (fwd, bwd);
-                    if f.stage == b.stage && f.mb == b.mb {
-                        // The loss stage's own forward and backward: no overlap possible.
-                        for c in [f, b] {
-                            if splits(c) {
-                                plain(c, &mut out);
-                            } else {
-                                out.push(Instr::Compute(*c));
-                            }
-                        }
-                    } else if splits(f) && splits(b) {
-                        use Part::*;
-                        for (c, p_) in [
-                            (b, Combine),
-                            (f, Attn),
-                            (f, Dispatch),
-                            (b, Mlp),
-                            (b, Dispatch),
-                            (f, Mlp),
-                            (f, Combine),
-                            (b, Attn),
-                        ] {
-                            out.push(part(c, p_));
-                        }
-                    } else if splits(f) {
-                        out.push(part(f, Part::Attn));
-                        out.push(part(f, Part::Dispatch));
-                        out.push(Instr::Compute(*b));
-                        out.push(part(f, Part::Mlp));
-                        out.push(part(f, Part::Combine));
-                    } else {
-                        out.push(part(b, Part::Combine));
-                        out.push(Instr::Compute(*f));
-                        out.push(part(b, Part::Mlp));
-                        out.push(part(b, Part::Dispatch));
-                        out.push(part(b, Part::Attn));
-                    }
-                }
-                other => out.push(other.clone()),
-            }
+            emit(ins, &splits, &mut out);
             if spans.is_some() {
                 sp.extend(std::iter::repeat_n(span, out.len() - before));
             }
@@ -622,6 +712,44 @@ mod tests {
             Interleave::Adjacent
         );
         assert!("all:overlap".parse::<MoeStages>().is_err());
+    }
+
+    #[test]
+    fn list_keeps_both_streams_full_on_a_stream_of_forwards() {
+        // Unit times (no cost model), 1:1: two forwards in flight fill the compute stream
+        // (attn attn mlp mlp ...) and the EP stream (disp disp comb comb ...); the backwards
+        // follow their forwards' order, each after its own forward (the loss stage).
+        let src = "pp 1\nstages 1\nmicrobatches 4\nrank 0: F(0,0) F(0,1) F(0,2) F(0,3) BW(0,0) BW(0,1) BW(0,2) BW(0,3)\n";
+        let p = parse(src).unwrap().program;
+        let (q, _) = split_timed(&p, None, &[0], Interleave::List(2), None);
+        let t = texts(&q, 0);
+        let stream = |ep: bool| {
+            t.iter()
+                .filter(|s| (s.ends_with(".dispatch") || s.ends_with(".combine")) == ep)
+                .take(8)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        assert_eq!(
+            stream(false),
+            "F(0,0).attn F(0,1).attn F(0,0).mlp F(0,1).mlp F(0,2).attn F(0,3).attn F(0,2).mlp F(0,3).mlp"
+        );
+        assert_eq!(
+            stream(true),
+            "F(0,0).dispatch F(0,1).dispatch F(0,0).combine F(0,1).combine F(0,2).dispatch F(0,3).dispatch F(0,2).combine F(0,3).combine"
+        );
+        assert_eq!(t.len(), 32);
+        assert_eq!(
+            "all:list".parse::<MoeStages>().unwrap().interleave(),
+            Interleave::List(2)
+        );
+        assert_eq!(
+            ":list3".parse::<MoeStages>().unwrap(),
+            MoeStages::Listed(Box::new(MoeStages::Auto), 3)
+        );
+        assert!("all:list0".parse::<MoeStages>().is_err());
+        assert!("all:list9".parse::<MoeStages>().is_err());
     }
 
     #[test]

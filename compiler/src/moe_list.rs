@@ -1,0 +1,428 @@
+//! The cost-aware part-level order of `--moe=STAGES:list` ([`crate::moe::Interleave::List`]).
+//!
+//! Each rank keeps its op order from the input (a spec stays conformant op for op); what this
+//! module chooses is the order of the *parts* (attention, dispatch, MLP, combine of a forward;
+//! the mirror for a backward; a whole `W` or dense op; the eight parts of an `&` pair in
+//! DeepSeek's fixed order, `crate::moe`) across the ops of a sliding window, by a greedy list
+//! schedule simulated under the cost model over all ranks at once:
+//!
+//! * every rank has a compute stream and an expert-parallel (EP) stream, each running its
+//!   parts in the order chosen, as the simulator does (`crate::sim`);
+//! * a part starts when its stream is free and its op's previous part has ended; an op's
+//!   first part also waits for its cross-rank input (the previous stage's forward, the next
+//!   stage's backward, ended on their ranks at their simulated times, plus the message time
+//!   when they run on another rank), for its own rank's inputs (the loss stage's forward, a
+//!   `W`'s `B`), and for every op whose last part was placed before it (the simulator's rule:
+//!   ops overlap only where the program interleaves their parts);
+//! * a window of `window` consecutive ops per rank is open: op `k + window` may place its
+//!   first part once op `k` has placed its last (at most `window` ops in flight);
+//! * parts are placed one at a time, globally in order of their start time (a heap over
+//!   ranks); on a rank the part that can start first wins, ties to the earlier op, except
+//!   that a part opening its op on the other stream goes first (placed after a part that
+//!   closes another op, it would wait for that op to end). A part of a younger op may not
+//!   hold back an older op's part on its stream (conservative backfilling): it must end
+//!   before that part can start, now or after the older op's part on the other stream.
+//!   Without that rule the greedy fills the compute stream of a DualPipe steady state with
+//!   the next pair's attention and lengthens the gradient chain (P = 8, M = 64: makespan
+//!   +17%).
+//!
+//! The point-to-point messages are placed too (the result is a lowered program, which
+//! `check` verifies as given): each rank's sends and receives in the order of their
+//! simulated time (the producer's end), ties by one global sequence, a send right after the
+//! part that produces its payload, a receive before the part that reads it. Left to pass 3,
+//! which orders messages by a unit-time schedule of the parts on one stream, a rank's single
+//! in-order communication stream would post receives that wait for late data ahead of sends
+//! that are ready (DualPipeV P = 8, M = 16: makespan 1.040 s instead of the 0.958 s this
+//! schedule predicts).
+//!
+//! So in a warmup a forward's attention runs while the previous forward's dispatch is in
+//! flight, in a cooldown a backward's first all-to-all runs under the previous backward's
+//! compute, and around an `&` pair a plain op's all-to-alls run under the pair's compute.
+//! With one `F` = attention + MLP and dispatch + combine of equal time (1:1) and two ops in
+//! flight, a stream of forwards keeps both streams full: compute `attn1 attn2 mlp1 mlp2 attn3
+//! ...`, EP `disp1 disp2 comb1 comb2 ...`.
+//!
+//! **Cost.** `O(parts · window · log P)`: a placement re-evaluates the window of its own rank
+//! and of the rank its output feeds.
+//!
+//! **Memory.** A forward allocates its activation when its first part starts: with `window`
+//! ops in flight a rank can hold up to `window - 1` activations more than the op order alone
+//! (check's `peak_activations` and a spec's `expect peak_activations` count them).
+//!
+//! **Deadlock freedom.** The order is that of an execution: every part is placed after what
+//! it reads has been placed, so pass 3 finds an interleaving and pass 4 accepts it.
+//!
+//! Without a cost model with all-to-all times the schedule charges unit times: an attention,
+//! MLP, dispatch or combine 1, a whole `F`, `B` or `W` 2, a whole `BW` 4, messages 0.
+
+use crate::passes::{is_first_part, is_last_part};
+use crate::sim::cost::CostModel;
+use schedc_ir::text::Span;
+use schedc_ir::{Comm, Compute, Instr, Kind, Part, Payload, PayloadKind, Program};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// Ops in flight per rank when `:list` gives no number.
+pub const DEFAULT_WINDOW: usize = 2;
+
+/// One schedulable piece: a part, a whole op, or a whole (dense) pair.
+struct Unit {
+    ins: Instr,
+    ep: bool,
+    dur: f64,
+}
+
+/// The units of one op of the input (a whole op, a split op, a pair), in their fixed order.
+struct Op {
+    units: Vec<Unit>,
+    span: Span,
+}
+
+/// A message placed by [`order`]: (time: its producer's end, global sequence number, after
+/// how many of the rank's parts it may go, the send or receive, its span).
+type Message = (f64, u64, usize, Instr, Span);
+
+/// Per-rank state of the greedy.
+struct RankState {
+    ops: Vec<Op>,
+    next: Vec<usize>,
+    lo: usize,
+    cfree: f64,
+    efree: f64,
+    closed: f64,
+    version: u64,
+    /// The op whose next unit starts first, and when.
+    best: Option<(f64, usize)>,
+}
+
+/// The per-rank part orders of the module docs, with each part's span, or `None` when the
+/// program cannot be scheduled this way (communication ops already in it, an op out of
+/// range, an op whose input no rank produces): the caller then keeps its default order.
+///
+/// `units_of` expands one instruction into its parts in their fixed order (the lowering's
+/// plain and pair orders); `cost` times them (module docs for the unit fallback).
+pub(crate) fn order(
+    p: &Program,
+    spans: &[Vec<Span>],
+    units_of: &dyn Fn(&Instr) -> Vec<Instr>,
+    cost: Option<&CostModel>,
+    window: usize,
+) -> Option<Vec<(Vec<Instr>, Vec<Span>)>> {
+    let pl = &p.pipeline;
+    let (s_n, m_n) = (pl.stages as usize, pl.microbatches as usize);
+    let window = window.max(1);
+    let timed = cost.filter(|c| c.a2a_time(Part::Dispatch) + c.a2a_time(Part::Combine) > 0.0);
+    let msg = timed.map_or(0.0, |c| c.message_time());
+    let dur = |ins: &Instr| -> f64 {
+        match (timed, ins) {
+            (Some(c), Instr::Compute(x)) => c.compute_time(x),
+            (Some(c), Instr::Overlap { fwd, bwd }) => c.pair_time(fwd, bwd),
+            (None, Instr::Compute(x)) => match (x.part, x.kind) {
+                (Part::Whole, Kind::BW) => 4.0,
+                (Part::Whole, _) => 2.0,
+                _ => 1.0,
+            },
+            (None, Instr::Overlap { fwd, bwd }) => {
+                let w = |k: Kind| if k == Kind::BW { 4.0 } else { 2.0 };
+                w(fwd.kind) + w(bwd.kind)
+            }
+            _ => 0.0,
+        }
+    };
+    let mut st: Vec<RankState> = Vec::with_capacity(p.ranks.len());
+    for (r, instrs) in p.ranks.iter().enumerate() {
+        let mut ops = Vec::with_capacity(instrs.len());
+        for (i, ins) in instrs.iter().enumerate() {
+            if !ins.is_compute() {
+                return None;
+            }
+            let mut bad = false;
+            ins.for_each_compute(|c| {
+                bad |= c.stage as usize >= s_n || c.mb as usize >= m_n;
+            });
+            if bad {
+                return None;
+            }
+            let units = units_of(ins)
+                .into_iter()
+                .map(|u| Unit {
+                    ep: matches!(&u, Instr::Compute(c) if c.part.is_all_to_all()),
+                    dur: dur(&u),
+                    ins: u,
+                })
+                .collect();
+            ops.push(Op {
+                units,
+                span: spans
+                    .get(r)
+                    .and_then(|v| v.get(i))
+                    .copied()
+                    .unwrap_or_default(),
+            });
+        }
+        let n = ops.len();
+        st.push(RankState {
+            ops,
+            next: vec![0; n],
+            lo: 0,
+            cfree: 0.0,
+            efree: 0.0,
+            closed: 0.0,
+            version: 0,
+            best: None,
+        });
+    }
+    // End of each stage's forward (`act`) and backward (`grad`) per micro-batch; NaN before.
+    let slot = |s: u32, m: u32| s as usize * m_n + m as usize;
+    let mut act = vec![f64::NAN; s_n * m_n];
+    let mut grad = vec![f64::NAN; s_n * m_n];
+    // End of the latest placed part of each op (kind, stage, mb).
+    let op_key = |c: &Compute| {
+        let k = match c.kind {
+            Kind::F => 0,
+            Kind::B => 1,
+            Kind::W => 2,
+            Kind::BW => 3,
+        };
+        k * s_n * m_n + slot(c.stage, c.mb)
+    };
+    let mut part_end = vec![f64::NAN; 4 * s_n * m_n];
+    // Per rank: each placed part's start, and its messages (time, global sequence number,
+    // after how many of the rank's parts, the op, span).
+    let mut starts: Vec<Vec<f64>> = vec![Vec::new(); st.len()];
+    let mut msgs: Vec<Vec<Message>> = vec![Vec::new(); st.len()];
+    let mut seq = 0u64;
+    let mut out: Vec<(Vec<Instr>, Vec<Span>)> = st
+        .iter()
+        .map(|s| {
+            let n: usize = s.ops.iter().map(|o| o.units.len()).sum();
+            (Vec::with_capacity(n), Vec::with_capacity(n))
+        })
+        .collect();
+
+    // When unit `u` of rank `r` can start (infinite while an input is missing).
+    let start_of = |st: &RankState, u: &Unit, r: usize, act: &[f64], grad: &[f64], pe: &[f64]| {
+        let mut t = if u.ep { st.efree } else { st.cfree };
+        u.ins.for_each_compute(|c| {
+            if !is_first_part(c) {
+                let e = pe[op_key(c)];
+                t = t.max(if e.is_nan() { f64::INFINITY } else { e });
+                return;
+            }
+            t = t.max(st.closed);
+            let mut need = |end: f64, s: u32| {
+                let e = if end.is_nan() {
+                    f64::INFINITY
+                } else if pl.rank_of(s) as usize != r {
+                    end + msg
+                } else {
+                    end
+                };
+                t = t.max(e);
+            };
+            match c.kind {
+                Kind::F => {
+                    if let Some(ps) = pl.prev_stage(c.stage) {
+                        need(act[slot(ps, c.mb)], ps);
+                    }
+                }
+                Kind::B | Kind::BW => {
+                    need(act[slot(c.stage, c.mb)], c.stage);
+                    if let Some(ns) = pl.next_stage(c.stage) {
+                        need(grad[slot(ns, c.mb)], ns);
+                    }
+                }
+                Kind::W => need(grad[slot(c.stage, c.mb)], c.stage),
+            }
+        });
+        t
+    };
+    let evaluate = |s: &mut RankState, r: usize, act: &[f64], grad: &[f64], pe: &[f64]| {
+        while s.lo < s.ops.len() && s.next[s.lo] == s.ops[s.lo].units.len() {
+            s.lo += 1;
+        }
+        let hi = (s.lo + window).min(s.ops.len());
+        // (start, on the EP stream, opens its op, op, duration), window order.
+        let mut cands: Vec<(f64, bool, bool, usize, f64)> = Vec::with_capacity(hi - s.lo);
+        for j in s.lo..hi {
+            if let Some(u) = s.ops[j].units.get(s.next[j]) {
+                let t = start_of(s, u, r, act, grad, pe);
+                if t.is_finite() {
+                    cands.push((t, u.ep, s.next[j] == 0, j, u.dur));
+                }
+            }
+        }
+        // A part of a younger op may not hold back an older op's part on its stream: it
+        // must end before that part can start — now, or after the older
+        // op's part on the other stream.
+        let allowed = |k: usize| {
+            let (t, ep, _, _, d) = cands[k];
+            cands[..k].iter().all(|&(ti, epi, _, _, di)| {
+                let bound = if epi == ep { ti } else { ti + di };
+                t + d <= bound.max(t)
+            })
+        };
+        let mut best: Option<usize> = None;
+        for k in 0..cands.len() {
+            if allowed(k) && best.is_none_or(|b| cands[k].0 < cands[b].0) {
+                best = Some(k);
+            }
+        }
+        // At an equal start, a part that opens its op on the other stream goes first: it
+        // does not delay the chosen part, and placed after a closing part it would wait
+        // for that op to end.
+        if let Some(b) = best {
+            if !cands[b].2 {
+                if let Some(k) = (0..cands.len()).find(|&k| {
+                    cands[k].2 && cands[k].1 != cands[b].1 && cands[k].0 <= cands[b].0 && allowed(k)
+                }) {
+                    best = Some(k);
+                }
+            }
+        }
+        let best = best.map(|k| (cands[k].0, cands[k].3));
+        s.version += 1;
+        s.best = best;
+    };
+    // Min-heap of (start bits, rank, version): starts are finite and >= 0, so their bit
+    // patterns order as the numbers do.
+    let mut heap: BinaryHeap<Reverse<(u64, u32, u64)>> = BinaryHeap::new();
+    for (r, s) in st.iter_mut().enumerate() {
+        evaluate(s, r, &act, &grad, &part_end);
+        if let Some((t, _)) = s.best {
+            heap.push(Reverse((t.max(0.0).to_bits(), r as u32, s.version)));
+        }
+    }
+    while let Some(Reverse((_, r, ver))) = heap.pop() {
+        let r = r as usize;
+        if st[r].version != ver {
+            continue;
+        }
+        let Some((t, j)) = st[r].best else { continue };
+        let s = &mut st[r];
+        let u = &s.ops[j].units[s.next[j]];
+        let e = t + u.dur;
+        if u.ep {
+            s.efree = e;
+        } else {
+            s.cfree = e;
+        }
+        let mut feeds: [Option<usize>; 2] = [None, None];
+        let mut sent: [Option<(Payload, usize)>; 2] = [None, None];
+        u.ins.for_each_compute(|c| {
+            part_end[op_key(c)] = e;
+            if is_last_part(c) {
+                s.closed = s.closed.max(e);
+                let (table, to) = match c.kind {
+                    Kind::F => (Some(&mut act), pl.next_stage(c.stage)),
+                    Kind::B | Kind::BW => (Some(&mut grad), pl.prev_stage(c.stage)),
+                    Kind::W => (None, None),
+                };
+                if let Some(tb) = table {
+                    tb[slot(c.stage, c.mb)] = e;
+                }
+                if let Some(to) = to {
+                    let q = pl.rank_of(to) as usize;
+                    if q != r {
+                        let f = if feeds[0].is_none() { 0 } else { 1 };
+                        feeds[f] = Some(q);
+                        let kind = if c.kind == Kind::F {
+                            PayloadKind::Act
+                        } else {
+                            PayloadKind::Grad
+                        };
+                        sent[f] = Some((
+                            Payload {
+                                kind,
+                                stage: c.stage,
+                                mb: c.mb,
+                            },
+                            q,
+                        ));
+                    }
+                }
+            }
+        });
+        out[r].0.push(u.ins.clone());
+        let span = s.ops[j].span;
+        out[r].1.push(span);
+        starts[r].push(t);
+        s.next[j] += 1;
+        let placed = out[r].0.len();
+        for (payload, q) in sent.into_iter().flatten() {
+            if q < msgs.len() {
+                let (peer_r, peer_q) = (r as u32, q as u32);
+                msgs[r].push((
+                    e,
+                    seq,
+                    placed,
+                    Instr::Comm(Comm::Send {
+                        payload,
+                        peer: peer_q,
+                        channel: 0,
+                    }),
+                    span,
+                ));
+                msgs[q].push((
+                    e,
+                    seq,
+                    0,
+                    Instr::Comm(Comm::Recv {
+                        payload,
+                        peer: peer_r,
+                        channel: 0,
+                    }),
+                    span,
+                ));
+                seq += 1;
+            }
+        }
+        for q in std::iter::once(r).chain(feeds.into_iter().flatten()) {
+            if q < st.len() {
+                evaluate(&mut st[q], q, &act, &grad, &part_end);
+                if let Some((tq, _)) = st[q].best {
+                    heap.push(Reverse((tq.max(0.0).to_bits(), q as u32, st[q].version)));
+                }
+            }
+        }
+    }
+    // A rank left with parts waits for an input no rank produced: keep the default order.
+    if st
+        .iter()
+        .any(|s| s.ops.iter().zip(&s.next).any(|(o, &n)| n < o.units.len()))
+    {
+        return None;
+    }
+    // Place the messages: each rank's sends and receives in one order, that of their time
+    // (the producer's end) and then of their global sequence number, so that every rank's
+    // communication stream is a projection of one global order (deadlock-free under
+    // rendezvous, as pass 3's own lowering); a receive before the part that reads it (which
+    // starts no earlier than its producer's end), a send after the part that produces it.
+    let mut lowered = Vec::with_capacity(out.len());
+    for (r, (parts, sps)) in out.into_iter().enumerate() {
+        let mut m = std::mem::take(&mut msgs[r]);
+        m.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut ins = Vec::with_capacity(parts.len() + m.len());
+        let mut sp = Vec::with_capacity(parts.len() + m.len());
+        let mut mi = m.into_iter().peekable();
+        for (k, (part, span)) in parts.into_iter().zip(sps).enumerate() {
+            while let Some((t, _, after, _, _)) = mi.peek() {
+                if *t <= starts[r][k] && *after <= k {
+                    let (_, _, _, c, s) = mi.next().expect("peeked");
+                    ins.push(c);
+                    sp.push(s);
+                } else {
+                    break;
+                }
+            }
+            ins.push(part);
+            sp.push(span);
+        }
+        for (_, _, _, c, s) in mi {
+            ins.push(c);
+            sp.push(s);
+        }
+        lowered.push((ins, sp));
+    }
+    Some(lowered)
+}
