@@ -257,16 +257,21 @@ fn lower_rank(
     // compute after the producing kernel).
     let mut recv_ev: HashMap<Buf, u32> = HashMap::new();
     let mut send_ev: HashMap<Buf, u32> = HashMap::new();
-    for ins in &ir.ranks[r as usize] {
+    // The instruction index of each message: a stream posts its messages in this order
+    // (sends before receives within one instruction).
+    let mut comm_pos: HashMap<Buf, usize> = HashMap::new();
+    for (i, ins) in ir.ranks[r as usize].iter().enumerate() {
         for c in ins.comms() {
             match c {
                 Comm::Send { payload, .. } => {
                     let e = b.event();
                     send_ev.insert(Buf::of_payload(payload), e);
+                    comm_pos.insert(Buf::of_payload(payload), i);
                 }
                 Comm::Recv { payload, .. } => {
                     let e = b.event();
                     recv_ev.insert(Buf::of_payload(payload), e);
+                    comm_pos.insert(Buf::of_payload(payload), i);
                 }
                 Comm::Collective(_) => {}
             }
@@ -288,6 +293,7 @@ fn lower_rank(
         sp_group: &sp_group,
         recv_ev: &recv_ev,
         send_ev: &send_ev,
+        comm_pos: &comm_pos,
     };
     let mut win = Window::default();
     for ins in &ir.ranks[r as usize] {
@@ -863,6 +869,8 @@ struct PartCtx<'a> {
     sp_group: &'a [u32],
     recv_ev: &'a HashMap<Buf, u32>,
     send_ev: &'a HashMap<Buf, u32>,
+    /// The instruction index of each message of the rank (sends and receives).
+    comm_pos: &'a HashMap<Buf, usize>,
 }
 
 /// A group of interleaved MoE parts: from the first part of an op until every op begun in
@@ -981,10 +989,61 @@ fn flush_window(
             }
         }
     };
+    // Before `c` (at `layer`; a whole op at layer 0) waits for a receive: the tail of every
+    // forward of the window whose last `combine` has run and whose output's send the rank's
+    // program posts no later than that receive. The send waits for the tail on its
+    // communication stream, which posts the receive only after the send, so a tail
+    // deferred past the receive's wait would be a cycle between the rank's own streams
+    // (DualPipeV P = 4 under `--moe=all:list`, where a rolling interleave keeps the window
+    // open across a forward's send and a later op's receive).
+    let sends_first = |b: &mut Builder,
+                       state: &mut HashMap<(Kind, u32, u32), PartState>,
+                       c: &schedc_ir::Compute,
+                       layer: u32| {
+        let recv = match (c.kind, c.part) {
+            (Kind::F, IrPart::Whole | IrPart::Attn) if layer == 0 => cx
+                .pl
+                .prev_stage(c.stage)
+                .map(|p| Buf::Act { stage: p, mb: c.mb }),
+            (Kind::B | Kind::BW, IrPart::Whole) => cx
+                .pl
+                .next_stage(c.stage)
+                .map(|n| Buf::Grad { stage: n, mb: c.mb }),
+            (Kind::B | Kind::BW, IrPart::Combine) if layer + 1 == layers => cx
+                .pl
+                .next_stage(c.stage)
+                .map(|n| Buf::Grad { stage: n, mb: c.mb }),
+            _ => None,
+        };
+        let Some(at) = recv
+            .filter(|x| cx.recv_ev.contains_key(x))
+            .and_then(|x| cx.comm_pos.get(&x))
+        else {
+            return;
+        };
+        for (x, xst) in &items {
+            if x.kind != Kind::F || x.part != IrPart::Combine {
+                continue;
+            }
+            let key = (x.kind, x.stage, x.mb);
+            let sent = cx
+                .comm_pos
+                .get(&Buf::Act {
+                    stage: x.stage,
+                    mb: x.mb,
+                })
+                .is_some_and(|p| p <= at);
+            let ps = state.entry(key).or_default();
+            if sent && !ps.tail_done && ps.pending_combine == Some(layers - 1) {
+                forward_tail(b, cx, xst, x.mb, ps);
+            }
+        }
+    };
     for round in 0..layers {
         for (c, st) in &items {
             if c.part == IrPart::Whole {
                 if round == 0 {
+                    sends_first(b, &mut state, c, 0);
                     producers_first(b, &mut state, c);
                     emit_compute(
                         b,
@@ -1006,6 +1065,7 @@ fn flush_window(
             } else {
                 layers - 1 - round
             };
+            sends_first(b, &mut state, c, layer);
             if round == 0 {
                 producers_first(b, &mut state, c);
             }
