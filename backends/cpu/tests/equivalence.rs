@@ -707,15 +707,15 @@ fn hand_interleaved_parts_of_dependent_ops_equal_sequential() {
 
 /// `--moe=all:list` and `:list3` (the cost-aware part order of `schedc::moe_list`, scheduled
 /// under `shared/costs/moe-1to1.toml` or, without it, unit times; its output carries its own
-/// point-to-point messages): DualPipe (P = 2, 4) and DualPipeV (P = 2) at ep=2 run it and
+/// point-to-point messages): DualPipe (P = 2, 4) and DualPipeV (P = 2, 4) at ep=2 run it and
 /// equal sequential training.
 ///
-/// Not covered: DualPipeV at P = 4, M = 8 in every `:list` variant passes `check` and the
-/// simulator, but the CPU executor hangs at step 0 (pipeline rank 2 waits for `act(1,0)`,
-/// which rank 1 never sends, 60 s timeout): the back end's lowering groups interleaved
-/// parts into windows that close only when every op begun in them is complete, rank 1's
-/// rolling warmup interleave keeps its first window open, and the lowering neither
-/// refuses that program (as it refuses DualPipe under `:adjacent`) nor runs it.
+/// DualPipeV at P = 4, M = 8 used to hang at step 0 (pipeline rank 2 waited for `act(1,0)`):
+/// rank 1's rolling interleave kept its window of parts open, the lowering deferred the
+/// forward's tail (its last `combine` kernel and the event its send waits for) to the
+/// window's end, past a later op's wait for a receive that the communication stream posts
+/// after that send, a cycle between rank 1's own streams. The lowering now runs such a tail
+/// before the receive's wait.
 #[test]
 fn moe_list_order_equals_sequential() {
     let cost_path = format!(
@@ -729,6 +729,7 @@ fn moe_list_order_equals_sequential() {
         ("dualpipe", 2, 4, &ALL[..]),
         ("dualpipe", 4, 8, &ALL[..]),
         ("dualpipev", 2, 4, &ALL[..]),
+        ("dualpipev", 4, 8, &ALL[..]),
     ] {
         for &(sel, with_cost) in cases {
             let p = spec(name, pp, mb, None).unwrap();
@@ -741,6 +742,17 @@ fn moe_list_order_equals_sequential() {
             )
             .unwrap();
             let mesh = format!("pp={pp},ep=2");
+            // The verifier finds a cycle between a rank's streams before the executor
+            // would hang on it.
+            let set = ProgramSet::lower(
+                &src,
+                &mesh.parse().unwrap(),
+                &ModelConfig::tiny(),
+                LowerOptions::default(),
+            )
+            .unwrap();
+            schedc_program::verify(&set, &src)
+                .unwrap_or_else(|e| panic!("{name} --moe={sel} {mesh}: {e}"));
             let c = run_program(
                 &ModelConfig::tiny(),
                 &src,
@@ -762,5 +774,5 @@ fn moe_list_order_equals_sequential() {
             n += 1;
         }
     }
-    assert_eq!(n, 9);
+    assert_eq!(n, 12);
 }
