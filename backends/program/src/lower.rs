@@ -990,14 +990,21 @@ fn flush_window(
         }
     };
     // Before `c` (at `layer`; a whole op at layer 0) waits for a receive: the tail of every
-    // forward of the window whose last `combine` has run and whose output's send the rank's
-    // program posts no later than that receive. The send waits for the tail on its
-    // communication stream, which posts the receive only after the send, so a tail
-    // deferred past the receive's wait would be a cycle between the rank's own streams
-    // (DualPipeV P = 4 under `--moe=all:list`, where a rolling interleave keeps the window
-    // open across a forward's send and a later op's receive).
+    // forward of the window whose output's send the rank's program posts no later than that
+    // receive. The send waits for the tail on its communication stream, which posts the
+    // receive only after the send, so a tail deferred past the receive's wait would be a
+    // cycle between the rank's own streams (DualPipeV P = 4 under `--moe=all:list`, where a
+    // rolling interleave keeps the window open across a forward's send and a later op's
+    // receive).
+    //
+    // Such a wait comes in round 0 (a forward's first layer, a backward's last). With more
+    // than one layer per stage the forward's later layers are still to come: they run
+    // there, in their part order, before the tail (the forward is independent of every other
+    // op of the window, checked above, and its EP peers lower the same program, so their
+    // all-to-alls stay in one order), and the later rounds skip it.
     let sends_first = |b: &mut Builder,
                        state: &mut HashMap<(Kind, u32, u32), PartState>,
+                       finished: &mut Vec<(Kind, u32, u32)>,
                        c: &schedc_ir::Compute,
                        layer: u32| {
         let recv = match (c.kind, c.part) {
@@ -1033,17 +1040,32 @@ fn flush_window(
                     mb: x.mb,
                 })
                 .is_some_and(|p| p <= at);
-            let ps = state.entry(key).or_default();
-            if sent && !ps.tail_done && ps.pending_combine == Some(layers - 1) {
-                forward_tail(b, cx, xst, x.mb, ps);
+            if !sent || finished.contains(&key) {
+                continue;
             }
+            let ps = state.entry(key).or_default();
+            // Its first-round combine has run (all its parts come before its send); a tail
+            // already run (a reader's `producers_first`) leaves nothing to do.
+            let Some(next) = ps.pending_combine.filter(|_| !ps.tail_done).map(|l| l + 1) else {
+                continue;
+            };
+            for l in next..layers {
+                for (y, yst) in &items {
+                    if (y.kind, y.stage, y.mb) == key && y.part != IrPart::Whole {
+                        emit_part(b, cx, yst, y, l, ps);
+                    }
+                }
+            }
+            forward_tail(b, cx, xst, x.mb, ps);
+            finished.push(key);
         }
     };
+    let mut finished: Vec<(Kind, u32, u32)> = Vec::new();
     for round in 0..layers {
         for (c, st) in &items {
             if c.part == IrPart::Whole {
                 if round == 0 {
-                    sends_first(b, &mut state, c, 0);
+                    sends_first(b, &mut state, &mut finished, c, 0);
                     producers_first(b, &mut state, c);
                     emit_compute(
                         b,
@@ -1065,7 +1087,10 @@ fn flush_window(
             } else {
                 layers - 1 - round
             };
-            sends_first(b, &mut state, c, layer);
+            if finished.contains(&(c.kind, c.stage, c.mb)) {
+                continue;
+            }
+            sends_first(b, &mut state, &mut finished, c, layer);
             if round == 0 {
                 producers_first(b, &mut state, c);
             }
