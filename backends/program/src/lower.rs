@@ -934,7 +934,10 @@ fn kernel_op(pass: Pass, stage: u32, mb: u32, part: Part, reads: Vec<Buf>, write
 /// Emits a complete window: its part order once per layer (a forward's layer `l` in
 /// round `l`, a backward's layer `L-1-l`), whole ops in the first round, then each
 /// forward's last `combine` kernel (and `head`, and the event of its output's send), then
-/// each backward's tail (`BW`: the weight gradient). Errors: with more than one layer per
+/// each backward's tail (`BW`: the weight gradient). A forward whose output's send the
+/// rank posts no later than a receive that a later op of the window waits for runs its
+/// remaining layers and its tail before that wait (else the rank's compute and
+/// communication streams wait for each other). Errors: with more than one layer per
 /// stage, two ops of the window of which one needs the other's result (layer-by-layer
 /// rounds would run them out of order).
 fn flush_window(
