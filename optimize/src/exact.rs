@@ -768,3 +768,16 @@ pub fn solve_with(
         bound_violations: b.bound_violations,
     })
 }
+
+/// The bound of branch and bound at its root: a lower bound on the makespan of every
+/// schedule of `inst` within its cap (seconds), at least [`crate::bound::lower_bound`]'s
+/// per-op arguments and tighter with a cap that binds (forwards held back until releases
+/// free memory, each rank's Jackson preemptive schedule). `None` when overlapped pairs would
+/// help (branch and bound does not apply).
+pub fn root_bound(inst: &Instance) -> Option<f64> {
+    if inst.pairs_help() {
+        return None;
+    }
+    let mut b = Bnb::new(inst, !inst.split_dominates());
+    Some(b.bound(f64::NEG_INFINITY))
+}
