@@ -85,11 +85,11 @@ pub fn run(args: Args) -> ExitCode {
                     "verdict": f.verdict,
                     "input": input.name(),
                     "error": f.message,
-                    "diagnostics": [],
+                    "diagnostics": f.diagnostics,
                 });
-                return emit_then(&format!("{v}\n"), f.code);
+                return emit_then(&format!("{v}\n"), f.code());
             }
-            return f.code;
+            return f.code();
         }
     };
     let opts = check::Options {

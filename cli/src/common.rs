@@ -258,6 +258,30 @@ fn read_source(name: &str) -> Option<String> {
     std::fs::read_to_string(name).ok()
 }
 
+/// A load error as located diagnostics, for a JSON report (see
+/// [`LoadFailure::diagnostics`]).
+pub fn load_error_diagnostics(e: &LoadError, name: &str) -> Vec<diag::Diagnostic> {
+    match e {
+        LoadError::Io(_) | LoadError::Usage(_) => Vec::new(),
+        LoadError::Parse(p) => {
+            let mut d = diag::syntax(p);
+            match read_source(name) {
+                Some(s) if p.offset <= s.len() => d.locate(name, &s),
+                _ => d.location = Some(format!("{name}:{}:{}", p.line, p.col)),
+            }
+            vec![d]
+        }
+        LoadError::Spec { diags, text, .. } => diags
+            .iter()
+            .map(|d| {
+                let mut d = d.clone();
+                d.locate(name, text);
+                d
+            })
+            .collect(),
+    }
+}
+
 /// A syntax error rendered with its source excerpt and `file:line:col`.
 pub fn render_parse_error(p: &ParseError, name: &str) -> String {
     let d = diag::syntax(p);
@@ -277,36 +301,45 @@ pub fn render_parse_error(p: &ParseError, name: &str) -> String {
 /// Why [`load`] failed: the exit status, and the message (already printed to standard
 /// error) for a JSON report.
 pub struct LoadFailure {
-    /// 1 for an instance outside a spec's family or a spec that does not elaborate, 2 for
-    /// anything else.
-    pub code: ExitCode,
-    /// [`LoadFailure::code`] as a number, for a JSON report.
+    /// The exit status: 1 for an instance outside a spec's family or a spec that does not
+    /// elaborate, 2 for anything else ([`LoadFailure::code`] as an [`ExitCode`]).
     pub exit: u8,
     /// The verdict a JSON report gives it: `refused` (a `require`), `rejected` (an
     /// elaboration error), `unreadable` (everything else).
     pub verdict: &'static str,
     /// The message, without colour.
     pub message: String,
+    /// The same as structured diagnostics (a syntax error, elaboration errors, a `require`
+    /// that refused the instance), each with its `file:line:col` where known; empty for an
+    /// unreadable file, bad usage or an instance over the memory limit.
+    pub diagnostics: Vec<diag::Diagnostic>,
 }
 
 impl LoadFailure {
+    /// [`LoadFailure::exit`] as the process's exit status.
+    pub fn code(&self) -> ExitCode {
+        ExitCode::from(self.exit)
+    }
+
     fn usage(message: String) -> Self {
         eprintln!("error: {message}");
         LoadFailure {
-            code: ExitCode::from(2),
             exit: 2,
             verdict: "unreadable",
             message: format!("error: {message}\n"),
+            diagnostics: Vec::new(),
         }
     }
 }
 
 /// Refuses a spec's instance (`--pp` and `--mb` given) whose estimate by `estimate`, on the
-/// least size the instance can have, exceeds the memory limit: before it is elaborated.
+/// least size the instance can have, exceeds the memory limit: before it is elaborated. The
+/// message names `what`, the instance and `mesh` (where given).
 /// Errors: exit status 2 after printing why.
 pub fn pre_check(
     args: &InputArgs,
     what: &str,
+    mesh: Option<&schedc_program::mesh::Mesh>,
     estimate: impl Fn(&limits::Size) -> u64,
 ) -> Result<(), ExitCode> {
     let (Some(pp), Some(mb)) = (
@@ -316,7 +349,14 @@ pub fn pre_check(
         return Ok(());
     };
     let lower = limits::spec_size_lower_bound(pp, mb, args.vpp.and_then(|r| r.single()));
-    limits::within_limit(&format!("{what} --pp {pp} --mb {mb}"), estimate(&lower)).map_err(|e| {
+    let vpp = args.vpp.and_then(|r| r.single());
+    let instance = format!(
+        "{what} --pp {pp} --mb {mb}{}{}",
+        vpp.map(|v| format!(" --vpp {v}")).unwrap_or_default(),
+        mesh.map(|m| format!(" on the mesh {m}"))
+            .unwrap_or_default()
+    );
+    limits::within_limit(&instance, estimate(&lower)).map_err(|e| {
         eprintln!("error: {e}");
         ExitCode::from(2)
     })
@@ -344,7 +384,10 @@ pub fn load_for_under(
     if let (Some(work), Some(pp), Some(mb)) = (work, ov.pp, ov.microbatches) {
         let lower = limits::spec_size_lower_bound(pp, mb, ov.vpp);
         limits::within_limit(
-            &format!("the instance --pp {pp} --mb {mb}"),
+            &format!(
+                "the instance --pp {pp} --mb {mb}{}",
+                ov.vpp.map(|v| format!(" --vpp {v}")).unwrap_or_default()
+            ),
             limits::estimate(work, &lower),
         )
         .map_err(LoadFailure::usage)?;
@@ -353,10 +396,10 @@ pub fn load_for_under(
         let message = load_error_text(&e, &name);
         print_load_error(&e, &name);
         LoadFailure {
-            code: ExitCode::from(e.exit_code()),
             exit: e.exit_code(),
             verdict: e.verdict(),
             message,
+            diagnostics: load_error_diagnostics(&e, &name),
         }
     })?;
     for n in &loaded.notes {
@@ -381,7 +424,7 @@ pub fn load_for_under(
 
 /// [`load_for`], keeping only the exit status.
 pub fn load(args: &InputArgs, work: Option<Work>) -> Result<Loaded, ExitCode> {
-    load_for(args, work).map_err(|f| f.code)
+    load_for(args, work).map_err(|f| f.code())
 }
 
 /// Standard output for a command's results.

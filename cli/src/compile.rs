@@ -197,7 +197,7 @@ pub fn run(args: Args) -> ExitCode {
     };
     let model = schedc_program::ModelConfig::small();
     // Refuse what cannot fit before the spec is elaborated.
-    if let Err(c) = pre_check(&args.input, "compiling", |size| {
+    if let Err(c) = pre_check(&args.input, "compiling", mesh.as_ref(), |size| {
         let world = mesh.as_ref().map_or(size.ranks, |m| m.world() as u64);
         schedc_program::estimate_memory(size, world, &model)
     }) {
@@ -212,7 +212,13 @@ pub fn run(args: Args) -> ExitCode {
         .map_or(program.pipeline.pp as u64, |m| m.world() as u64);
     let size = schedc::limits::Size::of(&program);
     if let Err(e) = schedc::limits::within_limit(
-        &format!("compiling {} for {world} global ranks", args.input.name()),
+        &format!(
+            "compiling {} for {world} global ranks{}",
+            args.input.name(),
+            mesh.as_ref()
+                .map(|m| format!(" (mesh {m})"))
+                .unwrap_or_default()
+        ),
         schedc_program::estimate_memory(&size, world, &model),
     ) {
         eprintln!("error: {e}");

@@ -132,5 +132,12 @@ pub fn run(args: Args) -> ExitCode {
         OutFormat::Json => format!("{}\n", serde_json::to_string_pretty(&p).expect("json")),
         OutFormat::Human => schedc::plan::report(&spec, &cluster, &p),
     };
-    emit_then(&o, ExitCode::SUCCESS)
+    // No pipelined configuration fits: the report says so, and the status says there is no
+    // recommendation (1, like a rejection), so that a script does not take the table for one.
+    let code = if p.best.is_some() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    };
+    emit_then(&o, code)
 }

@@ -216,7 +216,7 @@ pub fn run(args: Args) -> ExitCode {
         ..RunConfig::default()
     };
     // Refuse what cannot fit before the spec is elaborated.
-    if let Err(c) = pre_check(&args.input, "running", |size| {
+    if let Err(c) = pre_check(&args.input, "running", cfg.mesh.as_ref(), |size| {
         let world = cfg.mesh.as_ref().map_or(size.ranks, |m| m.world() as u64);
         schedc_cpu::run::estimate_memory_of(size, world, &cfg)
     }) {
@@ -234,7 +234,7 @@ pub fn run(args: Args) -> ExitCode {
                     return c;
                 }
             }
-            let code = if r.verify_passed == Some(false) {
+            let code = if r.verify.as_ref().is_some_and(|v| !v.verify_passed) {
                 eprintln!(
                     "error: --verify: the pipelined run differs from sequential training by more than the {} tolerance",
                     match cfg.dtype {
@@ -262,17 +262,21 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-/// Loads the schedule; with `--format json` a failure is also `{"error": ..., "exit": N}`
-/// on standard output.
+/// Loads the schedule; with `--format json` a failure is also `{"error": ..., "exit": N,
+/// "diagnostics": [...]}` on standard output.
 fn load_program(input: &InputArgs, format: OutFormat) -> Result<schedc_ir::Program, ExitCode> {
     match load_for(input, None) {
         Ok(l) => Ok(l.program),
         Err(f) => {
             if format == OutFormat::Json {
-                let v = serde_json::json!({"error": f.message, "exit": f.exit});
-                return Err(emit_then(&format!("{v}\n"), f.code));
+                let v = serde_json::json!({
+                    "error": f.message,
+                    "exit": f.exit,
+                    "diagnostics": f.diagnostics,
+                });
+                return Err(emit_then(&format!("{v}\n"), f.code()));
             }
-            Err(f.code)
+            Err(f.code())
         }
     }
 }
@@ -326,7 +330,7 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
     }
     match r {
         Ok(r) => {
-            let code = if r.verify_passed == Some(false) {
+            let code = if r.verify.as_ref().is_some_and(|v| !v.verify_passed) {
                 eprintln!("error: --verify: the GPU run differs from sequential training on the CPU by more than the f32 tolerance");
                 ExitCode::from(1)
             } else {

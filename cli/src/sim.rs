@@ -78,7 +78,7 @@ pub fn run(args: Args) -> ExitCode {
     // A spec's `list` block is scheduled under the same cost model.
     let loaded = match load_for_under(&input, Some(Work::Sim), Some(&model)) {
         Ok(l) => l,
-        Err(f) => return f.code,
+        Err(f) => return f.code(),
     };
     if let Err(e) = check_stage_overrides(&model, loaded.program.pipeline.stages) {
         eprintln!("error: {e}");

@@ -74,9 +74,14 @@ fn item01_plan_refuses_impossible_ep() {
         "--ep",
         "64",
     ]);
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // Nothing fits: the table is printed, and exit status 1 says there is no recommendation.
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let out = stdout(&o);
-    assert!(!out.contains("recommendation: PP = 32"), "{out}");
+    assert!(!out.contains("recommendation"), "{out}");
+    assert!(
+        out.contains("no pipelined configuration fits in 80 GB per GPU"),
+        "{out}"
+    );
     assert!(
         out.contains("every schedule at PP = 32: EP = 64 needs 64 GPUs"),
         "{out}"
@@ -533,6 +538,31 @@ fn item13_json_on_errors() {
         .as_str()
         .unwrap()
         .contains("cannot read `nonexist.csv`"));
+    assert_eq!(v["diagnostics"], serde_json::json!([]));
+    // A syntax error and a refused instance: structured diagnostics with file:line:col.
+    let o = schedc(&["check", "book/src/examples/syntax.ir", "--format", "json"]);
+    assert_eq!(o.status.code(), Some(2));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["diagnostics"][0]["code"], "syntax");
+    assert_eq!(
+        v["diagnostics"][0]["location"],
+        "book/src/examples/syntax.ir:2:16"
+    );
+    let o = schedc(&[
+        "check",
+        "specs/chimera.sched",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["verdict"], "refused");
+    assert_eq!(v["diagnostics"][0]["code"], "refused");
+    assert_eq!(v["diagnostics"][0]["location"], "specs/chimera.sched:18:1");
     let o = schedc(&[
         "run",
         "specs/1f1b.sched",

@@ -1,11 +1,24 @@
 //! `schedc run` and `schedc compile` end to end (the CPU backend linked into `schedc`).
 
-use std::process::Command;
+use std::process::{Command, Output};
 
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_schedc"));
     c.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
     c
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Asserts exit status 0, showing standard error otherwise.
+fn assert_ok(out: &Output) {
+    assert!(out.status.success(), "{}", stderr(out));
+}
+
+fn read_json(path: impl AsRef<std::path::Path>) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 #[test]
@@ -26,11 +39,7 @@ fn run_verify_json() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let err = v["max_rel_grad_err"].as_f64().unwrap();
     assert!(err < 1e-10, "{err}");
@@ -58,11 +67,7 @@ fn compile_writes_one_file_per_rank_and_a_manifest() {
         .arg(&dir)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
@@ -111,13 +116,8 @@ fn compile_at_stage_granularity() {
         .arg(&dir)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    assert_ok(&out);
+    let m = read_json(dir.join("manifest.json"));
     assert_eq!(m["format_version"], 2);
     assert_eq!(m["granularity"], "stage");
     assert!(m.get("model").is_none());
@@ -144,7 +144,7 @@ fn compile_at_stage_granularity() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("layer"));
+    assert!(stderr(&out).contains("layer"));
 }
 
 #[test]
@@ -154,7 +154,7 @@ fn bad_input_is_a_clear_error() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("even --pp"));
+    assert!(stderr(&out).contains("even --pp"));
     let out = bin()
         .args([
             "run",
@@ -169,7 +169,7 @@ fn bad_input_is_a_clear_error() {
         .output()
         .unwrap();
     assert_ne!(out.status.code(), Some(0));
-    assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+    assert!(!stderr(&out).contains("panicked"));
 }
 
 #[test]
@@ -216,7 +216,7 @@ fn cuda_run_without_a_gpu_fails_cleanly() {
             .args(mode)
             .output()
             .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
+        let err = stderr(&out);
         assert_eq!(out.status.code(), Some(1), "{err}");
         assert!(err.contains("no CUDA driver"), "{err}");
         assert!(!err.contains("panicked"), "{err}");
@@ -253,7 +253,7 @@ fn cuda_flags_are_checked() {
             .args(&args)
             .output()
             .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
+        let err = stderr(&out);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(why), "{args:?}: {err}");
     }
@@ -277,7 +277,7 @@ fn compile_ptx_needs_cuda_and_nvrtc() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("need --backend cuda"));
+    assert!(stderr(&out).contains("need --backend cuda"));
     let out = bin()
         .args(["compile", "specs/1f1b.sched", "--pp", "2", "--mb", "4"])
         .output()
@@ -298,7 +298,7 @@ fn compile_ptx_needs_cuda_and_nvrtc() {
         .arg(&dir)
         .output()
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr(&out);
     if out.status.success() {
         // NVRTC is on the library path (the CI's NVRTC check sets it): every kernel's PTX.
         let n = std::fs::read_dir(&dir).unwrap().count();
@@ -341,17 +341,12 @@ fn run_and_compile_moe_parts_with_a_trace() {
         "--trace",
     ];
     let out = bin().args(args).arg(&trace).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let err = v["max_rel_grad_err"].as_f64().unwrap();
     assert!(err <= 1e-12, "{err}");
     assert!(v["max_rel_param_err"].as_f64().unwrap() <= 1e-12);
-    let t: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let t = read_json(&trace);
     let ev = t["traceEvents"].as_array().unwrap();
     assert!(ev
         .iter()
@@ -362,7 +357,7 @@ fn run_and_compile_moe_parts_with_a_trace() {
     // The trace is not overwritten without --force.
     let out = bin().args(args).arg(&trace).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+    assert!(stderr(&out).contains("--force"));
     // compile --moe: every rank program has the EP stream last.
     let progs = dir.join("programs");
     let out = bin()
@@ -381,13 +376,8 @@ fn run_and_compile_moe_parts_with_a_trace() {
         .arg(&progs)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r0: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(progs.join("rank0.json")).unwrap()).unwrap();
+    assert_ok(&out);
+    let r0 = read_json(progs.join("rank0.json"));
     let streams = r0["streams"].as_array().unwrap();
     assert_eq!(streams.last().unwrap()["kind"], "ep");
     let _ = std::fs::remove_dir_all(&dir);
@@ -411,7 +401,7 @@ fn run_trace_is_refused_before_training_when_it_cannot_be_written() {
     // `-`: standard output carries the report, so no file named `-` appears.
     let out = bin().args(base).arg("-").output().unwrap();
     assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr(&out);
     assert!(
         err.contains("standard output carries the run's report"),
         "{err}"
@@ -424,7 +414,7 @@ fn run_trace_is_refused_before_training_when_it_cannot_be_written() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr(&out);
     assert!(err.contains("does not exist"), "{err}");
     assert!(!String::from_utf8_lossy(&out.stdout).contains("loss"));
 }

@@ -34,7 +34,8 @@ torch_conformance!(one_f_one_b_matches_torch, "1f1b", "Schedule1F1B", true);
 torch_conformance!(zbv_matches_torch, "zbv", "ScheduleZBVZeroBubble", false);
 
 /// Every instance over P in `pps` and M in 1..=8P (or the spec's allowed values) passes
-/// `schedc check` with the spec's expectations; refused instances are counted.
+/// `schedc check` with the spec's expectations, the timing ones (makespan, bubble) under unit
+/// times included; refused instances are counted.
 fn sweep(spec: &str, pps: impl Iterator<Item = u32>, vpp: Option<u32>) -> (usize, usize) {
     sweep_with(spec, pps, vpp, &[])
 }
@@ -46,6 +47,7 @@ fn sweep_with(
     vpp: Option<u32>,
     params: &[(&str, i64)],
 ) -> (usize, usize) {
+    let unit = schedc::sim::cost::CostModel::resolve("unit").unwrap();
     let (mut ok, mut refused) = (0, 0);
     let mut failures = Vec::new();
     for pp in pps {
@@ -65,6 +67,14 @@ fn sweep_with(
                 Ok(e) => {
                     let mut out = check(&e.program, Some(&e.spans), &Options::default());
                     check_expectations(&mut out.report, &e.expects);
+                    // The timing expectations (makespan, bubble, exposed communication)
+                    // under unit times, as `schedc check` evaluates them.
+                    schedc::check::evaluate_timing_expectations(
+                        &mut out.report,
+                        out.checked.as_ref(),
+                        &e.expects,
+                        &unit,
+                    );
                     if out.report.verdict == Verdict::Accepted {
                         ok += 1;
                     } else {

@@ -18,4 +18,4 @@ pub mod model;
 pub mod run;
 pub mod tensor;
 
-pub use run::{run, DType, RunConfig, RunError, RunReport, Tolerance, Worst};
+pub use run::{run, DType, RunConfig, RunError, RunReport, Tolerance, Verification, Worst};

@@ -2,7 +2,7 @@
 
 use crate::exec::{
     compare, execute, reference, Batching, Comparison, Data, ExecOptions, OnStep, Optimizer,
-    RunFailure,
+    Reference, RunFailure,
 };
 use crate::tensor::Real;
 use schedc_ir::Program;
@@ -175,6 +175,78 @@ impl Tolerance {
     }
 }
 
+/// What `--verify` found: the sequential reference, the differences from it, and the
+/// verdict. Shared by every backend's run report, where it is flattened into the report's
+/// JSON (the keys below appear at the top level, absent without `--verify`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Verification {
+    /// The sequential reference's loss of each step.
+    pub reference_loss: Vec<f64>,
+    /// Largest relative gradient difference (infinity norm per tensor) over all steps.
+    pub max_rel_grad_err: f64,
+    /// Largest absolute loss difference.
+    pub max_abs_loss_err: f64,
+    /// Largest relative parameter difference after the last step.
+    pub max_rel_param_err: f64,
+    /// Where the largest differences are.
+    pub worst: Worst,
+    /// The tolerances judged.
+    pub tolerance: Tolerance,
+    /// True if every judged difference is within its tolerance (NaN never is); `schedc
+    /// run` exits 1 otherwise.
+    pub verify_passed: bool,
+    /// When it failed: which difference, its value and its tolerance.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verify_failure: Option<String>,
+    /// Wall seconds of the sequential reference.
+    pub reference_seconds: f64,
+}
+
+impl Verification {
+    /// Judges a comparison `c` of the pipelined run with the sequential `reference` under
+    /// `tol` (a NaN difference never passes).
+    pub fn judge(c: Comparison, reference: &Reference, tol: Tolerance) -> Verification {
+        let judged = tol.judge(&c);
+        Verification {
+            reference_loss: reference.losses.clone(),
+            max_rel_grad_err: c.max_rel_grad_err,
+            max_abs_loss_err: c.max_abs_loss_err,
+            max_rel_param_err: c.max_rel_param_err,
+            worst: Worst {
+                grad: c.worst_grad,
+                loss_step: c.worst_loss_step,
+                param: c.worst_param,
+            },
+            tolerance: tol,
+            verify_passed: judged.is_ok(),
+            verify_failure: judged.err(),
+            reference_seconds: reference.seconds,
+        }
+    }
+
+    /// The `--format human` lines: the verdict with the three differences, the tolerance
+    /// (`tolerance`: how to describe it), the failure, and where the worst differences are.
+    pub fn to_human(&self, tolerance: &str) -> String {
+        let verdict = if self.verify_passed {
+            "passed"
+        } else {
+            "FAILED"
+        };
+        let mut s = format!(
+            "verify {verdict}: max_rel_grad_err {:.3e}, max_abs_loss_err {:.3e}, max_rel_param_err {:.3e} (tolerance {tolerance})\n",
+            self.max_rel_grad_err, self.max_abs_loss_err, self.max_rel_param_err
+        );
+        if let Some(f) = &self.verify_failure {
+            s += &format!("  failed: {f}\n");
+        }
+        s += &format!(
+            "  worst gradient: {}; worst loss: step {}; worst parameter: {}\n",
+            self.worst.grad, self.worst.loss_step, self.worst.param
+        );
+        s
+    }
+}
+
 /// The result of [`run`]; `--format json` prints it as is.
 #[derive(Clone, Debug, Serialize)]
 pub struct RunReport {
@@ -202,38 +274,11 @@ pub struct RunReport {
     pub verified: VerifyReport,
     /// Loss of each step.
     pub loss: Vec<f64>,
-    /// With `--verify`: the sequential reference's loss of each step.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reference_loss: Option<Vec<f64>>,
-    /// With `--verify`: largest relative gradient difference over all steps.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_rel_grad_err: Option<f64>,
-    /// With `--verify`: largest absolute loss difference.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_abs_loss_err: Option<f64>,
-    /// With `--verify`: largest relative parameter difference after the last step.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_rel_param_err: Option<f64>,
-    /// With `--verify`: where the largest gradient difference is (`TENSOR at step S on rank
-    /// R`), the step of the largest loss difference, where the largest parameter difference
-    /// is (`TENSOR on rank R`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub worst: Option<Worst>,
-    /// With `--verify`: the tolerances of the dtype.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tolerance: Option<Tolerance>,
-    /// With `--verify`: true if every judged difference is within its tolerance (NaN never
-    /// is).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub verify_passed: Option<bool>,
-    /// With `--verify`, when it failed: which difference, its value and its tolerance.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub verify_failure: Option<String>,
+    /// With `--verify`: the comparison with sequential training (flattened into the JSON).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<Verification>,
     /// Wall seconds of the pipelined run.
     pub seconds: f64,
-    /// With `--verify`: wall seconds of the sequential reference.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reference_seconds: Option<f64>,
     /// With [`RunConfig::trace`]: the Chrome trace JSON of the pipelined run
     /// ([`crate::exec::chrome_trace`]); not part of the report's JSON.
     #[serde(skip)]
@@ -280,39 +325,15 @@ impl RunReport {
             _ => {}
         }
         s += &format!("pipelined: {:.3} s", self.seconds);
-        if let Some(r) = self.reference_seconds {
-            s += &format!(", sequential reference: {r:.3} s");
+        if let Some(v) = &self.verify {
+            s += &format!(", sequential reference: {:.3} s", v.reference_seconds);
         }
         s += "\n";
-        if let (Some(g), Some(l), Some(p)) = (
-            self.max_rel_grad_err,
-            self.max_abs_loss_err,
-            self.max_rel_param_err,
-        ) {
-            let verdict = match self.verify_passed {
-                Some(true) => "passed",
-                _ => "FAILED",
-            };
-            s += &format!(
-                "verify {verdict}: max_rel_grad_err {g:.3e}, max_abs_loss_err {l:.3e}, max_rel_param_err {p:.3e}"
-            );
-            s += &format!(
-                " (tolerance {})",
-                match self.dtype {
-                    DType::F32 => "f32: first-step gradients 1e-3, losses 2% relative",
-                    DType::F64 => "f64: 1e-9",
-                }
-            );
-            s += "\n";
-            if let Some(f) = &self.verify_failure {
-                s += &format!("  failed: {f}\n");
-            }
-            if let Some(w) = &self.worst {
-                s += &format!(
-                    "  worst gradient: {}; worst loss: step {}; worst parameter: {}\n",
-                    w.grad, w.loss_step, w.param
-                );
-            }
+        if let Some(v) = &self.verify {
+            s += &v.to_human(match self.dtype {
+                DType::F32 => "f32: first-step gradients 1e-3, losses 2% relative",
+                DType::F64 => "f64: 1e-9",
+            });
         }
         s
     }
@@ -406,9 +427,18 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
         .map_or(source.pipeline.pp as u64, |m| m.world() as u64);
     schedc::limits::within_limit(
         &format!(
-            "running P={} M={} on {world} global ranks for {} step(s){}",
+            "running P={} M={}{} on {world} global ranks{} for {} step(s){}",
             source.pipeline.pp,
             source.pipeline.total_microbatches(),
+            if source.pipeline.stages != source.pipeline.pp {
+                format!(" with {} stages", source.pipeline.stages)
+            } else {
+                String::new()
+            },
+            cfg.mesh
+                .as_ref()
+                .map(|m| format!(" (mesh {m})"))
+                .unwrap_or_default(),
             cfg.steps,
             if cfg.verify { " with --verify" } else { "" }
         ),
@@ -494,16 +524,8 @@ fn run_typed<T: Real>(
         instructions_per_step: set.len(),
         verified,
         loss: res.losses.clone(),
-        reference_loss: None,
-        max_rel_grad_err: None,
-        max_abs_loss_err: None,
-        max_rel_param_err: None,
-        worst: None,
-        tolerance: None,
-        verify_passed: None,
-        verify_failure: None,
+        verify: None,
         seconds: res.seconds,
-        reference_seconds: None,
         trace: cfg.trace.then(|| crate::exec::chrome_trace(&res.trace)),
     };
     if cfg.verify {
@@ -517,21 +539,7 @@ fn run_typed<T: Real>(
         )
         .map_err(RunError::Config)?;
         let c = compare(&res, &r).map_err(RunError::Config)?;
-        report.reference_loss = Some(r.losses);
-        report.reference_seconds = Some(r.seconds);
-        report.max_rel_grad_err = Some(c.max_rel_grad_err);
-        report.max_abs_loss_err = Some(c.max_abs_loss_err);
-        report.max_rel_param_err = Some(c.max_rel_param_err);
-        let tol = Tolerance::of(report.dtype);
-        let judged = tol.judge(&c);
-        report.verify_passed = Some(judged.is_ok());
-        report.verify_failure = judged.err();
-        report.tolerance = Some(tol);
-        report.worst = Some(Worst {
-            grad: c.worst_grad,
-            loss_step: c.worst_loss_step,
-            param: c.worst_param,
-        });
+        report.verify = Some(Verification::judge(c, &r, Tolerance::of(report.dtype)));
     }
     Ok(report)
 }

@@ -913,6 +913,67 @@ impl Model<'_> {
         Ok((3 * d * f, [get("w1")?, get("w3")?, get("w2")?]))
     }
 
+    /// The received rows of the inbox (`inbox`, `slot_bytes` per source rank) gathered into
+    /// per-expert blocks `dst` (`per x cmax x d`, zeroed first: `dst.1` bytes), by the
+    /// permutation `perm` and per-source counts `cnt` of `expert_plan` (kernel
+    /// `expert_gather`).
+    fn gather_expert_rows(
+        &self,
+        s: StreamId,
+        dst: (u64, usize),
+        inbox: u64,
+        perm: u64,
+        cnt: u64,
+    ) -> Result<(), GpuError> {
+        let dm = self.dims;
+        self.gpu.memset(s, dst.0, dst.1)?;
+        self.ew(
+            s,
+            "expert_gather",
+            dm.ep * dm.rmax * dm.d,
+            vec![
+                p(dst.0),
+                p(inbox),
+                n64(dm.slot_bytes),
+                n64(dm.rows_off),
+                p(perm),
+                p(cnt),
+                i(dm.ep),
+                i(dm.rmax),
+                i(dm.d),
+            ],
+        )
+    }
+
+    /// The inverse of [`Self::gather_expert_rows`]: the per-expert blocks `src` back into the
+    /// outbox `outbox`, rows in the order they were received (kernel `expert_scatter`).
+    fn scatter_expert_rows(
+        &self,
+        s: StreamId,
+        src: u64,
+        outbox: u64,
+        perm: u64,
+        cnt: u64,
+    ) -> Result<(), GpuError> {
+        let dm = self.dims;
+        self.ew(
+            s,
+            "expert_scatter",
+            dm.ep * dm.rmax * dm.d,
+            vec![
+                p(outbox),
+                n64(dm.slot_bytes),
+                n64(dm.rows_off),
+                p(src),
+                p(perm),
+                p(cnt),
+                i(dm.ep),
+                i(dm.rmax),
+                i(dm.d),
+            ],
+        )
+    }
+
     /// F, the local experts on the received rows (`fwd_experts`): rows into per-expert
     /// blocks, `h1 = X W1`, `h3 = X W3`, `act = silu(h1) h3`, `y = act W2` as batched GEMMs
     /// over the local experts, outputs back in the order received.
@@ -940,23 +1001,7 @@ impl Model<'_> {
             ],
         )?;
         let xe = self.at(io, r.xe);
-        self.gpu.memset(s, xe, r.xe.bytes)?;
-        self.ew(
-            s,
-            "expert_gather",
-            dm.ep * dm.rmax * d,
-            vec![
-                p(xe),
-                p(ib),
-                n64(dm.slot_bytes),
-                n64(dm.rows_off),
-                p(perm),
-                p(cnt),
-                i(dm.ep),
-                i(dm.rmax),
-                i(d),
-            ],
-        )?;
+        self.gather_expert_rows(s, (xe, r.xe.bytes), ib, perm, cnt)?;
         let (stride, [w1, w3, w2]) = self.experts_at(st, l)?;
         let wp = |o: usize| st.weights + (o * dm.ts) as u64;
         let (h1e, h3e, ae, ye) = (
@@ -994,22 +1039,7 @@ impl Model<'_> {
             false,
             false,
         )?;
-        self.ew(
-            s,
-            "expert_scatter",
-            dm.ep * dm.rmax * d,
-            vec![
-                p(ob),
-                n64(dm.slot_bytes),
-                n64(dm.rows_off),
-                p(ye),
-                p(perm),
-                p(cnt),
-                i(dm.ep),
-                i(dm.rmax),
-                i(d),
-            ],
-        )
+        self.scatter_expert_rows(s, ye, ob, perm, cnt)
     }
 
     /// A SwiGLU FFN on `x` (`rows x d`) with the dense tensors `prefix.w1/w3/w2`
@@ -1322,23 +1352,7 @@ impl Model<'_> {
         let (ib, ob) = (self.at(io, st.stash.inbox), self.at(io, st.stash.outbox));
         let (perm, cnt) = (self.at(io, r.perm), self.at(io, r.src_count));
         let dye = self.at(io, r.dye);
-        self.gpu.memset(s, dye, r.dye.bytes)?;
-        self.ew(
-            s,
-            "expert_gather",
-            dm.ep * dm.rmax * d,
-            vec![
-                p(dye),
-                p(ib),
-                n64(dm.slot_bytes),
-                n64(dm.rows_off),
-                p(perm),
-                p(cnt),
-                i(dm.ep),
-                i(dm.rmax),
-                i(d),
-            ],
-        )?;
+        self.gather_expert_rows(s, (dye, r.dye.bytes), ib, perm, cnt)?;
         let (stride, [w1, w3, w2]) = self.experts_at(st, l)?;
         let wp = |o: usize| st.weights + (o * dm.ts) as u64;
         let (dae, dh1e, dh3e, dxe) = (
@@ -1388,22 +1402,7 @@ impl Model<'_> {
             true,
             false,
         )?;
-        self.ew(
-            s,
-            "expert_scatter",
-            dm.ep * dm.rmax * d,
-            vec![
-                p(ob),
-                n64(dm.slot_bytes),
-                n64(dm.rows_off),
-                p(dxe),
-                p(perm),
-                p(cnt),
-                i(dm.ep),
-                i(dm.rmax),
-                i(d),
-            ],
-        )
+        self.scatter_expert_rows(s, dxe, ob, perm, cnt)
     }
 
     /// B, dispatch, router, norm, output projection, attention (`bwd_attn`): the gradients

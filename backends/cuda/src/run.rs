@@ -120,32 +120,11 @@ pub struct RunReport {
     pub verified: VerifyReport,
     /// Loss of each step.
     pub loss: Vec<f64>,
-    /// With `--verify`: the CPU's sequential reference's loss of each step.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reference_loss: Option<Vec<f64>>,
-    /// With `--verify`: the largest relative gradient difference.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_rel_grad_err: Option<f64>,
-    /// With `--verify`: the largest absolute loss difference.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_abs_loss_err: Option<f64>,
-    /// With `--verify`: the largest relative parameter difference after the last step.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_rel_param_err: Option<f64>,
-    /// With `--verify`: where the largest differences are (as for the CPU backend).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub worst: Option<schedc_cpu::Worst>,
-    /// With `--verify`: the tolerance judged, the CPU backend's f32 one
-    /// ([`schedc_cpu::Tolerance::of`]).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tolerance: Option<schedc_cpu::Tolerance>,
-    /// With `--verify`: true if every judged difference is within its tolerance (NaN never
-    /// is); `schedc run` exits 1 otherwise.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub verify_passed: Option<bool>,
-    /// With `--verify`, when it failed: which difference, its value and its tolerance.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub verify_failure: Option<String>,
+    /// With `--verify`: the comparison with the CPU's sequential f32 training, judged under
+    /// the CPU backend's f32 tolerance ([`schedc_cpu::Tolerance::of`]), flattened into the
+    /// JSON.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<schedc_cpu::Verification>,
     /// Device memory of each rank run by this process.
     pub memory: Vec<RankMemory>,
     /// The largest total over those ranks (bytes).
@@ -190,26 +169,13 @@ impl RunReport {
             }
             _ => {}
         }
-        s += &format!("pipelined: {:.3} s\n", self.seconds);
-        if let (Some(g), Some(l), Some(p)) = (
-            self.max_rel_grad_err,
-            self.max_abs_loss_err,
-            self.max_rel_param_err,
-        ) {
-            let verdict = match self.verify_passed {
-                Some(true) => "passed",
-                _ => "FAILED",
-            };
-            s += &format!("verify {verdict}: max_rel_grad_err {g:.3e}, max_abs_loss_err {l:.3e}, max_rel_param_err {p:.3e} (tolerance f32: first-step gradients 1e-3, losses 2% relative)\n");
-            if let Some(f) = &self.verify_failure {
-                s += &format!("  failed: {f}\n");
-            }
-            if let Some(w) = &self.worst {
-                s += &format!(
-                    "  worst gradient: {}; worst loss: step {}; worst parameter: {}\n",
-                    w.grad, w.loss_step, w.param
-                );
-            }
+        s += &format!("pipelined: {:.3} s", self.seconds);
+        if let Some(v) = &self.verify {
+            s += &format!(", sequential reference: {:.3} s", v.reference_seconds);
+        }
+        s += "\n";
+        if let Some(v) = &self.verify {
+            s += &v.to_human("f32: first-step gradients 1e-3, losses 2% relative");
         }
         s += &format!(
             "device: {} ({} mode), peak device memory per rank {:.1} MiB\n",
@@ -355,14 +321,7 @@ fn report(
         instructions_per_step: set.len(),
         verified,
         loss: res.losses.clone(),
-        reference_loss: None,
-        max_rel_grad_err: None,
-        max_abs_loss_err: None,
-        max_rel_param_err: None,
-        worst: None,
-        tolerance: None,
-        verify_passed: None,
-        verify_failure: None,
+        verify: None,
         memory: res.memory.clone(),
         peak_device_memory: res.memory.iter().map(|x| x.total()).max().unwrap_or(0),
         seconds: res.seconds,
@@ -379,29 +338,25 @@ fn report(
         .map_err(RunError::Config)?;
         let ex = as_exec_result(res);
         let c = compare(&ex, &r).map_err(RunError::Config)?;
-        rep.reference_loss = Some(r.losses);
-        rep.judge(c);
+        rep.judge(c, &r);
     }
     Ok(rep)
 }
 
 impl RunReport {
-    /// Records `--verify`'s comparison and its verdict under the CPU backend's f32 tolerance
-    /// ([`schedc_cpu::Tolerance::of`]; a NaN difference never passes).
-    pub fn judge(&mut self, c: schedc_cpu::exec::Comparison) {
-        self.max_rel_grad_err = Some(c.max_rel_grad_err);
-        self.max_abs_loss_err = Some(c.max_abs_loss_err);
-        self.max_rel_param_err = Some(c.max_rel_param_err);
-        let tol = schedc_cpu::Tolerance::of(schedc_cpu::DType::F32);
-        let judged = tol.judge(&c);
-        self.verify_passed = Some(judged.is_ok());
-        self.verify_failure = judged.err();
-        self.tolerance = Some(tol);
-        self.worst = Some(schedc_cpu::Worst {
-            grad: c.worst_grad,
-            loss_step: c.worst_loss_step,
-            param: c.worst_param,
-        });
+    /// Records `--verify`'s comparison `c` with the sequential `reference` and its verdict
+    /// under the CPU backend's f32 tolerance ([`schedc_cpu::Tolerance::of`]; a NaN
+    /// difference never passes).
+    pub fn judge(
+        &mut self,
+        c: schedc_cpu::exec::Comparison,
+        reference: &schedc_cpu::exec::Reference,
+    ) {
+        self.verify = Some(schedc_cpu::Verification::judge(
+            c,
+            reference,
+            schedc_cpu::Tolerance::of(schedc_cpu::DType::F32),
+        ));
     }
 }
 
@@ -442,17 +397,19 @@ mod tests {
                 peak_stash: vec![2, 1],
             },
             loss,
-            reference_loss: None,
-            max_rel_grad_err: None,
-            max_abs_loss_err: None,
-            max_rel_param_err: None,
-            worst: None,
-            tolerance: None,
-            verify_passed: None,
-            verify_failure: None,
+            verify: None,
             memory: Vec::new(),
             peak_device_memory: 0,
             seconds: 0.5,
+        }
+    }
+
+    fn reference() -> schedc_cpu::exec::Reference {
+        schedc_cpu::exec::Reference {
+            losses: vec![5.8131],
+            grads: Vec::new(),
+            params: Vec::new(),
+            seconds: 0.25,
         }
     }
 
@@ -470,15 +427,19 @@ mod tests {
     #[test]
     fn verify_verdict_and_one_step_loss() {
         let mut r = report(vec![5.8131]);
-        r.judge(comparison(1e-5));
-        assert_eq!(r.verify_passed, Some(true));
+        r.judge(comparison(1e-5), &reference());
+        assert_eq!(r.verify.as_ref().map(|v| v.verify_passed), Some(true));
         let h = r.to_human();
         assert!(h.contains("loss: 5.8131 (one step)"), "{h}");
         assert!(h.contains("verify passed"), "{h}");
         for bad in [2e-3, f64::NAN] {
             let mut r = report(vec![5.8131, 5.5]);
-            r.judge(comparison(bad));
-            assert_eq!(r.verify_passed, Some(false), "{bad}");
+            r.judge(comparison(bad), &reference());
+            assert_eq!(
+                r.verify.as_ref().map(|v| v.verify_passed),
+                Some(false),
+                "{bad}"
+            );
             let h = r.to_human();
             assert!(h.contains("verify FAILED"), "{h}");
             assert!(h.contains("layer0.wq at step 0 on rank 1"), "{h}");

@@ -169,6 +169,16 @@ fn member(group: &[u32], rank: u32) -> Result<usize, String> {
         .ok_or_else(|| format!("rank {rank} is not in the group {group:?}"))
 }
 
+/// Where [`Single::join`] left a collective for this member.
+enum Joined {
+    /// A member has not posted yet.
+    Blocked(Ready),
+    /// Every member has posted: their buffers, in member order, to read now.
+    Pull(Vec<DevPtr>),
+    /// This member has read them already.
+    Pulled,
+}
+
 #[derive(Default)]
 struct Coll {
     posted: Vec<Option<(DevPtr, EventId)>>,
@@ -236,6 +246,46 @@ impl Single {
             .filter(|(_, x)| x.is_none())
             .map(|(m, _)| *m)
             .collect()
+    }
+
+    /// Phase one of a collective and the start of phase two: posts this member's `ptr` once
+    /// (`issued`), then blocks while a member has not posted; once all have, and this
+    /// member has not pulled yet, makes its stream wait for every member's posted event and
+    /// returns their buffers in member order.
+    fn join(
+        &self,
+        cx: &mut Cx,
+        key: &CollKey,
+        mi: usize,
+        ptr: DevPtr,
+        issued: &mut bool,
+    ) -> Result<Joined, String> {
+        if !*issued {
+            self.post(cx, key, mi, ptr)?;
+            *issued = true;
+        }
+        let (posted, mine) = {
+            let st = self.lock();
+            let c = &st.coll[key];
+            (c.posted.clone(), c.pulled[mi])
+        };
+        if mine.is_some() {
+            return Ok(Joined::Pulled);
+        }
+        let missing = Self::missing(&posted, &key.2);
+        if !missing.is_empty() {
+            return Ok(Joined::Blocked(Ready::Blocked(format!(
+                "{} from ranks {missing:?}",
+                Self::describe(&key.1)
+            ))));
+        }
+        let mut srcs = Vec::with_capacity(posted.len());
+        for p in &posted {
+            let (src, e) = p.ok_or("a posted slot vanished")?;
+            cx.gpu.wait(cx.s, e)?;
+            srcs.push(src);
+        }
+        Ok(Joined::Pull(srcs))
     }
 
     /// Phase one of a collective: this member's pointer and a ready event.
@@ -360,26 +410,12 @@ impl Transport for Single {
     ) -> Result<Ready, String> {
         let mi = member(group, cx.rank)?;
         let key = (cx.step, tag, group.to_vec());
-        if !*issued {
-            self.post(cx, &key, mi, outbox)?;
-            *issued = true;
-        }
-        let (posted, mine) = {
-            let st = self.lock();
-            let c = &st.coll[&key];
-            (c.posted.clone(), c.pulled[mi])
-        };
-        if mine.is_none() {
-            let missing = Self::missing(&posted, group);
-            if !missing.is_empty() {
-                return Ok(Ready::Blocked(format!(
-                    "{} from ranks {missing:?}",
-                    Self::describe(&key.1)
-                )));
-            }
-            for (j, p) in posted.iter().enumerate() {
-                let (src, e) = p.ok_or("a posted slot vanished")?;
-                cx.gpu.wait(cx.s, e)?;
+        if let Some(srcs) = match self.join(cx, &key, mi, outbox, issued)? {
+            Joined::Blocked(r) => return Ok(r),
+            Joined::Pull(srcs) => Some(srcs),
+            Joined::Pulled => None,
+        } {
+            for (j, src) in srcs.into_iter().enumerate() {
                 cx.gpu
                     .dtod(cx.s, inbox + (j * sb) as u64, src + (mi * sb) as u64, sb)?;
             }
@@ -412,29 +448,11 @@ impl Transport for Single {
     ) -> Result<Ready, String> {
         let mi = member(group, cx.rank)?;
         let key = (cx.step, tag, group.to_vec());
-        if !*issued {
-            self.post(cx, &key, mi, ptr)?;
-            *issued = true;
-        }
-        let (posted, mine) = {
-            let st = self.lock();
-            let c = &st.coll[&key];
-            (c.posted.clone(), c.pulled[mi])
-        };
-        if mine.is_none() {
-            let missing = Self::missing(&posted, group);
-            if !missing.is_empty() {
-                return Ok(Ready::Blocked(format!(
-                    "{} from ranks {missing:?}",
-                    Self::describe(&key.1)
-                )));
-            }
-            let mut srcs = Vec::new();
-            for p in &posted {
-                let (src, e) = p.ok_or("a posted slot vanished")?;
-                cx.gpu.wait(cx.s, e)?;
-                srcs.push(src);
-            }
+        if let Some(srcs) = match self.join(cx, &key, mi, ptr, issued)? {
+            Joined::Blocked(r) => return Ok(r),
+            Joined::Pull(srcs) => Some(srcs),
+            Joined::Pulled => None,
+        } {
             let acc = cx.pool.take(cx.gpu, cx.events, cx.s, count * 4)?;
             sum_in_order(cx.gpu, cx.s, acc, &srcs, count)?;
             let e = cx.events.take(cx.gpu)?;
