@@ -287,3 +287,46 @@ fn a_node_budget_stops_without_a_proof() {
     assert!(!r.proved);
     assert!(r.nodes <= 51);
 }
+
+/// The root bound against the reference data: at most every authors' makespan (each is a
+/// real schedule within its memory limit and placement), and equal to it where the book
+/// counts the authors' schedule proved optimal by this bound.
+#[test]
+fn the_root_bound_is_below_every_reference_schedule_and_meets_seven() {
+    use schedc_optimize::exact::root_bound;
+    use schedc_optimize::refdata::{read_all, zb_dir};
+    let Some(dir) = zb_dir() else {
+        eprintln!("skipped: shared/reference/zb is not there");
+        return;
+    };
+    let cfgs = read_all(&dir, &["zb1p", "zb2p", "vauto1p", "vauto2p"]).unwrap();
+    assert_eq!(cfgs.len(), 144);
+    let mut met = Vec::new();
+    for c in &cfgs {
+        let inst = c.instance().unwrap();
+        let rb = root_bound(&inst).unwrap();
+        let lb = schedc_optimize::bound::lower_bound(&inst);
+        assert!(
+            rb <= c.makespan_from_t0 + 1e-6,
+            "{}: root bound {rb} above the authors' {}",
+            c.id,
+            c.makespan_from_t0
+        );
+        if rb >= c.makespan_from_t0 - 1e-6 && lb < c.makespan_from_t0 - 1e-6 {
+            met.push(c.id.clone());
+        }
+    }
+    met.sort();
+    assert_eq!(
+        met,
+        [
+            "zb1p_P16_M16_profA",
+            "zb1p_P6_M6_profA",
+            "zb2p_P12_M12_profA",
+            "zb2p_P16_M16_profA",
+            "zb2p_P4_M4_profA",
+            "zb2p_P6_M6_profA",
+            "zb2p_P8_M8_profA"
+        ]
+    );
+}
