@@ -15,7 +15,13 @@
 //! op still to place has an earliest start (its inputs' earliest arrivals, the ops of its
 //! kind before it on its stage) and a tail (the chain of ops that must follow it: the rest
 //! of the forward, the whole backward back to the first stage, its weight gradient). A node
-//! whose bound is no better than the best schedule known is cut. States met twice (same
+//! whose bound is no better than the best schedule known is cut. (3) With a cap, the j-th
+//! forward a rank runs beyond its free memory starts no earlier than the end of its j-th
+//! release (`W` or `BW`) to come, bounded below from the backwards' earliest starts; the
+//! earliest starts are recomputed with this (twice). (4) Each rank is one machine whose
+//! remaining ops have heads (earliest starts) and tails: Jackson's preemptive schedule is the
+//! optimum of that relaxation (Carlier, EJOR 1982). A node's children are explored in order of
+//! their bounds. States met twice (same
 //! counts, clocks, memory, pending messages and last placement) are explored once.
 //!
 //! **Scope.** Every op whole (no MoE parts) and no overlapped pairs; a fused backward is
@@ -59,6 +65,8 @@ pub struct SolveOptions {
     pub memory: bool,
     /// In the bound, each rank's Jackson preemptive schedule (heads and tails).
     pub jackson: bool,
+    /// Explore a node's children in order of their bounds (best first).
+    pub order: bool,
     /// Keep going after the first optimum-length schedule (to count every leaf).
     pub all: bool,
     /// Nodes to expand at most.
@@ -78,6 +86,7 @@ impl Default for SolveOptions {
             table: true,
             memory: true,
             jackson: true,
+            order: true,
             all: false,
             max_nodes: 2_000_000,
             deadline: None,
@@ -637,7 +646,7 @@ impl<'a> Bnb<'a> {
 
     /// Returns the best makespan of a complete schedule reached below this node (infinite
     /// if none).
-    fn dfs(&mut self, t_last: f64, r_last: usize) -> f64 {
+    fn dfs(&mut self, t_last: f64, r_last: usize, checked: bool) -> f64 {
         if self.aborted {
             return f64::INFINITY;
         }
@@ -660,7 +669,7 @@ impl<'a> Bnb<'a> {
             }
             return mk;
         }
-        if self.opts.bound && !self.opts.all && self.bound(t_last) >= self.best - EPS {
+        if !checked && self.opts.bound && !self.opts.all && self.bound(t_last) >= self.best - EPS {
             return f64::INFINITY;
         }
         let audit = self.opts.audit.then(|| self.bound(t_last));
@@ -697,10 +706,31 @@ impl<'a> Bnb<'a> {
             st > t_last + EPS || ((st - t_last).abs() <= EPS && r > r_last)
         });
         cands.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-        let mut below = f64::INFINITY;
+        // Children in order of their bounds (ties: the order above), each bound computed
+        // once here; a child whose bound is no better than the best known is cut.
+        let ordered = self.opts.order && self.opts.bound && !self.opts.all;
+        let mut kids: Vec<(f64, f64, usize, Tok)> = Vec::with_capacity(cands.len());
         for (st, _, r, t) in cands {
+            let lbc = if ordered {
+                let u = self.apply(r, t, st);
+                let b = self.bound(st);
+                self.undo(t, u);
+                b
+            } else {
+                f64::NEG_INFINITY
+            };
+            kids.push((lbc, st, r, t));
+        }
+        if ordered {
+            kids.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        let mut below = f64::INFINITY;
+        for (lbc, st, r, t) in kids {
+            if ordered && lbc >= self.best - EPS {
+                break;
+            }
             let u = self.apply(r, t, st);
-            below = below.min(self.dfs(st, r));
+            below = below.min(self.dfs(st, r, ordered));
             self.undo(t, u);
             if self.aborted {
                 return below;
@@ -757,7 +787,7 @@ pub fn solve_with(
         // Look for strictly better schedules only.
         b.best = mk;
     }
-    b.dfs(f64::NEG_INFINITY, 0);
+    b.dfs(f64::NEG_INFINITY, 0, false);
     let found = b.best_seq.take();
     Ok(ExactResult {
         makespan: b.best,

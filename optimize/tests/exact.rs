@@ -102,6 +102,7 @@ const NO_CUTS: SolveOptions = SolveOptions {
     table: false,
     memory: true,
     jackson: true,
+    order: true,
     all: true,
     max_nodes: u64::MAX,
     deadline: None,
