@@ -58,7 +58,10 @@ fn the_time_limit_stops_the_search() {
     );
     assert!(out.timed_out);
     assert!(out.makespan.is_finite(), "a schedule is still reported");
-    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    // Not a timing measurement: at effort 100 the search would run for many minutes (the
+    // default effort takes seconds in release), so returning within two minutes, even in a
+    // debug build on a loaded machine, shows the one 300 ms limit stopped every placement.
+    assert!(t.elapsed() < Duration::from_secs(120), "{:?}", t.elapsed());
 }
 
 #[test]
@@ -263,7 +266,10 @@ fn one_time_limit_covers_every_placement() {
     );
     assert!(outs.iter().all(|o| o.timed_out));
     assert!(outs.iter().any(|o| o.makespan.is_finite()));
-    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    // Not a timing measurement: at effort 100 the search would run for many minutes (the
+    // default effort takes seconds in release), so returning within two minutes, even in a
+    // debug build on a loaded machine, shows the one 300 ms limit stopped every placement.
+    assert!(t.elapsed() < Duration::from_secs(120), "{:?}", t.elapsed());
 }
 
 #[test]
