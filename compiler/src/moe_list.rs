@@ -76,6 +76,8 @@ struct Unit {
 struct Op {
     units: Vec<Unit>,
     span: Span,
+    /// A whole weight-gradient op (`W`): it may fill the compute stream out of op order.
+    w: bool,
 }
 
 /// A message placed by [`order`]: (time: its producer's end, global sequence number, after
@@ -91,6 +93,8 @@ struct RankState {
     efree: f64,
     closed: f64,
     version: u64,
+    /// The `W` ops not yet placed, in op order (candidates of the W fill).
+    wq: Vec<usize>,
     /// The op whose next unit starts first, and when.
     best: Option<(f64, usize)>,
 }
@@ -108,6 +112,24 @@ pub(crate) fn order(
     cost: Option<&CostModel>,
     window: usize,
 ) -> Option<Vec<(Vec<Instr>, Vec<Span>)>> {
+    order_with(p, spans, units_of, cost, window, Some(0.0)).map(|x| x.0)
+}
+
+/// [`order`] with the W fill's slack in seconds (`None`: no W fill; [`order`] uses 0, a `W`
+/// that ends before every open part can start), and the greedy's makespan (seconds).
+///
+/// A slack of one `W` minus one all-to-all (4 ms at moe-1to1.toml) lets a `W` cover a whole
+/// exposed all-to-all of a DualPipe cooldown at the price of delaying the drain: measured at
+/// P = 8, M = 16 and 64 it lengthens the step of DualPipe and DualPipeV (0.3-1.6%) for at
+/// most 1.7 points less exposure, so [`order`] does not use it.
+fn order_with(
+    p: &Program,
+    spans: &[Vec<Span>],
+    units_of: &dyn Fn(&Instr) -> Vec<Instr>,
+    cost: Option<&CostModel>,
+    window: usize,
+    fill: Option<f64>,
+) -> Option<(Vec<(Vec<Instr>, Vec<Span>)>, f64)> {
     let pl = &p.pipeline;
     let (s_n, m_n) = (pl.stages as usize, pl.microbatches as usize);
     let window = window.max(1);
@@ -151,7 +173,9 @@ pub(crate) fn order(
                     ins: u,
                 })
                 .collect();
+            let w = matches!(ins, Instr::Compute(c) if c.kind == Kind::W);
             ops.push(Op {
+                w,
                 units,
                 span: spans
                     .get(r)
@@ -161,7 +185,9 @@ pub(crate) fn order(
             });
         }
         let n = ops.len();
+        let wq = (0..n).filter(|&j| ops[j].w).collect();
         st.push(RankState {
+            wq,
             ops,
             next: vec![0; n],
             lo: 0,
@@ -241,6 +267,10 @@ pub(crate) fn order(
         while s.lo < s.ops.len() && s.next[s.lo] == s.ops[s.lo].units.len() {
             s.lo += 1;
         }
+        // The window: `window` ops from the oldest open one, `W`s included (not counting
+        // them lets one more forward in: DualPipe P = 8, M = 16 exposes 45.1% instead of
+        // 48.6% but holds 10 activations instead of 9, worse than `:list3`'s 39.9% at 10).
+        // A `W` past the window is a candidate of the W fill below, outside the window.
         let hi = (s.lo + window).min(s.ops.len());
         // (start, on the EP stream, opens its op, op, duration), window order.
         let mut cands: Vec<(f64, bool, bool, usize, f64)> = Vec::with_capacity(hi - s.lo);
@@ -280,7 +310,31 @@ pub(crate) fn order(
                 }
             }
         }
-        let best = best.map(|k| (cands[k].0, cands[k].3));
+        let mut best = best.map(|k| (cands[k].0, cands[k].3));
+        // W fill: the oldest ready `W` past the window may start where the compute stream
+        // would idle before every open part can start. It must end by then (`slack` 0), or
+        // by `slack` seconds after: the start of an open part on the compute stream, and of
+        // a part that opens its op on either stream (it waits for the ops placed before it,
+        // the `W` among them). Nothing else waits for a `W`.
+        if let Some(slack) = fill {
+            let limit = cands
+                .iter()
+                .filter(|c| !c.1 || c.2)
+                .map(|c| c.0)
+                .fold(f64::INFINITY, f64::min);
+            let before = best.map_or(f64::INFINITY, |b| b.0);
+            for &j in &s.wq {
+                if j < hi || s.next[j] != 0 {
+                    continue;
+                }
+                let u = &s.ops[j].units[0];
+                let t = start_of(s, u, r, act, grad, pe);
+                if t < before && t < limit && t + u.dur <= limit + slack {
+                    best = Some((t, j));
+                    break;
+                }
+            }
+        }
         s.version += 1;
         s.best = best;
     };
@@ -348,6 +402,9 @@ pub(crate) fn order(
         out[r].1.push(span);
         starts[r].push(t);
         s.next[j] += 1;
+        if s.ops[j].w {
+            s.wq.retain(|&k| k != j);
+        }
         let placed = out[r].0.len();
         for (payload, q) in sent.into_iter().flatten() {
             if q < msgs.len() {
@@ -424,5 +481,6 @@ pub(crate) fn order(
         }
         lowered.push((ins, sp));
     }
-    Some(lowered)
+    let makespan = st.iter().map(|s| s.cfree.max(s.efree)).fold(0.0, f64::max);
+    Some((lowered, makespan))
 }
