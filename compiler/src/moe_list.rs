@@ -50,8 +50,8 @@
 //! flight, a stream of forwards keeps both streams full: compute `attn1 attn2 mlp1 mlp2 attn3
 //! ...`, EP `disp1 disp2 comb1 comb2 ...`.
 //!
-//! **Cost.** `O(parts · window · log P)`: a placement re-evaluates the window of its own rank
-//! and of the rank its output feeds.
+//! **Cost.** `O(parts · window · log P)`: a placement re-evaluates the window (and the oldest
+//! `window` pending `W`s past it) of its own rank and of the rank its output feeds.
 //!
 //! **Memory.** A forward allocates its activation when its first part starts: with `window`
 //! ops in flight a rank can hold up to `window - 1` activations more than the op order alone
@@ -324,10 +324,8 @@ pub(crate) fn order(
                 .map(|c| c.0)
                 .fold(f64::INFINITY, f64::min);
             let before = best.map_or(f64::INFINITY, |b| b.0);
-            for &j in &s.wq {
-                if j < hi || s.next[j] != 0 {
-                    continue;
-                }
+            // The oldest `window` pending `W`s past the window (bounded work per placement).
+            for &j in s.wq.iter().skip_while(|&&j| j < hi).take(window) {
                 let u = &s.ops[j].units[0];
                 let t = start_of(s, u, r, act, grad, pe);
                 if t < before && t < limit && t + u.dur <= limit + slack {
@@ -404,7 +402,9 @@ pub(crate) fn order(
         starts[r].push(t);
         s.next[j] += 1;
         if s.ops[j].w {
-            s.wq.retain(|&k| k != j);
+            if let Ok(i) = s.wq.binary_search(&j) {
+                s.wq.remove(i);
+            }
         }
         let placed = out[r].0.len();
         for (payload, q) in sent.into_iter().flatten() {
