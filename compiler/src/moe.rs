@@ -60,9 +60,10 @@
 //! contiguous (an `&` pair's already were not). The CPU back end's lowering
 //! (`backends/program/src/lower.rs`) groups interleaved parts into windows that close when
 //! every op begun in them is complete; a rolling interleave can keep a window open for a
-//! whole warmup, and for DualPipe (P = 4, M = 8) it then refuses the program ("the rank's
-//! streams wait for each other's events in a cycle") while 1F1B runs and equals sequential
-//! training. `check` and `sim` accept both.
+//! whole warmup, so the lowering runs a forward's tail (and, with several layers per stage,
+//! its remaining layers) before a later op's wait for a receive that its rank posts after the
+//! forward's send; DualPipe, DualPipeV and 1F1B (P = 4, M = 8) run it and equal sequential
+//! training.
 //!
 //! An op joins the op before it only when
 //! * it reads nothing that op writes (a different micro-batch, or the other direction of a

@@ -2,11 +2,16 @@
 //! from branch and bound, over P in {2, 3, 4}, M in 1..=6, three cost sets and caps {P, 2P},
 //! for the loop placement (one stage per rank) and the V placement (two).
 //!
+//! Also, per instance: the search as `schedc optimize` runs it by default (`--exact auto`:
+//! branch and bound inside the search, 2 M nodes, on instances of at most 150 ops), and the
+//! root bound of branch and bound ([`root_bound`]), checked to be at most the optimum on
+//! every proved instance (a soundness check of the bound at sizes brute force cannot reach).
+//!
 //! `cargo run --release -p schedc-optimize --example small_grid -- [loop|v] [NODES]`
 
 use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind};
-use schedc_optimize::exact::solve;
+use schedc_optimize::exact::{root_bound, solve};
 use schedc_optimize::search::{optimize, Options};
 use schedc_optimize::Instance;
 
@@ -22,9 +27,12 @@ fn main() {
         ("profA", "F=1,B=1.1,W=0.9,latency=0.05"),
         ("profB", "F=1,B=2,W=1"),
     ];
-    println!("| P | M | cost | cap | heuristic | exact | proved | nodes |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| P | M | cost | cap | heuristic | --exact auto | exact | proved | nodes | root bound |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let (mut total, mut proved, mut equal, mut gaps) = (0, 0, 0, Vec::new());
+    let (mut auto_equal, mut auto_gaps, mut unsound) = (0, Vec::new(), Vec::new());
     for p in 2..=4u32 {
         for m in 1..=6u32 {
             for (cn, cs) in costs {
@@ -45,10 +53,37 @@ fn main() {
                         },
                         &|_| {},
                     );
-                    let e = solve(&inst, Some((&h.best, h.makespan)), nodes, None).unwrap();
+                    let a = optimize(
+                        &inst,
+                        &[],
+                        &Options {
+                            exact_max_ops: 150,
+                            ..Options::default()
+                        },
+                        &|_| {},
+                    );
+                    let (inc, inc_mk) = if a.makespan < h.makespan {
+                        (&a.best, a.makespan)
+                    } else {
+                        (&h.best, h.makespan)
+                    };
+                    let e = solve(&inst, Some((inc, inc_mk)), nodes, None).unwrap();
+                    let rb = root_bound(&inst).unwrap();
                     total += 1;
                     if e.proved {
                         proved += 1;
+                        if rb > e.makespan + 1e-9 {
+                            unsound
+                                .push(format!("P={p} M={m} {cn} cap {cap}: {rb} > {}", e.makespan));
+                        }
+                        if (e.makespan - a.makespan).abs() < 1e-9 {
+                            auto_equal += 1;
+                        } else {
+                            auto_gaps.push(format!(
+                                "P={p} M={m} {cn} cap {cap}: {} vs {}",
+                                a.makespan, e.makespan
+                            ));
+                        }
                         if (e.makespan - h.makespan).abs() < 1e-9 {
                             equal += 1;
                         } else {
@@ -59,11 +94,13 @@ fn main() {
                         }
                     }
                     println!(
-                        "| {p} | {m} | {cn} | {cap} | {:.4} | {:.4} | {} | {} |",
+                        "| {p} | {m} | {cn} | {cap} | {:.4} | {:.4} | {:.4} | {} | {} | {:.4} |",
                         h.makespan,
+                        a.makespan,
                         e.makespan,
                         if e.proved { "yes" } else { "no" },
-                        e.nodes
+                        e.nodes,
+                        rb
                     );
                 }
             }
@@ -73,7 +110,18 @@ fn main() {
         "\n{} placement: {total} instances, {proved} proved optimal by branch and bound, heuristic equal to the optimum on {equal} of them",
         if v_place { "V" } else { "loop" }
     );
+    println!("with --exact auto: equal to the optimum on {auto_equal} of the proved");
+    println!(
+        "root bound at most the optimum on {} of the proved",
+        proved - unsound.len()
+    );
     for g in gaps {
         println!("gap: {g}");
+    }
+    for g in auto_gaps {
+        println!("gap with --exact auto: {g}");
+    }
+    for g in unsound {
+        println!("UNSOUND root bound: {g}");
     }
 }

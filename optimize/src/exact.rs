@@ -15,7 +15,13 @@
 //! op still to place has an earliest start (its inputs' earliest arrivals, the ops of its
 //! kind before it on its stage) and a tail (the chain of ops that must follow it: the rest
 //! of the forward, the whole backward back to the first stage, its weight gradient). A node
-//! whose bound is no better than the best schedule known is cut. States met twice (same
+//! whose bound is no better than the best schedule known is cut. (3) With a cap, the j-th
+//! forward a rank runs beyond its free memory starts no earlier than the end of its j-th
+//! release (`W` or `BW`) to come, bounded below from the backwards' earliest starts; the
+//! earliest starts are recomputed with this (twice). (4) Each rank is one machine whose
+//! remaining ops have heads (earliest starts) and tails: Jackson's preemptive schedule is the
+//! optimum of that relaxation (Carlier, EJOR 1982). A node's children are explored in order of
+//! their bounds. States met twice (same
 //! counts, clocks, memory, pending messages and last placement) are explored once.
 //!
 //! **Scope.** Every op whole (no MoE parts) and no overlapped pairs; a fused backward is
@@ -42,6 +48,9 @@ pub struct ExactResult {
     pub nodes: u64,
     /// Complete schedules reached (leaves of the tree).
     pub leaves: u64,
+    /// Nodes whose bound exceeded the best completion below them (with
+    /// [`SolveOptions::audit`]; always 0 for a sound bound).
+    pub bound_violations: u64,
 }
 
 /// Switches and limits of branch and bound (the defaults are what [`solve`] uses; tests
@@ -52,12 +61,22 @@ pub struct SolveOptions {
     pub bound: bool,
     /// Explore states met twice once.
     pub table: bool,
+    /// In the bound, hold back forwards that need memory a release must free first.
+    pub memory: bool,
+    /// In the bound, each rank's Jackson preemptive schedule (heads and tails).
+    pub jackson: bool,
+    /// Explore a node's children in order of their bounds (best first).
+    pub order: bool,
     /// Keep going after the first optimum-length schedule (to count every leaf).
     pub all: bool,
     /// Nodes to expand at most.
     pub max_nodes: u64,
     /// Wall-clock deadline.
     pub deadline: Option<Instant>,
+    /// Check the bound at every node against the best completion found below it (needs
+    /// `all` and no table: then the subtree's best is its optimum); violations are counted
+    /// in [`ExactResult::bound_violations`].
+    pub audit: bool,
 }
 
 impl Default for SolveOptions {
@@ -65,9 +84,13 @@ impl Default for SolveOptions {
         SolveOptions {
             bound: true,
             table: true,
+            memory: true,
+            jackson: true,
+            order: true,
             all: false,
             max_nodes: 2_000_000,
             deadline: None,
+            audit: false,
         }
     }
 }
@@ -108,6 +131,7 @@ struct Bnb<'a> {
     aborted: bool,
     seen: HashSet<u64>,
     leaves: u64,
+    bound_violations: u64,
     opts: SolveOptions,
     // Static tails.
     tail_f: Vec<f64>,
@@ -115,6 +139,11 @@ struct Bnb<'a> {
     // Scratch for bounds.
     est_f: Vec<f64>,
     est_b: Vec<f64>,
+    /// Per rank, lower bounds on the ends of its coming releases.
+    rel: Vec<Vec<f64>>,
+    /// Per stage, the stages of the same rank before it in its direction.
+    earlier: Vec<Vec<u32>>,
+    jobs: Vec<(f64, f64, f64)>,
 }
 
 #[derive(Clone, Copy)]
@@ -184,11 +213,27 @@ impl<'a> Bnb<'a> {
             aborted: false,
             seen: HashSet::new(),
             leaves: 0,
+            bound_violations: 0,
             opts: SolveOptions::default(),
             tail_f,
             tail_b,
             est_f: vec![0.0; s * m],
             est_b: vec![0.0; s * m],
+            rel: vec![Vec::new(); p],
+            earlier: (0..s)
+                .map(|x| {
+                    let mut v = Vec::new();
+                    let mut c = inst.prev[x];
+                    while let Some(y) = c {
+                        if inst.rank_of[y as usize] == inst.rank_of[x] {
+                            v.push(y);
+                        }
+                        c = inst.prev[y as usize];
+                    }
+                    v
+                })
+                .collect(),
+            jobs: Vec::new(),
         }
     }
 
@@ -322,6 +367,180 @@ impl<'a> Bnb<'a> {
         self.remaining += if matches!(t, Tok::BW(_)) { 2 } else { 1 };
     }
 
+    /// Earliest starts of the forwards still to place, stage by stage along each direction
+    /// (stage ids increase along a direction). With `rel`, the j-th forward a rank still
+    /// has to run beyond its free memory also waits for its j-th release (`rel[r][j]`).
+    fn pass_f(&mut self, t_last: f64, rel: bool) {
+        let inst = self.inst;
+        let m = self.m;
+        let cap = inst.cap.min(i64::MAX as u64) as i64;
+        for s in 0..inst.s {
+            let r = inst.rank_of[s] as usize;
+            let b0 = self.clock[r].max(t_last);
+            let free = (cap - self.live[r]).max(0) as usize;
+            let mut prev_end = f64::NEG_INFINITY;
+            for k in self.fc[s] as usize..m {
+                let mut e = b0.max(prev_end);
+                if let Some(ps) = inst.prev[s] {
+                    let ps = ps as usize;
+                    if (self.fc[ps] as usize) > k {
+                        if self.act_cross[ps] {
+                            e = e.max(self.arr_a[ps * m + k]);
+                        }
+                    } else {
+                        let lat = if self.act_cross[ps] { inst.lat } else { 0.0 };
+                        e = e.max(self.est_f[ps * m + k] + inst.d_f[ps] + lat);
+                    }
+                }
+                if rel {
+                    // Forwards of this rank that must run before F(s, k): the earlier ones
+                    // of s, and micro-batches 0..=k of the rank's earlier stages of the
+                    // direction.
+                    let mut idx = k - self.fc[s] as usize;
+                    for &e2 in &self.earlier[s] {
+                        idx += (k + 1).saturating_sub(self.fc[e2 as usize] as usize);
+                    }
+                    if idx >= free {
+                        if let Some(&t) = self.rel[r].get(idx - free) {
+                            e = e.max(t);
+                        }
+                    }
+                }
+                self.est_f[s * m + k] = e;
+                prev_end = e + inst.d_f[s];
+            }
+        }
+    }
+
+    /// Earliest starts of the backwards still to place (from the last stage back).
+    fn pass_b(&mut self, t_last: f64) {
+        let inst = self.inst;
+        let m = self.m;
+        for s in (0..inst.s).rev() {
+            let r = inst.rank_of[s] as usize;
+            let b0 = self.clock[r].max(t_last);
+            let db = self.db_min(s);
+            let mut prev_end = f64::NEG_INFINITY;
+            for k in self.bic[s] as usize..m {
+                let mut e = b0.max(prev_end);
+                match inst.next[s] {
+                    None => {
+                        if (self.fc[s] as usize) <= k {
+                            e = e.max(self.est_f[s * m + k] + inst.d_f[s]);
+                        }
+                    }
+                    Some(ns) => {
+                        let ns = ns as usize;
+                        if (self.bic[ns] as usize) > k {
+                            if self.grad_cross[ns] {
+                                e = e.max(self.arr_g[ns * m + k]);
+                            }
+                        } else {
+                            let lat = if self.grad_cross[ns] { inst.lat } else { 0.0 };
+                            e = e.max(self.est_b[ns * m + k] + self.db_min(ns) + lat);
+                        }
+                    }
+                }
+                self.est_b[s * m + k] = e;
+                prev_end = e + db;
+            }
+        }
+    }
+
+    /// The quickest input-gradient op of a stage (`B`, or `BW` when fusing is allowed).
+    fn db_min(&self, s: usize) -> f64 {
+        if self.fuse {
+            self.inst.d_b[s].min(self.inst.d_bw[s])
+        } else {
+            self.inst.d_b[s]
+        }
+    }
+
+    /// Per rank, lower bounds on the end of its j-th release (`W` or `BW`) from now, sorted
+    /// and spaced by the quickest release (they run one after another). Returns true if
+    /// some rank has more forwards to run than free memory.
+    fn releases(&mut self, t_last: f64) -> bool {
+        let inst = self.inst;
+        let m = self.m;
+        let cap = inst.cap.min(i64::MAX as u64) as i64;
+        let mut binds = false;
+        for r in 0..inst.p {
+            let b0 = self.clock[r].max(t_last);
+            let mut v = std::mem::take(&mut self.rel[r]);
+            v.clear();
+            let mut n_f = 0i64;
+            let mut dmin = f64::INFINITY;
+            for &s in &inst.stages_of[r] {
+                let s = s as usize;
+                n_f += (m - self.fc[s] as usize) as i64;
+                let whole = if self.fuse {
+                    (inst.d_b[s] + inst.d_w[s]).min(inst.d_bw[s])
+                } else {
+                    inst.d_b[s] + inst.d_w[s]
+                };
+                let rd = if self.fuse {
+                    inst.d_w[s].min(inst.d_bw[s])
+                } else {
+                    inst.d_w[s]
+                };
+                dmin = dmin.min(rd);
+                for _ in self.wc[s]..self.splitc[s] {
+                    v.push(b0 + inst.d_w[s]);
+                }
+                for k in self.bic[s] as usize..m {
+                    v.push(self.est_b[s * m + k] + whole);
+                }
+            }
+            if n_f > cap - self.live[r] {
+                binds = true;
+            }
+            v.sort_by(f64::total_cmp);
+            for j in 1..v.len() {
+                v[j] = v[j].max(v[j - 1] + dmin);
+            }
+            self.rel[r] = v;
+        }
+        binds
+    }
+
+    /// Jackson's preemptive schedule of one rank's remaining ops with heads (earliest
+    /// starts) and tails: the optimum of that one-machine relaxation, a lower bound on the
+    /// makespan (Carlier, EJOR 1982).
+    fn jackson(jobs: &mut [(f64, f64, f64)]) -> f64 {
+        // (head, processing, tail)
+        jobs.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let n = jobs.len();
+        let mut left: Vec<f64> = jobs.iter().map(|j| j.1).collect();
+        let mut avail: Vec<usize> = Vec::with_capacity(n);
+        let (mut i, mut t, mut lb) = (0usize, f64::NEG_INFINITY, 0.0f64);
+        loop {
+            if avail.is_empty() {
+                if i == n {
+                    break;
+                }
+                t = t.max(jobs[i].0);
+            }
+            while i < n && jobs[i].0 <= t {
+                avail.push(i);
+                i += 1;
+            }
+            let (ai, &j) = avail
+                .iter()
+                .enumerate()
+                .max_by(|a, b| jobs[*a.1].2.total_cmp(&jobs[*b.1].2))
+                .unwrap();
+            let next = if i < n { jobs[i].0 } else { f64::INFINITY };
+            let run = left[j].min(next - t);
+            t += run;
+            left[j] -= run;
+            if left[j] <= 1e-12 {
+                lb = lb.max(t + jobs[j].2);
+                avail.swap_remove(ai);
+            }
+        }
+        lb
+    }
+
     /// A lower bound on any completion; every op left starts no earlier than `t_last`.
     fn bound(&mut self, t_last: f64) -> f64 {
         let inst = self.inst;
@@ -349,68 +568,48 @@ impl<'a> Bnb<'a> {
                 lb = lb.max(self.clock[r]);
             }
         }
-        // Earliest starts plus tails, forwards first (stage ids increase along a direction).
-        for s in 0..inst.s {
-            let r = inst.rank_of[s] as usize;
-            let b0 = base(r, &self.clock);
-            let mut prev_end = f64::NEG_INFINITY;
-            for k in self.fc[s] as usize..m {
-                let mut e = b0.max(prev_end);
-                if let Some(ps) = inst.prev[s] {
-                    let ps = ps as usize;
-                    if (self.fc[ps] as usize) > k {
-                        if self.act_cross[ps] {
-                            e = e.max(self.arr_a[ps * m + k]);
-                        }
-                    } else {
-                        let lat = if self.act_cross[ps] { inst.lat } else { 0.0 };
-                        e = e.max(self.est_f[ps * m + k] + inst.d_f[ps] + lat);
-                    }
+        // Earliest starts, then (with a cap that binds) forwards held back by memory.
+        self.pass_f(t_last, false);
+        self.pass_b(t_last);
+        if self.opts.memory && inst.cap != u64::MAX {
+            for _ in 0..2 {
+                if !self.releases(t_last) {
+                    break;
                 }
-                self.est_f[s * m + k] = e;
-                prev_end = e + inst.d_f[s];
-                lb = lb.max(e + inst.d_f[s] + self.tail_f[s]);
+                self.pass_f(t_last, true);
+                self.pass_b(t_last);
             }
         }
-        for s in (0..inst.s).rev() {
-            let r = inst.rank_of[s] as usize;
+        // Earliest start plus tail of every op, and each rank as one machine.
+        let mut jobs = std::mem::take(&mut self.jobs);
+        for r in 0..inst.p {
+            jobs.clear();
             let b0 = base(r, &self.clock);
-            let db = if self.fuse {
-                inst.d_b[s].min(inst.d_bw[s])
-            } else {
-                inst.d_b[s]
-            };
-            let mut prev_end = f64::NEG_INFINITY;
-            for k in self.bic[s] as usize..m {
-                let mut e = b0.max(prev_end);
-                match inst.next[s] {
-                    None => {
-                        if (self.fc[s] as usize) <= k {
-                            e = e.max(self.est_f[s * m + k] + inst.d_f[s]);
-                        }
-                    }
-                    Some(ns) => {
-                        let ns = ns as usize;
-                        if (self.bic[ns] as usize) > k {
-                            if self.grad_cross[ns] {
-                                e = e.max(self.arr_g[ns * m + k]);
-                            }
-                        } else {
-                            let lat = if self.grad_cross[ns] { inst.lat } else { 0.0 };
-                            let dbn = if self.fuse {
-                                inst.d_b[ns].min(inst.d_bw[ns])
-                            } else {
-                                inst.d_b[ns]
-                            };
-                            e = e.max(self.est_b[ns * m + k] + dbn + lat);
-                        }
+            for &s in &inst.stages_of[r] {
+                let s = s as usize;
+                for k in self.fc[s] as usize..m {
+                    let e = self.est_f[s * m + k];
+                    lb = lb.max(e + inst.d_f[s] + self.tail_f[s]);
+                    jobs.push((e, inst.d_f[s], self.tail_f[s]));
+                }
+                let db = self.db_min(s);
+                for k in self.bic[s] as usize..m {
+                    let e = self.est_b[s * m + k];
+                    lb = lb.max(e + db + self.tail_b[s]);
+                    jobs.push((e, db, self.tail_b[s]));
+                    if !self.fuse {
+                        jobs.push((e + db, inst.d_w[s], 0.0));
                     }
                 }
-                self.est_b[s * m + k] = e;
-                prev_end = e + db;
-                lb = lb.max(e + db + self.tail_b[s]);
+                for _ in self.wc[s]..self.splitc[s] {
+                    jobs.push((b0, inst.d_w[s], 0.0));
+                }
+            }
+            if self.opts.jackson && !jobs.is_empty() {
+                lb = lb.max(Self::jackson(&mut jobs));
             }
         }
+        self.jobs = jobs;
         lb
     }
 
@@ -445,9 +644,11 @@ impl<'a> Bnb<'a> {
         h.finish()
     }
 
-    fn dfs(&mut self, t_last: f64, r_last: usize) {
+    /// Returns the best makespan of a complete schedule reached below this node (infinite
+    /// if none).
+    fn dfs(&mut self, t_last: f64, r_last: usize, checked: bool) -> f64 {
         if self.aborted {
-            return;
+            return f64::INFINITY;
         }
         self.nodes += 1;
         if self.nodes > self.max_nodes
@@ -455,7 +656,7 @@ impl<'a> Bnb<'a> {
                 && self.deadline.is_some_and(|d| Instant::now() >= d))
         {
             self.aborted = true;
-            return;
+            return f64::INFINITY;
         }
         if self.remaining == 0 {
             self.leaves += 1;
@@ -466,16 +667,17 @@ impl<'a> Bnb<'a> {
                     ranks: self.seq.clone(),
                 });
             }
-            return;
+            return mk;
         }
-        if self.opts.bound && !self.opts.all && self.bound(t_last) >= self.best - EPS {
-            return;
+        if !checked && self.opts.bound && !self.opts.all && self.bound(t_last) >= self.best - EPS {
+            return f64::INFINITY;
         }
+        let audit = self.opts.audit.then(|| self.bound(t_last));
         if self.opts.table
             && self.seen.len() < 8_000_000
             && !self.seen.insert(self.state_hash(t_last, r_last))
         {
-            return;
+            return f64::INFINITY;
         }
         let inst = self.inst;
         let cap = inst.cap.min(i64::MAX as u64) as i64;
@@ -504,14 +706,40 @@ impl<'a> Bnb<'a> {
             st > t_last + EPS || ((st - t_last).abs() <= EPS && r > r_last)
         });
         cands.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        // Children in order of their bounds (ties: the order above), each bound computed
+        // once here; a child whose bound is no better than the best known is cut.
+        let ordered = self.opts.order && self.opts.bound && !self.opts.all;
+        let mut kids: Vec<(f64, f64, usize, Tok)> = Vec::with_capacity(cands.len());
         for (st, _, r, t) in cands {
+            let lbc = if ordered {
+                let u = self.apply(r, t, st);
+                let b = self.bound(st);
+                self.undo(t, u);
+                b
+            } else {
+                f64::NEG_INFINITY
+            };
+            kids.push((lbc, st, r, t));
+        }
+        if ordered {
+            kids.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        let mut below = f64::INFINITY;
+        for (lbc, st, r, t) in kids {
+            if ordered && lbc >= self.best - EPS {
+                break;
+            }
             let u = self.apply(r, t, st);
-            self.dfs(st, r);
+            below = below.min(self.dfs(st, r, ordered));
             self.undo(t, u);
             if self.aborted {
-                return;
+                return below;
             }
         }
+        if audit.is_some_and(|lb| lb > below + EPS) {
+            self.bound_violations += 1;
+        }
+        below
     }
 }
 
@@ -559,7 +787,7 @@ pub fn solve_with(
         // Look for strictly better schedules only.
         b.best = mk;
     }
-    b.dfs(f64::NEG_INFINITY, 0);
+    b.dfs(f64::NEG_INFINITY, 0, false);
     let found = b.best_seq.take();
     Ok(ExactResult {
         makespan: b.best,
@@ -567,5 +795,19 @@ pub fn solve_with(
         proved: !b.aborted,
         nodes: b.nodes,
         leaves: b.leaves,
+        bound_violations: b.bound_violations,
     })
+}
+
+/// The bound of branch and bound at its root: a lower bound on the makespan of every
+/// schedule of `inst` within its cap (seconds), at least [`crate::bound::lower_bound`]'s
+/// per-op arguments and tighter with a cap that binds (forwards held back until releases
+/// free memory, each rank's Jackson preemptive schedule). `None` when overlapped pairs would
+/// help (branch and bound does not apply).
+pub fn root_bound(inst: &Instance) -> Option<f64> {
+    if inst.pairs_help() {
+        return None;
+    }
+    let mut b = Bnb::new(inst, !inst.split_dominates());
+    Some(b.bound(f64::NEG_INFINITY))
 }

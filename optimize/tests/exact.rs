@@ -100,10 +100,79 @@ fn inst(p: u32, m: u32, v: u32, cost: &str, cap: Option<u64>) -> Instance {
 const NO_CUTS: SolveOptions = SolveOptions {
     bound: false,
     table: false,
+    memory: true,
+    jackson: true,
+    order: true,
     all: true,
     max_nodes: u64::MAX,
     deadline: None,
+    audit: false,
 };
+
+/// Every node of the uncut tree: the bound (earliest starts and tails, memory held back
+/// until releases, each rank's Jackson preemptive schedule) is at most the best complete
+/// schedule below the node.
+fn audit(p: u32, m: u32, v: u32, cost: &str, cap: Option<u64>) {
+    let i = inst(p, m, v, cost, cap);
+    let r = solve_with(
+        &i,
+        None,
+        SolveOptions {
+            audit: true,
+            ..NO_CUTS
+        },
+    )
+    .unwrap();
+    assert!(r.proved);
+    assert_eq!(
+        r.bound_violations, 0,
+        "P={p} M={m} V={v} {cost} cap {cap:?}: the bound exceeded the best completion at {} of {} nodes",
+        r.bound_violations, r.nodes
+    );
+}
+
+#[test]
+fn the_bound_is_at_most_every_subtree_optimum() {
+    for (p, m, v, cost, cap) in [
+        (2, 2, 1, "F=1,B=1,W=1", Some(1)),
+        (2, 3, 1, "F=1,B=2,W=1", Some(1)),
+        (2, 3, 1, "F=1,B=1.1,W=0.9,latency=0.05", Some(2)),
+        (3, 2, 1, "F=1,B=1.1,W=0.9,latency=0.05", Some(1)),
+        (3, 2, 1, "F=1,B=2,W=1", Some(2)),
+        (2, 1, 2, "F=1,B=1,W=1", Some(2)),
+        (2, 1, 2, "F=1,B=1.1,W=0.9,latency=0.05", None),
+        (2, 2, 2, "F=1,B=2,W=1", Some(2)),
+        (2, 2, 2, "F=1,B=1.1,W=0.9,latency=0.05", Some(3)),
+        (3, 1, 2, "F=1,B=1,W=1", Some(2)),
+        (2, 2, 1, "F=1,B=1,W=1,BW=1.2", Some(1)),
+    ] {
+        audit(p, m, v, cost, cap);
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+    /// The same on random op times and message latencies, loop and V, every cap.
+    #[test]
+    fn the_bound_is_sound_on_random_costs(
+        f in 1u32..=20,
+        b in 1u32..=30,
+        w in 1u32..=20,
+        lat in 0u32..=5,
+        v in 1u32..=2,
+        m in 1u32..=2,
+        extra in 0u64..=2,
+    ) {
+        let cost = format!(
+            "F={},B={},W={},latency={}",
+            f as f64 / 10.0,
+            b as f64 / 10.0,
+            w as f64 / 10.0,
+            lat as f64 / 10.0
+        );
+        audit(2, m, v, &cost, Some(v as u64 + extra));
+    }
+}
 
 #[test]
 fn the_start_rank_order_reaches_every_schedule_once() {
@@ -218,4 +287,47 @@ fn a_node_budget_stops_without_a_proof() {
     let r = solve(&i, None, 50, None).unwrap();
     assert!(!r.proved);
     assert!(r.nodes <= 51);
+}
+
+/// The root bound against the reference data: at most every authors' makespan (each is a
+/// real schedule within its memory limit and placement), and equal to it where the book
+/// counts the authors' schedule proved optimal by this bound.
+#[test]
+fn the_root_bound_is_below_every_reference_schedule_and_meets_seven() {
+    use schedc_optimize::exact::root_bound;
+    use schedc_optimize::refdata::{read_all, zb_dir};
+    let Some(dir) = zb_dir() else {
+        eprintln!("skipped: shared/reference/zb is not there");
+        return;
+    };
+    let cfgs = read_all(&dir, &["zb1p", "zb2p", "vauto1p", "vauto2p"]).unwrap();
+    assert_eq!(cfgs.len(), 144);
+    let mut met = Vec::new();
+    for c in &cfgs {
+        let inst = c.instance().unwrap();
+        let rb = root_bound(&inst).unwrap();
+        let lb = schedc_optimize::bound::lower_bound(&inst);
+        assert!(
+            rb <= c.makespan_from_t0 + 1e-6,
+            "{}: root bound {rb} above the authors' {}",
+            c.id,
+            c.makespan_from_t0
+        );
+        if rb >= c.makespan_from_t0 - 1e-6 && lb < c.makespan_from_t0 - 1e-6 {
+            met.push(c.id.clone());
+        }
+    }
+    met.sort();
+    assert_eq!(
+        met,
+        [
+            "zb1p_P16_M16_profA",
+            "zb1p_P6_M6_profA",
+            "zb2p_P12_M12_profA",
+            "zb2p_P16_M16_profA",
+            "zb2p_P4_M4_profA",
+            "zb2p_P6_M6_profA",
+            "zb2p_P8_M8_profA"
+        ]
+    );
 }

@@ -948,7 +948,9 @@ fn run_rank<T: Real>(
 }
 
 /// Runs `opts.steps` training steps of `set` on one thread per global rank. Errors: the
-/// first rank failure, with every other rank's stop ([`RunFailure`]).
+/// first rank failure, with every other rank's stop ([`RunFailure`]). `set` should have
+/// passed [`schedc_program::verify`] (as [`schedc_program::lower_verified`] does): a set
+/// whose streams wait for each other in a cycle runs until the receive timeout.
 pub fn execute<T: Real>(
     set: &ProgramSet,
     data: &Data,

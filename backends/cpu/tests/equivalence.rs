@@ -707,15 +707,15 @@ fn hand_interleaved_parts_of_dependent_ops_equal_sequential() {
 
 /// `--moe=all:list` and `:list3` (the cost-aware part order of `schedc::moe_list`, scheduled
 /// under `shared/costs/moe-1to1.toml` or, without it, unit times; its output carries its own
-/// point-to-point messages): DualPipe (P = 2, 4) and DualPipeV (P = 2) at ep=2 run it and
+/// point-to-point messages): DualPipe (P = 2, 4) and DualPipeV (P = 2, 4) at ep=2 run it and
 /// equal sequential training.
 ///
-/// Not covered: DualPipeV at P = 4, M = 8 in every `:list` variant passes `check` and the
-/// simulator, but the CPU executor hangs at step 0 (pipeline rank 2 waits for `act(1,0)`,
-/// which rank 1 never sends, 60 s timeout): the back end's lowering groups interleaved
-/// parts into windows that close only when every op begun in them is complete, rank 1's
-/// rolling warmup interleave keeps its first window open, and the lowering neither
-/// refuses that program (as it refuses DualPipe under `:adjacent`) nor runs it.
+/// DualPipeV at P = 4, M = 8 used to hang at step 0 (pipeline rank 2 waited for `act(1,0)`):
+/// rank 1's rolling interleave kept its window of parts open, the lowering deferred the
+/// forward's tail (its last `combine` kernel and the event its send waits for) to the
+/// window's end, past a later op's wait for a receive that the communication stream posts
+/// after that send, a cycle between rank 1's own streams. The lowering now runs such a tail
+/// before the receive's wait.
 #[test]
 fn moe_list_order_equals_sequential() {
     let cost_path = format!(
@@ -729,6 +729,7 @@ fn moe_list_order_equals_sequential() {
         ("dualpipe", 2, 4, &ALL[..]),
         ("dualpipe", 4, 8, &ALL[..]),
         ("dualpipev", 2, 4, &ALL[..]),
+        ("dualpipev", 4, 8, &ALL[..]),
     ] {
         for &(sel, with_cost) in cases {
             let p = spec(name, pp, mb, None).unwrap();
@@ -741,6 +742,17 @@ fn moe_list_order_equals_sequential() {
             )
             .unwrap();
             let mesh = format!("pp={pp},ep=2");
+            // The verifier finds a cycle between a rank's streams before the executor
+            // would hang on it.
+            let set = ProgramSet::lower(
+                &src,
+                &mesh.parse().unwrap(),
+                &ModelConfig::tiny(),
+                LowerOptions::default(),
+            )
+            .unwrap();
+            schedc_program::verify(&set, &src)
+                .unwrap_or_else(|e| panic!("{name} --moe={sel} {mesh}: {e}"));
             let c = run_program(
                 &ModelConfig::tiny(),
                 &src,
@@ -762,5 +774,87 @@ fn moe_list_order_equals_sequential() {
             n += 1;
         }
     }
-    assert_eq!(n, 9);
+    assert_eq!(n, 12);
+}
+
+/// Interleaved parts whose windows stay open across a forward's send and a later op's
+/// receive (a rolling interleave): DualPipe and DualPipeV at P = 4, M = 8 under
+/// `--moe=all:adjacent` (refused before with "the rank's streams wait for each other's events
+/// in a cycle"), DualPipeV and ZB-V under `:list`, with one and two layers per stage (two:
+/// the lowering runs the forward's later layers before the receive's wait), at ep=2, equal
+/// sequential training. Each lowered program passes the verifier first. Still refused, with
+/// the ops named: at two layers per stage, `:list3`'s interleave of an op with the op that
+/// reads its result (the back end's layer rounds cannot run it).
+#[test]
+fn moe_rolling_interleave_equals_sequential() {
+    let cost_path = format!(
+        "{}/../../../shared/costs/moe-1to1.toml",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let cost = schedc::sim::cost::CostModel::resolve(&cost_path).ok();
+    let lower = |name: &str, sel: &str, with_cost: bool, cfg: &ModelConfig| {
+        let p = spec(name, 4, 8, None).unwrap();
+        let sel_v = sel.parse::<schedc::moe::MoeStages>().unwrap();
+        let (src, _) = schedc::input::apply_moe_under(
+            &p,
+            None,
+            &sel_v,
+            if with_cost { cost.as_ref() } else { None },
+        )
+        .unwrap();
+        let r = ProgramSet::lower(
+            &src,
+            &"pp=4,ep=2".parse().unwrap(),
+            cfg,
+            LowerOptions::default(),
+        )
+        .and_then(|set| schedc_program::verify(&set, &src).map(|_| ()));
+        (src, r)
+    };
+    let mut n = 0;
+    for layers in [1, 2] {
+        let cfg = ModelConfig {
+            layers_per_stage: layers,
+            ..ModelConfig::tiny()
+        };
+        for (name, sel, with_cost) in [
+            ("dualpipe", "all:adjacent", false),
+            ("dualpipev", "all:adjacent", false),
+            ("dualpipev", "all:list", true),
+            ("zbv", "all:list", true),
+        ] {
+            let (src, r) = lower(name, sel, with_cost, &cfg);
+            r.unwrap_or_else(|e| panic!("{name} --moe={sel} layers {layers}: {e}"));
+            let c = run_program(
+                &cfg,
+                &src,
+                "pp=4,ep=2",
+                1,
+                Optimizer::Sgd { lr: 0.2 },
+                LowerOptions::default(),
+            );
+            println!(
+                "{name} --moe={sel} (cost: {with_cost}) P=4 M=8 pp=4,ep=2, {layers} layer(s) per stage: grad {:.2e} loss {:.2e} params {:.2e}",
+                c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+            );
+            assert!(
+                c.max_rel_grad_err <= MOE_TOL
+                    && c.max_abs_loss_err <= MOE_TOL
+                    && c.max_rel_param_err <= MOE_TOL,
+                "{name} --moe={sel} layers {layers}: {c:?}"
+            );
+            n += 1;
+        }
+    }
+    assert_eq!(n, 8);
+    let cfg = ModelConfig {
+        layers_per_stage: 2,
+        ..ModelConfig::tiny()
+    };
+    let (_, r) = lower("dualpipev", "all:list3", true, &cfg);
+    let e = r.expect_err("two layers per stage cannot run an op interleaved with its reader");
+    assert_eq!(
+        e.to_string(),
+        "unsupported: rank 3: the MoE parts of F(3,0) and F(4,0) interleave, but one needs the other's result; with 2 layers per stage the CPU backend runs interleaved parts layer by layer, so only independent ops may interleave"
+    );
 }

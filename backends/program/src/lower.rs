@@ -257,16 +257,21 @@ fn lower_rank(
     // compute after the producing kernel).
     let mut recv_ev: HashMap<Buf, u32> = HashMap::new();
     let mut send_ev: HashMap<Buf, u32> = HashMap::new();
-    for ins in &ir.ranks[r as usize] {
+    // The instruction index of each message: a stream posts its messages in this order
+    // (sends before receives within one instruction).
+    let mut comm_pos: HashMap<Buf, usize> = HashMap::new();
+    for (i, ins) in ir.ranks[r as usize].iter().enumerate() {
         for c in ins.comms() {
             match c {
                 Comm::Send { payload, .. } => {
                     let e = b.event();
                     send_ev.insert(Buf::of_payload(payload), e);
+                    comm_pos.insert(Buf::of_payload(payload), i);
                 }
                 Comm::Recv { payload, .. } => {
                     let e = b.event();
                     recv_ev.insert(Buf::of_payload(payload), e);
+                    comm_pos.insert(Buf::of_payload(payload), i);
                 }
                 Comm::Collective(_) => {}
             }
@@ -288,6 +293,7 @@ fn lower_rank(
         sp_group: &sp_group,
         recv_ev: &recv_ev,
         send_ev: &send_ev,
+        comm_pos: &comm_pos,
     };
     let mut win = Window::default();
     for ins in &ir.ranks[r as usize] {
@@ -863,6 +869,8 @@ struct PartCtx<'a> {
     sp_group: &'a [u32],
     recv_ev: &'a HashMap<Buf, u32>,
     send_ev: &'a HashMap<Buf, u32>,
+    /// The instruction index of each message of the rank (sends and receives).
+    comm_pos: &'a HashMap<Buf, usize>,
 }
 
 /// A group of interleaved MoE parts: from the first part of an op until every op begun in
@@ -926,7 +934,10 @@ fn kernel_op(pass: Pass, stage: u32, mb: u32, part: Part, reads: Vec<Buf>, write
 /// Emits a complete window: its part order once per layer (a forward's layer `l` in
 /// round `l`, a backward's layer `L-1-l`), whole ops in the first round, then each
 /// forward's last `combine` kernel (and `head`, and the event of its output's send), then
-/// each backward's tail (`BW`: the weight gradient). Errors: with more than one layer per
+/// each backward's tail (`BW`: the weight gradient). A forward whose output's send the
+/// rank posts no later than a receive that a later op of the window waits for runs its
+/// remaining layers and its tail before that wait (else the rank's compute and
+/// communication streams wait for each other). Errors: with more than one layer per
 /// stage, two ops of the window of which one needs the other's result (layer-by-layer
 /// rounds would run them out of order).
 fn flush_window(
@@ -981,10 +992,83 @@ fn flush_window(
             }
         }
     };
+    // Before `c` (at `layer`; a whole op at layer 0) waits for a receive: the tail of every
+    // forward of the window whose output's send the rank's program posts no later than that
+    // receive. The send waits for the tail on its communication stream, which posts the
+    // receive only after the send, so a tail deferred past the receive's wait would be a
+    // cycle between the rank's own streams (DualPipeV P = 4 under `--moe=all:list`, where a
+    // rolling interleave keeps the window open across a forward's send and a later op's
+    // receive).
+    //
+    // Such a wait comes in round 0 (a forward's first layer, a backward's last). With more
+    // than one layer per stage the forward's later layers are still to come: they run
+    // there, in their part order, before the tail (the forward is independent of every other
+    // op of the window, checked above, and its EP peers lower the same program, so their
+    // all-to-alls stay in one order), and the later rounds skip it.
+    let sends_first = |b: &mut Builder,
+                       state: &mut HashMap<(Kind, u32, u32), PartState>,
+                       finished: &mut Vec<(Kind, u32, u32)>,
+                       c: &schedc_ir::Compute,
+                       layer: u32| {
+        let recv = match (c.kind, c.part) {
+            (Kind::F, IrPart::Whole | IrPart::Attn) if layer == 0 => cx
+                .pl
+                .prev_stage(c.stage)
+                .map(|p| Buf::Act { stage: p, mb: c.mb }),
+            (Kind::B | Kind::BW, IrPart::Whole) => cx
+                .pl
+                .next_stage(c.stage)
+                .map(|n| Buf::Grad { stage: n, mb: c.mb }),
+            (Kind::B | Kind::BW, IrPart::Combine) if layer + 1 == layers => cx
+                .pl
+                .next_stage(c.stage)
+                .map(|n| Buf::Grad { stage: n, mb: c.mb }),
+            _ => None,
+        };
+        let Some(at) = recv
+            .filter(|x| cx.recv_ev.contains_key(x))
+            .and_then(|x| cx.comm_pos.get(&x))
+        else {
+            return;
+        };
+        for (x, xst) in &items {
+            if x.kind != Kind::F || x.part != IrPart::Combine {
+                continue;
+            }
+            let key = (x.kind, x.stage, x.mb);
+            let sent = cx
+                .comm_pos
+                .get(&Buf::Act {
+                    stage: x.stage,
+                    mb: x.mb,
+                })
+                .is_some_and(|p| p <= at);
+            if !sent || finished.contains(&key) {
+                continue;
+            }
+            let ps = state.entry(key).or_default();
+            // Its first-round combine has run (all its parts come before its send); a tail
+            // already run (a reader's `producers_first`) leaves nothing to do.
+            let Some(next) = ps.pending_combine.filter(|_| !ps.tail_done).map(|l| l + 1) else {
+                continue;
+            };
+            for l in next..layers {
+                for (y, yst) in &items {
+                    if (y.kind, y.stage, y.mb) == key && y.part != IrPart::Whole {
+                        emit_part(b, cx, yst, y, l, ps);
+                    }
+                }
+            }
+            forward_tail(b, cx, xst, x.mb, ps);
+            finished.push(key);
+        }
+    };
+    let mut finished: Vec<(Kind, u32, u32)> = Vec::new();
     for round in 0..layers {
         for (c, st) in &items {
             if c.part == IrPart::Whole {
                 if round == 0 {
+                    sends_first(b, &mut state, &mut finished, c, 0);
                     producers_first(b, &mut state, c);
                     emit_compute(
                         b,
@@ -1006,6 +1090,10 @@ fn flush_window(
             } else {
                 layers - 1 - round
             };
+            if finished.contains(&(c.kind, c.stage, c.mb)) {
+                continue;
+            }
+            sends_first(b, &mut state, &mut finished, c, layer);
             if round == 0 {
                 producers_first(b, &mut state, c);
             }
