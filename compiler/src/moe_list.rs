@@ -25,6 +25,14 @@
 //!   Without that rule the greedy fills the compute stream of a DualPipe steady state with
 //!   the next pair's attention and lengthens the gradient chain (P = 8, M = 64: makespan
 //!   +17%).
+//! * W fill: a `W` past the window whose `B` has ended may start where the compute stream
+//!   would otherwise idle (an exposed all-to-all, a wait for a message), if it ends before
+//!   every open part on the compute stream and every part that opens an op can start
+//!   (`W_FILL_SLACK`); the oldest such `W` in op order goes, and it does not count
+//!   against the window. A `W` reads only its own `B`'s saved state and sends nothing:
+//!   running it earlier frees its stash sooner and adds no cross-rank dependency. With
+//!   moe-1to1.toml's 10 ms `W` and 6 ms all-to-alls it rarely fits (DualPipe, P = 8,
+//!   M = 16: 48.8% exposed before, 48.6% after; DualPipeV 47.8% and 46.8%).
 //!
 //! The point-to-point messages are placed too (the result is a lowered program, which
 //! `check` verifies as given): each rank's sends and receives in the order of their
@@ -42,8 +50,8 @@
 //! flight, a stream of forwards keeps both streams full: compute `attn1 attn2 mlp1 mlp2 attn3
 //! ...`, EP `disp1 disp2 comb1 comb2 ...`.
 //!
-//! **Cost.** `O(parts · window · log P)`: a placement re-evaluates the window of its own rank
-//! and of the rank its output feeds.
+//! **Cost.** `O(parts · window · log P)`: a placement re-evaluates the window (and the oldest
+//! `window` pending `W`s past it) of its own rank and of the rank its output feeds.
 //!
 //! **Memory.** A forward allocates its activation when its first part starts: with `window`
 //! ops in flight a rank can hold up to `window - 1` activations more than the op order alone
@@ -65,6 +73,16 @@ use std::collections::BinaryHeap;
 /// Ops in flight per rank when `:list` gives no number.
 pub const DEFAULT_WINDOW: usize = 2;
 
+/// How long (seconds) a `W` of the W fill may run past the earliest start of an open part
+/// (module docs): 0, it must end by then.
+///
+/// At moe-1to1.toml a DualPipe `W` takes 10 ms and an all-to-all 6 ms, so no `W` fits one
+/// exposed all-to-all of the cooldown's drain; a slack of 4 ms lets it cover one but delays
+/// the drain that all-to-all is on. Measured at P = 8 with `:list` (`compare`'s scaling), it
+/// lengthened the step of DualPipe by 0.9% (M = 16) and 0.3% (M = 64), of DualPipeV by 1.6%
+/// and 0.6%, for 0.1 to 1.7 points less exposed all-to-all: not worth it.
+const W_FILL_SLACK: f64 = 0.0;
+
 /// One schedulable piece: a part, a whole op, or a whole (dense) pair.
 struct Unit {
     ins: Instr,
@@ -76,6 +94,8 @@ struct Unit {
 struct Op {
     units: Vec<Unit>,
     span: Span,
+    /// A whole weight-gradient op (`W`): it may fill the compute stream out of op order.
+    w: bool,
 }
 
 /// A message placed by [`order`]: (time: its producer's end, global sequence number, after
@@ -91,6 +111,8 @@ struct RankState {
     efree: f64,
     closed: f64,
     version: u64,
+    /// The `W` ops not yet placed, in op order (candidates of the W fill).
+    wq: Vec<usize>,
     /// The op whose next unit starts first, and when.
     best: Option<(f64, usize)>,
 }
@@ -151,7 +173,9 @@ pub(crate) fn order(
                     ins: u,
                 })
                 .collect();
+            let w = matches!(ins, Instr::Compute(c) if c.kind == Kind::W);
             ops.push(Op {
+                w,
                 units,
                 span: spans
                     .get(r)
@@ -161,7 +185,9 @@ pub(crate) fn order(
             });
         }
         let n = ops.len();
+        let wq = (0..n).filter(|&j| ops[j].w).collect();
         st.push(RankState {
+            wq,
             ops,
             next: vec![0; n],
             lo: 0,
@@ -241,6 +267,10 @@ pub(crate) fn order(
         while s.lo < s.ops.len() && s.next[s.lo] == s.ops[s.lo].units.len() {
             s.lo += 1;
         }
+        // The window: `window` ops from the oldest open one, `W`s included (not counting
+        // them lets one more forward in: DualPipe P = 8, M = 16 exposes 45.1% instead of
+        // 48.6% but holds 10 activations instead of 9, worse than `:list3`'s 39.9% at 10).
+        // A `W` past the window is a candidate of the W fill below, outside the window.
         let hi = (s.lo + window).min(s.ops.len());
         // (start, on the EP stream, opens its op, op, duration), window order.
         let mut cands: Vec<(f64, bool, bool, usize, f64)> = Vec::with_capacity(hi - s.lo);
@@ -280,7 +310,30 @@ pub(crate) fn order(
                 }
             }
         }
-        let best = best.map(|k| (cands[k].0, cands[k].3));
+        let mut best = best.map(|k| (cands[k].0, cands[k].3));
+        // W fill: the oldest ready `W` past the window may start where the compute stream
+        // would idle before every open part can start, and must end `W_FILL_SLACK` after
+        // the earliest start of an open part on the compute stream or of a part that opens
+        // its op on either stream (it waits for the ops placed before it, the `W` among
+        // them). Nothing else waits for a `W`.
+        {
+            let slack = W_FILL_SLACK;
+            let limit = cands
+                .iter()
+                .filter(|c| !c.1 || c.2)
+                .map(|c| c.0)
+                .fold(f64::INFINITY, f64::min);
+            let before = best.map_or(f64::INFINITY, |b| b.0);
+            // The oldest `window` pending `W`s past the window (bounded work per placement).
+            for &j in s.wq.iter().skip_while(|&&j| j < hi).take(window) {
+                let u = &s.ops[j].units[0];
+                let t = start_of(s, u, r, act, grad, pe);
+                if t < before && t < limit && t + u.dur <= limit + slack {
+                    best = Some((t, j));
+                    break;
+                }
+            }
+        }
         s.version += 1;
         s.best = best;
     };
@@ -348,6 +401,11 @@ pub(crate) fn order(
         out[r].1.push(span);
         starts[r].push(t);
         s.next[j] += 1;
+        if s.ops[j].w {
+            if let Ok(i) = s.wq.binary_search(&j) {
+                s.wq.remove(i);
+            }
+        }
         let placed = out[r].0.len();
         for (payload, q) in sent.into_iter().flatten() {
             if q < msgs.len() {

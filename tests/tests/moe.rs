@@ -506,16 +506,16 @@ fn list_figures_at_p8() {
     let list = |k| MoeStages::Listed(Box::new(MoeStages::All), k);
     // (spec, M, ops in flight, exposed, makespan, peak)
     for (name, mb, k, exposed, makespan, peak) in [
-        ("dualpipe", 16, 2, 0.488, 0.8871, 9),
-        ("dualpipe", 64, 2, 0.161, 2.5788, 9),
-        ("dualpipev", 16, 2, 0.478, 0.9335, 17),
-        ("dualpipev", 64, 2, 0.185, 2.6658, 17),
-        ("dualpipe", 16, 3, 0.399, 0.8954, 10),
-        ("dualpipe", 64, 3, 0.139, 2.5848, 10),
-        ("dualpipev", 16, 3, 0.409, 0.9366, 18),
-        ("dualpipev", 64, 3, 0.168, 2.6689, 18),
-        ("1f1b", 16, 2, 0.754, 1.2978, 9),
-        ("1f1b", 64, 2, 0.829, 4.0671, 9),
+        ("dualpipe", 16, 2, 0.4861, 0.8871, 9),
+        ("dualpipe", 64, 2, 0.1604, 2.5788, 9),
+        ("dualpipev", 16, 2, 0.4675, 0.9341, 17),
+        ("dualpipev", 64, 2, 0.1822, 2.6664, 17),
+        ("dualpipe", 16, 3, 0.3991, 0.8954, 10),
+        ("dualpipe", 64, 3, 0.1386, 2.5848, 10),
+        ("dualpipev", 16, 3, 0.4040, 0.9372, 18),
+        ("dualpipev", 64, 3, 0.1664, 2.6695, 18),
+        ("1f1b", 16, 2, 0.7539, 1.2978, 9),
+        ("1f1b", 64, 2, 0.8290, 4.0671, 9),
     ] {
         let (d_exp, d_mk, d_peak) = fig(name, mb, MoeStages::All);
         let (e, m, pk) = fig(name, mb, list(k));
