@@ -126,10 +126,16 @@ pub fn parse_param(s: &str) -> Result<(String, i64), String> {
     if k.is_empty() {
         return Err(format!("invalid --param `{s}`: the name is empty"));
     }
-    let v: i64 = v
-        .trim()
-        .parse()
-        .map_err(|_| format!("invalid --param `{s}`: the value must be an integer"))?;
+    let v: i64 = v.trim().parse().map_err(|_| {
+        format!(
+            "invalid --param `{s}`: the value must be an integer{}",
+            if s.contains("..") {
+                " (--param takes one value per run, not a range: sweep it with a shell loop)"
+            } else {
+                ""
+            }
+        )
+    })?;
     Ok((k.to_string(), v))
 }
 

@@ -514,7 +514,8 @@ pub fn has_timing_expectations(expects: &[crate::dsl::elab::Expectation]) -> boo
 /// The names a timing expectation's bound sees for the cost model: seconds of a whole F, B,
 /// W, BW (model-wide, scaled like the simulated ops), an unsplit overlapped pair FB, one
 /// dispatch and one combine all-to-all (0 when `moe_parts` is false: a schedule without MoE
-/// parts issues none).
+/// parts issues none), and one point-to-point message `MSG` (latency plus bytes over
+/// bandwidth, [`crate::sim::cost::CostModel::message_time`]).
 pub fn cost_names(cost: &crate::sim::cost::CostModel, moe_parts: bool) -> Vec<(&'static str, f64)> {
     use schedc_ir::{Compute, Kind, Part};
     // A stage id no per-stage override names: the model-wide times.
@@ -539,6 +540,7 @@ pub fn cost_names(cost: &crate::sim::cost::CostModel, moe_parts: bool) -> Vec<(&
         ("FB", cost.pair_time(&f, &bw)),
         ("DISPATCH", a2a(Part::Dispatch)),
         ("COMBINE", a2a(Part::Combine)),
+        ("MSG", cost.message_time()),
     ]
 }
 

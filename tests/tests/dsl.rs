@@ -947,3 +947,98 @@ fn list_scheduling_defers_w_into_bubbles() {
     let idle: Vec<f64> = out.report.ranks.iter().map(|r| r.idle.unwrap()).collect();
     assert!(idle.iter().all(|&i| i <= 3.0), "{idle:?}");
 }
+
+/// Loads a list-scheduled spec at (pp, mb), scheduled under `cost`, and checks it with its
+/// expectations (timing ones under the same cost): the error messages, none if accepted.
+fn list_check(src: &str, pp: u32, mb: u32, cost: &str) -> Vec<String> {
+    let model = schedc::sim::cost::CostModel::resolve(cost).unwrap();
+    let ov = Overrides {
+        pp: Some(pp),
+        microbatches: Some(mb),
+        list_cost: Some(model.clone()),
+        ..Default::default()
+    };
+    let e = match load_spec(src, &ov) {
+        Ok(e) => e,
+        Err(LoadError::Spec { diags, .. }) => {
+            return diags.iter().map(|d| d.message.clone()).collect()
+        }
+        Err(e) => panic!("{e:?}"),
+    };
+    let mut out = schedc::check::check(&e.program, Some(&e.spans), &Default::default());
+    schedc::check::check_expectations(&mut out.report, &e.expects);
+    schedc::check::evaluate_timing_expectations(
+        &mut out.report,
+        out.checked.as_ref(),
+        &e.expects,
+        &model,
+    );
+    out.report
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error())
+        .map(|d| d.message.clone())
+        .collect()
+}
+
+fn std_spec(name: &str) -> String {
+    std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../specs")
+            .join(format!("{name}.sched")),
+    )
+    .unwrap()
+}
+
+// Break-it pass: an op time of zero (or below the scheduler's resolution) frees the rank at
+// the same instant; the greedy used to report itself stuck at time 0.
+#[test]
+fn list_scheduling_with_zero_op_times() {
+    for spec in ["v_half", "v_min", "hanayo", "chimera"] {
+        let src = std_spec(spec);
+        for cost in ["F=0", "F=1e-12", "B=0", "F=0,B=1,W=1", "W=0"] {
+            let errs = list_check(&src, 4, 8, cost);
+            assert!(errs.is_empty(), "{spec} --cost {cost}: {errs:?}");
+        }
+    }
+}
+
+// Break-it pass: under `inflight <= k` a micro-batch may enter out of order while a slot
+// stays free for the next in order (priorities that start micro-batch 1 first used to be
+// stuck "at 0 in flight, cap 8").
+#[test]
+fn inflight_admits_out_of_order_entry_with_a_free_slot() {
+    let src = "schedule \"x\"\nlist r {\n    F(c, m) = if m == 1 { 0 } else { m + 1 }\n    BW(c, m) = 100 + m\n    inflight <= 8\n}\n";
+    assert_eq!(list_check(src, 2, 4, "unit"), Vec::<String>::new());
+    // At cap 1 only the next in order may enter; the stuck message says why.
+    let errs = list_check(&src.replace("<= 8", "<= 1"), 2, 4, "unit");
+    assert!(
+        errs.iter().any(|e| e.contains("list scheduling is stuck")),
+        "{errs:?}"
+    );
+}
+
+// Break-it pass: a rank program's progress functions mean nothing in a list block.
+#[test]
+fn list_priorities_refuse_progress_functions() {
+    for f in ["pending()", "done(F, 0)", "left(F, 0)"] {
+        let src = format!(
+            "schedule \"x\"\nlist r {{\n    F(c, m) = m + {f}\n    BW(c, m) = 100 + m\n}}\n"
+        );
+        let e = spec_error("x.sched", &src, 2, 4);
+        assert!(e.contains("is not defined in a `list` block"), "{f}: {e}");
+    }
+}
+
+// Break-it pass: the measured makespan bounds of v_half, v_min and hanayo are claimed only
+// with free messages (`MSG == 0` in their guard); under a latency they state nothing.
+#[test]
+fn measured_bounds_are_not_claimed_under_latency() {
+    for spec in ["v_half", "v_min", "hanayo"] {
+        let src = std_spec(spec);
+        for (pp, mb) in [(3, 8), (4, 12), (6, 6)] {
+            let errs = list_check(&src, pp, mb, "F=1,B=1,W=1,latency=0.3");
+            assert!(errs.is_empty(), "{spec} P={pp} M={mb}: {errs:?}");
+        }
+    }
+}

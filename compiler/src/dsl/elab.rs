@@ -60,7 +60,7 @@ pub struct Expectation {
 /// exact division) once the cost model is known. It sees the spec's top-level names (P, M,
 /// V, S, parameters, `let`s, `fn`s) and the cost model's seconds `F`, `B`, `W`, `BW`, `FB`
 /// (an overlapped pair), `DISPATCH`, `COMBINE` (one all-to-all of an MoE op; 0 when the
-/// schedule has no MoE parts); a spec name shadows them.
+/// schedule has no MoE parts), `MSG` (one point-to-point message); a spec name shadows them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Formula {
     expr: Expr,
@@ -98,7 +98,7 @@ impl Formula {
                 .rev()
                 .find(|(k, _)| k == n)
                 .map(|(_, v)| *v)
-                .ok_or_else(|| (*sp, format!("unknown name `{n}` (a timing expectation sees P, M, V, S, parameters, `let`s and the cost model's F, B, W, BW, FB, DISPATCH, COMBINE)")))?,
+                .ok_or_else(|| (*sp, format!("unknown name `{n}` (a timing expectation sees P, M, V, S, parameters, `let`s and the cost model's F, B, W, BW, FB, DISPATCH, COMBINE, MSG)")))?,
             Expr::Neg(x, _) => -self.real(x, env, depth)?,
             Expr::If(c, a, b, _) => {
                 if self.truth(c, env, depth)? {
@@ -286,6 +286,9 @@ struct RankState<'a> {
     out: Vec<Instr>,
     spans: Vec<Span>,
     budget: &'a mut u64,
+    /// True in a `list` block: its priorities are fixed expressions, so the progress
+    /// functions (`done`, `left`, `pending`) of a rank program mean nothing there.
+    list: bool,
 }
 
 /// Elaboration steps (loop iterations and ops) allowed per instance; see
@@ -431,6 +434,12 @@ fn call(
                     .ok_or_else(|| err(sp, "integer overflow"))?,
             ))
         }
+        "done" | "left" | "pending" if st.is_some_and(|st| st.list) => Err(err(
+            sp,
+            format!(
+                "`{name}` reads a rank program's progress and is not defined in a `list` block: a priority is a fixed expression of the chunk, micro-batch and rank (the list scheduler decides the progress)"
+            ),
+        )),
         "done" | "left" => {
             let st = st.ok_or_else(|| {
                 err(
@@ -1439,6 +1448,7 @@ pub fn elaborate_with(
                 out: Vec::new(),
                 spans: Vec::new(),
                 budget: &mut budget,
+                list: false,
             };
             env.push(var, Val::Int(r as i64), false);
             let res = exec(body, &mut env, &mut st);
@@ -1710,6 +1720,7 @@ fn elab_list(
             out: Vec::new(),
             spans: Vec::new(),
             budget,
+            list: true,
         };
         // Each priority line sees the `let`s above it.
         let mut scopes: Vec<Option<Env>> = Vec::new();
@@ -1835,11 +1846,18 @@ fn elab_list(
                     name(*i),
                     lr.memory.as_ref().map_or(0, |m| m[*r as usize])
                 ),
-                list::Blocker::Inflight(l) => format!(
-                    "rank {r}: {} waits for the in-flight cap ({l} micro-batches in flight, cap {})",
-                    name(*i),
-                    lr.inflight.as_ref().map_or(0, |m| m[*r as usize])
-                ),
+                list::Blocker::Inflight(l) => {
+                    let cap = lr.inflight.as_ref().map_or(0, |m| m[*r as usize]);
+                    format!(
+                        "rank {r}: {} waits for the in-flight cap ({l} in flight, cap {cap}){}",
+                        name(*i),
+                        if *l < cap {
+                            "; a micro-batch enters out of order only while a slot stays free for the next in order (give the older micro-batches' forwards smaller priorities)"
+                        } else {
+                            ""
+                        }
+                    )
+                }
                 list::Blocker::Input(p) => {
                     // Say why the input's own rank does not run it.
                     let q = pl.rank_of(ops[*p].stage);

@@ -23,9 +23,9 @@
 //!   a forward taken out of order must also keep every later point of the order under `k`
 //!   (the ops before it in the order, counting a backward's release as prompt).
 //! * `inflight <= k`: at most `k` micro-batches in flight per rank (one is in flight from its
-//!   first forward on the rank until its last backward there); micro-batches enter a rank in
-//!   order (by micro-batch, then direction), so the oldest unfinished one can always proceed
-//!   and the rule cannot deadlock.
+//!   first forward on the rank until its last backward there); a micro-batch enters a rank
+//!   out of order (by micro-batch, then direction) only while a slot stays free for the next
+//!   in order, so the oldest unfinished one can always enter.
 //! * `defer W`: weight gradients leave the order; the rank runs one (smallest priority first
 //!   among those whose `B` has run) only where it ends before the head and every backfill
 //!   candidate can start (a bubble), when the memory cap blocks the head, or when nothing else
@@ -365,98 +365,110 @@ fn run(
     let mut ndone = 0usize;
 
     loop {
-        for r in 0..np {
-            if remaining[r] == 0 || free[r] > now + EPS {
-                continue;
-            }
-            let Some(i) = pick(
-                r,
-                now,
-                &Ctx {
-                    ops,
-                    rules,
-                    order: &order[r],
-                    queues: &queues[r],
-                    qhead: &qhead[r],
-                    head: head[r],
-                    pred: &pred,
-                    rank_of: &rank_of,
-                    dur,
-                    opos: &opos,
-                    comm,
-                    backfill_forwards,
-                    w_due,
-                },
-                &State {
-                    done: &done,
-                    end: &end,
-                    free: &free,
-                    live: live[r],
-                    inflight: inflight[r],
-                    entered: &entered[r],
-                    next_in: next_in[r],
-                    mbkey: &mbkey,
-                    mem_tree: &mem_tree[r],
-                    wready: &wready[r],
-                    fwd_left: fwd_left[r],
-                },
-            ) else {
-                continue;
-            };
-            let e = now + dur[i];
-            done[i] = true;
-            end[i] = e;
-            free[r] = e;
-            remaining[r] -= 1;
-            ndone += 1;
-            out[r].push(i);
-            events.push(Reverse(Time(e)));
-            let o = ops[i];
-            let k = mbkey(&o);
-            match o.kind {
-                Kind::F => {
-                    live[r] += 1;
-                    fwd_left[r] -= 1;
-                    if !entered[r][k] {
-                        entered[r][k] = true;
-                        inflight[r] += 1;
-                        next_in[r] = next_entry(&bw_left[r], &entered[r], next_in[r]);
+        // Passes over the ranks at `now` while one starts an op of zero (or below EPS)
+        // duration: such an op frees its rank, and readies its successors, at `now` itself.
+        let mut progressed = true;
+        while progressed {
+            progressed = false;
+            for r in 0..np {
+                if remaining[r] == 0 || free[r] > now + EPS {
+                    continue;
+                }
+                let Some(i) = pick(
+                    r,
+                    now,
+                    &Ctx {
+                        ops,
+                        rules,
+                        order: &order[r],
+                        queues: &queues[r],
+                        qhead: &qhead[r],
+                        head: head[r],
+                        pred: &pred,
+                        rank_of: &rank_of,
+                        dur,
+                        opos: &opos,
+                        comm,
+                        backfill_forwards,
+                        w_due,
+                    },
+                    &State {
+                        done: &done,
+                        end: &end,
+                        free: &free,
+                        live: live[r],
+                        inflight: inflight[r],
+                        entered: &entered[r],
+                        next_in: next_in[r],
+                        mbkey: &mbkey,
+                        mem_tree: &mem_tree[r],
+                        wready: &wready[r],
+                        fwd_left: fwd_left[r],
+                    },
+                ) else {
+                    continue;
+                };
+                // Only an op that ends at `now` changes what a rank can start at `now`:
+                // after other starts a further pass is skipped, so the schedule of
+                // positive op times is the single pass's, as before.
+                if dur[i] <= EPS {
+                    progressed = true;
+                }
+                let e = now + dur[i];
+                done[i] = true;
+                end[i] = e;
+                free[r] = e;
+                remaining[r] -= 1;
+                ndone += 1;
+                out[r].push(i);
+                events.push(Reverse(Time(e)));
+                let o = ops[i];
+                let k = mbkey(&o);
+                match o.kind {
+                    Kind::F => {
+                        live[r] += 1;
+                        fwd_left[r] -= 1;
+                        if !entered[r][k] {
+                            entered[r][k] = true;
+                            inflight[r] += 1;
+                            next_in[r] = next_entry(&bw_left[r], &entered[r], next_in[r]);
+                        }
+                    }
+                    Kind::B | Kind::BW => {
+                        bw_left[r][k] -= 1;
+                        if bw_left[r][k] == 0 {
+                            inflight[r] -= 1;
+                        }
+                        if o.kind == Kind::BW {
+                            live[r] -= 1;
+                        }
+                    }
+                    Kind::W => live[r] -= 1,
+                }
+                if deferred(&o) {
+                    wready[r].pop();
+                } else {
+                    mem_tree[r].set(opos[i] as usize, 0);
+                }
+                while head[r] < order[r].len() && done[order[r][head[r]] as usize] {
+                    head[r] += 1;
+                }
+                for (q, k) in queues[r].iter().zip(qhead[r].iter_mut()) {
+                    while *k < q.len() && done[q[*k] as usize] {
+                        *k += 1;
                     }
                 }
-                Kind::B | Kind::BW => {
-                    bw_left[r][k] -= 1;
-                    if bw_left[r][k] == 0 {
-                        inflight[r] -= 1;
+                for &s in &succ[succ_start[i] as usize..succ_start[i + 1] as usize] {
+                    let s = s as usize;
+                    let rs = rank_of[s] as usize;
+                    if deferred(&ops[s]) {
+                        wready[rs].push(Reverse((ops[s].prio, s as u32)));
                     }
-                    if o.kind == Kind::BW {
-                        live[r] -= 1;
+                    if rs != r && comm > 0.0 {
+                        events.push(Reverse(Time(e + comm)));
                     }
+                    let _ = rs;
                 }
-                Kind::W => live[r] -= 1,
-            }
-            if deferred(&o) {
-                wready[r].pop();
-            } else {
-                mem_tree[r].set(opos[i] as usize, 0);
-            }
-            while head[r] < order[r].len() && done[order[r][head[r]] as usize] {
-                head[r] += 1;
-            }
-            for (q, k) in queues[r].iter().zip(qhead[r].iter_mut()) {
-                while *k < q.len() && done[q[*k] as usize] {
-                    *k += 1;
-                }
-            }
-            for &s in &succ[succ_start[i] as usize..succ_start[i + 1] as usize] {
-                let s = s as usize;
-                let rs = rank_of[s] as usize;
-                if deferred(&ops[s]) {
-                    wready[rs].push(Reverse((ops[s].prio, s as u32)));
-                }
-                if rs != r && comm > 0.0 {
-                    events.push(Reverse(Time(e + comm)));
-                }
-                let _ = rs;
             }
         }
         if ndone == n {
@@ -665,9 +677,12 @@ impl Ctx<'_> {
             }
         }
         if let Some(m) = &self.rules.inflight {
-            // A micro-batch new to this rank enters only in order, and only into a free slot.
+            // A micro-batch new to this rank enters into a free slot; one out of order only
+            // while a slot stays free for the next in order, so that the oldest unfinished
+            // micro-batch can always enter.
             let key = (st.mbkey)(&self.ops[i]);
-            if !st.entered[key] && (key != st.next_in || st.inflight + 1 > m[r]) {
+            let need = if key == st.next_in { 1 } else { 2 };
+            if !st.entered[key] && st.inflight + need > m[r] {
                 return false;
             }
         }
