@@ -1832,7 +1832,10 @@ fn elab_list(
             at,
             format!(
                 "list scheduling is stuck at time {} after {} of {} ops: no rank can start its next op",
-                stuck.time,
+                // Twelve significant digits: the sum of op times without its rounding noise.
+                format!("{:.12}", stuck.time)
+                    .trim_end_matches('0')
+                    .trim_end_matches('.'),
                 stuck.done,
                 ops.len()
             ),
