@@ -264,7 +264,20 @@ fn one_time_limit_covers_every_placement() {
         false,
         &|_, _| {},
     );
-    assert!(outs.iter().all(|o| o.timed_out));
+    // Each placement either ran into the one deadline or proved its result optimal before
+    // it (a budget of 100x the default cannot finish in 300 ms).
+    for o in &outs {
+        println!(
+            "{} by {}: timed out {}, optimal {}",
+            o.makespan, o.found_by, o.timed_out, o.optimal
+        );
+        assert!(
+            o.timed_out || o.optimal,
+            "{} by {}: neither timed out nor optimal",
+            o.makespan,
+            o.found_by
+        );
+    }
     assert!(outs.iter().any(|o| o.makespan.is_finite()));
     // Not a timing measurement: at effort 100 the search would run for many minutes (the
     // default effort takes seconds in release), so returning within two minutes, even in a
