@@ -20,7 +20,10 @@
 //! release (`W` or `BW`) to come, bounded below from the backwards' earliest starts; the
 //! earliest starts are recomputed with this (twice). (4) Each rank is one machine whose
 //! remaining ops have heads (earliest starts) and tails: Jackson's preemptive schedule is the
-//! optimum of that relaxation (Carlier, EJOR 1982). A node's children are explored in order of
+//! optimum of that relaxation (Carlier, EJOR 1982). (5) At the root, each rank alone as a
+//! single machine with its cap, the other ranks' ops as plain delays, solved exactly
+//! ([`crate::rank_bound`]): its optimum bounds every schedule, so it is a floor under every
+//! node's bound, and a schedule that meets it ends the search. A node's children are explored in order of
 //! their bounds. States met twice (same
 //! counts, clocks, memory, pending messages and last placement) are explored once.
 //!
@@ -30,6 +33,7 @@
 
 use crate::instance::Instance;
 use crate::local::EPS;
+use crate::rank_bound::{best_rank_bound, RankBound};
 use crate::sched::{Sched, Tok};
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
@@ -51,6 +55,11 @@ pub struct ExactResult {
     /// Nodes whose bound exceeded the best completion below them (with
     /// [`SolveOptions::audit`]; always 0 for a sound bound).
     pub bound_violations: u64,
+    /// The one-rank relaxation run at the root ([`crate::rank_bound`]), when it ended: its
+    /// bound holds for every schedule. When it reaches the incumbent the search proves it
+    /// optimal without expanding a node; otherwise it ends the search as soon as a
+    /// schedule meets it.
+    pub relaxation: Option<RankBound>,
 }
 
 /// Switches and limits of branch and bound (the defaults are what [`solve`] uses; tests
@@ -77,6 +86,9 @@ pub struct SolveOptions {
     /// `all` and no table: then the subtree's best is its optimum); violations are counted
     /// in [`ExactResult::bound_violations`].
     pub audit: bool,
+    /// Node budget of the one-rank relaxation ([`crate::rank_bound`]) per rank at the root
+    /// (0: not run). It runs only with `bound` on and `all` off.
+    pub relax_nodes: u64,
 }
 
 impl Default for SolveOptions {
@@ -91,6 +103,7 @@ impl Default for SolveOptions {
             max_nodes: 2_000_000,
             deadline: None,
             audit: false,
+            relax_nodes: 2_000_000,
         }
     }
 }
@@ -129,6 +142,11 @@ struct Bnb<'a> {
     max_nodes: u64,
     deadline: Option<Instant>,
     aborted: bool,
+    /// A bound on every schedule (the root relaxation's); a schedule meeting it ends the
+    /// search, proved.
+    global_lb: f64,
+    /// The search ended early because a schedule met `global_lb`.
+    met: bool,
     seen: HashSet<u64>,
     leaves: u64,
     bound_violations: u64,
@@ -211,6 +229,8 @@ impl<'a> Bnb<'a> {
             max_nodes: u64::MAX,
             deadline: None,
             aborted: false,
+            global_lb: f64::NEG_INFINITY,
+            met: false,
             seen: HashSet::new(),
             leaves: 0,
             bound_violations: 0,
@@ -610,7 +630,7 @@ impl<'a> Bnb<'a> {
             }
         }
         self.jobs = jobs;
-        lb
+        lb.max(self.global_lb)
     }
 
     fn state_hash(&self, t_last: f64, r_last: usize) -> u64 {
@@ -666,6 +686,11 @@ impl<'a> Bnb<'a> {
                 self.best_seq = Some(Sched {
                     ranks: self.seq.clone(),
                 });
+                if mk <= self.global_lb + EPS && !self.opts.all {
+                    // Nothing is shorter: stop, proved.
+                    self.met = true;
+                    self.aborted = true;
+                }
             }
             return mk;
         }
@@ -787,15 +812,26 @@ pub fn solve_with(
         // Look for strictly better schedules only.
         b.best = mk;
     }
-    b.dfs(f64::NEG_INFINITY, 0, false);
+    let relaxation = if opts.relax_nodes > 0 && opts.bound && !opts.all {
+        best_rank_bound(inst, b.best, opts.relax_nodes, opts.deadline)
+    } else {
+        None
+    };
+    if let Some(rb) = relaxation {
+        b.global_lb = rb.bound;
+    }
+    if b.global_lb < b.best - EPS {
+        b.dfs(f64::NEG_INFINITY, 0, false);
+    }
     let found = b.best_seq.take();
     Ok(ExactResult {
         makespan: b.best,
         best: found.or_else(|| incumbent.map(|(s, _)| s.clone())),
-        proved: !b.aborted,
+        proved: !b.aborted || b.met,
         nodes: b.nodes,
         leaves: b.leaves,
         bound_violations: b.bound_violations,
+        relaxation,
     })
 }
 
@@ -805,9 +841,21 @@ pub fn solve_with(
 /// free memory, each rank's Jackson preemptive schedule). `None` when overlapped pairs would
 /// help (branch and bound does not apply).
 pub fn root_bound(inst: &Instance) -> Option<f64> {
+    root_bound_with(inst, 0)
+}
+
+/// [`root_bound`], raised by the one-rank relaxation ([`crate::rank_bound`]) where its
+/// search ends within `relax_nodes` nodes per rank (0: not run).
+pub fn root_bound_with(inst: &Instance, relax_nodes: u64) -> Option<f64> {
     if inst.pairs_help() {
         return None;
     }
     let mut b = Bnb::new(inst, !inst.split_dominates());
-    Some(b.bound(f64::NEG_INFINITY))
+    let lb = b.bound(f64::NEG_INFINITY);
+    let relax = if relax_nodes > 0 {
+        best_rank_bound(inst, f64::INFINITY, relax_nodes, None).map_or(lb, |r| r.bound)
+    } else {
+        lb
+    };
+    Some(lb.max(relax))
 }

@@ -42,6 +42,7 @@ pub mod local;
 pub mod lower;
 pub mod moe_bound;
 pub mod periodic;
+pub mod rank_bound;
 pub mod refdata;
 pub mod report;
 pub mod rewrite;

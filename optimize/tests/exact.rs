@@ -107,6 +107,7 @@ const NO_CUTS: SolveOptions = SolveOptions {
     max_nodes: u64::MAX,
     deadline: None,
     audit: false,
+    relax_nodes: 0,
 };
 
 /// Every node of the uncut tree: the bound (earliest starts and tails, memory held back

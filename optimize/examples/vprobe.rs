@@ -1,0 +1,53 @@
+//! Scratch: one V instance, the search's best with its timeline and the root bound.
+use schedc::sim::cost::CostModel;
+use schedc_ir::{Pipeline, PlacementKind};
+use schedc_optimize::eval::Evaluator;
+use schedc_optimize::exact::{root_bound, solve};
+use schedc_optimize::search::{optimize, Options};
+use schedc_optimize::{Instance, Tok};
+
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    let p: u32 = a[1].parse().unwrap();
+    let m: u32 = a[2].parse().unwrap();
+    let cost = CostModel::resolve(&a[3]).unwrap();
+    let cap: u64 = a[4].parse().unwrap();
+    let nodes: u64 = a.get(5).and_then(|x| x.parse().ok()).unwrap_or(0);
+    let pl = Pipeline::new(p, 2 * p, m, PlacementKind::V).unwrap();
+    let inst = Instance::new(&pl, &cost, Some(cap)).unwrap();
+    println!("root bound {}", root_bound(&inst).unwrap());
+    let out = optimize(&inst, &[], &Options::default(), &|_| {});
+    println!("best {} by {}", out.makespan, out.found_by);
+    for r in 0..inst.p {
+        let t = std::time::Instant::now();
+        let rb = schedc_optimize::rank_bound::rank_bound(&inst, r, out.makespan, 50_000_000, None);
+        println!("rank {r}: {:?} {:?}", rb, t.elapsed());
+    }
+    let mut ev = Evaluator::new(&inst);
+    let (_, st) = ev.eval_starts(&out.best).unwrap();
+    for r in 0..inst.p {
+        let s: Vec<String> = out.best.ranks[r]
+            .iter()
+            .zip(&st[r])
+            .map(|(t, x)| {
+                let n = match t {
+                    Tok::F(s) => format!("F{s}"),
+                    Tok::B(s) => format!("B{s}"),
+                    Tok::W(s) => format!("W{s}"),
+                    Tok::BW(s) => format!("X{s}"),
+                    _ => "P".into(),
+                };
+                format!("{n}@{x}")
+            })
+            .collect();
+        println!("r{r}: {}", s.join(" "));
+    }
+    if nodes > 0 {
+        let t = std::time::Instant::now();
+        let e = solve(&inst, Some((&out.best, out.makespan)), nodes, None).unwrap();
+        println!(
+            "exact {} proved {} nodes {} {:?} relax {:?}",
+            e.makespan, e.proved, e.nodes, t.elapsed(), e.relaxation
+        );
+    }
+}
