@@ -2,7 +2,7 @@
 use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind};
 use schedc_optimize::eval::Evaluator;
-use schedc_optimize::exact::{root_bound, solve};
+use schedc_optimize::exact::root_bound;
 use schedc_optimize::search::{optimize, Options};
 use schedc_optimize::{Instance, Tok};
 
@@ -44,10 +44,20 @@ fn main() {
     }
     if nodes > 0 {
         let t = std::time::Instant::now();
-        let e = solve(&inst, Some((&out.best, out.makespan)), nodes, None).unwrap();
+        let nr: u64 = std::env::var("NR").ok().and_then(|x| x.parse().ok()).unwrap_or(20_000);
+        let e = schedc_optimize::exact::solve_with(
+            &inst,
+            Some((&out.best, out.makespan)),
+            schedc_optimize::exact::SolveOptions {
+                max_nodes: nodes,
+                node_relax_nodes: nr,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         println!(
-            "exact {} proved {} nodes {} {:?} relax {:?}",
-            e.makespan, e.proved, e.nodes, t.elapsed(), e.relaxation
+            "exact {} proved {} nodes {} {:?} relax {:?} cuts {} relax nodes {}",
+            e.makespan, e.proved, e.nodes, t.elapsed(), e.relaxation, e.relax_cuts, e.relax_nodes
         );
     }
 }

@@ -33,7 +33,7 @@
 
 use crate::instance::Instance;
 use crate::local::EPS;
-use crate::rank_bound::{best_rank_bound, RankBound};
+use crate::rank_bound::{best_rank_bound, NodeRelax, RankBound};
 use crate::sched::{Sched, Tok};
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
@@ -60,6 +60,10 @@ pub struct ExactResult {
     /// optimal without expanding a node; otherwise it ends the search as soon as a
     /// schedule meets it.
     pub relaxation: Option<RankBound>,
+    /// Nodes cut by the one-rank relaxation at nodes.
+    pub relax_cuts: u64,
+    /// Nodes the one-rank relaxations at nodes expanded in all.
+    pub relax_nodes: u64,
 }
 
 /// Switches and limits of branch and bound (the defaults are what [`solve`] uses; tests
@@ -89,6 +93,10 @@ pub struct SolveOptions {
     /// Node budget of the one-rank relaxation ([`crate::rank_bound`]) per rank at the root
     /// (0: not run). It runs only with `bound` on and `all` off.
     pub relax_nodes: u64,
+    /// Node budget of the same relaxation at every node, from the node's heads (0: not
+    /// run; a rank whose search runs out adds nothing). Only with `bound` on, `all` off and
+    /// every backward split.
+    pub node_relax_nodes: u64,
 }
 
 impl Default for SolveOptions {
@@ -104,6 +112,7 @@ impl Default for SolveOptions {
             deadline: None,
             audit: false,
             relax_nodes: 2_000_000,
+            node_relax_nodes: 20_000,
         }
     }
 }
@@ -162,6 +171,13 @@ struct Bnb<'a> {
     /// Per stage, the stages of the same rank before it in its direction.
     earlier: Vec<Vec<u32>>,
     jobs: Vec<(f64, f64, f64)>,
+    /// Per rank, the one-rank relaxation at nodes (empty when off).
+    relax: Vec<NodeRelax>,
+    relax_cnt: Vec<usize>,
+    relax_h: Vec<f64>,
+    /// Nodes cut by the one-rank relaxation, and its nodes in all.
+    pub relax_cuts: u64,
+    relax_work: u64,
 }
 
 #[derive(Clone, Copy)]
@@ -254,7 +270,60 @@ impl<'a> Bnb<'a> {
                 })
                 .collect(),
             jobs: Vec::new(),
+            relax: Vec::new(),
+            relax_cnt: Vec::new(),
+            relax_h: Vec::new(),
+            relax_cuts: 0,
+            relax_work: 0,
         }
+    }
+
+    /// The one-rank relaxation of every rank from this node (the last rank first), stopping
+    /// at the first that reaches the best known; the largest bound found.
+    fn node_relax(&mut self, t_last: f64) -> f64 {
+        let inst = self.inst;
+        let m = self.m;
+        self.bound(t_last);
+        let mut lb = f64::NEG_INFINITY;
+        for r in (0..inst.p).rev() {
+            let b0 = self.clock[r].max(t_last);
+            let nk = self.relax[r].stages.len() * 3;
+            self.relax_cnt.clear();
+            self.relax_h.clear();
+            self.relax_h.resize(nk * m, f64::NEG_INFINITY);
+            for (i, &s) in self.relax[r].stages.iter().enumerate() {
+                let s = s as usize;
+                self.relax_cnt.push(self.fc[s] as usize);
+                self.relax_cnt.push(self.bic[s] as usize);
+                self.relax_cnt.push(self.wc[s] as usize);
+                for k in self.fc[s] as usize..m {
+                    self.relax_h[3 * i * m + k] = self.est_f[s * m + k];
+                }
+                for k in self.bic[s] as usize..m {
+                    self.relax_h[(3 * i + 1) * m + k] = self.est_b[s * m + k];
+                    self.relax_h[(3 * i + 2) * m + k] = self.est_b[s * m + k] + inst.d_b[s];
+                }
+                for k in self.wc[s] as usize..self.splitc[s] as usize {
+                    self.relax_h[(3 * i + 2) * m + k] = b0;
+                }
+            }
+            let got = self.relax[r].solve(
+                &self.relax_cnt,
+                &self.relax_h,
+                b0,
+                self.live[r],
+                self.best,
+                self.opts.node_relax_nodes,
+            );
+            self.relax_work += self.relax[r].nodes();
+            if let Some(v) = got {
+                lb = lb.max(v);
+                if v >= self.best - EPS {
+                    break;
+                }
+            }
+        }
+        lb
     }
 
     fn ready_f(&self, s: usize) -> Option<f64> {
@@ -697,11 +766,25 @@ impl<'a> Bnb<'a> {
         if !checked && self.opts.bound && !self.opts.all && self.bound(t_last) >= self.best - EPS {
             return f64::INFINITY;
         }
-        let audit = self.opts.audit.then(|| self.bound(t_last));
+        let audit = self.opts.audit.then(|| {
+            let b = self.bound(t_last);
+            if self.relax.is_empty() {
+                b
+            } else {
+                b.max(self.node_relax(t_last))
+            }
+        });
         if self.opts.table
             && self.seen.len() < 8_000_000
             && !self.seen.insert(self.state_hash(t_last, r_last))
         {
+            return f64::INFINITY;
+        }
+        if !self.relax.is_empty()
+            && !self.opts.all
+            && self.node_relax(t_last) >= self.best - EPS
+        {
+            self.relax_cuts += 1;
             return f64::INFINITY;
         }
         let inst = self.inst;
@@ -820,6 +903,9 @@ pub fn solve_with(
     if let Some(rb) = relaxation {
         b.global_lb = rb.bound;
     }
+    if opts.node_relax_nodes > 0 && !fuse && (opts.audit || (opts.bound && !opts.all)) {
+        b.relax = (0..inst.p).map(|r| NodeRelax::new(inst, r)).collect();
+    }
     if b.global_lb < b.best - EPS {
         b.dfs(f64::NEG_INFINITY, 0, false);
     }
@@ -832,6 +918,8 @@ pub fn solve_with(
         leaves: b.leaves,
         bound_violations: b.bound_violations,
         relaxation,
+        relax_cuts: b.relax_cuts,
+        relax_nodes: b.relax_work,
     })
 }
 

@@ -77,8 +77,11 @@ struct Relax {
     m: usize,
     cap: i64,
     cnt: Vec<usize>,
-    /// `start[t * m + k]`: start of the k-th op of kind t.
+    /// `start[t * m + k]`: start of the k-th op of kind t (minus infinity for an op placed
+    /// before the search began).
     start: Vec<f64>,
+    /// `h[t * m + k]`: earliest start of the k-th op of kind t apart from its lag.
+    h: Vec<f64>,
     clock: f64,
     live: i64,
     cur: f64,
@@ -195,7 +198,8 @@ impl Relax {
             m,
             cap: inst.cap.min(i64::MAX as u64) as i64,
             cnt: vec![0; nk],
-            start: vec![0.0; nk * m],
+            start: vec![f64::NEG_INFINITY; nk * m],
+            h: vec![f64::NEG_INFINITY; nk * m],
             clock: f64::NEG_INFINITY,
             live: 0,
             cur: 0.0,
@@ -221,15 +225,13 @@ impl Relax {
         if kd.mem > 0 && self.live >= self.cap {
             return None;
         }
-        let rel = match kd.pred {
-            None => kd.head,
-            Some((p, lag)) => {
-                if self.cnt[p] <= k {
-                    return None;
-                }
-                self.start[p * self.m + k] + lag
+        let mut rel = self.h[t * self.m + k];
+        if let Some((p, lag)) = kd.pred {
+            if self.cnt[p] <= k {
+                return None;
             }
-        };
+            rel = rel.max(self.start[p * self.m + k] + lag);
+        }
         Some(rel.max(self.clock))
     }
 
@@ -244,17 +246,14 @@ impl Relax {
             let kd = &self.kinds[t];
             let mut prev_end = f64::NEG_INFINITY;
             for k in self.cnt[t]..m {
-                let mut e = self.clock.max(prev_end);
-                e = e.max(match kd.pred {
-                    None => kd.head,
-                    Some((p, lag)) => {
-                        if self.cnt[p] > k {
-                            self.start[p * m + k] + lag
-                        } else {
-                            self.est[p * m + k] + lag
-                        }
-                    }
-                });
+                let mut e = self.clock.max(prev_end).max(self.h[t * m + k]);
+                if let Some((p, lag)) = kd.pred {
+                    e = e.max(if self.cnt[p] > k {
+                        self.start[p * m + k] + lag
+                    } else {
+                        self.est[p * m + k] + lag
+                    });
+                }
                 self.est[t * m + k] = e;
                 prev_end = e + kd.d;
                 lb = lb.max(e + kd.d + kd.tail);
@@ -333,6 +332,58 @@ impl Relax {
     }
 }
 
+/// The relaxation of one rank from a node of branch and bound: the ops the node has placed
+/// are done, each op left has an earliest start (the node's heads) on top of its lag.
+pub(crate) struct NodeRelax {
+    x: Relax,
+    /// The rank's stages, in kind order (kind `3 i + {0: F, 1: B, 2: W}` is of `stages[i]`).
+    pub(crate) stages: Vec<u32>,
+}
+
+impl NodeRelax {
+    pub(crate) fn new(inst: &Instance, r: usize) -> NodeRelax {
+        NodeRelax {
+            x: Relax::new(inst, r),
+            stages: inst.stages_of[r].clone(),
+        }
+    }
+
+    /// Searches for a completion of the rank below `cutoff` from the counts `cnt` (per
+    /// kind: ops placed), heads `h` (per kind and micro-batch), the rank's clock and live
+    /// activations. Returns the relaxation's optimum, `cutoff` if nothing is below it, or
+    /// `None` if `max_nodes` ran out.
+    pub(crate) fn solve(
+        &mut self,
+        cnt: &[usize],
+        h: &[f64],
+        clock: f64,
+        live: i64,
+        cutoff: f64,
+        max_nodes: u64,
+    ) -> Option<f64> {
+        let x = &mut self.x;
+        x.cnt.copy_from_slice(cnt);
+        x.h.copy_from_slice(h);
+        x.start.fill(f64::NEG_INFINITY);
+        x.clock = clock;
+        x.live = live;
+        x.cur = f64::NEG_INFINITY;
+        x.best = cutoff;
+        x.nodes = 0;
+        x.max_nodes = max_nodes;
+        x.aborted = false;
+        x.seen.clear();
+        let left = x.kinds.len() * x.m - cnt.iter().sum::<usize>();
+        x.dfs(left);
+        (!x.aborted).then_some(x.best)
+    }
+
+    /// Nodes the last [`NodeRelax::solve`] expanded.
+    pub(crate) fn nodes(&self) -> u64 {
+        self.x.nodes
+    }
+}
+
 /// Jackson's preemptive schedule of jobs `(head, processing, tail)` on one machine: the
 /// optimum of `max (end + tail)` with preemption (Carlier, EJOR 1982), a lower bound on it
 /// without.
@@ -390,6 +441,12 @@ pub fn rank_bound(
         return None;
     }
     let mut x = Relax::new(inst, r);
+    for t in 0..x.kinds.len() {
+        if x.kinds[t].pred.is_none() {
+            let hd = x.kinds[t].head;
+            x.h[t * x.m..(t + 1) * x.m].fill(hd);
+        }
+    }
     x.best = cutoff;
     x.max_nodes = max_nodes;
     x.deadline = deadline;
