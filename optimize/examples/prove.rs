@@ -8,6 +8,8 @@
 //! `bound.rs` and the root bound of branch and bound (no search): where either reaches the
 //! authors' makespan, no schedule at that memory limit and placement is shorter.
 //!
+//! `-- relax NODES CONFIG_ID...`: the one-rank relaxation alone on the given configurations.
+//!
 //! `-- bounds NODES`: also, where neither does, the one-rank relaxation
 //! ([`best_rank_bound`]) searched for a schedule shorter than the authors' within NODES nodes
 //! per rank: where it finds none, the authors' makespan is optimal.
@@ -67,6 +69,36 @@ fn main() {
             "\n{} configurations: the authors' makespan meets a lower bound on {proved}",
             cfgs.len()
         );
+        return;
+    }
+    if args[1] == "relax" {
+        let nodes: u64 = args[2].parse().unwrap();
+        println!("| config | authors | one-rank relaxation | authors optimal |");
+        println!("|---|---|---|---|");
+        for id in &args[3..] {
+            let c = read(&dir.join(format!("{id}.json"))).unwrap();
+            let inst = c.instance().unwrap();
+            let t = std::time::Instant::now();
+            let (relax, opt) = match best_rank_bound(&inst, c.makespan_from_t0, nodes, None) {
+                Some(r) => (
+                    format!(
+                        "{}{:.4} (rank {}, {} nodes, {:.2} s)",
+                        if r.exact { "" } else { ">= " },
+                        r.bound,
+                        r.rank,
+                        r.nodes,
+                        t.elapsed().as_secs_f64()
+                    ),
+                    r.bound >= c.makespan_from_t0 - 1e-6,
+                ),
+                None => (format!("unfinished ({nodes} nodes per rank)"), false),
+            };
+            println!(
+                "| {id} | {:.4} | {relax} | {} |",
+                c.makespan_from_t0,
+                if opt { "yes" } else { "" }
+            );
+        }
         return;
     }
     let nodes: u64 = args[1].parse().unwrap();

@@ -95,7 +95,8 @@ pub struct SolveOptions {
     pub relax_nodes: u64,
     /// Node budget of the same relaxation at every node, from the node's heads (0: not
     /// run; a rank whose search runs out adds nothing). Only with `bound` on, `all` off and
-    /// every backward split.
+    /// every backward split (or with `audit`). Off by default: it cuts nodes (P = 3, M = 5,
+    /// unit, V, cap 3: 18,929 nodes against 94,644) but costs more time than it saves there.
     pub node_relax_nodes: u64,
 }
 
@@ -111,8 +112,8 @@ impl Default for SolveOptions {
             max_nodes: 2_000_000,
             deadline: None,
             audit: false,
-            relax_nodes: 2_000_000,
-            node_relax_nodes: 20_000,
+            relax_nodes: 500_000,
+            node_relax_nodes: 0,
         }
     }
 }

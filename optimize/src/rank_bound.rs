@@ -465,8 +465,9 @@ pub fn rank_bound(
 
 /// The largest of [`rank_bound`] over every rank (each within `max_nodes` nodes; a rank
 /// whose search does not end adds nothing), or `None` if no rank's search ended. Ranks are
-/// tried from the last (the turn of a V placement, the usual bottleneck) and the loop stops
-/// at the first that reaches `cutoff`.
+/// tried from both ends inwards, the last first (the turn of a V placement and the first
+/// rank of a loop are the usual bottlenecks), and the loop stops at the first that reaches
+/// `cutoff`.
 pub fn best_rank_bound(
     inst: &Instance,
     cutoff: f64,
@@ -474,7 +475,9 @@ pub fn best_rank_bound(
     deadline: Option<Instant>,
 ) -> Option<RankBound> {
     let mut best: Option<RankBound> = None;
-    for r in (0..inst.p).rev() {
+    let p = inst.p;
+    for i in 0..p {
+        let r = if i % 2 == 0 { p - 1 - i / 2 } else { i / 2 };
         if let Some(b) = rank_bound(inst, r, cutoff, max_nodes, deadline) {
             if best.is_none_or(|x| b.bound > x.bound) {
                 best = Some(b);
