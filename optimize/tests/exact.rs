@@ -368,3 +368,55 @@ fn the_root_bound_is_below_every_reference_schedule_and_meets_seven() {
         ]
     );
 }
+
+/// The one-rank relaxation on the reference data: below every authors' schedule it is given
+/// (each is a real schedule within its memory limit and placement), and where it finds no
+/// relaxed schedule shorter than the authors', the authors' makespan is optimal: three
+/// profA `zb1p` with M > P and two unit `vauto1p` that no other bound settles.
+#[test]
+fn the_relaxation_proves_reference_schedules_optimal() {
+    use schedc_optimize::rank_bound::best_rank_bound;
+    use schedc_optimize::refdata::{read, zb_dir};
+    let Some(dir) = zb_dir() else {
+        eprintln!("skipped: shared/reference/zb is not there");
+        return;
+    };
+    let load = |id: &str| read(&dir.join(format!("{id}.json"))).unwrap();
+    for id in [
+        "vauto1p_P4_M4_unit",
+        "vauto1p_P4_M4_profA",
+        "vauto1p_P4_M4_profB",
+        "zb1p_P4_M8_profA",
+    ] {
+        let c = load(id);
+        let b = best_rank_bound(&c.instance().unwrap(), f64::INFINITY, 2_000_000, None).unwrap();
+        assert!(b.exact);
+        assert!(
+            b.bound <= c.makespan_from_t0 + 1e-6,
+            "{id}: relaxation {} above the authors' {}",
+            b.bound,
+            c.makespan_from_t0
+        );
+    }
+    for id in [
+        "zb1p_P4_M12_profA",
+        "zb1p_P4_M16_profA",
+        "zb1p_P6_M12_profA",
+        "vauto1p_P4_M8_unit",
+        "vauto1p_P4_M12_unit",
+    ] {
+        let c = load(id);
+        let inst = c.instance().unwrap();
+        assert!(
+            schedc_optimize::exact::root_bound(&inst).unwrap() < c.makespan_from_t0 - 1e-6,
+            "{id}: not settled by the root bound alone"
+        );
+        let b = best_rank_bound(&inst, c.makespan_from_t0, 2_000_000, None).unwrap();
+        assert!(
+            !b.exact && b.bound == c.makespan_from_t0,
+            "{id}: the relaxation finds {} below the authors' {}",
+            b.bound,
+            c.makespan_from_t0
+        );
+    }
+}
