@@ -23,6 +23,15 @@ fn main() {
         let rb = schedc_optimize::rank_bound::rank_bound(&inst, r, out.makespan, 50_000_000, None);
         println!("rank {r}: {:?} {:?}", rb, t.elapsed());
     }
+    if std::env::var("PAIRS").is_ok() {
+        for a in 0..inst.p {
+            for b in a + 1..inst.p {
+                let t = std::time::Instant::now();
+                let rb = schedc_optimize::rank_bound::ranks_bound(&inst, &[a, b], out.makespan, 20_000_000, None);
+                println!("ranks {a},{b}: {:?} {:?}", rb, t.elapsed());
+            }
+        }
+    }
     let mut ev = Evaluator::new(&inst);
     let (_, st) = ev.eval_starts(&out.best).unwrap();
     for r in 0..inst.p {

@@ -68,6 +68,8 @@ struct Kind {
     head: f64,
     /// Seconds that must follow its end.
     tail: f64,
+    /// Index of its rank in the relaxed set.
+    ri: usize,
 }
 
 struct Relax {
@@ -82,8 +84,12 @@ struct Relax {
     start: Vec<f64>,
     /// `h[t * m + k]`: earliest start of the k-th op of kind t apart from its lag.
     h: Vec<f64>,
-    clock: f64,
-    live: i64,
+    /// Per rank of the set: when it is free, and its live activations.
+    clock: Vec<f64>,
+    live: Vec<i64>,
+    /// Start and rank of the op placed last: ops are placed in order of (start, rank).
+    t_last: f64,
+    r_last: usize,
     cur: f64,
     best: f64,
     nodes: u64,
@@ -96,22 +102,28 @@ struct Relax {
 }
 
 impl Relax {
-    fn new(inst: &Instance, r: usize) -> Relax {
+    fn new(inst: &Instance, set: &[usize]) -> Relax {
         let rank = |s: usize| inst.rank_of[s] as usize;
-        let stages = &inst.stages_of[r];
+        let stages: Vec<u32> = set
+            .iter()
+            .flat_map(|&r| inst.stages_of[r].iter().copied())
+            .collect();
+        let in_set = |s: usize| set.contains(&rank(s));
         let kind_of = |k: u8, s: usize| -> usize {
             let i = stages.iter().position(|&x| x as usize == s).unwrap();
             3 * i + k as usize
         };
         let mut kinds = Vec::new();
-        for &s in stages {
+        for &s in &stages {
             let s = s as usize;
+            let ri = set.iter().position(|&r| r == rank(s)).unwrap();
             kinds.push(Kind {
                 d: inst.d_f[s],
                 mem: 1,
                 pred: None,
                 head: 0.0,
                 tail: 0.0,
+                ri,
             });
             kinds.push(Kind {
                 d: inst.d_b[s],
@@ -119,6 +131,7 @@ impl Relax {
                 pred: None,
                 head: 0.0,
                 tail: inst.d_w[s],
+                ri,
             });
             kinds.push(Kind {
                 d: inst.d_w[s],
@@ -126,6 +139,7 @@ impl Relax {
                 pred: Some((3 * (kinds.len() / 3) + 1, inst.d_b[s])),
                 head: 0.0,
                 tail: 0.0,
+                ri,
             });
         }
         // Every chain: F along the direction, then B back.
@@ -165,7 +179,7 @@ impl Relax {
             let mut last: Option<(usize, f64)> = None;
             for i in 0..n {
                 let (k, s) = ops[i];
-                if rank(s) == r {
+                if in_set(s) {
                     let t = kind_of(k, s);
                     match last {
                         None => kinds[t].head = acc,
@@ -200,8 +214,10 @@ impl Relax {
             cnt: vec![0; nk],
             start: vec![f64::NEG_INFINITY; nk * m],
             h: vec![f64::NEG_INFINITY; nk * m],
-            clock: f64::NEG_INFINITY,
-            live: 0,
+            clock: vec![f64::NEG_INFINITY; set.len()],
+            live: vec![0; set.len()],
+            t_last: f64::NEG_INFINITY,
+            r_last: 0,
             cur: 0.0,
             best: f64::INFINITY,
             nodes: 0,
@@ -222,7 +238,7 @@ impl Relax {
             return None;
         }
         let kd = &self.kinds[t];
-        if kd.mem > 0 && self.live >= self.cap {
+        if kd.mem > 0 && self.live[kd.ri] >= self.cap {
             return None;
         }
         let mut rel = self.h[t * self.m + k];
@@ -232,7 +248,7 @@ impl Relax {
             }
             rel = rel.max(self.start[p * self.m + k] + lag);
         }
-        Some(rel.max(self.clock))
+        Some(rel.max(self.clock[kd.ri]))
     }
 
     /// Jackson's preemptive schedule of the ops left, with heads propagated along the lags
@@ -245,8 +261,9 @@ impl Relax {
         for &t in &self.topo {
             let kd = &self.kinds[t];
             let mut prev_end = f64::NEG_INFINITY;
+            let b0 = self.clock[kd.ri].max(self.t_last);
             for k in self.cnt[t]..m {
-                let mut e = self.clock.max(prev_end).max(self.h[t * m + k]);
+                let mut e = b0.max(prev_end).max(self.h[t * m + k]);
                 if let Some((p, lag)) = kd.pred {
                     e = e.max(if self.cnt[p] > k {
                         self.start[p * m + k] + lag
@@ -257,11 +274,20 @@ impl Relax {
                 self.est[t * m + k] = e;
                 prev_end = e + kd.d;
                 lb = lb.max(e + kd.d + kd.tail);
-                jobs.push((e, kd.d, kd.tail));
             }
         }
-        if !jobs.is_empty() {
-            lb = lb.max(jackson(&mut jobs));
+        for ri in 0..self.clock.len() {
+            jobs.clear();
+            for (t, kd) in self.kinds.iter().enumerate() {
+                if kd.ri == ri {
+                    for k in self.cnt[t]..m {
+                        jobs.push((self.est[t * m + k], kd.d, kd.tail));
+                    }
+                }
+            }
+            if !jobs.is_empty() {
+                lb = lb.max(jackson(&mut jobs));
+            }
         }
         self.jobs = jobs;
         lb
@@ -270,7 +296,11 @@ impl Relax {
     fn key(&self) -> u64 {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         self.cnt.hash(&mut h);
-        self.clock.to_bits().hash(&mut h);
+        for c in &self.clock {
+            c.to_bits().hash(&mut h);
+        }
+        self.t_last.to_bits().hash(&mut h);
+        self.r_last.hash(&mut h);
         self.cur.to_bits().hash(&mut h);
         // Starts of placed ops whose successors are not placed yet.
         for (t, kd) in self.kinds.iter().enumerate() {
@@ -307,24 +337,35 @@ impl Relax {
         if self.seen.len() < 20_000_000 && !self.seen.insert(self.key()) {
             return;
         }
+        let (t_last, r_last) = (self.t_last, self.r_last);
         let mut kids: Vec<(f64, usize)> = (0..self.kinds.len())
             .filter_map(|t| self.ready(t).map(|s| (s, t)))
+            .filter(|&(st, t)| {
+                st > t_last + EPS || ((st - t_last).abs() <= EPS && self.kinds[t].ri > r_last)
+            })
             .collect();
         kids.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         for (st, t) in kids {
             let k = self.cnt[t];
-            let (clock, cur, live) = (self.clock, self.cur, self.live);
-            let kd = &self.kinds[t];
+            let (d, mem, ri, tail) = {
+                let kd = &self.kinds[t];
+                (kd.d, kd.mem, kd.ri, kd.tail)
+            };
+            let (clock, cur) = (self.clock[ri], self.cur);
             self.start[t * self.m + k] = st;
-            self.clock = st + kd.d;
-            self.cur = self.cur.max(st + kd.d + kd.tail);
-            self.live += kd.mem;
+            self.clock[ri] = st + d;
+            self.cur = self.cur.max(st + d + tail);
+            self.live[ri] += mem;
             self.cnt[t] += 1;
+            self.t_last = st;
+            self.r_last = ri;
             self.dfs(left - 1);
             self.cnt[t] -= 1;
-            self.clock = clock;
+            self.clock[ri] = clock;
             self.cur = cur;
-            self.live = live;
+            self.live[ri] -= mem;
+            self.t_last = t_last;
+            self.r_last = r_last;
             if self.aborted {
                 return;
             }
@@ -343,7 +384,7 @@ pub(crate) struct NodeRelax {
 impl NodeRelax {
     pub(crate) fn new(inst: &Instance, r: usize) -> NodeRelax {
         NodeRelax {
-            x: Relax::new(inst, r),
+            x: Relax::new(inst, &[r]),
             stages: inst.stages_of[r].clone(),
         }
     }
@@ -365,8 +406,10 @@ impl NodeRelax {
         x.cnt.copy_from_slice(cnt);
         x.h.copy_from_slice(h);
         x.start.fill(f64::NEG_INFINITY);
-        x.clock = clock;
-        x.live = live;
+        x.clock[0] = clock;
+        x.live[0] = live;
+        x.t_last = f64::NEG_INFINITY;
+        x.r_last = 0;
         x.cur = f64::NEG_INFINITY;
         x.best = cutoff;
         x.nodes = 0;
@@ -440,7 +483,7 @@ pub fn rank_bound(
     if inst.pairs_help() || !inst.split_dominates() || inst.stages_of[r].is_empty() {
         return None;
     }
-    let mut x = Relax::new(inst, r);
+    let mut x = Relax::new(inst, &[r]);
     for t in 0..x.kinds.len() {
         if x.kinds[t].pred.is_none() {
             let hd = x.kinds[t].head;
@@ -457,6 +500,42 @@ pub fn rank_bound(
     }
     Some(RankBound {
         rank: r,
+        bound: x.best,
+        exact: x.best < cutoff,
+        nodes: x.nodes,
+    })
+}
+
+/// The relaxation of a set of ranks at once (each a single machine with its cap, the other
+/// ranks as delays), as [`rank_bound`]; its `rank` is the set's first. Ops are placed in
+/// order of (start, rank), as branch and bound places them.
+pub fn ranks_bound(
+    inst: &Instance,
+    set: &[usize],
+    cutoff: f64,
+    max_nodes: u64,
+    deadline: Option<Instant>,
+) -> Option<RankBound> {
+    if inst.pairs_help() || !inst.split_dominates() || set.is_empty() {
+        return None;
+    }
+    let mut x = Relax::new(inst, set);
+    for t in 0..x.kinds.len() {
+        if x.kinds[t].pred.is_none() {
+            let hd = x.kinds[t].head;
+            x.h[t * x.m..(t + 1) * x.m].fill(hd);
+        }
+    }
+    x.best = cutoff;
+    x.max_nodes = max_nodes;
+    x.deadline = deadline;
+    let total = x.kinds.len() * x.m;
+    x.dfs(total);
+    if x.aborted {
+        return None;
+    }
+    Some(RankBound {
+        rank: set[0],
         bound: x.best,
         exact: x.best < cutoff,
         nodes: x.nodes,

@@ -7,7 +7,7 @@ use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind};
 use schedc_optimize::eval::Evaluator;
 use schedc_optimize::exact::{solve, solve_with, SolveOptions};
-use schedc_optimize::rank_bound::rank_bound;
+use schedc_optimize::rank_bound::{rank_bound, ranks_bound};
 use schedc_optimize::{Instance, Sched, Tok};
 
 /// All distinct permutations of `v` (sorted first).
@@ -136,6 +136,21 @@ fn audit(p: u32, m: u32, v: u32, cost: &str, cap: Option<u64>) {
     );
     if !i.split_dominates() {
         return;
+    }
+    // With every rank in the set, the relaxation is the instance itself but for messages
+    // queueing on a link: the optimum when messages take no time, at most it otherwise.
+    let all: Vec<usize> = (0..i.p).collect();
+    let whole = ranks_bound(&i, &all, f64::INFINITY, u64::MAX, None).unwrap();
+    assert!(whole.exact);
+    if i.lat == 0.0 {
+        assert!(
+            (whole.bound - r.makespan).abs() < 1e-9,
+            "P={p} M={m} V={v} {cost} cap {cap:?}: every rank relaxed {} against the optimum {}",
+            whole.bound,
+            r.makespan
+        );
+    } else {
+        assert!(whole.bound <= r.makespan + 1e-9);
     }
     for rank in 0..i.p {
         let b = rank_bound(&i, rank, f64::INFINITY, u64::MAX, None).unwrap();
