@@ -8,7 +8,8 @@
 //! `bound.rs` and the root bound of branch and bound (no search): where either reaches the
 //! authors' makespan, no schedule at that memory limit and placement is shorter.
 //!
-//! `-- relax NODES CONFIG_ID...`: the one-rank relaxation alone on the given configurations.
+//! `-- relax NODES CONFIG_ID...`: the one-rank relaxation alone on the given configurations
+//! (every rank, from both ends inwards; with `RANK=r` in the environment, rank `r` only).
 //!
 //! `-- bounds NODES`: also, where neither does, the one-rank relaxation
 //! ([`best_rank_bound`]) searched for a schedule shorter than the authors' within NODES nodes
@@ -16,7 +17,7 @@
 
 use schedc_optimize::bound::lower_bound;
 use schedc_optimize::exact::{root_bound, solve};
-use schedc_optimize::rank_bound::best_rank_bound;
+use schedc_optimize::rank_bound::{best_rank_bound, rank_bound};
 use schedc_optimize::refdata::{read, read_all, zb_dir};
 use schedc_optimize::search::{optimize, Options};
 
@@ -79,7 +80,13 @@ fn main() {
             let c = read(&dir.join(format!("{id}.json"))).unwrap();
             let inst = c.instance().unwrap();
             let t = std::time::Instant::now();
-            let (relax, opt) = match best_rank_bound(&inst, c.makespan_from_t0, nodes, None) {
+            // RANK=r: that rank alone (the turn of a V placement is P - 1).
+            let only = std::env::var("RANK").ok().and_then(|x| x.parse::<usize>().ok());
+            let got = match only {
+                Some(r) => rank_bound(&inst, r.min(inst.p - 1), c.makespan_from_t0, nodes, None),
+                None => best_rank_bound(&inst, c.makespan_from_t0, nodes, None),
+            };
+            let (relax, opt) = match got {
                 Some(r) => (
                     format!(
                         "{}{:.4} (rank {}, {} nodes, {:.2} s)",
