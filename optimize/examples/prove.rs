@@ -81,7 +81,9 @@ fn main() {
             let inst = c.instance().unwrap();
             let t = std::time::Instant::now();
             // RANK=r: that rank alone (the turn of a V placement is P - 1).
-            let only = std::env::var("RANK").ok().and_then(|x| x.parse::<usize>().ok());
+            let only = std::env::var("RANK")
+                .ok()
+                .and_then(|x| x.parse::<usize>().ok());
             let got = match only {
                 Some(r) => rank_bound(&inst, r.min(inst.p - 1), c.makespan_from_t0, nodes, None),
                 None => best_rank_bound(&inst, c.makespan_from_t0, nodes, None),

@@ -1,4 +1,11 @@
-//! Scratch: one V instance, the search's best with its timeline and the root bound.
+//! One V instance at a cap: the root bound of branch and bound, the search's best, each
+//! rank's one-rank relaxation ([`schedc_optimize::rank_bound`]) searched below that best,
+//! the best schedule's start times per rank, and, with NODES > 0, branch and bound from it.
+//!
+//! `cargo run --release -p schedc-optimize --example vprobe -- P M COST CAP [NODES]`, e.g.
+//! `-- 4 6 F=1,B=1,W=1 4`. Environment: `PAIRS=1` also tries every set of two ranks
+//! (20 M nodes each); `NR=n` sets the per-node relaxation budget of branch and bound
+//! (default 20,000; 0 turns it off).
 use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind};
 use schedc_optimize::eval::Evaluator;
@@ -27,17 +34,23 @@ fn main() {
         for a in 0..inst.p {
             for b in a + 1..inst.p {
                 let t = std::time::Instant::now();
-                let rb = schedc_optimize::rank_bound::ranks_bound(&inst, &[a, b], out.makespan, 20_000_000, None);
+                let rb = schedc_optimize::rank_bound::ranks_bound(
+                    &inst,
+                    &[a, b],
+                    out.makespan,
+                    20_000_000,
+                    None,
+                );
                 println!("ranks {a},{b}: {:?} {:?}", rb, t.elapsed());
             }
         }
     }
     let mut ev = Evaluator::new(&inst);
     let (_, st) = ev.eval_starts(&out.best).unwrap();
-    for r in 0..inst.p {
+    for (r, starts) in st.iter().enumerate() {
         let s: Vec<String> = out.best.ranks[r]
             .iter()
-            .zip(&st[r])
+            .zip(starts)
             .map(|(t, x)| {
                 let n = match t {
                     Tok::F(s) => format!("F{s}"),
@@ -53,7 +66,10 @@ fn main() {
     }
     if nodes > 0 {
         let t = std::time::Instant::now();
-        let nr: u64 = std::env::var("NR").ok().and_then(|x| x.parse().ok()).unwrap_or(20_000);
+        let nr: u64 = std::env::var("NR")
+            .ok()
+            .and_then(|x| x.parse().ok())
+            .unwrap_or(20_000);
         let e = schedc_optimize::exact::solve_with(
             &inst,
             Some((&out.best, out.makespan)),
@@ -66,7 +82,13 @@ fn main() {
         .unwrap();
         println!(
             "exact {} proved {} nodes {} {:?} relax {:?} cuts {} relax nodes {}",
-            e.makespan, e.proved, e.nodes, t.elapsed(), e.relaxation, e.relax_cuts, e.relax_nodes
+            e.makespan,
+            e.proved,
+            e.nodes,
+            t.elapsed(),
+            e.relaxation,
+            e.relax_cuts,
+            e.relax_nodes
         );
     }
 }

@@ -781,10 +781,7 @@ impl<'a> Bnb<'a> {
         {
             return f64::INFINITY;
         }
-        if !self.relax.is_empty()
-            && !self.opts.all
-            && self.node_relax(t_last) >= self.best - EPS
-        {
+        if !self.relax.is_empty() && !self.opts.all && self.node_relax(t_last) >= self.best - EPS {
             self.relax_cuts += 1;
             return f64::INFINITY;
         }
