@@ -22,8 +22,8 @@
 //! remaining ops have heads (earliest starts) and tails: Jackson's preemptive schedule is the
 //! optimum of that relaxation (Carlier, EJOR 1982). (5) At the root, each rank alone as a
 //! single machine with its cap, the other ranks' ops as plain delays, solved exactly
-//! ([`crate::rank_bound`]): its optimum bounds every schedule, so it is a floor under every
-//! node's bound, and a schedule that meets it ends the search. A node's children are explored in order of
+//! ([`crate::rank_bound`]): its optimum bounds every schedule, so when it reaches the
+//! incumbent nothing is expanded, and otherwise a schedule that meets it ends the search. A node's children are explored in order of
 //! their bounds. States met twice (same
 //! counts, clocks, memory, pending messages and last placement) are explored once.
 //!
@@ -700,7 +700,10 @@ impl<'a> Bnb<'a> {
             }
         }
         self.jobs = jobs;
-        lb.max(self.global_lb)
+        // The root relaxation's floor (`global_lb`) is below the best known whenever a node
+        // is expanded, so it would cut nothing here; it is left out so that the children's
+        // order (best bound first) keeps its information.
+        lb
     }
 
     fn state_hash(&self, t_last: f64, r_last: usize) -> u64 {
