@@ -483,6 +483,7 @@ pub fn split_timed(
             && is_moe.get(c.stage as usize).copied().unwrap_or(false)
     };
     if let Interleave::List(window) = interleave {
+        let moe_stage = |s: u32| is_moe.get(s as usize).copied().unwrap_or(false);
         let units_of = |ins: &Instr| {
             let mut v = Vec::with_capacity(8);
             emit(ins, &splits, &mut v);
@@ -498,9 +499,14 @@ pub fn split_timed(
             }
             c
         });
-        if let Some(orders) =
-            crate::moe_list::order(p, sp, &units_of, scaled.as_ref(), window as usize)
-        {
+        if let Some(orders) = crate::moe_list::order(
+            p,
+            sp,
+            &units_of,
+            scaled.as_ref(),
+            window as usize,
+            &moe_stage,
+        ) {
             let (ranks, span_ranks): (Vec<_>, Vec<_>) = orders.into_iter().unzip();
             let mut pipeline = p.pipeline.clone();
             pipeline.moe_stages = Some(moe.to_vec());
@@ -740,7 +746,14 @@ mod tests {
             stream(true),
             "F(0,0).dispatch F(0,1).dispatch F(0,0).combine F(0,1).combine F(0,2).dispatch F(0,3).dispatch F(0,2).combine F(0,3).combine"
         );
-        assert_eq!(t.len(), 32);
+        // Each BW is split into its B (four parts) and its W (`mlp`, then `attn`).
+        assert_eq!(t.len(), 16 + 4 * 6);
+        assert!(!t.iter().any(|s| s.starts_with("BW(")));
+        for m in 0..4 {
+            let at = |x: &str| t.iter().position(|s| s == x).unwrap();
+            assert!(at(&format!("B(0,{m}).attn")) < at(&format!("W(0,{m}).mlp")));
+            assert!(at(&format!("W(0,{m}).mlp")) < at(&format!("W(0,{m}).attn")));
+        }
         assert_eq!(
             "all:list".parse::<MoeStages>().unwrap().interleave(),
             Interleave::List(2)
