@@ -1115,7 +1115,7 @@ mod tests {
 
     #[test]
     fn overlap_parts_and_misc() {
-        let src = "pp 1\nstages 2\nmicrobatches 2\nplacement 0 0\ngroup ep 0\nrank 0: F(0,0).attn F(0,0).dispatch F(0,0).mlp F(0,0).combine F(1,0) F(0,1)&BW(1,0) _ A2A(ep,x.1) REDUCE_GRAD(1) WAIT_SA(0,1) UNSHARD(0) RESHARD(0) WAIT_REDUCE_GRAD(1) WAIT_SG(1,0)\n";
+        let src = "pp 1\nstages 2\nmicrobatches 2\nplacement 0 0\ngroup ep 0\nrank 0: F(0,0).attn F(0,0).dispatch F(0,0).mlp F(0,0).combine F(1,0) F(0,1)&BW(1,0) _ A2A(ep,x.1) REDUCE_GRAD(1) WAIT_SA(0,1) UNSHARD(0) RESHARD(0) WAIT_REDUCE_GRAD(1) WAIT_SG(1,0) WAIT_RA(0,1) WAIT_RG(1,0) W(0,0).mlp W(0,0).attn\n";
         let p = parse(src).unwrap();
         assert_eq!(print(&p.program), src);
     }

@@ -545,3 +545,29 @@ fn list_figures_at_p8() {
         }
     }
 }
+
+/// `WAIT_RG` holds the compute stream back until the receive is in (the `W` of the W split
+/// is timed that way under the all-to-all it covers): without it rank 0's deferred `W(0,0)`
+/// runs right after `B(0,0)` (t = 5), with it when `RG(1,1)` completes (t = 7, rank 1's
+/// `BW(1,1)` end), under unit times and free messages.
+#[test]
+fn a_wait_for_a_receive_holds_the_compute_stream_back() {
+    let cost = CostModel::resolve("F=1,B=1,W=1,latency=0").unwrap();
+    let w_start = |wait: &str| {
+        let src = format!(
+            "pp 2\nstages 2\nmicrobatches 2\nplacement loop\n\
+             rank 0: F(0,0) SA(0,0->1) F(0,1) SA(0,1->1) RG(1,0<-1) B(0,0) RG(1,1<-1) {wait} W(0,0) B(0,1) W(0,1)\n\
+             rank 1: RA(0,0<-0) RA(0,1<-0) F(1,0) BW(1,0) SG(1,0->0) F(1,1) BW(1,1) SG(1,1->0)\n"
+        );
+        let p = schedc_ir::text::parse(&src).unwrap().program;
+        let (r, l) = simulate_split(&p, &cost);
+        let ev = r
+            .events
+            .iter()
+            .find(|e| e.rank == 0 && e.name(&l) == "W(0,0)")
+            .unwrap();
+        (ev.start, r.makespan)
+    };
+    assert_eq!(w_start(""), (5.0, 9.0));
+    assert_eq!(w_start("WAIT_RG(1,1)"), (7.0, 10.0));
+}
