@@ -1,10 +1,11 @@
 //! The cost-aware part-level order of `--moe=STAGES:list` ([`crate::moe::Interleave::List`]).
 //!
-//! Each rank keeps its op order from the input (a spec stays conformant op for op); what this
-//! module chooses is the order of the *parts* (attention, dispatch, MLP, combine of a forward;
-//! the mirror for a backward; a whole `W` or dense op; the eight parts of an `&` pair in
-//! DeepSeek's fixed order, `crate::moe`) across the ops of a sliding window, by a greedy list
-//! schedule simulated under the cost model over all ranks at once:
+//! Each rank keeps its order of forwards and backwards from the input (a spec stays
+//! conformant op for op); what this module chooses is the order of the *parts* (attention,
+//! dispatch, MLP, combine of a forward; the mirror for a backward; a dense op whole; the
+//! eight parts of an `&` pair in DeepSeek's fixed order, `crate::moe`) across the ops of a
+//! sliding window, and where the weight gradients run, by a greedy list schedule simulated
+//! under the cost model over all ranks at once:
 //!
 //! * every rank has a compute stream and an expert-parallel (EP) stream, each running its
 //!   parts in the order chosen, as the simulator does (`crate::sim`);
@@ -13,9 +14,13 @@
 //!   stage's backward, ended on their ranks at their simulated times, plus the message time
 //!   when they run on another rank), for its own rank's inputs (the loss stage's forward, a
 //!   `W`'s `B`), and for every op whose last part was placed before it (the simulator's rule:
-//!   ops overlap only where the program interleaves their parts);
-//! * a window of `window` consecutive ops per rank is open: op `k + window` may place its
-//!   first part once op `k` has placed its last (at most `window` ops in flight);
+//!   ops overlap only where the program interleaves their parts); an `&` pair's forward
+//!   attention also waits for the pair's backward input (the pair starts when both inputs
+//!   are in, as DeepSeek's DualPipe launches it), through a `WAIT_RA/RG` when that input
+//!   comes from another rank, so the backward's first all-to-all runs under it;
+//! * a window of `window` consecutive ops per rank (weight gradients not counted) is open:
+//!   op `k + window` may place its first part once op `k` has placed its last (at most
+//!   `window` ops in flight);
 //! * parts are placed one at a time, globally in order of their start time (a heap over
 //!   ranks); on a rank the part that can start first wins, ties to the earlier op, except
 //!   that a part opening its op on the other stream goes first (placed after a part that
@@ -25,14 +30,19 @@
 //!   Without that rule the greedy fills the compute stream of a DualPipe steady state with
 //!   the next pair's attention and lengthens the gradient chain (P = 8, M = 64: makespan
 //!   +17%).
-//! * W fill: a `W` past the window whose `B` has ended may start where the compute stream
-//!   would otherwise idle (an exposed all-to-all, a wait for a message), if it ends before
-//!   every open part on the compute stream and every part that opens an op can start
-//!   (`W_FILL_SLACK`); the oldest such `W` in op order goes, and it does not count
-//!   against the window. A `W` reads only its own `B`'s saved state and sends nothing:
-//!   running it earlier frees its stash sooner and adds no cross-rank dependency. With
-//!   moe-1to1.toml's 10 ms `W` and 6 ms all-to-alls it rarely fits (DualPipe, P = 8,
-//!   M = 16: 48.8% exposed before, 48.6% after; DualPipeV 47.8% and 46.8%).
+//! * weight gradients: every `BW` of an MoE stage outside a pair becomes its `B` and its `W`,
+//!   and every `W` of an MoE stage two parts, `W.mlp` (expert weights) then `W.attn` (the
+//!   rest), each an op of its own outside the window. A `W` reads only its own `B`'s saved
+//!   state and sends nothing: where it runs adds no cross-rank dependency. The oldest ready
+//!   `W` part runs where it spends at least half of itself under the rank's latest all-to-all
+//!   and ends before every open part on the compute stream and every part that opens an op
+//!   can start (it delays nothing); when it would start before that all-to-all and the
+//!   all-to-all waited for a receive (a cooldown's backward waiting for its gradient), it
+//!   waits for that receive too (`WAIT_RA/RG`). It runs at its earliest start instead when
+//!   more than [`W_READY_MAX`] are ready, when the rank holds all the activations it may, or
+//!   when nothing else is left;
+//! * memory: a rank holds at most its input order's peak of activations plus one per op in
+//!   flight beyond two; a forward whose first part would exceed it waits (and the `W`s run).
 //!
 //! The point-to-point messages are placed too (the result is a lowered program, which
 //! `check` verifies as given): each rank's sends and receives in the order of their
@@ -51,11 +61,17 @@
 //! ...`, EP `disp1 disp2 comb1 comb2 ...`.
 //!
 //! **Cost.** `O(parts · window · log P)`: a placement re-evaluates the window (and the oldest
-//! `window` pending `W`s past it) of its own rank and of the rank its output feeds.
+//! `2 · window` pending `W` parts) of its own rank and of the rank its output feeds.
 //!
-//! **Memory.** A forward allocates its activation when its first part starts: with `window`
-//! ops in flight a rank can hold up to `window - 1` activations more than the op order alone
-//! (check's `peak_activations` and a spec's `expect peak_activations` count them).
+//! **Memory.** A forward allocates its activation when its first part starts and a `BW` or a
+//! split `W` releases it with its last part, as check's pass 6 counts them: `:list` holds no
+//! more than the input order, `:listN` `N - 2` more (check's `peak_activations` and a spec's
+//! `expect peak_activations` count them).
+//!
+//! **Figures** (P = 8, moe-1to1.toml, `compare`'s scaling, `tests/tests/moe.rs`): DualPipe
+//! exposes 23.7% (M = 16) and 5.9% (M = 64) of its all-to-all, DualPipeV 20.9% and 5.3%, at
+//! their default order's peak and in shorter steps; before the `W` split and the waits,
+//! 48.6%, 16.0%, 46.8% and 18.2%.
 //!
 //! **Deadlock freedom.** The order is that of an execution: every part is placed after what
 //! it reads has been placed, so pass 3 finds an interleaving and pass 4 accepts it.

@@ -229,6 +229,12 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
         (usize, Pos),
         std::hash::BuildHasherDefault<super::PackedHasher>,
     > = HashMap::default();
+    // Receives are tracked only for a program that waits for one (`WAIT_RA/RG`).
+    let waits_for_receives = p
+        .ranks
+        .iter()
+        .flatten()
+        .any(|i| matches!(i, Instr::WaitRecv(_)));
     for (r, instrs) in p.ranks.iter().enumerate() {
         part_seen.clear();
         let mut sent: HashMap<Payload, Pos> = HashMap::new();
@@ -267,7 +273,7 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
             match ins {
                 Instr::Comm(_) | Instr::Group(_) => {
                     for m in ins.comms() {
-                        if let Comm::Recv { payload, .. } = m {
+                        if let (Comm::Recv { payload, .. }, true) = (m, waits_for_receives) {
                             received.entry(*payload).or_insert(at);
                         }
                         if let Comm::Send { payload, .. } = m {
