@@ -855,6 +855,6 @@ fn moe_rolling_interleave_equals_sequential() {
     let e = r.expect_err("two layers per stage cannot run an op interleaved with its reader");
     assert_eq!(
         e.to_string(),
-        "unsupported: rank 3: the MoE parts of F(3,0) and F(4,0) interleave, but one needs the other's result; with 2 layers per stage the CPU backend runs interleaved parts layer by layer, so only independent ops may interleave"
+        "unsupported: rank 0: the MoE parts of F(7,0) and B(7,0) interleave, but one needs the other's result; with 2 layers per stage the CPU backend runs interleaved parts layer by layer, so only independent ops may interleave"
     );
 }
