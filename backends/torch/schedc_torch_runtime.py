@@ -781,8 +781,10 @@ class ProgramRuntime:
         elif p in ("B", "BW"):
             self._backward(st, k, stash, fused=(p == "BW"))
         elif p == "W":
+            # Whole, or split by `--moe=STAGES:list` into ``mlp`` (the weights behind the MLP
+            # piece's input backward) then ``attn`` (every weight gradient still owed).
             for seg in stash.segs:
-                if seg.plan is not None:
+                if seg.plan is not None and (k.part in (None, "attn") or seg.part == k.part):
                     _ag.weight_backward(seg.plan, st.params)
                     seg.plan = None
         else:

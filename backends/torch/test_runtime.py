@@ -85,6 +85,9 @@ CONFIGS = [
     ("dualpipev-moe-parts", "specs/dualpipev.sched", ["--pp", "2", "--mb", "4"], None, True, False),
     ("zb_h1-moe-parts", "specs/zb_h1.sched", ["--pp", "2", "--mb", "3"], None, True, False),
     ("dualpipe-moe-parts", "specs/dualpipe.sched", ["--pp", "2", "--mb", "4"], None, True, False),
+    # The cost-aware part order: split weight gradients (W.mlp, W.attn) and WAIT_RA/RG waits.
+    ("dualpipe-moe-list", "specs/dualpipe.sched", ["--pp", "4", "--mb", "8", "--moe=all:list"], None, False, False),
+    ("dualpipev-moe-list", "specs/dualpipev.sched", ["--pp", "2", "--mb", "4", "--moe=all:list"], None, False, False),
     ("channels", "tests/cases/channels-separate-streams.case", [], None, False, False),
     ("collectives", "tests/cases/a2a-order-agrees.case", [], None, False, False),
 ]

@@ -485,7 +485,7 @@ pub fn render(r: &Report) -> String {
     if let Some(k) = r.moe_list {
         let _ = writeln!(
             o,
-            "parts ordered by a greedy list schedule under the cost model (:list, at most {k} ops in flight per rank; the op order of each rank is the input's)"
+            "parts ordered by a greedy list schedule under the cost model (:list, at most {k} ops in flight per rank; each rank's order of forwards and backwards is the input's, its weight gradients split and run under all-to-alls)"
         );
     }
     let _ = writeln!(

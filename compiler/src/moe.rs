@@ -90,21 +90,22 @@
 //!
 //! ## Cost-aware part order (`--moe=STAGES:list`, `:listN`, opt-in)
 //!
-//! With [`Interleave::List`] each rank keeps its op order, and the parts of a sliding window
-//! of `N` ops (2 for a bare `:list`) are ordered by a greedy list schedule simulated under the
-//! cost model across all ranks ([`crate::moe_list`]): a part of a later op runs before the
-//! parts of an earlier op when its inputs are there and it holds no older op back; `&` pairs
-//! keep DeepSeek's order inside. The result comes with its point-to-point messages already
-//! placed in the order of the simulated times (a lowered program). Without a cost model
-//! (`check --moe=all:list` with no `--cost`) it schedules under unit times, 1:1.
+//! With [`Interleave::List`] each rank keeps its order of forwards and backwards, and the
+//! parts of a sliding window of `N` ops (2 for a bare `:list`) are ordered by a greedy list
+//! schedule simulated under the cost model across all ranks ([`crate::moe_list`]): a part of
+//! a later op runs before the parts of an earlier op when its inputs are there and it holds no
+//! older op back; `&` pairs keep DeepSeek's order inside and start when both inputs are in;
+//! the `BW`s outside pairs become `B` + `W`, and every `W` is split into `W.mlp` and `W.attn`,
+//! run under other ops' all-to-alls (with a `WAIT_RA/RG` where the all-to-all waits for a
+//! receive). The result comes with its point-to-point messages already placed in the order of
+//! the simulated times (a lowered program). Without a cost model (`check --moe=all:list` with
+//! no `--cost`) it schedules under unit times, 1:1.
 //!
 //! Measured (`compare --moe=all:list --cost ../shared/costs/moe-1to1.toml`, P = 8; the book's
-//! MoE chapter has the table): exposed all-to-all of DualPipe 48.8% at M = 16 and 16.1% at
-//! M = 64 (default order: 64.0%, 19.8%), DualPipeV 47.8% and 18.5% (65.1%, 23.7%), the same
-//! peak activations as the default order for both; `:list3` 39.9% / 13.9% and 40.9% / 16.8%
-//! with one activation more. The targets (10%, 25%) are not reached: what is left is
-//! the fill and the drain, where a rank holds one micro-batch's op whose input arrives alone
-//! and the spec's op order puts no other work within the window.
+//! MoE chapter has the table): exposed all-to-all of DualPipe 23.7% at M = 16 and 5.9% at
+//! M = 64 (default order: 64.0%, 19.8%), DualPipeV 20.9% and 5.3% (65.1%, 23.7%), at the
+//! default order's peak activations for both and in shorter steps; `:list3` 16.5% / 4.1% and
+//! 13.6% / 3.4% with one activation more.
 //!
 //! ## Which stages are MoE
 //!
@@ -483,6 +484,7 @@ pub fn split_timed(
             && is_moe.get(c.stage as usize).copied().unwrap_or(false)
     };
     if let Interleave::List(window) = interleave {
+        let moe_stage = |s: u32| is_moe.get(s as usize).copied().unwrap_or(false);
         let units_of = |ins: &Instr| {
             let mut v = Vec::with_capacity(8);
             emit(ins, &splits, &mut v);
@@ -498,9 +500,14 @@ pub fn split_timed(
             }
             c
         });
-        if let Some(orders) =
-            crate::moe_list::order(p, sp, &units_of, scaled.as_ref(), window as usize)
-        {
+        if let Some(orders) = crate::moe_list::order(
+            p,
+            sp,
+            &units_of,
+            scaled.as_ref(),
+            window as usize,
+            &moe_stage,
+        ) {
             let (ranks, span_ranks): (Vec<_>, Vec<_>) = orders.into_iter().unzip();
             let mut pipeline = p.pipeline.clone();
             pipeline.moe_stages = Some(moe.to_vec());
@@ -740,7 +747,14 @@ mod tests {
             stream(true),
             "F(0,0).dispatch F(0,1).dispatch F(0,0).combine F(0,1).combine F(0,2).dispatch F(0,3).dispatch F(0,2).combine F(0,3).combine"
         );
-        assert_eq!(t.len(), 32);
+        // Each BW is split into its B (four parts) and its W (`mlp`, then `attn`).
+        assert_eq!(t.len(), 16 + 4 * 6);
+        assert!(!t.iter().any(|s| s.starts_with("BW(")));
+        for m in 0..4 {
+            let at = |x: &str| t.iter().position(|s| s == x).unwrap();
+            assert!(at(&format!("B(0,{m}).attn")) < at(&format!("W(0,{m}).mlp")));
+            assert!(at(&format!("W(0,{m}).mlp")) < at(&format!("W(0,{m}).attn")));
+        }
         assert_eq!(
             "all:list".parse::<MoeStages>().unwrap().interleave(),
             Interleave::List(2)

@@ -1,10 +1,11 @@
 //! The cost-aware part-level order of `--moe=STAGES:list` ([`crate::moe::Interleave::List`]).
 //!
-//! Each rank keeps its op order from the input (a spec stays conformant op for op); what this
-//! module chooses is the order of the *parts* (attention, dispatch, MLP, combine of a forward;
-//! the mirror for a backward; a whole `W` or dense op; the eight parts of an `&` pair in
-//! DeepSeek's fixed order, `crate::moe`) across the ops of a sliding window, by a greedy list
-//! schedule simulated under the cost model over all ranks at once:
+//! Each rank keeps its order of forwards and backwards from the input (a spec stays
+//! conformant op for op); what this module chooses is the order of the *parts* (attention,
+//! dispatch, MLP, combine of a forward; the mirror for a backward; a dense op whole; the
+//! eight parts of an `&` pair in DeepSeek's fixed order, `crate::moe`) across the ops of a
+//! sliding window, and where the weight gradients run, by a greedy list schedule simulated
+//! under the cost model over all ranks at once:
 //!
 //! * every rank has a compute stream and an expert-parallel (EP) stream, each running its
 //!   parts in the order chosen, as the simulator does (`crate::sim`);
@@ -13,9 +14,13 @@
 //!   stage's backward, ended on their ranks at their simulated times, plus the message time
 //!   when they run on another rank), for its own rank's inputs (the loss stage's forward, a
 //!   `W`'s `B`), and for every op whose last part was placed before it (the simulator's rule:
-//!   ops overlap only where the program interleaves their parts);
-//! * a window of `window` consecutive ops per rank is open: op `k + window` may place its
-//!   first part once op `k` has placed its last (at most `window` ops in flight);
+//!   ops overlap only where the program interleaves their parts); an `&` pair's forward
+//!   attention also waits for the pair's backward input (the pair starts when both inputs
+//!   are in, as DeepSeek's DualPipe launches it), through a `WAIT_RA/RG` when that input
+//!   comes from another rank, so the backward's first all-to-all runs under it;
+//! * a window of `window` consecutive ops per rank (weight gradients not counted) is open:
+//!   op `k + window` may place its first part once op `k` has placed its last (at most
+//!   `window` ops in flight);
 //! * parts are placed one at a time, globally in order of their start time (a heap over
 //!   ranks); on a rank the part that can start first wins, ties to the earlier op, except
 //!   that a part opening its op on the other stream goes first (placed after a part that
@@ -25,14 +30,19 @@
 //!   Without that rule the greedy fills the compute stream of a DualPipe steady state with
 //!   the next pair's attention and lengthens the gradient chain (P = 8, M = 64: makespan
 //!   +17%).
-//! * W fill: a `W` past the window whose `B` has ended may start where the compute stream
-//!   would otherwise idle (an exposed all-to-all, a wait for a message), if it ends before
-//!   every open part on the compute stream and every part that opens an op can start
-//!   (`W_FILL_SLACK`); the oldest such `W` in op order goes, and it does not count
-//!   against the window. A `W` reads only its own `B`'s saved state and sends nothing:
-//!   running it earlier frees its stash sooner and adds no cross-rank dependency. With
-//!   moe-1to1.toml's 10 ms `W` and 6 ms all-to-alls it rarely fits (DualPipe, P = 8,
-//!   M = 16: 48.8% exposed before, 48.6% after; DualPipeV 47.8% and 46.8%).
+//! * weight gradients: every `BW` of an MoE stage outside a pair becomes its `B` and its `W`,
+//!   and every `W` of an MoE stage two parts, `W.mlp` (expert weights) then `W.attn` (the
+//!   rest), each an op of its own outside the window. A `W` reads only its own `B`'s saved
+//!   state and sends nothing: where it runs adds no cross-rank dependency. The oldest ready
+//!   `W` part runs where it spends at least half of itself under the rank's latest all-to-all
+//!   and ends before every open part on the compute stream and every part that opens an op
+//!   can start (it delays nothing); when it would start before that all-to-all and the
+//!   all-to-all waited for a receive (a cooldown's backward waiting for its gradient), it
+//!   waits for that receive too (`WAIT_RA/RG`). It runs at its earliest start instead when
+//!   more than [`W_READY_MAX`] are ready, when the rank holds all the activations it may, or
+//!   when nothing else is left;
+//! * memory: a rank holds at most its input order's peak of activations plus one per op in
+//!   flight beyond two; a forward whose first part would exceed it waits (and the `W`s run).
 //!
 //! The point-to-point messages are placed too (the result is a lowered program, which
 //! `check` verifies as given): each rank's sends and receives in the order of their
@@ -51,11 +61,17 @@
 //! ...`, EP `disp1 disp2 comb1 comb2 ...`.
 //!
 //! **Cost.** `O(parts · window · log P)`: a placement re-evaluates the window (and the oldest
-//! `window` pending `W`s past it) of its own rank and of the rank its output feeds.
+//! `2 · window` pending `W` parts) of its own rank and of the rank its output feeds.
 //!
-//! **Memory.** A forward allocates its activation when its first part starts: with `window`
-//! ops in flight a rank can hold up to `window - 1` activations more than the op order alone
-//! (check's `peak_activations` and a spec's `expect peak_activations` count them).
+//! **Memory.** A forward allocates its activation when its first part starts and a `BW` or a
+//! split `W` releases it with its last part, as check's pass 6 counts them: `:list` holds no
+//! more than the input order, `:listN` `N - 2` more (check's `peak_activations` and a spec's
+//! `expect peak_activations` count them).
+//!
+//! **Figures** (P = 8, moe-1to1.toml, `compare`'s scaling, `tests/tests/moe.rs`): DualPipe
+//! exposes 23.7% (M = 16) and 5.9% (M = 64) of its all-to-all, DualPipeV 20.9% and 5.3%, at
+//! their default order's peak and in shorter steps; before the `W` split and the waits,
+//! 48.6%, 16.0%, 46.8% and 18.2%.
 //!
 //! **Deadlock freedom.** The order is that of an execution: every part is placed after what
 //! it reads has been placed, so pass 3 finds an interleaving and pass 4 accepts it.
@@ -73,21 +89,34 @@ use std::collections::BinaryHeap;
 /// Ops in flight per rank when `:list` gives no number.
 pub const DEFAULT_WINDOW: usize = 2;
 
-/// How long (seconds) a `W` of the W fill may run past the earliest start of an open part
-/// (module docs): 0, it must end by then.
+/// How many ready `W` parts may wait for an all-to-all to run under (module docs, "Weight
+/// gradients"): with one more ready, the oldest runs at its earliest start.
 ///
-/// At moe-1to1.toml a DualPipe `W` takes 10 ms and an all-to-all 6 ms, so no `W` fits one
-/// exposed all-to-all of the cooldown's drain; a slack of 4 ms lets it cover one but delays
-/// the drain that all-to-all is on. Measured at P = 8 with `:list` (`compare`'s scaling), it
-/// lengthened the step of DualPipe by 0.9% (M = 16) and 0.3% (M = 64), of DualPipeV by 1.6%
-/// and 0.6%, for 0.1 to 1.7 points less exposed all-to-all: not worth it.
-const W_FILL_SLACK: f64 = 0.0;
+/// Measured at P = 8, M = 16 and 64 with moe-1to1.toml (`compare`'s scaling), DualPipe and
+/// DualPipeV under `:list`: 1 gives the shortest steps (0.8898 s, 2.5912 s, 0.9341 s,
+/// 2.6833 s); 2, 4 or no bound lengthen them by up to 1.2% for at most 0.9 points less
+/// exposed all-to-all.
+const W_READY_MAX: usize = 1;
+
+/// Held activations a part adds: +1 for a forward's first part, -1 for the last part of a
+/// `BW` or `W` (a split `B` releases nothing; its `W` does), as check's pass 6 counts them.
+fn mem_delta(c: &Compute) -> i64 {
+    match c.kind {
+        Kind::F if is_first_part(c) => 1,
+        Kind::BW | Kind::W if is_last_part(c) => -1,
+        _ => 0,
+    }
+}
 
 /// One schedulable piece: a part, a whole op, or a whole (dense) pair.
 struct Unit {
     ins: Instr,
     ep: bool,
     dur: f64,
+    /// The backward of an `&` pair, on the pair's forward attention: the pair starts once
+    /// both of its inputs are in (DeepSeek's DualPipe receives both before launching the
+    /// overlapped chunk), so the backward's first all-to-all runs under that attention.
+    pair_bwd: Option<Compute>,
 }
 
 /// The units of one op of the input (a whole op, a split op, a pair), in their fixed order.
@@ -113,8 +142,17 @@ struct RankState {
     version: u64,
     /// The `W` ops not yet placed, in op order (candidates of the W fill).
     wq: Vec<usize>,
-    /// The op whose next unit starts first, and when.
-    best: Option<(f64, usize)>,
+    /// The op whose next unit starts first, when, and the receive the compute stream waits
+    /// for first (`WAIT_RA/RG`), if any.
+    best: Option<(f64, usize, Option<Payload>)>,
+    /// The latest all-to-all placed: start, end, and the payload whose arrival started it
+    /// (its op's cross-rank input), if that arrival is what it waited for.
+    ep_last: (f64, f64, Option<Payload>),
+    /// Activations held now (a forward's first part allocates, the last part of a `BW` or
+    /// `W` releases) and the most the rank may hold: the input order's peak plus
+    /// `window - 1`.
+    live: i64,
+    mem_cap: i64,
 }
 
 /// The per-rank part orders of the module docs, with each part's span, or `None` when the
@@ -129,6 +167,7 @@ pub(crate) fn order(
     units_of: &dyn Fn(&Instr) -> Vec<Instr>,
     cost: Option<&CostModel>,
     window: usize,
+    moe_stage: &dyn Fn(u32) -> bool,
 ) -> Option<Vec<(Vec<Instr>, Vec<Span>)>> {
     let pl = &p.pipeline;
     let (s_n, m_n) = (pl.stages as usize, pl.microbatches as usize);
@@ -165,27 +204,80 @@ pub(crate) fn order(
             if bad {
                 return None;
             }
-            let units = units_of(ins)
-                .into_iter()
-                .map(|u| Unit {
-                    ep: matches!(&u, Instr::Compute(c) if c.part.is_all_to_all()),
-                    dur: dur(&u),
-                    ins: u,
-                })
-                .collect();
+            let span = spans
+                .get(r)
+                .and_then(|v| v.get(i))
+                .copied()
+                .unwrap_or_default();
+            let unit = |u: Instr| Unit {
+                ep: matches!(&u, Instr::Compute(c) if c.part.is_all_to_all()),
+                dur: dur(&u),
+                ins: u,
+                pair_bwd: None,
+            };
+            // The W split: a whole `BW` of an MoE stage becomes its `B` and the two parts of
+            // its `W`, a whole `W` its two parts, each part an op of its own.
+            let wsplit = match ins {
+                Instr::Compute(c)
+                    if c.part == Part::Whole
+                        && matches!(c.kind, Kind::BW | Kind::W)
+                        && moe_stage(c.stage) =>
+                {
+                    Some(*c)
+                }
+                _ => None,
+            };
+            if let Some(c) = wsplit {
+                if c.kind == Kind::BW {
+                    let b = Instr::Compute(Compute { kind: Kind::B, ..c });
+                    let units = units_of(&b).into_iter().map(unit).collect();
+                    ops.push(Op {
+                        w: false,
+                        units,
+                        span,
+                    });
+                }
+                for &part in Part::order(Kind::W) {
+                    let wp = Instr::Compute(Compute {
+                        kind: Kind::W,
+                        part,
+                        ..c
+                    });
+                    ops.push(Op {
+                        w: true,
+                        units: vec![unit(wp)],
+                        span,
+                    });
+                }
+                continue;
+            }
+            let mut units: Vec<Unit> = units_of(ins).into_iter().map(unit).collect();
+            if let Instr::Overlap { fwd, bwd } = ins {
+                let first_f = units.iter_mut().find(
+                    |u| matches!(&u.ins, Instr::Compute(c) if c.kind == Kind::F && c.mb == fwd.mb && c.stage == fwd.stage),
+                );
+                if let Some(u) = first_f {
+                    if bwd.stage != fwd.stage || bwd.mb != fwd.mb {
+                        u.pair_bwd = Some(*bwd);
+                    }
+                }
+            }
             let w = matches!(ins, Instr::Compute(c) if c.kind == Kind::W);
-            ops.push(Op {
-                w,
-                units,
-                span: spans
-                    .get(r)
-                    .and_then(|v| v.get(i))
-                    .copied()
-                    .unwrap_or_default(),
-            });
+            ops.push(Op { w, units, span });
         }
         let n = ops.len();
         let wq = (0..n).filter(|&j| ops[j].w).collect();
+        // The input order's peak of held activations.
+        let (mut live, mut peak) = (0i64, 0i64);
+        for o in &ops {
+            for u in &o.units {
+                u.ins.for_each_compute(|c| {
+                    live += mem_delta(c);
+                    peak = peak.max(live);
+                });
+            }
+        }
+        let mem_cap = peak + window.max(2) as i64 - 2;
         st.push(RankState {
             wq,
             ops,
@@ -196,6 +288,9 @@ pub(crate) fn order(
             closed: 0.0,
             version: 0,
             best: None,
+            ep_last: (0.0, 0.0, None),
+            live: 0,
+            mem_cap,
         });
     }
     // End of each stage's forward (`act`) and backward (`grad`) per micro-batch; NaN before.
@@ -261,21 +356,57 @@ pub(crate) fn order(
                 Kind::W => need(grad[slot(c.stage, c.mb)], c.stage),
             }
         });
+        if let Some(b) = &u.pair_bwd {
+            if let Some(ns) = pl.next_stage(b.stage) {
+                let end = grad[slot(ns, b.mb)];
+                let e = if end.is_nan() {
+                    f64::INFINITY
+                } else if pl.rank_of(ns) as usize != r {
+                    end + msg
+                } else {
+                    end
+                };
+                t = t.max(e);
+            }
+        }
         t
     };
     let evaluate = |s: &mut RankState, r: usize, act: &[f64], grad: &[f64], pe: &[f64]| {
-        while s.lo < s.ops.len() && s.next[s.lo] == s.ops[s.lo].units.len() {
+        // `lo`: the oldest open op that is not a `W` (those are placed below).
+        while s.lo < s.ops.len() && (s.next[s.lo] == s.ops[s.lo].units.len() || s.ops[s.lo].w) {
             s.lo += 1;
         }
-        // The window: `window` ops from the oldest open one, `W`s included (not counting
-        // them lets one more forward in: DualPipe P = 8, M = 16 exposes 45.1% instead of
-        // 48.6% but holds 10 activations instead of 9, worse than `:list3`'s 39.9% at 10).
-        // A `W` past the window is a candidate of the W fill below, outside the window.
-        let hi = (s.lo + window).min(s.ops.len());
+        // The window: `window` ops from the oldest open one, `W`s not counted.
+        let mut hi = s.lo;
+        let mut k = 0;
+        while hi < s.ops.len() && k < window {
+            k += usize::from(!s.ops[hi].w);
+            hi += 1;
+        }
         // (start, on the EP stream, opens its op, op, duration), window order.
         let mut cands: Vec<(f64, bool, bool, usize, f64)> = Vec::with_capacity(hi - s.lo);
-        for j in s.lo..hi {
+        // The oldest ready `W` competes like a window op when it must run: more than
+        // `W_READY_MAX` are ready, the rank holds all the activations it may, or nothing
+        // else is left.
+        let ready = |j: usize| start_of(s, &s.ops[j].units[0], r, act, grad, pe).is_finite();
+        let forced_w = s.wq.first().copied().filter(|&j0| {
+            ready(j0)
+                && (s.lo == s.ops.len()
+                    || s.live >= s.mem_cap
+                    || s.wq.get(W_READY_MAX).is_some_and(|&j1| ready(j1)))
+        });
+        let from = forced_w.map_or(s.lo, |j| j.min(s.lo));
+        for j in from..hi.max(forced_w.map_or(0, |j| j + 1)) {
+            if (s.ops[j].w || j >= hi) && Some(j) != forced_w {
+                continue;
+            }
             if let Some(u) = s.ops[j].units.get(s.next[j]) {
+                // Memory: a forward waits while the rank holds all it may.
+                let mut alloc = 0;
+                u.ins.for_each_compute(|c| alloc += mem_delta(c).max(0));
+                if s.live + alloc > s.mem_cap {
+                    continue;
+                }
                 let t = start_of(s, u, r, act, grad, pe);
                 if t.is_finite() {
                     cands.push((t, u.ep, s.next[j] == 0, j, u.dur));
@@ -310,28 +441,36 @@ pub(crate) fn order(
                 }
             }
         }
-        let mut best = best.map(|k| (cands[k].0, cands[k].3));
-        // W fill: the oldest ready `W` past the window may start where the compute stream
-        // would idle before every open part can start, and must end `W_FILL_SLACK` after
-        // the earliest start of an open part on the compute stream or of a part that opens
-        // its op on either stream (it waits for the ops placed before it, the `W` among
-        // them). Nothing else waits for a `W`.
-        {
-            let slack = W_FILL_SLACK;
-            let limit = cands
-                .iter()
-                .filter(|c| !c.1 || c.2)
-                .map(|c| c.0)
-                .fold(f64::INFINITY, f64::min);
-            let before = best.map_or(f64::INFINITY, |b| b.0);
-            // The oldest `window` pending `W`s past the window (bounded work per placement).
-            for &j in s.wq.iter().skip_while(|&&j| j < hi).take(window) {
-                let u = &s.ops[j].units[0];
-                let t = start_of(s, u, r, act, grad, pe);
-                if t < before && t < limit && t + u.dur <= limit + slack {
-                    best = Some((t, j));
-                    break;
-                }
+        let mut best = best.map(|k| (cands[k].0, cands[k].3, None));
+        // Cover: the oldest ready `W` part that runs at least half under the rank's latest
+        // all-to-all and ends before every open part on the compute stream and every part
+        // that opens its op can start (it waits for the ops placed before it, the `W` among
+        // them; nothing else waits for a `W`). When it would start before that all-to-all
+        // and the all-to-all waited for a receive, the `W` waits for that receive too
+        // (`WAIT_RA/RG`): on a rank draining backwards one at a time, the compute stream is
+        // idle until the next backward's gradient arrives, and a `W` run then would not
+        // cover that backward's first all-to-all.
+        let limit = cands
+            .iter()
+            .filter(|c| !c.1 || c.2)
+            .map(|c| c.0)
+            .fold(f64::INFINITY, f64::min);
+        let before = best.map_or(f64::INFINITY, |b| b.0);
+        let (es, ee, gate) = s.ep_last;
+        for &j in s.wq.iter().take(2 * window) {
+            if Some(j) == forced_w {
+                continue;
+            }
+            let u = &s.ops[j].units[0];
+            let t0 = start_of(s, u, r, act, grad, pe);
+            let (t, wait) = match gate {
+                Some(g) if t0 < es => (es, Some(g)),
+                _ => (t0, None),
+            };
+            let overlap = (t + u.dur).min(ee) - t.max(es);
+            if t < before && overlap >= 0.5 * u.dur && t + u.dur <= limit {
+                best = Some((t, j, wait));
+                break;
             }
         }
         s.version += 1;
@@ -342,7 +481,7 @@ pub(crate) fn order(
     let mut heap: BinaryHeap<Reverse<(u64, u32, u64)>> = BinaryHeap::new();
     for (r, s) in st.iter_mut().enumerate() {
         evaluate(s, r, &act, &grad, &part_end);
-        if let Some((t, _)) = s.best {
+        if let Some((t, _, _)) = s.best {
             heap.push(Reverse((t.max(0.0).to_bits(), r as u32, s.version)));
         }
     }
@@ -351,18 +490,50 @@ pub(crate) fn order(
         if st[r].version != ver {
             continue;
         }
-        let Some((t, j)) = st[r].best else { continue };
+        let Some((t, j, wait)) = st[r].best else {
+            continue;
+        };
         let s = &mut st[r];
         let u = &s.ops[j].units[s.next[j]];
         let e = t + u.dur;
+        // The cross-rank input an op's first part reads, and when it arrives.
+        let arrival = |c: &Compute| -> Option<(Payload, f64)> {
+            let (kind, src, table) = match c.kind {
+                Kind::F => (PayloadKind::Act, pl.prev_stage(c.stage)?, &act),
+                Kind::B | Kind::BW => (PayloadKind::Grad, pl.next_stage(c.stage)?, &grad),
+                Kind::W => return None,
+            };
+            (pl.rank_of(src) as usize != r).then(|| {
+                let payload = Payload {
+                    kind,
+                    stage: src,
+                    mb: c.mb,
+                };
+                (payload, table[slot(src, c.mb)] + msg)
+            })
+        };
+        let mut waits: [Option<Payload>; 2] = [wait, None];
+        if let Some(b) = &u.pair_bwd {
+            waits[1] = arrival(b).map(|(p, _)| p);
+        }
         if u.ep {
             s.efree = e;
+            let mut gate = None;
+            u.ins.for_each_compute(|c| {
+                if is_first_part(c) {
+                    gate = arrival(c)
+                        .filter(|&(_, at)| (at - t).abs() <= 1e-9 * t.abs().max(1e-9))
+                        .map(|(p, _)| p);
+                }
+            });
+            s.ep_last = (t, e, gate);
         } else {
             s.cfree = e;
         }
         let mut feeds: [Option<usize>; 2] = [None, None];
         let mut sent: [Option<(Payload, usize)>; 2] = [None, None];
         u.ins.for_each_compute(|c| {
+            s.live += mem_delta(c);
             part_end[op_key(c)] = e;
             if is_last_part(c) {
                 s.closed = s.closed.max(e);
@@ -396,8 +567,13 @@ pub(crate) fn order(
                 }
             }
         });
-        out[r].0.push(u.ins.clone());
         let span = s.ops[j].span;
+        for w in waits.into_iter().flatten() {
+            out[r].0.push(Instr::WaitRecv(w));
+            out[r].1.push(span);
+            starts[r].push(t);
+        }
+        out[r].0.push(u.ins.clone());
         out[r].1.push(span);
         starts[r].push(t);
         s.next[j] += 1;
@@ -438,7 +614,7 @@ pub(crate) fn order(
         for q in std::iter::once(r).chain(feeds.into_iter().flatten()) {
             if q < st.len() {
                 evaluate(&mut st[q], q, &act, &grad, &part_end);
-                if let Some((tq, _)) = st[q].best {
+                if let Some((tq, _, _)) = st[q].best {
                     heap.push(Reverse((tq.max(0.0).to_bits(), q as u32, st[q].version)));
                 }
             }

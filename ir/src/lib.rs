@@ -351,9 +351,31 @@ impl Part {
     pub fn is_all_to_all(self) -> bool {
         matches!(self, Part::Dispatch | Part::Combine)
     }
-    /// Index 0..4 of the part in execution order for `kind` (forward order for `F`, reverse
-    /// for backwards); 0 for `Whole`.
+    /// How many parts an op of `kind` splits into: 4 for `F`, `B` and `BW` (attention,
+    /// dispatch, MLP, combine), 2 for `W` (the weight gradients of the experts, `Mlp`, then
+    /// of the attention side, `Attn`: a weight gradient moves no tokens).
+    pub fn count(kind: Kind) -> usize {
+        if kind == Kind::W {
+            2
+        } else {
+            4
+        }
+    }
+    /// The parts of an op of `kind`, in execution order.
+    pub fn order(kind: Kind) -> &'static [Part] {
+        match kind {
+            Kind::F => &Self::FORWARD_ORDER,
+            Kind::W => &[Part::Mlp, Part::Attn],
+            Kind::B | Kind::BW => &[Part::Combine, Part::Mlp, Part::Dispatch, Part::Attn],
+        }
+    }
+    /// Index of the part in execution order for `kind` (forward order for `F`, reverse for
+    /// `B` and `BW`: 0..4; `Mlp` then `Attn` for `W`: 0..2); 0 for `Whole` (and for an
+    /// all-to-all part of a `W`, which pass 1 refuses).
     pub fn exec_index(self, kind: Kind) -> usize {
+        if kind == Kind::W {
+            return usize::from(self == Part::Attn);
+        }
         let fwd = match self {
             Part::Whole | Part::Attn => 0,
             Part::Dispatch => 1,
@@ -525,6 +547,13 @@ pub enum Instr {
     Reshard(Stage),
     /// Wait until an earlier send of this payload has completed (torch `WAIT_SEND_F/B`).
     WaitSend(Payload),
+    /// The compute stream waits until an earlier receive of this payload has completed
+    /// (text `WAIT_RA(s,m)`, `WAIT_RG(s,m)`; a CUDA stream waiting on the receive's event).
+    /// It holds back the compute ops after it, not only those that read the payload: an
+    /// overlapped pair waits for both of its inputs, as DeepSeek's DualPipe does before
+    /// launching one, and a weight gradient can be timed to run under the all-to-all of the
+    /// op that payload feeds (`--moe=STAGES:list`). Torch has no such action.
+    WaitRecv(Payload),
     /// An idle slot (torch's empty CSV cell); spacing only.
     Idle,
 }

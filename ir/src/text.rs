@@ -20,7 +20,8 @@
 //! (`F(s,m).attn`, `.dispatch`, `.mlp`, `.combine`); an overlapped pair `F(s,m)&BW(t,k)`;
 //! `SA(s,m->r)`, `RA(s,m<-r)`, `SG(s,m->r)`, `RG(s,m<-r)`; a group `{op op ...}`;
 //! `A2A(comm,label)`; `REDUCE_GRAD(s)`, `WAIT_REDUCE_GRAD(s)`, `UNSHARD(s)`, `RESHARD(s)`;
-//! `WAIT_SA(s,m)`, `WAIT_SG(s,m)` (wait for an earlier send); `_` an idle slot.
+//! `WAIT_SA(s,m)`, `WAIT_SG(s,m)` (wait for an earlier send), `WAIT_RA(s,m)`, `WAIT_RG(s,m)`
+//! (the compute stream waits for an earlier receive); `_` an idle slot.
 //!
 //! The same parser reads the `.case` test format of `shared/cases`, whose extra header lines
 //! (`expect ...`, `budget activations N`) are returned in [`Parsed`].
@@ -284,7 +285,7 @@ fn part_from(s: &str) -> Option<Part> {
     })
 }
 
-const OP_NAMES: &str = "F, B, W, BW, SA, RA, SG, RG, A2A, REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD, RESHARD, WAIT_SA, WAIT_SG, `{`, or `_`";
+const OP_NAMES: &str = "F, B, W, BW, SA, RA, SG, RG, A2A, REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD, RESHARD, WAIT_SA, WAIT_SG, WAIT_RA, WAIT_RG, `{`, or `_`";
 
 enum Item {
     Compute(Compute),
@@ -326,6 +327,8 @@ fn parse_one(c: &mut Cur<'_>) -> PResult<Item> {
             | "RESHARD"
             | "WAIT_SA"
             | "WAIT_SG"
+            | "WAIT_RA"
+            | "WAIT_RG"
     );
     if !known {
         return Err(bad_name(c));
@@ -420,8 +423,8 @@ fn parse_one(c: &mut Cur<'_>) -> PResult<Item> {
             c.expect_byte(b')', "`)`")?;
             Item::Comm(Comm::Collective(Box::new(Collective { comm, label })))
         }
-        "WAIT_SA" | "WAIT_SG" => {
-            let kind = if name == "WAIT_SA" {
+        "WAIT_SA" | "WAIT_SG" | "WAIT_RA" | "WAIT_RG" => {
+            let kind = if name.ends_with('A') {
                 PayloadKind::Act
             } else {
                 PayloadKind::Grad
@@ -433,7 +436,12 @@ fn parse_one(c: &mut Cur<'_>) -> PResult<Item> {
             let mb = c.uint("a micro-batch number")?;
             c.skip_inline_ws();
             c.expect_byte(b')', "`)`")?;
-            Item::Other(Instr::WaitSend(Payload { kind, stage, mb }))
+            let payload = Payload { kind, stage, mb };
+            Item::Other(if name.starts_with("WAIT_S") {
+                Instr::WaitSend(payload)
+            } else {
+                Instr::WaitRecv(payload)
+            })
         }
         _ => {
             let s = c.uint("a stage number")?;
@@ -1018,6 +1026,14 @@ pub fn write_instr(out: &mut String, i: &Instr) {
             };
             let _ = write!(out, "{k}({},{})", p.stage, p.mb);
         }
+        Instr::WaitRecv(p) => {
+            let k = if p.kind == PayloadKind::Act {
+                "WAIT_RA"
+            } else {
+                "WAIT_RG"
+            };
+            let _ = write!(out, "{k}({},{})", p.stage, p.mb);
+        }
         Instr::Idle => out.push('_'),
     }
 }
@@ -1099,7 +1115,7 @@ mod tests {
 
     #[test]
     fn overlap_parts_and_misc() {
-        let src = "pp 1\nstages 2\nmicrobatches 2\nplacement 0 0\ngroup ep 0\nrank 0: F(0,0).attn F(0,0).dispatch F(0,0).mlp F(0,0).combine F(1,0) F(0,1)&BW(1,0) _ A2A(ep,x.1) REDUCE_GRAD(1) WAIT_SA(0,1) UNSHARD(0) RESHARD(0) WAIT_REDUCE_GRAD(1) WAIT_SG(1,0)\n";
+        let src = "pp 1\nstages 2\nmicrobatches 2\nplacement 0 0\ngroup ep 0\nrank 0: F(0,0).attn F(0,0).dispatch F(0,0).mlp F(0,0).combine F(1,0) F(0,1)&BW(1,0) _ A2A(ep,x.1) REDUCE_GRAD(1) WAIT_SA(0,1) UNSHARD(0) RESHARD(0) WAIT_REDUCE_GRAD(1) WAIT_SG(1,0) WAIT_RA(0,1) WAIT_RG(1,0) W(0,0).mlp W(0,0).attn\n";
         let p = parse(src).unwrap();
         assert_eq!(print(&p.program), src);
     }

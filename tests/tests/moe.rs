@@ -485,8 +485,9 @@ fn list_lowering_passes_every_check() {
 /// The figures of `--moe=all:list` (2 ops in flight) and `:list3` at P = 8 with
 /// moe-1to1.toml, costs scaled as `compare` scales them (so these are `compare`'s figures):
 /// exposed all-to-all fraction, makespan (s), and the largest check peak of activations
-/// (stage-chunks), against the default order. Measured; the issue's 25% (M = 16) and 10%
-/// (M = 64) are not reached (book, MoE chapter).
+/// (stage-chunks), against the default order. DualPipe and DualPipeV under `:list` expose at
+/// most 25% of their all-to-all at M = 16 and at most 10% at M = 64 (the issue's targets)
+/// in a shorter step than the default order and at its peak of activations.
 #[test]
 fn list_figures_at_p8() {
     let cost = moe_cost();
@@ -505,27 +506,68 @@ fn list_figures_at_p8() {
     };
     let list = |k| MoeStages::Listed(Box::new(MoeStages::All), k);
     // (spec, M, ops in flight, exposed, makespan, peak)
-    for (name, mb, k, exposed, makespan, peak) in [
-        ("dualpipe", 16, 2, 0.4861, 0.8871, 9),
-        ("dualpipe", 64, 2, 0.1604, 2.5788, 9),
-        ("dualpipev", 16, 2, 0.4675, 0.9341, 17),
-        ("dualpipev", 64, 2, 0.1822, 2.6664, 17),
-        ("dualpipe", 16, 3, 0.3991, 0.8954, 10),
-        ("dualpipe", 64, 3, 0.1386, 2.5848, 10),
-        ("dualpipev", 16, 3, 0.4040, 0.9372, 18),
-        ("dualpipev", 64, 3, 0.1664, 2.6695, 18),
-        ("1f1b", 16, 2, 0.7539, 1.2978, 9),
-        ("1f1b", 64, 2, 0.8290, 4.0671, 9),
-    ] {
-        let (d_exp, d_mk, d_peak) = fig(name, mb, MoeStages::All);
-        let (e, m, pk) = fig(name, mb, list(k));
-        println!(
-            "{name} P=8 M={mb} list{k}: exposed {d_exp:.4} -> {e:.4}, makespan {d_mk:.4} -> {m:.4}, peak {d_peak} -> {pk}"
-        );
+    let want = [
+        ("dualpipe", 16, 2, 0.2368, 0.8898, 9),
+        ("dualpipe", 64, 2, 0.0592, 2.5912, 9),
+        ("dualpipev", 16, 2, 0.2087, 0.9341, 17),
+        ("dualpipev", 64, 2, 0.0527, 2.6833, 17),
+        ("dualpipe", 16, 3, 0.1647, 0.8794, 10),
+        ("dualpipe", 64, 3, 0.0412, 2.5712, 10),
+        ("dualpipev", 16, 3, 0.1356, 0.9189, 18),
+        ("dualpipev", 64, 3, 0.0339, 2.6645, 18),
+        ("1f1b", 16, 2, 0.8223, 1.2807, 8),
+        ("1f1b", 64, 2, 0.9556, 4.0647, 8),
+    ];
+    let got: Vec<_> = want
+        .iter()
+        .map(|&(name, mb, k, ..)| {
+            let d = fig(name, mb, MoeStages::All);
+            let l = fig(name, mb, list(k));
+            println!(
+                "{name} P=8 M={mb} list{k}: exposed {:.4} -> {:.4}, makespan {:.4} -> {:.4}, peak {} -> {}",
+                d.0, l.0, d.1, l.1, d.2, l.2
+            );
+            (d, l)
+        })
+        .collect();
+    for (&(name, mb, k, exposed, makespan, peak), &(d, (e, m, pk))) in want.iter().zip(&got) {
         assert!((e - exposed).abs() < 5e-4, "{name} M={mb} list{k}: {e}");
         assert!((m - makespan).abs() < 5e-4, "{name} M={mb} list{k}: {m}");
         assert_eq!(pk, peak, "{name} M={mb} list{k}");
         // Less exposed all-to-all in a shorter step than the default order.
-        assert!(e < d_exp && m < d_mk, "{name} M={mb} list{k}");
+        assert!(e < d.0 && m < d.1, "{name} M={mb} list{k}");
+        if name.starts_with("dualpipe") && k == 2 {
+            assert!(
+                e <= if mb == 16 { 0.25 } else { 0.10 },
+                "{name} M={mb}: {e}"
+            );
+            assert_eq!(pk, d.2, "{name} M={mb}: the default order's peak");
+        }
     }
+}
+
+/// `WAIT_RG` holds the compute stream back until the receive is in (the `W` of the W split
+/// is timed that way under the all-to-all it covers): without it rank 0's deferred `W(0,0)`
+/// runs right after `B(0,0)` (t = 5), with it when `RG(1,1)` completes (t = 7, rank 1's
+/// `BW(1,1)` end), under unit times and free messages.
+#[test]
+fn a_wait_for_a_receive_holds_the_compute_stream_back() {
+    let cost = CostModel::resolve("F=1,B=1,W=1,latency=0").unwrap();
+    let w_start = |wait: &str| {
+        let src = format!(
+            "pp 2\nstages 2\nmicrobatches 2\nplacement loop\n\
+             rank 0: F(0,0) SA(0,0->1) F(0,1) SA(0,1->1) RG(1,0<-1) B(0,0) RG(1,1<-1) {wait} W(0,0) B(0,1) W(0,1)\n\
+             rank 1: RA(0,0<-0) RA(0,1<-0) F(1,0) BW(1,0) SG(1,0->0) F(1,1) BW(1,1) SG(1,1->0)\n"
+        );
+        let p = schedc_ir::text::parse(&src).unwrap().program;
+        let (r, l) = simulate_split(&p, &cost);
+        let ev = r
+            .events
+            .iter()
+            .find(|e| e.rank == 0 && e.name(&l) == "W(0,0)")
+            .unwrap();
+        (ev.start, r.makespan)
+    };
+    assert_eq!(w_start(""), (5.0, 9.0));
+    assert_eq!(w_start("WAIT_RG(1,1)"), (7.0, 10.0));
 }

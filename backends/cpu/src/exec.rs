@@ -27,7 +27,7 @@
 
 use crate::model::{
     stage_backward_local, stage_forward_local, Grads, ModelConfig, Packet, RouterState, Scope,
-    StageKernels, StageParams, Stash,
+    StageKernels, StageParams, Stash, WeightSet,
 };
 use crate::tensor::Real;
 pub use schedc_program::data::{Batching, Data};
@@ -577,9 +577,14 @@ impl<'a, T: Real> Rank<'a, T> {
                     out = Some((*b, st.grad.clone()));
                 }
             }
-            (Pass::W, Part::Weights) => {
+            (Pass::W, Part::Weights | Part::WeightsMlp | Part::WeightsAttn) => {
+                let set = match k.part {
+                    Part::WeightsMlp => WeightSet::Mlp,
+                    Part::WeightsAttn => WeightSet::Attn,
+                    _ => WeightSet::All,
+                };
                 let mut g = self.take_grads(k.stage)?;
-                let r = self.kernels(si).weights(&st, &mut g.params);
+                let r = self.kernels(si).weights_of(&st, &mut g.params, set);
                 self.put(Buf::WeightGrad { stage: k.stage }, Value::Grads(g))?;
                 r?;
             }

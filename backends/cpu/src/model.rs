@@ -1115,6 +1115,18 @@ pub struct StageKernels<'a, T> {
     pub route_groups: usize,
 }
 
+/// Which weight gradients a `W` kernel adds ([`StageKernels::weights_of`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightSet {
+    /// Every weight of the stage (a whole `W`, or a `BW`'s weight half).
+    All,
+    /// The expert and shared-expert MLPs of every layer (a split `W`'s `mlp` part).
+    Mlp,
+    /// Every other weight: embedding, norms, attention, router, final norm and head (a
+    /// split `W`'s `attn` part).
+    Attn,
+}
+
 impl<T: Real> StageKernels<'_, T> {
     fn d(&self) -> usize {
         self.cfg.hidden
@@ -1657,10 +1669,30 @@ impl<T: Real> StageKernels<'_, T> {
     /// run. For the first stage `st.grad` (w.r.t. the embedding output) feeds the
     /// embedding's gradient.
     pub fn weights(&self, st: &Stash<T>, g: &mut StageParams<T>) -> Result<(), String> {
+        self.weights_of(st, g, WeightSet::All)
+    }
+
+    /// One part of a split W: the weight gradients of `set` only ([`WeightSet`]), added to
+    /// `g`. `Mlp` then `Attn` (in either order) add exactly what [`Self::weights`] adds:
+    /// every gradient is accumulated by one of them, in the same order of terms.
+    ///
+    /// # Errors
+    /// A stash whose backward has not run.
+    pub fn weights_of(
+        &self,
+        st: &Stash<T>,
+        g: &mut StageParams<T>,
+        set: WeightSet,
+    ) -> Result<(), String> {
+        let (attn, mlp) = match set {
+            WeightSet::All => (true, true),
+            WeightSet::Attn => (true, false),
+            WeightSet::Mlp => (false, true),
+        };
         let cfg = self.cfg;
         let (d, e, f, v) = (cfg.hidden, cfg.experts, cfg.expert_hidden, cfg.vocab);
         let (qr, kvr, sh) = (cfg.q_lora_rank, cfg.kv_lora_rank, AttnShape::of(cfg));
-        if let (Some(ge), true) = (&mut g.embed, self.params.embed.is_some()) {
+        if let (Some(ge), true, true) = (&mut g.embed, self.params.embed.is_some(), attn) {
             if st.grad.len() != st.tokens.len() * d {
                 return Err("embedding gradient before the backward".into());
             }
@@ -1676,6 +1708,21 @@ impl<T: Real> StageKernels<'_, T> {
             let c = &st.layers[l];
             if c.da.is_empty() {
                 return Err(format!("weight gradient of layer {l} before its backward"));
+            }
+            if mlp {
+                if let (Some(gs), Some(sc), Some(sg)) = (&mut gl.shared, &c.shared, &c.shared_grad)
+                {
+                    ffn_weight_grad(gs, sc, sg, d, f);
+                }
+                for (ids, caches, grads) in &st.experts[l].sources {
+                    for (i, &x) in ids.iter().enumerate() {
+                        let gx = &mut gl.experts[x as usize - g.expert_lo];
+                        ffn_weight_grad(gx, &caches[i], &grads[i], d, f);
+                    }
+                }
+            }
+            if !attn {
+                continue;
             }
             let t = c.x.len() / d;
             let tk = c.ckv_all.len() / kvr;
@@ -1695,17 +1742,8 @@ impl<T: Real> StageKernels<'_, T> {
             add_matmul_at(&mut gl.wo, &c.o_heads, &c.dh1, t, h * sh.v, d);
             rmsnorm_weight_grad(&mut gl.norm2, &c.d_n2, &c.xhat2, d);
             add_matmul_at(&mut gl.router, &c.n2, &c.dlogits, t, d, e);
-            if let (Some(gs), Some(sc), Some(sg)) = (&mut gl.shared, &c.shared, &c.shared_grad) {
-                ffn_weight_grad(gs, sc, sg, d, f);
-            }
-            for (ids, caches, grads) in &st.experts[l].sources {
-                for (i, &x) in ids.iter().enumerate() {
-                    let gx = &mut gl.experts[x as usize - g.expert_lo];
-                    ffn_weight_grad(gx, &caches[i], &grads[i], d, f);
-                }
-            }
         }
-        if let (Some(gn), Some(gh)) = (&mut g.final_norm, &mut g.head) {
+        if let (Some(gn), Some(gh), true) = (&mut g.final_norm, &mut g.head, attn) {
             let hc = st
                 .head
                 .as_ref()

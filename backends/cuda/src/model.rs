@@ -598,7 +598,9 @@ impl Model<'_> {
             (Pass::B, Part::Experts { layer }) => self.b_experts(s, st, layer as usize, io),
             (Pass::B, Part::Attn { layer }) => self.b_attn(s, st, layer as usize, io),
             (Pass::B, Part::Qkv { layer }) => self.b_qkv(s, st, layer as usize, io),
-            (Pass::W, Part::Weights) => self.w_weights(s, st, io),
+            (Pass::W, Part::Weights) => self.w_weights(s, st, io, true, true),
+            (Pass::W, Part::WeightsAttn) => self.w_weights(s, st, io, true, false),
+            (Pass::W, Part::WeightsMlp) => self.w_weights(s, st, io, false, true),
             (pass, part) => Err(GpuError(format!("no kernel {pass:?} {part:?}"))),
         }
     }
@@ -1641,11 +1643,21 @@ impl Model<'_> {
     }
 
     /// W: every weight gradient of the stage added to `weight_grad` (`weights`).
-    fn w_weights(&self, s: StreamId, st: &StageDev, io: &Io) -> Result<(), GpuError> {
+    /// The weight gradients of the stage: those of the attention side (`attn`: embedding,
+    /// norms, attention, router, final norm and head) and of the MLPs (`mlp`: shared expert
+    /// and experts); both for a whole `W`, one for a split `W`'s part.
+    fn w_weights(
+        &self,
+        s: StreamId,
+        st: &StageDev,
+        io: &Io,
+        attn: bool,
+        mlp: bool,
+    ) -> Result<(), GpuError> {
         let dm = self.dims;
         let (t, d, e, f, v) = (dm.t, dm.d, dm.e, dm.f, dm.vocab);
         let sl = &st.stash;
-        if st.info.first {
+        if st.info.first && attn {
             self.ew(
                 s,
                 "embed_w",
@@ -1664,180 +1676,184 @@ impl Model<'_> {
         for (li, r) in sl.layers.iter().enumerate() {
             let g = |w: &str| self.g(st, io, &self.lname(st, li, w));
             let at = |x: Region| self.at(io, x);
-            self.rmsnorm_w(s, g("norm1")?, at(r.da), at(r.xhat1), t, d)?;
-            self.mm(
-                s,
-                (d, qr, t),
-                at(r.a),
-                true,
-                at(r.dcq_raw),
-                false,
-                g("wdq")?,
-                true,
-                true,
-            )?;
-            self.rmsnorm_w(s, g("q_norm")?, at(r.dcq), at(r.cq_xhat), t, qr)?;
-            self.mm(
-                s,
-                (qr, h * dm.dn, t),
-                at(r.cq),
-                true,
-                at(r.dq_nope),
-                false,
-                g("wuq")?,
-                true,
-                true,
-            )?;
-            self.mm(
-                s,
-                (qr, h * dm.dr, t),
-                at(r.cq),
-                true,
-                at(r.dqr),
-                false,
-                g("wqr")?,
-                true,
-                true,
-            )?;
-            self.mm(
-                s,
-                (d, kvr, t),
-                at(r.a),
-                true,
-                at(r.dckv_raw),
-                false,
-                g("wdkv")?,
-                true,
-                true,
-            )?;
-            self.rmsnorm_w(s, g("kv_norm")?, at(r.dckv), at(r.ckv_xhat), t, kvr)?;
-            self.mm(
-                s,
-                (d, kw, t),
-                at(r.a),
-                true,
-                at(r.dkr),
-                false,
-                g("wkr")?,
-                true,
-                true,
-            )?;
-            // Over the gathered sequence: each SP member adds its queries' share; the
-            // data-parallel all-reduce, which spans the SP group, sums the shares.
-            self.mm(
-                s,
-                (kvr, h * dm.dn, tk),
-                at(r.ckv_all),
-                true,
-                at(r.dk_nope),
-                false,
-                g("wuk")?,
-                true,
-                true,
-            )?;
-            self.mm(
-                s,
-                (kvr, h * dm.dv, tk),
-                at(r.ckv_all),
-                true,
-                at(r.dvv),
-                false,
-                g("wuv")?,
-                true,
-                true,
-            )?;
-            self.mm(
-                s,
-                (h * dm.dv, d, t),
-                at(r.o),
-                true,
-                at(r.dh1),
-                false,
-                g("wo")?,
-                true,
-                true,
-            )?;
-            self.rmsnorm_w(s, g("norm2")?, at(r.dn2), at(r.xhat2), t, d)?;
-            self.mm(
-                s,
-                (d, e, t),
-                at(r.n2),
-                true,
-                at(r.dlr),
-                false,
-                g("router")?,
-                true,
-                true,
-            )?;
-            if dm.shared {
-                let dy = self.dy(st, li, io);
+            if attn {
+                self.rmsnorm_w(s, g("norm1")?, at(r.da), at(r.xhat1), t, d)?;
                 self.mm(
                     s,
-                    (d, f, t),
-                    at(r.n2),
+                    (d, qr, t),
+                    at(r.a),
                     true,
-                    at(r.sh_dh1),
+                    at(r.dcq_raw),
                     false,
-                    g("shared.w1")?,
+                    g("wdq")?,
+                    true,
+                    true,
+                )?;
+                self.rmsnorm_w(s, g("q_norm")?, at(r.dcq), at(r.cq_xhat), t, qr)?;
+                self.mm(
+                    s,
+                    (qr, h * dm.dn, t),
+                    at(r.cq),
+                    true,
+                    at(r.dq_nope),
+                    false,
+                    g("wuq")?,
                     true,
                     true,
                 )?;
                 self.mm(
                     s,
-                    (d, f, t),
-                    at(r.n2),
+                    (qr, h * dm.dr, t),
+                    at(r.cq),
                     true,
-                    at(r.sh_dh3),
+                    at(r.dqr),
                     false,
-                    g("shared.w3")?,
+                    g("wqr")?,
                     true,
                     true,
                 )?;
                 self.mm(
                     s,
-                    (f, d, t),
-                    at(r.sh_act),
+                    (d, kvr, t),
+                    at(r.a),
                     true,
-                    dy,
+                    at(r.dckv_raw),
                     false,
-                    g("shared.w2")?,
+                    g("wdkv")?,
+                    true,
+                    true,
+                )?;
+                self.rmsnorm_w(s, g("kv_norm")?, at(r.dckv), at(r.ckv_xhat), t, kvr)?;
+                self.mm(
+                    s,
+                    (d, kw, t),
+                    at(r.a),
+                    true,
+                    at(r.dkr),
+                    false,
+                    g("wkr")?,
+                    true,
+                    true,
+                )?;
+                // Over the gathered sequence: each SP member adds its queries' share; the
+                // data-parallel all-reduce, which spans the SP group, sums the shares.
+                self.mm(
+                    s,
+                    (kvr, h * dm.dn, tk),
+                    at(r.ckv_all),
+                    true,
+                    at(r.dk_nope),
+                    false,
+                    g("wuk")?,
+                    true,
+                    true,
+                )?;
+                self.mm(
+                    s,
+                    (kvr, h * dm.dv, tk),
+                    at(r.ckv_all),
+                    true,
+                    at(r.dvv),
+                    false,
+                    g("wuv")?,
+                    true,
+                    true,
+                )?;
+                self.mm(
+                    s,
+                    (h * dm.dv, d, t),
+                    at(r.o),
+                    true,
+                    at(r.dh1),
+                    false,
+                    g("wo")?,
+                    true,
+                    true,
+                )?;
+                self.rmsnorm_w(s, g("norm2")?, at(r.dn2), at(r.xhat2), t, d)?;
+                self.mm(
+                    s,
+                    (d, e, t),
+                    at(r.n2),
+                    true,
+                    at(r.dlr),
+                    false,
+                    g("router")?,
                     true,
                     true,
                 )?;
             }
-            let (stride, [w1, w3, w2]) = self.experts_at(st, li)?;
-            let nl = st.layout.loads;
-            let gp = |o: usize| io.grads + ((o + nl) * 4) as u64;
-            let cm = dm.cmax;
-            self.bmm(
-                s,
-                (d, f, cm),
-                (at(r.xe), cm * d, true),
-                (at(r.dh1e), cm * f, false),
-                (gp(w1), stride),
-                true,
-                true,
-            )?;
-            self.bmm(
-                s,
-                (d, f, cm),
-                (at(r.xe), cm * d, true),
-                (at(r.dh3e), cm * f, false),
-                (gp(w3), stride),
-                true,
-                true,
-            )?;
-            self.bmm(
-                s,
-                (f, d, cm),
-                (at(r.ae), cm * f, true),
-                (at(r.dye), cm * d, false),
-                (gp(w2), stride),
-                true,
-                true,
-            )?;
+            if mlp {
+                if dm.shared {
+                    let dy = self.dy(st, li, io);
+                    self.mm(
+                        s,
+                        (d, f, t),
+                        at(r.n2),
+                        true,
+                        at(r.sh_dh1),
+                        false,
+                        g("shared.w1")?,
+                        true,
+                        true,
+                    )?;
+                    self.mm(
+                        s,
+                        (d, f, t),
+                        at(r.n2),
+                        true,
+                        at(r.sh_dh3),
+                        false,
+                        g("shared.w3")?,
+                        true,
+                        true,
+                    )?;
+                    self.mm(
+                        s,
+                        (f, d, t),
+                        at(r.sh_act),
+                        true,
+                        dy,
+                        false,
+                        g("shared.w2")?,
+                        true,
+                        true,
+                    )?;
+                }
+                let (stride, [w1, w3, w2]) = self.experts_at(st, li)?;
+                let nl = st.layout.loads;
+                let gp = |o: usize| io.grads + ((o + nl) * 4) as u64;
+                let cm = dm.cmax;
+                self.bmm(
+                    s,
+                    (d, f, cm),
+                    (at(r.xe), cm * d, true),
+                    (at(r.dh1e), cm * f, false),
+                    (gp(w1), stride),
+                    true,
+                    true,
+                )?;
+                self.bmm(
+                    s,
+                    (d, f, cm),
+                    (at(r.xe), cm * d, true),
+                    (at(r.dh3e), cm * f, false),
+                    (gp(w3), stride),
+                    true,
+                    true,
+                )?;
+                self.bmm(
+                    s,
+                    (f, d, cm),
+                    (at(r.ae), cm * f, true),
+                    (at(r.dye), cm * d, false),
+                    (gp(w2), stride),
+                    true,
+                    true,
+                )?;
+            }
         }
-        if st.info.last {
+        if st.info.last && attn {
             self.mm(
                 s,
                 (d, v, t),

@@ -35,7 +35,11 @@
 //! `combine`; the first stage starts with `embed`, the last ends with `head`. Its backward
 //! runs the mirror image (`head`; per layer from the last: `combine`, `combine_grad`,
 //! `experts`, `dispatch_grad`, `attn`, `scatter_kv_grad`, `qkv`); `W` is one `weights`
-//! kernel. With a group of one, an all-to-all hands the packet to the rank itself.
+//! kernel, or, split by `--moe=STAGES:list` into `W.mlp` and `W.attn`, a `weights.mlp`
+//! kernel (the expert and shared-expert weights of every layer) and then a `weights.attn`
+//! kernel (every other weight: embedding, norms, attention, router, head), which releases the
+//! stash. A `WAIT_RA/RG` of the IR is an [`Op::Wait`] on the compute stream for the
+//! receive's event. With a group of one, an all-to-all hands the packet to the rank itself.
 //!
 //! ### Stage granularity ([`Granularity::Stage`])
 //!
@@ -280,6 +284,12 @@ pub enum Part {
     Head,
     /// Every weight gradient of the stage (pass `W`).
     Weights,
+    /// The expert (and shared-expert) weight gradients of every layer of the stage: a split
+    /// `W`'s `mlp` part.
+    WeightsMlp,
+    /// Every other weight gradient of the stage (embedding, norms, attention, router, final
+    /// norm and head): a split `W`'s `attn` part, after its `mlp` part.
+    WeightsAttn,
     /// Stage granularity: the whole stage of the user's model for the kernel's pass, or one
     /// MoE part of it (`moe`: `attn`, `dispatch`, `mlp`, `combine`, the schedule's parts, in
     /// the order the schedule gives them; `whole` is left out of the JSON).
@@ -450,6 +460,8 @@ impl fmt::Display for Kernel {
             Part::Combine { layer } => format!("combine[{layer}]"),
             Part::Head => "head".to_string(),
             Part::Weights => "weights".to_string(),
+            Part::WeightsMlp => "weights.mlp".to_string(),
+            Part::WeightsAttn => "weights.attn".to_string(),
             Part::Stage { moe } => {
                 return match moe {
                     schedc_ir::Part::Whole => {

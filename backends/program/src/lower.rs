@@ -333,13 +333,15 @@ fn lower_rank(
                     let st = info(c.stage).ok_or_else(|| {
                         ProgramError::Rejected(format!("stage {} is not held by rank {r}", c.stage))
                     })?;
-                    if c.part != IrPart::Whole {
-                        if c.kind == Kind::W {
-                            return Err(ProgramError::Unsupported(format!(
-                                "rank {r}: {} is a weight gradient in parts; W has no all-to-all and runs whole",
-                                schedc::passes::compute_str(&c)
-                            )));
+                    if c.kind == Kind::W && c.part != IrPart::Whole {
+                        // A weight gradient's part has no all-to-all: it runs where it
+                        // stands, like a whole op (inside a window, in the window's order).
+                        if !win.items.is_empty() {
+                            win.items.push((c, st));
+                        } else {
+                            emit_weights_part(&mut b, st.stage, c.mb, c.part);
                         }
+                    } else if c.part != IrPart::Whole {
                         win.push_part(c, st);
                         if win.open == 0 {
                             flush_window(&mut b, &cx, &mut win, r)?;
@@ -472,6 +474,23 @@ fn lower_rank(
             | Instr::Reshard(_)
             | Instr::WaitSend(_)
             | Instr::Idle => {}
+            Instr::WaitRecv(payload) => {
+                // The compute stream waits for the receive's event (inside a window, before
+                // the window's next item, after the forward tails that receive's sender
+                // may be waiting for).
+                let buf = Buf::of_payload(payload);
+                let Some(&event) = recv_ev.get(&buf) else {
+                    return Err(ProgramError::Rejected(format!(
+                        "rank {r}: `{}` waits for a receive the rank does not post",
+                        schedc_ir::text::instr_to_string(ins)
+                    )));
+                };
+                if win.items.is_empty() {
+                    b.compute.push(Op::Wait { event });
+                } else {
+                    win.waits.push((win.items.len(), buf, event));
+                }
+            }
         }
     }
     if !win.items.is_empty() {
@@ -720,6 +739,30 @@ fn emit_compute(
     }
 }
 
+/// One part of a split weight gradient: `W.mlp` (the expert weights, `Part::WeightsMlp`),
+/// then `W.attn` (every other weight of the stage, `Part::WeightsAttn`), which releases the
+/// stash; `Whole` is [`emit_weights`].
+fn emit_weights_part(b: &mut Builder, s: u32, mb: u32, part: IrPart) {
+    let stash = Buf::Stash { stage: s, mb };
+    let wg = Buf::WeightGrad { stage: s };
+    let (kpart, last) = match part {
+        IrPart::Mlp => (Part::WeightsMlp, false),
+        IrPart::Attn => (Part::WeightsAttn, true),
+        _ => return emit_weights(b, s, mb),
+    };
+    b.compute.push(Op::Kernel(Kernel {
+        pass: Pass::W,
+        stage: s,
+        mb,
+        part: kpart,
+        reads: vec![stash, wg],
+        writes: vec![wg],
+    }));
+    if last {
+        b.compute.push(Op::Free { buf: stash });
+    }
+}
+
 fn emit_weights(b: &mut Builder, s: u32, mb: u32) {
     let stash = Buf::Stash { stage: s, mb };
     let wg = Buf::WeightGrad { stage: s };
@@ -839,7 +882,10 @@ fn stage_op(
         Kind::W => {
             reads.extend([stash, wg]);
             writes.push(wg);
-            post.push(Op::Free { buf: stash });
+            // Split (`W.mlp`, then `W.attn`): the stash goes after the last part.
+            if whole || c.part == IrPart::Attn {
+                post.push(Op::Free { buf: stash });
+            }
         }
     }
     reads.sort();
@@ -884,6 +930,9 @@ struct Window {
     ops: Vec<(Kind, u32, u32, u8)>,
     /// Split ops still missing parts.
     open: usize,
+    /// Compute-stream waits for receives (`WAIT_RA/RG`): before item `.0`, the receive of
+    /// buffer `.1`, its event `.2`.
+    waits: Vec<(usize, Buf, u32)>,
 }
 
 impl Window {
@@ -947,9 +996,14 @@ fn flush_window(
     r: u32,
 ) -> Result<(), ProgramError> {
     let items = std::mem::take(&mut win.items);
+    let waits = std::mem::take(&mut win.waits);
     win.ops.clear();
     win.open = 0;
     let layers = cx.layers;
+    // A weight gradient's part (`W.mlp`, `W.attn`) runs in the window's order with one layer
+    // per stage; with more, the window runs layer by layer and its backward may still have
+    // layers to go, so the part runs after the window's rounds.
+    let w_part = |c: &schedc_ir::Compute| c.kind == Kind::W && c.part != IrPart::Whole;
     if layers > 1 {
         let related = |a: &schedc_ir::Compute, c: &schedc_ir::Compute| {
             a.mb == c.mb
@@ -959,7 +1013,11 @@ fn flush_window(
         };
         for (i, (a, _)) in items.iter().enumerate() {
             for (c, _) in &items[i + 1..] {
-                if (a.kind, a.stage, a.mb) != (c.kind, c.stage, c.mb) && related(a, c) {
+                if !w_part(a)
+                    && !w_part(c)
+                    && (a.kind, a.stage, a.mb) != (c.kind, c.stage, c.mb)
+                    && related(a, c)
+                {
                     return Err(ProgramError::Unsupported(format!(
                         "rank {r}: the MoE parts of {} and {} interleave, but one needs the other's result; with {layers} layers per stage the CPU backend runs interleaved parts layer by layer, so only independent ops may interleave",
                         schedc::passes::compute_str(&schedc_ir::Compute { part: IrPart::Whole, ..*a }),
@@ -1005,26 +1063,25 @@ fn flush_window(
     // there, in their part order, before the tail (the forward is independent of every other
     // op of the window, checked above, and its EP peers lower the same program, so their
     // all-to-alls stay in one order), and the later rounds skip it.
+    let recv_of = |c: &schedc_ir::Compute, layer: u32| match (c.kind, c.part) {
+        (Kind::F, IrPart::Whole | IrPart::Attn) if layer == 0 => cx
+            .pl
+            .prev_stage(c.stage)
+            .map(|p| Buf::Act { stage: p, mb: c.mb }),
+        (Kind::B | Kind::BW, IrPart::Whole) => cx
+            .pl
+            .next_stage(c.stage)
+            .map(|n| Buf::Grad { stage: n, mb: c.mb }),
+        (Kind::B | Kind::BW, IrPart::Combine) if layer + 1 == layers => cx
+            .pl
+            .next_stage(c.stage)
+            .map(|n| Buf::Grad { stage: n, mb: c.mb }),
+        _ => None,
+    };
     let sends_first = |b: &mut Builder,
                        state: &mut HashMap<(Kind, u32, u32), PartState>,
                        finished: &mut Vec<(Kind, u32, u32)>,
-                       c: &schedc_ir::Compute,
-                       layer: u32| {
-        let recv = match (c.kind, c.part) {
-            (Kind::F, IrPart::Whole | IrPart::Attn) if layer == 0 => cx
-                .pl
-                .prev_stage(c.stage)
-                .map(|p| Buf::Act { stage: p, mb: c.mb }),
-            (Kind::B | Kind::BW, IrPart::Whole) => cx
-                .pl
-                .next_stage(c.stage)
-                .map(|n| Buf::Grad { stage: n, mb: c.mb }),
-            (Kind::B | Kind::BW, IrPart::Combine) if layer + 1 == layers => cx
-                .pl
-                .next_stage(c.stage)
-                .map(|n| Buf::Grad { stage: n, mb: c.mb }),
-            _ => None,
-        };
+                       recv: Option<Buf>| {
         let Some(at) = recv
             .filter(|x| cx.recv_ev.contains_key(x))
             .and_then(|x| cx.comm_pos.get(&x))
@@ -1064,11 +1121,32 @@ fn flush_window(
         }
     };
     let mut finished: Vec<(Kind, u32, u32)> = Vec::new();
+    // Before item `i` (round 0): its compute-stream waits for receives, after the forward
+    // tails those receives' senders may be waiting for.
+    let waits_before = |b: &mut Builder,
+                        state: &mut HashMap<(Kind, u32, u32), PartState>,
+                        finished: &mut Vec<(Kind, u32, u32)>,
+                        i: usize| {
+        for &(_, buf, event) in waits.iter().filter(|w| w.0 == i) {
+            sends_first(b, state, finished, Some(buf));
+            b.compute.push(Op::Wait { event });
+        }
+    };
     for round in 0..layers {
-        for (c, st) in &items {
+        for (i, (c, st)) in items.iter().enumerate() {
+            if round == 0 {
+                waits_before(b, &mut state, &mut finished, i);
+            }
+            if w_part(c) {
+                if round == 0 && layers == 1 {
+                    producers_first(b, &mut state, c);
+                    emit_weights_part(b, st.stage, c.mb, c.part);
+                }
+                continue;
+            }
             if c.part == IrPart::Whole {
                 if round == 0 {
-                    sends_first(b, &mut state, &mut finished, c, 0);
+                    sends_first(b, &mut state, &mut finished, recv_of(c, 0));
                     producers_first(b, &mut state, c);
                     emit_compute(
                         b,
@@ -1093,12 +1171,18 @@ fn flush_window(
             if finished.contains(&(c.kind, c.stage, c.mb)) {
                 continue;
             }
-            sends_first(b, &mut state, &mut finished, c, layer);
+            sends_first(b, &mut state, &mut finished, recv_of(c, layer));
             if round == 0 {
                 producers_first(b, &mut state, c);
             }
             let ps = state.entry((c.kind, c.stage, c.mb)).or_default();
             emit_part(b, cx, st, c, layer, ps);
+        }
+    }
+    waits_before(b, &mut state, &mut finished, items.len());
+    if layers > 1 {
+        for (c, st) in items.iter().filter(|(c, _)| w_part(c)) {
+            emit_weights_part(b, st.stage, c.mb, c.part);
         }
     }
     // Tails: forwards first (their outputs go to the next stage), then backwards.

@@ -942,6 +942,14 @@ pub fn write_csv(p: &Program, format: TorchFormat) -> Result<String, String> {
                     };
                     let _ = write!(out, "{}WAIT_SEND_{k}{}", pay.stage, pay.mb);
                 }
+                Instr::WaitRecv(_) => {
+                    return Err(format!(
+                        "{}: torch has no action that holds its compute stream back until a \
+                         receive completes (its RECV_F/RECV_B are waited by the op that reads \
+                         them); export the program without `--moe=...:list`",
+                        ctx()
+                    ));
+                }
                 Instr::Comm(_) | Instr::Group(_) => {
                     if format == TorchFormat::ComputeOnly {
                         return Err(comms_in_compute_only(&ctx()));

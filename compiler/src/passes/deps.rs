@@ -229,9 +229,16 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
         (usize, Pos),
         std::hash::BuildHasherDefault<super::PackedHasher>,
     > = HashMap::default();
+    // Receives are tracked only for a program that waits for one (`WAIT_RA/RG`).
+    let waits_for_receives = p
+        .ranks
+        .iter()
+        .flatten()
+        .any(|i| matches!(i, Instr::WaitRecv(_)));
     for (r, instrs) in p.ranks.iter().enumerate() {
         part_seen.clear();
         let mut sent: HashMap<Payload, Pos> = HashMap::new();
+        let mut received: HashMap<Payload, Pos> = HashMap::new();
         for (i, ins) in instrs.iter().enumerate() {
             let at = Pos {
                 rank: r as u32,
@@ -252,10 +259,10 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                             "{} runs after a later part of the same {}: MoE parts run {}",
                             compute_str(c),
                             c.kind.as_str(),
-                            if c.kind == Kind::F {
-                                "attn, dispatch, mlp, combine"
-                            } else {
-                                "combine, mlp, dispatch, attn in a backward"
+                            match c.kind {
+                                Kind::F => "attn, dispatch, mlp, combine",
+                                Kind::W => "mlp, attn in a weight gradient",
+                                _ => "combine, mlp, dispatch, attn in a backward",
                             }
                         ),
                     });
@@ -266,6 +273,9 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
             match ins {
                 Instr::Comm(_) | Instr::Group(_) => {
                     for m in ins.comms() {
+                        if let (Comm::Recv { payload, .. }, true) = (m, waits_for_receives) {
+                            received.entry(*payload).or_insert(at);
+                        }
                         if let Comm::Send { payload, .. } = m {
                             if payload.stage >= s_n || payload.mb >= m_n {
                                 continue;
@@ -311,6 +321,20 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                             }
                         }
                     }
+                }
+                Instr::WaitRecv(pl_) if !received.contains_key(pl_) => {
+                    let (ir, what) = match pl_.kind {
+                        schedc_ir::PayloadKind::Act => ("RA", "activation"),
+                        schedc_ir::PayloadKind::Grad => ("RG", "gradient"),
+                    };
+                    errs.push(DepError::Order {
+                        at,
+                        dep: Pos::NONE,
+                        why: format!(
+                            "this waits for the receive of the {what} of stage {}, micro-batch {} (`{ir}({},{}<-…)`), but rank {} posts no such receive before it: the receive is missing or comes after the wait",
+                            pl_.stage, pl_.mb, pl_.stage, pl_.mb, at.rank
+                        ),
+                    });
                 }
                 Instr::WaitSend(pl_) if !sent.contains_key(pl_) => {
                     let (ir, torch, what) = match pl_.kind {

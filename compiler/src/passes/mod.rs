@@ -266,7 +266,7 @@ pub fn is_first_part(c: &Compute) -> bool {
 /// True if `c` is the last part (in execution order) of its op, or a whole op.
 #[inline]
 pub fn is_last_part(c: &Compute) -> bool {
-    c.part == Part::Whole || c.part.exec_index(c.kind) == 3
+    c.part == Part::Whole || c.part.exec_index(c.kind) + 1 == Part::count(c.kind)
 }
 
 /// Text of a compute op.
@@ -277,10 +277,14 @@ pub fn compute_str(c: &Compute) -> String {
 }
 
 /// True if the instruction is a compute, overlap, or other op that runs on the compute
-/// stream (REDUCE_GRAD, WAIT_SEND).
+/// stream (REDUCE_GRAD, WAIT_SEND, WAIT_RECV).
 pub fn on_compute_stream(i: &Instr) -> bool {
     matches!(
         i,
-        Instr::Compute(_) | Instr::Overlap { .. } | Instr::ReduceGrad(_) | Instr::WaitSend(_)
+        Instr::Compute(_)
+            | Instr::Overlap { .. }
+            | Instr::ReduceGrad(_)
+            | Instr::WaitSend(_)
+            | Instr::WaitRecv(_)
     )
 }

@@ -42,7 +42,7 @@ pub struct Streams<'p> {
     /// Per rank, its compute-stream items: (instruction position, range into `waits`).
     pub items: Vec<Vec<(u32, (u32, u32))>>,
     /// The op ids compute items wait for: the receives feeding them, the send a `WAIT_SA/SG`
-    /// waits for.
+    /// waits for, the receive a `WAIT_RA/RG` waits for.
     pub waits: Vec<u32>,
 }
 
@@ -185,9 +185,14 @@ pub fn flatten(p: &Program) -> Streams<'_> {
                     }
                 }
             });
-            if let Instr::WaitSend(pl_) = ins {
+            if let Instr::WaitSend(pl_) | Instr::WaitRecv(pl_) = ins {
+                let table = if matches!(ins, Instr::WaitSend(_)) {
+                    &send_op
+                } else {
+                    &recv_op
+                };
                 if let Some(id) = pk(pl_.kind, pl_.stage, pl_.mb)
-                    .map(|k| send_op[k])
+                    .map(|k| table[k])
                     .filter(|&id| id != NONE)
                 {
                     st.waits.push(id);

@@ -334,7 +334,7 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                         });
                     }
                 }
-                Instr::WaitSend(pl_) => {
+                Instr::WaitSend(pl_) | Instr::WaitRecv(pl_) => {
                     errs.extend(range_error(pl, at, pl_.stage, pl_.mb));
                 }
                 Instr::Idle => {}
@@ -400,12 +400,14 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                         op: Compute::new(kind, s, m),
                     });
                 } else if any_part {
-                    if kind == Kind::W {
-                        // W is never split; report the parts as a range-like misuse.
+                    if kind == Kind::W && (slot.parts[1] > 0 || slot.parts[3] > 0) {
+                        // A weight gradient moves no tokens: its parts are `mlp` and `attn`.
                         errs.push(WfError::Missing {
                             stage: s,
                             mb: m,
-                            what: "whole W (W cannot be split in MoE parts)".into(),
+                            what:
+                                "W split as W.mlp and W.attn (a W has no dispatch or combine part)"
+                                    .into(),
                             near: Some(slot.first),
                         });
                         continue;
@@ -413,7 +415,7 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                     let missing: Vec<&str> = Part::FORWARD_ORDER
                         .iter()
                         .zip(slot.parts.iter())
-                        .filter(|(_, &c)| c == 0)
+                        .filter(|(p, &c)| c == 0 && Part::order(kind).contains(p))
                         .map(|(p, _)| p.as_str())
                         .collect();
                     if !missing.is_empty() {

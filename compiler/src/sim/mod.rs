@@ -538,6 +538,7 @@ fn run(
                 // program interleaves their parts.
                 let opens = match ins {
                     Instr::Compute(c) => is_first_part(c),
+                    Instr::WaitRecv(_) => false,
                     _ => true,
                 };
                 let gate = if opens { closed[r] } else { 0.0 };
