@@ -23,6 +23,8 @@
 //! * [`rewrite`]: equality saturation (egg) over windows of a rank's ops, extracted with the
 //!   evaluator in the loop.
 //! * [`exact`]: branch and bound for small instances: the optimum and a proof.
+//! * [`rank_bound`]: the one-rank relaxation (one rank a single machine with its cap, the
+//!   others plain delays) solved exactly, a lower bound branch and bound starts from.
 //! * [`refdata`]: the Zero Bubble reference data in `shared/reference/zb/`.
 //! * [`report`]: the rows `schedc optimize` prints: start, specs, greedy, result.
 //! * [`search`]: the driver that runs them under a budget and a time limit.
@@ -42,6 +44,7 @@ pub mod local;
 pub mod lower;
 pub mod moe_bound;
 pub mod periodic;
+pub mod rank_bound;
 pub mod refdata;
 pub mod report;
 pub mod rewrite;

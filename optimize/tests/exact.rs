@@ -7,6 +7,7 @@ use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind};
 use schedc_optimize::eval::Evaluator;
 use schedc_optimize::exact::{solve, solve_with, SolveOptions};
+use schedc_optimize::rank_bound::{rank_bound, ranks_bound};
 use schedc_optimize::{Instance, Sched, Tok};
 
 /// All distinct permutations of `v` (sorted first).
@@ -107,11 +108,14 @@ const NO_CUTS: SolveOptions = SolveOptions {
     max_nodes: u64::MAX,
     deadline: None,
     audit: false,
+    relax_nodes: 0,
+    node_relax_nodes: 0,
 };
 
 /// Every node of the uncut tree: the bound (earliest starts and tails, memory held back
-/// until releases, each rank's Jackson preemptive schedule) is at most the best complete
-/// schedule below the node.
+/// until releases, each rank's Jackson preemptive schedule, and each rank's one-rank
+/// relaxation from the node's heads) is at most the best complete schedule below the node;
+/// at the root, each rank's relaxation is at most the optimum.
 fn audit(p: u32, m: u32, v: u32, cost: &str, cap: Option<u64>) {
     let i = inst(p, m, v, cost, cap);
     let r = solve_with(
@@ -119,6 +123,7 @@ fn audit(p: u32, m: u32, v: u32, cost: &str, cap: Option<u64>) {
         None,
         SolveOptions {
             audit: true,
+            node_relax_nodes: 1_000_000,
             ..NO_CUTS
         },
     )
@@ -129,6 +134,53 @@ fn audit(p: u32, m: u32, v: u32, cost: &str, cap: Option<u64>) {
         "P={p} M={m} V={v} {cost} cap {cap:?}: the bound exceeded the best completion at {} of {} nodes",
         r.bound_violations, r.nodes
     );
+    if !i.split_dominates() {
+        return;
+    }
+    // With every rank in the set, the relaxation is the instance itself but for messages
+    // queueing on a link: the optimum when messages take no time, at most it otherwise.
+    let all: Vec<usize> = (0..i.p).collect();
+    let whole = ranks_bound(&i, &all, f64::INFINITY, u64::MAX, None).unwrap();
+    assert!(whole.exact);
+    if i.lat == 0.0 {
+        assert!(
+            (whole.bound - r.makespan).abs() < 1e-9,
+            "P={p} M={m} V={v} {cost} cap {cap:?}: every rank relaxed {} against the optimum {}",
+            whole.bound,
+            r.makespan
+        );
+    } else {
+        assert!(whole.bound <= r.makespan + 1e-9);
+    }
+    for rank in 0..i.p {
+        let b = rank_bound(&i, rank, f64::INFINITY, u64::MAX, None).unwrap();
+        assert!(b.exact);
+        assert!(
+            b.bound <= r.makespan + 1e-9,
+            "P={p} M={m} V={v} {cost} cap {cap:?}: rank {rank}'s relaxation {} above the optimum {}",
+            b.bound,
+            r.makespan
+        );
+    }
+}
+
+/// The one-rank relaxation where the other bounds are loose: V placement, P = 4, M = 6,
+/// unit costs, cap 4. Branch and bound's other bounds give 41 at the root; the turn rank
+/// (rank 3) alone has no schedule shorter than 47, which the search reaches (47 is the
+/// optimum), so branch and bound proves it without expanding a node.
+#[test]
+fn the_turn_rank_relaxation_proves_the_v_optimum_at_cap_p() {
+    use schedc_optimize::exact::{root_bound, root_bound_with};
+    let i = inst(4, 6, 2, "F=1,B=1,W=1", Some(4));
+    assert_eq!(root_bound(&i), Some(41.0));
+    let b = rank_bound(&i, 3, 47.0, 1_000_000, None).unwrap();
+    assert!(!b.exact, "no relaxed schedule below 47");
+    assert_eq!(b.bound, 47.0);
+    // The relaxation's optimum itself.
+    assert_eq!(root_bound_with(&i, 1_000_000), Some(47.0));
+    // Below 47 there is nothing; a relaxed schedule of 48 exists.
+    let b48 = rank_bound(&i, 3, 48.0, 1_000_000, None).unwrap();
+    assert!(b48.exact && b48.bound == 47.0);
 }
 
 #[test]
@@ -330,4 +382,56 @@ fn the_root_bound_is_below_every_reference_schedule_and_meets_seven() {
             "zb2p_P8_M8_profA"
         ]
     );
+}
+
+/// The one-rank relaxation on the reference data: below every authors' schedule it is given
+/// (each is a real schedule within its memory limit and placement), and where it finds no
+/// relaxed schedule shorter than the authors', the authors' makespan is optimal: three
+/// profA `zb1p` with M > P and two unit `vauto1p` that no other bound settles.
+#[test]
+fn the_relaxation_proves_reference_schedules_optimal() {
+    use schedc_optimize::rank_bound::best_rank_bound;
+    use schedc_optimize::refdata::{read, zb_dir};
+    let Some(dir) = zb_dir() else {
+        eprintln!("skipped: shared/reference/zb is not there");
+        return;
+    };
+    let load = |id: &str| read(&dir.join(format!("{id}.json"))).unwrap();
+    for id in [
+        "vauto1p_P4_M4_unit",
+        "vauto1p_P4_M4_profA",
+        "vauto1p_P4_M4_profB",
+        "zb1p_P4_M8_profA",
+    ] {
+        let c = load(id);
+        let b = best_rank_bound(&c.instance().unwrap(), f64::INFINITY, 2_000_000, None).unwrap();
+        assert!(b.exact);
+        assert!(
+            b.bound <= c.makespan_from_t0 + 1e-6,
+            "{id}: relaxation {} above the authors' {}",
+            b.bound,
+            c.makespan_from_t0
+        );
+    }
+    for id in [
+        "zb1p_P4_M12_profA",
+        "zb1p_P4_M16_profA",
+        "zb1p_P6_M12_profA",
+        "vauto1p_P4_M8_unit",
+        "vauto1p_P4_M12_unit",
+    ] {
+        let c = load(id);
+        let inst = c.instance().unwrap();
+        assert!(
+            schedc_optimize::exact::root_bound(&inst).unwrap() < c.makespan_from_t0 - 1e-6,
+            "{id}: not settled by the root bound alone"
+        );
+        let b = best_rank_bound(&inst, c.makespan_from_t0, 2_000_000, None).unwrap();
+        assert!(
+            !b.exact && b.bound == c.makespan_from_t0,
+            "{id}: the relaxation finds {} below the authors' {}",
+            b.bound,
+            c.makespan_from_t0
+        );
+    }
 }
