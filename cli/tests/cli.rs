@@ -617,3 +617,44 @@ fn zero_sizes_are_bad_usage() {
         assert!(err.contains(&format!("{flag} must be at least 1")), "{err}");
     }
 }
+
+/// A schedule name with its marker longer than the default column (`interleaved_1f1b (!)`,
+/// 20 characters) widens the column: every row's makespan ends under the header's.
+#[test]
+fn compare_columns_stay_aligned_with_long_names() {
+    let o = schedc(&[
+        "compare",
+        "specs/interleaved_1f1b.sched",
+        "specs/1f1b.sched",
+        "--pp",
+        "8",
+        "--mb",
+        "16",
+        "--moe=all:list",
+        "--cost",
+        "dsv3-h800",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let header = out
+        .lines()
+        .find(|l| l.starts_with("schedule "))
+        .unwrap_or_else(|| panic!("{out}"));
+    let end = header.find("makespan").unwrap() + "makespan".len();
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("interleaved_1f1b") || l.starts_with("1f1b"))
+        .collect();
+    assert!(
+        rows.iter().any(|l| l.starts_with("interleaved_1f1b (!) ")),
+        "{out}"
+    );
+    assert_eq!(rows.len(), 2, "{out}");
+    for l in rows {
+        // The makespan is the first number after the name; it ends where the header's word ends.
+        let name_end = l.find("  ").unwrap();
+        let rest = &l[name_end..];
+        let num_start = name_end + rest.find(|c: char| c.is_ascii_digit()).unwrap();
+        let num_end = num_start + l[num_start..].find(' ').unwrap();
+        assert_eq!(num_end, end, "{l}\n{out}");
+    }
+}
