@@ -658,3 +658,62 @@ fn compare_columns_stay_aligned_with_long_names() {
         assert_eq!(num_end, end, "{l}\n{out}");
     }
 }
+
+/// `convert --cost` writes the `--moe=STAGES:list` order that `sim --cost` simulated (the same
+/// makespan and exposed all-to-all); without `--cost` it writes the unit-time order, which
+/// differs.
+#[test]
+fn convert_writes_the_list_order_of_the_cost_model_given() {
+    let d = tmpdir("convert-list-cost");
+    let sim = |args: &[&str]| -> (f64, f64) {
+        let o = schedc(args);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+            panic!("{e}: {}", String::from_utf8_lossy(&o.stderr));
+        });
+        (
+            v["makespan"].as_f64().unwrap(),
+            v["a2a"]["exposed"].as_f64().unwrap(),
+        )
+    };
+    let spec = [
+        "specs/dualpipe.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--moe=all:list",
+    ];
+    let mut a = vec!["sim"];
+    a.extend(spec);
+    a.extend(["--cost", "dsv3-h800", "--format", "json"]);
+    let simulated = sim(&a);
+    let mut figures = vec![];
+    for cost in [Some("dsv3-h800"), None] {
+        let out = d.join(format!("{}.ir", cost.unwrap_or("unit")));
+        let mut c = vec!["convert"];
+        c.extend(spec);
+        if let Some(cost) = cost {
+            c.extend(["--cost", cost]);
+        }
+        c.extend(["--to", "ir-text", "-o", out.to_str().unwrap()]);
+        let o = schedc(&c);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        figures.push(sim(&[
+            "sim",
+            out.to_str().unwrap(),
+            "--cost",
+            "dsv3-h800",
+            "--format",
+            "json",
+        ]));
+    }
+    assert_eq!(figures[0], simulated);
+    assert_ne!(figures[1], simulated);
+    // A cost model without all-to-all times cannot order MoE parts.
+    let mut c = vec!["convert"];
+    c.extend(spec);
+    c.extend(["--cost", "unit", "--to", "ir-text"]);
+    let o = schedc(&c);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no [moe] section"));
+}
