@@ -157,6 +157,12 @@ impl std::str::FromStr for MoeStages {
     fn from_str(s: &str) -> Result<Self, String> {
         if let Some((sel, mode)) = s.trim().rsplit_once(':') {
             let mode = mode.trim();
+            // One lowering only: `all:list3:adjacent` silently ran `:adjacent`.
+            if sel.contains(':') {
+                return Err(format!(
+                    "invalid --moe `{s}`: one lowering after the stages (`:adjacent`, `:list` or `:listN`), not several"
+                ));
+            }
             if let Some(n) = mode.strip_prefix("list") {
                 let window = if n.is_empty() {
                     crate::moe_list::DEFAULT_WINDOW as u8
@@ -765,6 +771,11 @@ mod tests {
         );
         assert!("all:list0".parse::<MoeStages>().is_err());
         assert!("all:list9".parse::<MoeStages>().is_err());
+        // One lowering only: these used to parse, the last one silently winning.
+        for s in ["all:list3:adjacent", "all:adjacent:list", "all:list:list"] {
+            let e = s.parse::<MoeStages>().unwrap_err();
+            assert!(e.contains("one lowering after the stages"), "{s}: {e}");
+        }
     }
 
     #[test]
