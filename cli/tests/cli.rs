@@ -717,3 +717,38 @@ fn convert_writes_the_list_order_of_the_cost_model_given() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("no [moe] section"));
 }
+
+/// `--moe=...:list` on an input with its messages written cannot reorder its parts: a note
+/// says so (it used to fall back to plain `--moe`'s order silently).
+#[test]
+fn moe_list_on_an_input_with_messages_says_it_keeps_the_default_order() {
+    let d = tmpdir("moe-list-messages");
+    let f = d.join("p2.ir");
+    std::fs::write(
+        &f,
+        "pp 2\nstages 2\nmicrobatches 1\nrank 0: F(0,0) SA(0,0->1) RG(1,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n",
+    )
+    .unwrap();
+    let o = schedc(&["check", f.to_str().unwrap(), "--moe=all:list"]);
+    assert_eq!(o.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("note:")
+            && err.contains("`--moe=...:list` orders the parts of a compute-only program")
+            && err.contains("`SA(0,0->1)`"),
+        "{err}"
+    );
+    // Plain --moe and a compute-only input say nothing.
+    let o = schedc(&["check", f.to_str().unwrap(), "--moe=all"]);
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("note:"));
+    let o = schedc(&[
+        "check",
+        "specs/1f1b.sched",
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "--moe=all:list",
+    ]);
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("compute-only"));
+}
