@@ -752,3 +752,30 @@ fn moe_list_on_an_input_with_messages_says_it_keeps_the_default_order() {
     ]);
     assert!(!String::from_utf8_lossy(&o.stderr).contains("compute-only"));
 }
+
+/// `optimize` simulates the parts in plain `--moe`'s order: a `:list` suffix is refused
+/// (exit 2), not silently ignored.
+#[test]
+fn optimize_refuses_a_moe_reordering_suffix() {
+    for m in ["--moe=all:list", "--moe=all:adjacent"] {
+        let o = schedc(&[
+            "optimize",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--cost",
+            "dsv3-h800",
+            "--max-activations",
+            "4",
+            m,
+            "--time-limit",
+            "1",
+            "--no-progress",
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{m}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("are not supported here"), "{err}");
+    }
+}
