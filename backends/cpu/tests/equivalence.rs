@@ -707,8 +707,9 @@ fn hand_interleaved_parts_of_dependent_ops_equal_sequential() {
 
 /// `--moe=all:list` and `:list3` (the cost-aware part order of `schedc::moe_list`, scheduled
 /// under `shared/costs/moe-1to1.toml` or, without it, unit times; its output carries its own
-/// point-to-point messages): DualPipe (P = 2, 4) and DualPipeV (P = 2, 4) at ep=2 run it and
-/// equal sequential training.
+/// point-to-point messages, its weight gradients in two parts `W.mlp`, `W.attn` and its
+/// `WAIT_RG` waits): DualPipe (P = 2, 4) and DualPipeV (P = 2, 4) at ep=2 run it and equal
+/// sequential training.
 ///
 /// DualPipeV at P = 4, M = 8 used to hang at step 0 (pipeline rank 2 waited for `act(1,0)`):
 /// rank 1's rolling interleave kept its window of parts open, the lowering deferred the
@@ -741,6 +742,17 @@ fn moe_list_order_equals_sequential() {
                 if with_cost { cost.as_ref() } else { None },
             )
             .unwrap();
+            // What `:list` adds is in the program: split weight gradients and, under the
+            // cost model, compute-stream waits for receives.
+            let all = || src.ranks.iter().flatten();
+            assert!(all().any(|i| matches!(
+                i,
+                schedc_ir::Instr::Compute(c) if c.kind == schedc_ir::Kind::W
+                    && c.part == schedc_ir::Part::Mlp
+            )));
+            if with_cost && pp == 4 {
+                assert!(all().any(|i| matches!(i, schedc_ir::Instr::WaitRecv(_))));
+            }
             let mesh = format!("pp={pp},ep=2");
             // The verifier finds a cycle between a rank's streams before the executor
             // would hang on it.
