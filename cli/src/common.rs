@@ -181,7 +181,7 @@ pub struct InputArgs {
     /// declared, or ids and ranges such as 1-6,9; append `:adjacent` (e.g. `--moe=all:adjacent`)
     /// to interleave consecutive independent plain ops at part level, or `:list` / `:listN`
     /// (e.g. `--moe=all:list3`) to order the parts by a greedy list schedule simulated under
-    /// the cost model, each rank's order of forwards and backwards kept, weight gradients
+    /// the cost model (`--cost`; unit op times without it), each rank's order of forwards and backwards kept, weight gradients
     /// split (W.mlp, W.attn) and run under all-to-alls, at most N ops in flight (2 without N).
     #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
     pub moe: Option<schedc::moe::MoeStages>,
@@ -652,6 +652,45 @@ pub fn resolve_cost(
         })?;
     }
     Ok(model)
+}
+
+/// `--cost` and `--set` of the commands that write or run a program (`convert`, `compile`,
+/// `run`): the cost model that orders `--moe=STAGES:list` parts and schedules a spec's
+/// `list` block. Without them both use unit op times, so the program differs from the one
+/// `sim --cost` or `compare --cost` reported.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct OrderCostArgs {
+    /// Cost model that `--moe=STAGES:list` orders the parts under and a spec's `list` block
+    /// is scheduled under, as for `sim` (a preset, a TOML file, or K=V,...): give the one you
+    /// simulated with to get the order `sim --cost` reported (default: unit op times).
+    #[arg(long, value_name = "FILE|PRESET|K=V,...")]
+    pub cost: Option<std::ffi::OsString>,
+    /// Further inline overrides applied on top of --cost (e.g. --set latency=0).
+    #[arg(long = "set", value_name = "K=V,...")]
+    pub set: Option<String>,
+}
+
+impl OrderCostArgs {
+    /// The model, or `None` when neither flag is given (unit op times). With `--moe` the model
+    /// must time the all-to-alls ([`require_moe_costs`]). Errors: exit status 2 after printing
+    /// why.
+    pub fn model(
+        &self,
+        input: &InputArgs,
+    ) -> Result<Option<schedc::sim::cost::CostModel>, ExitCode> {
+        if self.cost.is_none() && self.set.is_none() {
+            return Ok(None);
+        }
+        let cost = self
+            .cost
+            .clone()
+            .unwrap_or_else(|| std::ffi::OsString::from("unit"));
+        let model = resolve_cost(&cost, self.set.as_deref())?;
+        if input.moe.is_some() {
+            require_moe_costs(&model, &cost.to_string_lossy())?;
+        }
+        Ok(Some(model))
+    }
 }
 
 /// `--moe` needs all-to-all times: exit 2 (bad usage: the cost model does not fit the flag)

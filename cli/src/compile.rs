@@ -20,6 +20,8 @@ pub enum Backend {
 pub struct Args {
     #[command(flatten)]
     pub input: InputArgs,
+    #[command(flatten)]
+    pub order_cost: OrderCostArgs,
     /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`).
     #[arg(long)]
     pub mesh: Option<String>,
@@ -203,9 +205,13 @@ pub fn run(args: Args) -> ExitCode {
     }) {
         return c;
     }
-    let program = match load(&args.input, None) {
-        Ok(l) => l.program,
+    let order_model = match args.order_cost.model(&args.input) {
+        Ok(m) => m,
         Err(c) => return c,
+    };
+    let program = match load_for_under(&args.input, None, order_model.as_ref()) {
+        Ok(l) => l.program,
+        Err(f) => return f.code(),
     };
     let world = mesh
         .as_ref()

@@ -12,6 +12,8 @@ use std::process::ExitCode;
 pub struct Args {
     #[command(flatten)]
     pub input: InputArgs,
+    #[command(flatten)]
+    pub order_cost: OrderCostArgs,
     /// Output format.
     #[arg(long, value_enum)]
     pub to: ConvertTo,
@@ -36,6 +38,7 @@ pub struct Args {
 pub fn run(args: Args) -> ExitCode {
     let Args {
         input,
+        order_cost,
         to,
         torch_format,
         output,
@@ -54,9 +57,13 @@ pub fn run(args: Args) -> ExitCode {
     }
     let checks = lowered || (to == ConvertTo::TorchCsv && torch_format == TorchForm::ComputeComms);
     let work = if checks { Work::Check } else { Work::Convert };
-    let mut loaded = match load(&input, Some(work)) {
-        Ok(l) => l,
+    let model = match order_cost.model(&input) {
+        Ok(m) => m,
         Err(c) => return c,
+    };
+    let mut loaded = match load_for_under(&input, Some(work), model.as_ref()) {
+        Ok(l) => l,
+        Err(f) => return f.code(),
     };
     if lowered {
         let out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());

@@ -122,7 +122,8 @@ pub struct Args {
     /// parts (all-to-alls on the expert-parallel stream; the cost model needs `[moe]`). The
     /// search runs on a whole-op proxy (`schedc_optimize::report::moe_proxy`); its result
     /// and every start within the cap are then ranked, and every row reported, by the split
-    /// simulation. STAGES as for `check --moe`.
+    /// simulation, in plain `--moe`'s part order. STAGES as for `check --moe`, without a
+    /// `:adjacent` or `:list` suffix (refused).
     #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
     pub moe: Option<schedc::moe::MoeStages>,
 }
@@ -167,6 +168,15 @@ pub fn run(a: Args) -> ExitCode {
     }
     if !schedc_optimize::instance::has_times(&cost) {
         return fail(schedc_optimize::ProblemError::NoTimes);
+    }
+    // The search and its report simulate the parts in plain `--moe`'s order; a `:list` or
+    // `:adjacent` suffix was silently ignored.
+    if let Some(sel) = &a.moe {
+        if sel.interleave() != schedc::moe::Interleave::None {
+            return fail(
+                "optimize simulates the MoE parts in plain `--moe`'s order; `:adjacent`, `:list` and `:listN` are not supported here. Give the stages only (e.g. --moe=all), then order the result's parts with `schedc sim OUT --moe=STAGES:list --cost ...`",
+            );
+        }
     }
     if a.moe.is_some() {
         if let Err(e) = schedc::moe::require_moe_costs(&cost, &a.cost) {

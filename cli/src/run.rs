@@ -39,6 +39,8 @@ pub enum Mode {
 pub struct Args {
     #[command(flatten)]
     pub input: InputArgs,
+    #[command(flatten)]
+    pub order_cost: OrderCostArgs,
     /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`).
     #[arg(long)]
     pub mesh: Option<String>,
@@ -164,7 +166,7 @@ pub fn run(args: Args) -> ExitCode {
         if args.trace.is_some() {
             return usage("--trace is for --backend cpu");
         }
-        let program = match load_program(&args.input, format) {
+        let program = match load_program(&args.input, &args.order_cost, format) {
             Ok(p) => p,
             Err(c) => return c,
         };
@@ -222,7 +224,7 @@ pub fn run(args: Args) -> ExitCode {
     }) {
         return c;
     }
-    let program = match load_program(&args.input, format) {
+    let program = match load_program(&args.input, &args.order_cost, format) {
         Ok(p) => p,
         Err(c) => return c,
     };
@@ -264,8 +266,13 @@ pub fn run(args: Args) -> ExitCode {
 
 /// Loads the schedule; with `--format json` a failure is also `{"error": ..., "exit": N,
 /// "diagnostics": [...]}` on standard output.
-fn load_program(input: &InputArgs, format: OutFormat) -> Result<schedc_ir::Program, ExitCode> {
-    match load_for(input, None) {
+fn load_program(
+    input: &InputArgs,
+    order_cost: &OrderCostArgs,
+    format: OutFormat,
+) -> Result<schedc_ir::Program, ExitCode> {
+    let model = order_cost.model(input)?;
+    match load_for_under(input, None, model.as_ref()) {
         Ok(l) => Ok(l.program),
         Err(f) => {
             if format == OutFormat::Json {

@@ -617,3 +617,165 @@ fn zero_sizes_are_bad_usage() {
         assert!(err.contains(&format!("{flag} must be at least 1")), "{err}");
     }
 }
+
+/// A schedule name with its marker longer than the default column (`interleaved_1f1b (!)`,
+/// 20 characters) widens the column: every row's makespan ends under the header's.
+#[test]
+fn compare_columns_stay_aligned_with_long_names() {
+    let o = schedc(&[
+        "compare",
+        "specs/interleaved_1f1b.sched",
+        "specs/1f1b.sched",
+        "--pp",
+        "8",
+        "--mb",
+        "16",
+        "--moe=all:list",
+        "--cost",
+        "dsv3-h800",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let header = out
+        .lines()
+        .find(|l| l.starts_with("schedule "))
+        .unwrap_or_else(|| panic!("{out}"));
+    let end = header.find("makespan").unwrap() + "makespan".len();
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("interleaved_1f1b") || l.starts_with("1f1b"))
+        .collect();
+    assert!(
+        rows.iter().any(|l| l.starts_with("interleaved_1f1b (!) ")),
+        "{out}"
+    );
+    assert_eq!(rows.len(), 2, "{out}");
+    for l in rows {
+        // The makespan is the first number after the name; it ends where the header's word ends.
+        let name_end = l.find("  ").unwrap();
+        let rest = &l[name_end..];
+        let num_start = name_end + rest.find(|c: char| c.is_ascii_digit()).unwrap();
+        let num_end = num_start + l[num_start..].find(' ').unwrap();
+        assert_eq!(num_end, end, "{l}\n{out}");
+    }
+}
+
+/// `convert --cost` writes the `--moe=STAGES:list` order that `sim --cost` simulated (the same
+/// makespan and exposed all-to-all); without `--cost` it writes the unit-time order, which
+/// differs.
+#[test]
+fn convert_writes_the_list_order_of_the_cost_model_given() {
+    let d = tmpdir("convert-list-cost");
+    let sim = |args: &[&str]| -> (f64, f64) {
+        let o = schedc(args);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+            panic!("{e}: {}", String::from_utf8_lossy(&o.stderr));
+        });
+        (
+            v["makespan"].as_f64().unwrap(),
+            v["a2a"]["exposed"].as_f64().unwrap(),
+        )
+    };
+    let spec = [
+        "specs/dualpipe.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--moe=all:list",
+    ];
+    let mut a = vec!["sim"];
+    a.extend(spec);
+    a.extend(["--cost", "dsv3-h800", "--format", "json"]);
+    let simulated = sim(&a);
+    let mut figures = vec![];
+    for cost in [Some("dsv3-h800"), None] {
+        let out = d.join(format!("{}.ir", cost.unwrap_or("unit")));
+        let mut c = vec!["convert"];
+        c.extend(spec);
+        if let Some(cost) = cost {
+            c.extend(["--cost", cost]);
+        }
+        c.extend(["--to", "ir-text", "-o", out.to_str().unwrap()]);
+        let o = schedc(&c);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        figures.push(sim(&[
+            "sim",
+            out.to_str().unwrap(),
+            "--cost",
+            "dsv3-h800",
+            "--format",
+            "json",
+        ]));
+    }
+    assert_eq!(figures[0], simulated);
+    assert_ne!(figures[1], simulated);
+    // A cost model without all-to-all times cannot order MoE parts.
+    let mut c = vec!["convert"];
+    c.extend(spec);
+    c.extend(["--cost", "unit", "--to", "ir-text"]);
+    let o = schedc(&c);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no [moe] section"));
+}
+
+/// `--moe=...:list` on an input with its messages written cannot reorder its parts: a note
+/// says so (it used to fall back to plain `--moe`'s order silently).
+#[test]
+fn moe_list_on_an_input_with_messages_says_it_keeps_the_default_order() {
+    let d = tmpdir("moe-list-messages");
+    let f = d.join("p2.ir");
+    std::fs::write(
+        &f,
+        "pp 2\nstages 2\nmicrobatches 1\nrank 0: F(0,0) SA(0,0->1) RG(1,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n",
+    )
+    .unwrap();
+    let o = schedc(&["check", f.to_str().unwrap(), "--moe=all:list"]);
+    assert_eq!(o.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("note:")
+            && err.contains("`--moe=...:list` orders the parts of a compute-only program")
+            && err.contains("`SA(0,0->1)`"),
+        "{err}"
+    );
+    // Plain --moe and a compute-only input say nothing.
+    let o = schedc(&["check", f.to_str().unwrap(), "--moe=all"]);
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("note:"));
+    let o = schedc(&[
+        "check",
+        "specs/1f1b.sched",
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "--moe=all:list",
+    ]);
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("compute-only"));
+}
+
+/// `optimize` simulates the parts in plain `--moe`'s order: a `:list` suffix is refused
+/// (exit 2), not silently ignored.
+#[test]
+fn optimize_refuses_a_moe_reordering_suffix() {
+    for m in ["--moe=all:list", "--moe=all:adjacent"] {
+        let o = schedc(&[
+            "optimize",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--cost",
+            "dsv3-h800",
+            "--max-activations",
+            "4",
+            m,
+            "--time-limit",
+            "1",
+            "--no-progress",
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{m}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("are not supported here"), "{err}");
+    }
+}

@@ -492,9 +492,34 @@ pub fn render(r: &Report) -> String {
         o,
         "bubble: idle fraction under each convention — from_start (one step, barrier at both ends), per_rank_span (each rank from its first op to its last), steady_state (steps back to back, no barrier)\n"
     );
+    // The schedule column is as wide as its longest name with its markers (at least 18), so
+    // a long name such as `interleaved_1f1b (!)` does not push its row out of the columns.
+    let names: Vec<String> = r
+        .rows
+        .iter()
+        .filter(|row| row.figures.is_some())
+        .map(|row| {
+            let f = row.figures.as_ref().expect("filtered");
+            let mut name = row.schedule.clone();
+            if matches!(row.status, Status::Expectation { .. }) {
+                name.push_str(" (!)");
+            }
+            // A fixed-size input (IR, torch CSV, case, trace) keeps its own P and M.
+            if f.pp != r.pp || f.microbatches != r.mb {
+                name.push_str(" (*)");
+            }
+            name
+        })
+        .collect();
+    let w = names
+        .iter()
+        .map(|n| n.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(18);
     let _ = writeln!(
         o,
-        "{:<18} {:>10} {:>11} {:>13} {:>12} {:>13} {:>9} {:>7}",
+        "{:<w$} {:>10} {:>11} {:>13} {:>12} {:>13} {:>9} {:>7}",
         "schedule",
         "makespan",
         "from_start",
@@ -506,27 +531,24 @@ pub fn render(r: &Report) -> String {
     );
     let _ = writeln!(
         o,
-        "{:<18} {:>10} {:>11} {:>13} {:>12} {:>13} {:>9} {:>7}",
+        "{:<w$} {:>10} {:>11} {:>13} {:>12} {:>13} {:>9} {:>7}",
         "", "(s)", "(bubble)", "(bubble)", "(bubble)", "(of a2a)", "(1/P)", ""
     );
-    for row in &r.rows {
-        let Some(f) = &row.figures else { continue };
+    for (row, name) in r
+        .rows
+        .iter()
+        .filter(|row| row.figures.is_some())
+        .zip(&names)
+    {
+        let f = row.figures.as_ref().expect("filtered");
         let a2a = if f.a2a.total > 0.0 {
             format!("{:.1}%", 100.0 * f.a2a.exposed_fraction())
         } else {
             "-".to_string()
         };
-        let mut name = row.schedule.clone();
-        if matches!(row.status, Status::Expectation { .. }) {
-            name.push_str(" (!)");
-        }
-        // A fixed-size input (IR, torch CSV, case, trace) keeps its own P and M.
-        if f.pp != r.pp || f.microbatches != r.mb {
-            name.push_str(" (*)");
-        }
         let _ = writeln!(
             o,
-            "{:<18} {:>10.4} {:>10.1}% {:>12.1}% {:>11.1}% {:>13} {:>9.1} {:>6}x",
+            "{:<w$} {:>10.4} {:>10.1}% {:>12.1}% {:>11.1}% {:>13} {:>9.1} {:>6}x",
             name,
             f.makespan,
             100.0 * f.bubble.from_start,

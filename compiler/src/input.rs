@@ -341,6 +341,29 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     if format != Format::Spec {
         apply_overrides(&mut program, ov).map_err(LoadError::Usage)?;
     }
+    if let Some(sel) = &ov.moe {
+        // `:list` and `:adjacent` reorder the parts of a compute-only program; an input with
+        // its messages (or waits) written keeps plain `--moe`'s order: say so.
+        let mode = match sel.interleave() {
+            crate::moe::Interleave::None => None,
+            crate::moe::Interleave::Adjacent => Some("adjacent".to_string()),
+            crate::moe::Interleave::List(k) if k as usize == crate::moe_list::DEFAULT_WINDOW => {
+                Some("list".to_string())
+            }
+            crate::moe::Interleave::List(k) => Some(format!("list{k}")),
+        };
+        let written = program
+            .ranks
+            .iter()
+            .flatten()
+            .find(|i| !i.is_compute() && !matches!(i, schedc_ir::Instr::Idle));
+        if let (Some(mode), Some(i)) = (mode, written) {
+            notes.push(format!(
+                "`--moe=...:{mode}` orders the parts of a compute-only program, and this one has `{}` written in it (a DualPipe trace, torch's compute_comms, IR with messages or waits): its MoE parts keep the default order of plain `--moe`",
+                text::instr_to_string(i)
+            ));
+        }
+    }
     let (program, spans) = match &ov.moe {
         Some(sel) => apply_moe_under(&program, spans.as_ref(), sel, ov.list_cost.as_ref())
             .map_err(LoadError::Usage)?,

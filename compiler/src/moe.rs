@@ -157,6 +157,12 @@ impl std::str::FromStr for MoeStages {
     fn from_str(s: &str) -> Result<Self, String> {
         if let Some((sel, mode)) = s.trim().rsplit_once(':') {
             let mode = mode.trim();
+            // One lowering only: `all:list3:adjacent` silently ran `:adjacent`.
+            if sel.contains(':') {
+                return Err(format!(
+                    "invalid --moe `{s}`: one lowering after the stages (`:adjacent`, `:list` or `:listN`), not several"
+                ));
+            }
             if let Some(n) = mode.strip_prefix("list") {
                 let window = if n.is_empty() {
                     crate::moe_list::DEFAULT_WINDOW as u8
@@ -471,6 +477,24 @@ pub fn split_timed(
     interleave: Interleave,
     cost: Option<&crate::sim::cost::CostModel>,
 ) -> (Program, Option<SourceMap>) {
+    // Idle slots (`_`, torch's empty cells) are spacing only, and the lowering drops them; the
+    // reordering modes drop them first (with them, `:list` and `:adjacent` silently fell back
+    // to the default order).
+    if interleave != Interleave::None && p.ranks.iter().flatten().any(|i| matches!(i, Instr::Idle))
+    {
+        let mut q = p.clone();
+        let mut m = spans.cloned();
+        for (r, instrs) in q.ranks.iter_mut().enumerate() {
+            let keep: Vec<bool> = instrs.iter().map(|i| !matches!(i, Instr::Idle)).collect();
+            let mut k = keep.iter();
+            instrs.retain(|_| *k.next().unwrap_or(&true));
+            if let Some(v) = m.as_mut().and_then(|m| m.ranks.get_mut(r)) {
+                let mut k = keep.iter();
+                v.retain(|_| *k.next().unwrap_or(&true));
+            }
+        }
+        return split_timed(&q, m.as_ref(), moe, interleave, cost);
+    }
     let pl = &p.pipeline;
     let mut is_moe = vec![false; pl.stages as usize];
     for &s in moe {
@@ -765,6 +789,38 @@ mod tests {
         );
         assert!("all:list0".parse::<MoeStages>().is_err());
         assert!("all:list9".parse::<MoeStages>().is_err());
+        // One lowering only: these used to parse, the last one silently winning.
+        for s in ["all:list3:adjacent", "all:adjacent:list", "all:list:list"] {
+            let e = s.parse::<MoeStages>().unwrap_err();
+            assert!(e.contains("one lowering after the stages"), "{s}: {e}");
+        }
+    }
+
+    /// Idle slots carry no semantics: `:list` and `:adjacent` order a program with them as
+    /// they order it without (they used to fall back to the default order).
+    #[test]
+    fn reordering_modes_ignore_idle_slots() {
+        let with = "pp 2\nstages 2\nmicrobatches 2\nrank 0: F(0,0) F(0,1) _ _ BW(0,0) BW(0,1)\nrank 1: _ F(1,0) F(1,1) BW(1,0) BW(1,1)\n";
+        let without = with.replace(" _", "");
+        let a = parse(with).unwrap();
+        let b = parse(&without).unwrap();
+        for mode in [
+            Interleave::List(2),
+            Interleave::List(3),
+            Interleave::Adjacent,
+        ] {
+            let (qa, ma) = split_timed(&a.program, Some(&a.spans), &[0, 1], mode, None);
+            let (qb, _) = split_timed(&b.program, Some(&b.spans), &[0, 1], mode, None);
+            assert_eq!(qa, qb, "{mode:?}");
+            let plain = split_timed(&b.program, None, &[0, 1], Interleave::None, None).0;
+            assert_ne!(qb, plain, "{mode:?} reorders this program");
+            // One span per instruction, each a span of the text.
+            let ma = ma.unwrap();
+            for (r, v) in ma.ranks.iter().enumerate() {
+                assert_eq!(v.len(), qa.ranks[r].len());
+                assert!(v.iter().all(|s| s.len > 0));
+            }
+        }
     }
 
     #[test]
