@@ -181,8 +181,9 @@ pub struct InputArgs {
     /// declared, or ids and ranges such as 1-6,9; append `:adjacent` (e.g. `--moe=all:adjacent`)
     /// to interleave consecutive independent plain ops at part level, or `:list` / `:listN`
     /// (e.g. `--moe=all:list3`) to order the parts by a greedy list schedule simulated under
-    /// the cost model (`--cost`; unit op times without it), each rank's order of forwards and backwards kept, weight gradients
-    /// split (W.mlp, W.attn) and run under all-to-alls, at most N ops in flight (2 without N).
+    /// the cost model (`--cost`; unit op times without it): ops enter a window of N (2
+    /// without N) in each rank's input order, weight gradients split (W.mlp, W.attn) and run
+    /// under all-to-alls.
     #[arg(long, value_name = "STAGES", num_args = 0..=1, default_missing_value = "auto", require_equals = true)]
     pub moe: Option<schedc::moe::MoeStages>,
 }

@@ -485,7 +485,7 @@ pub fn render(r: &Report) -> String {
     if let Some(k) = r.moe_list {
         let _ = writeln!(
             o,
-            "parts ordered by a greedy list schedule under the cost model (:list, at most {k} ops in flight per rank; each rank's order of forwards and backwards is the input's, its weight gradients split and run under all-to-alls)"
+            "parts ordered by a greedy list schedule under the cost model (:list, at most {k} ops in flight per rank; ops enter it in each rank's input order, weight gradients split and run under all-to-alls)"
         );
     }
     let _ = writeln!(

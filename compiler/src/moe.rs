@@ -90,9 +90,9 @@
 //!
 //! ## Cost-aware part order (`--moe=STAGES:list`, `:listN`, opt-in)
 //!
-//! With [`Interleave::List`] each rank keeps its order of forwards and backwards, and the
-//! parts of a sliding window of `N` ops (2 for a bare `:list`) are ordered by a greedy list
-//! schedule simulated under the cost model across all ranks ([`crate::moe_list`]): a part of
+//! With [`Interleave::List`] each rank's forwards and backwards enter, in their input order,
+//! a sliding window of `N` ops (2 for a bare `:list`), whose parts are ordered by a greedy
+//! list schedule simulated under the cost model across all ranks ([`crate::moe_list`]): a part of
 //! a later op runs before the parts of an earlier op when its inputs are there and it holds no
 //! older op back; `&` pairs keep DeepSeek's order inside and start when both inputs are in;
 //! the `BW`s outside pairs become `B` + `W`, and every `W` is split into `W.mlp` and `W.attn`,

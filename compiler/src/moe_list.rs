@@ -1,7 +1,8 @@
 //! The cost-aware part-level order of `--moe=STAGES:list` ([`crate::moe::Interleave::List`]).
 //!
-//! Each rank keeps its order of forwards and backwards from the input (a spec stays
-//! conformant op for op); what this module chooses is the order of the *parts* (attention,
+//! Each rank's forwards and backwards enter a window of ops in flight in their input order (a
+//! spec stays conformant op for op; within the window a later op's part may start before an
+//! earlier op's, so a spec's unit-time `expect warmup` can fail); what this module chooses is the order of the *parts* (attention,
 //! dispatch, MLP, combine of a forward; the mirror for a backward; a dense op whole; the
 //! eight parts of an `&` pair in DeepSeek's fixed order, `crate::moe`) across the ops of a
 //! sliding window, and where the weight gradients run, by a greedy list schedule simulated
