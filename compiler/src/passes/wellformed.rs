@@ -190,7 +190,7 @@ impl WfError {
                 Diagnostic::error(
                     Code::Placement,
                     format!(
-                        "{} is an MoE part, but stage {} is dense: only the MoE stages ({}) are split ({})",
+                        "{} is an MoE part, but stage {} is dense: only the MoE stages ({}) are split {}",
                         compute_str(op),
                         op.stage,
                         if moe.is_empty() {
@@ -199,7 +199,7 @@ impl WfError {
                             moe.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
                         },
                         if op.kind == Kind::W {
-                            "a weight gradient into mlp and attn"
+                            "(a weight gradient into mlp and attn)"
                         } else {
                             "into attention, dispatch, MLP and combine"
                         }
