@@ -593,44 +593,6 @@ impl<'a> Bnb<'a> {
         binds
     }
 
-    /// Jackson's preemptive schedule of one rank's remaining ops with heads (earliest
-    /// starts) and tails: the optimum of that one-machine relaxation, a lower bound on the
-    /// makespan (Carlier, EJOR 1982).
-    fn jackson(jobs: &mut [(f64, f64, f64)]) -> f64 {
-        // (head, processing, tail)
-        jobs.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let n = jobs.len();
-        let mut left: Vec<f64> = jobs.iter().map(|j| j.1).collect();
-        let mut avail: Vec<usize> = Vec::with_capacity(n);
-        let (mut i, mut t, mut lb) = (0usize, f64::NEG_INFINITY, 0.0f64);
-        loop {
-            if avail.is_empty() {
-                if i == n {
-                    break;
-                }
-                t = t.max(jobs[i].0);
-            }
-            while i < n && jobs[i].0 <= t {
-                avail.push(i);
-                i += 1;
-            }
-            let (ai, &j) = avail
-                .iter()
-                .enumerate()
-                .max_by(|a, b| jobs[*a.1].2.total_cmp(&jobs[*b.1].2))
-                .unwrap();
-            let next = if i < n { jobs[i].0 } else { f64::INFINITY };
-            let run = left[j].min(next - t);
-            t += run;
-            left[j] -= run;
-            if left[j] <= 1e-12 {
-                lb = lb.max(t + jobs[j].2);
-                avail.swap_remove(ai);
-            }
-        }
-        lb
-    }
-
     /// A lower bound on any completion; every op left starts no earlier than `t_last`.
     fn bound(&mut self, t_last: f64) -> f64 {
         let inst = self.inst;
@@ -696,7 +658,7 @@ impl<'a> Bnb<'a> {
                 }
             }
             if self.opts.jackson && !jobs.is_empty() {
-                lb = lb.max(Self::jackson(&mut jobs));
+                lb = lb.max(crate::rank_bound::jackson(&mut jobs));
             }
         }
         self.jobs = jobs;

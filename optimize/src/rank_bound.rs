@@ -480,30 +480,10 @@ pub fn rank_bound(
     max_nodes: u64,
     deadline: Option<Instant>,
 ) -> Option<RankBound> {
-    if inst.pairs_help() || !inst.split_dominates() || inst.stages_of[r].is_empty() {
+    if inst.stages_of[r].is_empty() {
         return None;
     }
-    let mut x = Relax::new(inst, &[r]);
-    for t in 0..x.kinds.len() {
-        if x.kinds[t].pred.is_none() {
-            let hd = x.kinds[t].head;
-            x.h[t * x.m..(t + 1) * x.m].fill(hd);
-        }
-    }
-    x.best = cutoff;
-    x.max_nodes = max_nodes;
-    x.deadline = deadline;
-    let total = x.kinds.len() * x.m;
-    x.dfs(total);
-    if x.aborted {
-        return None;
-    }
-    Some(RankBound {
-        rank: r,
-        bound: x.best,
-        exact: x.best < cutoff,
-        nodes: x.nodes,
-    })
+    ranks_bound(inst, &[r], cutoff, max_nodes, deadline)
 }
 
 /// The relaxation of a set of ranks at once (each a single machine with its cap, the other
