@@ -322,6 +322,9 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                         }
                     }
                 }
+                // An out-of-range wait is pass 1's range error alone.
+                Instr::WaitRecv(pl_) | Instr::WaitSend(pl_)
+                    if pl_.stage >= s_n || pl_.mb >= m_n => {}
                 Instr::WaitRecv(pl_) if !received.contains_key(pl_) => {
                     let (ir, what) = match pl_.kind {
                         schedc_ir::PayloadKind::Act => ("RA", "activation"),
