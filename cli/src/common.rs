@@ -633,6 +633,18 @@ pub fn resolve_cost(
     cost: &std::ffi::OsStr,
     set: Option<&str>,
 ) -> Result<schedc::sim::cost::CostModel, ExitCode> {
+    resolve_cost_or_message(cost, set).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(2)
+    })
+}
+
+/// [`resolve_cost`], returning why it failed instead of printing it (for a command that
+/// reports errors in its own format).
+pub fn resolve_cost_or_message(
+    cost: &std::ffi::OsStr,
+    set: Option<&str>,
+) -> Result<schedc::sim::cost::CostModel, String> {
     let r = match cost.to_str() {
         Some(s) => schedc::sim::cost::CostModel::resolve(s),
         None => std::fs::read_to_string(cost)
@@ -642,15 +654,9 @@ pub fn resolve_cost(
                     .map_err(|e| format!("{}: {e}", cost.to_string_lossy()))
             }),
     };
-    let mut model = r.map_err(|e| {
-        eprintln!("error: {e}");
-        ExitCode::from(2)
-    })?;
+    let mut model = r?;
     if let Some(kv) = set {
-        model.apply_overrides(kv).map_err(|e| {
-            eprintln!("error: {e}");
-            ExitCode::from(2)
-        })?;
+        model.apply_overrides(kv)?;
     }
     Ok(model)
 }
@@ -679,6 +685,19 @@ impl OrderCostArgs {
         &self,
         input: &InputArgs,
     ) -> Result<Option<schedc::sim::cost::CostModel>, ExitCode> {
+        self.model_or_message(input).map_err(|e| {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        })
+    }
+
+    /// [`OrderCostArgs::model`], returning why it failed (bad usage, exit status 2) instead of
+    /// printing it, for a command that reports errors in its own format (`run --format
+    /// json`).
+    pub fn model_or_message(
+        &self,
+        input: &InputArgs,
+    ) -> Result<Option<schedc::sim::cost::CostModel>, String> {
         if self.cost.is_none() && self.set.is_none() {
             return Ok(None);
         }
@@ -686,9 +705,9 @@ impl OrderCostArgs {
             .cost
             .clone()
             .unwrap_or_else(|| std::ffi::OsString::from("unit"));
-        let model = resolve_cost(&cost, self.set.as_deref())?;
+        let model = resolve_cost_or_message(&cost, self.set.as_deref())?;
         if input.moe.is_some() {
-            require_moe_costs(&model, &cost.to_string_lossy())?;
+            schedc::moe::require_moe_costs(&model, &cost.to_string_lossy())?;
         }
         Ok(Some(model))
     }

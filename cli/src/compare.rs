@@ -111,6 +111,12 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // As `check` and `sim` print them, once per input.
+    for row in &report.rows {
+        for n in &row.notes {
+            eprintln!("note: {}: {n}", row.path);
+        }
+    }
     let code = if report.has_failures() {
         ExitCode::from(1)
     } else {

@@ -265,13 +265,17 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 /// Loads the schedule; with `--format json` a failure is also `{"error": ..., "exit": N,
-/// "diagnostics": [...]}` on standard output.
+/// "diagnostics": [...]}` on standard output (a `--cost`/`--set` that cannot be used:
+/// `{"error": ..., "exit": 2}`).
 fn load_program(
     input: &InputArgs,
     order_cost: &OrderCostArgs,
     format: OutFormat,
 ) -> Result<schedc_ir::Program, ExitCode> {
-    let model = order_cost.model(input)?;
+    // A cost model that cannot be read is bad usage (2), reported like the other errors.
+    let model = order_cost
+        .model_or_message(input)
+        .map_err(|e| fail(format, &e, 2))?;
     match load_for_under(input, None, model.as_ref()) {
         Ok(l) => Ok(l.program),
         Err(f) => {

@@ -753,6 +753,62 @@ fn moe_list_on_an_input_with_messages_says_it_keeps_the_default_order() {
     assert!(!String::from_utf8_lossy(&o.stderr).contains("compute-only"));
 }
 
+/// `compare` says it too, once for each such input (it used to say nothing), and its JSON
+/// row carries the note.
+#[test]
+fn compare_moe_list_on_an_input_with_messages_says_it_keeps_the_default_order() {
+    let d = tmpdir("compare-moe-list-messages");
+    let f = d.join("p2.ir");
+    std::fs::write(
+        &f,
+        "pp 2\nstages 2\nmicrobatches 1\nrank 0: F(0,0) SA(0,0->1) RG(1,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n",
+    )
+    .unwrap();
+    let compare = |moe: &str, format: &str| {
+        schedc(&[
+            "compare",
+            f.to_str().unwrap(),
+            "specs/gpipe.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "2",
+            "--cost",
+            "dsv3-h800",
+            moe,
+            "--format",
+            format,
+        ])
+    };
+    let o = compare("--moe=all:list", "human");
+    let err = String::from_utf8_lossy(&o.stderr);
+    let note = format!(
+        "note: {}: `--moe=...:list` orders the parts of a compute-only program, and this one has `SA(0,0->1)` written in it",
+        f.display()
+    );
+    assert_eq!(err.matches(&note).count(), 1, "{err}");
+    // Only the input with messages: the spec is compute-only.
+    assert_eq!(err.matches("note:").count(), 1, "{err}");
+    let o = compare("--moe=all:list", "json");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let rows = v["rows"].as_array().expect("rows");
+    let notes = |name: &str| {
+        rows.iter()
+            .find(|r| r["schedule"] == name)
+            .map(|r| r.get("notes").cloned())
+            .expect("row")
+    };
+    let p2 = notes("p2").expect("p2 has notes");
+    assert_eq!(p2.as_array().map(Vec::len), Some(1), "{p2}");
+    assert!(p2[0]
+        .as_str()
+        .is_some_and(|n| n.contains("keep the default order of plain `--moe`")));
+    assert_eq!(notes("gpipe"), None);
+    // Plain --moe orders nothing: no note.
+    let o = compare("--moe=all", "human");
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("note:"));
+}
+
 /// `optimize` simulates the parts in plain `--moe`'s order: a `:list` suffix is refused
 /// (exit 2), not silently ignored.
 #[test]

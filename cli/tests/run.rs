@@ -418,3 +418,51 @@ fn run_trace_is_refused_before_training_when_it_cannot_be_written() {
     assert!(err.contains("does not exist"), "{err}");
     assert!(!String::from_utf8_lossy(&out.stdout).contains("loss"));
 }
+
+/// `run --format json` reports a cost model it cannot use (unreadable, not TOML, an unknown
+/// `--set` key, `--moe` without all-to-all times) as JSON on standard output, like its other
+/// errors, with exit status 2; human mode prints it on standard error.
+#[test]
+fn run_json_reports_a_bad_cost_model_as_json() {
+    let dir = std::env::temp_dir().join(format!("schedc-run-bad-cost-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "F = [\n").unwrap();
+    let missing = dir.join("missing.toml");
+    let (bad, missing) = (bad.to_str().unwrap(), missing.to_str().unwrap());
+    for (flags, says) in [
+        (vec!["--cost", bad], "TOML parse error"),
+        (vec!["--cost", missing], "cannot read cost model"),
+        (vec!["--set", "frob=1"], "unknown cost key `frob`"),
+        (
+            vec!["--moe", "--cost", "unit"],
+            "which has no [moe] section",
+        ),
+    ] {
+        let mut args = vec!["run", "specs/1f1b.sched", "--pp", "2", "--mb", "2"];
+        args.extend(&flags);
+        let out = bin()
+            .args(&args)
+            .args(["--format", "json"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {}", stderr(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "{flags:?}: not JSON ({e}): {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        });
+        assert_eq!(v["exit"], 2, "{v}");
+        assert!(
+            v["error"].as_str().is_some_and(|e| e.contains(says)),
+            "{flags:?}: {v}"
+        );
+        let out = bin().args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        assert!(out.stdout.is_empty());
+        assert!(stderr(&out).contains(says), "{flags:?}: {}", stderr(&out));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -115,6 +115,11 @@ pub struct Row {
     /// The outcome.
     #[serde(flatten)]
     pub status: Status,
+    /// Notes about how the input was read, as `check` and `sim` print them (e.g. that
+    /// `--moe=...:list` keeps the default part order of an input with its messages written);
+    /// absent from JSON when there are none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 /// The whole comparison.
@@ -320,6 +325,7 @@ fn one(f: &Source, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
         path: path.clone(),
         figures,
         status,
+        notes: Vec::new(),
     };
     let spec = is_spec(f, &f.text());
     let ov = if spec {
@@ -384,6 +390,18 @@ fn one(f: &Source, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
             return row(None, Status::Error { message: m })
         }
     };
+    Row {
+        notes: loaded.notes.clone(),
+        ..judge(&loaded, opts, &row)
+    }
+}
+
+/// Checks and simulates a loaded input: its row (without notes), built by `row`.
+fn judge(
+    loaded: &input::Loaded,
+    opts: &Options,
+    row: &dyn Fn(Option<Figures>, Status) -> Row,
+) -> Row {
     let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
     check::check_expectations(&mut out.report, &loaded.spec_expects);
     let pl = &loaded.program.pipeline;

@@ -322,6 +322,20 @@ pub(crate) fn order(
         })
         .collect();
 
+    // When an input that ends at `end` (seconds; NaN while not produced yet) on the rank of
+    // stage `src` can be read on rank `r` (infinite while not produced), and whether it comes
+    // from another rank: the producer's end, plus the message time when it does.
+    let input_at = |end: f64, src: u32, r: usize| -> (f64, bool) {
+        let cross = pl.rank_of(src) as usize != r;
+        let at = if end.is_nan() {
+            f64::INFINITY
+        } else if cross {
+            end + msg
+        } else {
+            end
+        };
+        (at, cross)
+    };
     // When unit `u` of rank `r` can start (infinite while an input is missing).
     let start_of = |st: &RankState, u: &Unit, r: usize, act: &[f64], grad: &[f64], pe: &[f64]| {
         let mut t = if u.ep { st.efree } else { st.cfree };
@@ -332,16 +346,7 @@ pub(crate) fn order(
                 return;
             }
             t = t.max(st.closed);
-            let mut need = |end: f64, s: u32| {
-                let e = if end.is_nan() {
-                    f64::INFINITY
-                } else if pl.rank_of(s) as usize != r {
-                    end + msg
-                } else {
-                    end
-                };
-                t = t.max(e);
-            };
+            let mut need = |end: f64, s: u32| t = t.max(input_at(end, s, r).0);
             match c.kind {
                 Kind::F => {
                     if let Some(ps) = pl.prev_stage(c.stage) {
@@ -359,15 +364,7 @@ pub(crate) fn order(
         });
         if let Some(b) = &u.pair_bwd {
             if let Some(ns) = pl.next_stage(b.stage) {
-                let end = grad[slot(ns, b.mb)];
-                let e = if end.is_nan() {
-                    f64::INFINITY
-                } else if pl.rank_of(ns) as usize != r {
-                    end + msg
-                } else {
-                    end
-                };
-                t = t.max(e);
+                t = t.max(input_at(grad[slot(ns, b.mb)], ns, r).0);
             }
         }
         t
@@ -504,14 +501,15 @@ pub(crate) fn order(
                 Kind::B | Kind::BW => (PayloadKind::Grad, pl.next_stage(c.stage)?, &grad),
                 Kind::W => return None,
             };
-            (pl.rank_of(src) as usize != r).then(|| {
-                let payload = Payload {
+            let (at, cross) = input_at(table[slot(src, c.mb)], src, r);
+            cross.then_some((
+                Payload {
                     kind,
                     stage: src,
                     mb: c.mb,
-                };
-                (payload, table[slot(src, c.mb)] + msg)
-            })
+                },
+                at,
+            ))
         };
         let mut waits: [Option<Payload>; 2] = [wait, None];
         if let Some(b) = &u.pair_bwd {

@@ -151,3 +151,55 @@ fn syntax_error() {
         render(&d, Some(("torch-letters.ir", src)), 100)
     ));
 }
+
+/// A wait whose stage or micro-batch is out of range is one range error: pass 2 does not
+/// also report that no such receive or send comes before it.
+#[test]
+fn out_of_range_wait_is_a_range_error_only() {
+    for (w, what) in [
+        ("WAIT_RG(5,9)", "stage 5 is out of range 0..2"),
+        ("WAIT_RA(0,9)", "micro-batch 9 is out of range 0..1"),
+        ("WAIT_SG(1,3)", "micro-batch 3 is out of range 0..1"),
+        ("WAIT_SA(7,0)", "stage 7 is out of range 0..2"),
+    ] {
+        let src = format!(
+            "pp 2\nstages 2\nmicrobatches 1\nplacement loop\n\
+rank 0: F(0,0) SA(0,0->1) {w} RG(1,0<-1) BW(0,0)\n\
+rank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n"
+        );
+        let p = parse(&src).unwrap();
+        let out = check(&p.program, Some(&p.spans), &Options::default());
+        let errors: Vec<(Code, &str)> = out
+            .report
+            .diagnostics
+            .iter()
+            .filter(|d| d.is_error())
+            .map(|d| (d.code, d.message.as_str()))
+            .collect();
+        assert_eq!(errors, vec![(Code::Range, what)], "{w}");
+    }
+}
+
+/// A wait in a compute-only program: its receive is placed by the lowering, after pass 2, so
+/// the error says to write the receive (and with it every message) before the wait.
+#[test]
+fn wait_in_a_compute_only_program() {
+    let src = "pp 2\nstages 2\nmicrobatches 1\nplacement loop\n\
+rank 0: F(0,0) WAIT_RG(1,0) BW(0,0)\n\
+rank 1: WAIT_RA(0,0) F(1,0) BW(1,0)\n";
+    insta::assert_snapshot!(snap("compute-only-wait.ir", src, Code::Order));
+    // With the messages written, a wait before its receive has no such help.
+    let src = "pp 2\nstages 2\nmicrobatches 1\nplacement loop\n\
+rank 0: F(0,0) SA(0,0->1) WAIT_RG(1,0) RG(1,0<-1) BW(0,0)\n\
+rank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n";
+    let p = parse(src).unwrap();
+    let out = check(&p.program, Some(&p.spans), &Options::default());
+    let order: Vec<_> = out
+        .report
+        .diagnostics
+        .iter()
+        .filter(|d| d.code == Code::Order)
+        .collect();
+    assert_eq!(order.len(), 1, "{:?}", out.report.diagnostics);
+    assert_eq!(order[0].help, None);
+}

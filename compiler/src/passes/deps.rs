@@ -33,6 +33,16 @@ pub enum DepError {
         /// Explanation, e.g. "B(0,1) runs before its forward F(0,1)".
         why: String,
     },
+    /// A `WAIT_RA/RG/SA/SG` with no receive or send of its payload before it on its rank.
+    Wait {
+        /// The wait.
+        at: Pos,
+        /// Explanation.
+        why: String,
+        /// What to write, for a compute-only program (whose messages the lowering places
+        /// after this pass).
+        help: Option<String>,
+    },
     /// A cross-rank dependency without a receive on the consuming rank.
     NoMessage {
         /// The consumer.
@@ -54,11 +64,27 @@ impl DepError {
                 }
                 d
             }
+            DepError::Wait { at, why, help } => {
+                let d = Diagnostic::error(Code::Order, why.clone()).at(loc(at));
+                match help {
+                    Some(h) => d.with_help(h.clone()),
+                    None => d,
+                }
+            }
             DepError::NoMessage { at, why } => {
                 Diagnostic::error(Code::Unmatched, why.clone()).at(loc(at))
             }
         }
     }
+}
+
+/// The help of a wait in a compute-only program: its `what` ("receives" or "sends") are
+/// placed by the lowering (pass 3), after this pass, so a hand-written wait needs `msg`
+/// written before it (and then every message: a program with one written is not lowered).
+fn written_by_lowering(what: &str, msg: &str) -> String {
+    format!(
+        "this program has no message written, so its {what} are placed by the lowering (pass 3), after this check: a hand-written wait needs its message, {msg} here, written before it, and a program with one message written is not lowered, so every send and receive must then be written (`schedc convert INPUT --lowered --to ir-text` of the program without its waits writes them; `--moe=...:list` writes its own waits with them)"
+    )
 }
 
 #[inline]
@@ -322,18 +348,25 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                         }
                     }
                 }
+                // An out-of-range wait is pass 1's range error alone.
+                Instr::WaitRecv(pl_) | Instr::WaitSend(pl_)
+                    if pl_.stage >= s_n || pl_.mb >= m_n => {}
                 Instr::WaitRecv(pl_) if !received.contains_key(pl_) => {
                     let (ir, what) = match pl_.kind {
                         schedc_ir::PayloadKind::Act => ("RA", "activation"),
                         schedc_ir::PayloadKind::Grad => ("RG", "gradient"),
                     };
-                    errs.push(DepError::Order {
+                    let from = pl.rank_of(pl_.stage);
+                    errs.push(DepError::Wait {
                         at,
-                        dep: Pos::NONE,
                         why: format!(
                             "this waits for the receive of the {what} of stage {}, micro-batch {} (`{ir}({},{}<-…)`), but rank {} posts no such receive before it: the receive is missing or comes after the wait",
                             pl_.stage, pl_.mb, pl_.stage, pl_.mb, at.rank
                         ),
+                        help: (!lowered).then(|| written_by_lowering(
+                            "receives",
+                            &format!("`{ir}({},{}<-{from})`", pl_.stage, pl_.mb),
+                        )),
                     });
                 }
                 Instr::WaitSend(pl_) if !sent.contains_key(pl_) => {
@@ -341,13 +374,21 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                         schedc_ir::PayloadKind::Act => ("SA", "SEND_F", "activation"),
                         schedc_ir::PayloadKind::Grad => ("SG", "SEND_B", "gradient"),
                     };
-                    errs.push(DepError::Order {
+                    let to = match pl_.kind {
+                        schedc_ir::PayloadKind::Act => pl.next_stage(pl_.stage),
+                        schedc_ir::PayloadKind::Grad => pl.prev_stage(pl_.stage),
+                    }
+                    .map_or("…".to_string(), |s| pl.rank_of(s).to_string());
+                    errs.push(DepError::Wait {
                         at,
-                        dep: Pos::NONE,
                         why: format!(
                             "this waits for the send of the {what} of stage {}, micro-batch {} (`{ir}({},{}->…)`, torch's `{}{torch}{}`), but rank {} issues no such send before it: the send is missing or comes after the wait",
                             pl_.stage, pl_.mb, pl_.stage, pl_.mb, pl_.stage, pl_.mb, at.rank
                         ),
+                        help: (!lowered).then(|| written_by_lowering(
+                            "sends",
+                            &format!("`{ir}({},{}->{to})`", pl_.stage, pl_.mb),
+                        )),
                     });
                 }
                 _ => {}
