@@ -1,0 +1,150 @@
+//! The small grid against an independent solver: OR-Tools CP-SAT's optima
+//! (`optimize/tests/data/cpsat_small.jsonl`, written by `optimize/cpsat/prove.py` from the
+//! instances of `--example dump_small`; regenerate with the commands in
+//! `optimize/cpsat/README.md`).
+//!
+//! For each of the 216 instances (P in {2, 3, 4}, M in 1..=6, costs unit / profA / profB, caps
+//! {P, 2P}, loop and V placements):
+//! - CP-SAT's schedule, read back as tokens, passes every check of `schedc check` within the
+//!   cap, and our evaluator and the simulator both give it exactly CP-SAT's makespan (the two
+//!   models are the same problem);
+//! - where CP-SAT proved its makespan optimal, no lower bound of ours exceeds it (the cheap
+//!   bound of `crate::bound` and branch and bound's root bound): a soundness check of our
+//!   bounds by a solver that shares no code with them.
+
+use schedc::sim::cost::CostModel;
+use schedc_ir::{Pipeline, PlacementKind};
+use schedc_optimize::eval::Evaluator;
+use schedc_optimize::exact::root_bound;
+use schedc_optimize::{Instance, Sched, Tok};
+
+const DATA: &str = include_str!("data/cpsat_small.jsonl");
+
+/// One line of the reference data.
+struct Row {
+    inst: Instance,
+    cost: CostModel,
+    label: String,
+    makespan: f64,
+    proved: bool,
+    order: Sched,
+}
+
+fn cost_of(name: &str) -> &'static str {
+    match name {
+        "unit" => "F=1,B=1,W=1",
+        "profA" => "F=1,B=1.1,W=0.9,latency=0.05",
+        "profB" => "F=1,B=2,W=1",
+        other => panic!("unknown cost set {other}"),
+    }
+}
+
+fn rows() -> Vec<Row> {
+    DATA.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let p = v["P"].as_u64().unwrap() as u32;
+            let m = v["M"].as_u64().unwrap() as u32;
+            let cap = v["cap"].as_u64().unwrap();
+            let cn = v["cost"].as_str().unwrap();
+            let placement = v["placement"].as_str().unwrap();
+            let pl = match placement {
+                "v" => Pipeline::new(p, 2 * p, m, PlacementKind::V).unwrap(),
+                "loop" => Pipeline::new(p, p, m, PlacementKind::Loop).unwrap(),
+                other => panic!("unknown placement {other}"),
+            };
+            let cost = CostModel::resolve(cost_of(cn)).unwrap();
+            let inst = Instance::new(&pl, &cost, Some(cap)).unwrap();
+            let order = Sched {
+                ranks: v["order"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|r| {
+                        r.as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|t| {
+                                let t = t.as_str().unwrap();
+                                let s: u32 = t[1..].parse().unwrap();
+                                match &t[..1] {
+                                    "F" => Tok::F(s),
+                                    "B" => Tok::B(s),
+                                    "W" => Tok::W(s),
+                                    other => panic!("unknown token kind {other}"),
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect(),
+            };
+            Row {
+                inst,
+                cost,
+                label: format!("{placement} P={p} M={m} {cn} cap {cap}"),
+                makespan: v["cpsat"].as_f64().unwrap(),
+                proved: v["proved"].as_bool().unwrap(),
+                order,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn the_data_covers_the_grid_and_cp_sat_proved_every_instance() {
+    let rows = rows();
+    assert_eq!(rows.len(), 216, "108 instances per placement");
+    let unproved: Vec<&str> = rows
+        .iter()
+        .filter(|r| !r.proved)
+        .map(|r| r.label.as_str())
+        .collect();
+    assert!(unproved.is_empty(), "not proved by CP-SAT: {unproved:?}");
+}
+
+#[test]
+fn cp_sat_schedules_pass_check_and_evaluate_to_cp_sat_makespans() {
+    for r in rows() {
+        let mut ev = Evaluator::new(&r.inst);
+        let e = ev
+            .eval(&r.order)
+            .unwrap_or_else(|f| panic!("{}: CP-SAT's order is not a schedule: {f:?}", r.label));
+        assert!(
+            (e.makespan - r.makespan).abs() < 1e-9,
+            "{}: evaluator {} vs CP-SAT {}",
+            r.label,
+            e.makespan,
+            r.makespan
+        );
+        let v = schedc_optimize::verify(&r.inst, &r.cost, &r.order)
+            .unwrap_or_else(|err| panic!("{}: {err}", r.label));
+        assert!(
+            (v.sim.makespan - r.makespan).abs() < 1e-9,
+            "{}: simulator {} vs CP-SAT {}",
+            r.label,
+            v.sim.makespan,
+            r.makespan
+        );
+    }
+}
+
+#[test]
+fn our_bounds_never_exceed_a_cp_sat_optimum() {
+    for r in rows().into_iter().filter(|r| r.proved) {
+        let lb = schedc_optimize::bound::lower_bound(&r.inst);
+        assert!(
+            lb <= r.makespan + 1e-9,
+            "{}: lower bound {lb} > optimum {}",
+            r.label,
+            r.makespan
+        );
+        let rb = root_bound(&r.inst).unwrap();
+        assert!(
+            rb <= r.makespan + 1e-9,
+            "{}: root bound {rb} > optimum {}",
+            r.label,
+            r.makespan
+        );
+    }
+}
