@@ -11,11 +11,16 @@
 //! - where CP-SAT proved its makespan optimal, no lower bound of ours exceeds it (the cheap
 //!   bound of `crate::bound` and branch and bound's root bound): a soundness check of our
 //!   bounds by a solver that shares no code with them.
+//!
+//! `schedc optimize` equalling these optima is measured by `--example cpsat_check` (release,
+//! minutes); `optimizer_meets_the_optimum_where_branch_and_bound_did_not_prove` runs it on
+//! the instances our own branch and bound could not close.
 
 use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind};
 use schedc_optimize::eval::Evaluator;
 use schedc_optimize::exact::root_bound;
+use schedc_optimize::search::{optimize, Options};
 use schedc_optimize::{Instance, Sched, Tok};
 
 const DATA: &str = include_str!("data/cpsat_small.jsonl");
@@ -144,6 +149,36 @@ fn our_bounds_never_exceed_a_cp_sat_optimum() {
             rb <= r.makespan + 1e-9,
             "{}: root bound {rb} > optimum {}",
             r.label,
+            r.makespan
+        );
+    }
+}
+
+/// The three V instances our branch and bound could not close (its node budget ran out
+/// above its bound): the search as the CLI runs it reaches CP-SAT's optimum on each.
+#[test]
+fn optimizer_meets_the_optimum_where_branch_and_bound_did_not_prove() {
+    let hard = [
+        "v P=3 M=6 profA cap 3",
+        "v P=4 M=6 profA cap 4",
+        "v P=4 M=6 profB cap 4",
+    ];
+    let rows: Vec<Row> = rows()
+        .into_iter()
+        .filter(|r| hard.contains(&r.label.as_str()))
+        .collect();
+    assert_eq!(rows.len(), 3);
+    let opts = Options {
+        exact_max_ops: 150,
+        ..Options::default()
+    };
+    for r in rows {
+        let out = optimize(&r.inst, &[], &opts, &|_| {});
+        assert!(
+            (out.makespan - r.makespan).abs() < 1e-9,
+            "{}: optimize {} vs CP-SAT optimum {}",
+            r.label,
+            out.makespan,
             r.makespan
         );
     }
