@@ -133,6 +133,50 @@ fn fail(msg: impl std::fmt::Display) -> ExitCode {
     ExitCode::from(2)
 }
 
+/// A pipeline's placement and V, as the report names it (`v V=2`).
+fn pipeline_label(pl: &Pipeline) -> String {
+    format!(
+        "{} V={}",
+        schedc_optimize::report::placement_name(pl.placement),
+        pl.stages / pl.pp
+    )
+}
+
+/// The smallest `--max-activations` (user units) that [`cap_for`] turns into at least `min`
+/// of the pipeline's own activations, where one of them is `scale` of a user-unit stage.
+fn min_cap_in_user_units(min: u64, scale: f64) -> u64 {
+    (min as f64 * scale - 1e-9).ceil().max(0.0) as u64
+}
+
+/// The error for a cap below a placement's minimum, in the user's units: `need` user-unit
+/// activations, `min` of the pipeline's own stages on `rank`, each `scale` of a user-unit
+/// stage.
+fn cap_below_minimum(
+    given: u64,
+    need: u64,
+    min: u64,
+    rank: u32,
+    scale: f64,
+    input: bool,
+) -> String {
+    if (scale - 1.0).abs() < 1e-12 {
+        return schedc_optimize::ProblemError::CapBelowMinimum {
+            cap: given,
+            min,
+            rank,
+        }
+        .to_string();
+    }
+    let units = if input {
+        "the input"
+    } else {
+        "one stage per rank"
+    };
+    format!(
+        "--max-activations {given} is below the minimum any schedule on this placement needs: {need} (stage units of {units}): rank {rank} holds {min} virtual stages of one direction, {scale} of a stage each, that one micro-batch passes through before its first backward"
+    )
+}
+
 /// One pipeline to search, with its cost, cap and starting schedules.
 struct Candidate {
     pipeline: Pipeline,
@@ -279,6 +323,8 @@ pub fn run(a: Args) -> ExitCode {
     // Specs of the standard library at this size (V = 2 for those whose V is free).
     let specs = load_specs(std::path::Path::new(&a.specs), pp, mb, 2);
     let mut candidates = Vec::new();
+    // The smallest minimum cap (user units) among placements skipped for a cap below it.
+    let mut below: Option<(u64, String)> = None;
     for pl in &pipelines {
         let real_cost = scaled_cost(&cost, ref_stages, pl);
         let c = match &a.moe {
@@ -295,14 +341,25 @@ pub fn run(a: Args) -> ExitCode {
         let cap = cap_for(a.max_activations, ref_stages, pl);
         let inst = match Instance::new(pl, &c, Some(cap)) {
             Ok(i) => i,
-            Err(e) => {
-                if pipelines.len() > 1
-                    && matches!(e, schedc_optimize::ProblemError::CapBelowMinimum { .. })
-                {
+            Err(schedc_optimize::ProblemError::CapBelowMinimum { min, rank, .. }) => {
+                let need = min_cap_in_user_units(min, scale_of(ref_stages, pl));
+                if pipelines.len() > 1 {
+                    let label = pipeline_label(pl);
+                    if below.as_ref().is_none_or(|(n, _)| need < *n) {
+                        below = Some((need, label));
+                    }
                     continue;
                 }
-                return fail(e);
+                return fail(cap_below_minimum(
+                    a.max_activations,
+                    need,
+                    min,
+                    rank,
+                    scale_of(ref_stages, pl),
+                    a.input.is_some(),
+                ));
             }
+            Err(e) => return fail(e),
         };
         let mut starts = Vec::new();
         if let Some((spl, sc)) = &start {
@@ -325,8 +382,9 @@ pub fn run(a: Args) -> ExitCode {
         });
     }
     if candidates.is_empty() {
+        let (need, label) = below.unwrap_or((0, String::new()));
         return fail(format!(
-            "--max-activations {} is below the minimum of every placement tried",
+            "--max-activations {} is below the minimum of every placement tried; the smallest is {need} ({label}), in stage units of one stage per rank",
             a.max_activations
         ));
     }
@@ -359,13 +417,7 @@ pub fn run(a: Args) -> ExitCode {
     // (`schedc_optimize::search::optimize_placements`).
     let labels: Vec<String> = candidates
         .iter()
-        .map(|c| {
-            format!(
-                "{} V={}",
-                schedc_optimize::report::placement_name(c.pipeline.placement),
-                c.pipeline.stages / c.pipeline.pp
-            )
-        })
+        .map(|c| pipeline_label(&c.pipeline))
         .collect();
     let progress = |i: usize, p: &schedc_optimize::Progress| {
         bar.set_message(format!(

@@ -44,8 +44,33 @@ fn a_cap_below_the_minimum_exits_2_and_says_the_minimum() {
         "0",
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    // In one-stage-per-rank units a V rank's two half stages need 1.
-    assert!(stderr(&o).contains("minimum"), "{}", stderr(&o));
+    // In one-stage-per-rank units a V rank's two half stages need 1 (not 2: that is the
+    // count in the V's own half stages, which the user did not give).
+    assert!(
+        stderr(&o).contains(
+            "the minimum any schedule on this placement needs: 1 (stage units of one stage per rank): rank 0 holds 2 virtual stages of one direction, 0.5 of a stage each"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    // Without a placement every standard one is tried: the error names the smallest minimum.
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-activations",
+        "0",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "below the minimum of every placement tried; the smallest is 1 (loop V=1), in stage units of one stage per rank"
+        ),
+        "{}",
+        stderr(&o)
+    );
     let o = schedc(&[
         "optimize",
         "specs/zbv.sched",
