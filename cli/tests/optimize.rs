@@ -318,3 +318,29 @@ fn moe_needs_all_to_all_times_and_scores_with_the_split_simulation() {
     assert!(j["makespan"].as_f64().unwrap() <= dpv["makespan"].as_f64().unwrap() + 1e-9);
     assert!(j["peak_activations"].as_f64().unwrap() <= 9.0);
 }
+
+/// Above the cheap lower bound, `optimal` says branch and bound proved it (V, P = 3, M = 4,
+/// unit, one activation per rank: 21.5, bound 15; CP-SAT's optimum is 43 in half-stage units).
+#[test]
+fn an_optimum_above_the_lower_bound_says_branch_and_bound_proved_it() {
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--placement",
+        "v",
+        "--vpp",
+        "2",
+        "--max-activations",
+        "1",
+        "--no-progress",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("optimized: makespan 21.5000 (v V=2; lower bound 15.0000, optimal: branch and bound proved no schedule on this placement is shorter)"),
+        "{out}"
+    );
+}
