@@ -94,10 +94,11 @@ pub struct Args {
     /// Scales every evaluation budget (0.1 quick, 1 default, 10 thorough).
     #[arg(long, default_value_t = 1.0)]
     pub effort: f64,
-    /// Branch and bound: on small instances (auto), always, or never.
+    /// Branch and bound: on small instances (auto; never under --heuristic), always, or never.
     #[arg(long, value_enum, default_value = "auto")]
     pub exact: ExactMode,
-    /// Heuristic mode for very large instances: list scheduling and the greedy only.
+    /// Heuristic mode for very large instances: list scheduling and the greedy only (no
+    /// branch and bound unless `--exact on`).
     #[arg(long)]
     pub heuristic: bool,
     /// Write the schedule here (default: not written; `-` for standard output).
@@ -417,6 +418,9 @@ pub fn run(a: Args) -> ExitCode {
         time_limit: a.time_limit.map(Duration::from_secs_f64),
         effort: a.effort,
         exact_max_ops: match a.exact {
+            // --heuristic is list scheduling and the greedy only: branch and bound only when
+            // asked for by name.
+            ExactMode::Auto if a.heuristic => 0,
             ExactMode::Auto => 150,
             ExactMode::On => usize::MAX,
             ExactMode::Off => 0,

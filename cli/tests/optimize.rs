@@ -344,3 +344,46 @@ fn an_optimum_above_the_lower_bound_says_branch_and_bound_proved_it() {
         "{out}"
     );
 }
+
+/// `--heuristic` is list scheduling and the greedy only: `--exact auto` runs no branch and
+/// bound under it, even on an instance small enough for it (ZB-V at P = 3, M = 4, cap 3 is
+/// closed by branch and bound at 36 otherwise); `--exact on` still asks for it by name.
+#[test]
+fn heuristic_mode_runs_no_branch_and_bound_unless_asked() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "optimize",
+            "specs/zbv.sched",
+            "--pp",
+            "3",
+            "--mb",
+            "4",
+            "--max-activations",
+            "3",
+            "--format",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        let o = schedc(&args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let phases: Vec<String> = j["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap().to_string())
+            .collect();
+        (j, phases)
+    };
+    let (j, phases) = run(&["--heuristic"]);
+    assert!(
+        !phases.iter().any(|p| p == "branch and bound"),
+        "{phases:?}"
+    );
+    assert_ne!(j["found_by"], "branch and bound");
+    let (j, phases) = run(&["--heuristic", "--exact", "on"]);
+    assert!(phases.iter().any(|p| p == "branch and bound"), "{phases:?}");
+    assert_eq!(j["makespan"], 36.0);
+    let (j, _) = run(&[]);
+    assert_eq!(j["makespan"], 36.0);
+}
