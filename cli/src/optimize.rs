@@ -242,6 +242,11 @@ pub fn run(a: Args) -> ExitCode {
         }
     }
     if let Some(o) = &a.output {
+        if o == "-" && a.format == OutFormat::Json {
+            return fail(
+                "`-o -` and `--format json` would both write to standard output (the schedule, then the report), which no JSON reader accepts: write the schedule to a file with -o FILE",
+            );
+        }
         if o != "-" && !a.force && std::path::Path::new(o).exists() {
             return fail(format!(
                 "`{o}` exists; not overwriting it (pass --force to replace it)"

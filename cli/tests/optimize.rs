@@ -387,3 +387,33 @@ fn heuristic_mode_runs_no_branch_and_bound_unless_asked() {
     let (j, _) = run(&[]);
     assert_eq!(j["makespan"], 36.0);
 }
+
+/// `--format json` with `-o -` would put the schedule and the JSON report on one standard
+/// output: refused before the search (exit 2), not an unparseable stream.
+#[test]
+fn json_report_and_schedule_on_standard_output_are_refused() {
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--max-activations",
+        "3",
+        "--format",
+        "json",
+        "-o",
+        "-",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        o.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    assert!(
+        stderr(&o).contains("`-o -` and `--format json` would both write to standard output"),
+        "{}",
+        stderr(&o)
+    );
+}
