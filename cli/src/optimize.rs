@@ -340,6 +340,12 @@ pub fn run(a: Args) -> ExitCode {
     };
 
     // Specs of the standard library at this size (V = 2 for those whose V is free).
+    if !std::path::Path::new(&a.specs).is_dir() {
+        eprintln!(
+            "note: `{}` is not a directory: no spec is compared (--specs DIR names the specs; the default `specs` is relative to the current directory)",
+            a.specs
+        );
+    }
     let specs = load_specs(std::path::Path::new(&a.specs), pp, mb, 2);
     let mut candidates = Vec::new();
     // The smallest minimum cap (user units) among placements skipped for a cap below it.

@@ -417,3 +417,40 @@ fn json_report_and_schedule_on_standard_output_are_refused() {
         stderr(&o)
     );
 }
+
+/// Run outside the repository (or with a wrong --specs), no spec can be compared: the report
+/// says so instead of silently leaving out every spec row.
+#[test]
+fn a_missing_specs_directory_is_noted() {
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--max-activations",
+        "3",
+        "--no-progress",
+        "--specs",
+        "no/such/dir",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("note: `no/such/dir` is not a directory: no spec is compared"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("spec "));
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--max-activations",
+        "3",
+        "--no-progress",
+    ]);
+    assert!(!stderr(&o).contains("not a directory"), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("spec zbv"));
+}
