@@ -94,10 +94,11 @@ pub struct Args {
     /// Scales every evaluation budget (0.1 quick, 1 default, 10 thorough).
     #[arg(long, default_value_t = 1.0)]
     pub effort: f64,
-    /// Branch and bound: on small instances (auto), always, or never.
+    /// Branch and bound: on small instances (auto; never under --heuristic), always, or never.
     #[arg(long, value_enum, default_value = "auto")]
     pub exact: ExactMode,
-    /// Heuristic mode for very large instances: list scheduling and the greedy only.
+    /// Heuristic mode for very large instances: list scheduling and the greedy only (no
+    /// branch and bound unless `--exact on`).
     #[arg(long)]
     pub heuristic: bool,
     /// Write the schedule here (default: not written; `-` for standard output).
@@ -131,6 +132,63 @@ pub struct Args {
 fn fail(msg: impl std::fmt::Display) -> ExitCode {
     eprintln!("error: {msg}");
     ExitCode::from(2)
+}
+
+/// A pipeline's placement and V, as the report names it (`v V=2`).
+fn pipeline_label(pl: &Pipeline) -> String {
+    format!(
+        "{} V={}",
+        schedc_optimize::report::placement_name(pl.placement),
+        pl.stages / pl.pp
+    )
+}
+
+/// The smallest `--max-activations` (user units) that [`cap_for`] turns into at least `min`
+/// of the pipeline's own activations, where one of them is `scale` of a user-unit stage.
+fn min_cap_in_user_units(min: u64, scale: f64) -> u64 {
+    (min as f64 * scale - 1e-9).ceil().max(0.0) as u64
+}
+
+/// The error for a cap below a placement's minimum, in the user's units: `need` user-unit
+/// activations, `min` of the pipeline's own stages on `rank`, each `scale` of a user-unit
+/// stage.
+fn cap_below_minimum(
+    given: u64,
+    need: u64,
+    min: u64,
+    rank: u32,
+    scale: f64,
+    input: bool,
+) -> String {
+    if (scale - 1.0).abs() < 1e-12 {
+        return schedc_optimize::ProblemError::CapBelowMinimum {
+            cap: given,
+            min,
+            rank,
+        }
+        .to_string();
+    }
+    let units = if input {
+        "the input"
+    } else {
+        "one stage per rank"
+    };
+    format!(
+        "--max-activations {given} is below the minimum any schedule on this placement needs: {need} (stage units of {units}): rank {rank} holds {min} virtual stages of one direction, {scale} of a stage each, that one micro-batch passes through before its first backward"
+    )
+}
+
+/// The report's word on optimality: nothing, `optimal` when the makespan meets the lower
+/// bound, and the reason when branch and bound proved it above the bound (a bare `lower
+/// bound 15, optimal` next to a makespan of 21.5 reads as a contradiction).
+fn optimality(out: &Outcome) -> &'static str {
+    if !out.optimal {
+        ""
+    } else if out.makespan <= out.lower_bound + 1e-9 {
+        ", optimal"
+    } else {
+        ", optimal: branch and bound proved no schedule on this placement is shorter"
+    }
 }
 
 /// One pipeline to search, with its cost, cap and starting schedules.
@@ -184,6 +242,11 @@ pub fn run(a: Args) -> ExitCode {
         }
     }
     if let Some(o) = &a.output {
+        if o == "-" && a.format == OutFormat::Json {
+            return fail(
+                "`-o -` and `--format json` would both write to standard output (the schedule, then the report), which no JSON reader accepts: write the schedule to a file with -o FILE",
+            );
+        }
         if o != "-" && !a.force && std::path::Path::new(o).exists() {
             return fail(format!(
                 "`{o}` exists; not overwriting it (pass --force to replace it)"
@@ -277,8 +340,16 @@ pub fn run(a: Args) -> ExitCode {
     };
 
     // Specs of the standard library at this size (V = 2 for those whose V is free).
+    if !std::path::Path::new(&a.specs).is_dir() {
+        eprintln!(
+            "note: `{}` is not a directory: no spec is compared (--specs DIR names the specs; the default `specs` is relative to the current directory)",
+            a.specs
+        );
+    }
     let specs = load_specs(std::path::Path::new(&a.specs), pp, mb, 2);
     let mut candidates = Vec::new();
+    // The smallest minimum cap (user units) among placements skipped for a cap below it.
+    let mut below: Option<(u64, String)> = None;
     for pl in &pipelines {
         let real_cost = scaled_cost(&cost, ref_stages, pl);
         let c = match &a.moe {
@@ -295,14 +366,25 @@ pub fn run(a: Args) -> ExitCode {
         let cap = cap_for(a.max_activations, ref_stages, pl);
         let inst = match Instance::new(pl, &c, Some(cap)) {
             Ok(i) => i,
-            Err(e) => {
-                if pipelines.len() > 1
-                    && matches!(e, schedc_optimize::ProblemError::CapBelowMinimum { .. })
-                {
+            Err(schedc_optimize::ProblemError::CapBelowMinimum { min, rank, .. }) => {
+                let need = min_cap_in_user_units(min, scale_of(ref_stages, pl));
+                if pipelines.len() > 1 {
+                    let label = pipeline_label(pl);
+                    if below.as_ref().is_none_or(|(n, _)| need < *n) {
+                        below = Some((need, label));
+                    }
                     continue;
                 }
-                return fail(e);
+                return fail(cap_below_minimum(
+                    a.max_activations,
+                    need,
+                    min,
+                    rank,
+                    scale_of(ref_stages, pl),
+                    a.input.is_some(),
+                ));
             }
+            Err(e) => return fail(e),
         };
         let mut starts = Vec::new();
         if let Some((spl, sc)) = &start {
@@ -325,8 +407,9 @@ pub fn run(a: Args) -> ExitCode {
         });
     }
     if candidates.is_empty() {
+        let (need, label) = below.unwrap_or((0, String::new()));
         return fail(format!(
-            "--max-activations {} is below the minimum of every placement tried",
+            "--max-activations {} is below the minimum of every placement tried; the smallest is {need} ({label}), in stage units of one stage per rank",
             a.max_activations
         ));
     }
@@ -346,6 +429,9 @@ pub fn run(a: Args) -> ExitCode {
         time_limit: a.time_limit.map(Duration::from_secs_f64),
         effort: a.effort,
         exact_max_ops: match a.exact {
+            // --heuristic is list scheduling and the greedy only: branch and bound only when
+            // asked for by name.
+            ExactMode::Auto if a.heuristic => 0,
             ExactMode::Auto => 150,
             ExactMode::On => usize::MAX,
             ExactMode::Off => 0,
@@ -359,13 +445,7 @@ pub fn run(a: Args) -> ExitCode {
     // (`schedc_optimize::search::optimize_placements`).
     let labels: Vec<String> = candidates
         .iter()
-        .map(|c| {
-            format!(
-                "{} V={}",
-                schedc_optimize::report::placement_name(c.pipeline.placement),
-                c.pipeline.stages / c.pipeline.pp
-            )
-        })
+        .map(|c| pipeline_label(&c.pipeline))
         .collect();
     let progress = |i: usize, p: &schedc_optimize::Progress| {
         bar.set_message(format!(
@@ -615,7 +695,7 @@ pub fn run(a: Args) -> ExitCode {
                 opt_row.makespan,
                 opt_row.placement,
                 out.lower_bound,
-                if out.optimal { ", optimal" } else { "" },
+                optimality(&out),
                 out.found_by
             );
             let _ = writeln!(

@@ -44,8 +44,33 @@ fn a_cap_below_the_minimum_exits_2_and_says_the_minimum() {
         "0",
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    // In one-stage-per-rank units a V rank's two half stages need 1.
-    assert!(stderr(&o).contains("minimum"), "{}", stderr(&o));
+    // In one-stage-per-rank units a V rank's two half stages need 1 (not 2: that is the
+    // count in the V's own half stages, which the user did not give).
+    assert!(
+        stderr(&o).contains(
+            "the minimum any schedule on this placement needs: 1 (stage units of one stage per rank): rank 0 holds 2 virtual stages of one direction, 0.5 of a stage each"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    // Without a placement every standard one is tried: the error names the smallest minimum.
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-activations",
+        "0",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "below the minimum of every placement tried; the smallest is 1 (loop V=1), in stage units of one stage per rank"
+        ),
+        "{}",
+        stderr(&o)
+    );
     let o = schedc(&[
         "optimize",
         "specs/zbv.sched",
@@ -292,4 +317,140 @@ fn moe_needs_all_to_all_times_and_scores_with_the_split_simulation() {
     assert!(dpv["bubble_per_rank_span"].as_f64().unwrap() > 0.2);
     assert!(j["makespan"].as_f64().unwrap() <= dpv["makespan"].as_f64().unwrap() + 1e-9);
     assert!(j["peak_activations"].as_f64().unwrap() <= 9.0);
+}
+
+/// Above the cheap lower bound, `optimal` says branch and bound proved it (V, P = 3, M = 4,
+/// unit, one activation per rank: 21.5, bound 15; CP-SAT's optimum is 43 in half-stage units).
+#[test]
+fn an_optimum_above_the_lower_bound_says_branch_and_bound_proved_it() {
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--placement",
+        "v",
+        "--vpp",
+        "2",
+        "--max-activations",
+        "1",
+        "--no-progress",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("optimized: makespan 21.5000 (v V=2; lower bound 15.0000, optimal: branch and bound proved no schedule on this placement is shorter)"),
+        "{out}"
+    );
+}
+
+/// `--heuristic` is list scheduling and the greedy only: `--exact auto` runs no branch and
+/// bound under it, even on an instance small enough for it (ZB-V at P = 3, M = 4, cap 3 is
+/// closed by branch and bound at 36 otherwise); `--exact on` still asks for it by name.
+#[test]
+fn heuristic_mode_runs_no_branch_and_bound_unless_asked() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "optimize",
+            "specs/zbv.sched",
+            "--pp",
+            "3",
+            "--mb",
+            "4",
+            "--max-activations",
+            "3",
+            "--format",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        let o = schedc(&args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let phases: Vec<String> = j["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap().to_string())
+            .collect();
+        (j, phases)
+    };
+    let (j, phases) = run(&["--heuristic"]);
+    assert!(
+        !phases.iter().any(|p| p == "branch and bound"),
+        "{phases:?}"
+    );
+    assert_ne!(j["found_by"], "branch and bound");
+    let (j, phases) = run(&["--heuristic", "--exact", "on"]);
+    assert!(phases.iter().any(|p| p == "branch and bound"), "{phases:?}");
+    assert_eq!(j["makespan"], 36.0);
+    let (j, _) = run(&[]);
+    assert_eq!(j["makespan"], 36.0);
+}
+
+/// `--format json` with `-o -` would put the schedule and the JSON report on one standard
+/// output: refused before the search (exit 2), not an unparseable stream.
+#[test]
+fn json_report_and_schedule_on_standard_output_are_refused() {
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--max-activations",
+        "3",
+        "--format",
+        "json",
+        "-o",
+        "-",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        o.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    assert!(
+        stderr(&o).contains("`-o -` and `--format json` would both write to standard output"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// Run outside the repository (or with a wrong --specs), no spec can be compared: the report
+/// says so instead of silently leaving out every spec row.
+#[test]
+fn a_missing_specs_directory_is_noted() {
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--max-activations",
+        "3",
+        "--no-progress",
+        "--specs",
+        "no/such/dir",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("note: `no/such/dir` is not a directory: no spec is compared"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("spec "));
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--max-activations",
+        "3",
+        "--no-progress",
+    ]);
+    assert!(!stderr(&o).contains("not a directory"), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("spec zbv"));
 }

@@ -29,13 +29,34 @@ Output: one JSON line per instance (`cpsat`: best makespan found, `cpsat_bound`:
 proved lower bound, `proved`: the two are equal, `order`: each rank's ops in start order as
 tokens such as "F3", "B2", "W2" for stage 3 or 2), and a summary on stderr.
 
+An instance CP-SAT proves has no schedule within its cap is written with `cpsat` and
+`cpsat_bound` null and `infeasible` true.
+
+Every line is read and checked before any is solved; an empty input, a line that is not a
+JSON object with the fields above, or a time that is not positive, finite and a multiple of
+0.001 is an error naming the line (exit 2, nothing written).
+
 Usage: python3 prove.py [--time-limit S] [--workers N] < instances.jsonl
 """
+
+
+class InputError(Exception):
+    """An instance line that cannot be solved (its message names the field)."""
+
+
+def die(msg):
+    """Reports `msg` on stderr and exits 2 (unreadable input or bad usage)."""
+    print(f"prove.py: {msg}", file=sys.stderr)
+    sys.exit(2)
+
 import argparse
 import json
+import math
 import sys
 
-from ortools.sat.python import cp_model
+# Imported in main(), after the input is read and checked: bad input is reported without
+# OR-Tools installed, and a missing OR-Tools gets its own message.
+cp_model = None
 
 
 def scale_of(inst):
@@ -43,7 +64,7 @@ def scale_of(inst):
     for sc in (1, 10, 20, 100, 1000):
         if all(abs(v * sc - round(v * sc)) < 1e-9 for v in vals):
             return sc
-    raise SystemExit(f"times of P={inst['P']} M={inst['M']} are not multiples of 0.001")
+    raise InputError("op and message times must be multiples of 0.001 seconds")
 
 
 def solve(inst, time_limit, workers):
@@ -51,9 +72,6 @@ def solve(inst, time_limit, workers):
     S, M = len(inst["rank_of"]), inst["M"]
     P = max(inst["rank_of"]) + 1
     rank_of, nxt, prv = inst["rank_of"], inst["next"], inst["prev"]
-    for s in range(S):
-        if inst["d_bw"][s] < inst["d_b"][s] + inst["d_w"][s] - 1e-12:
-            raise SystemExit("BW faster than B + W: fused backwards are not modelled")
     df = [round(x * sc) for x in inst["d_f"]]
     db = [round(x * sc) for x in inst["d_b"]]
     dw = [round(x * sc) for x in inst["d_w"]]
@@ -127,6 +145,10 @@ def solve(inst, time_limit, workers):
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = 1
     status = solver.Solve(m)
+    if status == cp_model.INFEASIBLE:
+        return None, None, False, solver.WallTime(), None
+    if status == cp_model.MODEL_INVALID:
+        raise InputError(f"CP-SAT rejects the model: {m.Validate()}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, solver.BestObjectiveBound() / sc, False, solver.WallTime(), None
     # Each rank's ops in start order, as tokens ("F3": a forward of stage 3; the k-th of a
@@ -150,25 +172,115 @@ def solve(inst, time_limit, workers):
     )
 
 
+def check(inst):
+    """Raises InputError unless `inst` is an instance dump_small writes: field types, list
+    lengths, stage links within range, positive finite op times, a non-negative message
+    time, a positive cap, BW >= B + W."""
+    if not isinstance(inst, dict):
+        raise InputError("not a JSON object")
+    for k in ("placement", "P", "M", "cost", "cap", "rank_of", "next", "prev",
+              "d_f", "d_b", "d_w", "d_bw", "lat"):
+        if k not in inst:
+            raise InputError(f"missing field `{k}`")
+
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def is_num(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    for k in ("P", "M", "cap"):
+        if not is_int(inst[k]) or inst[k] < 1:
+            raise InputError(f"`{k}` must be a positive integer, got {inst[k]!r}")
+    rank_of = inst["rank_of"]
+    if not isinstance(rank_of, list) or not rank_of:
+        raise InputError("`rank_of` must be a non-empty list of ranks")
+    S = len(rank_of)
+    if not all(is_int(r) and 0 <= r < inst["P"] for r in rank_of):
+        raise InputError(f"`rank_of` must hold ranks in 0..{inst['P'] - 1}")
+    for k in ("next", "prev"):
+        v = inst[k]
+        if not isinstance(v, list) or len(v) != S:
+            raise InputError(f"`{k}` must be a list of {S} stages or nulls")
+        if not all(x is None or (is_int(x) and 0 <= x < S) for x in v):
+            raise InputError(f"`{k}` must hold stages in 0..{S - 1} or null")
+    for k in ("d_f", "d_b", "d_w", "d_bw"):
+        v = inst[k]
+        if not isinstance(v, list) or len(v) != S:
+            raise InputError(f"`{k}` must be a list of {S} times")
+        for s, x in enumerate(v):
+            if not is_num(x) or not math.isfinite(x) or x <= 0:
+                raise InputError(f"`{k}` of stage {s} must be a positive, finite time, got {x!r}")
+    lat = inst["lat"]
+    if not is_num(lat) or not math.isfinite(lat) or lat < 0:
+        raise InputError(f"`lat` must be a non-negative, finite time, got {lat!r}")
+    for s in range(S):
+        if inst["d_bw"][s] < inst["d_b"][s] + inst["d_w"][s] - 1e-12:
+            raise InputError(
+                f"stage {s}: BW faster than B + W: fused backwards are not modelled"
+            )
+    scale_of(inst)
+
+
+def read_instances(lines):
+    """The instances of `lines` (blank lines skipped) with their line numbers, each
+    checked; exits 2 naming the first bad line."""
+    out = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            try:
+                inst = json.loads(line.strip())
+            except json.JSONDecodeError as e:
+                raise InputError(f"not JSON: {e.msg} at column {e.colno}") from None
+            check(inst)
+        except InputError as e:
+            die(f"standard input, line {no}: {e}")
+        out.append((no, inst))
+    if not out:
+        die("no instances on standard input (expected JSON lines from `--example dump_small`)")
+    return out
+
+
 def main():
+    global cp_model
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per instance")
     ap.add_argument("--workers", type=int, default=2)
     a = ap.parse_args()
-    n = proved = 0
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        inst = json.loads(line)
-        best, bound, ok, wall, order = solve(inst, a.time_limit, a.workers)
+    if not (math.isfinite(a.time_limit) and a.time_limit > 0):
+        ap.error(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
+    if a.workers < 1:
+        ap.error(f"--workers must be at least 1, got {a.workers}")
+    insts = read_instances(sys.stdin)
+    try:
+        from ortools.sat.python import cp_model as cp
+    except ImportError:
+        die("OR-Tools is not installed in this Python (see optimize/cpsat/README.md: "
+            "pip install ortools in a venv)")
+    cp_model = cp
+    n = proved = infeasible = 0
+    for no, inst in insts:
+        try:
+            best, bound, ok, wall, order = solve(inst, a.time_limit, a.workers)
+        except InputError as e:
+            die(f"standard input, line {no}: {e}")
         n += 1
         proved += ok
         out = {k: inst[k] for k in ("placement", "P", "M", "cost", "cap")}
         out.update(
             cpsat=best, cpsat_bound=bound, proved=ok, seconds=round(wall, 3), order=order
         )
+        if best is None and bound is None:
+            out["infeasible"] = True
+            infeasible += 1
         print(json.dumps(out), flush=True)
-    print(f"{n} instances, {proved} proved optimal by CP-SAT", file=sys.stderr)
+    print(
+        f"{n} instances, {proved} proved optimal by CP-SAT"
+        + (f", {infeasible} proved to have no schedule within the cap" if infeasible else ""),
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

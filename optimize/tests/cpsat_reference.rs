@@ -10,7 +10,9 @@
 //!   models are the same problem);
 //! - where CP-SAT proved its makespan optimal, no lower bound of ours exceeds it (the cheap
 //!   bound of `crate::bound` and branch and bound's root bound): a soundness check of our
-//!   bounds by a solver that shares no code with them.
+//!   bounds by a solver that shares no code with them;
+//! - `prove.py` itself rejects bad input (empty, not JSON, a missing field, a time that is
+//!   not positive or not a multiple of 0.001) with the line and exit 2, before solving.
 //!
 //! `schedc optimize` equalling these optima is measured by `--example cpsat_check` (release,
 //! minutes); `optimizer_meets_the_optimum_where_branch_and_bound_did_not_prove` runs it on
@@ -181,5 +183,85 @@ fn optimizer_meets_the_optimum_where_branch_and_bound_did_not_prove() {
             out.makespan,
             r.makespan
         );
+    }
+}
+
+/// `prove.py` checks every line before it solves any (and before it imports OR-Tools, so this
+/// runs with any `python3`): bad input is an error naming the line, exit 2, no traceback.
+#[test]
+fn prove_py_rejects_bad_input_naming_the_line() {
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/cpsat/prove.py");
+    let good = r#"{"placement": "v", "P": 2, "M": 1, "cost": "unit", "cap": 2, "rank_of": [0, 1, 1, 0], "next": [1, 2, 3, null], "prev": [null, 0, 1, 2], "d_f": [1.0, 1.0, 1.0, 1.0], "d_b": [1.0, 1.0, 1.0, 1.0], "d_w": [1.0, 1.0, 1.0, 1.0], "d_bw": [2.0, 2.0, 2.0, 2.0], "lat": 0.0}"#;
+    let cases: Vec<(String, &[&str], &str)> = vec![
+        (String::new(), &[], "no instances on standard input"),
+        ("\n\n".into(), &[], "no instances on standard input"),
+        (
+            format!("{good}\n{{\"P\": 2, \n"),
+            &[],
+            "standard input, line 2: not JSON: Expecting property name enclosed in double quotes at column 9",
+        ),
+        ("[1]\n".into(), &[], "line 1: not a JSON object"),
+        (
+            format!("\n{}\n", good.replace("\"d_w\"", "\"dw\"")),
+            &[],
+            "line 2: missing field `d_w`",
+        ),
+        (
+            good.replace("\"d_f\": [1.0,", "\"d_f\": [0.3333,"),
+            &[],
+            "line 1: op and message times must be multiples of 0.001 seconds",
+        ),
+        (
+            good.replace("\"d_f\": [1.0,", "\"d_f\": [-1.0,"),
+            &[],
+            "line 1: `d_f` of stage 0 must be a positive, finite time, got -1.0",
+        ),
+        (
+            good.replace("\"lat\": 0.0", "\"lat\": NaN"),
+            &[],
+            "line 1: `lat` must be a non-negative, finite time, got nan",
+        ),
+        (
+            good.replace("\"d_bw\": [2.0,", "\"d_bw\": [1.5,"),
+            &[],
+            "line 1: stage 0: BW faster than B + W",
+        ),
+        (
+            good.replace("\"rank_of\": [0, 1, 1, 0]", "\"rank_of\": [0, 1, 2, 0]"),
+            &[],
+            "line 1: `rank_of` must hold ranks in 0..1",
+        ),
+        (
+            good.into(),
+            &["--time-limit", "0"],
+            "--time-limit must be a positive number of seconds",
+        ),
+    ];
+    for (input, args, want) in cases {
+        let child = Command::new("python3")
+            .arg(script)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let Ok(mut child) = child else {
+            eprintln!("skipped: no `python3` on PATH to run {script}");
+            return;
+        };
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{input:?} {args:?}: {err}");
+        assert!(err.contains(want), "{input:?} {args:?}: {err}");
+        assert!(!err.contains("Traceback"), "{input:?} {args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{input:?} {args:?}: wrote output");
     }
 }
