@@ -1,7 +1,8 @@
 //! `schedc optimize` against CP-SAT's proved optima on the small grid
-//! (`optimize/tests/data/cpsat_small.jsonl`, see `optimize/cpsat/README.md`): the search as
-//! the CLI runs it by default (`--exact auto`: branch and bound on instances of at most 150
-//! ops), per instance, and whether it equals the optimum. Also branch and bound's root bound
+//! (`optimize/tests/data/cpsat_small.jsonl`, see `optimize/cpsat/README.md`): the search with
+//! the CLI's default options (`--exact auto`: branch and bound on instances of at most 150
+//! ops; seed 0) on the instance's placement with no starting schedule, per instance, and
+//! whether it equals the optimum. Also branch and bound's root bound
 //! with the one-rank relaxation ([`root_bound_with`], 500,000 nodes per rank), which must
 //! not exceed the optimum.
 //!

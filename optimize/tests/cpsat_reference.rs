@@ -157,7 +157,8 @@ fn our_bounds_never_exceed_a_cp_sat_optimum() {
 }
 
 /// The three V instances our branch and bound could not close (its node budget ran out
-/// above its bound): the search as the CLI runs it reaches CP-SAT's optimum on each.
+/// above its bound): the search with the CLI's default options (`--exact auto`) reaches
+/// CP-SAT's optimum on each.
 #[test]
 fn optimizer_meets_the_optimum_where_branch_and_bound_did_not_prove() {
     let hard = [
