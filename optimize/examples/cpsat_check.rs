@@ -7,11 +7,9 @@
 //! not exceed the optimum.
 //!
 //! `cargo run --release -p schedc-optimize --example cpsat_check -- [v|loop|all]`
-use schedc::sim::cost::CostModel;
-use schedc_ir::{Pipeline, PlacementKind};
 use schedc_optimize::exact::root_bound_with;
+use schedc_optimize::refdata::small_instance;
 use schedc_optimize::search::{optimize, Options};
-use schedc_optimize::Instance;
 
 const DATA: &str = include_str!("../tests/data/cpsat_small.jsonl");
 
@@ -32,17 +30,7 @@ fn main() {
             v["cap"].as_u64().unwrap(),
         );
         let cn = v["cost"].as_str().unwrap();
-        let cs = match cn {
-            "unit" => "F=1,B=1,W=1",
-            "profA" => "F=1,B=1.1,W=0.9,latency=0.05",
-            _ => "F=1,B=2,W=1",
-        };
-        let pl = if placement == "v" {
-            Pipeline::new(p, 2 * p, m, PlacementKind::V).unwrap()
-        } else {
-            Pipeline::new(p, p, m, PlacementKind::Loop).unwrap()
-        };
-        let inst = Instance::new(&pl, &CostModel::resolve(cs).unwrap(), Some(cap)).unwrap();
+        let (inst, _) = small_instance(placement, p, m, cn, cap).unwrap();
         let opt = v["cpsat"].as_f64().unwrap();
         let proved = v["proved"].as_bool().unwrap();
         let t = std::time::Instant::now();

@@ -25,18 +25,13 @@ fn main() {
         vec![4, 8, 16]
     };
     let specs_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs");
-    let costs = [
-        ("unit", "F=1,B=1,W=1"),
-        ("profA", "F=1,B=1.1,W=0.9,latency=0.05"),
-        ("profB", "F=1,B=2,W=1"),
-    ];
     println!("| P | M | cost | cap | best spec | greedy | optimized | placement | seconds |");
     println!("|---|---|---|---|---|---|---|---|---|");
     let (mut n, mut le_spec, mut le_greedy, mut strict) = (0, 0, 0, 0);
     for &p in &ps {
         for m in [2 * p, 4 * p] {
             let specs = load_specs(&specs_dir, p, m, 2);
-            for (cn, cs) in costs {
+            for (cn, cs) in schedc_optimize::refdata::COST_SETS {
                 let cost = CostModel::resolve(cs).unwrap();
                 for cap in [p as u64, 2 * p as u64] {
                     let t = std::time::Instant::now();

@@ -10,11 +10,9 @@
 //!
 //! `cargo run --release -p schedc-optimize --example small_grid -- [loop|v] [NODES]`
 
-use schedc::sim::cost::CostModel;
-use schedc_ir::{Pipeline, PlacementKind};
 use schedc_optimize::exact::{root_bound_with, solve};
+use schedc_optimize::refdata::{small_instance, COST_SETS};
 use schedc_optimize::search::{optimize, Options};
-use schedc_optimize::Instance;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -23,11 +21,6 @@ fn main() {
         .get(2)
         .and_then(|x| x.parse().ok())
         .unwrap_or(20_000_000);
-    let costs = [
-        ("unit", "F=1,B=1,W=1"),
-        ("profA", "F=1,B=1.1,W=0.9,latency=0.05"),
-        ("profB", "F=1,B=2,W=1"),
-    ];
     println!(
         "| P | M | cost | cap | heuristic | --exact auto | exact | proved | nodes | root bound |"
     );
@@ -36,15 +29,10 @@ fn main() {
     let (mut auto_equal, mut auto_gaps, mut unsound) = (0, Vec::new(), Vec::new());
     for p in 2..=4u32 {
         for m in 1..=6u32 {
-            for (cn, cs) in costs {
+            for (cn, _) in COST_SETS {
                 for cap in [p as u64, 2 * p as u64] {
-                    let pl = if v_place {
-                        Pipeline::new(p, 2 * p, m, PlacementKind::V).unwrap()
-                    } else {
-                        Pipeline::new(p, p, m, PlacementKind::Loop).unwrap()
-                    };
-                    let c = CostModel::resolve(cs).unwrap();
-                    let inst = Instance::new(&pl, &c, Some(cap)).unwrap();
+                    let placement = if v_place { "v" } else { "loop" };
+                    let (inst, _) = small_instance(placement, p, m, cn, cap).unwrap();
                     let h = optimize(
                         &inst,
                         &[],

@@ -174,3 +174,41 @@ pub fn read_all(dir: &Path, generators: &[&str]) -> Result<Vec<RefConfig>, Strin
     files.sort();
     files.iter().map(|f| read(f)).collect()
 }
+
+/// The reference data's three cost sets, as [`CostModel::resolve`] strings (seconds per stage
+/// op; `profA` also 0.05 s per cross-rank message): `unit` (F = B = W = 1), `profA` (F = 1,
+/// B = 1.1, W = 0.9) and `profB` (F = 1, B = 2, W = 1). The small grid, the grid and the
+/// CP-SAT check use them by name.
+pub const COST_SETS: [(&str, &str); 3] = [
+    ("unit", "F=1,B=1,W=1"),
+    ("profA", "F=1,B=1.1,W=0.9,latency=0.05"),
+    ("profB", "F=1,B=2,W=1"),
+];
+
+/// One instance of the small grid (`--example small_grid`, `dump_small`, the CP-SAT check):
+/// `placement` `"loop"` (one stage per rank) or `"v"` (two), P ranks, M micro-batches, a cost
+/// set of [`COST_SETS`] by name, `cap` activations per rank (stage units).
+///
+/// Errors: an unknown placement or cost-set name, or what [`Instance::new`] returns.
+pub fn small_instance(
+    placement: &str,
+    p: u32,
+    m: u32,
+    cost: &str,
+    cap: u64,
+) -> Result<(Instance, CostModel), String> {
+    let pl = match placement {
+        "v" => Pipeline::new(p, 2 * p, m, PlacementKind::V),
+        "loop" => Pipeline::new(p, p, m, PlacementKind::Loop),
+        other => return Err(format!("unknown placement `{other}` (loop or v)")),
+    }
+    .map_err(|e| e.to_string())?;
+    let spec = COST_SETS
+        .iter()
+        .find(|(n, _)| *n == cost)
+        .map(|(_, s)| *s)
+        .ok_or_else(|| format!("unknown cost set `{cost}` (unit, profA or profB)"))?;
+    let cost = CostModel::resolve(spec)?;
+    let inst = Instance::new(&pl, &cost, Some(cap)).map_err(|e| e.to_string())?;
+    Ok((inst, cost))
+}

@@ -19,9 +19,9 @@
 //! the instances our own branch and bound could not close.
 
 use schedc::sim::cost::CostModel;
-use schedc_ir::{Pipeline, PlacementKind};
 use schedc_optimize::eval::Evaluator;
 use schedc_optimize::exact::root_bound;
+use schedc_optimize::refdata::small_instance;
 use schedc_optimize::search::{optimize, Options};
 use schedc_optimize::{Instance, Sched, Tok};
 
@@ -37,15 +37,6 @@ struct Row {
     order: Sched,
 }
 
-fn cost_of(name: &str) -> &'static str {
-    match name {
-        "unit" => "F=1,B=1,W=1",
-        "profA" => "F=1,B=1.1,W=0.9,latency=0.05",
-        "profB" => "F=1,B=2,W=1",
-        other => panic!("unknown cost set {other}"),
-    }
-}
-
 fn rows() -> Vec<Row> {
     DATA.lines()
         .filter(|l| !l.trim().is_empty())
@@ -56,13 +47,7 @@ fn rows() -> Vec<Row> {
             let cap = v["cap"].as_u64().unwrap();
             let cn = v["cost"].as_str().unwrap();
             let placement = v["placement"].as_str().unwrap();
-            let pl = match placement {
-                "v" => Pipeline::new(p, 2 * p, m, PlacementKind::V).unwrap(),
-                "loop" => Pipeline::new(p, p, m, PlacementKind::Loop).unwrap(),
-                other => panic!("unknown placement {other}"),
-            };
-            let cost = CostModel::resolve(cost_of(cn)).unwrap();
-            let inst = Instance::new(&pl, &cost, Some(cap)).unwrap();
+            let (inst, cost) = small_instance(placement, p, m, cn, cap).unwrap();
             let order = Sched {
                 ranks: v["order"]
                     .as_array()
