@@ -314,6 +314,17 @@ pub fn run(a: Args) -> ExitCode {
                         Pipeline::new(pp, stages, m, *k).map_err(|e| e.to_string())
                     }
                     PlacementArg::Map(map) => {
+                        // A rank with no stage has nothing to schedule: the search would
+                        // report a pipeline of P ranks that runs on fewer.
+                        if let Some(r) = (0..pp).find(|r| !map.contains(r)) {
+                            return Err(format!(
+                                "--placement {}: rank {r} holds no stage (--pp {pp}); give every rank at least one stage, or a smaller --pp",
+                                map.iter()
+                                    .map(|r| r.to_string())
+                                    .collect::<Vec<_>>()
+                                    .join(",")
+                            ));
+                        }
                         Pipeline::explicit(pp, mb, map.clone()).map_err(|e| e.to_string())
                     }
                 }

@@ -454,3 +454,38 @@ fn a_missing_specs_directory_is_noted() {
     assert!(!stderr(&o).contains("not a directory"), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("spec zbv"));
 }
+
+#[test]
+fn a_placement_list_leaving_a_rank_without_a_stage_is_refused() {
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--placement",
+        "0,1,1",
+        "--max-activations",
+        "3",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--placement 0,1,1: rank 2 holds no stage (--pp 3)"),
+        "{}",
+        stderr(&o)
+    );
+    // Every rank holding a stage is accepted.
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "2",
+        "--mb",
+        "4",
+        "--placement",
+        "0,1,1,0",
+        "--max-activations",
+        "4",
+        "--no-progress",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
