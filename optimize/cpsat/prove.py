@@ -269,6 +269,9 @@ def main():
         n += 1
         proved += ok
         out = {k: inst[k] for k in ("placement", "P", "M", "cost", "cap")}
+        # Labels a dump may carry (dump_reference: the configuration and the authors'
+        # makespan) pass through.
+        out.update({k: inst[k] for k in ("id", "authors") if k in inst})
         out.update(
             cpsat=best, cpsat_bound=bound, proved=ok, seconds=round(wall, 3), order=order
         )

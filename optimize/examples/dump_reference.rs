@@ -1,0 +1,44 @@
+//! The Zero Bubble reference configurations (`zb1p`, `zb2p`, `vauto1p`, `vauto2p` of
+//! `shared/reference/zb/`) as JSON lines for the CP-SAT model (`optimize/cpsat/prove.py`):
+//! each configuration's instance at its memory limit and placement (as
+//! [`schedc_optimize::refdata::RefConfig::instance`] builds it), with its id and the authors'
+//! from-start makespan (`derived.makespan_from_t0`) as labels that pass through.
+//!
+//! `cargo run --release -p schedc-optimize --example dump_reference -- [FILTER]`
+use schedc_ir::PlacementKind;
+use schedc_optimize::refdata::{read_all, zb_dir};
+use std::io::Write;
+
+fn main() {
+    let filter = std::env::args().nth(1).unwrap_or_default();
+    let Some(dir) = zb_dir() else {
+        eprintln!("shared/reference/zb not found (see README.md: the shared folder)");
+        std::process::exit(2);
+    };
+    let cfgs = read_all(&dir, &["zb1p", "zb2p", "vauto1p", "vauto2p"]).unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2);
+    });
+    let mut out = std::io::stdout().lock();
+    for c in cfgs.iter().filter(|c| c.id.contains(&filter)) {
+        let inst = c.instance().unwrap_or_else(|e| {
+            eprintln!("{}: {e}", c.id);
+            std::process::exit(2);
+        });
+        let line = serde_json::json!({
+            "id": c.id,
+            "authors": c.makespan_from_t0,
+            "placement": if c.pipeline.placement == PlacementKind::V { "v" } else { "loop" },
+            "P": inst.p, "M": inst.m, "cost": c.cost_name,
+            "cap": c.memory_limit.unwrap_or(u64::MAX / 4),
+            "rank_of": inst.rank_of,
+            "next": inst.next,
+            "prev": inst.prev,
+            "d_f": inst.d_f, "d_b": inst.d_b, "d_w": inst.d_w, "d_bw": inst.d_bw,
+            "lat": inst.lat,
+        });
+        if writeln!(out, "{line}").is_err() {
+            return;
+        }
+    }
+}
