@@ -443,7 +443,7 @@ pub fn run(a: Args) -> ExitCode {
             // --heuristic is list scheduling and the greedy only: branch and bound only when
             // asked for by name.
             ExactMode::Auto if a.heuristic => 0,
-            ExactMode::Auto => 150,
+            ExactMode::Auto => schedc_optimize::search::AUTO_EXACT_MAX_OPS,
             ExactMode::On => usize::MAX,
             ExactMode::Off => 0,
         },

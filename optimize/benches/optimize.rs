@@ -47,7 +47,7 @@ fn command(p: u32, m: u32, cost: &CostModel, cap: u64, heuristic: bool) -> f64 {
         cands.push((inst, c, starts));
     }
     let opts = Options {
-        exact_max_ops: 150,
+        exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
         construct_only: heuristic,
         ..Options::default()
     };

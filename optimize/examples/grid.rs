@@ -78,7 +78,7 @@ fn main() {
                         .collect();
                     let opts = Options {
                         effort,
-                        exact_max_ops: 150,
+                        exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
                         ..Options::default()
                     };
                     let outs = optimize_placements(&refs, &opts, true, &|_, _| {});

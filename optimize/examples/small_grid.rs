@@ -46,7 +46,7 @@ fn main() {
                         &inst,
                         &[],
                         &Options {
-                            exact_max_ops: 150,
+                            exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
                             ..Options::default()
                         },
                         &|_| {},

@@ -25,7 +25,12 @@ use rayon::prelude::*;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// Local-search runs per start on instances of at most [`Options::exact_max_ops`] ops.
+/// Branch and bound runs by default (`schedc optimize --exact auto`) on instances of at most
+/// this many ops.
+pub const AUTO_EXACT_MAX_OPS: usize = 150;
+
+/// Local-search runs per start on instances of at most [`AUTO_EXACT_MAX_OPS`] ops (and at
+/// most [`Options::exact_max_ops`]: not under `--exact off` or `--heuristic`).
 pub const SMALL_RESTARTS: usize = 8;
 
 /// How the search runs.
@@ -362,11 +367,11 @@ impl<'a> Search<'a> {
             let t = Instant::now();
             let n_ops = first.1.len() as f64;
             let k = pool.len().min(4);
-            // On instances small enough for branch and bound, each start is searched from
-            // several seeds: a run costs seconds there, and late acceptance from one seed
-            // can settle 0.3 s above the optimum (V, P = 4, M = 6, profA, cap 4: 50.5
-            // from seed 0, 50.2 from seed 1; CP-SAT proves 50.2 optimal).
-            let restarts = if first.1.len() <= opts.exact_max_ops {
+            // On instances small enough for branch and bound by default, each start is
+            // searched from several seeds: a run costs under a second there, and late
+            // acceptance from one seed can settle 0.3 s above the optimum (V, P = 4, M = 6,
+            // profA, cap 4: 50.5 from seed 0, 50.2 from seed 1; CP-SAT proves 50.2 optimal).
+            let restarts = if first.1.len() <= opts.exact_max_ops.min(AUTO_EXACT_MAX_OPS) {
                 SMALL_RESTARTS
             } else {
                 1

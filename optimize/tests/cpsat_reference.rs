@@ -157,7 +157,7 @@ fn optimizer_meets_the_optimum_where_branch_and_bound_did_not_prove() {
         .collect();
     assert_eq!(rows.len(), 3);
     let opts = Options {
-        exact_max_ops: 150,
+        exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
         ..Options::default()
     };
     for r in rows {
