@@ -30,8 +30,11 @@ fn main() {
     for c in cfgs.iter().filter(|c| c.id.contains(&filter)) {
         let t = std::time::Instant::now();
         let inst = c.instance().unwrap();
+        // The CLI's default: branch and bound (and the multi-seed local search) on instances
+        // of at most `AUTO_EXACT_MAX_OPS` ops (`--exact auto`).
         let opts = Options {
             effort,
+            exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
             ..Options::default()
         };
         let out = optimize(
