@@ -47,9 +47,8 @@ fn command(p: u32, m: u32, cost: &CostModel, cap: u64, heuristic: bool) -> f64 {
         cands.push((inst, c, starts));
     }
     let opts = Options {
-        exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
         construct_only: heuristic,
-        ..Options::default()
+        ..Options::cli_default()
     };
     let problems: Vec<_> = cands.iter().map(|(i, _, s)| (i, s.as_slice())).collect();
     let outs = optimize_placements(&problems, &opts, true, &|_, _| {});

@@ -34,15 +34,7 @@ fn main() {
         let opt = v["cpsat"].as_f64().unwrap();
         let proved = v["proved"].as_bool().unwrap();
         let t = std::time::Instant::now();
-        let out = optimize(
-            &inst,
-            &[],
-            &Options {
-                exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
-                ..Options::default()
-            },
-            &|_| {},
-        );
+        let out = optimize(&inst, &[], &Options::cli_default(), &|_| {});
         let secs = t.elapsed().as_secs_f64();
         let rb = root_bound_with(&inst, 500_000).unwrap_or(f64::NEG_INFINITY);
         let label = format!("{placement} P={p} M={m} {cn} cap {cap}");

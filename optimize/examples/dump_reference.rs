@@ -25,18 +25,23 @@ fn main() {
             eprintln!("{}: {e}", c.id);
             std::process::exit(2);
         });
-        let line = serde_json::json!({
-            "id": c.id,
-            "authors": c.makespan_from_t0,
-            "placement": if c.pipeline.placement == PlacementKind::V { "v" } else { "loop" },
-            "P": inst.p, "M": inst.m, "cost": c.cost_name,
-            "cap": c.memory_limit.unwrap_or(u64::MAX / 4),
-            "rank_of": inst.rank_of,
-            "next": inst.next,
-            "prev": inst.prev,
-            "d_f": inst.d_f, "d_b": inst.d_b, "d_w": inst.d_w, "d_bw": inst.d_bw,
-            "lat": inst.lat,
-        });
+        if c.memory_limit.is_none() {
+            // The model needs a cap; every configuration of these generators has one.
+            eprintln!("{}: no memory limit", c.id);
+            std::process::exit(2);
+        }
+        let mut line = inst.model_json();
+        line["id"] = c.id.clone().into();
+        line["authors"] = c.makespan_from_t0.into();
+        line["placement"] = if c.pipeline.placement == PlacementKind::V {
+            "v"
+        } else {
+            "loop"
+        }
+        .into();
+        line["P"] = inst.p.into();
+        line["M"] = inst.m.into();
+        line["cost"] = c.cost_name.clone().into();
         if writeln!(out, "{line}").is_err() {
             return;
         }

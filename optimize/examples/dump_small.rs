@@ -22,15 +22,11 @@ fn main() {
             for (cn, _) in COST_SETS {
                 for cap in [p as u64, 2 * p as u64] {
                     let (inst, _) = small_instance(placement, p, m, cn, cap).unwrap();
-                    let line = serde_json::json!({
-                        "placement": placement,
-                        "P": p, "M": m, "cost": cn, "cap": cap,
-                        "rank_of": inst.rank_of,
-                        "next": inst.next,
-                        "prev": inst.prev,
-                        "d_f": inst.d_f, "d_b": inst.d_b, "d_w": inst.d_w, "d_bw": inst.d_bw,
-                        "lat": inst.lat,
-                    });
+                    let mut line = inst.model_json();
+                    line["placement"] = placement.into();
+                    line["P"] = p.into();
+                    line["M"] = m.into();
+                    line["cost"] = cn.into();
                     // A closed pipe (`| head`) ends the dump quietly.
                     if writeln!(out, "{line}").is_err() {
                         return;

@@ -78,8 +78,7 @@ fn main() {
                         .collect();
                     let opts = Options {
                         effort,
-                        exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
-                        ..Options::default()
+                        ..Options::cli_default()
                     };
                     let outs = optimize_placements(&refs, &opts, true, &|_, _| {});
                     let mut best: Option<(f64, &str)> = None;

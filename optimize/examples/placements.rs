@@ -31,8 +31,7 @@ fn main() {
     println!("load_specs: {:.3} s", t.elapsed().as_secs_f64());
     let opts = Options {
         effort,
-        exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
-        ..Options::default()
+        ..Options::cli_default()
     };
     let mut problems = Vec::new();
     for pl in default_pipelines(p, m) {

@@ -42,15 +42,7 @@ fn main() {
                         },
                         &|_| {},
                     );
-                    let a = optimize(
-                        &inst,
-                        &[],
-                        &Options {
-                            exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
-                            ..Options::default()
-                        },
-                        &|_| {},
-                    );
+                    let a = optimize(&inst, &[], &Options::cli_default(), &|_| {});
                     let (inc, inc_mk) = if a.makespan < h.makespan {
                         (&a.best, a.makespan)
                     } else {

@@ -34,8 +34,7 @@ fn main() {
         // of at most `AUTO_EXACT_MAX_OPS` ops (`--exact auto`).
         let opts = Options {
             effort,
-            exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
-            ..Options::default()
+            ..Options::cli_default()
         };
         let out = optimize(
             &inst,

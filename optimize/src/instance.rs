@@ -220,6 +220,25 @@ impl Instance {
             .sum()
     }
 
+    /// The instance as the CP-SAT model of `optimize/cpsat/prove.py` reads it: `rank_of`,
+    /// `next`, `prev` (stage links, `null` at a direction's end), per-stage op times `d_f`,
+    /// `d_b`, `d_w`, `d_bw` (seconds), the message time `lat` (seconds) and the `cap`
+    /// (activations per rank; omitted for no cap). Callers add their labels (`placement`,
+    /// `P`, `M`, `cost`, ...).
+    pub fn model_json(&self) -> serde_json::Value {
+        let mut v = serde_json::json!({
+            "rank_of": self.rank_of,
+            "next": self.next,
+            "prev": self.prev,
+            "d_f": self.d_f, "d_b": self.d_b, "d_w": self.d_w, "d_bw": self.d_bw,
+            "lat": self.lat,
+        });
+        if self.cap != u64::MAX {
+            v["cap"] = self.cap.into();
+        }
+        v
+    }
+
     /// True for a `Bidir` (DualPipe) pipeline.
     pub fn bidir(&self) -> bool {
         self.pipeline.placement == PlacementKind::Bidir

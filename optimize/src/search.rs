@@ -53,6 +53,19 @@ pub struct Options {
     pub construct_only: bool,
 }
 
+impl Options {
+    /// What `schedc optimize` runs without search flags: [`Options::default`] with branch and
+    /// bound (and the multi-seed local search) on instances of at most
+    /// [`AUTO_EXACT_MAX_OPS`] ops (`--exact auto`). The library's default leaves branch and
+    /// bound off.
+    pub fn cli_default() -> Self {
+        Options {
+            exact_max_ops: AUTO_EXACT_MAX_OPS,
+            ..Options::default()
+        }
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
         Options {

@@ -182,10 +182,7 @@ fn optimizer_meets_the_optimum_where_branch_and_bound_did_not_prove() {
         .filter(|r| HARD.contains(&r.label.as_str()))
         .collect();
     assert_eq!(rows.len(), 3);
-    let opts = Options {
-        exact_max_ops: schedc_optimize::search::AUTO_EXACT_MAX_OPS,
-        ..Options::default()
-    };
+    let opts = Options::cli_default();
     for r in rows {
         let out = optimize(&r.inst, &[], &opts, &|_| {});
         assert!(
