@@ -28,6 +28,12 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).to_string()
 }
 
+/// The command exited 2 and its standard error contains `says`.
+fn assert_refused(o: &Output, says: &str) {
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(o));
+    assert!(stderr(o).contains(says), "{}", stderr(o));
+}
+
 #[test]
 fn a_cap_below_the_minimum_exits_2_and_says_the_minimum() {
     let o = schedc(&[
@@ -43,16 +49,9 @@ fn a_cap_below_the_minimum_exits_2_and_says_the_minimum() {
         "--max-activations",
         "0",
     ]);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     // In one-stage-per-rank units a V rank's two half stages need 1 (not 2: that is the
     // count in the V's own half stages, which the user did not give).
-    assert!(
-        stderr(&o).contains(
-            "the minimum any schedule on this placement needs: 1 (stage units of one stage per rank): rank 0 holds 2 virtual stages of one direction, 0.5 of a stage each"
-        ),
-        "{}",
-        stderr(&o)
-    );
+    assert_refused(&o, "the minimum any schedule on this placement needs: 1 (stage units of one stage per rank): rank 0 holds 2 virtual stages of one direction, 0.5 of a stage each");
     // Without a placement every standard one is tried: the error names the smallest minimum.
     let o = schedc(&[
         "optimize",
@@ -63,14 +62,7 @@ fn a_cap_below_the_minimum_exits_2_and_says_the_minimum() {
         "--max-activations",
         "0",
     ]);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains(
-            "below the minimum of every placement tried; the smallest is 1 (loop V=1), in stage units of one stage per rank"
-        ),
-        "{}",
-        stderr(&o)
-    );
+    assert_refused(&o, "below the minimum of every placement tried; the smallest is 1 (loop V=1), in stage units of one stage per rank");
     let o = schedc(&[
         "optimize",
         "specs/zbv.sched",
@@ -81,12 +73,7 @@ fn a_cap_below_the_minimum_exits_2_and_says_the_minimum() {
         "--max-activations",
         "1",
     ]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("the minimum any schedule on this placement needs: 2"),
-        "{}",
-        stderr(&o)
-    );
+    assert_refused(&o, "the minimum any schedule on this placement needs: 2");
 }
 
 #[test]
@@ -105,8 +92,7 @@ fn a_cost_model_without_times_exits_2() {
         "--cost",
         f.to_str().unwrap(),
     ]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("no op times"), "{}", stderr(&o));
+    assert_refused(&o, "no op times");
 }
 
 #[test]
@@ -289,8 +275,7 @@ fn moe_needs_all_to_all_times_and_scores_with_the_split_simulation() {
         "4",
         "--moe",
     ]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("moe"), "{}", stderr(&o));
+    assert_refused(&o, "moe");
 
     let o = schedc(&[
         "optimize",
@@ -468,12 +453,7 @@ fn a_placement_list_leaving_a_rank_without_a_stage_is_refused() {
         "--max-activations",
         "3",
     ]);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("--placement 0,1,1: rank 2 holds no stage (--pp 3)"),
-        "{}",
-        stderr(&o)
-    );
+    assert_refused(&o, "--placement 0,1,1: rank 2 holds no stage (--pp 3)");
     // Every rank holding a stage is accepted.
     let o = schedc(&[
         "optimize",
