@@ -19,6 +19,7 @@ macro_rules! eprint {
 }
 
 mod check;
+mod cluster;
 mod common;
 mod compare;
 mod compile;

@@ -31,6 +31,8 @@ pub struct Args {
     /// Overwrite existing --trace/--svg files.
     #[arg(long)]
     pub force: bool,
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
 }
 
 /// Runs `schedc sim`.
@@ -43,13 +45,42 @@ pub fn run(args: Args) -> ExitCode {
         trace,
         svg,
         force,
+        cluster,
     } = args;
-    let model = match resolve_cost(&cost, set.as_deref()) {
+    if let Err(e) = cluster.check_without_model() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    if cluster.given() && cost != "unit" {
+        eprintln!("error: --model derives the op times; give --cost or --model, not both (--set K=V overrides what --model derives)");
+        return ExitCode::from(2);
+    }
+    let mut model = match resolve_cost(&cost, set.as_deref()) {
         Ok(m) => m,
         Err(c) => return c,
     };
+    // With --model, the cost model depends on the program's shape: derive it from a quiet
+    // first load, so that a spec's `list` block and `:list` parts are ordered under it.
+    let mut scenario = None;
+    if cluster.given() {
+        match crate::cluster::probe_scenario(&input, &cluster, set.as_deref()) {
+            Ok(Some(sc)) => {
+                model = sc.cost.clone();
+                scenario = Some(sc);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let cost_name = match &cluster.model {
+        Some(m) => format!("derived from --model {m}"),
+        None => cost.to_string_lossy().into_owned(),
+    };
     if input.moe.is_some() {
-        if let Err(c) = require_moe_costs(&model, &cost.to_string_lossy()) {
+        if let Err(c) = require_moe_costs(&model, &cost_name) {
             return c;
         }
     }
@@ -83,6 +114,13 @@ pub fn run(args: Args) -> ExitCode {
     if let Err(e) = check_stage_overrides(&model, loaded.program.pipeline.stages) {
         eprintln!("error: {e}");
         return ExitCode::from(2);
+    }
+    if let (Some(sc), true) = (&mut scenario, cluster.given()) {
+        // The quiet load and this one must agree on the shape the costs were derived for.
+        if sc.derived.chunks.len() as u32 != loaded.program.pipeline.stages_per_direction() {
+            eprintln!("error: the program's shape changed between loads; run `schedc check` on it");
+            return ExitCode::from(2);
+        }
     }
     let mut checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
     // The spec's expectations are the check's; its timing ones must hold under this model.
@@ -160,13 +198,45 @@ pub fn run(args: Args) -> ExitCode {
     if to_stdout == 1 {
         return code;
     }
+    let step = scenario
+        .as_ref()
+        .map(|sc| crate::cluster::step_report(sc, &prog.pipeline, &res));
+    // A model that does not fit is a rejection (exit 1), after the report.
+    let code = match &step {
+        Some(st) if !st.fits => {
+            let (r, b) = st
+                .memory_bytes
+                .iter()
+                .enumerate()
+                .fold((0, 0.0f64), |a, (i, &b)| if b > a.1 { (i, b) } else { a });
+            eprintln!(
+                "error: rank {r} needs {:.1} GB, over the GPU's {:.1} GB: the model does not fit this layout",
+                b / 1e9,
+                st.gpu_memory_bytes / 1e9
+            );
+            ExitCode::from(1)
+        }
+        _ => code,
+    };
     match format {
         OutFormat::Json => {
-            let mut j = serde_json::to_string_pretty(&res).expect("json");
+            let mut v = serde_json::to_value(&res).expect("json");
+            if let (Some(st), Some(obj)) = (&step, v.as_object_mut()) {
+                if let serde_json::Value::Object(extra) = serde_json::to_value(st).expect("json") {
+                    obj.extend(extra);
+                }
+            }
+            let mut j = serde_json::to_string_pretty(&v).expect("json");
             j.push('\n');
             emit_then(&j, code)
         }
-        OutFormat::Human => emit_then(&schedc::sim::render::text_report(&res, 100), code),
+        OutFormat::Human => {
+            let mut t = schedc::sim::render::text_report(&res, 100);
+            if let (Some(sc), Some(st)) = (&scenario, &step) {
+                t.push_str(&crate::cluster::step_text(sc, st));
+            }
+            emit_then(&t, code)
+        }
     }
 }
 

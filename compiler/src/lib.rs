@@ -10,6 +10,7 @@
 pub mod casefile;
 pub mod check;
 pub mod compare;
+pub mod costmodel;
 pub mod diag;
 pub mod dsl;
 pub mod import;

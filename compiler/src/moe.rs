@@ -267,7 +267,14 @@ impl MoeStages {
 /// [`CostModel::a2a_time`]: crate::sim::cost::CostModel::a2a_time
 pub fn require_moe_costs(cost: &crate::sim::cost::CostModel, name: &str) -> Result<(), String> {
     if cost.moe.present {
-        if cost.a2a_time(Part::Dispatch) > 0.0 || cost.a2a_time(Part::Combine) > 0.0 {
+        if cost.a2a_time(Part::Dispatch) > 0.0
+            || cost.a2a_time(Part::Combine) > 0.0
+            || cost
+                .moe
+                .stage
+                .values()
+                .any(|s| s.dispatch.is_some_and(|t| t > 0.0) || s.combine.is_some_and(|t| t > 0.0))
+        {
             return Ok(());
         }
         return Err(format!(

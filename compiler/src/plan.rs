@@ -648,6 +648,7 @@ pub fn plan(model: &ModelSpec, c: &Cluster, specs: &[(String, String)]) -> Resul
                     param_bytes: 0.0,
                     grad_bytes: 0.0,
                     optimizer_bytes: 0.0,
+                    ..Memory::default()
                 },
                 op_scale: None,
             };

@@ -140,6 +140,39 @@ pub struct Moe {
     /// Seconds per explicit `A2A` collective.
     #[serde(default)]
     pub a2a: f64,
+    /// Per-stage overrides (`[moe.stage.N]`), keyed by stage id: a stage of dense layers has
+    /// no all-to-all, a stage's attention share follows its layers (set by `--model`).
+    #[serde(default)]
+    pub stage: BTreeMap<String, StageMoe>,
+}
+
+/// Per-stage MoE overrides; `None` falls back to the model-wide value.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageMoe {
+    /// Seconds per dispatch of an op of this stage.
+    pub dispatch: Option<f64>,
+    /// Seconds per combine.
+    pub combine: Option<f64>,
+    /// Share of an op's compute in its attention part, in [0, 1].
+    pub attn_share: Option<f64>,
+}
+
+/// Per-stage memory overrides (`[memory.stage.N]`); `None` falls back to the model-wide
+/// value.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageMemory {
+    /// Activation bytes of one micro-batch of this stage.
+    pub activation_bytes: Option<f64>,
+    /// Fraction of them freed by B.
+    pub released_at_b: Option<f64>,
+    /// Parameter bytes of the stage.
+    pub param_bytes: Option<f64>,
+    /// Gradient bytes of the stage.
+    pub grad_bytes: Option<f64>,
+    /// Optimizer-state bytes of the stage.
+    pub optimizer_bytes: Option<f64>,
 }
 
 fn yes() -> bool {
@@ -162,6 +195,7 @@ impl Default for Moe {
             attn_share: 0.5,
             overlap: true,
             a2a: 0.0,
+            stage: BTreeMap::new(),
         }
     }
 }
@@ -186,6 +220,44 @@ pub struct Memory {
     /// Optimizer-state bytes per stage.
     #[serde(default)]
     pub optimizer_bytes: f64,
+    /// Per-stage overrides (`[memory.stage.N]`), keyed by stage id (set by `--model`: the
+    /// embedding's and the head's stages differ from the rest).
+    #[serde(default)]
+    pub stage: BTreeMap<String, StageMemory>,
+}
+
+impl Memory {
+    fn at(&self, stage: u32) -> Option<&StageMemory> {
+        if self.stage.is_empty() {
+            None
+        } else {
+            self.stage.get(&stage.to_string())
+        }
+    }
+
+    /// Activation bytes of one micro-batch of `stage`.
+    pub fn activation_bytes_at(&self, stage: u32) -> f64 {
+        self.at(stage)
+            .and_then(|s| s.activation_bytes)
+            .unwrap_or(self.activation_bytes)
+    }
+
+    /// The fraction of `stage`'s activations B frees.
+    pub fn released_at_b_at(&self, stage: u32) -> f64 {
+        self.at(stage)
+            .and_then(|s| s.released_at_b)
+            .unwrap_or(self.released_at_b)
+            .clamp(0.0, 1.0)
+    }
+
+    /// Weights, gradients and optimizer state of `stage`, bytes.
+    pub fn static_bytes_at(&self, stage: u32) -> f64 {
+        let s = self.at(stage);
+        s.and_then(|s| s.param_bytes).unwrap_or(self.param_bytes)
+            + s.and_then(|s| s.grad_bytes).unwrap_or(self.grad_bytes)
+            + s.and_then(|s| s.optimizer_bytes)
+                .unwrap_or(self.optimizer_bytes)
+    }
 }
 
 fn half() -> f64 {
@@ -200,6 +272,7 @@ impl Default for Memory {
             param_bytes: 0.0,
             grad_bytes: 0.0,
             optimizer_bytes: 0.0,
+            stage: BTreeMap::new(),
         }
     }
 }
@@ -424,6 +497,45 @@ impl CostModel {
         self.validate()
     }
 
+    /// [`CostModel::apply_overrides`] that also replaces the per-stage values of the keys it
+    /// sets (op times, all-to-all times, memory), so that an override given on top of a
+    /// derived model (`--model ... --set F=0.01`) holds on every stage.
+    pub fn apply_overrides_everywhere(&mut self, kv: &str) -> Result<(), String> {
+        self.apply_overrides(kv)?;
+        for part in kv.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let k = part.split_once('=').map_or(part, |(k, _)| k).trim();
+            for c in self.compute.stage.values_mut() {
+                match k {
+                    "F" => c.f = None,
+                    "B" => c.b = None,
+                    "W" => c.w = None,
+                    "BW" => c.bw = None,
+                    "FB" => c.fb = None,
+                    _ => {}
+                }
+            }
+            for m in self.moe.stage.values_mut() {
+                match k {
+                    "dispatch" => m.dispatch = None,
+                    "combine" => m.combine = None,
+                    "attn_share" => m.attn_share = None,
+                    _ => {}
+                }
+            }
+            for m in self.memory.stage.values_mut() {
+                match k {
+                    "activation_bytes" => m.activation_bytes = None,
+                    "released_at_b" => m.released_at_b = None,
+                    "param_bytes" => m.param_bytes = None,
+                    "grad_bytes" => m.grad_bytes = None,
+                    "optimizer_bytes" => m.optimizer_bytes = None,
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn stage_costs(&self, stage: u32) -> Option<&OpCosts> {
         self.compute.stage.get(&stage.to_string())
     }
@@ -456,9 +568,38 @@ impl CostModel {
     fn compute_time_unscaled(&self, c: &Compute) -> f64 {
         match c.part {
             Part::Whole => self.op_time(c.kind, c.stage),
-            Part::Attn => self.op_time(c.kind, c.stage) * self.moe.attn_share,
-            Part::Mlp => self.op_time(c.kind, c.stage) * (1.0 - self.moe.attn_share),
-            Part::Dispatch | Part::Combine => self.a2a_time(c.part),
+            Part::Attn => self.op_time(c.kind, c.stage) * self.attn_share_at(c.stage),
+            Part::Mlp => self.op_time(c.kind, c.stage) * (1.0 - self.attn_share_at(c.stage)),
+            Part::Dispatch | Part::Combine => self.a2a_time_at(c.part, c.stage),
+        }
+    }
+
+    /// The attention share of `stage`'s ops: its `[moe.stage.N]` override, else
+    /// `attn_share`.
+    pub fn attn_share_at(&self, stage: u32) -> f64 {
+        self.moe_stage(stage)
+            .and_then(|s| s.attn_share)
+            .unwrap_or(self.moe.attn_share)
+    }
+
+    fn moe_stage(&self, stage: u32) -> Option<&StageMoe> {
+        if self.moe.stage.is_empty() {
+            None
+        } else {
+            self.moe.stage.get(&stage.to_string())
+        }
+    }
+
+    /// [`CostModel::a2a_time`] of an op of `stage`: its `[moe.stage.N]` override when given.
+    pub fn a2a_time_at(&self, part: Part, stage: u32) -> f64 {
+        let over = self.moe_stage(stage).and_then(|s| match part {
+            Part::Dispatch => s.dispatch,
+            Part::Combine => s.combine,
+            _ => None,
+        });
+        match over {
+            Some(t) => t,
+            None => self.a2a_time(part),
         }
     }
 

@@ -497,8 +497,7 @@ fn run(
     };
     // Memory events: (time, delta bytes) per rank.
     let mut mem: Vec<Vec<(f64, f64)>> = vec![Vec::new(); if record { np } else { 0 }];
-    let act = cost.memory.activation_bytes;
-    let rel_b = cost.memory.released_at_b.clamp(0.0, 1.0);
+    let mem_model = &cost.memory;
     let mut in_work = vec![true; np];
     let mut work: Vec<u32> = (0..np as u32).rev().collect();
 
@@ -631,6 +630,8 @@ fn run(
                         }
                         kind = kind_of(c);
                         // Memory accounting.
+                        let act = mem_model.activation_bytes_at(c.stage);
+                        let rel_b = mem_model.released_at_b_at(c.stage);
                         if c.kind == Kind::F && is_first_part(c) {
                             mem[r].push((start, act));
                         }
@@ -897,9 +898,9 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
     let by_rank = pl.stages_by_rank();
     let ranks: Vec<RankSim> = (0..np)
         .map(|r| {
-            let held = by_rank.get(r).map_or(0, Vec::len) as f64;
-            let stat = held
-                * (cost.memory.param_bytes + cost.memory.grad_bytes + cost.memory.optimizer_bytes);
+            let stat: f64 = by_rank.get(r).map_or(0.0, |v| {
+                v.iter().map(|&s| cost.memory.static_bytes_at(s)).sum()
+            });
             let mut ev = std::mem::take(&mut mem[r]);
             // A free at the instant of an allocation happens first (the op that frees ends
             // as the next one starts); an overlapped pair allocates at its start and frees at
