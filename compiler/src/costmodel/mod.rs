@@ -115,15 +115,20 @@ pub struct Efficiency {
 impl Default for Efficiency {
     fn default() -> Self {
         Efficiency {
-            gemm: 0.62,
-            gemm_fp8: 0.62,
+            // Fitted by `cargo run --release -p schedc --example calibrate` (the book's
+            // "Against real clusters"): `gemm` on sail-sg#21's 1F1B throughput, `gemm_fp8` on
+            // DeepSeek-V3's 180K H800 GPU-hours per trillion tokens.
+            gemm: 0.4403,
+            gemm_fp8: 0.2914,
             gemm_rows_half: 64.0,
             attn: 0.45,
             hbm: 0.8,
             link: 0.8,
             latency: 1e-5,
             layer_overhead: 0.0,
-            overhead_bytes: 4e9,
+            // Fitted on sail-sg#21's 1F1B memory (48 GB), held at 0: the activations counted
+            // already exceed it by 0.3 GB.
+            overhead_bytes: 0.0,
         }
     }
 }
