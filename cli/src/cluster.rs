@@ -211,9 +211,11 @@ pub fn probe_scenario(
     cluster: &ClusterArgs,
     set: Option<&str>,
 ) -> Result<Option<Scenario>, String> {
-    let Ok(ov) = input.overrides() else {
+    let Ok(mut ov) = input.overrides() else {
         return Ok(None);
     };
+    // The shape alone: MoE parts do not change it (and `:list` needs the costs).
+    ov.moe = None;
     let Ok(loaded) = schedc::input::load_path(&input.input, &ov) else {
         return Ok(None);
     };

@@ -79,7 +79,8 @@ pub fn run(args: Args) -> ExitCode {
         Some(m) => format!("derived from --model {m}"),
         None => cost.to_string_lossy().into_owned(),
     };
-    if input.moe.is_some() {
+    // With --model and an input that does not load, the load below says why.
+    if input.moe.is_some() && (scenario.is_some() || !cluster.given()) {
         if let Err(c) = require_moe_costs(&model, &cost_name) {
             return c;
         }

@@ -208,3 +208,88 @@ fn a_model_that_does_not_fit_exits_1_naming_the_rank() {
     // The report is still printed.
     assert!(String::from_utf8_lossy(&o.stdout).contains("does not fit"));
 }
+
+#[test]
+fn a_missing_input_with_a_model_says_it_cannot_be_read() {
+    let o = schedc(&[
+        "sim",
+        "specs/no-such.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--moe",
+        "--model",
+        "dsv3",
+    ]);
+    refused(&o, 2, "cannot read");
+}
+
+#[test]
+fn a_hardware_file_with_a_measured_efficiency_replaces_the_fit() {
+    let base = r#"name = "mygpu"
+bf16_flops = 312e12
+fp8_flops = 312e12
+hbm_bytes = 80e9
+hbm_bandwidth = 2.039e12
+nvlink_bandwidth = 300e9
+network_bandwidth = 25e9
+gpus_per_node = 8
+"#;
+    let plain = tmp("gpu.toml", base);
+    let tuned = tmp("gpu-tuned.toml", &format!("{base}gemm_efficiency = 0.88\n"));
+    let step = |hw: &str| {
+        let o = schedc(&[
+            "sim",
+            "specs/1f1b.sched",
+            "--pp",
+            "8",
+            "--mb",
+            "24",
+            "--model",
+            "zb-6.2b",
+            "--hardware",
+            hw,
+            "--seq",
+            "1024",
+            "--micro-batch-size",
+            "3",
+            "--format",
+            "json",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["step_seconds"].as_f64().unwrap()
+    };
+    let (a, b) = (step(&plain), step(&tuned));
+    // Twice the GEMM efficiency: GEMMs are most of the step, not all of it.
+    assert!(b < 0.65 * a && b > 0.5 * a, "{a} {b}");
+    let bad = tmp("gpu-bad.toml", &format!("{base}gemm_efficiency = 1.5\n"));
+    let o = schedc(&[
+        "sim",
+        "specs/1f1b.sched",
+        "--pp",
+        "8",
+        "--mb",
+        "24",
+        "--model",
+        "zb-6.2b",
+        "--hardware",
+        &bad,
+    ]);
+    refused(&o, 2, "`gemm_efficiency` must be in (0, 1], got 1.5");
+    let typo = tmp("gpu-typo.toml", &format!("{base}bf16_flop = 1\n"));
+    let o = schedc(&[
+        "sim",
+        "specs/1f1b.sched",
+        "--pp",
+        "8",
+        "--mb",
+        "24",
+        "--model",
+        "zb-6.2b",
+        "--hardware",
+        &typo,
+    ]);
+    refused(&o, 2, "bf16_flop");
+}

@@ -413,8 +413,8 @@ pub fn derive(
             return 0.0;
         }
         let top = match tr.dtype {
-            Dtype::Bf16 => eff.gemm,
-            Dtype::Fp8 => eff.gemm_fp8,
+            Dtype::Bf16 => hw.gemm_efficiency.unwrap_or(eff.gemm),
+            Dtype::Fp8 => hw.gemm_fp8_efficiency.unwrap_or(eff.gemm_fp8),
         };
         let e = top * rows / (rows + eff.gemm_rows_half);
         flops / (peak * e)
