@@ -206,13 +206,17 @@ fn item() -> impl Strategy<Value = Item> {
         )),
         (
             prop::sample::select(vec![
-                ExpectKind::Warmup,
-                ExpectKind::PeakActivations,
-                ExpectKind::Idle
+                ExpectKind::Warmup(Rel::Eq),
+                ExpectKind::PeakActivations(Rel::Le),
+                ExpectKind::PeakActivations(Rel::Ge),
+                ExpectKind::Idle(Rel::Eq),
+                ExpectKind::Idle(Rel::Le),
+                ExpectKind::Warmup(Rel::Ge),
             ]),
-            expr()
+            expr(),
+            prop::option::of(expr())
         )
-            .prop_map(|(k, e)| Item::Expect(k, e, sp())),
+            .prop_map(|(k, e, g)| Item::Expect(k, e, g, sp())),
     ]
 }
 

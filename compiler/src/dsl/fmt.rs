@@ -588,7 +588,7 @@ fn item_sp(it: &Item) -> Sp {
         | Item::Rank(_, _, s)
         | Item::Literal(_, s)
         | Item::List(_, _, s)
-        | Item::Expect(_, _, s)
+        | Item::Expect(_, _, _, s)
         | Item::Communicator(_, _, s)
         | Item::Moe(_, s) => *s,
     }
@@ -687,8 +687,12 @@ pub fn format_file(file: &File, src: &str) -> String {
                 f.out.push_str(body);
                 f.out.push_str("}\n");
             }
-            Item::Expect(k, e, _) => {
-                let _ = writeln!(f.out, "expect {} {}", k.lhs(), expr_str(e));
+            Item::Expect(k, e, guard, _) => {
+                let _ = write!(f.out, "expect {} {}", k.lhs(), expr_str(e));
+                if let Some(g) = guard {
+                    let _ = write!(f.out, " if {}", expr_str(g));
+                }
+                f.out.push('\n');
             }
             Item::Communicator(n, set, _) => {
                 let _ = writeln!(f.out, "communicator {n} {}", set_str(set));
