@@ -351,44 +351,40 @@ pub(crate) fn order(
         (at, cross)
     };
     // When unit `u` of rank `r` can start (infinite while an input is missing).
-    let start_of = |st: &RankState,
-                    u: &Unit,
-                    r: usize,
-                    act: &[f64],
-                    grad: &[f64],
-                    pe: &[(f64, u8)]| {
-        let mut t = if u.ep { st.efree } else { st.cfree }.max(st.last_start);
-        u.ins.for_each_compute(|c| {
-            if !is_first_part(c) {
-                let (e, placed) = pe[op_key(c)];
-                let ready = !e.is_nan() && usize::from(placed) == c.part.exec_index(c.kind);
-                t = t.max(if ready { e } else { f64::INFINITY });
-                return;
-            }
-            t = t.max(st.closed);
-            let mut need = |end: f64, s: u32| t = t.max(input_at(end, s, r).0);
-            match c.kind {
-                Kind::F => {
-                    if let Some(ps) = pl.prev_stage(c.stage) {
-                        need(act[slot(ps, c.mb)], ps);
-                    }
+    let start_of =
+        |st: &RankState, u: &Unit, r: usize, act: &[f64], grad: &[f64], pe: &[(f64, u8)]| {
+            let mut t = if u.ep { st.efree } else { st.cfree }.max(st.last_start);
+            u.ins.for_each_compute(|c| {
+                if !is_first_part(c) {
+                    let (e, placed) = pe[op_key(c)];
+                    let ready = !e.is_nan() && usize::from(placed) == c.part.exec_index(c.kind);
+                    t = t.max(if ready { e } else { f64::INFINITY });
+                    return;
                 }
-                Kind::B | Kind::BW => {
-                    need(act[slot(c.stage, c.mb)], c.stage);
-                    if let Some(ns) = pl.next_stage(c.stage) {
-                        need(grad[slot(ns, c.mb)], ns);
+                t = t.max(st.closed);
+                let mut need = |end: f64, s: u32| t = t.max(input_at(end, s, r).0);
+                match c.kind {
+                    Kind::F => {
+                        if let Some(ps) = pl.prev_stage(c.stage) {
+                            need(act[slot(ps, c.mb)], ps);
+                        }
                     }
+                    Kind::B | Kind::BW => {
+                        need(act[slot(c.stage, c.mb)], c.stage);
+                        if let Some(ns) = pl.next_stage(c.stage) {
+                            need(grad[slot(ns, c.mb)], ns);
+                        }
+                    }
+                    Kind::W => need(grad[slot(c.stage, c.mb)], c.stage),
                 }
-                Kind::W => need(grad[slot(c.stage, c.mb)], c.stage),
+            });
+            if let Some(b) = &u.pair_bwd {
+                if let Some(ns) = pl.next_stage(b.stage) {
+                    t = t.max(input_at(grad[slot(ns, b.mb)], ns, r).0);
+                }
             }
-        });
-        if let Some(b) = &u.pair_bwd {
-            if let Some(ns) = pl.next_stage(b.stage) {
-                t = t.max(input_at(grad[slot(ns, b.mb)], ns, r).0);
-            }
-        }
-        t
-    };
+            t
+        };
     let evaluate = |s: &mut RankState, r: usize, act: &[f64], grad: &[f64], pe: &[(f64, u8)]| {
         // `lo`: the oldest open op that is not a `W` (those are placed below).
         while s.lo < s.ops.len() && (s.next[s.lo] == s.ops[s.lo].units.len() || s.ops[s.lo].w) {

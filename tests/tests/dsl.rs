@@ -1046,3 +1046,100 @@ fn measured_bounds_are_not_claimed_under_latency() {
         }
     }
 }
+
+/// The `expect` errors of a rank-program spec at (pp, mb) under `cost`.
+fn expect_errors(src: &str, pp: u32, mb: u32, cost: &str) -> Vec<String> {
+    list_check(src, pp, mb, cost)
+}
+
+const GPIPE_BODY: &str =
+    "placement loop\nrank r {\n    repeat M { F(0) }\n    repeat M { BW(0) }\n}\n";
+
+// Issue (expect grammar): every figure takes `<=`, `==` and `>=`.
+#[test]
+fn expect_every_figure_takes_le_eq_ge() {
+    // GPipe at P = 2, M = 3: warmup 3, peak 3, unit idle 3 (P - 1 = 1 F + 2 BW... per rank).
+    let ok = format!(
+        "{GPIPE_BODY}expect warmup >= M\nexpect warmup <= M\nexpect peak_activations >= M\nexpect idle >= 3 * (P - 1)\nexpect idle <= 3 * (P - 1)\nexpect makespan >= 1\n"
+    );
+    assert_eq!(expect_errors(&ok, 2, 3, "unit"), Vec::<String>::new());
+    let bad = format!("{GPIPE_BODY}expect warmup >= M + 1\nexpect idle <= 2\n");
+    assert_eq!(
+        expect_errors(&bad, 2, 3, "unit"),
+        vec![
+            "warmup does not hold on 2 rank(s): rank 0: 3, expected >= 4; rank 1: 3, expected >= 4"
+                .to_string(),
+            "unit-time idle does not hold on 2 rank(s): rank 0: 3, expected <= 2; rank 1: 3, expected <= 2"
+                .to_string(),
+        ]
+    );
+    let timing = format!("{GPIPE_BODY}expect makespan >= 100\n");
+    assert_eq!(
+        expect_errors(&timing, 2, 3, "unit"),
+        vec!["makespan is 12.000000, expected >= 100.000000".to_string()]
+    );
+}
+
+// Issue (expect grammar): `if COND` limits a line to where COND holds: per rank for the
+// per-rank figures, under the cost model for the timing ones.
+#[test]
+fn expect_if_guard_applies_where_it_holds() {
+    // Only rank 0 is claimed (wrongly for rank 1 too, were the guard ignored).
+    let per_rank = format!(
+        "{GPIPE_BODY}expect warmup == 99 if r == 1 && P == 3\nexpect idle == 0 if r == 5\n"
+    );
+    assert_eq!(expect_errors(&per_rank, 2, 3, "unit"), Vec::<String>::new());
+    assert_eq!(
+        expect_errors(&per_rank, 3, 3, "unit"),
+        vec!["warmup does not hold on 1 rank(s): rank 1: 3, expected == 99".to_string()]
+    );
+    // A guard on the cost model: the bound applies only with equal F and B.
+    let timing = format!("{GPIPE_BODY}expect makespan <= 4 * (F + BW) if F == B\n");
+    assert_eq!(expect_errors(&timing, 2, 3, "unit"), Vec::<String>::new());
+    assert_eq!(
+        expect_errors(&timing, 2, 3, "F=1,B=2,W=1"),
+        Vec::<String>::new()
+    );
+    let tight = format!("{GPIPE_BODY}expect makespan <= F if F == B\n");
+    assert_eq!(
+        expect_errors(&tight, 2, 3, "unit"),
+        vec!["makespan is 12.000000, expected <= 1.000000".to_string()]
+    );
+    assert_eq!(
+        expect_errors(&tight, 2, 3, "F=1,B=2,W=1"),
+        Vec::<String>::new()
+    );
+    // Where the guard fails the bound is not evaluated (it may be undefined there).
+    let undefined = format!("{GPIPE_BODY}expect idle == 1 / (P - 2) if P != 2\n");
+    assert_eq!(
+        expect_errors(&undefined, 2, 3, "unit"),
+        Vec::<String>::new()
+    );
+    // A guard that is not a condition is an error at the guard.
+    let not_bool = format!("{GPIPE_BODY}expect idle == 3 if P\n");
+    let ov = Overrides {
+        pp: Some(2),
+        microbatches: Some(3),
+        ..Default::default()
+    };
+    let Err(LoadError::Spec { diags, .. }) = load_spec(&not_bool, &ov) else {
+        panic!("a non-boolean guard elaborated")
+    };
+    assert!(diags[0].message.contains("bool"), "{}", diags[0].message);
+}
+
+// Issue (expect grammar): `fmt` prints the relations and the guard, and reads them back.
+#[test]
+fn expect_relations_and_guard_round_trip_through_fmt() {
+    let src = "rank r {\n    F(0)\n}\n\nexpect warmup >= 1 if r == 0\nexpect peak_activations <= M\nexpect idle >= 0\nexpect makespan <= 2 * F if F == B && MSG == 0\nexpect bubble(from_start) >= 0\nexpect exposed_comm <= 0 if P > 1\n";
+    let f = parse_file(src).unwrap();
+    assert_eq!(format_file(&f, src), src);
+    let Item::Expect(kind, _, guard, _) = &f.items[1] else {
+        panic!("{:?}", f.items[1])
+    };
+    assert_eq!(*kind, ExpectKind::Warmup(Rel::Ge));
+    assert!(guard.is_some());
+    // `=` gets the old hint; an unknown relation names the three.
+    let e = parse_file("expect warmup < 1\n").unwrap_err();
+    assert!(e.message.contains("`<=`, `==` or `>=`"), "{}", e.message);
+}
