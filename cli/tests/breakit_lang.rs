@@ -292,3 +292,107 @@ fn check_sweep_orders_list_parts_under_the_cost() {
         .unwrap();
     assert_eq!(at8["error"].as_str().unwrap(), format!("[memory] {first}"));
 }
+
+/// `convert SPEC --pp 8 --mb 16 --moe=all:list --cost MOE_COST --to ir-text` with `from`
+/// replaced (once) by `to`, checked: the output with the exit status.
+fn check_mutated_list_program(d: &std::path::Path, from: &str, to: &str) -> (Option<i32>, String) {
+    let ir = d.join("list.ir");
+    let o = schedc(&[
+        "convert",
+        "specs/dualpipe.sched",
+        "--pp",
+        "8",
+        "--mb",
+        "16",
+        "--moe=all:list",
+        "--cost",
+        MOE_COST,
+        "--to",
+        "ir-text",
+        "-o",
+        ir.to_str().unwrap(),
+        "--force",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&ir).unwrap();
+    assert!(text.contains(from), "{from}");
+    let m = d.join("mut.ir");
+    std::fs::write(&m, text.replacen(from, to, 1)).unwrap();
+    let o = schedc(&["check", m.to_str().unwrap()]);
+    (o.status.code(), format!("{}{}", stdout(&o), stderr(&o)))
+}
+
+// Item 13: a duplicated MoE part names the earlier copy of the same part.
+#[test]
+fn item13_duplicate_part_names_its_own_first_copy() {
+    let d = tmpdir("item13");
+    let (code, out) = check_mutated_list_program(&d, "F(0,0).mlp", "F(0,0).mlp F(0,0).mlp");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("F(0,0).mlp appears more than once"), "{out}");
+    assert!(
+        out.contains("first occurrence: rank 0 position 3 `F(0,0).mlp`"),
+        "{out}"
+    );
+    let (code, out) =
+        check_mutated_list_program(&d, "F(0,0).combine", "F(0,0).combine F(0,0).combine");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("first occurrence: rank 0 position 5 `F(0,0).combine`"),
+        "{out}"
+    );
+    let (code, out) = check_mutated_list_program(&d, "W(15,0).attn", "W(15,0).attn W(15,0).attn");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("`W(15,0).attn`"), "{out}");
+    assert!(
+        !out.contains("first occurrence: rank 0 position 0 `W(15,0).mlp`"),
+        "{out}"
+    );
+}
+
+// Item 15: a spec cannot redefine the instance's built-in names.
+#[test]
+fn item15_builtin_names_cannot_be_redefined() {
+    let d = tmpdir("item15");
+    for (text, name, what) in [
+        (
+            "let M = 1\nrank r { for i in 0..M { F(0) BW(0) } }\n",
+            "M",
+            "the number of micro-batches, `--mb`",
+        ),
+        (
+            "param M = 1\nrank r { for i in 0..M { F(0) BW(0) } }\n",
+            "M",
+            "the number of micro-batches, `--mb`",
+        ),
+        (
+            "param P = 3\nrank r { repeat M { F(0) BW(0) } }\n",
+            "P",
+            "the number of ranks, `--pp`",
+        ),
+        (
+            "rank r { for V in 0..M { F(0) BW(0) } }\n",
+            "V",
+            "the number of virtual",
+        ),
+        (
+            "fn f(S) = S\nrank r { repeat M { F(0) BW(0) } }\n",
+            "S",
+            "the number of stages",
+        ),
+    ] {
+        let f = d.join("x.sched");
+        std::fs::write(&f, text).unwrap();
+        let mut args = vec!["check", f.to_str().unwrap(), "--pp", "2", "--mb", "4"];
+        if name == "P" {
+            args.extend(["--param", "P=5"]);
+        }
+        let o = schedc(&args);
+        assert_eq!(o.status.code(), Some(1), "{text}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(&format!("`{name}` is built in ({what}")),
+            "{text}: {}",
+            stderr(&o)
+        );
+        assert!(stderr(&o).contains("choose"), "{}", stderr(&o));
+    }
+}

@@ -1086,6 +1086,9 @@ pub fn elaborate_with(
     if inst.mb == 0 {
         return Err(vec![err(any_sp, "--mb must be at least 1")]);
     }
+    if let Some(e) = shadowed_builtin(file) {
+        return Err(vec![e]);
+    }
     env.push("P", Val::Int(inst.pp as i64), false);
     env.push("M", Val::Int(inst.mb as i64), false);
     // Parameters.
@@ -1622,6 +1625,72 @@ pub fn elaborate_with(
         name,
         notes,
     })
+}
+
+/// What a built-in name of the instance means, for the error that refuses a spec defining it.
+fn builtin_meaning(n: &str) -> Option<&'static str> {
+    Some(match n {
+        "P" => "the number of ranks, `--pp`",
+        "M" => "the number of micro-batches, `--mb`",
+        "V" => "the number of virtual stages per rank, `--vpp` or the `vpp` item",
+        "S" => "the number of stages, the `stages` item",
+        _ => return None,
+    })
+}
+
+/// The first name a spec defines (`param`, `let`, `var`, `fn` and its parameters, a loop or
+/// rank variable, a `list` block's names) that is one of the instance's built-in names
+/// (P, M, V, S): it would silently shadow the instance's value.
+fn shadowed_builtin(file: &File) -> Option<ElabError> {
+    fn refuse(n: &str, sp: Sp) -> Option<ElabError> {
+        let what = builtin_meaning(n)?;
+        let mut e = err(
+            sp,
+            format!("`{n}` is built in ({what}); choose another name"),
+        );
+        e.help = Some(format!(
+            "a spec reads `{n}` from the instance; a parameter of its own needs a name of its own"
+        ));
+        Some(e)
+    }
+    fn stmts(body: &[Stmt]) -> Option<ElabError> {
+        for st in body {
+            let found = match st {
+                Stmt::Let(n, _, sp) | Stmt::Var(n, _, sp) => refuse(n, *sp),
+                Stmt::For { var, body, sp, .. } => refuse(var, *sp).or_else(|| stmts(body)),
+                Stmt::Repeat(_, b, _) | Stmt::While(_, b, _) => stmts(b),
+                Stmt::If(_, a, b, _) => stmts(a).or_else(|| stmts(b)),
+                _ => None,
+            };
+            if found.is_some() {
+                return found;
+            }
+        }
+        None
+    }
+    for it in &file.items {
+        let found = match it {
+            Item::Param(n, _, sp) | Item::Let(n, _, sp) => refuse(n, *sp),
+            Item::Fn(n, params, _, sp) => {
+                refuse(n, *sp).or_else(|| params.iter().find_map(|p| refuse(p, *sp)))
+            }
+            Item::Rank(n, body, sp) => refuse(n, *sp).or_else(|| stmts(body)),
+            Item::List(n, rules, sp) => refuse(n, *sp).or_else(|| {
+                rules.iter().find_map(|r| match r {
+                    ListRule::Let(n, _, sp) => refuse(n, *sp),
+                    ListRule::Priority { chunk, mb, sp, .. } => {
+                        refuse(chunk, *sp).or_else(|| refuse(mb, *sp))
+                    }
+                    _ => None,
+                })
+            }),
+            _ => None,
+        };
+        if found.is_some() {
+            return found;
+        }
+    }
+    None
 }
 
 /// `body` without the indentation (spaces and tabs) that all its non-blank lines share, and
