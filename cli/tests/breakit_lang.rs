@@ -396,3 +396,55 @@ fn item15_builtin_names_cannot_be_redefined() {
         assert!(stderr(&o).contains("choose"), "{}", stderr(&o));
     }
 }
+
+// Item 20: `show` takes `--cost` and draws the `:list` order `sim --cost` timed (the
+// program `convert --cost` writes).
+#[test]
+fn item20_show_draws_the_list_order_under_the_cost() {
+    let args = [
+        "specs/dualpipe.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--moe=all:list",
+    ];
+    let shown = schedc(&[&["show"][..], &args, &["--cost", MOE_COST]].concat());
+    assert_eq!(shown.status.code(), Some(0), "{}", stderr(&shown));
+    let conv = schedc(
+        &[
+            &["convert"][..],
+            &args,
+            &["--cost", MOE_COST, "--to", "ir-text", "-o", "-"],
+        ]
+        .concat(),
+    );
+    assert_eq!(conv.status.code(), Some(0), "{}", stderr(&conv));
+    // Rank 0's compute ops, in order, in both.
+    let grid = stdout(&shown);
+    let row: Vec<&str> = grid
+        .lines()
+        .find(|l| l.trim_start().starts_with("rank 0 "))
+        .unwrap()
+        .split_whitespace()
+        .skip(2)
+        .filter(|t| *t != ".")
+        .collect();
+    let ir = stdout(&conv);
+    let prog: Vec<&str> = ir
+        .lines()
+        .find(|l| l.starts_with("rank 0:"))
+        .unwrap()
+        .split_whitespace()
+        .skip(2)
+        .filter(|t| t.starts_with("F(") || t.starts_with("B") || t.starts_with("W("))
+        .collect();
+    assert_eq!(row.len(), 74, "{row:?}");
+    assert_eq!(row, prog);
+    // Unit times order the parts differently: the grid follows the model.
+    let unit = schedc(&[&["show"][..], &args].concat());
+    assert_ne!(stdout(&unit), grid);
+    // `--cost unit` has no all-to-all times: refused as elsewhere.
+    let o = schedc(&[&["show"][..], &args, &["--cost", "unit"]].concat());
+    assert_eq!(o.status.code(), Some(2));
+}

@@ -1143,3 +1143,35 @@ fn expect_relations_and_guard_round_trip_through_fmt() {
     let e = parse_file("expect warmup < 1\n").unwrap_err();
     assert!(e.message.contains("`<=`, `==` or `>=`"), "{}", e.message);
 }
+
+// Breakit item 23: `fmt` keeps a comment at the end of a block's header line on that line
+// and one after ops on their line, instead of moving it into the block.
+#[test]
+fn item23_fmt_keeps_header_and_line_comments_in_place() {
+    for (src, want) in [
+        (
+            "rank r {\n    F?(0); BW(0) # pair\n    for i in 0..M { # loop head\n        F(0)\n        BW(0)\n    }\n}\n",
+            "rank r {\n    F?(0) BW(0) # pair\n    for i in 0..M { # loop head\n        F(0)\n        BW(0)\n    }\n}\n",
+        ),
+        (
+            "rank r # after rank r\n{ # after brace\n    F(0) BW(0)\n}\n",
+            "rank r { # after rank r\n    # after brace\n    F(0)\n    BW(0)\n}\n",
+        ),
+        (
+            "rank r {\n    repeat M { F?(0); BW(0) # pair\n    }\n    if r == 0 { # first\n        F(0)\n    }\n}\n",
+            "rank r {\n    repeat M {\n        F?(0) BW(0) # pair\n    }\n    if r == 0 { # first\n        F(0)\n    }\n}\n",
+        ),
+        (
+            "list r { # greedy\n    F(c, m) = m\n    BW(c, m) = m\n}\n",
+            "list r { # greedy\n    F(c, m) = m\n    BW(c, m) = m\n}\n",
+        ),
+    ] {
+        let f = parse_file(src).unwrap();
+        let out = format_file(&f, src);
+        assert_eq!(out, want, "{src}");
+        // Idempotent, and the same program.
+        let back = parse_file(&out).unwrap();
+        assert_eq!(format_file(&back, &out), out);
+        assert_eq!(back, f);
+    }
+}
