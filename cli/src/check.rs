@@ -101,6 +101,8 @@ pub fn run(args: Args) -> ExitCode {
         max_activations: max_activations.or(loaded.budget),
     };
     let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &opts);
+    // Timing expectations under `sim`'s convention: a stage of a V-way split takes 1/V.
+    let model = model.for_pipeline(&loaded.program.pipeline);
     // Under a part reordering, the expectations describe the spec's own order: checked there.
     if loaded.expect_program.is_some() {
         eprintln!("note: {}: {}", loaded.name, schedc::input::REORDER_NOTE);
@@ -423,6 +425,7 @@ fn sweep(
                         Err(msg) => Outcome::Broken(msg),
                         Ok(((prog, spans), before)) => {
                             let mut out = check::check(&prog, Some(&spans), &opts);
+                            let model = &model.for_pipeline(&prog.pipeline);
                             match &before {
                                 Some(b) if out.report.verdict == Verdict::Accepted => {
                                     check::check_expectations_on(

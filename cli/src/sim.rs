@@ -84,6 +84,15 @@ pub fn run(args: Args) -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
+    // Op times are for a stage of 1/P of the model, as `compare` charges them: a stage of a
+    // V-way split takes 1/V.
+    let model = model.for_pipeline(&loaded.program.pipeline);
+    if let Some(k) = model.op_scale.filter(|&k| k != 1.0) {
+        eprintln!(
+            "note: op times are for a stage of 1/P of the model: each of this schedule's {} stages per direction is charged {k} of them (as `compare` charges it)",
+            loaded.program.pipeline.stages_per_direction()
+        );
+    }
     let mut checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
     // The spec's expectations are the check's; its timing ones must hold under this model.
     let structural = checked.report.verdict != Verdict::Accepted;

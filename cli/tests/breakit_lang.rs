@@ -448,3 +448,70 @@ fn item20_show_draws_the_list_order_under_the_cost() {
     let o = schedc(&[&["show"][..], &args, &["--cost", "unit"]].concat());
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// The `makespan` of a `--format json` report (`sim`) or of a spec's row (`compare`).
+fn json_makespan(args: &[&str]) -> f64 {
+    let o = schedc(args);
+    assert_eq!(o.status.code(), Some(0), "{args:?}: {}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    match v.get("rows") {
+        Some(rows) => rows[0]["figures"]["makespan"].as_f64().unwrap(),
+        None => v["makespan"].as_f64().unwrap(),
+    }
+}
+
+// Issue: `sim` charged a stage of a V-way split the whole op time and `compare` 1/V of it
+// (5.250 vs 2.694 s for one instance): both now time a stage as holding 1/(P V) of the model.
+#[test]
+fn sim_and_compare_agree_for_v_above_one() {
+    for (spec, extra) in [
+        ("specs/interleaved_1f1b.sched", vec!["--vpp", "2", "--moe"]),
+        ("specs/zbv.sched", vec!["--moe"]),
+        ("specs/dualpipev.sched", vec!["--moe=all:list"]),
+        ("specs/1f1b.sched", vec!["--moe"]),
+    ] {
+        let inst = [
+            &[spec, "--pp", "4", "--mb", "8"][..],
+            &extra,
+            &["--cost", MOE_COST],
+        ]
+        .concat();
+        let sim = json_makespan(&[&["sim"][..], &inst, &["--format", "json"]].concat());
+        let cmp = json_makespan(&[&["compare"][..], &inst, &["--format", "json"]].concat());
+        assert!(
+            (sim - cmp).abs() <= 1e-12 * sim,
+            "{spec}: sim {sim} vs compare {cmp}"
+        );
+    }
+    // The figure itself: ZB-V at unit times, 8 stages on 4 ranks, each op half a unit.
+    let zbv = json_makespan(&[
+        "sim",
+        "specs/zbv.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(zbv, 25.5);
+    let o = schedc(&["sim", "specs/zbv.sched", "--pp", "4", "--mb", "8"]);
+    assert!(
+        stderr(&o)
+            .contains("each of this schedule's 8 stages per direction is charged 0.5 of them"),
+        "{}",
+        stderr(&o)
+    );
+    // V = 1 is unchanged.
+    let one = json_makespan(&[
+        "sim",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(one, 33.0);
+}

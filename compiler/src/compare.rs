@@ -405,7 +405,8 @@ fn judge(
     let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
     let pl = &loaded.program.pipeline;
     let mut model = opts.cost.clone();
-    model.op_scale = Some(pl.pp as f64 / pl.stages_per_direction() as f64);
+    model.op_scale = None;
+    let model = model.for_pipeline(pl);
     // Under a part reordering, the expectations describe the spec's own order: checked there.
     match &loaded.expect_program {
         Some(before) if out.report.verdict == Verdict::Accepted => check::check_expectations_on(
