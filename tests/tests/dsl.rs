@@ -1175,3 +1175,32 @@ fn item23_fmt_keeps_header_and_line_comments_in_place() {
         assert_eq!(back, f);
     }
 }
+
+/// Rank 0's ops of a one-rank spec at M = `mb`, as text.
+fn rank0_ops(src: &str, mb: u32) -> Vec<String> {
+    let ov = Overrides {
+        pp: Some(1),
+        microbatches: Some(mb),
+        ..Default::default()
+    };
+    let e = load_spec(src, &ov).unwrap_or_else(|e| panic!("{e:?}"));
+    e.program.ranks[0]
+        .iter()
+        .map(schedc_ir::text::instr_to_string)
+        .collect()
+}
+
+// Issue (`done`): `done(K, c)` is chunk c's counter for K, the micro-batch the next `K(c)`
+// takes (the count run when ops run in order), as the language chapter now says; an explicit
+// `K(c, m)` moves it past m; `left(K, c)` is M minus it; `done(W, c)` counts the Ws run.
+#[test]
+fn done_is_the_chunk_counter_as_the_language_chapter_says() {
+    let src = "placement loop\nrank r {\n    F(0, 2)\n    F(0, done(F, 0) - 3)\n    F(0, left(F, 0))\n    F(0)\n    B(0, done(B, 0) + 1)\n    B(0, 0)\n    W(0)\n    B(0, done(W, 0) + 1)\n    B(0)\n    repeat 4 - done(W, 0) { W(0) }\n}\n";
+    assert_eq!(
+        rank0_ops(src, 4),
+        [
+            "F(0,2)", "F(0,0)", "F(0,1)", "F(0,3)", "B(0,1)", "B(0,0)", "W(0,1)", "B(0,2)",
+            "B(0,3)", "W(0,0)", "W(0,2)", "W(0,3)"
+        ]
+    );
+}
