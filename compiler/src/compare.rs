@@ -403,10 +403,21 @@ fn judge(
     row: &dyn Fn(Option<Figures>, Status) -> Row,
 ) -> Row {
     let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
-    check::check_expectations(&mut out.report, &loaded.spec_expects);
     let pl = &loaded.program.pipeline;
     let mut model = opts.cost.clone();
-    model.op_scale = Some(pl.pp as f64 / pl.stages_per_direction() as f64);
+    model.op_scale = None;
+    let model = model.for_pipeline(pl);
+    // Under a part reordering, the expectations describe the spec's own order: checked there.
+    match &loaded.expect_program {
+        Some(before) if out.report.verdict == Verdict::Accepted => check::check_expectations_on(
+            &mut out.report,
+            before,
+            &loaded.spec_expects,
+            Some(&model),
+        ),
+        Some(_) => {}
+        None => check::check_expectations(&mut out.report, &loaded.spec_expects),
+    }
     let sim = match (&out.checked, out.report.verdict) {
         (Some(prog), _)
             if out
@@ -419,7 +430,7 @@ fn judge(
         }
         _ => None,
     };
-    if let Some(Ok(s)) = &sim {
+    if let (Some(Ok(s)), None) = (&sim, &loaded.expect_program) {
         check::check_timing_expectations(&mut out.report, &loaded.spec_expects, Some(s), &model);
     }
     let errors: Vec<_> = out
@@ -505,6 +516,9 @@ pub fn render(r: &Report) -> String {
             o,
             "parts ordered by a greedy list schedule under the cost model (:list, at most {k} ops in flight per rank; ops enter it in each rank's input order, weight gradients split and run under all-to-alls)"
         );
+    }
+    if r.moe_list.is_some() || r.moe_adjacent {
+        let _ = writeln!(o, "a spec's `expect` lines describe its own order: they are checked on it with plain --moe, before the parts are reordered");
     }
     let _ = writeln!(
         o,
