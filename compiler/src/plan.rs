@@ -479,7 +479,7 @@ pub fn plan(model: &ModelSpec, c: &Cluster, specs: &[(String, String)]) -> Resul
     let (a2a, a2a_why) = c.all_to_all(model, ep);
     if moe {
         why.push(format!(
-            "MoE all-to-all: {a2a_why}; a dispatch or combine moves {:.1} MB per GPU per layer and micro-batch: {:.3} ms each. Priced by the simulator: every F, B and BW is split into attention, dispatch, expert MLP and combine (attention and MLP half of its compute each), the all-to-alls of every layer of its stage run on the expert-parallel stream, exposed in plain ops and hidden under the other micro-batch's compute inside an overlapped F&B pair (DualPipe, DualPipeV) as far as they fit",
+            "MoE all-to-all: {a2a_why}; a dispatch or combine moves {:.1} MB per GPU per layer and micro-batch: {:.3} ms each. Priced by the simulator: every F, B and BW is split into attention, dispatch, expert MLP and combine (attention and MLP half of its compute each), the all-to-alls of every layer of its stage run on the expert-parallel stream, exposed in plain ops and hidden under the other micro-batch's compute inside an overlapped F&B pair (DualPipe, DualPipeV, Megatron-Core's combined 1F1B interleaved_1f1b_a2a) as far as they fit",
             model.seq as f64 * model.hidden as f64 * model.top_k as f64 * 2.0 / 1e6,
             a2a * 1e3
         ));
@@ -773,9 +773,17 @@ pub fn report(model: &ModelSpec, c: &Cluster, p: &Plan) -> String {
     for w in &p.reasoning {
         let _ = writeln!(o, "  - {w}");
     }
+    // The schedule column fits the longest name (`interleaved_1f1b_a2a` is 20 characters).
+    let w = p
+        .candidates
+        .iter()
+        .map(|x| x.schedule.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(18);
     let _ = writeln!(
         o,
-        "\n{:>4} {:>5} {:<18} {:>6} {:>10} {:>11} {:>12} {:>10} {:>6} {:>14}",
+        "\n{:>4} {:>5} {:<w$} {:>6} {:>10} {:>11} {:>12} {:>10} {:>6} {:>14}",
         "PP",
         "DP",
         "schedule",
@@ -789,7 +797,7 @@ pub fn report(model: &ModelSpec, c: &Cluster, p: &Plan) -> String {
     );
     let _ = writeln!(
         o,
-        "{:>4} {:>5} {:<18} {:>6} {:>10} {:>11} {:>12} {:>10} {:>6} {:>14}",
+        "{:>4} {:>5} {:<w$} {:>6} {:>10} {:>11} {:>12} {:>10} {:>6} {:>14}",
         "", "", "", "", "", "(from_start)", "(of a2a)", "", "", ""
     );
     let mut rows: Vec<&Candidate> = p.candidates.iter().collect();
@@ -800,7 +808,7 @@ pub fn report(model: &ModelSpec, c: &Cluster, p: &Plan) -> String {
     for x in rows {
         let _ = writeln!(
             o,
-            "{:>4} {:>5} {:<18} {:>6} {:>10.3} {:>10.1}% {:>12} {:>10.1} {:>6} {:>14.3}{}",
+            "{:>4} {:>5} {:<w$} {:>6} {:>10.3} {:>10.1}% {:>12} {:>10.1} {:>6} {:>14.3}{}",
             x.pp,
             x.dp,
             x.schedule,

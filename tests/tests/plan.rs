@@ -267,3 +267,29 @@ fn bad_plan_inputs_are_refused() {
     let e = plan(&moe, &with(&|c| c.gpus = 1 << 30), &specs()).unwrap_err();
     assert!(e.contains("less than one sequence"), "{e}");
 }
+
+/// issue 22 item 7: the table's schedule column fits the longest name of the standard library
+/// (`interleaved_1f1b_a2a`, 20 characters, wider than the 18 it had): every row is as long as
+/// the header, so the columns stay aligned.
+#[test]
+fn plan_table_fits_the_longest_schedule_name() {
+    let m = preset("dsv3").unwrap();
+    let c = cluster(2048, Some(64));
+    let p = plan(&m, &c, &specs()).unwrap();
+    assert!(p
+        .candidates
+        .iter()
+        .any(|x| x.schedule == "interleaved_1f1b_a2a"));
+    let text = schedc::plan::report(&m, &c, &p);
+    let header = text.lines().find(|l| l.contains("GPU-h / Mtok")).unwrap();
+    let rows: Vec<&str> = text
+        .lines()
+        .filter(|l| l.split_whitespace().count() >= 9)
+        .filter(|l| l.trim_start().starts_with(|ch: char| ch.is_ascii_digit()))
+        .map(|l| l.trim_end_matches("  *"))
+        .collect();
+    assert!(rows.len() > 20, "{text}");
+    for r in rows {
+        assert_eq!(r.len(), header.len(), "{r}\n{header}");
+    }
+}
