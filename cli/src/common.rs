@@ -437,6 +437,106 @@ pub fn load(args: &InputArgs, work: Option<Work>) -> Result<Loaded, ExitCode> {
     load_for(args, work).map_err(|f| f.code())
 }
 
+/// One JSON object on standard output for every error of a `--format json` command
+/// (breakit finding 11).
+///
+/// With `--format json`, a script reads standard output with a JSON parser, so an error
+/// must be JSON there too. Rather than each error path printing its own object, the
+/// commands print errors to standard error as usual (through this crate's `eprintln!`,
+/// which passes them to [`to_stderr`]); [`finish`] then turns a failing exit status with
+/// nothing written on standard output into `{"error": MESSAGE, "exit": N}`, MESSAGE being
+/// the error text printed (without `note:` and `warning:` lines and colour codes). A
+/// command that printed its own object (`run`, `check`'s verdict) keeps it.
+pub mod json_errors {
+    use std::process::ExitCode;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+
+    static ACTIVE: AtomicBool = AtomicBool::new(false);
+    static WROTE_STDOUT: AtomicBool = AtomicBool::new(false);
+    static ERRORS: Mutex<String> = Mutex::new(String::new());
+
+    /// Turns the mechanism on (the command's `--format` is `json`).
+    pub fn activate() {
+        ACTIVE.store(true, Ordering::SeqCst);
+    }
+
+    /// Writes `s` to standard error (ignoring a failed write) and, when active, keeps it
+    /// for the error object unless it is a note or a warning.
+    pub fn to_stderr(s: &str) {
+        use std::io::Write as _;
+        if ACTIVE.load(Ordering::SeqCst) && !s.starts_with("note:") && !s.starts_with("warning:") {
+            ERRORS.lock().unwrap_or_else(|p| p.into_inner()).push_str(s);
+        }
+        let _ = std::io::stderr().write_all(s.as_bytes());
+    }
+
+    /// Records that the command wrote to standard output (its own report or object).
+    pub fn wrote_stdout() {
+        WROTE_STDOUT.store(true, Ordering::SeqCst);
+    }
+
+    /// `text` without ANSI colour sequences (`ESC [ ... letter`).
+    fn strip_ansi(text: &str) -> String {
+        let mut o = String::with_capacity(text.len());
+        let mut it = text.chars().peekable();
+        while let Some(c) = it.next() {
+            if c == '\u{1b}' && it.peek() == Some(&'[') {
+                it.next();
+                for d in it.by_ref() {
+                    if d.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                o.push(c);
+            }
+        }
+        o
+    }
+
+    /// The error object for the error text printed and exit status `exit`.
+    pub fn object(printed: &str, exit: u8) -> String {
+        let text = strip_ansi(printed);
+        let text = text.trim_end();
+        let text = text.strip_prefix("error: ").unwrap_or(text);
+        let message = if text.is_empty() {
+            format!("schedc failed with exit status {exit}")
+        } else {
+            text.to_string()
+        };
+        format!("{}\n", serde_json::json!({"error": message, "exit": exit}))
+    }
+
+    /// The command's exit status, after printing the error object when the mechanism is
+    /// active, the status is a failure and nothing was written on standard output.
+    pub fn finish(code: ExitCode) -> ExitCode {
+        if !ACTIVE.load(Ordering::SeqCst) || WROTE_STDOUT.load(Ordering::SeqCst) {
+            return code;
+        }
+        let Some(exit) = (1..=255u8).find(|&n| ExitCode::from(n) == code) else {
+            return code;
+        };
+        let printed = std::mem::take(&mut *ERRORS.lock().unwrap_or_else(|p| p.into_inner()));
+        super::emit_then(&object(&printed, exit), code)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn the_object_drops_the_prefix_and_colours() {
+            assert_eq!(
+                super::object("error: \u{1b}[31mbad\u{1b}[0m thing\n", 2),
+                "{\"error\":\"bad thing\",\"exit\":2}\n"
+            );
+            assert_eq!(
+                super::object("", 1),
+                "{\"error\":\"schedc failed with exit status 1\",\"exit\":1}\n"
+            );
+        }
+    }
+}
+
 /// Standard output for a command's results.
 ///
 /// A closed pipe (`schedc ... | head`) ends the output quietly: the reader has what it
@@ -464,6 +564,7 @@ impl Out {
         if self.closed {
             return Ok(());
         }
+        json_errors::wrote_stdout();
         let mut out = std::io::stdout().lock();
         match out.write_all(s.as_bytes()).and_then(|_| out.flush()) {
             Ok(()) => Ok(()),

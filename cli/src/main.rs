@@ -2,19 +2,18 @@
 //! the program crate (`schedc-program`) and the backends (`schedc-cpu`).
 
 /// `eprintln!` that ignores a failed write: standard error closed or full must not turn an
-/// error message into a panic (std's `eprintln!` panics when it cannot write).
+/// error message into a panic (std's `eprintln!` panics when it cannot write). Under
+/// `--format json` the text is also kept for the error object ([`common::json_errors`]).
 macro_rules! eprintln {
     ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($t)*);
+        $crate::common::json_errors::to_stderr(&format!("{}\n", format_args!($($t)*)));
     }};
 }
 
 /// `eprint!` that ignores a failed write (see `eprintln!`).
 macro_rules! eprint {
     ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = write!(std::io::stderr(), $($t)*);
+        $crate::common::json_errors::to_stderr(&format!($($t)*));
     }};
 }
 
@@ -106,6 +105,20 @@ fn real_main() -> ExitCode {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { 2 } else { 0 };
+            // A usage error of a `--format json` command is one JSON object too.
+            let args: Vec<String> = std::env::args().collect();
+            let json = args
+                .windows(2)
+                .any(|w| w[0] == "--format" && w[1] == "json")
+                || args.iter().any(|a| a == "--format=json");
+            if code == 2 && json {
+                let text = e.render().to_string();
+                let _ = e.print();
+                return common::emit_then(
+                    &common::json_errors::object(&text, 2),
+                    ExitCode::from(2),
+                );
+            }
             // `--help > /dev/full` is a failed write, not success; a closed pipe is not.
             return match e.print() {
                 Err(err) if err.kind() != std::io::ErrorKind::BrokenPipe => {
@@ -116,14 +129,27 @@ fn real_main() -> ExitCode {
             };
         }
     };
+    // Every error of a `--format json` command is one JSON object on standard output.
+    let json = match &cli.cmd {
+        Cmd::Check(a) => a.format,
+        Cmd::Sim(a) => a.format,
+        Cmd::Compare(a) => a.format,
+        Cmd::Plan(a) => a.format,
+        Cmd::Run(a) => a.format,
+        Cmd::Optimize(a) => a.format,
+        _ => common::OutFormat::Human,
+    } == common::OutFormat::Json;
+    if json {
+        common::json_errors::activate();
+    }
     // The memory limit: a bad SCHEDC_MEMORY_LIMIT is bad usage; the elaboration budget of a
     // spec follows the limit.
     if let Err(e) = schedc::limits::memory_limit() {
         eprintln!("error: {e}");
-        return ExitCode::from(2);
+        return common::json_errors::finish(ExitCode::from(2));
     }
     schedc::dsl::elab::set_step_budget(schedc::limits::elaboration_budget());
-    match cli.cmd {
+    let code = match cli.cmd {
         Cmd::Check(a) => check::run(a),
         Cmd::Show(a) => show::run(a),
         Cmd::Convert(a) => convert::run(a),
@@ -135,5 +161,6 @@ fn real_main() -> ExitCode {
         Cmd::Optimize(a) => optimize::run(a),
         Cmd::Fmt(a) => fmt::run(a),
         Cmd::Test(a) => test::run(a),
-    }
+    };
+    common::json_errors::finish(code)
 }
