@@ -100,9 +100,21 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // A file that cannot be written after all (the disk filled up since the check above)
+    // does not throw the simulation away: the report is printed first, then the error.
+    let mut write_errors = Vec::new();
+    let mut put = |f: &std::path::Path, t: String| -> Result<(), ExitCode> {
+        if is_stdout(f) {
+            write_output(f, t.as_bytes(), force)
+        } else {
+            if let Err(e) = try_write_output(f, t.as_bytes(), force) {
+                write_errors.push(e);
+            }
+            Ok(())
+        }
+    };
     if let Some(f) = &trace {
-        let t = schedc::sim::render::chrome_trace(&res, &prog);
-        if let Err(c) = write_output(f, t.as_bytes(), force) {
+        if let Err(c) = put(f, schedc::sim::render::chrome_trace(&res, &prog)) {
             return c;
         }
     }
@@ -113,8 +125,7 @@ pub fn run(args: Args) -> ExitCode {
             prog.pipeline.pp,
             prog.pipeline.total_microbatches()
         );
-        let t = schedc::sim::render::svg(&res, &prog, &title);
-        if let Err(c) = write_output(f, t.as_bytes(), force) {
+        if let Err(c) = put(f, schedc::sim::render::svg(&res, &prog, &title)) {
             return c;
         }
     }
@@ -157,17 +168,25 @@ pub fn run(args: Args) -> ExitCode {
             "note: {exposed:.4} s of communication is exposed although messages are free: this program's message order makes ranks wait on one in-order stream per channel (schedc's lowering of the compute-only form orders messages as their data becomes ready)"
         );
     }
-    if to_stdout == 1 {
+    let code = if to_stdout == 1 {
+        code
+    } else {
+        match format {
+            OutFormat::Json => {
+                let mut j = serde_json::to_string_pretty(&res).expect("json");
+                j.push('\n');
+                emit_then(&j, code)
+            }
+            OutFormat::Human => emit_then(&schedc::sim::render::text_report(&res, 100), code),
+        }
+    };
+    if write_errors.is_empty() {
         return code;
     }
-    match format {
-        OutFormat::Json => {
-            let mut j = serde_json::to_string_pretty(&res).expect("json");
-            j.push('\n');
-            emit_then(&j, code)
-        }
-        OutFormat::Human => emit_then(&schedc::sim::render::text_report(&res, 100), code),
+    for e in write_errors {
+        eprintln!("error: {e}");
     }
+    ExitCode::from(2)
 }
 
 /// Refuses `[compute.stage.N]` overrides for stages the schedule does not have (they would

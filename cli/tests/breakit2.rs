@@ -274,3 +274,483 @@ fn finding11_json_error_object_on_every_error_path() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(v.get("error").is_none(), "{v}");
 }
+
+/// Waits for `c` at most `secs` seconds; kills it (it is ours) and fails the test past that.
+fn wait_at_most(mut c: std::process::Child, secs: u64, what: &str) -> Output {
+    let t0 = std::time::Instant::now();
+    loop {
+        if c.try_wait().unwrap().is_some() {
+            return c.wait_with_output().unwrap();
+        }
+        if t0.elapsed() > std::time::Duration::from_secs(secs) {
+            let _ = c.kill();
+            let _ = c.wait();
+            panic!("{what}: still running after {secs} s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+fn spawn(args: &[&str]) -> std::process::Child {
+    bin()
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+// Finding 7: `run --trace` streams the trace to its temporary file while the run goes (the
+// file grows between steps), and the result is the whole trace, renamed into place.
+#[test]
+fn finding07_run_trace_is_written_while_the_run_goes() {
+    let d = tmpdir("f07");
+    let t = d.join("t.json");
+    let child = spawn(&[
+        "run",
+        "specs/1f1b.sched",
+        "--pp",
+        "2",
+        "--mb",
+        "4",
+        "--steps",
+        "60",
+        "--trace",
+        s(&t),
+    ]);
+    let tmp = d.join(format!(".t.json.schedc-{}-out.tmp", child.id()));
+    // Two different non-zero sizes of the temporary file while the final one is absent.
+    let mut sizes = Vec::new();
+    let t0 = std::time::Instant::now();
+    while sizes.len() < 2 && t0.elapsed() < std::time::Duration::from_secs(120) {
+        if let Ok(m) = std::fs::metadata(&tmp) {
+            if m.len() > 100 && sizes.last() != Some(&m.len()) && !t.exists() {
+                sizes.push(m.len());
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let o = wait_at_most(child, 300, "run --trace");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(
+        sizes.len(),
+        2,
+        "the trace file did not grow during the run: {sizes:?}"
+    );
+    assert!(!tmp.exists());
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&t).unwrap()).unwrap();
+    let steps: std::collections::BTreeSet<u64> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["args"]["step"].as_u64())
+        .collect();
+    assert_eq!(steps.len(), 60);
+    assert_eq!(v["displayTimeUnit"], "ms");
+}
+
+// Finding 8: an output that cannot be written is refused before the work, by every command
+// that writes a file: a directory where files cannot be created (/sys) or that does not
+// exist. The commands would run for minutes otherwise (`--steps 100000`, a large search).
+#[test]
+fn finding08_unwritable_output_is_refused_before_the_work() {
+    let d = tmpdir("f08");
+    let exists = d.join("exists.json");
+    std::fs::write(&exists, "x").unwrap();
+    for dir in ["/sys", "/nonexistent-schedc-dir"] {
+        let f = format!("{dir}/out.json");
+        let cdir = format!("{dir}/progs");
+        let cases: Vec<Vec<&str>> = vec![
+            vec![
+                "run",
+                "specs/1f1b.sched",
+                "--pp",
+                "2",
+                "--mb",
+                "2",
+                "--steps",
+                "100000",
+                "--trace",
+                &f,
+            ],
+            vec![
+                "optimize",
+                "--pp",
+                "16",
+                "--mb",
+                "64",
+                "--max-activations",
+                "16",
+                "--cost",
+                "F=1,B=1.1,W=0.9,latency=0.05",
+                "-o",
+                &f,
+            ],
+            vec![
+                "sim",
+                "specs/1f1b.sched",
+                "--pp",
+                "4",
+                "--mb",
+                "8",
+                "--svg",
+                &f,
+            ],
+            vec![
+                "sim",
+                "specs/1f1b.sched",
+                "--pp",
+                "4",
+                "--mb",
+                "8",
+                "--trace",
+                &f,
+            ],
+            vec![
+                "convert",
+                "specs/1f1b.sched",
+                "--pp",
+                "4",
+                "--mb",
+                "8",
+                "--to",
+                "ir-text",
+                "-o",
+                &f,
+            ],
+            vec![
+                "compile",
+                "specs/1f1b.sched",
+                "--pp",
+                "4",
+                "--mb",
+                "8",
+                "-o",
+                &cdir,
+            ],
+        ];
+        for args in cases {
+            let o = wait_at_most(spawn(&args), 60, &format!("{args:?}"));
+            assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+            let e = stderr(&o);
+            assert!(
+                e.contains(&format!("cannot write `{dir}/")),
+                "{args:?}: {e}"
+            );
+            assert_eq!(stdout(&o), "", "{args:?}");
+        }
+    }
+    // The probe leaves nothing behind.
+    let o = schedc(&[
+        "sim",
+        "specs/1f1b.sched",
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "--svg",
+        s(&exists),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 1);
+}
+
+// Finding 8: when the final write fails all the same (here /dev/full, written in place),
+// the report is printed first, then the error, exit status 2.
+#[test]
+fn finding08_failed_write_still_prints_the_report() {
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec![
+                "run",
+                "specs/1f1b.sched",
+                "--pp",
+                "2",
+                "--mb",
+                "2",
+                "--steps",
+                "2",
+                "--trace",
+                "/dev/full",
+            ],
+            "ran 2 step(s)",
+        ),
+        (
+            vec![
+                "sim",
+                "specs/1f1b.sched",
+                "--pp",
+                "4",
+                "--mb",
+                "8",
+                "--svg",
+                "/dev/full",
+            ],
+            "makespan",
+        ),
+        (
+            vec![
+                "optimize",
+                "--pp",
+                "2",
+                "--mb",
+                "2",
+                "--max-activations",
+                "2",
+                "-o",
+                "/dev/full",
+            ],
+            "optimized",
+        ),
+    ];
+    for (args, report) in cases {
+        let o = schedc(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stdout(&o).contains(report), "{args:?}: {}", stdout(&o));
+        assert!(
+            stderr(&o).contains("No space left on device"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
+}
+
+// Finding 9: SIGTERM during `compile -o DIR` removes the temporary directory (the signal
+// handling removes it, then the process ends by the signal); one left by a process that no
+// longer runs (SIGKILL) is swept by the next compile to the same DIR.
+#[cfg(unix)]
+#[test]
+fn finding09_interrupted_compile_leaves_no_temporary_directory() {
+    use std::os::unix::process::ExitStatusExt;
+    let d = tmpdir("f09");
+    let out = d.join("c3");
+    let child = spawn(&[
+        "compile",
+        "specs/1f1b.sched",
+        "--pp",
+        "32",
+        "--mb",
+        "512",
+        "-o",
+        s(&out),
+    ]);
+    let pid = child.id();
+    let tmp = d.join(format!(".c3.schedc-{pid}-dir.tmp"));
+    let t0 = std::time::Instant::now();
+    // Wait until it is writing the rank files.
+    while !std::fs::read_dir(&tmp).is_ok_and(|mut r| r.next().is_some()) {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(240),
+            "no rank file written"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let o = wait_at_most(child, 60, "compile after SIGTERM");
+    assert_eq!(o.status.signal(), Some(libc::SIGTERM), "{:?}", o.status);
+    let left: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+
+    // A stale one of a process that has ended is swept; one of a running process is kept.
+    let mut gone = Command::new("true").spawn().unwrap();
+    let dead = gone.id();
+    gone.wait().unwrap();
+    let stale = d.join(format!(".c3.schedc-{dead}-dir.tmp"));
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("rank0.json"), "{}").unwrap();
+    let live = d.join(format!(".c3.schedc-{}-dir.tmp", std::process::id()));
+    std::fs::create_dir(&live).unwrap();
+    let o = schedc(&[
+        "compile",
+        "specs/1f1b.sched",
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "-o",
+        s(&out),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!stale.exists());
+    assert!(live.exists());
+    assert!(out.join("manifest.json").exists());
+}
+
+// Finding 21: `run --trace -` writes the trace on standard output and the report on
+// standard error, as the README says; with `--format json` it is refused.
+#[test]
+fn finding21_run_trace_to_stdout() {
+    let o = schedc(&[
+        "run",
+        "specs/zbv.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--trace",
+        "-",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["traceEvents"].as_array().unwrap().len() > 100);
+    assert!(
+        stderr(&o).contains("ran 1 step(s) on 4 rank(s)"),
+        "{}",
+        stderr(&o)
+    );
+    let o = schedc(&[
+        "run",
+        "specs/zbv.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--trace",
+        "-",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("--trace - with --format json"),
+        "{v}"
+    );
+}
+
+// Finding 14: under a small `ulimit -v`, --version and --help work (they need no worker
+// thread), a command says which limit to raise, and the memory estimate refuses an instance
+// that does not fit under the limit instead of aborting on a failed allocation.
+#[cfg(target_os = "linux")]
+#[test]
+fn finding14_small_ulimit_v() {
+    let exe = env!("CARGO_BIN_EXE_schedc");
+    let under = |kib: u32, args: &str| {
+        Command::new("bash")
+            .arg("-c")
+            .arg(format!("ulimit -v {kib} && exec {exe} {args}"))
+            .current_dir(root())
+            .env_remove("SCHEDC_MEMORY_LIMIT")
+            .output()
+            .unwrap()
+    };
+    let o = under(250_000, "--version");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("schedc "));
+    let o = under(250_000, "check --help");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = under(250_000, "check specs/1f1b.sched --pp 2 --mb 2");
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(
+        e.contains("cannot start the worker thread: its 256 MiB stack does not fit under the virtual-memory limit (`ulimit -v 250000`"),
+        "{e}"
+    );
+    // The figure it names is enough.
+    let need: u32 = e
+        .split("at least `ulimit -v ")
+        .nth(1)
+        .and_then(|r| r.split('`').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{e}"));
+    let o = under(need, "check specs/1f1b.sched --pp 2 --mb 2");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = under(400_000, "check specs/1f1b.sched --pp 64 --mb 4096");
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("left under the virtual-memory limit"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+// Finding 16: a missing CUDA driver or NVRTC is an environment error, exit status 2, and
+// `--arch` is validated before NVRTC is loaded (so before any work and on any machine).
+#[test]
+fn finding16_cuda_environment_errors_exit_2() {
+    let d = tmpdir("f16");
+    let ptx = d.join("ptx");
+    for args in [
+        vec![
+            "run",
+            "specs/1f1b.sched",
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--backend",
+            "cuda",
+            "--arch",
+            "sm_9000",
+        ],
+        vec![
+            "compile",
+            "specs/1f1b.sched",
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--backend",
+            "cuda",
+            "--ptx",
+            s(&ptx),
+            "--arch",
+            "sm_9000",
+        ],
+    ] {
+        let o = schedc(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(
+            stderr(&o).contains("--arch sm_9000: expected a GPU architecture such as sm_80"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+        assert!(!ptx.exists());
+    }
+    let o = schedc(&[
+        "run",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--backend",
+        "cuda",
+    ]);
+    if o.status.success() {
+        println!("a GPU is present: the run trained");
+    } else {
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(stderr(&o).contains("no CUDA"), "{}", stderr(&o));
+    }
+    let o = schedc(&[
+        "compile",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--backend",
+        "cuda",
+        "--ptx",
+        s(&ptx),
+    ]);
+    if o.status.success() {
+        println!("NVRTC is present: the PTX was written");
+    } else {
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(
+            stderr(&o).contains("NVRTC library cannot be loaded"),
+            "{}",
+            stderr(&o)
+        );
+    }
+}
