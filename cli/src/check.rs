@@ -329,7 +329,7 @@ fn sweep(
     if std::io::stderr().is_terminal() {
         bar.set_style(
             ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} instances, {elapsed} elapsed, eta {eta}",
+                "{wide_bar} {pos}/{len} instances, {elapsed} elapsed, eta {eta}",
             )
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );

@@ -143,7 +143,7 @@ fn progress(
     let b = indicatif::ProgressBar::new(steps as u64);
     b.set_style(
         indicatif::ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}",
+            "{wide_bar} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}",
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );

@@ -754,3 +754,126 @@ fn finding16_cuda_environment_errors_exit_2() {
         );
     }
 }
+
+// Finding 24: the small message and format nits.
+#[test]
+fn finding24_message_nits() {
+    let d = tmpdir("f24");
+    // A per-rank list of the wrong length: singular/plural, and a malformed file exits 2.
+    let wrongn = d.join("wrongn.case");
+    std::fs::write(
+        &wrongn,
+        "pp 2\nrank 0: F(0,0) BW(0,0)\nrank 1: F(1,0) BW(1,0)\nexpect accept\nexpect warmup 1\n",
+    )
+    .unwrap();
+    let o = schedc(&["test", s(&wrongn)]);
+    assert_eq!(o.status.code(), Some(2), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("wrongn.case:5: 1 value for 2 ranks (give one per rank)"),
+        "{}",
+        stdout(&o)
+    );
+    // An unknown error code in `expect reject`: the file is malformed, exit 2.
+    let unknown = d.join("unknown.case");
+    std::fs::write(
+        &unknown,
+        "pp 2\nrank 0: F(0,0) BW(0,0)\nrank 1: F(1,0) BW(1,0)\nexpect reject no-such-code\n",
+    )
+    .unwrap();
+    let o = schedc(&["test", s(&unknown)]);
+    assert_eq!(o.status.code(), Some(2), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("unknown error code `no-such-code`"),
+        "{}",
+        stdout(&o)
+    );
+    // A stage id out of range names the valid ids.
+    let o = schedc(&[
+        "check",
+        "specs/1f1b.sched",
+        "--pp",
+        "8",
+        "--mb",
+        "8",
+        "--moe=0-20",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o)
+            .contains("--moe names stage 8, but the schedule's stage ids are 0..=7 (8 stages)"),
+        "{}",
+        stderr(&o)
+    );
+    // --verify with every difference exactly 0 names no "worst" tensor.
+    let o = schedc(&[
+        "run",
+        "specs/1f1b.sched",
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "--verify",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("every gradient, loss and parameter equals sequential training's exactly"),
+        "{out}"
+    );
+    assert!(!out.contains("worst gradient"), "{out}");
+    // fmt on IR text says what fmt formats.
+    let o = schedc(&["fmt", "book/src/examples/syntax.ir"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("is not a spec: schedc fmt formats `.sched` specs"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+// Finding 24: on a narrow terminal the progress bar fits the line (it wrapped at 80 columns
+// and was redrawn with cursor-up codes). Needs `script` for a pseudo-terminal.
+#[cfg(target_os = "linux")]
+#[test]
+fn finding24_progress_bar_fits_the_terminal() {
+    if Command::new("script").arg("--version").output().is_err() {
+        println!("skipped: no `script` here for a pseudo-terminal");
+        return;
+    }
+    let exe = env!("CARGO_BIN_EXE_schedc");
+    let o = Command::new("script")
+        .args(["-qc"])
+        .arg(format!(
+            "stty rows 24 cols 60; {exe} run specs/1f1b.sched --pp 2 --mb 2 --steps 20 >/dev/null"
+        ))
+        .arg("/dev/null")
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let t = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        !t.contains("\u{1b}[1A"),
+        "redrawn with cursor-up codes: {t:?}"
+    );
+    // Without colour and cursor codes, no line is wider than the 60 columns.
+    let mut plain = String::new();
+    let mut it = t.chars().peekable();
+    while let Some(c) = it.next() {
+        if c == '\u{1b}' {
+            for d in it.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    let widest = plain
+        .split(['\r', '\n'])
+        .map(|l| l.chars().count())
+        .max()
+        .unwrap();
+    assert!(plain.contains("20/20 steps"), "{plain:?}");
+    assert!(widest <= 60, "{widest} columns: {plain:?}");
+}

@@ -244,9 +244,32 @@ impl Verification {
         if let Some(f) = &self.verify_failure {
             s += &format!("  failed: {f}\n");
         }
+        // Where every difference is exactly 0 there is no worst one to name.
+        let none = "none (all equal)";
+        if self.max_rel_grad_err == 0.0
+            && self.max_abs_loss_err == 0.0
+            && self.max_rel_param_err == 0.0
+        {
+            s += "  every gradient, loss and parameter equals sequential training's exactly\n";
+            return s;
+        }
         s += &format!(
-            "  worst gradient: {}; worst loss: step {}; worst parameter: {}\n",
-            self.worst.grad, self.worst.loss_step, self.worst.param
+            "  worst gradient: {}; worst loss: {}; worst parameter: {}\n",
+            if self.max_rel_grad_err == 0.0 {
+                none.to_string()
+            } else {
+                self.worst.grad.clone()
+            },
+            if self.max_abs_loss_err == 0.0 {
+                none.to_string()
+            } else {
+                format!("step {}", self.worst.loss_step)
+            },
+            if self.max_rel_param_err == 0.0 {
+                none.to_string()
+            } else {
+                self.worst.param.clone()
+            },
         );
         s
     }
@@ -514,7 +537,7 @@ fn run_typed<T: Real>(
         let b = indicatif::ProgressBar::new(cfg.steps as u64);
         b.set_style(
             indicatif::ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}",
+                "{wide_bar} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}",
             )
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
