@@ -85,6 +85,7 @@ pub fn run(args: Args) -> ExitCode {
                     "verdict": f.verdict,
                     "input": input.name(),
                     "error": f.message,
+                    "exit": f.exit,
                     "diagnostics": f.diagnostics,
                 });
                 return emit_then(&format!("{v}\n"), f.code());
@@ -285,7 +286,8 @@ fn sweep(
     let refuse = |msg: String| -> ExitCode {
         eprintln!("error: {msg}");
         if format == OutFormat::Json {
-            let v = serde_json::json!({"input": name, "error": format!("error: {msg}\n")});
+            let v =
+                serde_json::json!({"input": name, "error": format!("error: {msg}\n"), "exit": 2});
             return emit_then(&format!("{v}\n"), ExitCode::from(2));
         }
         ExitCode::from(2)
@@ -346,7 +348,7 @@ fn sweep(
     if std::io::stderr().is_terminal() {
         bar.set_style(
             ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} instances, {elapsed} elapsed, eta {eta}",
+                "{wide_bar} {pos}/{len} instances, {elapsed} elapsed, eta {eta}",
             )
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );

@@ -247,10 +247,9 @@ pub fn run(a: Args) -> ExitCode {
                 "`-o -` and `--format json` would both write to standard output (the schedule, then the report), which no JSON reader accepts: write the schedule to a file with -o FILE",
             );
         }
-        if o != "-" && !a.force && std::path::Path::new(o).exists() {
-            return fail(format!(
-                "`{o}` exists; not overwriting it (pass --force to replace it)"
-            ));
+        // An existing file, a missing or unwritable directory: refused before the search.
+        if let Err(c) = check_output(std::path::Path::new(o), a.force) {
+            return c;
         }
     }
 
@@ -618,7 +617,9 @@ pub fn run(a: Args) -> ExitCode {
         }
     }
 
-    // Output.
+    // Output. A file that cannot be written after all does not throw the search away: the
+    // report is printed, then the error (`report_then`).
+    let mut write_error = None;
     if let Some(o) = &a.output {
         let compute_only = out_program(&cand.inst, &out.best);
         let text = match a.to {
@@ -632,14 +633,13 @@ pub fn run(a: Args) -> ExitCode {
             },
             OutKind::Spec => spec_text(&compute_only, &a, &out, &opt_row),
         };
-        let written = if o == "-" {
-            emit(&text)
+        if o == "-" {
+            if let Err(c) = emit(&text) {
+                return c;
+            }
         } else {
             // Whole or absent: a temporary sibling renamed into place.
-            write_output(std::path::Path::new(o), text.as_bytes(), a.force)
-        };
-        if let Err(c) = written {
-            return c;
+            write_error = try_write_output(std::path::Path::new(o), text.as_bytes(), a.force).err();
         }
     }
 
@@ -676,9 +676,9 @@ pub fn run(a: Args) -> ExitCode {
                 "greedy": greedy_row,
                 "specs": spec_rows,
             });
-            emit_then(
+            report_then(
                 &format!("{}\n", serde_json::to_string_pretty(&j).expect("json")),
-                ExitCode::SUCCESS,
+                write_error,
             )
         }
         OutFormat::Human => {
@@ -759,7 +759,7 @@ pub fn run(a: Args) -> ExitCode {
             if out.timed_out {
                 let _ = writeln!(o, "\nthe time limit stopped the search");
             }
-            emit_then(&o, ExitCode::SUCCESS)
+            report_then(&o, write_error)
         }
     }
 }

@@ -160,9 +160,21 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // A file that cannot be written after all (the disk filled up since the check above)
+    // does not throw the simulation away: the report is printed first, then the error.
+    let mut write_errors = Vec::new();
+    let mut put = |f: &std::path::Path, t: String| -> Result<(), ExitCode> {
+        if is_stdout(f) {
+            write_output(f, t.as_bytes(), force)
+        } else {
+            if let Err(e) = try_write_output(f, t.as_bytes(), force) {
+                write_errors.push(e);
+            }
+            Ok(())
+        }
+    };
     if let Some(f) = &trace {
-        let t = schedc::sim::render::chrome_trace(&res, &prog);
-        if let Err(c) = write_output(f, t.as_bytes(), force) {
+        if let Err(c) = put(f, schedc::sim::render::chrome_trace(&res, &prog)) {
             return c;
         }
     }
@@ -173,8 +185,7 @@ pub fn run(args: Args) -> ExitCode {
             prog.pipeline.pp,
             prog.pipeline.total_microbatches()
         );
-        let t = schedc::sim::render::svg(&res, &prog, &title);
-        if let Err(c) = write_output(f, t.as_bytes(), force) {
+        if let Err(c) = put(f, schedc::sim::render::svg(&res, &prog, &title)) {
             return c;
         }
     }
@@ -219,9 +230,6 @@ pub fn run(args: Args) -> ExitCode {
             "note: {exposed:.4} s of communication is exposed although messages are free: this program's message order makes ranks wait on one in-order stream per channel (schedc's lowering of the compute-only form orders messages as their data becomes ready)"
         );
     }
-    if to_stdout == 1 {
-        return code;
-    }
     let step = scenario
         .as_ref()
         .map(|sc| crate::cluster::step_report(sc, &prog.pipeline, &res));
@@ -242,26 +250,39 @@ pub fn run(args: Args) -> ExitCode {
         }
         _ => code,
     };
-    match format {
-        OutFormat::Json => {
-            let mut v = serde_json::to_value(&res).expect("json");
-            if let (Some(st), Some(obj)) = (&step, v.as_object_mut()) {
-                if let serde_json::Value::Object(extra) = serde_json::to_value(st).expect("json") {
-                    obj.extend(extra);
+    let code = if to_stdout == 1 {
+        code
+    } else {
+        match format {
+            OutFormat::Json => {
+                let mut v = serde_json::to_value(&res).expect("json");
+                if let (Some(st), Some(obj)) = (&step, v.as_object_mut()) {
+                    if let serde_json::Value::Object(extra) =
+                        serde_json::to_value(st).expect("json")
+                    {
+                        obj.extend(extra);
+                    }
                 }
+                let mut j = serde_json::to_string_pretty(&v).expect("json");
+                j.push('\n');
+                emit_then(&j, code)
             }
-            let mut j = serde_json::to_string_pretty(&v).expect("json");
-            j.push('\n');
-            emit_then(&j, code)
-        }
-        OutFormat::Human => {
-            let mut t = schedc::sim::render::text_report(&res, 100);
-            if let (Some(sc), Some(st)) = (&scenario, &step) {
-                t.push_str(&crate::cluster::step_text(sc, st));
+            OutFormat::Human => {
+                let mut t = schedc::sim::render::text_report(&res, 100);
+                if let (Some(sc), Some(st)) = (&scenario, &step) {
+                    t.push_str(&crate::cluster::step_text(sc, st));
+                }
+                emit_then(&t, code)
             }
-            emit_then(&t, code)
         }
+    };
+    if write_errors.is_empty() {
+        return code;
     }
+    for e in write_errors {
+        eprintln!("error: {e}");
+    }
+    ExitCode::from(2)
 }
 
 /// Refuses `[compute.stage.N]` overrides for stages the schedule does not have (they would

@@ -391,11 +391,14 @@ fn json_report_and_schedule_on_standard_output_are_refused() {
         "-",
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(
-        o.stdout.is_empty(),
-        "{}",
-        String::from_utf8_lossy(&o.stdout)
-    );
+    // Standard output holds the one JSON error object of every `--format json` error
+    // (breakit2 finding 11), not a schedule.
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["exit"], 2);
+    assert!(v["error"]
+        .as_str()
+        .unwrap()
+        .starts_with("`-o -` and `--format json` would both write"));
     assert!(
         stderr(&o).contains("`-o -` and `--format json` would both write to standard output"),
         "{}",

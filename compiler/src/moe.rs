@@ -245,7 +245,8 @@ impl MoeStages {
             MoeStages::List(v) => {
                 if let Some(s) = v.iter().find(|&&s| s >= pl.stages) {
                     return Err(format!(
-                        "--moe names stage {s}, but the schedule has {} stages",
+                        "--moe names stage {s}, but the schedule's stage ids are 0..={} ({} stages)",
+                        pl.stages.saturating_sub(1),
                         pl.stages
                     ));
                 }
