@@ -263,7 +263,7 @@ impl<'a> Search<'a> {
         } = self;
         opts.effort = effort;
         let opts = &opts;
-        let deadline = opts.time_limit.map(|d| t0 + d);
+        let deadline = opts.time_limit.and_then(|d| t0.checked_add(d));
         let mut phases = Vec::new();
         let report = |phase: &'static str, best: f64, fraction: f64| {
             progress(&Progress {
