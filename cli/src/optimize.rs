@@ -736,7 +736,8 @@ pub fn run(a: Args) -> ExitCode {
     let form = a.to;
     let file_pl = &ver.program.pipeline;
     let shown_path = match a.output.as_deref() {
-        None | Some("-") => match form {
+        Some("-") => "-".to_string(),
+        None => match form {
             OutKind::IrText => "optimized.ir",
             OutKind::Spec => "optimized.sched",
             OutKind::TorchCsv => "optimized.csv",
