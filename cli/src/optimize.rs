@@ -554,11 +554,18 @@ pub fn run(a: Args) -> ExitCode {
         .map(|c| (&c.inst, c.starts.as_slice()))
         .collect();
     let prune = a.objective == Objective::FromStart && a.moe.is_none();
-    let results: Vec<(usize, Outcome)> = optimize_placements(&problems, &opts, prune, &progress)
-        .into_iter()
-        .enumerate()
-        .collect();
+    let mut results: Vec<(usize, Outcome)> =
+        optimize_placements(&problems, &opts, prune, &progress)
+            .into_iter()
+            .enumerate()
+            .collect();
     bar.finish_and_clear();
+    // Under the from-start makespan (no --moe) the evaluator's makespan is the simulator's:
+    // verify the placements' results shortest first and stop once the rest cannot win
+    // (each verification is a check and a simulation: 0.6 s at P = 64, M = 512).
+    if prune {
+        results.sort_by(|x, y| x.1.makespan.total_cmp(&y.1.makespan).then(x.0.cmp(&y.0)));
+    }
 
     // The best verified result: by from-start makespan, or under `steady_state` by the
     // steady-state step over the search's results and every start within the cap.
@@ -586,6 +593,13 @@ pub fn run(a: Args) -> ExitCode {
         let c = &candidates[i];
         if !out.makespan.is_finite() {
             continue;
+        }
+        if prune
+            && best
+                .as_ref()
+                .is_some_and(|b| out.makespan > b.3.makespan + 1e-9)
+        {
+            break;
         }
         let mut tries = vec![out.clone()];
         if steady || a.moe.is_some() {
