@@ -44,9 +44,12 @@ pub enum ExactMode {
 pub enum OutKind {
     /// IR text of the lowered program (sends and receives in place).
     IrText,
-    /// A `.sched` spec with the schedule in a `literal { }` block, for this P and M.
+    /// A `.sched` spec with the lowered program (sends, receives, channels) in a `literal
+    /// { }` block, for this P and M, in `schedc fmt`'s form.
     Spec,
-    /// PyTorch's compute_only CSV (torch's `I` is our B, its `B` our BW).
+    /// PyTorch's compute_only CSV (torch's `I` is our B, its `B` our BW). It carries the
+    /// ops' order only: `schedc sim` re-inserts the messages, and the report gives the
+    /// makespan that gives.
     TorchCsv,
 }
 
@@ -81,19 +84,23 @@ pub struct Args {
     #[arg(long = "set", value_name = "K=V,...")]
     pub set: Option<String>,
     /// Most live activations per rank, in stages of the input (one stage per rank without
-    /// input): `schedc check --max-activations`'s unit.
+    /// input; a V schedule's half stages count half). The report's `written` line gives the
+    /// cap `schedc check --max-activations` takes on the file, in its own stages.
     #[arg(long, value_name = "N")]
     pub max_activations: u64,
     /// What to minimise.
     #[arg(long, value_enum, default_value = "from_start")]
     pub objective: Objective,
-    /// Stop the search after this many seconds (the best schedule so far is reported).
+    /// Stop after this many seconds: loading the specs (at most half), the search, and the
+    /// rows still to simulate count; the best schedule so far is reported. `inf`, or a
+    /// value too large for the clock (1e19), is no limit.
     #[arg(long, value_name = "SECONDS")]
     pub time_limit: Option<f64>,
     /// Seed of the search's random choices (same input and seed, same output).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Scales every evaluation budget (0.1 quick, 1 default, 10 thorough).
+    /// Scales every evaluation budget (0.1 quick, 1 default, 10 thorough; at most 1000
+    /// without --time-limit).
     #[arg(long, default_value_t = 1.0)]
     pub effort: f64,
     /// Branch and bound: on small instances (auto; never under --heuristic), always, or never.
