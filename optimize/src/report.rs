@@ -116,7 +116,7 @@ pub fn row_with(name: &str, v: &Verified, sim: &SimResult, scale: f64, cap_ref: 
 /// V would be a fraction).
 pub fn placement_label(pl: &Pipeline) -> String {
     let pp = pl.pp.max(1);
-    if pl.stages % pp != 0 {
+    if !pl.stages.is_multiple_of(pp) {
         format!(
             "{}, {} stages on {} ranks",
             placement_name(pl.placement),
