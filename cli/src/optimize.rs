@@ -782,18 +782,53 @@ pub fn run(a: Args) -> ExitCode {
         },
         OutKind::Spec => spec_body(&ver.program),
     };
-    let figs = match simulate_written(
-        figures_form,
-        &text,
-        file_pl,
-        &cost,
-        a.moe.as_ref(),
-        cand.inst.cap,
-    ) {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!("error: the schedule as written does not check or simulate: {e}");
-            return ExitCode::from(1);
+    let same_units = (cand.scale - 1.0).abs() < 1e-12;
+    let figs = if figures_form == OutKind::IrText {
+        // The IR text is the verified program itself (printing and parsing it is exact):
+        // its simulation under the cost as given, without checking it a second time (a
+        // check and a simulation take seconds at P = 20000).
+        let sim = if same_units {
+            Ok(ver_sim.clone())
+        } else {
+            match &a.moe {
+                Some(sel) => schedc_optimize::report::simulate_moe(&ver, &cost, sel),
+                None => schedc::sim::simulate(&ver.program, &cost),
+            }
+        };
+        match sim {
+            Ok(sim) => Figures {
+                makespan: sim.makespan,
+                steady_step: sim.steady_step,
+                peak: ver
+                    .report
+                    .ranks
+                    .iter()
+                    .map(|r| r.peak_activations)
+                    .max()
+                    .unwrap_or(0),
+                cap: cand.inst.cap,
+                pp: file_pl.pp,
+                mb: file_pl.total_microbatches(),
+            },
+            Err(e) => {
+                eprintln!("error: the schedule as written does not simulate: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    } else {
+        match simulate_written(
+            figures_form,
+            &text,
+            file_pl,
+            &cost,
+            a.moe.as_ref(),
+            cand.inst.cap,
+        ) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("error: the schedule as written does not check or simulate: {e}");
+                return ExitCode::from(1);
+            }
         }
     };
     let text = if figures_form == OutKind::Spec {
@@ -815,7 +850,6 @@ pub fn run(a: Args) -> ExitCode {
             return c;
         }
     }
-    let same_units = (cand.scale - 1.0).abs() < 1e-12;
 
     match a.format {
         OutFormat::Json => {
