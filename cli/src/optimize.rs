@@ -831,10 +831,13 @@ pub fn run(a: Args) -> ExitCode {
             }
         }
     };
-    let text = if figures_form == OutKind::Spec {
-        spec_with_header(&text, &a, &out, &figs, &shown_path)
-    } else {
-        text
+    let text = match figures_form {
+        OutKind::Spec => spec_with_header(&text, &a, &out, &figs, &shown_path),
+        OutKind::IrText => format!(
+            "{}{text}",
+            header_comment(&a, &out, &figs, OutKind::IrText, &shown_path)
+        ),
+        OutKind::TorchCsv => text,
     };
     let sim_cmd = figs.sim_command(figures_form, &shown_path, &a);
     let check_cmd = figs.check_command(figures_form, &shown_path);
@@ -1272,18 +1275,24 @@ fn spec_body(p: &Program) -> String {
     s
 }
 
+/// The `#` comment heading a written spec or IR text: how it was found, and the makespan
+/// `schedc sim` gives and the cap `schedc check` accepts, in the file's own units.
+fn header_comment(a: &Args, out: &Outcome, f: &Figures, form: OutKind, path: &str) -> String {
+    format!(
+        "# Found by `schedc optimize` (seed {}), {}.\n# `{}`\n# gives makespan {:.6};\n# `{}` accepts it.\n",
+        a.seed,
+        out.found_by,
+        f.sim_command(form, path, a),
+        f.makespan,
+        f.check_command(form, path),
+    )
+}
+
 /// The spec as written: a header comment with the figures `schedc sim` and `schedc check`
 /// give on it, then `body`, in `schedc fmt`'s canonical form (so `schedc fmt --check`
 /// passes).
 fn spec_with_header(body: &str, a: &Args, out: &Outcome, f: &Figures, path: &str) -> String {
-    let text = format!(
-        "# Found by `schedc optimize` (seed {}), {}.\n# `{}`\n# gives makespan {:.6};\n# `{}` accepts it.\n{body}",
-        a.seed,
-        out.found_by,
-        f.sim_command(OutKind::Spec, path, a),
-        f.makespan,
-        f.check_command(OutKind::Spec, path),
-    );
+    let text = format!("{}{body}", header_comment(a, out, f, OutKind::Spec, path));
     match schedc::dsl::parse_file(&text) {
         Ok(parsed) => schedc::dsl::fmt::format_file(&parsed, &text),
         Err(_) => text,

@@ -631,6 +631,14 @@ fn optimize_writes_what_it_reports_in_every_form() {
     );
     let text = std::fs::read_to_string(&f).unwrap();
     assert!(text.contains("# gives makespan 51.750000;"), "{text}");
+    // The IR text's header says the same, in the file's units.
+    let ir = d.join("noinput.ir");
+    let text = std::fs::read_to_string(&ir).unwrap();
+    let is = ir.to_str().unwrap();
+    assert!(
+        text.contains(&format!("# `schedc sim {is} --cost {prof_a}`\n# gives makespan 51.750000;\n# `schedc check {is} --max-activations 8` accepts it.\n")),
+        "{text}"
+    );
 }
 
 /// breakit #3: at P = 2, M = 8, cap 2 branch and bound proves 24.5 on the placements
@@ -810,7 +818,8 @@ fn with_o_dash_the_report_goes_to_stderr() {
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.starts_with("pp 2\n"), "{out}");
+    assert!(out.starts_with("# Found by `schedc optimize`"), "{out}");
+    assert!(out.contains("\npp 2\n"), "{out}");
     assert!(!out.contains("optimized"), "{out}");
     assert!(stderr(&o).contains("optimized: makespan"), "{}", stderr(&o));
     assert!(
