@@ -255,7 +255,7 @@ pub fn run(a: Args) -> ExitCode {
     }
     if a.effort > MAX_EFFORT_WITHOUT_LIMIT && deadline.is_none() {
         return fail(format!(
-            "--effort {} without --time-limit would run for days: at most {MAX_EFFORT_WITHOUT_LIMIT} (10 is thorough), or give --time-limit SECONDS to bound it",
+            "--effort {:e} without --time-limit would run for days: at most {MAX_EFFORT_WITHOUT_LIMIT} (10 is thorough), or give --time-limit SECONDS to bound it",
             a.effort
         ));
     }
