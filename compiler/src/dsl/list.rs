@@ -364,6 +364,7 @@ fn run(
     let mut now = 0f64;
     let mut ndone = 0usize;
     let mut memo = BoundMemo::new(n);
+    let nonneg = comm >= 0.0 && dur.iter().all(|&d| d >= 0.0);
 
     loop {
         // Passes over the ranks at `now` while one starts an op of zero (or below EPS)
@@ -392,6 +393,7 @@ fn run(
                         comm,
                         backfill_forwards,
                         w_due,
+                        nonneg,
                     },
                     &State {
                         done: &done,
@@ -556,6 +558,10 @@ struct Ctx<'a> {
     backfill_forwards: bool,
     /// A deferred `W` whose priority comes before the head runs first (forwards left).
     w_due: bool,
+    /// Every op time and the message latency are non-negative (as a validated cost model's
+    /// are): a quick bound can then stand in for [`Ctx::lower_bound`] (see
+    /// [`Ctx::ends_before`]).
+    nonneg: bool,
 }
 
 /// The state a decision reads.
@@ -661,6 +667,35 @@ impl Ctx<'_> {
         } else {
             e
         }
+    }
+
+    /// Whether something that ends at `x` ends before `i` (whose input has not run) can
+    /// start: `x <= lower_bound(i) + EPS`. Tested first against a quicker bound, `i`'s input
+    /// starting at `now` or its rank's clock, whichever is later, whatever its own inputs:
+    /// with non-negative times every step of the walk can only raise the bound (rounding is
+    /// monotone), so the quick bound is at most the full one, and passing it passes. Only
+    /// when it fails is the chain walked: the answer is the full bound's.
+    fn ends_before(
+        &self,
+        x: f64,
+        i: usize,
+        now: f64,
+        st: &State<'_>,
+        memo: &mut BoundMemo,
+    ) -> bool {
+        if self.nonneg {
+            let p = self.pred[i] as usize;
+            let e = now.max(st.free[self.rank_of[p] as usize]) + self.dur[p];
+            let quick = if self.rank_of[p] != self.rank_of[i] {
+                e + self.comm
+            } else {
+                e
+            };
+            if x <= quick + EPS {
+                return true;
+            }
+        }
+        x <= self.lower_bound(i, now, st, memo) + EPS
     }
 
     /// A lower bound on when op `c`, not yet run, can end: it starts no earlier than `now`,
@@ -795,7 +830,7 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>, memo: &mut BoundMemo) 
     // When the head can start: `horizon`, or, while `lazy_head`, the head's lower bound, not
     // yet computed.
     let mut lazy_head = None;
-    let mut horizon = match head_op {
+    let horizon = match head_op {
         None => f64::INFINITY,
         Some(i) if !cx.allows(i, r, st) => {
             mem_blocked = cx.rules.memory.as_ref().is_some_and(|m| st.live + 1 > m[r]);
@@ -845,11 +880,12 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>, memo: &mut BoundMemo) 
             w_horizon = w_horizon.min(t);
             continue;
         }
-        if let Some(hd) = lazy_head.take() {
-            horizon = cx.lower_bound(hd, now, st, memo);
-            w_horizon = w_horizon.min(horizon);
-        }
-        if now + cx.dur[i] > horizon + EPS {
+        let x = now + cx.dur[i];
+        let fits = match lazy_head {
+            Some(hd) => cx.ends_before(x, hd, now, st, memo),
+            None => x <= horizon + EPS,
+        };
+        if !fits {
             continue;
         }
         let key = (cx.ops[i].prio, i);
@@ -879,7 +915,7 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>, memo: &mut BoundMemo) 
             return None;
         }
         for &i in lazy_head.iter().chain(lazy) {
-            if !(x <= cx.lower_bound(i, now, st, memo) + EPS) {
+            if !cx.ends_before(x, i, now, st, memo) {
                 return None;
             }
         }
