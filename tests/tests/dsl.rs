@@ -1055,7 +1055,9 @@ fn list_scheduled_orders_are_unchanged_by_the_incremental_bounds() {
         })
     };
     let profa = "F=1,B=1.1,W=0.9,latency=0.05";
-    let cases: [(&str, u32, u32, &[(&str, i64)], &str, u64); 8] = [
+    // (spec, P, M, parameters, cost, hash)
+    type Case<'a> = (&'a str, u32, u32, &'a [(&'a str, i64)], &'a str, u64);
+    let cases: [Case; 8] = [
         ("v_half", 16, 32, &[], "unit", 0xab9c_77c9_089b_0e4c),
         ("v_half", 8, 24, &[], profa, 0x2509_dc98_36bf_f88a),
         (
