@@ -1204,3 +1204,64 @@ fn done_is_the_chunk_counter_as_the_language_chapter_says() {
         ]
     );
 }
+
+// Breakit#5 (list scheduling grew as P^3): the greedy's lower bounds are now computed only
+// where a decision reads them, and memoized per state. The orders must not change: the
+// FNV-1a hash of each program's IR text, pinned from the greedy before the change (the
+// same programs as `schedc convert SPEC --pp P --mb M --cost C --to ir-text`).
+#[test]
+fn list_scheduled_orders_are_unchanged_by_the_incremental_bounds() {
+    let fnv = |s: &str| {
+        s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    };
+    let profa = "F=1,B=1.1,W=0.9,latency=0.05";
+    // (spec, P, M, parameters, cost, hash)
+    type Case<'a> = (&'a str, u32, u32, &'a [(&'a str, i64)], &'a str, u64);
+    let cases: [Case; 8] = [
+        ("v_half", 16, 32, &[], "unit", 0xab9c_77c9_089b_0e4c),
+        ("v_half", 8, 24, &[], profa, 0x2509_dc98_36bf_f88a),
+        (
+            "v_half",
+            7,
+            5,
+            &[],
+            "F=1,B=2,W=1,latency=0.3",
+            0x3a4f_c5a7_d49f_443e,
+        ),
+        ("v_min", 12, 30, &[], profa, 0xf298_a85d_8bb0_77b7),
+        ("hanayo", 8, 16, &[], "unit", 0xe0db_97ee_7aab_4c97),
+        (
+            "hanayo",
+            6,
+            13,
+            &[("waves", 3)],
+            profa,
+            0xde94_0616_1abc_4ff1,
+        ),
+        (
+            "chimera",
+            8,
+            16,
+            &[],
+            "F=1,B=2,W=1,latency=0.3",
+            0xe7ba_69fc_4292_5ca0,
+        ),
+        ("chimera_direct", 4, 8, &[], "unit", 0x97d2_4889_07f4_6905),
+    ];
+    let mut got = Vec::new();
+    for (spec, pp, mb, params, cost, _) in cases {
+        let ov = Overrides {
+            pp: Some(pp),
+            microbatches: Some(mb),
+            params: params.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            list_cost: Some(schedc::sim::cost::CostModel::resolve(cost).unwrap()),
+            ..Default::default()
+        };
+        let e = load_spec(&std_spec(spec), &ov).unwrap_or_else(|e| panic!("{spec}: {e:?}"));
+        got.push(fnv(&schedc_ir::text::print(&e.program)));
+    }
+    let want: Vec<u64> = cases.iter().map(|c| c.5).collect();
+    assert_eq!(got, want, "{got:#x?}");
+}
