@@ -83,6 +83,11 @@ pub struct Args {
     /// Further inline overrides applied on top of --cost.
     #[arg(long = "set", value_name = "K=V,...")]
     pub set: Option<String>,
+    /// Derive the op times from a model, a GPU and a layout (`schedc sim --model`'s options)
+    /// for the input's stages; needs an input. Rows of other shapes (specs, the greedy) are
+    /// not compared under it.
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
     /// Most live activations per rank, in stages of the input (one stage per rank without
     /// input; a V schedule's half stages count half). The report's `written` line gives the
     /// cap `schedc check --max-activations` takes on the file, in its own stages.
@@ -297,7 +302,22 @@ pub fn run(a: Args) -> ExitCode {
             );
         }
     }
-    if a.moe.is_some() {
+    if let Err(e) = a.cluster.check_without_model() {
+        return fail(e);
+    }
+    if a.cluster.given() {
+        if a.input.is_none() {
+            return fail(
+                "--model derives the op times for the input's stages: give an input schedule (without one, the placements searched have different stages, each needing its own costs)",
+            );
+        }
+        if a.cost != "unit" {
+            return fail(
+                "give --cost or --model, not both (--set K=V overrides what --model derives)",
+            );
+        }
+    }
+    if a.moe.is_some() && !a.cluster.given() {
         if let Err(e) = schedc::moe::require_moe_costs(&cost, &a.cost) {
             return fail(e);
         }
@@ -410,6 +430,26 @@ pub fn run(a: Args) -> ExitCode {
         }
     };
 
+    // With --model: the costs of the input's stages (the one pipeline searched).
+    if a.cluster.given() {
+        let sc = match a.cluster.scenario(&pipelines[0]) {
+            Ok(sc) => sc,
+            Err(e) => return fail(e),
+        };
+        cost = sc.cost;
+        if let Some(kv) = &a.set {
+            if let Err(e) = cost.apply_overrides_everywhere(kv) {
+                return fail(e);
+            }
+        }
+        if a.moe.is_some() {
+            if let Err(e) = schedc::moe::require_moe_costs(&cost, "derived from --model") {
+                return fail(e);
+            }
+        }
+    }
+    let model_shape =
+        |pl: &Pipeline| !a.cluster.given() || pl.stage_to_rank == pipelines[0].stage_to_rank;
     // Specs of the standard library at this size (V = 2 for those whose V is free).
     if !std::path::Path::new(&a.specs).is_dir() {
         eprintln!(
@@ -689,7 +729,7 @@ pub fn run(a: Args) -> ExitCode {
     }
     let greedy_pl = Pipeline::new(pp, pp, mb, PlacementKind::Loop).ok();
     let mut greedy_row = None;
-    if let Some(gpl) = &greedy_pl {
+    if let Some(gpl) = greedy_pl.as_ref().filter(|g| model_shape(g)) {
         let c = scaled_cost(&cost, ref_stages, gpl);
         if past() {
             not_simulated.push("greedy".into());
@@ -711,7 +751,12 @@ pub fn run(a: Args) -> ExitCode {
         }
     }
     let mut spec_rows = Vec::new();
+    let mut other_shape = Vec::new();
     for s in &specs {
+        if !model_shape(&s.pipeline) {
+            other_shape.push(s.name.clone());
+            continue;
+        }
         if past() {
             not_simulated.push(format!("spec {}", s.name));
             continue;
@@ -730,6 +775,12 @@ pub fn run(a: Args) -> ExitCode {
                 rows.push(r);
             }
         }
+    }
+    if !other_shape.is_empty() {
+        eprintln!(
+            "note: under --model only schedules of the input's placement are compared (the derived costs are per stage): not listed: {}",
+            other_shape.join(", ")
+        );
     }
     if !not_simulated.is_empty() {
         eprintln!(
@@ -923,7 +974,11 @@ pub fn run(a: Args) -> ExitCode {
             let _ = writeln!(
                 o,
                 "P = {pp}, M = {mb}, cost `{}`{}, at most {cap} live activations per rank (stage units of {})",
-                a.cost,
+                if a.cluster.given() {
+                    format!("derived from{}", a.cluster.flags())
+                } else {
+                    a.cost.clone()
+                },
                 if a.moe.is_some() {
                     ", --moe (MoE stages split into attention, dispatch, MLP, combine; the search on a whole-op proxy)"
                 } else {
@@ -1068,9 +1123,13 @@ struct Figures {
 impl Figures {
     fn sim_command(&self, form: OutKind, path: &str, a: &Args) -> String {
         format!(
-            "schedc sim {path}{} --cost {}{}{}",
+            "schedc sim {path}{}{}{}{}",
             self.size_flags(form),
-            a.cost,
+            if a.cluster.given() {
+                a.cluster.flags()
+            } else {
+                format!(" --cost {}", a.cost)
+            },
             a.set
                 .as_ref()
                 .map(|s| format!(" --set {s}"))

@@ -293,3 +293,84 @@ gpus_per_node = 8
     ]);
     refused(&o, 2, "bf16_flop");
 }
+
+#[test]
+fn optimize_with_a_model_writes_what_sim_with_the_model_gives() {
+    let d = std::env::temp_dir().join(format!("schedc-model-opt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let f = d.join("o.ir");
+    let fs = f.to_str().unwrap();
+    let model = [
+        "--model",
+        "llama3-8b",
+        "--hardware",
+        "h100",
+        "--mesh",
+        "tp=2",
+    ];
+    let mut a = vec![
+        "optimize",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-activations",
+        "4",
+        "--time-limit",
+        "20",
+        "--no-progress",
+        "-o",
+        fs,
+        "--format",
+        "json",
+    ];
+    a.extend(model);
+    let o = schedc(&a);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let reported = j["makespan"].as_f64().unwrap();
+    let mut s = vec!["sim", fs, "--format", "json"];
+    s.extend(model);
+    let o = schedc(&s);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let simulated = v["makespan"].as_f64().unwrap();
+    assert!(
+        (reported - simulated).abs() < 1e-9 * reported,
+        "{reported} {simulated}"
+    );
+    // Shorter than the 1F1B it started from, under the same derived costs.
+    let o = schedc(&[
+        "sim",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--format",
+        "json",
+        "--model",
+        "llama3-8b",
+        "--hardware",
+        "h100",
+        "--mesh",
+        "tp=2",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(reported < v["makespan"].as_f64().unwrap());
+    // Without an input there is no one stage count to derive the costs for.
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-activations",
+        "4",
+        "--model",
+        "dsv3",
+    ]);
+    refused(&o, 2, "give an input schedule");
+}

@@ -730,9 +730,11 @@ impl Derived {
     /// stages per direction (stage `s` holds model chunk `s % per_direction`): per-stage op
     /// times, MoE parts and memory, PP messages of [`Derived::p2p_seconds`].
     pub fn cost_model(&self, stages: u32, per_direction: u32) -> CostModel {
-        let mut cm = CostModel::default();
-        // The per-stage times already hold each stage's layers: no 1/V scaling.
-        cm.op_scale = Some(1.0);
+        let mut cm = CostModel {
+            // The per-stage times already hold each stage's layers: no 1/V scaling.
+            op_scale: Some(1.0),
+            ..CostModel::default()
+        };
         cm.p2p.latency = self.p2p_seconds;
         cm.p2p.bandwidth = 0.0;
         cm.p2p.bytes = Some(self.p2p_bytes);
