@@ -69,6 +69,7 @@ CONFIGS = [
     ("gpipe", "specs/gpipe.sched", ["--pp", "2", "--mb", "4"], None, False, False),
     ("1f1b", "specs/1f1b.sched", ["--pp", "4", "--mb", "4"], None, False, False),
     ("interleaved_1f1b", "specs/interleaved_1f1b.sched", ["--pp", "2", "--vpp", "2", "--mb", "4"], None, False, False),
+    ("interleaved_1f1b_a2a", "specs/interleaved_1f1b_a2a.sched", ["--pp", "2", "--vpp", "2", "--mb", "4"], None, False, True),
     ("interleaved_zb", "specs/interleaved_zb.sched", ["--pp", "2", "--vpp", "2", "--mb", "4"], None, False, False),
     ("looped_bfs", "specs/looped_bfs.sched", ["--pp", "2", "--vpp", "2", "--mb", "2"], None, False, False),
     ("zb_h1", "specs/zb_h1.sched", ["--pp", "2", "--mb", "3"], None, False, False),

@@ -28,6 +28,7 @@ fn lowers_and_verifies_every_spec() {
         ("gpipe", 4, 4, None),
         ("1f1b", 4, 6, None),
         ("interleaved_1f1b", 2, 4, Some(2)),
+        ("interleaved_1f1b_a2a", 2, 4, Some(2)),
         ("zbv", 2, 4, None),
         ("dualpipev", 2, 4, None),
         ("dualpipe", 4, 8, None),
