@@ -32,8 +32,8 @@ fn training() -> Training {
         recompute: layout::Recompute::Selective,
         distributed_optimizer: true,
         dtype: layout::Dtype::Fp8,
-        // 61 layers over 32 chunks: the suggested layout (the even split does not divide).
-        layout: Some(layout::suggest_layout(61, 32)),
+        // 61 layers over 32 chunks: the plan's layout (the even split does not divide).
+        layout: Some(schedc::plan::balanced_layout(61, 32)),
         flash_attention: true,
     }
 }

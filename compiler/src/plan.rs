@@ -13,8 +13,8 @@
 //!   (the EP group folded into a stage's GPUs); no context parallelism (`cp = 1`).
 //!   `--mesh` fixes any of them.
 //! * **Layers per stage.** Megatron-LM's even split ([`layout::default_split`]); where it
-//!   does not divide, the suggested layout ([`layout::suggest_layout`]: the first stages one
-//!   layer more), shown with the candidate.
+//!   does not divide, [`balanced_layout`] (the remainder on the middle stages, not on the
+//!   embedding's and the head's), shown with the candidate.
 //! * **Schedules.** Every spec of the standard library (or `--specs DIR`), with `V` in
 //!   1..=4 where the spec leaves V free (at most one layer per stage); M = global batch /
 //!   (dp * micro-batch size); a spec that refuses that M gets the nearest M it accepts
@@ -41,7 +41,10 @@
 //! candidate's tokens per second cannot hold a better one and is not simulated (listed
 //! as pruned, with its bound). Within a mesh the specs whose V is free try V = 1, 2, ...
 //! and stop at the first V that is slower than the one before (the bubble shrinks with V
-//! while the messages and per-stage costs grow; a heuristic, said in the report).
+//! while the messages and per-stage costs grow; a heuristic). Screening, another heuristic:
+//! after the first [`SCREEN_MESHES`] meshes, a schedule never within [`SCREEN_RATIO`] of
+//! the best tokens/s at a mesh simulated so far is not simulated again (the reasoning lists
+//! it); 1F1B is simulated on the recommended mesh regardless, as the report's baseline.
 
 use crate::costmodel::{
     self,
@@ -202,13 +205,67 @@ impl Request {
     }
 
     /// The layout string for `chunks` model chunks: `None` (the even split) where
-    /// [`layout::default_split`] divides, else [`layout::suggest_layout`].
+    /// [`layout::default_split`] divides, else [`balanced_layout`].
     fn layout_for(&self, chunks: u32) -> Option<String> {
         match layout::default_split(self.arch.layers(), chunks) {
             Ok(_) => None,
-            Err(_) => Some(layout::suggest_layout(self.arch.layers(), chunks)),
+            Err(_) => Some(balanced_layout(self.arch.layers(), chunks)),
         }
     }
+}
+
+/// A Megatron-LM layout string of `layers` layers over `chunks` stages where the even split
+/// does not divide: every stage `layers / chunks` layers, and the remainder one more each on
+/// the middle stages first, the first and the last stage only after them (they also hold
+/// the embedding and the output head and loss, the heaviest in memory and the head in
+/// time, as Megatron-LM's `--account-for-embedding-in-pipeline-split` and
+/// `--account-for-loss-in-pipeline-split` weigh them). `61, 16`: `Et*3`, 13 stages of
+/// `t*4`, `t*3`, `t*3L`. Requires `1 <= chunks <= layers`.
+pub fn balanced_layout(layers: u32, chunks: u32) -> String {
+    let c = chunks.max(1) as usize;
+    let (q, r) = (layers / c as u32, (layers % c as u32) as usize);
+    let mut n = vec![q; c];
+    let order = (1..c.saturating_sub(1))
+        .chain([0])
+        .chain((c > 1).then_some(c - 1));
+    for i in order.take(r) {
+        n[i] += 1;
+    }
+    let stages: Vec<String> = n
+        .iter()
+        .enumerate()
+        .map(|(i, &k)| {
+            let body = match k {
+                0 => String::new(),
+                1 => "t".to_string(),
+                k => format!("t*{k}"),
+            };
+            format!(
+                "{}{body}{}",
+                if i == 0 { "E" } else { "" },
+                if i + 1 == c { "L" } else { "" }
+            )
+        })
+        .collect();
+    // Runs of equal stages before the last as `(t*4|)*13`.
+    let mut out = String::new();
+    let mut i = 0;
+    while i < c {
+        let mut j = i + 1;
+        while j < c - 1 && stages[j] == stages[i] {
+            j += 1;
+        }
+        if i + 1 == c {
+            out.push_str(&stages[i]);
+        } else if j - i > 1 {
+            out.push_str(&format!("({}|)*{}", stages[i], j - i));
+        } else {
+            out.push_str(&stages[i]);
+            out.push('|');
+        }
+        i = j;
+    }
+    out
 }
 
 /// One simulated candidate.

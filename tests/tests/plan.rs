@@ -137,3 +137,28 @@ fn mesh_constraints_fix_dimensions() {
     req.fixed = Fixed::parse("ep=2").unwrap();
     assert!(req.validate().unwrap_err().contains("is dense"));
 }
+
+#[test]
+fn balanced_layout_keeps_the_remainder_off_the_embedding_and_head_stages() {
+    assert_eq!(
+        schedc::plan::balanced_layout(61, 16),
+        "Et*3|(t*4|)*13t*3|t*3L"
+    );
+    // Every layer count over every stage count it can fill is a valid Megatron layout with
+    // the first and last stages no heavier than the middle ones.
+    for layers in 1..=70u32 {
+        for chunks in 1..=layers {
+            let s = schedc::plan::balanced_layout(layers, chunks);
+            let c = layout::parse_layout(&s, layers, chunks)
+                .unwrap_or_else(|e| panic!("{layers} over {chunks}: {s}: {e}"));
+            let n: Vec<usize> = c.iter().map(|x| x.layers.len()).collect();
+            let max = *n.iter().max().unwrap();
+            let min = *n.iter().min().unwrap();
+            assert!(max - min <= 1, "{s}");
+            if chunks > 2 && layers % chunks <= chunks - 2 {
+                assert_eq!(n[0], min, "{s}");
+                assert_eq!(n[n.len() - 1], min, "{s}");
+            }
+        }
+    }
+}
