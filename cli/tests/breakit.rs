@@ -71,6 +71,8 @@ fn item01_plan_refuses_impossible_ep() {
         assert_eq!(o.status.code(), Some(2), "--mesh ep={ep}");
         assert!(stderr(&o).contains(want), "{}", stderr(&o));
     }
+    // 256 GPUs at pp=8 leave 32 GPUs per stage, fewer than an EP group of 64: refused,
+    // naming the option.
     let o = schedc(&[
         "plan",
         "--gpus",
@@ -82,13 +84,11 @@ fn item01_plan_refuses_impossible_ep() {
         "--mesh",
         "ep=64,pp=8",
     ]);
-    // Nothing fits: the report is printed, and exit status 1 says there is no recommendation.
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    let out = stdout(&o);
-    assert!(!out.contains("recommendation"), "{out}");
+    assert_eq!(o.status.code(), Some(2), "{}", stdout(&o));
     assert!(
-        out.contains("no candidate fits in 80.0 GB per GPU"),
-        "{out}"
+        stderr(&o).contains("at tp=1 pp=8 dp=32: --mesh ep=64 does not divide tp * dp = 32"),
+        "{}",
+        stderr(&o)
     );
 }
 

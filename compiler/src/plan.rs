@@ -484,6 +484,18 @@ pub fn plan(req: &Request, specs: &[(String, String)]) -> Result<Plan, String> {
                     .filter(|e| req.fixed.ep.is_none_or(|f| f == *e))
                     .collect(),
             };
+            if eps.is_empty() {
+                if let Some(ep) = req.fixed.ep {
+                    skip(
+                        &mut skipped,
+                        format!("tp={tp} pp={pp} dp={dp}"),
+                        format!(
+                            "--mesh ep={ep} does not divide tp * dp = {} (the expert-parallel group is folded into a stage's GPUs)",
+                            tp * dp
+                        ),
+                    );
+                }
+            }
             let per = dp as u64 * req.micro_batch_size;
             for ep in eps {
                 let mesh = Mesh {
