@@ -52,16 +52,16 @@ pub struct Options {
     pub derive: Option<Deriver>,
 }
 
+/// What [`Deriver`] computes for a row's program shape: its derived costs and the
+/// simulator's cost model, or the error.
+pub type DeriveFn = dyn Fn(&schedc_ir::Pipeline) -> Result<(crate::costmodel::Derived, CostModel), String>
+    + Send
+    + Sync;
+
 /// The function that derives a row's costs from its program shape (see
 /// [`Options::derive`]).
 #[derive(Clone)]
-pub struct Deriver(
-    pub  std::sync::Arc<
-        dyn Fn(&schedc_ir::Pipeline) -> Result<(crate::costmodel::Derived, CostModel), String>
-            + Send
-            + Sync,
-    >,
-);
+pub struct Deriver(pub std::sync::Arc<DeriveFn>);
 
 impl std::fmt::Debug for Deriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
