@@ -443,6 +443,7 @@ pub fn plan(req: &Request, specs: &[(String, String)]) -> Result<Plan, String> {
     let mut skipped = Vec::new();
     let mut cases = Vec::new();
     let mut memory_skipped = 0usize;
+    let mut limit_err: Option<String> = None;
     let skip = |skipped: &mut Vec<Skipped>, mesh: String, why: String| {
         skipped.push(Skipped {
             mesh,
@@ -518,12 +519,15 @@ pub fn plan(req: &Request, specs: &[(String, String)]) -> Result<Plan, String> {
                     continue;
                 }
                 let m = req.global_batch / per;
-                if m > u32::MAX as u64 {
-                    skip(
-                        &mut skipped,
-                        name,
-                        format!("{m} micro-batches per pipeline"),
-                    );
+                // The memory limit at the batch's M, before anything is built.
+                let bound =
+                    crate::limits::spec_size_lower_bound(pp, m.min(u32::MAX as u64) as u32, None);
+                if let Err(e) = crate::limits::within_limit(
+                    &format!("planning at {name}, M = {m}"),
+                    crate::limits::estimate(crate::limits::Work::Sim, &bound),
+                ) {
+                    limit_err.get_or_insert(e.clone());
+                    skip(&mut skipped, name, e);
                     continue;
                 }
                 let m = m as u32;
@@ -590,7 +594,6 @@ pub fn plan(req: &Request, specs: &[(String, String)]) -> Result<Plan, String> {
     let mut meshes = Vec::new();
     let mut best_tps = 0.0f64;
     let mut simulations = 0usize;
-    let mut limit_err: Option<String> = None;
     let mut screened = 0usize;
     let mut family_best: std::collections::HashMap<String, f64> = Default::default();
     let mut screened_out: Vec<Skipped> = Vec::new();
