@@ -85,6 +85,7 @@ pub fn run(args: Args) -> ExitCode {
                     "verdict": f.verdict,
                     "input": input.name(),
                     "error": f.message,
+                    "exit": f.exit,
                     "diagnostics": f.diagnostics,
                 });
                 return emit_then(&format!("{v}\n"), f.code());
@@ -101,13 +102,32 @@ pub fn run(args: Args) -> ExitCode {
         max_activations: max_activations.or(loaded.budget),
     };
     let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &opts);
-    check::check_expectations(&mut out.report, &loaded.spec_expects);
-    check::evaluate_timing_expectations(
-        &mut out.report,
-        out.checked.as_ref(),
-        &loaded.spec_expects,
-        &model,
-    );
+    // Timing expectations under `sim`'s convention: a stage of a V-way split takes 1/V.
+    let model = model.for_pipeline(&loaded.program.pipeline);
+    // Under a part reordering, the expectations describe the spec's own order: checked there.
+    if loaded.expect_program.is_some() {
+        eprintln!("note: {}: {}", loaded.name, schedc::input::REORDER_NOTE);
+    }
+    match &loaded.expect_program {
+        Some(before) if out.report.verdict == Verdict::Accepted => {
+            check::check_expectations_on(
+                &mut out.report,
+                before,
+                &loaded.spec_expects,
+                Some(&model),
+            );
+        }
+        Some(_) => {}
+        None => {
+            check::check_expectations(&mut out.report, &loaded.spec_expects);
+            check::evaluate_timing_expectations(
+                &mut out.report,
+                out.checked.as_ref(),
+                &loaded.spec_expects,
+                &model,
+            );
+        }
+    }
     if loaded.spans.is_some() {
         for d in &mut out.report.diagnostics {
             d.locate(&loaded.name, &loaded.text);
@@ -266,7 +286,8 @@ fn sweep(
     let refuse = |msg: String| -> ExitCode {
         eprintln!("error: {msg}");
         if format == OutFormat::Json {
-            let v = serde_json::json!({"input": name, "error": format!("error: {msg}\n")});
+            let v =
+                serde_json::json!({"input": name, "error": format!("error: {msg}\n"), "exit": 2});
             return emit_then(&format!("{v}\n"), ExitCode::from(2));
         }
         ExitCode::from(2)
@@ -327,7 +348,7 @@ fn sweep(
     if std::io::stderr().is_terminal() {
         bar.set_style(
             ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} instances, {elapsed} elapsed, eta {eta}",
+                "{wide_bar} {pos}/{len} instances, {elapsed} elapsed, eta {eta}",
             )
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
@@ -379,11 +400,24 @@ fn sweep(
                 Err(LoadError::Parse(e)) => Outcome::Broken(e.message),
                 Ok(e) => {
                     let size = schedc::limits::Size::of(&e.program);
+                    // `:list` orders the parts under the sweep's cost model, as `check
+                    // --cost` does on one instance; the expectations describe the spec's
+                    // own order (plain `--moe`) where the parts are reordered.
+                    let before = match &input.moe {
+                        Some(sel) => schedc::input::expectations_program(&e.program, sel),
+                        None => Ok(None),
+                    };
                     let split = match &input.moe {
-                        Some(sel) => schedc::input::apply_moe(&e.program, Some(&e.spans), sel)
-                            .map(|(p, s)| (p, s.unwrap_or_default())),
+                        Some(sel) => schedc::input::apply_moe_under(
+                            &e.program,
+                            Some(&e.spans),
+                            sel,
+                            list_under_model.then_some(model),
+                        )
+                        .map(|(p, s)| (p, s.unwrap_or_default())),
                         None => Ok((e.program, e.spans)),
                     };
+                    let split = split.and_then(|x| before.map(|b| (x, b)));
                     match schedc::limits::within_limit(
                         "this instance",
                         schedc::limits::estimate(schedc::limits::Work::Check, &size),
@@ -391,15 +425,29 @@ fn sweep(
                     .and(split)
                     {
                         Err(msg) => Outcome::Broken(msg),
-                        Ok((prog, spans)) => {
+                        Ok(((prog, spans), before)) => {
                             let mut out = check::check(&prog, Some(&spans), &opts);
-                            check::check_expectations(&mut out.report, &e.expects);
-                            check::evaluate_timing_expectations(
-                                &mut out.report,
-                                out.checked.as_ref(),
-                                &e.expects,
-                                model,
-                            );
+                            let model = &model.for_pipeline(&prog.pipeline);
+                            match &before {
+                                Some(b) if out.report.verdict == Verdict::Accepted => {
+                                    check::check_expectations_on(
+                                        &mut out.report,
+                                        b,
+                                        &e.expects,
+                                        Some(model),
+                                    );
+                                }
+                                Some(_) => {}
+                                None => {
+                                    check::check_expectations(&mut out.report, &e.expects);
+                                    check::evaluate_timing_expectations(
+                                        &mut out.report,
+                                        out.checked.as_ref(),
+                                        &e.expects,
+                                        model,
+                                    );
+                                }
+                            }
                             match out.report.diagnostics.iter().find(|d| d.is_error()) {
                                 None => Outcome::Passed,
                                 Some(d) => {

@@ -73,6 +73,34 @@ impl ClusterArgs {
         self.model.is_some()
     }
 
+    /// The options as flags (` --model X --hardware Y ...`, those given), for a command
+    /// line that reproduces a figure.
+    pub fn flags(&self) -> String {
+        let mut f = String::new();
+        let mut add = |k: &str, v: &Option<String>| {
+            if let Some(v) = v {
+                f.push_str(&format!(" --{k} {v}"));
+            }
+        };
+        add("model", &self.model);
+        add("hardware", &self.hardware);
+        add("mesh", &self.mesh);
+        add("seq", &self.seq.map(|x| x.to_string()));
+        add(
+            "micro-batch-size",
+            &self.micro_batch_size.map(|x| x.to_string()),
+        );
+        add("global-batch", &self.global_batch.map(|x| x.to_string()));
+        add("recompute", &self.recompute);
+        add("dtype", &self.dtype);
+        add("layout", &self.layout.as_ref().map(|l| format!("\"{l}\"")));
+        add("attention", &self.attention);
+        if self.distributed_optimizer {
+            f.push_str(" --distributed-optimizer");
+        }
+        f
+    }
+
     /// Refuses the options that only mean something with `--model` when it is absent.
     pub fn check_without_model(&self) -> Result<(), String> {
         if self.model.is_some() {
@@ -229,9 +257,11 @@ pub fn probe_scenario(
     cluster: &ClusterArgs,
     set: Option<&str>,
 ) -> Result<Option<Scenario>, String> {
-    let Ok(ov) = input.overrides() else {
+    let Ok(mut ov) = input.overrides() else {
         return Ok(None);
     };
+    // The shape alone: MoE parts do not change it (and `:list` needs the costs).
+    ov.moe = None;
     let Ok(loaded) = schedc::input::load_path(&input.input, &ov) else {
         return Ok(None);
     };

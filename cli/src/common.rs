@@ -437,6 +437,106 @@ pub fn load(args: &InputArgs, work: Option<Work>) -> Result<Loaded, ExitCode> {
     load_for(args, work).map_err(|f| f.code())
 }
 
+/// One JSON object on standard output for every error of a `--format json` command
+/// (breakit finding 11).
+///
+/// With `--format json`, a script reads standard output with a JSON parser, so an error
+/// must be JSON there too. Rather than each error path printing its own object, the
+/// commands print errors to standard error as usual (through this crate's `eprintln!`,
+/// which passes them to [`to_stderr`]); [`finish`] then turns a failing exit status with
+/// nothing written on standard output into `{"error": MESSAGE, "exit": N}`, MESSAGE being
+/// the error text printed (without `note:` and `warning:` lines and colour codes). A
+/// command that printed its own object (`run`, `check`'s verdict) keeps it.
+pub mod json_errors {
+    use std::process::ExitCode;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+
+    static ACTIVE: AtomicBool = AtomicBool::new(false);
+    static WROTE_STDOUT: AtomicBool = AtomicBool::new(false);
+    static ERRORS: Mutex<String> = Mutex::new(String::new());
+
+    /// Turns the mechanism on (the command's `--format` is `json`).
+    pub fn activate() {
+        ACTIVE.store(true, Ordering::SeqCst);
+    }
+
+    /// Writes `s` to standard error (ignoring a failed write) and, when active, keeps it
+    /// for the error object unless it is a note or a warning.
+    pub fn to_stderr(s: &str) {
+        use std::io::Write as _;
+        if ACTIVE.load(Ordering::SeqCst) && !s.starts_with("note:") && !s.starts_with("warning:") {
+            ERRORS.lock().unwrap_or_else(|p| p.into_inner()).push_str(s);
+        }
+        let _ = std::io::stderr().write_all(s.as_bytes());
+    }
+
+    /// Records that the command wrote to standard output (its own report or object).
+    pub fn wrote_stdout() {
+        WROTE_STDOUT.store(true, Ordering::SeqCst);
+    }
+
+    /// `text` without ANSI colour sequences (`ESC [ ... letter`).
+    fn strip_ansi(text: &str) -> String {
+        let mut o = String::with_capacity(text.len());
+        let mut it = text.chars().peekable();
+        while let Some(c) = it.next() {
+            if c == '\u{1b}' && it.peek() == Some(&'[') {
+                it.next();
+                for d in it.by_ref() {
+                    if d.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                o.push(c);
+            }
+        }
+        o
+    }
+
+    /// The error object for the error text printed and exit status `exit`.
+    pub fn object(printed: &str, exit: u8) -> String {
+        let text = strip_ansi(printed);
+        let text = text.trim_end();
+        let text = text.strip_prefix("error: ").unwrap_or(text);
+        let message = if text.is_empty() {
+            format!("schedc failed with exit status {exit}")
+        } else {
+            text.to_string()
+        };
+        format!("{}\n", serde_json::json!({"error": message, "exit": exit}))
+    }
+
+    /// The command's exit status, after printing the error object when the mechanism is
+    /// active, the status is a failure and nothing was written on standard output.
+    pub fn finish(code: ExitCode) -> ExitCode {
+        if !ACTIVE.load(Ordering::SeqCst) || WROTE_STDOUT.load(Ordering::SeqCst) {
+            return code;
+        }
+        let Some(exit) = (1..=255u8).find(|&n| ExitCode::from(n) == code) else {
+            return code;
+        };
+        let printed = std::mem::take(&mut *ERRORS.lock().unwrap_or_else(|p| p.into_inner()));
+        super::emit_then(&object(&printed, exit), code)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn the_object_drops_the_prefix_and_colours() {
+            assert_eq!(
+                super::object("error: \u{1b}[31mbad\u{1b}[0m thing\n", 2),
+                "{\"error\":\"bad thing\",\"exit\":2}\n"
+            );
+            assert_eq!(
+                super::object("", 1),
+                "{\"error\":\"schedc failed with exit status 1\",\"exit\":1}\n"
+            );
+        }
+    }
+}
+
 /// Standard output for a command's results.
 ///
 /// A closed pipe (`schedc ... | head`) ends the output quietly: the reader has what it
@@ -464,6 +564,7 @@ impl Out {
         if self.closed {
             return Ok(());
         }
+        json_errors::wrote_stdout();
         let mut out = std::io::stdout().lock();
         match out.write_all(s.as_bytes()).and_then(|_| out.flush()) {
             Ok(()) => Ok(()),
@@ -517,6 +618,19 @@ pub fn emit_then(s: &str, code: ExitCode) -> ExitCode {
     }
 }
 
+/// Prints a command's report, then `write_error` (an output file that could not be
+/// written after the work): exit status 0, or 2 with the error.
+pub fn report_then(report: &str, write_error: Option<String>) -> ExitCode {
+    let code = emit_then(report, ExitCode::SUCCESS);
+    match write_error {
+        Some(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+        None => code,
+    }
+}
+
 /// True if `p` names standard output (`-`).
 pub fn is_stdout(p: &std::path::Path) -> bool {
     p.as_os_str() == "-"
@@ -547,84 +661,314 @@ pub fn write_output(path: &std::path::Path, bytes: &[u8], force: bool) -> Result
     if is_stdout(path) {
         return Out::new().write(&String::from_utf8_lossy(bytes));
     }
-    let shown = path.display();
-    // A device, a pipe or a socket (`-o /dev/stdout`, a FIFO) is written in place: it holds
-    // no file to lose, and renaming onto it would replace the node itself.
-    if let Ok(m) = std::fs::metadata(path) {
-        if !m.is_file() && !m.is_dir() {
-            let res = std::fs::OpenOptions::new()
-                .write(true)
-                .open(path)
-                .and_then(|mut f| f.write_all(bytes).and_then(|_| f.flush()));
-            return res.map_err(|e| {
-                eprintln!("error: cannot write `{shown}`: {e}");
-                ExitCode::from(2)
-            });
+    try_write_output(path, bytes, force).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(2)
+    })
+}
+
+/// [`write_output`] to a file (not `-`), returning why it failed instead of printing it, so
+/// that a command can print its report first and the error after it (breakit finding 8:
+/// the work is not thrown away with the file). Errors: the message (exit status 2).
+pub fn try_write_output(path: &std::path::Path, bytes: &[u8], force: bool) -> Result<(), String> {
+    let mut out = OutputFile::create(path, force)?;
+    out.write_all(bytes)
+        .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
+    out.commit()
+}
+
+/// An output file being written: a temporary sibling of the target, created at once (so
+/// that a directory that cannot be written is found before the work), renamed onto the
+/// target by [`OutputFile::commit`], removed if dropped uncommitted or if the process is
+/// ended by SIGINT, SIGTERM or SIGHUP ([`signals`]). A device or a pipe is written in place.
+pub struct OutputFile {
+    /// The file to write into (the temporary sibling, or the device itself).
+    file: Option<std::io::BufWriter<std::fs::File>>,
+    /// The temporary sibling; `None` for a device written in place.
+    tmp: Option<std::path::PathBuf>,
+    /// The path the file gets (symbolic links followed).
+    target: std::path::PathBuf,
+    /// The path as the user gave it, for messages.
+    shown: std::path::PathBuf,
+}
+
+impl OutputFile {
+    /// Opens `path` for writing (not `-`): refuses an existing file without `force`, a
+    /// directory, a missing directory, and a directory that cannot be written (by creating
+    /// the temporary file there). Errors: the message (exit status 2).
+    pub fn create(path: &std::path::Path, force: bool) -> Result<OutputFile, String> {
+        let shown = path.display();
+        // A device, a pipe or a socket (`-o /dev/stdout`, a FIFO) is written in place: it
+        // holds no file to lose, and renaming onto it would replace the node itself.
+        if let Ok(m) = std::fs::metadata(path) {
+            if !m.is_file() && !m.is_dir() {
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .map_err(|e| format!("cannot write `{shown}`: {e}"))?;
+                return Ok(OutputFile {
+                    file: Some(std::io::BufWriter::new(f)),
+                    tmp: None,
+                    target: path.to_path_buf(),
+                    shown: path.to_path_buf(),
+                });
+            }
+        }
+        if path.is_dir() {
+            return Err(format!("`{shown}` is a directory"));
+        }
+        let exists = std::fs::symlink_metadata(path).is_ok();
+        if exists && !force {
+            return Err(format!(
+                "`{shown}` exists; not overwriting it (pass --force to replace it)"
+            ));
+        }
+        let target = if exists {
+            std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+        } else {
+            path.to_path_buf()
+        };
+        if target.is_dir() {
+            return Err(format!("`{shown}` is a directory"));
+        }
+        if let Some(d) = target.parent() {
+            if !d.as_os_str().is_empty() && !d.is_dir() {
+                return Err(format!(
+                    "cannot write `{shown}`: the directory `{}` does not exist",
+                    d.display()
+                ));
+            }
+        }
+        sweep_stale_temps(&target);
+        let tmp = temp_sibling(&target, "out");
+        signals::remove_on_signal(&tmp);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(|e| {
+                signals::forget(&tmp);
+                format!("cannot write `{shown}`: {e}")
+            })?;
+        Ok(OutputFile {
+            file: Some(std::io::BufWriter::new(f)),
+            tmp: Some(tmp),
+            target,
+            shown: path.to_path_buf(),
+        })
+    }
+
+    /// Completes the file: flushes it to disk and renames it onto the target (keeping an
+    /// existing target's permissions). Errors: the message (exit status 2); the temporary
+    /// file is removed.
+    pub fn commit(mut self) -> Result<(), String> {
+        let shown = self.shown.display().to_string();
+        let file = self.file.take().expect("an open output file");
+        let res = (|| -> std::io::Result<()> {
+            let f = file.into_inner().map_err(|e| e.into_error())?;
+            let Some(tmp) = &self.tmp else {
+                return Ok(()); // a device
+            };
+            f.sync_all()?;
+            if let Ok(m) = std::fs::metadata(&self.target) {
+                std::fs::set_permissions(tmp, m.permissions())?;
+            }
+            std::fs::rename(tmp, &self.target)
+        })();
+        match res {
+            Ok(()) => {
+                if let Some(tmp) = self.tmp.take() {
+                    signals::forget(&tmp);
+                }
+                Ok(())
+            }
+            Err(e) => Err(format!("cannot write `{shown}`: {e}")),
         }
     }
-    let exists = std::fs::symlink_metadata(path).is_ok();
-    if exists && !force {
-        eprintln!("error: `{shown}` exists; not overwriting it (pass --force to replace it)");
-        return Err(ExitCode::from(2));
+}
+
+impl Write for OutputFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.file.as_mut().expect("an open output file").write(buf)
     }
-    let target = if exists {
-        std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
-    } else {
-        path.to_path_buf()
-    };
-    if target.is_dir() {
-        eprintln!("error: `{shown}` is a directory");
-        return Err(ExitCode::from(2));
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.as_mut().expect("an open output file").flush()
     }
-    let tmp = temp_sibling(&target, "out");
-    let res = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        if let Ok(m) = std::fs::metadata(&target) {
-            std::fs::set_permissions(&tmp, m.permissions())?;
+}
+
+impl Drop for OutputFile {
+    fn drop(&mut self) {
+        if let Some(tmp) = self.tmp.take() {
+            drop(self.file.take());
+            let _ = std::fs::remove_file(&tmp);
+            signals::forget(&tmp);
         }
-        std::fs::rename(&tmp, &target)
-    })();
-    if let Err(e) = res {
-        let _ = std::fs::remove_file(&tmp);
-        eprintln!("error: cannot write `{shown}`: {e}");
-        return Err(ExitCode::from(2));
     }
-    Ok(())
 }
 
 /// Refuses an output path that cannot be written before any work is done: an existing file
-/// without `force`, a directory, or a missing parent directory. `-` is always accepted.
-/// Errors: exit status 2 after printing why.
+/// without `force`, a directory, a missing parent directory, or a directory where the file
+/// cannot be created (read-only, no permission: probed by creating the temporary file and
+/// removing it). `-` is always accepted. Errors: exit status 2 after printing why.
 pub fn check_output(path: &std::path::Path, force: bool) -> Result<(), ExitCode> {
     if is_stdout(path) {
         return Ok(());
     }
-    let shown = path.display();
     if std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
-        return Ok(()); // a device or a pipe: written in place
+        return Ok(()); // a device or a pipe: written in place (opening a FIFO would block)
     }
-    if std::fs::symlink_metadata(path).is_ok() {
-        if path.is_dir() {
-            eprintln!("error: `{shown}` is a directory");
-            return Err(ExitCode::from(2));
+    // Created and dropped uncommitted: the temporary file is removed again.
+    OutputFile::create(path, force).map(drop).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(2)
+    })
+}
+
+/// Removes what an earlier schedc left next to `target` when it was killed before it could
+/// clean up (SIGKILL, a power cut): `.NAME.schedc-PID-TAG.tmp` files and directories whose
+/// process PID no longer runs (breakit finding 9). A PID that runs (or that this process
+/// cannot signal) is left alone.
+pub fn sweep_stale_temps(target: &std::path::Path) {
+    let Some(name) = target.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return;
+    };
+    let dir = match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let prefix = format!(".{name}.schedc-");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let f = e.file_name();
+        let Some(rest) = f.to_str().and_then(|f| f.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let Some(rest) = rest.strip_suffix(".tmp") else {
+            continue;
+        };
+        let Some((pid, tag)) = rest.split_once('-') else {
+            continue;
+        };
+        // An earlier output moved aside is the only copy of it until the new one is in
+        // place: it is removed only once the target exists again.
+        if !(matches!(tag, "out" | "dir") || tag == "old" && target.exists()) {
+            continue;
         }
-        if !force {
-            eprintln!("error: `{shown}` exists; not overwriting it (pass --force to replace it)");
-            return Err(ExitCode::from(2));
+        let Ok(pid) = pid.parse::<i32>() else {
+            continue;
+        };
+        if pid <= 0 || pid as u32 == std::process::id() || process_runs(pid) {
+            continue;
+        }
+        let p = e.path();
+        let _ = if e.file_type().is_ok_and(|t| t.is_dir()) {
+            std::fs::remove_dir_all(&p)
+        } else {
+            std::fs::remove_file(&p)
+        };
+    }
+}
+
+/// True unless process `pid` certainly does not exist (`kill(pid, 0)` fails with ESRCH).
+fn process_runs(pid: i32) -> bool {
+    // SAFETY: signal 0 sends nothing; it only checks that the process exists.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Temporary files and directories removed when the process is ended by SIGINT, SIGTERM or
+/// SIGHUP (breakit finding 9: an interrupted `compile -o DIR` left its temporary directory
+/// behind).
+///
+/// [`signals::install`] blocks the three signals in the calling thread (so in every thread
+/// it starts afterwards) and starts a thread that waits for them: on one, it removes every
+/// registered path, restores the default action and raises the signal again, so that the
+/// process ends as the signal says (a shell sees 128 + N). Paths left by a SIGKILL are
+/// removed by the next run that writes the same output ([`sweep_stale_temps`]).
+pub mod signals {
+    use std::path::{Path, PathBuf};
+    use std::sync::Mutex;
+
+    static PATHS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    /// Registers `p` for removal on a signal.
+    pub fn remove_on_signal(p: &Path) {
+        PATHS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(p.to_path_buf());
+    }
+
+    /// Unregisters `p` (it was renamed into place or removed).
+    pub fn forget(p: &Path) {
+        PATHS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|x| x != p);
+    }
+
+    fn remove_all() {
+        let paths = std::mem::take(&mut *PATHS.lock().unwrap_or_else(|e| e.into_inner()));
+        for p in paths {
+            // A directory still being written into may gain a file between the listing
+            // and its removal: try again a few times.
+            for _ in 0..20 {
+                let r = match std::fs::symlink_metadata(&p) {
+                    Ok(m) if m.is_dir() => std::fs::remove_dir_all(&p),
+                    Ok(_) => std::fs::remove_file(&p),
+                    Err(_) => break,
+                };
+                if r.is_ok() {
+                    break;
+                }
+            }
         }
     }
-    if let Some(d) = path.parent() {
-        if !d.as_os_str().is_empty() && !d.is_dir() {
-            eprintln!(
-                "error: cannot write `{shown}`: the directory `{}` does not exist",
-                d.display()
-            );
-            return Err(ExitCode::from(2));
+
+    /// Installs the handling (once, in the main thread, before any other thread starts).
+    /// Without it (or where it cannot be installed), the signals keep their default action.
+    #[cfg(unix)]
+    pub fn install() {
+        // SAFETY: plain libc calls on a local, initialised signal set.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+                libc::sigaddset(&mut set, s);
+            }
+            if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+                return;
+            }
+            let waiter = std::thread::Builder::new()
+                .name("signals".into())
+                .stack_size(64 << 10)
+                .spawn(move || loop {
+                    let mut sig: libc::c_int = 0;
+                    if libc::sigwait(&set, &mut sig) != 0 {
+                        continue;
+                    }
+                    remove_all();
+                    libc::signal(sig, libc::SIG_DFL);
+                    let mut one: libc::sigset_t = std::mem::zeroed();
+                    libc::sigemptyset(&mut one);
+                    libc::sigaddset(&mut one, sig);
+                    libc::pthread_sigmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
+                    libc::raise(sig);
+                    // Not reached: the default action ends the process.
+                    std::process::exit(128 + sig);
+                });
+            if waiter.is_err() {
+                libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+            }
         }
     }
-    Ok(())
+
+    /// Elsewhere the signals keep their default action.
+    #[cfg(not(unix))]
+    pub fn install() {}
 }
 
 /// `--cost`: a preset, inline `K=V,...`, or a TOML file (whose name need not be UTF-8), with

@@ -123,31 +123,39 @@ fn writable_dir(output: &Path, force: bool, replaceable: bool) -> Result<(), Exi
             return Err(ExitCode::from(2));
         }
     }
+    // A directory that cannot be written into (read-only, no permission) is found now, not
+    // after the work: create the temporary directory there and remove it again.
+    let probe = temp_sibling(output, "dir");
+    sweep_stale_temps(output);
+    if let Err(e) = std::fs::create_dir(&probe) {
+        eprintln!("error: cannot write `{shown}`: {e}");
+        return Err(ExitCode::from(2));
+    }
+    let _ = std::fs::remove_dir(&probe);
     Ok(())
 }
 
 /// Writes files into a temporary sibling of `dir` with `write`, then renames it into place.
-/// Errors: exit 2 after printing why (nothing is left behind).
+/// Errors: the message, for exit status 2 (nothing is left behind).
 fn write_dir_atomically<T>(
     dir: &Path,
     write: impl FnOnce(&Path) -> Result<T, String>,
-) -> Result<T, ExitCode> {
+) -> Result<T, String> {
     let shown = dir.display();
+    // What an earlier run killed by SIGKILL left here; a signal now removes `tmp`.
+    sweep_stale_temps(dir);
     let tmp = temp_sibling(dir, "dir");
-    let out = match write(&tmp) {
-        Ok(x) => x,
+    signals::remove_on_signal(&tmp);
+    let res =
+        write(&tmp).and_then(|x| replace_dir(&tmp, dir).map(|_| x).map_err(|e| e.to_string()));
+    signals::forget(&tmp);
+    match res {
+        Ok(x) => Ok(x),
         Err(e) => {
             let _ = std::fs::remove_dir_all(&tmp);
-            eprintln!("error: cannot write `{shown}`: {e}");
-            return Err(ExitCode::from(2));
+            Err(format!("cannot write `{shown}`: {e}"))
         }
-    };
-    if let Err(e) = replace_dir(&tmp, dir) {
-        let _ = std::fs::remove_dir_all(&tmp);
-        eprintln!("error: cannot write `{shown}`: {e}");
-        return Err(ExitCode::from(2));
     }
-    Ok(out)
 }
 
 /// Runs `schedc compile`.
@@ -159,6 +167,13 @@ pub fn run(args: Args) -> ExitCode {
     if (args.ptx.is_some() || args.arch.is_some()) && args.backend != Backend::Cuda {
         eprintln!("error: --ptx and --arch need --backend cuda");
         return ExitCode::from(2);
+    }
+    // Before any work, and before NVRTC is loaded.
+    if let Some(a) = &args.arch {
+        if let Err(e) = schedc_cuda::nvrtc::validate_arch(a) {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
     }
     let opts = schedc_program::LowerOptions {
         granularity: match args.granularity.parse() {
@@ -244,7 +259,10 @@ pub fn run(args: Args) -> ExitCode {
             match write_dir_atomically(output, |tmp| set.write_dir(tmp).map_err(|e| e.to_string()))
             {
                 Ok(f) => f,
-                Err(c) => return c,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
             };
         said += &format!(
             "wrote {} files to {} (verified: {} instructions, {} messages, peak stash per rank {:?})\n",
@@ -261,21 +279,31 @@ pub fn run(args: Args) -> ExitCode {
             .as_deref()
             .unwrap_or(schedc_cuda::nvrtc::DEFAULT_ARCH);
         use schedc_cuda::api::DType;
+        // NVRTC missing is the environment's (2); a kernel it does not compile, ours (1).
+        if let Some(why) = schedc_cuda::nvrtc::unavailable() {
+            let _ = emit(&said);
+            eprintln!("error: {why}");
+            return ExitCode::from(2);
+        }
         let files = match schedc_cuda::nvrtc::compile_each(arch, &[DType::F32, DType::Bf16]) {
             Ok(f) => f,
             Err(e) => {
+                let _ = emit(&said);
                 eprintln!("error: {e}");
                 return ExitCode::from(1);
             }
         };
-        if let Err(c) = write_dir_atomically(dir, |tmp| {
+        if let Err(e) = write_dir_atomically(dir, |tmp| {
             std::fs::create_dir(tmp).map_err(|e| e.to_string())?;
             for (name, ptx) in &files {
                 std::fs::write(tmp.join(name), ptx).map_err(|e| format!("{name}: {e}"))?;
             }
             Ok(())
         }) {
-            return c;
+            // The programs written above are reported first, then the error.
+            let _ = emit(&said);
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
         }
         said += &format!(
             "NVRTC compiled {} kernels ({} kernel sources for f32 and bf16) for {arch} into {}\n",
@@ -301,6 +329,8 @@ fn replace_dir(tmp: &Path, dst: &Path) -> std::io::Result<()> {
     }
     let old = temp_sibling(dst, "old");
     std::fs::rename(dst, &old)?;
+    // Not registered for removal on a signal: until the new output is in place, `old` is
+    // the only copy of the earlier one.
     if let Err(e) = std::fs::rename(tmp, dst) {
         // Put the earlier output back.
         let _ = std::fs::rename(&old, dst);

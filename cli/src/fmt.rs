@@ -25,6 +25,18 @@ pub fn run(args: Args) -> ExitCode {
         eprintln!("error: --write needs a file, not standard input");
         return ExitCode::from(2);
     }
+    // Only specs have a canonical layout here; other formats would fail as a spec's syntax
+    // error at 1:1.
+    let ext = file
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default();
+    if matches!(ext.as_str(), "ir" | "case" | "csv" | "json") {
+        eprintln!(
+            "error: `{name}` is not a spec: schedc fmt formats `.sched` specs (IR text, CSV and JSON are written in their layout by `schedc convert`)"
+        );
+        return ExitCode::from(2);
+    }
     let text = match schedc::input::read_text(&file) {
         Ok(t) => t,
         Err(e) => {

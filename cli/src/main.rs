@@ -2,19 +2,18 @@
 //! the program crate (`schedc-program`) and the backends (`schedc-cpu`).
 
 /// `eprintln!` that ignores a failed write: standard error closed or full must not turn an
-/// error message into a panic (std's `eprintln!` panics when it cannot write).
+/// error message into a panic (std's `eprintln!` panics when it cannot write). Under
+/// `--format json` the text is also kept for the error object ([`common::json_errors`]).
 macro_rules! eprintln {
     ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($t)*);
+        $crate::common::json_errors::to_stderr(&format!("{}\n", format_args!($($t)*)));
     }};
 }
 
 /// `eprint!` that ignores a failed write (see `eprintln!`).
 macro_rules! eprint {
     ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = write!(std::io::stderr(), $($t)*);
+        $crate::common::json_errors::to_stderr(&format!($($t)*));
     }};
 }
 
@@ -40,7 +39,7 @@ use std::process::ExitCode;
     name = "schedc",
     version,
     about = "A schedule compiler for pipeline-parallel training: verify schedules (check, show, test), convert them (convert, fmt), simulate and compare them under a cost model (sim, compare, plan), lower them to per-rank programs and train on them (compile, run)",
-    after_help = "Exit status: 0 accepted, 1 rejected by a pass (or a failed expectation), 2 unreadable input or bad usage.\nSCHEDC_MEMORY_LIMIT (default 8G) bounds the memory an instance may need by schedc's estimate."
+    after_help = "Exit status: 0 accepted, 1 rejected by a pass (or a failed expectation), 2 unreadable input, bad usage, an output that cannot be written or an environment that cannot run it (no GPU or NVRTC, a small ulimit -v).\nSCHEDC_MEMORY_LIMIT (default 8G) bounds the memory an instance may need by schedc's estimate."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -87,46 +86,110 @@ enum Cmd {
     Test(test::Args),
 }
 
+/// The stack of the worker thread that runs the command, bytes. Deeply nested inputs
+/// recurse in the parsers and passes: this gives them room (the parsers also bound their
+/// nesting, so this is a margin, not the limit).
+const WORKER_STACK: usize = 256 << 20;
+
 fn main() -> ExitCode {
-    // Deeply nested inputs recurse in the parsers and passes: give them room (the parsers
-    // also bound their nesting, so this is a margin, not the limit).
+    // SIGINT, SIGTERM and SIGHUP remove the temporary outputs before the process ends
+    // (installed before any other thread starts, so that every thread blocks them).
+    common::signals::install();
+    // `--help`, `--version` and usage errors need no worker (nor its large stack, which a
+    // tight `ulimit -v` may refuse).
+    let cli = match parse() {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
     match std::thread::Builder::new()
-        .stack_size(256 << 20)
-        .spawn(real_main)
+        .stack_size(WORKER_STACK)
+        .spawn(move || real_main(cli))
         .map(|h| h.join())
     {
         Ok(Ok(code)) => code,
         Ok(Err(_)) => ExitCode::from(101),
         Err(e) => {
-            eprintln!("error: cannot start: {e}");
-            ExitCode::from(2)
+            eprintln!("error: {}", worker_error(&e));
+            common::json_errors::finish(ExitCode::from(2))
         }
     }
 }
 
-fn real_main() -> ExitCode {
+/// Why the worker thread could not start: under an address-space limit (`ulimit -v`) too
+/// small for its stack, which limit to raise, and to what.
+fn worker_error(e: &std::io::Error) -> String {
+    let stack_mib = WORKER_STACK >> 20;
+    match schedc::limits::address_space_room() {
+        Some((room, limit)) => {
+            // What is mapped now, the stack, and 256 MiB for the command's allocator arena
+            // and its smallest instance (the memory estimates start at 64 MiB).
+            let need_kib = (limit - room + WORKER_STACK as u64 + (256 << 20)) / 1024;
+            format!(
+                "cannot start the worker thread: its {stack_mib} MiB stack does not fit under the virtual-memory limit (`ulimit -v {}`, {} left); raise it to at least `ulimit -v {need_kib}` (KiB), more for large instances, or remove it ({e})",
+                limit / 1024,
+                schedc::limits::human_bytes(room)
+            )
+        }
+        None => format!("cannot start the worker thread (a {stack_mib} MiB stack): {e}"),
+    }
+}
+
+/// Parses the command line; `--help`, `--version` and usage errors end here with their
+/// exit status. Turns on the JSON error object of a `--format json` command.
+fn parse() -> Result<Cli, ExitCode> {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { 2 } else { 0 };
+            // A usage error of a `--format json` command is one JSON object too.
+            let args: Vec<String> = std::env::args().collect();
+            let json = args
+                .windows(2)
+                .any(|w| w[0] == "--format" && w[1] == "json")
+                || args.iter().any(|a| a == "--format=json");
+            if code == 2 && json {
+                let text = e.render().to_string();
+                let _ = e.print();
+                return Err(common::emit_then(
+                    &common::json_errors::object(&text, 2),
+                    ExitCode::from(2),
+                ));
+            }
             // `--help > /dev/full` is a failed write, not success; a closed pipe is not.
-            return match e.print() {
+            return Err(match e.print() {
                 Err(err) if err.kind() != std::io::ErrorKind::BrokenPipe => {
                     eprintln!("error: cannot write to standard output: {err}");
                     ExitCode::from(2)
                 }
                 _ => ExitCode::from(code),
-            };
+            });
         }
     };
+    // Every error of a `--format json` command is one JSON object on standard output.
+    let json = match &cli.cmd {
+        Cmd::Check(a) => a.format,
+        Cmd::Sim(a) => a.format,
+        Cmd::Compare(a) => a.format,
+        Cmd::Plan(a) => a.format,
+        Cmd::Run(a) => a.format,
+        Cmd::Optimize(a) => a.format,
+        _ => common::OutFormat::Human,
+    } == common::OutFormat::Json;
+    if json {
+        common::json_errors::activate();
+    }
+    Ok(cli)
+}
+
+fn real_main(cli: Cli) -> ExitCode {
     // The memory limit: a bad SCHEDC_MEMORY_LIMIT is bad usage; the elaboration budget of a
     // spec follows the limit.
     if let Err(e) = schedc::limits::memory_limit() {
         eprintln!("error: {e}");
-        return ExitCode::from(2);
+        return common::json_errors::finish(ExitCode::from(2));
     }
     schedc::dsl::elab::set_step_budget(schedc::limits::elaboration_budget());
-    match cli.cmd {
+    let code = match cli.cmd {
         Cmd::Check(a) => check::run(a),
         Cmd::Show(a) => show::run(a),
         Cmd::Convert(a) => convert::run(a),
@@ -138,5 +201,6 @@ fn real_main() -> ExitCode {
         Cmd::Optimize(a) => optimize::run(a),
         Cmd::Fmt(a) => fmt::run(a),
         Cmd::Test(a) => test::run(a),
-    }
+    };
+    common::json_errors::finish(code)
 }

@@ -6,12 +6,14 @@ use indicatif::{ProgressBar, ProgressStyle};
 use schedc::input::PlacementArg;
 use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind, Program};
-use schedc_optimize::report::{cap_for, evaluate_moe, load_specs, scale_of, scaled_cost, Row};
+use schedc_optimize::report::{
+    cap_for, evaluate_moe, load_specs_noting, scale_of, scaled_cost, Row,
+};
 use schedc_optimize::search::{optimize_placements, Options, Outcome};
 use schedc_optimize::{verify, Instance, Sched};
 use std::io::IsTerminal;
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What the search minimises.
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
@@ -42,9 +44,12 @@ pub enum ExactMode {
 pub enum OutKind {
     /// IR text of the lowered program (sends and receives in place).
     IrText,
-    /// A `.sched` spec with the schedule in a `literal { }` block, for this P and M.
+    /// A `.sched` spec with the lowered program (sends, receives, channels) in a `literal
+    /// { }` block, for this P and M, in `schedc fmt`'s form.
     Spec,
-    /// PyTorch's compute_only CSV (torch's `I` is our B, its `B` our BW).
+    /// PyTorch's compute_only CSV (torch's `I` is our B, its `B` our BW). It carries the
+    /// ops' order only: `schedc sim` re-inserts the messages, and the report gives the
+    /// makespan that gives.
     TorchCsv,
 }
 
@@ -78,20 +83,29 @@ pub struct Args {
     /// Further inline overrides applied on top of --cost.
     #[arg(long = "set", value_name = "K=V,...")]
     pub set: Option<String>,
+    /// Derive the op times from a model, a GPU and a layout (`schedc sim --model`'s options)
+    /// for the input's stages; needs an input. Rows of other shapes (specs, the greedy) are
+    /// not compared under it.
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
     /// Most live activations per rank, in stages of the input (one stage per rank without
-    /// input): `schedc check --max-activations`'s unit.
+    /// input; a V schedule's half stages count half). The report's `written` line gives the
+    /// cap `schedc check --max-activations` takes on the file, in its own stages.
     #[arg(long, value_name = "N")]
     pub max_activations: u64,
     /// What to minimise.
     #[arg(long, value_enum, default_value = "from_start")]
     pub objective: Objective,
-    /// Stop the search after this many seconds (the best schedule so far is reported).
+    /// Stop after this many seconds: loading the specs (at most half), the search, and the
+    /// rows still to simulate count; the best schedule so far is reported. `inf`, or a
+    /// value too large for the clock (1e19), is no limit.
     #[arg(long, value_name = "SECONDS")]
     pub time_limit: Option<f64>,
     /// Seed of the search's random choices (same input and seed, same output).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Scales every evaluation budget (0.1 quick, 1 default, 10 thorough).
+    /// Scales every evaluation budget (0.1 quick, 1 default, 10 thorough; at most 1000
+    /// without --time-limit).
     #[arg(long, default_value_t = 1.0)]
     pub effort: f64,
     /// Branch and bound: on small instances (auto; never under --heuristic), always, or never.
@@ -129,6 +143,29 @@ pub struct Args {
     pub moe: Option<schedc::moe::MoeStages>,
 }
 
+/// The largest `--effort` accepted without `--time-limit`: the budgets scale with it, and
+/// beyond this the search would not end in any useful time.
+pub const MAX_EFFORT_WITHOUT_LIMIT: f64 = 1000.0;
+
+/// The instant `--time-limit` ends, counted from `start`. `None` without a limit, and for
+/// a limit too large to be a deadline (`inf`, `1e19`: beyond what the clock can add, which
+/// is hundreds of years): no limit then, as the book says.
+///
+/// Errors: a limit that is 0, negative or not a number.
+pub fn time_limit_deadline(limit: Option<f64>, start: Instant) -> Result<Option<Instant>, String> {
+    let Some(t) = limit else {
+        return Ok(None);
+    };
+    if t.is_nan() || t <= 0.0 {
+        return Err(format!(
+            "--time-limit must be a positive number of seconds, got {t}"
+        ));
+    }
+    Ok(Duration::try_from_secs_f64(t)
+        .ok()
+        .and_then(|d| start.checked_add(d)))
+}
+
 fn fail(msg: impl std::fmt::Display) -> ExitCode {
     eprintln!("error: {msg}");
     ExitCode::from(2)
@@ -136,11 +173,7 @@ fn fail(msg: impl std::fmt::Display) -> ExitCode {
 
 /// A pipeline's placement and V, as the report names it (`v V=2`).
 fn pipeline_label(pl: &Pipeline) -> String {
-    format!(
-        "{} V={}",
-        schedc_optimize::report::placement_name(pl.placement),
-        pl.stages / pl.pp
-    )
+    schedc_optimize::report::placement_label(pl)
 }
 
 /// The smallest `--max-activations` (user units) that [`cap_for`] turns into at least `min`
@@ -180,14 +213,24 @@ fn cap_below_minimum(
 
 /// The report's word on optimality: nothing, `optimal` when the makespan meets the lower
 /// bound, and the reason when branch and bound proved it above the bound (a bare `lower
-/// bound 15, optimal` next to a makespan of 21.5 reads as a contradiction).
-fn optimality(out: &Outcome) -> &'static str {
+/// bound 15, optimal` next to a makespan of 21.5 reads as a contradiction). When a listed
+/// row within the cap ranks first (`faster`: a spec of a placement not searched), the
+/// proof covers only the placements searched, and the report says so and names the row.
+fn optimality(out: &Outcome, faster: &[&Row], searched: &[String]) -> String {
     if !out.optimal {
-        ""
+        String::new()
+    } else if let Some(r) = faster.first() {
+        format!(
+            ", optimal on the placements searched ({}); faster in the table: {} [{}] at {}",
+            searched.join(", "),
+            r.name,
+            r.placement,
+            secs(r.makespan)
+        )
     } else if out.makespan <= out.lower_bound + 1e-9 {
-        ", optimal"
+        ", optimal".into()
     } else {
-        ", optimal: branch and bound proved no schedule on this placement is shorter"
+        ", optimal: branch and bound proved no schedule on this placement is shorter".into()
     }
 }
 
@@ -205,15 +248,38 @@ struct Candidate {
 
 /// Runs `schedc optimize`.
 pub fn run(a: Args) -> ExitCode {
-    if let Some(t) = a.time_limit {
-        if !(t.is_finite() && t > 0.0) {
-            return fail(format!(
-                "--time-limit must be a positive number of seconds, got {t}"
-            ));
-        }
-    }
+    // Every phase counts against --time-limit from here: loading the specs, the search,
+    // verifying and simulating the rows (the book's "Determinism, time limit, progress").
+    let t_start = Instant::now();
+    let deadline = match time_limit_deadline(a.time_limit, t_start) {
+        Ok(d) => d,
+        Err(e) => return fail(e),
+    };
     if !(a.effort.is_finite() && a.effort > 0.0) {
         return fail(format!("--effort must be positive, got {}", a.effort));
+    }
+    if a.effort > MAX_EFFORT_WITHOUT_LIMIT && deadline.is_none() {
+        return fail(format!(
+            "--effort {:e} without --time-limit would run for days: at most {MAX_EFFORT_WITHOUT_LIMIT} (10 is thorough), or give --time-limit SECONDS to bound it",
+            a.effort
+        ));
+    }
+    if a.vpp == Some(0) {
+        return fail("--vpp must be at least 1 (virtual stages per rank)");
+    }
+    match (&a.placement, a.vpp) {
+        (Some(PlacementArg::Kind(PlacementKind::Bidir)), Some(v)) if v != 2 => {
+            return fail(format!(
+                "--placement bidir has two stages per rank (one per direction); --vpp {v} does not apply (drop it, or give --vpp 2)"
+            ));
+        }
+        (Some(PlacementArg::Map(m)), Some(v)) if a.input.is_none() => {
+            return fail(format!(
+                "--vpp {v} does not apply to a --placement list: its {} entries are the stages",
+                m.len()
+            ));
+        }
+        _ => {}
     }
     let mut cost = match CostModel::resolve(&a.cost) {
         Ok(c) => c,
@@ -236,7 +302,22 @@ pub fn run(a: Args) -> ExitCode {
             );
         }
     }
-    if a.moe.is_some() {
+    if let Err(e) = a.cluster.check_without_model() {
+        return fail(e);
+    }
+    if a.cluster.given() {
+        if a.input.is_none() {
+            return fail(
+                "--model derives the op times for the input's stages: give an input schedule (without one, the placements searched have different stages, each needing its own costs)",
+            );
+        }
+        if a.cost != "unit" {
+            return fail(
+                "give --cost or --model, not both (--set K=V overrides what --model derives)",
+            );
+        }
+    }
+    if a.moe.is_some() && !a.cluster.given() {
         if let Err(e) = schedc::moe::require_moe_costs(&cost, &a.cost) {
             return fail(e);
         }
@@ -247,10 +328,9 @@ pub fn run(a: Args) -> ExitCode {
                 "`-o -` and `--format json` would both write to standard output (the schedule, then the report), which no JSON reader accepts: write the schedule to a file with -o FILE",
             );
         }
-        if o != "-" && !a.force && std::path::Path::new(o).exists() {
-            return fail(format!(
-                "`{o}` exists; not overwriting it (pass --force to replace it)"
-            ));
+        // An existing file, a missing or unwritable directory: refused before the search.
+        if let Err(c) = check_output(std::path::Path::new(o), a.force) {
+            return c;
         }
     }
 
@@ -350,6 +430,26 @@ pub fn run(a: Args) -> ExitCode {
         }
     };
 
+    // With --model: the costs of the input's stages (the one pipeline searched).
+    if a.cluster.given() {
+        let sc = match a.cluster.scenario(&pipelines[0]) {
+            Ok(sc) => sc,
+            Err(e) => return fail(e),
+        };
+        cost = sc.cost;
+        if let Some(kv) = &a.set {
+            if let Err(e) = cost.apply_overrides_everywhere(kv) {
+                return fail(e);
+            }
+        }
+        if a.moe.is_some() {
+            if let Err(e) = schedc::moe::require_moe_costs(&cost, "derived from --model") {
+                return fail(e);
+            }
+        }
+    }
+    let model_shape =
+        |pl: &Pipeline| !a.cluster.given() || pl.stage_to_rank == pipelines[0].stage_to_rank;
     // Specs of the standard library at this size (V = 2 for those whose V is free).
     if !std::path::Path::new(&a.specs).is_dir() {
         eprintln!(
@@ -357,7 +457,37 @@ pub fn run(a: Args) -> ExitCode {
             a.specs
         );
     }
-    let specs = load_specs(std::path::Path::new(&a.specs), pp, mb, 2);
+    // Without an input nothing has been sized yet: refuse an instance over the memory limit
+    // before elaborating the specs at this size (as `check` does before elaborating one).
+    if a.input.is_none() {
+        for pl in &pipelines {
+            let size = schedc::limits::Size {
+                ranks: pl.pp as u64,
+                stages: pl.stages as u64,
+                microbatches: pl.total_microbatches() as u64,
+                compute_ops: 2 * pl.stages as u64 * pl.microbatches as u64,
+                comm_ops: 0,
+            };
+            if let Err(e) = schedc::limits::within_limit(
+                &format!(
+                    "the instance --pp {pp} --mb {mb} ({}, {} stages)",
+                    pipeline_label(pl),
+                    pl.stages
+                ),
+                schedc::limits::estimate(Work::Check, &size),
+            ) {
+                return fail(e);
+            }
+        }
+    }
+    // Loading the specs gets at most half of --time-limit; those not elaborated by then are
+    // named in a note and not compared.
+    let spec_deadline = deadline.map(|d| t_start + (d - t_start) / 2);
+    let loaded_specs = load_specs_noting(std::path::Path::new(&a.specs), pp, mb, 2, spec_deadline);
+    for n in &loaded_specs.notes {
+        eprintln!("note: {n}");
+    }
+    let specs = loaded_specs.specs;
     let mut candidates = Vec::new();
     // The smallest minimum cap (user units) among placements skipped for a cap below it.
     let mut below: Option<(u64, String)> = None;
@@ -437,7 +567,8 @@ pub fn run(a: Args) -> ExitCode {
     };
     let opts = Options {
         seed: a.seed,
-        time_limit: a.time_limit.map(Duration::from_secs_f64),
+        // What is left of --time-limit after loading the specs.
+        time_limit: deadline.map(|d| d.saturating_duration_since(Instant::now())),
         effort: a.effort,
         exact_max_ops: match a.exact {
             // --heuristic is list scheduling and the greedy only: branch and bound only when
@@ -469,11 +600,18 @@ pub fn run(a: Args) -> ExitCode {
         .map(|c| (&c.inst, c.starts.as_slice()))
         .collect();
     let prune = a.objective == Objective::FromStart && a.moe.is_none();
-    let results: Vec<(usize, Outcome)> = optimize_placements(&problems, &opts, prune, &progress)
-        .into_iter()
-        .enumerate()
-        .collect();
+    let mut results: Vec<(usize, Outcome)> =
+        optimize_placements(&problems, &opts, prune, &progress)
+            .into_iter()
+            .enumerate()
+            .collect();
     bar.finish_and_clear();
+    // Under the from-start makespan (no --moe) the evaluator's makespan is the simulator's:
+    // verify the placements' results shortest first and stop once the rest cannot win
+    // (each verification is a check and a simulation: 0.6 s at P = 64, M = 512).
+    if prune {
+        results.sort_by(|x, y| x.1.makespan.total_cmp(&y.1.makespan).then(x.0.cmp(&y.0)));
+    }
 
     // The best verified result: by from-start makespan, or under `steady_state` by the
     // steady-state step over the search's results and every start within the cap.
@@ -501,6 +639,13 @@ pub fn run(a: Args) -> ExitCode {
         let c = &candidates[i];
         if !out.makespan.is_finite() {
             continue;
+        }
+        if prune
+            && best
+                .as_ref()
+                .is_some_and(|b| out.makespan > b.3.makespan + 1e-9)
+        {
+            break;
         }
         let mut tries = vec![out.clone()];
         if steady || a.moe.is_some() {
@@ -563,7 +708,10 @@ pub fn run(a: Args) -> ExitCode {
         schedc_optimize::moe_bound::v_span_bound(&cand.pipeline, &cand.real_cost, cand.inst.cap)
     });
 
-    // Rows to compare with.
+    // Rows to compare with, each only while --time-limit has time left (the rest are named
+    // in a note).
+    let past = || deadline.is_some_and(|d| Instant::now() >= d);
+    let mut not_simulated: Vec<String> = Vec::new();
     let mut rows: Vec<Row> = vec![opt_row.clone()];
     if let Some((spl, sc)) = &start {
         match evaluate_moe(
@@ -581,9 +729,11 @@ pub fn run(a: Args) -> ExitCode {
     }
     let greedy_pl = Pipeline::new(pp, pp, mb, PlacementKind::Loop).ok();
     let mut greedy_row = None;
-    if let Some(gpl) = &greedy_pl {
+    if let Some(gpl) = greedy_pl.as_ref().filter(|g| model_shape(g)) {
         let c = scaled_cost(&cost, ref_stages, gpl);
-        if let Ok(gi) = Instance::new(gpl, &c, Some(cap_for(cap, ref_stages, gpl))) {
+        if past() {
+            not_simulated.push("greedy".into());
+        } else if let Ok(gi) = Instance::new(gpl, &c, Some(cap_for(cap, ref_stages, gpl))) {
             if let Ok(g) = schedc_optimize::greedy::zero_bubble_greedy(&gi) {
                 if let Ok((r, _)) = evaluate_moe(
                     "greedy (Zero Bubble, best of 8)",
@@ -601,7 +751,16 @@ pub fn run(a: Args) -> ExitCode {
         }
     }
     let mut spec_rows = Vec::new();
+    let mut other_shape = Vec::new();
     for s in &specs {
+        if !model_shape(&s.pipeline) {
+            other_shape.push(s.name.clone());
+            continue;
+        }
+        if past() {
+            not_simulated.push(format!("spec {}", s.name));
+            continue;
+        }
         if let Ok((r, _)) = evaluate_moe(
             &format!("spec {}", s.name),
             &s.pipeline,
@@ -617,29 +776,141 @@ pub fn run(a: Args) -> ExitCode {
             }
         }
     }
+    if !other_shape.is_empty() {
+        eprintln!(
+            "note: under --model only schedules of the input's placement are compared (the derived costs are per stage): not listed: {}",
+            other_shape.join(", ")
+        );
+    }
+    if !not_simulated.is_empty() {
+        eprintln!(
+            "note: --time-limit ran out before these rows were simulated, so they are not listed: {}",
+            not_simulated.join(", ")
+        );
+    }
 
-    // Output.
-    if let Some(o) = &a.output {
-        let compute_only = out_program(&cand.inst, &out.best);
-        let text = match a.to {
-            OutKind::IrText => schedc_ir::text::print(&ver.program),
-            OutKind::TorchCsv => match schedc::import::torch::write_csv(
-                &compute_only,
-                schedc::import::torch::TorchFormat::ComputeOnly,
-            ) {
-                Ok(t) => t,
-                Err(e) => return fail(e),
-            },
-            OutKind::Spec => spec_text(&compute_only, &a, &out, &opt_row),
+    // "optimal" is branch and bound's (or the lower bound's) word on the placements
+    // searched; a listed schedule within the cap that ranks first withdraws it (a spec of a
+    // placement not searched, such as chimera's bidirectional one).
+    let faster: Vec<&Row> = rows[1..]
+        .iter()
+        .filter(|r| r.fits && better_row(r, &opt_row, steady))
+        .collect();
+    let optimal = out.optimal && faster.is_empty();
+    let searched: Vec<String> = candidates
+        .iter()
+        .map(|c| pipeline_label(&c.pipeline))
+        .collect();
+
+    // The schedule in the form written (the IR text when nothing is written), and what
+    // `schedc sim` and `schedc check` say of that file: the figures the user can reproduce.
+    let form = a.to;
+    let file_pl = &ver.program.pipeline;
+    let shown_path = match a.output.as_deref() {
+        Some("-") => "-".to_string(),
+        None => match form {
+            OutKind::IrText => "optimized.ir",
+            OutKind::Spec => "optimized.sched",
+            OutKind::TorchCsv => "optimized.csv",
+        }
+        .to_string(),
+        Some(o) => o.to_string(),
+    };
+    let figures_form = if a.output.is_some() {
+        form
+    } else {
+        OutKind::IrText
+    };
+    let text = match figures_form {
+        OutKind::IrText => schedc_ir::text::print(&ver.program),
+        OutKind::TorchCsv => match schedc::import::torch::write_csv(
+            &out_program(&cand.inst, &out.best),
+            schedc::import::torch::TorchFormat::ComputeOnly,
+        ) {
+            Ok(t) => t,
+            Err(e) => return fail(e),
+        },
+        OutKind::Spec => spec_body(&ver.program),
+    };
+    // The table's units against the file's: the cost is for one stage of the reference
+    // pipeline (`cand.scale`), and `schedc sim` charges a stage of a V-way split 1/V of it.
+    let file_scale = cost
+        .for_pipeline(&ver.program.pipeline)
+        .op_scale
+        .unwrap_or(1.0);
+    let same_units = (cand.scale - 1.0).abs() < 1e-12 && (file_scale - 1.0).abs() < 1e-12;
+    let figs = if figures_form == OutKind::IrText {
+        // The IR text is the verified program itself (printing and parsing it is exact):
+        // its simulation under the cost as given, without checking it a second time (a
+        // check and a simulation take seconds at P = 20000).
+        let sim = if same_units {
+            Ok(ver_sim.clone())
+        } else {
+            // As `schedc sim` times the file: a stage of a V-way split charged 1/V.
+            let file_cost = cost.for_pipeline(&ver.program.pipeline);
+            match &a.moe {
+                Some(sel) => schedc_optimize::report::simulate_moe(&ver, &file_cost, sel),
+                None => schedc::sim::simulate(&ver.program, &file_cost),
+            }
         };
-        let written = if o == "-" {
-            emit(&text)
+        match sim {
+            Ok(sim) => Figures {
+                makespan: sim.makespan,
+                steady_step: sim.steady_step,
+                peak: ver
+                    .report
+                    .ranks
+                    .iter()
+                    .map(|r| r.peak_activations)
+                    .max()
+                    .unwrap_or(0),
+                cap: cand.inst.cap,
+                pp: file_pl.pp,
+                mb: file_pl.total_microbatches(),
+            },
+            Err(e) => {
+                eprintln!("error: the schedule as written does not simulate: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    } else {
+        match simulate_written(
+            figures_form,
+            &text,
+            file_pl,
+            &cost,
+            a.moe.as_ref(),
+            cand.inst.cap,
+        ) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("error: the schedule as written does not check or simulate: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    };
+    let text = match figures_form {
+        OutKind::Spec => spec_with_header(&text, &a, &out, &figs, &shown_path),
+        OutKind::IrText => format!(
+            "{}{text}",
+            header_comment(&a, &out, &figs, OutKind::IrText, &shown_path)
+        ),
+        OutKind::TorchCsv => text,
+    };
+    let sim_cmd = figs.sim_command(figures_form, &shown_path, &a);
+    let check_cmd = figs.check_command(figures_form, &shown_path);
+    let to_stdout = a.output.as_deref() == Some("-");
+    // A file that cannot be written after all does not throw the search away: the report is
+    // printed, then the error (`report_then`).
+    let mut write_error = None;
+    if let Some(o) = &a.output {
+        if to_stdout {
+            if let Err(c) = emit(&text) {
+                return c;
+            }
         } else {
             // Whole or absent: a temporary sibling renamed into place.
-            write_output(std::path::Path::new(o), text.as_bytes(), a.force)
-        };
-        if let Err(c) = written {
-            return c;
+            write_error = try_write_output(std::path::Path::new(o), text.as_bytes(), a.force).err();
         }
     }
 
@@ -665,10 +936,26 @@ pub fn run(a: Args) -> ExitCode {
                 "max_activations": cap,
                 "placement": opt_row.placement,
                 "lower_bound": out.lower_bound,
-                "optimal": out.optimal,
+                "optimal": optimal,
+                "optimal_on_placements_searched": out.optimal,
+                "placements_searched": searched,
+                "faster_listed": faster.iter().map(|r| r.name.clone()).collect::<Vec<_>>(),
                 "found_by": out.found_by,
-                "timed_out": out.timed_out,
+                "timed_out": out.timed_out || !not_simulated.is_empty(),
+                "not_simulated": not_simulated,
                 "seed": a.seed,
+                "written": {
+                    "form": figures_form.to_possible_value().map(|v| v.get_name().to_string()),
+                    "path": a.output,
+                    "makespan": figs.makespan,
+                    "steady_step": figs.steady_step,
+                    "max_activations": cand.inst.cap,
+                    "peak_activations": figs.peak,
+                    "stages": file_pl.stages,
+                    "same_units_as_rows": same_units,
+                    "sim": sim_cmd,
+                    "check": check_cmd,
+                },
                 "phases": out.phases.iter().map(|p| serde_json::json!({
                     "name": p.name, "best": p.best, "evaluations": p.evals, "seconds": p.seconds
                 })).collect::<Vec<_>>(),
@@ -676,9 +963,9 @@ pub fn run(a: Args) -> ExitCode {
                 "greedy": greedy_row,
                 "specs": spec_rows,
             });
-            emit_then(
+            report_then(
                 &format!("{}\n", serde_json::to_string_pretty(&j).expect("json")),
-                ExitCode::SUCCESS,
+                write_error,
             )
         }
         OutFormat::Human => {
@@ -687,7 +974,11 @@ pub fn run(a: Args) -> ExitCode {
             let _ = writeln!(
                 o,
                 "P = {pp}, M = {mb}, cost `{}`{}, at most {cap} live activations per rank (stage units of {})",
-                a.cost,
+                if a.cluster.given() {
+                    format!("derived from{}", a.cluster.flags())
+                } else {
+                    a.cost.clone()
+                },
                 if a.moe.is_some() {
                     ", --moe (MoE stages split into attention, dispatch, MLP, combine; the search on a whole-op proxy)"
                 } else {
@@ -697,17 +988,31 @@ pub fn run(a: Args) -> ExitCode {
             );
             let _ = writeln!(
                 o,
-                "optimized{}: makespan {:.4} ({}; lower bound {:.4}{}), found by {}\n",
+                "optimized{}: makespan {} ({}; lower bound {}{}), found by {}",
                 if steady {
-                    format!(" for steady_state: step {:.4}", opt_row.steady_step)
+                    format!(" for steady_state: step {}", secs(opt_row.steady_step))
                 } else {
                     String::new()
                 },
-                opt_row.makespan,
+                secs(opt_row.makespan),
                 opt_row.placement,
-                out.lower_bound,
-                optimality(&out),
+                secs(out.lower_bound),
+                optimality(&out, &faster, &searched),
                 out.found_by
+            );
+            let _ = writeln!(
+                o,
+                "{}\n",
+                written_line(
+                    &a,
+                    figures_form,
+                    &figs,
+                    &sim_cmd,
+                    &check_cmd,
+                    same_units,
+                    file_pl,
+                    opt_row.makespan
+                )
             );
             let _ = writeln!(
                 o,
@@ -734,16 +1039,21 @@ pub fn run(a: Args) -> ExitCode {
             for r in &rows {
                 let _ = writeln!(
                     o,
-                    "{:<44} {:>10.4} {:>10.1}% {:>12.1}% {:>11.1}% {:>10.1}% {:>10.4} {:>10.1} {:>12.3e}",
+                    "{:<44} {:>10} {:>10.1}% {:>12.1}% {:>11.1}% {:>10.1}% {:>10} {:>10.1} {:>12}",
                     format!("{} [{}]", r.name, r.placement),
-                    r.makespan,
+                    secs(r.makespan),
                     100.0 * r.bubble_from_start,
                     100.0 * r.bubble_per_rank_span,
                     100.0 * r.bubble_steady_state,
                     100.0 * r.bubble_from_start_per_busy,
-                    r.steady_step,
+                    secs(r.steady_step),
                     r.peak_activations,
-                    r.peak_memory_bytes
+                    if r.peak_memory_bytes > 0.0 {
+                        format!("{:.3e}", r.peak_memory_bytes)
+                    } else {
+                        // The cost model gives no memory figures (as `schedc sim` prints).
+                        "-".to_string()
+                    }
                 );
             }
             if let Some(b) = &moe_bound {
@@ -759,32 +1069,244 @@ pub fn run(a: Args) -> ExitCode {
             if out.timed_out {
                 let _ = writeln!(o, "\nthe time limit stopped the search");
             }
-            emit_then(&o, ExitCode::SUCCESS)
+            if to_stdout {
+                // Standard output carries the schedule: the report goes to standard error,
+                // so that `-o - | schedc check -` reads the schedule alone.
+                eprint!("{o}");
+                ExitCode::SUCCESS
+            } else {
+                report_then(&o, write_error)
+            }
         }
     }
+}
+
+/// True if row `r` ranks before `b`: a shorter makespan, or under `steady_state` a shorter
+/// steady-state step (ties by the makespan), beyond 1e-9 relative.
+fn better_row(r: &Row, b: &Row, steady: bool) -> bool {
+    let tol = |x: f64| 1e-9 * x.abs().max(1e-300);
+    let (k, kb, t, tb) = if steady {
+        (r.steady_step, b.steady_step, r.makespan, b.makespan)
+    } else {
+        (r.makespan, b.makespan, 0.0, 0.0)
+    };
+    k < kb - tol(kb) || (k <= kb + tol(kb) && t < tb - tol(tb))
+}
+
+/// Seconds as the report prints them: four decimals, or four significant digits in
+/// scientific notation when that would print 0 or more than 13 digits (`F=1e-300`,
+/// `F=1e300`).
+pub fn secs(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() || (1e-3..1e9).contains(&x.abs()) {
+        format!("{x:.4}")
+    } else {
+        format!("{x:.4e}")
+    }
+}
+
+/// What `schedc sim` and `schedc check` give on the written file.
+struct Figures {
+    /// `schedc sim FILE --cost COST [--moe]`'s makespan, seconds.
+    makespan: f64,
+    /// Its steady-state step, seconds.
+    steady_step: f64,
+    /// `schedc check`'s peak live activations on the worst rank, in the file's own stages.
+    peak: u64,
+    /// The cap `schedc check --max-activations` accepts it under, in the file's stages.
+    cap: u64,
+    /// `--pp P --mb M` for a spec.
+    pp: u32,
+    /// Micro-batches, both directions together.
+    mb: u32,
+}
+
+impl Figures {
+    fn sim_command(&self, form: OutKind, path: &str, a: &Args) -> String {
+        format!(
+            "schedc sim {path}{}{}{}{}",
+            self.size_flags(form),
+            if a.cluster.given() {
+                a.cluster.flags()
+            } else {
+                format!(" --cost {}", a.cost)
+            },
+            a.set
+                .as_ref()
+                .map(|s| format!(" --set {s}"))
+                .unwrap_or_default(),
+            if a.moe.is_some() {
+                // As given on the command line (`--moe` or `--moe=STAGES`).
+                std::env::args()
+                    .find(|x| x == "--moe" || x.starts_with("--moe="))
+                    .map(|x| format!(" {x}"))
+                    .unwrap_or_else(|| " --moe".into())
+            } else {
+                String::new()
+            }
+        )
+    }
+    fn check_command(&self, form: OutKind, path: &str) -> String {
+        format!(
+            "schedc check {path}{} --max-activations {}",
+            self.size_flags(form),
+            self.cap
+        )
+    }
+    fn size_flags(&self, form: OutKind) -> String {
+        if form == OutKind::Spec {
+            format!(" --pp {} --mb {}", self.pp, self.mb)
+        } else {
+            String::new()
+        }
+    }
+}
+
+/// Loads `text` as `schedc sim` loads a file of `form` (with `--pp`/`--mb` for a spec and
+/// `--moe` as given), checks it with `--max-activations cap` and simulates it under `cost`
+/// as given (not scaled: the file's ops each take the cost's stage time).
+///
+/// Errors: the text does not load, `check` rejects it, or the simulation fails.
+fn simulate_written(
+    form: OutKind,
+    text: &str,
+    pl: &Pipeline,
+    cost: &CostModel,
+    moe: Option<&schedc::moe::MoeStages>,
+    cap: u64,
+) -> Result<Figures, String> {
+    let (name, spec) = match form {
+        OutKind::IrText => ("optimized.ir", false),
+        OutKind::Spec => ("optimized.sched", true),
+        OutKind::TorchCsv => ("optimized.csv", false),
+    };
+    let mb = pl.total_microbatches();
+    let ov = schedc::input::Overrides {
+        pp: spec.then_some(pl.pp),
+        microbatches: spec.then_some(mb),
+        moe: moe.cloned(),
+        list_cost: Some(cost.clone()),
+        ..Default::default()
+    };
+    let loaded = schedc::input::load_str(name, text.to_string(), &ov)
+        .map_err(|e| crate::common::load_error_text(&e, name))?;
+    let checked = schedc::check::check(
+        &loaded.program,
+        loaded.spans.as_ref(),
+        &schedc::check::Options {
+            max_activations: Some(cap),
+            ..Default::default()
+        },
+    );
+    if checked.report.verdict != schedc::check::Verdict::Accepted {
+        let first = checked
+            .report
+            .diagnostics
+            .iter()
+            .find(|d| d.severity == schedc::diag::Severity::Error)
+            .map(|d| d.message.clone())
+            .unwrap_or_default();
+        return Err(format!("schedc check rejects it: {first}"));
+    }
+    let peak = checked
+        .report
+        .ranks
+        .iter()
+        .map(|r| r.peak_activations)
+        .max()
+        .unwrap_or(0);
+    let prog = checked.checked.ok_or("no checked program")?;
+    // As `schedc sim` times the file: a stage of a V-way split charged 1/V.
+    let sim = schedc::sim::simulate(&prog, &cost.for_pipeline(&prog.pipeline))?;
+    Ok(Figures {
+        makespan: sim.makespan,
+        steady_step: sim.steady_step,
+        peak,
+        cap,
+        pp: pl.pp,
+        mb,
+    })
+}
+
+/// The report's line on the schedule as written (or, without `-o`, as IR text would be):
+/// the figures `schedc sim` and `schedc check` give on the file, with why they differ from
+/// the table's when they do.
+#[allow(clippy::too_many_arguments)]
+fn written_line(
+    a: &Args,
+    form: OutKind,
+    f: &Figures,
+    sim_cmd: &str,
+    check_cmd: &str,
+    same_units: bool,
+    pl: &Pipeline,
+    row_makespan: f64,
+) -> String {
+    let what = match (a.output.as_deref(), form) {
+        (None, _) => "the schedule (not written; as IR text)".to_string(),
+        (Some("-"), OutKind::IrText) => "written to standard output (IR text)".into(),
+        (Some("-"), OutKind::Spec) => "written to standard output (spec)".into(),
+        (Some("-"), OutKind::TorchCsv) => {
+            "written to standard output (torch compute-only CSV)".into()
+        }
+        (Some(p), OutKind::IrText) => format!("written `{p}` (IR text)"),
+        (Some(p), OutKind::Spec) => format!("written `{p}` (spec)"),
+        (Some(p), OutKind::TorchCsv) => format!("written `{p}` (torch compute-only CSV)"),
+    };
+    let mut s = format!(
+        "{what}: makespan {} by `{sim_cmd}`{}; peak {} live activations, `{check_cmd}` accepts it",
+        secs(f.makespan),
+        if a.objective == Objective::SteadyState {
+            format!(" (steady-state step {})", secs(f.steady_step))
+        } else {
+            String::new()
+        },
+        f.peak
+    );
+    if !same_units {
+        s.push_str(&format!(
+            "\n  (in the file's own units: its {} stages count one activation each, where the table counts {} of one; `schedc sim` times them as the table does, a stage of a V-way split taking 1/V of the cost's stage time)",
+            pl.stages,
+            if pl.stages_per_direction() == 2 * pl.pp { "half" } else { "a fraction" }
+        ));
+    }
+    if form == OutKind::TorchCsv {
+        let differs = (f.makespan - row_makespan).abs() > 1e-9 * row_makespan.abs().max(1.0);
+        s.push_str(&format!(
+            "\n  (a compute-only CSV carries the ops' order, not the messages': `schedc sim` re-inserts the sends and receives in its own order{}; write --to ir-text or --to spec to keep the searched order; a CSV has no header to say so)",
+            if same_units && differs {
+                format!(
+                    ", which gives {} rather than the optimized row's {}",
+                    secs(f.makespan),
+                    secs(row_makespan)
+                )
+            } else {
+                String::new()
+            }
+        ));
+    }
+    s
 }
 
 fn out_program(inst: &Instance, sc: &Sched) -> Program {
     sc.to_program(inst)
 }
 
-fn spec_text(p: &Program, a: &Args, out: &Outcome, row: &Row) -> String {
+/// The spec form's program part: the pipeline, `require`s for this P and M, and the lowered
+/// program (sends, receives and their channels in the searched order) in a `literal { }`
+/// block, so that `schedc check` keeps the messages as written instead of re-inserting them.
+fn spec_body(p: &Program) -> String {
     use std::fmt::Write as _;
     let pl = &p.pipeline;
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "# Found by `schedc optimize` (seed {}): makespan {:.6} under cost `{}`, at most {} live\n# activations per rank, {}.",
-        a.seed, row.makespan, a.cost, a.max_activations, out.found_by
-    );
     let _ = writeln!(s, "schedule \"optimized\"");
     let v = pl.stages / pl.pp.max(1);
-    if pl.placement != PlacementKind::Bidir {
-        let _ = writeln!(s, "vpp {v}");
-    }
     match pl.placement {
-        PlacementKind::Loop => s.push_str("placement loop\n"),
-        PlacementKind::V => s.push_str("placement v\n"),
+        PlacementKind::Loop => {
+            let _ = writeln!(s, "vpp {v}\nplacement loop");
+        }
+        PlacementKind::V => {
+            let _ = writeln!(s, "vpp {v}\nplacement v");
+        }
         PlacementKind::Bidir => s.push_str("placement bidir\n"),
         PlacementKind::Explicit => {
             let _ = writeln!(
@@ -812,9 +1334,36 @@ fn spec_text(p: &Program, a: &Args, out: &Outcome, row: &Row) -> String {
     );
     s.push_str("literal {\n");
     let text = schedc_ir::text::print(p);
-    for line in text.lines().filter(|l| l.starts_with("rank ")) {
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("rank ") || l.starts_with("group ") || l.starts_with("moe "))
+    {
         let _ = writeln!(s, "{line}");
     }
     s.push_str("}\n");
     s
+}
+
+/// The `#` comment heading a written spec or IR text: how it was found, and the makespan
+/// `schedc sim` gives and the cap `schedc check` accepts, in the file's own units.
+fn header_comment(a: &Args, out: &Outcome, f: &Figures, form: OutKind, path: &str) -> String {
+    format!(
+        "# Found by `schedc optimize` (seed {}), {}.\n# `{}`\n# gives makespan {:.6};\n# `{}` accepts it.\n",
+        a.seed,
+        out.found_by,
+        f.sim_command(form, path, a),
+        f.makespan,
+        f.check_command(form, path),
+    )
+}
+
+/// The spec as written: a header comment with the figures `schedc sim` and `schedc check`
+/// give on it, then `body`, in `schedc fmt`'s canonical form (so `schedc fmt --check`
+/// passes).
+fn spec_with_header(body: &str, a: &Args, out: &Outcome, f: &Figures, path: &str) -> String {
+    let text = format!("{}{body}", header_comment(a, out, f, OutKind::Spec, path));
+    match schedc::dsl::parse_file(&text) {
+        Ok(parsed) => schedc::dsl::fmt::format_file(&parsed, &text),
+        Err(_) => text,
+    }
 }

@@ -82,6 +82,8 @@ pub struct Args {
     pub verify: bool,
     /// CPU: write the Chrome trace of the run (open in Perfetto or chrome://tracing): one
     /// process per global rank, a thread per stream (`ep`: the all-to-alls of MoE parts).
+    /// It is written while the run goes (into a temporary file, renamed into place at the
+    /// end); `-` is standard output, and the report then goes to standard error.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<std::path::PathBuf>,
     /// Overwrite an existing --trace file.
@@ -141,7 +143,7 @@ fn progress(
     let b = indicatif::ProgressBar::new(steps as u64);
     b.set_style(
         indicatif::ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}",
+            "{wide_bar} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}",
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
@@ -166,24 +168,37 @@ pub fn run(args: Args) -> ExitCode {
         if args.trace.is_some() {
             return usage("--trace is for --backend cpu");
         }
+        // Before the schedule is loaded and before NVRTC is.
+        if let Some(a) = &args.arch {
+            if let Err(e) = schedc_cuda::nvrtc::validate_arch(a) {
+                return fail(format, &e, 2);
+            }
+        }
         let program = match load_program(&args.input, &args.order_cost, format) {
             Ok(p) => p,
             Err(c) => return c,
         };
         return run_cuda(args, program, mesh);
     }
-    if let Some(f) = &args.trace {
-        // Refused before training: standard output carries the run's report, and a path
-        // that cannot be written is found now rather than after the run.
-        if is_stdout(f) {
-            return usage(
-                "--trace -: standard output carries the run's report; give the trace a file name",
-            );
+    // The trace is streamed to its file (or standard output) while the run goes: a file
+    // that cannot be written is found now, by creating its temporary file, not after the run.
+    let trace_out = match &args.trace {
+        None => None,
+        Some(f) if is_stdout(f) => {
+            if format == OutFormat::Json {
+                return fail(
+                    format,
+                    "--trace - with --format json: standard output carries the JSON report; write the trace to a file",
+                    2,
+                );
+            }
+            Some(TraceTarget::Stdout(std::io::stdout()))
         }
-        if let Err(c) = check_output(f, args.force) {
-            return c;
-        }
-    }
+        Some(f) => match OutputFile::create(f, args.force) {
+            Ok(o) => Some(TraceTarget::File(o)),
+            Err(e) => return fail(format, &e, 2),
+        },
+    };
     if args.mode != Mode::Single
         || args.rank.is_some()
         || args.rendezvous.is_some()
@@ -207,6 +222,10 @@ pub fn run(args: Args) -> ExitCode {
             )
         }
     };
+    let trace = match trace_out.map(TraceStream::start).transpose() {
+        Ok(t) => t,
+        Err(e) => return fail(format, &e, 2),
+    };
     let cfg = RunConfig {
         mesh,
         dtype,
@@ -214,7 +233,8 @@ pub fn run(args: Args) -> ExitCode {
         data: args.data,
         verify: args.verify,
         progress: format == OutFormat::Human,
-        trace: args.trace.is_some(),
+        trace: trace.is_some(),
+        trace_sink: trace.as_ref().map(|t| t.sink()),
         ..RunConfig::default()
     };
     // Refuse what cannot fit before the spec is elaborated.
@@ -230,12 +250,9 @@ pub fn run(args: Args) -> ExitCode {
     };
     match schedc_cpu::run(&program, &cfg) {
         Ok(r) => {
-            if let (Some(f), Some(t)) = (&args.trace, &r.trace) {
-                // Whole or absent: a temporary sibling renamed into place.
-                if let Err(c) = write_output(f, t.as_bytes(), args.force) {
-                    return c;
-                }
-            }
+            // Whole or absent: the temporary file is renamed into place. If that fails, the
+            // report is printed all the same, then the error (exit status 2).
+            let trace_error = trace.and_then(|t| t.finish().err());
             let code = if r.verify.as_ref().is_some_and(|v| !v.verify_passed) {
                 eprintln!(
                     "error: --verify: the pipelined run differs from sequential training by more than the {} tolerance",
@@ -248,9 +265,22 @@ pub fn run(args: Args) -> ExitCode {
             } else {
                 ExitCode::SUCCESS
             };
-            match format {
+            let code = match format {
                 OutFormat::Json => emit_then(&format!("{}\n", r.to_json()), code),
+                // With `--trace -` the trace is standard output and the report goes to
+                // standard error.
+                OutFormat::Human if args.trace.as_deref().is_some_and(is_stdout) => {
+                    eprint!("{}", r.to_human());
+                    code
+                }
                 OutFormat::Human => emit_then(&r.to_human(), code),
+            };
+            match trace_error {
+                Some(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+                None => code,
             }
         }
         Err(e) => {
@@ -260,6 +290,95 @@ pub fn run(args: Args) -> ExitCode {
                 RunError::Failed(_) => 1,
             };
             fail(format, &e.to_string(), code)
+        }
+    }
+}
+
+/// Where `--trace` goes.
+enum TraceTarget {
+    /// A file, through its temporary sibling.
+    File(OutputFile),
+    /// Standard output (`--trace -`).
+    Stdout(std::io::Stdout),
+}
+
+impl std::io::Write for TraceTarget {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            TraceTarget::File(f) => f.write(buf),
+            TraceTarget::Stdout(o) => o.write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            TraceTarget::File(f) => f.flush(),
+            TraceTarget::Stdout(o) => o.flush(),
+        }
+    }
+}
+
+/// The trace being written while the run goes (breakit finding 7: it was kept in memory
+/// whole, about 2.4 MB per step of `dualpipe --pp 4 --mb 8`): the first write error is
+/// kept, and the spans after it are dropped; a closed standard output ends it quietly.
+struct TraceStream {
+    state: Arc<std::sync::Mutex<TraceState>>,
+}
+
+struct TraceState {
+    writer: Option<schedc_cpu::exec::ChromeTraceWriter<TraceTarget>>,
+    error: Option<String>,
+    name: String,
+}
+
+impl TraceStream {
+    /// Writes the header. Errors: the message.
+    fn start(target: TraceTarget) -> Result<TraceStream, String> {
+        let name = match &target {
+            TraceTarget::File(_) => "the trace file".to_string(),
+            TraceTarget::Stdout(_) => "standard output".to_string(),
+        };
+        let writer = schedc_cpu::exec::ChromeTraceWriter::new(target)
+            .map_err(|e| format!("cannot write the trace to {name}: {e}"))?;
+        Ok(TraceStream {
+            state: Arc::new(std::sync::Mutex::new(TraceState {
+                writer: Some(writer),
+                error: None,
+                name,
+            })),
+        })
+    }
+
+    /// The sink the run streams its spans into.
+    fn sink(&self) -> schedc_cpu::exec::SpanSink {
+        let st = self.state.clone();
+        Arc::new(std::sync::Mutex::new(
+            move |spans: &[schedc_cpu::exec::Span]| {
+                let mut g = st.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(w) = g.writer.as_mut() else { return };
+                if let Err(e) = w.push(spans) {
+                    if e.kind() != std::io::ErrorKind::BrokenPipe {
+                        g.error = Some(format!("cannot write the trace to {}: {e}", g.name));
+                    }
+                    g.writer = None; // the temporary file is removed when dropped
+                }
+            },
+        ))
+    }
+
+    /// Ends the JSON and renames the file into place. Errors: the first write error.
+    fn finish(self) -> Result<(), String> {
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = g.error.take() {
+            return Err(e);
+        }
+        let Some(w) = g.writer.take() else {
+            return Ok(()); // standard output closed
+        };
+        match w.finish() {
+            Ok(TraceTarget::File(f)) => f.commit(),
+            Ok(TraceTarget::Stdout(_)) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+            Err(e) => Err(format!("cannot write the trace to {}: {e}", g.name)),
         }
     }
 }
@@ -353,10 +472,11 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
             }
         }
         Err(e) => {
+            // No driver, no GPU, NVRTC missing: the environment cannot run it (2).
             let code = match &e {
                 cu::RunError::Program(p) => program_error_code(p),
-                cu::RunError::Config(_) => 2,
-                cu::RunError::Device(_) | cu::RunError::Failed(_) => 1,
+                cu::RunError::Config(_) | cu::RunError::Device(_) => 2,
+                cu::RunError::Failed(_) => 1,
             };
             fail(args.format, &e.to_string(), code)
         }
@@ -392,14 +512,14 @@ fn launch_local(world: u32) -> ExitCode {
         Ok(_) => schedc_cuda::cuda::device_count().unwrap_or(0),
         Err(e) => {
             eprintln!("error: {e}");
-            return ExitCode::from(1);
+            return ExitCode::from(2);
         }
     };
     if (gpus as u32) < world {
         eprintln!(
             "error: NCCL mode runs one process per GPU: {world} ranks, {gpus} GPU(s) here (run on a cluster with --rank and --rendezvous, or use --mode single to run every rank on one GPU)"
         );
-        return ExitCode::from(1);
+        return ExitCode::from(2);
     }
     let dir = std::env::temp_dir().join(format!("schedc-nccl-{}", std::process::id()));
     if let Err(e) = std::fs::create_dir_all(&dir) {

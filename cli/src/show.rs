@@ -11,14 +11,22 @@ use std::process::ExitCode;
 pub struct Args {
     #[command(flatten)]
     pub input: InputArgs,
+    #[command(flatten)]
+    pub order: OrderCostArgs,
 }
 
 /// Runs `schedc show`.
 pub fn run(args: Args) -> ExitCode {
-    let Args { input } = args;
-    let loaded = match load(&input, Some(Work::Check)) {
-        Ok(l) => l,
+    let Args { input, order } = args;
+    // The program `sim --cost` timed: `:list` parts and a spec's `list` block ordered under
+    // the same model (the grid itself is drawn in unit steps).
+    let model = match order.model(&input) {
+        Ok(m) => m,
         Err(c) => return c,
+    };
+    let loaded = match load_for_under(&input, Some(Work::Check), model.as_ref()) {
+        Ok(l) => l,
+        Err(f) => return f.code(),
     };
     let out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
     if out.report.verdict == Verdict::Rejected {

@@ -79,7 +79,8 @@ pub fn run(args: Args) -> ExitCode {
         Some(m) => format!("derived from --model {m}"),
         None => cost.to_string_lossy().into_owned(),
     };
-    if input.moe.is_some() {
+    // With --model and an input that does not load, the load below says why.
+    if input.moe.is_some() && (scenario.is_some() || !cluster.given()) {
         if let Err(c) = require_moe_costs(&model, &cost_name) {
             return c;
         }
@@ -122,10 +123,31 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    // Op times are for a stage of 1/P of the model, as `compare` charges them: a stage of a
+    // V-way split takes 1/V.
+    let model = model.for_pipeline(&loaded.program.pipeline);
+    if let Some(k) = model.op_scale.filter(|&k| k != 1.0) {
+        eprintln!(
+            "note: op times are for a stage of 1/P of the model: each of this schedule's {} stages per direction is charged {k} of them (as `compare` charges it)",
+            loaded.program.pipeline.stages_per_direction()
+        );
+    }
     let mut checked = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
     // The spec's expectations are the check's; its timing ones must hold under this model.
     let structural = checked.report.verdict != Verdict::Accepted;
-    check::check_expectations(&mut checked.report, &loaded.spec_expects);
+    // Under a part reordering, the expectations describe the spec's own order: checked there.
+    if loaded.expect_program.is_some() {
+        eprintln!("note: {}: {}", loaded.name, schedc::input::REORDER_NOTE);
+    }
+    match &loaded.expect_program {
+        Some(before) => check::check_expectations_on(
+            &mut checked.report,
+            before,
+            &loaded.spec_expects,
+            Some(&model),
+        ),
+        None => check::check_expectations(&mut checked.report, &loaded.spec_expects),
+    }
     if structural {
         eprintln!("error: the schedule does not pass `schedc check`; run it for the diagnostics");
         return ExitCode::from(1);
@@ -138,9 +160,21 @@ pub fn run(args: Args) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // A file that cannot be written after all (the disk filled up since the check above)
+    // does not throw the simulation away: the report is printed first, then the error.
+    let mut write_errors = Vec::new();
+    let mut put = |f: &std::path::Path, t: String| -> Result<(), ExitCode> {
+        if is_stdout(f) {
+            write_output(f, t.as_bytes(), force)
+        } else {
+            if let Err(e) = try_write_output(f, t.as_bytes(), force) {
+                write_errors.push(e);
+            }
+            Ok(())
+        }
+    };
     if let Some(f) = &trace {
-        let t = schedc::sim::render::chrome_trace(&res, &prog);
-        if let Err(c) = write_output(f, t.as_bytes(), force) {
+        if let Err(c) = put(f, schedc::sim::render::chrome_trace(&res, &prog)) {
             return c;
         }
     }
@@ -151,17 +185,18 @@ pub fn run(args: Args) -> ExitCode {
             prog.pipeline.pp,
             prog.pipeline.total_microbatches()
         );
-        let t = schedc::sim::render::svg(&res, &prog, &title);
-        if let Err(c) = write_output(f, t.as_bytes(), force) {
+        if let Err(c) = put(f, schedc::sim::render::svg(&res, &prog, &title)) {
             return c;
         }
     }
-    check::check_timing_expectations(
-        &mut checked.report,
-        &loaded.spec_expects,
-        Some(&res),
-        &model,
-    );
+    if loaded.expect_program.is_none() {
+        check::check_timing_expectations(
+            &mut checked.report,
+            &loaded.spec_expects,
+            Some(&res),
+            &model,
+        );
+    }
     let failed: Vec<_> = checked
         .report
         .diagnostics
@@ -195,9 +230,6 @@ pub fn run(args: Args) -> ExitCode {
             "note: {exposed:.4} s of communication is exposed although messages are free: this program's message order makes ranks wait on one in-order stream per channel (schedc's lowering of the compute-only form orders messages as their data becomes ready)"
         );
     }
-    if to_stdout == 1 {
-        return code;
-    }
     let step = scenario
         .as_ref()
         .map(|sc| crate::cluster::step_report(sc, &prog.pipeline, &res));
@@ -218,26 +250,39 @@ pub fn run(args: Args) -> ExitCode {
         }
         _ => code,
     };
-    match format {
-        OutFormat::Json => {
-            let mut v = serde_json::to_value(&res).expect("json");
-            if let (Some(st), Some(obj)) = (&step, v.as_object_mut()) {
-                if let serde_json::Value::Object(extra) = serde_json::to_value(st).expect("json") {
-                    obj.extend(extra);
+    let code = if to_stdout == 1 {
+        code
+    } else {
+        match format {
+            OutFormat::Json => {
+                let mut v = serde_json::to_value(&res).expect("json");
+                if let (Some(st), Some(obj)) = (&step, v.as_object_mut()) {
+                    if let serde_json::Value::Object(extra) =
+                        serde_json::to_value(st).expect("json")
+                    {
+                        obj.extend(extra);
+                    }
                 }
+                let mut j = serde_json::to_string_pretty(&v).expect("json");
+                j.push('\n');
+                emit_then(&j, code)
             }
-            let mut j = serde_json::to_string_pretty(&v).expect("json");
-            j.push('\n');
-            emit_then(&j, code)
-        }
-        OutFormat::Human => {
-            let mut t = schedc::sim::render::text_report(&res, 100);
-            if let (Some(sc), Some(st)) = (&scenario, &step) {
-                t.push_str(&crate::cluster::step_text(sc, st));
+            OutFormat::Human => {
+                let mut t = schedc::sim::render::text_report(&res, 100);
+                if let (Some(sc), Some(st)) = (&scenario, &step) {
+                    t.push_str(&crate::cluster::step_text(sc, st));
+                }
+                emit_then(&t, code)
             }
-            emit_then(&t, code)
         }
+    };
+    if write_errors.is_empty() {
+        return code;
     }
+    for e in write_errors {
+        eprintln!("error: {e}");
+    }
+    ExitCode::from(2)
 }
 
 /// Refuses `[compute.stage.N]` overrides for stages the schedule does not have (they would

@@ -25,7 +25,9 @@ pub fn run(args: Args) -> ExitCode {
             let _ = writeln!(o, "PASS {f}");
         } else {
             fail += 1;
-            unreadable |= r.differences.iter().any(|d| d.starts_with("cannot load"));
+            // A file that cannot be loaded or whose `expect` lines are malformed is unusable
+            // input (2), not a failed case (1).
+            unreadable |= r.malformed;
             let _ = writeln!(o, "FAIL {f}");
             for d in &r.differences {
                 let _ = writeln!(o, "    {d}");

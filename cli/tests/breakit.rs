@@ -159,13 +159,15 @@ fn item03_stdout_write_errors_exit_2() {
 // the report names the worst tensor and the tolerance.
 #[test]
 fn item04_verify_reports_tolerance_and_worst_tensor() {
+    // DualPipe's gradients differ from sequential training's in the last bits (1F1B at
+    // --pp 2 --mb 2 equals it exactly: no worst tensor then, breakit2 finding 24).
     let o = schedc(&[
         "run",
-        "specs/1f1b.sched",
+        "specs/dualpipe.sched",
         "--pp",
-        "2",
+        "4",
         "--mb",
-        "2",
+        "8",
         "--verify",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));

@@ -528,14 +528,16 @@ fn check_cost_schedules_list_blocks_under_the_model() {
         "json",
     ]);
     assert!(under_cost < unit_orders, "{under_cost} vs {unit_orders}");
-    // Integer op costs: an integer makespan, written as a literal below (the language has no
-    // decimal literals; `/` in a timing bound divides exactly).
-    assert_eq!(under_cost.fract(), 0.0);
+    // Integer op costs, each op of v_half's 2P stages charged half (a stage holds 1/(2P) of the
+    // model): a makespan in halves, written as `twice / 2` below (the language has no decimal
+    // literals; `/` in a timing bound divides exactly).
+    assert_eq!((2.0 * under_cost).fract(), 0.0);
+    let twice = (2.0 * under_cost) as i64;
     // A spec that promises the cost-model makespan: check --cost accepts it, alone and in a
     // sweep; without --cost (unit orders, unit times) the bound is not the one judged.
     let spec = d.join("v_half_bound.sched");
     let text = std::fs::read_to_string(root().join("specs/v_half.sched")).unwrap();
-    std::fs::write(&spec, format!("{text}\nexpect makespan <= {under_cost}\n")).unwrap();
+    std::fs::write(&spec, format!("{text}\nexpect makespan <= {twice} / 2\n")).unwrap();
     let s = spec.to_str().unwrap();
     for mbs in [mb, "11..=12"] {
         let out = schedc(&["check", s, "--pp", pp, "--mb", mbs, "--cost", cost]);
@@ -549,7 +551,7 @@ fn check_cost_schedules_list_blocks_under_the_model() {
     }
     std::fs::write(
         &spec,
-        format!("{text}\nexpect makespan <= {under_cost} - 1 / 2\n"),
+        format!("{text}\nexpect makespan <= {twice} / 2 - 1 / 4\n"),
     )
     .unwrap();
     let out = schedc(&["check", s, "--pp", pp, "--mb", mb, "--cost", cost]);
@@ -622,9 +624,14 @@ fn zero_sizes_are_bad_usage() {
 /// 20 characters) widens the column: every row's makespan ends under the header's.
 #[test]
 fn compare_columns_stay_aligned_with_long_names() {
+    // interleaved_1f1b with an expectation that fails: its row is marked `(!)`.
+    let d = tmpdir("compare-long-names");
+    let marked = d.join("interleaved_1f1b.sched");
+    let text = std::fs::read_to_string(root().join("specs/interleaved_1f1b.sched")).unwrap();
+    std::fs::write(&marked, format!("{text}\nexpect idle == 0 if r == 0\n")).unwrap();
     let o = schedc(&[
         "compare",
-        "specs/interleaved_1f1b.sched",
+        marked.to_str().unwrap(),
         "specs/1f1b.sched",
         "--pp",
         "8",

@@ -206,7 +206,11 @@ fn json_reports_the_from_start_makespan_and_the_baselines() {
     // F = B = W = 1, P = 4, M = 8, cap P: 3M + P - 1 = 27, the lower bound.
     assert_eq!(j["makespan"], 27.0);
     assert_eq!(j["lower_bound"], 27.0);
-    assert_eq!(j["optimal"], true);
+    // Optimal on the loop placement searched; interleaved ZB (two stages per rank, not
+    // searched under --placement loop) is listed faster, so not "optimal" (breakit #3).
+    assert_eq!(j["optimal"], false);
+    assert_eq!(j["optimal_on_placements_searched"], true);
+    assert_eq!(j["faster_listed"][0], "spec interleaved_zb");
     assert_eq!(j["greedy"]["makespan"], 27.0);
     let specs: Vec<&str> = j["specs"]
         .as_array()
@@ -391,11 +395,14 @@ fn json_report_and_schedule_on_standard_output_are_refused() {
         "-",
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(
-        o.stdout.is_empty(),
-        "{}",
-        String::from_utf8_lossy(&o.stdout)
-    );
+    // Standard output holds the one JSON error object of every `--format json` error
+    // (breakit2 finding 11), not a schedule.
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["exit"], 2);
+    assert!(v["error"]
+        .as_str()
+        .unwrap()
+        .starts_with("`-o -` and `--format json` would both write"));
     assert!(
         stderr(&o).contains("`-o -` and `--format json` would both write to standard output"),
         "{}",
@@ -468,4 +475,538 @@ fn a_placement_list_leaving_a_rank_without_a_stage_is_refused() {
         "--no-progress",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+/// `shared/costs/moe-1to1.toml`'s figures, written where the test can read them.
+const MOE_1TO1: &str = "[compute]\nF = 0.012\nB = 0.012\nW = 0.010\n[p2p]\nlatency = 2.0e-5\nbandwidth = 5.0e10\n[model]\nhidden = 7168\nseq = 4096\nmicro_batch = 1\ndtype_bytes = 2\n[moe]\ndispatch = 0.006\ncombine = 0.006\noverlap = true\n";
+
+/// `v` is `want` within 1e-9 (sums of 1.1 and 0.05 are not exact in binary).
+fn assert_close(v: &serde_json::Value, want: f64) {
+    let x = v.as_f64().unwrap_or(f64::NAN);
+    assert!((x - want).abs() < 1e-9, "{x} against {want}");
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!("{e}: {}", String::from_utf8_lossy(&o.stdout));
+    })
+}
+
+/// breakit #1 and #2: for the report's commands (the book's headline from 1F1B, no input,
+/// and DualPipeV under `--moe`), every output form's reported `written.makespan` is what
+/// `schedc sim` gives on the file with the same cost, and `schedc check` accepts the file
+/// with the reported cap. The IR text and the spec keep the searched message order, so
+/// they equal the optimized row; the compute-only CSV re-lowers (28.5 against 28.2, as
+/// the report found, and now says). Without input the file counts activations in its own
+/// units (cap 8 for a V schedule the table lists at cap 4); `schedc sim` times it as the
+/// table does (26.1: a stage of a V-way split charged 1/V).
+#[test]
+fn optimize_writes_what_it_reports_in_every_form() {
+    let d = tmpdir("written");
+    let moe_cost = d.join("moe-1to1.toml");
+    std::fs::write(&moe_cost, MOE_1TO1).unwrap();
+    let moe_cost = moe_cost.to_str().unwrap().to_string();
+    let prof_a = "F=1,B=1.1,W=0.9,latency=0.05";
+    // (label, optimize's arguments before -o, sim's extra arguments, cost)
+    let cases: [(&str, Vec<&str>, Vec<&str>, &str); 3] = [
+        (
+            "1f1b",
+            vec![
+                "specs/1f1b.sched",
+                "--pp",
+                "4",
+                "--mb",
+                "8",
+                "--max-activations",
+                "4",
+            ],
+            vec![],
+            prof_a,
+        ),
+        (
+            "noinput",
+            vec!["--pp", "4", "--mb", "8", "--max-activations", "4"],
+            vec![],
+            prof_a,
+        ),
+        (
+            "moe",
+            vec![
+                "specs/dualpipev.sched",
+                "--pp",
+                "4",
+                "--mb",
+                "8",
+                "--max-activations",
+                "9",
+                "--moe",
+                "--effort",
+                "0.2",
+            ],
+            vec!["--moe"],
+            &moe_cost,
+        ),
+    ];
+    for (label, args, sim_extra, cost) in &cases {
+        for (to, ext) in [("ir-text", "ir"), ("spec", "sched"), ("torch-csv", "csv")] {
+            let f = d.join(format!("{label}.{ext}"));
+            let fs = f.to_str().unwrap();
+            let mut a: Vec<&str> = vec!["optimize"];
+            a.extend(args.iter().copied());
+            a.extend(["--cost", cost, "--to", to, "-o", fs, "--format", "json"]);
+            let j = json(&schedc(&a));
+            let w = &j["written"];
+            assert_eq!(w["path"], fs);
+            assert_eq!(w["form"], to);
+            let mut s = vec!["sim", fs];
+            if to == "spec" {
+                s.extend(["--pp", "4", "--mb", "8"]);
+            }
+            s.extend(["--cost", cost, "--format", "json"]);
+            s.extend(sim_extra.iter().copied());
+            let sim = json(&schedc(&s));
+            let reported = w["makespan"].as_f64().unwrap();
+            let simulated = sim["makespan"].as_f64().unwrap();
+            assert!(
+                (reported - simulated).abs() <= 1e-12 * simulated,
+                "{label} {to}: reported {reported}, sim {simulated}"
+            );
+            let cap = w["max_activations"].as_u64().unwrap().to_string();
+            let mut c = vec!["check", fs];
+            if to == "spec" {
+                c.extend(["--pp", "4", "--mb", "8"]);
+            }
+            c.extend(["--max-activations", &cap]);
+            let o = schedc(&c);
+            assert_eq!(o.status.code(), Some(0), "{label} {to}: {}", stderr(&o));
+            match (*label, to) {
+                ("1f1b", "torch-csv") => {
+                    assert_close(&j["makespan"], 28.2);
+                    assert!((reported - 28.5).abs() < 1e-9, "{reported}");
+                }
+                ("1f1b", _) => {
+                    assert_close(&j["makespan"], 28.2);
+                    assert!((reported - 28.2).abs() < 1e-9, "{reported}");
+                    assert_eq!(cap, "4");
+                }
+                ("noinput", "torch-csv") => assert_eq!(cap, "8"),
+                ("noinput", _) => {
+                    assert_close(&j["makespan"], 26.1);
+                    assert_eq!(j["placement"], "v V=2");
+                    // `sim` charges each of the file's 2P stages 1/V of the stage time, as
+                    // the table does; only the activations count in the file's own units.
+                    assert!((reported - 26.1).abs() < 1e-9, "{reported}");
+                    assert_eq!(cap, "8");
+                    assert_eq!(w["same_units_as_rows"], false);
+                }
+                ("moe", "torch-csv") => {}
+                // DualPipeV's 2P stages: the table's cost is for one of them, `schedc sim`
+                // charges each half the stage time (V = 2); the written line gives sim's.
+                ("moe", _) => assert!(
+                    reported < 0.6 * j["makespan"].as_f64().unwrap() && reported > 0.4,
+                    "{to}: {reported} against {}",
+                    j["makespan"]
+                ),
+                _ => unreachable!(),
+            }
+        }
+    }
+    // The human report says the same, with the commands that reproduce it.
+    let f = d.join("human.sched");
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-activations",
+        "4",
+        "--cost",
+        prof_a,
+        "--to",
+        "spec",
+        "-o",
+        f.to_str().unwrap(),
+        "--no-progress",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let fs = f.to_str().unwrap();
+    assert!(
+        out.contains(&format!("written `{fs}` (spec): makespan 26.1000 by `schedc sim {fs} --pp 4 --mb 8 --cost {prof_a}`; peak 8 live activations, `schedc check {fs} --pp 4 --mb 8 --max-activations 8` accepts it")),
+        "{out}"
+    );
+    let text = std::fs::read_to_string(&f).unwrap();
+    assert!(text.contains("# gives makespan 26.100000;"), "{text}");
+    // The IR text's header says the same, in the file's units.
+    let ir = d.join("noinput.ir");
+    let text = std::fs::read_to_string(&ir).unwrap();
+    let is = ir.to_str().unwrap();
+    assert!(
+        text.contains(&format!("# `schedc sim {is} --cost {prof_a}`\n# gives makespan 26.100000;\n# `schedc check {is} --max-activations 8` accepts it.\n")),
+        "{text}"
+    );
+}
+
+/// breakit #3: at P = 2, M = 8, cap 2 branch and bound proves 24.5 on the placements
+/// searched, but the listed chimera (bidirectional, not searched) runs in 24: not
+/// "optimal", and the report names the faster row.
+#[test]
+fn a_faster_listed_schedule_under_the_cap_withdraws_optimal() {
+    let j = json(&schedc(&[
+        "optimize",
+        "--pp",
+        "2",
+        "--mb",
+        "8",
+        "--max-activations",
+        "2",
+        "--format",
+        "json",
+    ]));
+    assert_eq!(j["makespan"], 24.5);
+    assert_eq!(j["optimal"], false);
+    assert_eq!(j["optimal_on_placements_searched"], true);
+    let faster: Vec<&str> = j["faster_listed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap())
+        .collect();
+    assert!(faster.contains(&"spec chimera"), "{faster:?}");
+    assert_eq!(spec_row(&j, "spec chimera")["makespan"], 24.0);
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "2",
+        "--mb",
+        "8",
+        "--max-activations",
+        "2",
+        "--no-progress",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("optimized: makespan 24.5000 (v V=2; lower bound 24.5000, optimal on the placements searched (loop V=1, v V=2, loop V=2); faster in the table: spec chimera [bidir V=2] at 24.0000)"),
+        "{out}"
+    );
+    // Where nothing listed within the cap is faster, `optimal` stands (V, P = 3, M = 4, one
+    // activation per rank: no spec fits).
+    let j = json(&schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--placement",
+        "v",
+        "--vpp",
+        "2",
+        "--max-activations",
+        "1",
+        "--format",
+        "json",
+    ]));
+    assert_eq!(j["makespan"], 21.5);
+    assert_eq!(j["optimal"], true);
+    assert_eq!(j["faster_listed"].as_array().unwrap().len(), 0);
+}
+
+/// breakit #4 (and #19's `inf`): a time limit too large to be a deadline is no limit,
+/// not a panic (exit 101 before).
+#[test]
+fn time_limit_1e19_is_no_limit_not_a_panic() {
+    for t in ["1e19", "1e20", "1e300", "18446744073709551616", "inf"] {
+        let flag = format!("--time-limit={t}");
+        let j = json(&schedc(&[
+            "optimize",
+            "--pp",
+            "3",
+            "--mb",
+            "4",
+            "--placement",
+            "loop",
+            "--max-activations",
+            "3",
+            &flag,
+            "--format",
+            "json",
+        ]));
+        // F = B = W = 1, P = 3, M = 4, cap 3: 3M + P - 1 = 14, the lower bound.
+        assert_eq!(j["makespan"], 14.0, "{t}");
+        assert_eq!(j["timed_out"], false, "{t}");
+    }
+}
+
+/// breakit #5: without an input the instance is sized before the specs are elaborated at
+/// it (before, 4 GB and still running after 30 s under a 100M limit).
+#[test]
+fn without_input_the_memory_limit_comes_before_loading_the_specs() {
+    let t = std::time::Instant::now();
+    let o = Command::new(env!("CARGO_BIN_EXE_schedc"))
+        .args([
+            "optimize",
+            "--pp",
+            "64",
+            "--mb",
+            "4096",
+            "--max-activations",
+            "64",
+            "--time-limit",
+            "2",
+            "--no-progress",
+        ])
+        .env("SCHEDC_MEMORY_LIMIT", "100M")
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert_refused(&o, "error: the instance --pp 64 --mb 4096 (loop V=1, 64 stages) needs about 1.4 GiB of memory by schedc's estimate, more than the limit of 100.0 MiB");
+    assert!(t.elapsed().as_secs_f64() < 2.0, "{:?}", t.elapsed());
+}
+
+/// breakit #5 and #6: loading the specs counts against --time-limit: a spec that takes
+/// longer to elaborate than half the limit is left out with a note, and the command ends
+/// near the limit (before, the limit covered only the search).
+#[test]
+fn spec_loading_counts_against_the_time_limit() {
+    let d = tmpdir("slowspec");
+    std::fs::copy(root().join("specs/1f1b.sched"), d.join("1f1b.sched")).unwrap();
+    // An empty loop of 10^12 turns: the elaborator takes minutes over it.
+    std::fs::write(
+        d.join("slow.sched"),
+        "schedule \"slow\"\nrank r {\n    for i in 0..1000000000000 {\n    }\n    for j in 0..M {\n        F(j)\n        BW(j)\n    }\n}\n",
+    )
+    .unwrap();
+    let t = std::time::Instant::now();
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "2",
+        "--mb",
+        "4",
+        "--max-activations",
+        "2",
+        "--time-limit",
+        "2",
+        "--no-progress",
+        "--specs",
+        d.to_str().unwrap(),
+    ]);
+    let took = t.elapsed().as_secs_f64();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("note: not compared, not elaborated at P = 2, M = 4 within the time given to loading specs (half of --time-limit): slow"),
+        "{}",
+        stderr(&o)
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("spec 1f1b [loop V=1]"), "{out}");
+    assert!(!out.contains("spec slow"), "{out}");
+    assert!(took < 6.0, "took {took} s under --time-limit 2");
+}
+
+/// breakit #17: with `-o -` the schedule alone is on standard output (the report on
+/// standard error), so it pipes into `schedc check -`.
+#[test]
+fn with_o_dash_the_report_goes_to_stderr() {
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "--max-activations",
+        "2",
+        "-o",
+        "-",
+        "--to",
+        "ir-text",
+        "--no-progress",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.starts_with("# Found by `schedc optimize`"), "{out}");
+    assert!(out.contains("\npp 2\n"), "{out}");
+    assert!(!out.contains("optimized"), "{out}");
+    assert!(stderr(&o).contains("optimized: makespan"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("written to standard output (IR text)"),
+        "{}",
+        stderr(&o)
+    );
+    let d = tmpdir("dash");
+    let f = d.join("piped.ir");
+    std::fs::write(&f, &o.stdout).unwrap();
+    check_ok(&f, &["--max-activations", "4"]);
+}
+
+/// breakit #18: a spec in `--specs DIR` that does not parse is named with its location
+/// (`schedc compare` lists it as failed), and a directory without specs is noted.
+#[test]
+fn a_spec_that_does_not_parse_in_specs_dir_is_noted() {
+    let d = tmpdir("broken");
+    std::fs::copy(root().join("specs/1f1b.sched"), d.join("1f1b.sched")).unwrap();
+    let broken = d.join("broken.sched");
+    std::fs::write(&broken, "schedule \"x\"\nrank r {\n    F(0\n}\n").unwrap();
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-activations",
+        "4",
+        "--effort",
+        "0.1",
+        "--no-progress",
+        "--specs",
+        d.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let b = broken.to_str().unwrap();
+    assert!(
+        stderr(&o).contains(&format!(
+            "note: spec `{b}` is not compared: it does not parse: {b}:4:1: expected `,` or `)`, found `}}`"
+        )),
+        "{}",
+        stderr(&o)
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("spec 1f1b"));
+    let e = tmpdir("emptyspecs");
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--max-activations",
+        "3",
+        "--no-progress",
+        "--specs",
+        e.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!(
+            "note: `{}` holds no `*.sched` file: no spec is compared",
+            e.display()
+        )),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// breakit #19: the option edges the report listed.
+#[test]
+fn optimize_option_edges_are_refused_or_shown_plainly() {
+    let base = [
+        "optimize",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-activations",
+        "4",
+    ];
+    let with = |extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        a.push("--no-progress");
+        schedc(&a)
+    };
+    assert_refused(
+        &with(&["--placement", "bidir", "--vpp", "3"]),
+        "--placement bidir has two stages per rank (one per direction); --vpp 3 does not apply",
+    );
+    assert_refused(
+        &with(&["--vpp", "0"]),
+        "--vpp must be at least 1 (virtual stages per rank)",
+    );
+    assert_refused(
+        &with(&["--effort", "1e30"]),
+        "--effort 1e30 without --time-limit would run for days: at most 1000",
+    );
+    // Tiny and huge op times keep their figures (not `0.0000`, not 300 digits).
+    let o = with(&[
+        "--placement",
+        "loop",
+        "--cost",
+        "F=1e-300,B=1e-300,W=1e-300",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("optimized: makespan 2.7000e-299 (loop V=1; lower bound 2.7000e-299, optimal on the placements searched (loop V=1); faster in the table: spec interleaved_zb [loop V=2] at 2.5500e-299)"),
+        "{out}"
+    );
+    let o = with(&["--placement", "loop", "--cost", "F=1e300,B=1e300,W=1e300"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("optimized: makespan 2.7000e301 (loop V=1; lower bound 2.7000e301, optimal on the placements searched"),
+        "{out}"
+    );
+    // No memory figures in the cost model: `-`, as `schedc sim` prints.
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("optimized [loop V=1]"))
+        .unwrap();
+    assert!(row.ends_with(" -"), "{row}");
+    // Four stages on three ranks are not "V=1".
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "3",
+        "--mb",
+        "4",
+        "--placement",
+        "0,1,2,0",
+        "--max-activations",
+        "4",
+        "--no-progress",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("(explicit, 4 stages on 3 ranks; lower bound"),
+        "{out}"
+    );
+}
+
+/// breakit #22: the spec `optimize --to spec` writes is in `schedc fmt`'s canonical form.
+#[test]
+fn optimize_spec_output_passes_fmt_check() {
+    let d = tmpdir("fmtcheck");
+    for (name, input) in [("in.sched", Some("specs/zbv.sched")), ("none.sched", None)] {
+        let f = d.join(name);
+        let mut a = vec!["optimize"];
+        a.extend(input);
+        a.extend([
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--max-activations",
+            "8",
+            "--cost",
+            "F=1,B=1.1,W=0.9,latency=0.05",
+            "--effort",
+            "0.1",
+            "--to",
+            "spec",
+            "-o",
+            f.to_str().unwrap(),
+            "--no-progress",
+        ]);
+        let o = schedc(&a);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let o = schedc(&["fmt", "--check", f.to_str().unwrap()]);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            stderr(&o)
+        );
+    }
 }

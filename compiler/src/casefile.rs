@@ -14,6 +14,10 @@ pub struct CaseResult {
     pub passed: bool,
     /// One line per expectation that failed.
     pub differences: Vec<String>,
+    /// The file itself is wrong rather than the schedule: it cannot be loaded, or an
+    /// `expect` line names an unknown error code or gives a per-rank list of the wrong
+    /// length (`schedc test` exits 2 for it, as for other unusable input).
+    pub malformed: bool,
 }
 
 fn fmt_list<T: std::fmt::Display>(v: &[T]) -> String {
@@ -29,6 +33,7 @@ pub fn run_case(path: impl AsRef<std::path::Path>) -> CaseResult {
     let shown = path_buf.to_string_lossy().into_owned();
     let path = shown.as_str();
     let mut diffs = Vec::new();
+    let mut malformed = false;
     let loaded = load_path(path_buf, &Overrides::default()).and_then(|l| {
         let size = crate::limits::Size::of(&l.program);
         crate::limits::within_limit(
@@ -54,6 +59,7 @@ pub fn run_case(path: impl AsRef<std::path::Path>) -> CaseResult {
                 path: path.into(),
                 passed: false,
                 differences: vec![format!("cannot load: {msg}")],
+                malformed: true,
             };
         }
     };
@@ -85,6 +91,7 @@ pub fn run_case(path: impl AsRef<std::path::Path>) -> CaseResult {
                 }
             }
             Expect::Reject(code) if !crate::diag::Code::ALL.iter().any(|c| c.as_str() == code) => {
+                malformed = true;
                 diffs.push(format!(
                     "{at}: unknown error code `{code}` (codes: {})",
                     crate::diag::Code::ALL
@@ -107,10 +114,13 @@ pub fn run_case(path: impl AsRef<std::path::Path>) -> CaseResult {
             Expect::PeakActivations(v) | Expect::Warmup(v) | Expect::Idle(v)
                 if v.len() != rep.ranks.len() =>
             {
+                malformed = true;
                 diffs.push(format!(
-                    "{at}: {} values for {} ranks (one per rank)",
+                    "{at}: {} value{} for {} rank{} (give one per rank)",
                     v.len(),
-                    rep.ranks.len()
+                    if v.len() == 1 { "" } else { "s" },
+                    rep.ranks.len(),
+                    if rep.ranks.len() == 1 { "" } else { "s" },
                 ));
             }
             Expect::PeakActivations(v) => {
@@ -155,5 +165,6 @@ pub fn run_case(path: impl AsRef<std::path::Path>) -> CaseResult {
         path: path.into(),
         passed: diffs.is_empty(),
         differences: diffs,
+        malformed,
     }
 }

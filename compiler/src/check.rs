@@ -452,31 +452,35 @@ pub fn check_expectations(report: &mut Report, expects: &[crate::dsl::elab::Expe
             continue;
         }
         let mut bad: Vec<String> = Vec::new();
-        let (what, rel) = match e.kind {
-            ExpectKind::Warmup => ("warmup", "=="),
-            ExpectKind::PeakActivations => ("peak activations", "<="),
-            ExpectKind::PeakActivationsExact => ("peak activations", "=="),
-            ExpectKind::Idle => ("unit-time idle", "=="),
+        let what = match e.kind {
+            ExpectKind::Warmup(_) => "warmup",
+            ExpectKind::PeakActivations(_) => "peak activations",
+            ExpectKind::Idle(_) => "unit-time idle",
             _ => unreachable!("timing expectations are skipped above"),
         };
+        let rel = e.kind.rel();
         for (r, rr) in report.ranks.iter().enumerate() {
+            if !e.applies.get(r).copied().unwrap_or(true) {
+                // The line's `if` guard does not hold on this rank.
+                continue;
+            }
             let want = e.values[r];
             let (ok, got) = match e.kind {
-                ExpectKind::Warmup => (rr.warmup as i64 == want, rr.warmup.to_string()),
-                ExpectKind::PeakActivations => (
-                    rr.peak_activations as i64 <= want,
+                ExpectKind::Warmup(_) => (
+                    rel.holds(rr.warmup as f64, want as f64, 0.0),
+                    rr.warmup.to_string(),
+                ),
+                ExpectKind::PeakActivations(_) => (
+                    rel.holds(rr.peak_activations as f64, want as f64, 0.0),
                     rr.peak_activations.to_string(),
                 ),
-                ExpectKind::PeakActivationsExact => (
-                    rr.peak_activations as i64 == want,
-                    rr.peak_activations.to_string(),
-                ),
-                ExpectKind::Idle => match rr.idle {
-                    Some(i) => ((i - want as f64).abs() < 1e-9, i.to_string()),
+                ExpectKind::Idle(_) => match rr.idle {
+                    Some(i) => (rel.holds(i, want as f64, 1e-9), i.to_string()),
                     None => (false, "undefined".to_string()),
                 },
                 _ => unreachable!("timing expectations are skipped above"),
             };
+            let rel = rel.as_str();
             if !ok {
                 bad.push(format!("rank {r}: {got}, expected {rel} {want}"));
             }
@@ -558,7 +562,7 @@ pub fn check_timing_expectations(
     sim: Option<&crate::sim::SimResult>,
     cost: &crate::sim::cost::CostModel,
 ) {
-    use crate::dsl::ast::{ExpectKind, Rel};
+    use crate::dsl::ast::ExpectKind;
     let Some(sim) = sim else { return };
     let names = cost_names(cost, sim.a2a.total > 0.0);
     let span_of = |sp: crate::dsl::ast::Sp| schedc_ir::text::Span {
@@ -567,6 +571,17 @@ pub fn check_timing_expectations(
     };
     for e in expects {
         let Some(f) = &e.formula else { continue };
+        match f.applies(&names) {
+            Ok(true) => {}
+            // The line's `if` guard does not hold under this cost model.
+            Ok(false) => continue,
+            Err((sp, msg)) => {
+                let mut d = Diagnostic::error(Code::Expectation, msg);
+                d.span = Some(span_of(sp));
+                report.diagnostics.push(d);
+                continue;
+            }
+        }
         let bound = match f.eval(&names) {
             Ok(b) => b,
             Err((sp, msg)) => {
@@ -596,10 +611,7 @@ pub fn check_timing_expectations(
             _ => continue,
         };
         let tol = 1e-9 * bound.abs().max(got.abs()).max(1e-12);
-        let ok = match rel {
-            Rel::Le => got <= bound + tol,
-            Rel::Eq => (got - bound).abs() <= tol,
-        };
+        let ok = rel.holds(got, bound, tol);
         if !ok {
             let mut d = Diagnostic::error(
                 Code::Expectation,
@@ -628,4 +640,49 @@ pub fn evaluate_timing_expectations(
     }
     let sim = checked.and_then(|p| crate::sim::simulate(p, cost).ok());
     check_timing_expectations(report, expects, sim.as_ref(), cost);
+}
+
+/// Checks a spec's expectations on `before`, the program they describe, where the program
+/// checked is another one: the parts reordered by `--moe=...:list` or `:adjacent`
+/// ([`crate::input::expectations_program`]). The per-rank ones (warmup, peak activations,
+/// unit-time idle) are checked on `before`'s report; the timing ones on its simulation under
+/// `cost` (none are checked without a model). The expectation errors go into `report`,
+/// which is then rejected. A `before` that does not pass the passes (it should: it is the
+/// spec's own order) adds a warning that the expectations were not checked.
+pub fn check_expectations_on(
+    report: &mut Report,
+    before: &Program,
+    expects: &[crate::dsl::elab::Expectation],
+    cost: Option<&crate::sim::cost::CostModel>,
+) {
+    if expects.is_empty() {
+        return;
+    }
+    let mut out = check(before, None, &Options::default());
+    if out.report.verdict != Verdict::Accepted {
+        let mut d = Diagnostic::error(
+            Code::Expectation,
+            "the spec's expectations were not checked: its own order (plain `--moe`) does not pass `schedc check`",
+        );
+        d.severity = crate::diag::Severity::Warning;
+        report.diagnostics.push(d);
+        return;
+    }
+    check_expectations(&mut out.report, expects);
+    if let (Some(cost), Some(prog)) = (cost, out.checked.as_ref()) {
+        if has_timing_expectations(expects) {
+            let sim = crate::sim::simulate(prog, cost).ok();
+            check_timing_expectations(&mut out.report, expects, sim.as_ref(), cost);
+        }
+    }
+    let failed: Vec<Diagnostic> = out
+        .report
+        .diagnostics
+        .into_iter()
+        .filter(|d| d.is_error() && d.code == Code::Expectation)
+        .collect();
+    if !failed.is_empty() {
+        report.diagnostics.extend(failed);
+        report.verdict = Verdict::Rejected;
+    }
 }

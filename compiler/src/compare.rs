@@ -47,8 +47,8 @@ pub struct Options {
     /// Its name, for the report.
     pub cost_name: String,
     /// Costs derived per row from a model (`--model`): given each row's program shape, its
-    /// derived costs and the simulator's cost model (replacing `cost`, with `op_scale`
-    /// unset). Errors: the message, shown as the row's error.
+    /// derived costs and the simulator's cost model (replacing `cost`; its `op_scale` of 1
+    /// is kept). Errors: the message, shown as the row's error.
     pub derive: Option<Deriver>,
 }
 
@@ -479,21 +479,27 @@ fn judge(
     row: &dyn Fn(Option<Figures>, Status) -> Row,
 ) -> Row {
     let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
-    check::check_expectations(&mut out.report, &loaded.spec_expects);
     let pl = &loaded.program.pipeline;
     let model = match derived {
-        // Each stage's derived costs already hold its own layers.
-        Some((_, cost)) => {
-            let mut m = cost.clone();
-            m.op_scale = None;
-            m
-        }
+        // Each stage's derived costs already hold its own layers (op_scale 1).
+        Some((_, cost)) => cost.for_pipeline(pl),
         None => {
             let mut m = opts.cost.clone();
-            m.op_scale = Some(pl.pp as f64 / pl.stages_per_direction() as f64);
-            m
+            m.op_scale = None;
+            m.for_pipeline(pl)
         }
     };
+    // Under a part reordering, the expectations describe the spec's own order: checked there.
+    match &loaded.expect_program {
+        Some(before) if out.report.verdict == Verdict::Accepted => check::check_expectations_on(
+            &mut out.report,
+            before,
+            &loaded.spec_expects,
+            Some(&model),
+        ),
+        Some(_) => {}
+        None => check::check_expectations(&mut out.report, &loaded.spec_expects),
+    }
     let sim = match (&out.checked, out.report.verdict) {
         (Some(prog), _)
             if out
@@ -506,7 +512,7 @@ fn judge(
         }
         _ => None,
     };
-    if let Some(Ok(s)) = &sim {
+    if let (Some(Ok(s)), None) = (&sim, &loaded.expect_program) {
         check::check_timing_expectations(&mut out.report, &loaded.spec_expects, Some(s), &model);
     }
     let errors: Vec<_> = out
@@ -619,6 +625,9 @@ pub fn render(r: &Report) -> String {
             o,
             "parts ordered by a greedy list schedule under the cost model (:list, at most {k} ops in flight per rank; ops enter it in each rank's input order, weight gradients split and run under all-to-alls)"
         );
+    }
+    if r.moe_list.is_some() || r.moe_adjacent {
+        let _ = writeln!(o, "a spec's `expect` lines describe its own order: they are checked on it with plain --moe, before the parts are reordered");
     }
     let _ = writeln!(
         o,

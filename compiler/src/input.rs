@@ -92,6 +92,11 @@ pub struct Loaded {
     pub spec_expects: Vec<crate::dsl::elab::Expectation>,
     /// A spec's notes about the instance (e.g. that V defaulted to 1).
     pub notes: Vec<String>,
+    /// Where `--moe=...:list` or `:adjacent` reordered a spec's parts: the program with plain
+    /// `--moe`'s order (the spec's own order, split), which the spec's `expect` lines
+    /// describe and are checked on ([`crate::check::check_expectations_on`]). `None` when
+    /// they describe [`Loaded::program`] itself.
+    pub expect_program: Option<Program>,
 }
 
 /// A load failure: unreadable file, or a syntax error with its location.
@@ -364,6 +369,12 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
             ));
         }
     }
+    let expect_program = match &ov.moe {
+        Some(sel) if !spec_expects.is_empty() => {
+            expectations_program(&program, sel).map_err(LoadError::Usage)?
+        }
+        _ => None,
+    };
     let (program, spans) = match &ov.moe {
         Some(sel) => apply_moe_under(&program, spans.as_ref(), sel, ov.list_cost.as_ref())
             .map_err(LoadError::Usage)?,
@@ -380,7 +391,30 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
         budget,
         spec_expects,
         notes,
+        expect_program,
     })
+}
+
+/// The note `sim` and `check` print where a spec's `expect` lines are checked on the order
+/// before a part reordering ([`expectations_program`]).
+pub const REORDER_NOTE: &str = "the spec's `expect` lines describe its own order: they are checked on it with plain `--moe` (before the `:list`/`:adjacent` reordering of the parts)";
+
+/// The program a spec's `expect` lines describe under `sel` when `sel` reorders the parts
+/// (`:list`, `:adjacent`): `p` (the spec's elaborated program) split with plain `--moe`'s
+/// order. `None` when `sel` keeps that order (the expectations describe the split program).
+///
+/// Errors: a selection that does not fit the pipeline, as [`apply_moe`].
+pub fn expectations_program(
+    p: &Program,
+    sel: &crate::moe::MoeStages,
+) -> Result<Option<Program>, String> {
+    if sel.interleave() == crate::moe::Interleave::None {
+        return Ok(None);
+    }
+    let stages = sel.resolve(&p.pipeline)?;
+    Ok(Some(
+        crate::moe::split_timed(p, None, &stages, crate::moe::Interleave::None, None).0,
+    ))
 }
 
 /// Applies `--moe`: splits the ops of the selected MoE stages into parts

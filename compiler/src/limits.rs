@@ -170,6 +170,35 @@ pub fn memory_limit() -> Result<u64, String> {
     }
 }
 
+/// The process's address-space limit (`ulimit -v`, RLIMIT_AS; the soft limit), bytes, and
+/// the room left under it (the limit less the virtual memory mapped now): `None` without a
+/// limit, or where `/proc/self` cannot tell (off Linux).
+///
+/// The estimates count resident memory, and virtual memory is larger (thread stacks and
+/// allocator arenas are reserved whole), so a command may still fail to allocate under a
+/// tight limit; this refuses what is over it for certain. A command that is out of memory
+/// all the same aborts with "memory allocation of N bytes failed" (exit status 134).
+pub fn address_space_room() -> Option<(u64, u64)> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max address space"))?;
+    let soft = line
+        .trim_start_matches("Max address space")
+        .split_whitespace()
+        .next()?;
+    let limit: u64 = soft.parse().ok()?; // `unlimited` does not parse: no limit
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let vm_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some((limit.saturating_sub(vm_kib.saturating_mul(1024)), limit))
+}
+
 /// Bytes as a short human figure (`1.5 GiB`).
 pub fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -193,6 +222,19 @@ pub fn human_bytes(b: u64) -> String {
 pub fn within_limit(what: &str, estimate: u64) -> Result<(), String> {
     let limit = memory_limit()?;
     if estimate <= limit {
+        // Under `ulimit -v`, refuse what cannot be mapped rather than abort on a failed
+        // allocation part way.
+        if let Some((room, as_limit)) = address_space_room() {
+            if estimate > room {
+                return Err(format!(
+                    "{what} needs about {} of memory by schedc's estimate, more than the {} left under the virtual-memory limit of {} (`ulimit -v {}`): raise `ulimit -v` or remove it",
+                    human_bytes(estimate),
+                    human_bytes(room),
+                    human_bytes(as_limit),
+                    as_limit / 1024
+                ));
+            }
+        }
         return Ok(());
     }
     Err(format!(

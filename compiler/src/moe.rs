@@ -245,7 +245,8 @@ impl MoeStages {
             MoeStages::List(v) => {
                 if let Some(s) = v.iter().find(|&&s| s >= pl.stages) {
                     return Err(format!(
-                        "--moe names stage {s}, but the schedule has {} stages",
+                        "--moe names stage {s}, but the schedule's stage ids are 0..={} ({} stages)",
+                        pl.stages.saturating_sub(1),
                         pl.stages
                     ));
                 }
@@ -524,13 +525,7 @@ pub fn split_timed(
         let no_spans = Vec::new();
         let sp = spans.map_or(&no_spans, |m| &m.ranks);
         // Op times per stage-chunk, as `compare` scales them (1/P of the model per stage).
-        let scaled = cost.map(|c| {
-            let mut c = c.clone();
-            if c.op_scale.is_none() {
-                c.op_scale = Some(pl.pp as f64 / pl.stages_per_direction().max(1) as f64);
-            }
-            c
-        });
+        let scaled = cost.map(|c| c.for_pipeline(pl));
         if let Some(orders) = crate::moe_list::order(
             p,
             sp,

@@ -154,6 +154,12 @@ struct RankState {
     /// `window - 1`.
     live: i64,
     mem_cap: i64,
+    /// With hand-split ops in the input, the start of the rank's latest placed part: no later
+    /// part starts before it (the messages are placed by time between the parts, which needs
+    /// the starts in order; a hand-split op's parts, each an op of the window, could
+    /// otherwise go back in time and leave a receive after the part that reads it). 0
+    /// otherwise (the measured figures above are for inputs of whole ops).
+    last_start: f64,
 }
 
 /// The per-rank part orders of the module docs, with each part's span, or `None` when the
@@ -191,6 +197,11 @@ pub(crate) fn order(
             _ => 0.0,
         }
     };
+    let hand_split = p
+        .ranks
+        .iter()
+        .flatten()
+        .any(|i| matches!(i, Instr::Compute(c) if c.part != Part::Whole));
     let mut st: Vec<RankState> = Vec::with_capacity(p.ranks.len());
     for (r, instrs) in p.ranks.iter().enumerate() {
         let mut ops = Vec::with_capacity(instrs.len());
@@ -292,6 +303,7 @@ pub(crate) fn order(
             ep_last: (0.0, 0.0, None),
             live: 0,
             mem_cap,
+            last_start: 0.0,
         });
     }
     // End of each stage's forward (`act`) and backward (`grad`) per micro-batch; NaN before.
@@ -308,7 +320,9 @@ pub(crate) fn order(
         };
         k * s_n * m_n + slot(c.stage, c.mb)
     };
-    let mut part_end = vec![f64::NAN; 4 * s_n * m_n];
+    // With how many of its parts placed: a hand-split op's parts are separate ops of the
+    // input, and a later one may enter the window first; it waits for the part before it.
+    let mut part_end = vec![(f64::NAN, 0u8); 4 * s_n * m_n];
     // Per rank: each placed part's start, and its messages (time, global sequence number,
     // after how many of the rank's parts, the op, span).
     let mut starts: Vec<Vec<f64>> = vec![Vec::new(); st.len()];
@@ -337,39 +351,41 @@ pub(crate) fn order(
         (at, cross)
     };
     // When unit `u` of rank `r` can start (infinite while an input is missing).
-    let start_of = |st: &RankState, u: &Unit, r: usize, act: &[f64], grad: &[f64], pe: &[f64]| {
-        let mut t = if u.ep { st.efree } else { st.cfree };
-        u.ins.for_each_compute(|c| {
-            if !is_first_part(c) {
-                let e = pe[op_key(c)];
-                t = t.max(if e.is_nan() { f64::INFINITY } else { e });
-                return;
-            }
-            t = t.max(st.closed);
-            let mut need = |end: f64, s: u32| t = t.max(input_at(end, s, r).0);
-            match c.kind {
-                Kind::F => {
-                    if let Some(ps) = pl.prev_stage(c.stage) {
-                        need(act[slot(ps, c.mb)], ps);
-                    }
+    let start_of =
+        |st: &RankState, u: &Unit, r: usize, act: &[f64], grad: &[f64], pe: &[(f64, u8)]| {
+            let mut t = if u.ep { st.efree } else { st.cfree }.max(st.last_start);
+            u.ins.for_each_compute(|c| {
+                if !is_first_part(c) {
+                    let (e, placed) = pe[op_key(c)];
+                    let ready = !e.is_nan() && usize::from(placed) == c.part.exec_index(c.kind);
+                    t = t.max(if ready { e } else { f64::INFINITY });
+                    return;
                 }
-                Kind::B | Kind::BW => {
-                    need(act[slot(c.stage, c.mb)], c.stage);
-                    if let Some(ns) = pl.next_stage(c.stage) {
-                        need(grad[slot(ns, c.mb)], ns);
+                t = t.max(st.closed);
+                let mut need = |end: f64, s: u32| t = t.max(input_at(end, s, r).0);
+                match c.kind {
+                    Kind::F => {
+                        if let Some(ps) = pl.prev_stage(c.stage) {
+                            need(act[slot(ps, c.mb)], ps);
+                        }
                     }
+                    Kind::B | Kind::BW => {
+                        need(act[slot(c.stage, c.mb)], c.stage);
+                        if let Some(ns) = pl.next_stage(c.stage) {
+                            need(grad[slot(ns, c.mb)], ns);
+                        }
+                    }
+                    Kind::W => need(grad[slot(c.stage, c.mb)], c.stage),
                 }
-                Kind::W => need(grad[slot(c.stage, c.mb)], c.stage),
+            });
+            if let Some(b) = &u.pair_bwd {
+                if let Some(ns) = pl.next_stage(b.stage) {
+                    t = t.max(input_at(grad[slot(ns, b.mb)], ns, r).0);
+                }
             }
-        });
-        if let Some(b) = &u.pair_bwd {
-            if let Some(ns) = pl.next_stage(b.stage) {
-                t = t.max(input_at(grad[slot(ns, b.mb)], ns, r).0);
-            }
-        }
-        t
-    };
-    let evaluate = |s: &mut RankState, r: usize, act: &[f64], grad: &[f64], pe: &[f64]| {
+            t
+        };
+    let evaluate = |s: &mut RankState, r: usize, act: &[f64], grad: &[f64], pe: &[(f64, u8)]| {
         // `lo`: the oldest open op that is not a `W` (those are placed below).
         while s.lo < s.ops.len() && (s.next[s.lo] == s.ops[s.lo].units.len() || s.ops[s.lo].w) {
             s.lo += 1;
@@ -494,6 +510,9 @@ pub(crate) fn order(
         let s = &mut st[r];
         let u = &s.ops[j].units[s.next[j]];
         let e = t + u.dur;
+        if hand_split {
+            s.last_start = t;
+        }
         // The cross-rank input an op's first part reads, and when it arrives.
         let arrival = |c: &Compute| -> Option<(Payload, f64)> {
             let (kind, src, table) = match c.kind {
@@ -533,7 +552,8 @@ pub(crate) fn order(
         let mut sent: [Option<(Payload, usize)>; 2] = [None, None];
         u.ins.for_each_compute(|c| {
             s.live += mem_delta(c);
-            part_end[op_key(c)] = e;
+            let k = op_key(c);
+            part_end[k] = (e, part_end[k].1.saturating_add(1));
             if is_last_part(c) {
                 s.closed = s.closed.max(e);
                 let (table, to) = match c.kind {

@@ -1045,9 +1045,18 @@ pub fn report(req: &Request, p: &Plan, top: usize) -> String {
             top.min(fits.len()),
             fits.len()
         );
+        // The schedule column fits the longest name shown (`interleaved_1f1b_a2a V=4` is 24
+        // characters).
+        let w = fits
+            .iter()
+            .take(top)
+            .map(|c| c.schedule_text().chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(22);
         let _ = writeln!(
             o,
-            "{:<28} {:<22} {:>5} {:>9} {:>11} {:>8} {:>6} {:>8} {:>6} {:>9}",
+            "{:<28} {:<w$} {:>5} {:>9} {:>11} {:>8} {:>6} {:>8} {:>6} {:>9}",
             "mesh",
             "schedule",
             "M",
@@ -1062,7 +1071,7 @@ pub fn report(req: &Request, p: &Plan, top: usize) -> String {
         for c in fits.iter().take(top) {
             let _ = writeln!(
                 o,
-                "{:<28} {:<22} {:>5} {:>9.3} {:>11.0} {:>8.1} {:>5.1}% {:>7.1}% {:>6} {:>9.1}{}",
+                "{:<28} {:<w$} {:>5} {:>9.3} {:>11.0} {:>8.1} {:>5.1}% {:>7.1}% {:>6} {:>9.1}{}",
                 c.mesh_text(),
                 c.schedule_text(),
                 c.microbatches,

@@ -23,6 +23,10 @@ const STANDARD_LIBRARY: &[(&str, &str)] = &[
         include_str!("../../specs/interleaved_1f1b.sched"),
     ),
     (
+        "interleaved_1f1b_a2a",
+        include_str!("../../specs/interleaved_1f1b_a2a.sched"),
+    ),
+    (
         "interleaved_zb",
         include_str!("../../specs/interleaved_zb.sched"),
     ),

@@ -94,11 +94,7 @@ pub fn row_with(name: &str, v: &Verified, sim: &SimResult, scale: f64, cap_ref: 
         * scale;
     Row {
         name: name.to_string(),
-        placement: format!(
-            "{} V={}",
-            placement_name(pl.placement),
-            pl.stages / pl.pp.max(1)
-        ),
+        placement: placement_label(pl),
         makespan: sim.makespan,
         bubble_from_start: sim.bubble_ratio,
         bubble_from_start_per_busy: sim.bubble_ratio_busy,
@@ -112,6 +108,23 @@ pub fn row_with(name: &str, v: &Verified, sim: &SimResult, scale: f64, cap_ref: 
             .map(|r| r.peak_memory_bytes)
             .fold(0.0, f64::max),
         fits: peak <= cap_ref as f64 + 1e-9,
+    }
+}
+
+/// The pipeline's placement as the report names it: `v V=2`, or for an explicit placement
+/// whose stages do not divide evenly among the ranks `explicit, 4 stages on 3 ranks` (a
+/// V would be a fraction).
+pub fn placement_label(pl: &Pipeline) -> String {
+    let pp = pl.pp.max(1);
+    if !pl.stages.is_multiple_of(pp) {
+        format!(
+            "{}, {} stages on {} ranks",
+            placement_name(pl.placement),
+            pl.stages,
+            pl.pp
+        )
+    } else {
+        format!("{} V={}", placement_name(pl.placement), pl.stages / pp)
     }
 }
 
@@ -226,8 +239,24 @@ pub struct SpecInstance {
 }
 
 /// Every spec in `dir` that accepts P and M (specs whose V is free get `vpp`), sorted by
-/// name. Specs that are refused, do not elaborate or use MoE parts are left out.
+/// name. Specs that are refused, do not elaborate or use MoE parts are left out
+/// ([`load_specs_noting`] says why).
 pub fn load_specs(dir: &Path, pp: u32, mb: u32, vpp: u32) -> Vec<SpecInstance> {
+    load_specs_noting(dir, pp, mb, vpp, None).specs
+}
+
+/// What [`load_specs_noting`] found.
+pub struct SpecLoad {
+    /// The specs that accept the instance, sorted by name.
+    pub specs: Vec<SpecInstance>,
+    /// One sentence per spec left out for a reason other than its `require`s or MoE parts
+    /// (it does not parse, cannot be read or elaborated, or the deadline came first), and
+    /// one for a directory without specs.
+    pub notes: Vec<String>,
+}
+
+/// The files `*.sched` in `dir`, sorted; an unreadable directory has none.
+fn spec_files(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut files: Vec<std::path::PathBuf> = match std::fs::read_dir(dir) {
         Ok(d) => d
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -236,41 +265,175 @@ pub fn load_specs(dir: &Path, pp: u32, mb: u32, vpp: u32) -> Vec<SpecInstance> {
         Err(_) => return Vec::new(),
     };
     files.sort();
-    let mut out = Vec::new();
-    for f in files {
-        let Ok(text) = std::fs::read_to_string(&f) else {
-            continue;
+    files
+}
+
+/// Loads one spec at P, M (V = `vpp` when the spec leaves it free): `Ok(None)` when a
+/// `require` refuses the instance or it has MoE parts, `Err` with a located sentence when
+/// it cannot be read, parsed or elaborated.
+fn load_one(f: &Path, pp: u32, mb: u32, vpp: u32) -> Result<Option<SpecInstance>, String> {
+    let shown = f.display().to_string();
+    let text = std::fs::read_to_string(f).map_err(|e| format!("cannot be read: {e}"))?;
+    let name = f
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("?")
+        .to_string();
+    let fixed_v = schedc::dsl::parse_file(&text)
+        .map(|p| {
+            p.items
+                .iter()
+                .any(|i| matches!(i, schedc::dsl::ast::Item::Vpp(..)))
+        })
+        .unwrap_or(false);
+    let ov = Overrides {
+        pp: Some(pp),
+        microbatches: Some(mb),
+        vpp: if fixed_v { None } else { Some(vpp) },
+        ..Default::default()
+    };
+    match load_spec(&text, &ov) {
+        Ok(e) => Ok(Sched::from_program(&e.program).ok().map(|sc| SpecInstance {
+            name,
+            sched: sc,
+            pipeline: e.program.pipeline,
+        })),
+        Err(LoadError::Spec { refused: true, .. }) => Ok(None),
+        Err(LoadError::Spec { diags, text, .. }) => {
+            let syntax = diags.iter().any(|d| d.code == schedc::diag::Code::Syntax);
+            let first = diags
+                .into_iter()
+                .find(|d| d.severity == schedc::diag::Severity::Error)
+                .map(|mut d| {
+                    d.locate(&shown, &text);
+                    match d.location {
+                        Some(l) => format!("{l}: {}", d.message),
+                        None => d.message,
+                    }
+                })
+                .unwrap_or_default();
+            Err(if syntax {
+                format!("it does not parse: {first}")
+            } else {
+                format!("it does not elaborate at P = {pp}, M = {mb}: {first}")
+            })
+        }
+        Err(LoadError::Parse(p)) => Err(format!(
+            "it does not parse: {shown}:{}:{}: {}",
+            p.line, p.col, p.message
+        )),
+        Err(LoadError::Io(m)) | Err(LoadError::Usage(m)) => Err(m),
+    }
+}
+
+/// [`load_specs`], saying what it leaves out: a spec that does not parse or elaborate (as
+/// `schedc compare` lists it under "failed"), a directory without `*.sched` files, and,
+/// with a `deadline`, the specs not elaborated by then. The specs are elaborated on a
+/// thread of their own, one after the other; at the deadline the ones not done are left
+/// out (the one being elaborated finishes in the background: elaboration cannot be
+/// interrupted, and its result is dropped). A spec refused by its `require`s, or with MoE
+/// parts, is left out silently.
+pub fn load_specs_noting(
+    dir: &Path,
+    pp: u32,
+    mb: u32,
+    vpp: u32,
+    deadline: Option<std::time::Instant>,
+) -> SpecLoad {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Arc};
+    let files = spec_files(dir);
+    let mut notes = Vec::new();
+    if files.is_empty() {
+        if dir.is_dir() {
+            notes.push(format!(
+                "`{}` holds no `*.sched` file: no spec is compared",
+                dir.display()
+            ));
+        }
+        return SpecLoad {
+            specs: Vec::new(),
+            notes,
         };
-        let name = f
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or("?")
-            .to_string();
-        let fixed_v = schedc::dsl::parse_file(&text)
-            .map(|p| {
+    }
+    // Specs scheduled by a `list` block take far longer to elaborate at large P (about
+    // cubic: `v_half` 0.7 s at P = 128, 44 s at 500): the others first, so that a deadline
+    // leaves out the slow ones rather than whatever sorts last.
+    let mut files = files;
+    files.sort_by_key(|f| {
+        let list = std::fs::read_to_string(f)
+            .ok()
+            .and_then(|t| schedc::dsl::parse_file(&t).ok())
+            .is_some_and(|p| {
                 p.items
                     .iter()
-                    .any(|i| matches!(i, schedc::dsl::ast::Item::Vpp(..)))
-            })
-            .unwrap_or(false);
-        let ov = Overrides {
-            pp: Some(pp),
-            microbatches: Some(mb),
-            vpp: if fixed_v { None } else { Some(vpp) },
-            ..Default::default()
-        };
-        match load_spec(&text, &ov) {
-            Ok(e) => {
-                if let Ok(sc) = Sched::from_program(&e.program) {
-                    out.push(SpecInstance {
-                        name,
-                        sched: sc,
-                        pipeline: e.program.pipeline,
-                    });
+                    .any(|i| matches!(i, schedc::dsl::ast::Item::List(..)))
+            });
+        (list, f.clone())
+    });
+    let (tx, rx) = mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let worker = {
+        let files = files.clone();
+        let stop = stop.clone();
+        // The elaborator recurses on the spec's syntax: the CLI's own stack size.
+        std::thread::Builder::new()
+            .name("load-specs".into())
+            .stack_size(256 << 20)
+            .spawn(move || {
+                for f in files {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let r = load_one(&f, pp, mb, vpp);
+                    if tx.send(r).is_err() {
+                        break;
+                    }
                 }
+            })
+    };
+    let mut specs = Vec::new();
+    if worker.is_err() {
+        // No thread to spare: elaborate here, without the deadline.
+        for f in &files {
+            match load_one(f, pp, mb, vpp) {
+                Ok(Some(s)) => specs.push(s),
+                Ok(None) => {}
+                Err(e) => notes.push(format!("spec `{}` is not compared: {e}", f.display())),
             }
-            Err(LoadError::Spec { .. }) | Err(_) => continue,
+        }
+        specs.sort_by(|a, b| a.name.cmp(&b.name));
+        return SpecLoad { specs, notes };
+    }
+    for (k, f) in files.iter().enumerate() {
+        let got = match deadline {
+            Some(d) => rx
+                .recv_timeout(d.saturating_duration_since(std::time::Instant::now()))
+                .ok(),
+            None => rx.recv().ok(),
+        };
+        match got {
+            Some(Ok(Some(s))) => specs.push(s),
+            Some(Ok(None)) => {}
+            Some(Err(e)) => notes.push(format!("spec `{}` is not compared: {e}", f.display())),
+            None => {
+                stop.store(true, Ordering::Relaxed);
+                let left: Vec<String> = files[k..]
+                    .iter()
+                    .map(|f| {
+                        f.file_stem()
+                            .map(|s| s.to_string_lossy().into_owned())
+                            .unwrap_or_default()
+                    })
+                    .collect();
+                notes.push(format!(
+                    "not compared, not elaborated at P = {pp}, M = {mb} within the time given to loading specs (half of --time-limit): {}",
+                    left.join(", ")
+                ));
+                break;
+            }
         }
     }
-    out
+    specs.sort_by(|a, b| a.name.cmp(&b.name));
+    SpecLoad { specs, notes }
 }

@@ -206,13 +206,17 @@ fn item() -> impl Strategy<Value = Item> {
         )),
         (
             prop::sample::select(vec![
-                ExpectKind::Warmup,
-                ExpectKind::PeakActivations,
-                ExpectKind::Idle
+                ExpectKind::Warmup(Rel::Eq),
+                ExpectKind::PeakActivations(Rel::Le),
+                ExpectKind::PeakActivations(Rel::Ge),
+                ExpectKind::Idle(Rel::Eq),
+                ExpectKind::Idle(Rel::Le),
+                ExpectKind::Warmup(Rel::Ge),
             ]),
-            expr()
+            expr(),
+            prop::option::of(expr())
         )
-            .prop_map(|(k, e)| Item::Expect(k, e, sp())),
+            .prop_map(|(k, e, g)| Item::Expect(k, e, g, sp())),
     ]
 }
 
@@ -1041,4 +1045,223 @@ fn measured_bounds_are_not_claimed_under_latency() {
             assert!(errs.is_empty(), "{spec} P={pp} M={mb}: {errs:?}");
         }
     }
+}
+
+/// The `expect` errors of a rank-program spec at (pp, mb) under `cost`.
+fn expect_errors(src: &str, pp: u32, mb: u32, cost: &str) -> Vec<String> {
+    list_check(src, pp, mb, cost)
+}
+
+const GPIPE_BODY: &str =
+    "placement loop\nrank r {\n    repeat M { F(0) }\n    repeat M { BW(0) }\n}\n";
+
+// Issue (expect grammar): every figure takes `<=`, `==` and `>=`.
+#[test]
+fn expect_every_figure_takes_le_eq_ge() {
+    // GPipe at P = 2, M = 3: warmup 3, peak 3, unit idle 3 (P - 1 = 1 F + 2 BW... per rank).
+    let ok = format!(
+        "{GPIPE_BODY}expect warmup >= M\nexpect warmup <= M\nexpect peak_activations >= M\nexpect idle >= 3 * (P - 1)\nexpect idle <= 3 * (P - 1)\nexpect makespan >= 1\n"
+    );
+    assert_eq!(expect_errors(&ok, 2, 3, "unit"), Vec::<String>::new());
+    let bad = format!("{GPIPE_BODY}expect warmup >= M + 1\nexpect idle <= 2\n");
+    assert_eq!(
+        expect_errors(&bad, 2, 3, "unit"),
+        vec![
+            "warmup does not hold on 2 rank(s): rank 0: 3, expected >= 4; rank 1: 3, expected >= 4"
+                .to_string(),
+            "unit-time idle does not hold on 2 rank(s): rank 0: 3, expected <= 2; rank 1: 3, expected <= 2"
+                .to_string(),
+        ]
+    );
+    let timing = format!("{GPIPE_BODY}expect makespan >= 100\n");
+    assert_eq!(
+        expect_errors(&timing, 2, 3, "unit"),
+        vec!["makespan is 12.000000, expected >= 100.000000".to_string()]
+    );
+}
+
+// Issue (expect grammar): `if COND` limits a line to where COND holds: per rank for the
+// per-rank figures, under the cost model for the timing ones.
+#[test]
+fn expect_if_guard_applies_where_it_holds() {
+    // Only rank 0 is claimed (wrongly for rank 1 too, were the guard ignored).
+    let per_rank = format!(
+        "{GPIPE_BODY}expect warmup == 99 if r == 1 && P == 3\nexpect idle == 0 if r == 5\n"
+    );
+    assert_eq!(expect_errors(&per_rank, 2, 3, "unit"), Vec::<String>::new());
+    assert_eq!(
+        expect_errors(&per_rank, 3, 3, "unit"),
+        vec!["warmup does not hold on 1 rank(s): rank 1: 3, expected == 99".to_string()]
+    );
+    // A guard on the cost model: the bound applies only with equal F and B.
+    let timing = format!("{GPIPE_BODY}expect makespan <= 4 * (F + BW) if F == B\n");
+    assert_eq!(expect_errors(&timing, 2, 3, "unit"), Vec::<String>::new());
+    assert_eq!(
+        expect_errors(&timing, 2, 3, "F=1,B=2,W=1"),
+        Vec::<String>::new()
+    );
+    let tight = format!("{GPIPE_BODY}expect makespan <= F if F == B\n");
+    assert_eq!(
+        expect_errors(&tight, 2, 3, "unit"),
+        vec!["makespan is 12.000000, expected <= 1.000000".to_string()]
+    );
+    assert_eq!(
+        expect_errors(&tight, 2, 3, "F=1,B=2,W=1"),
+        Vec::<String>::new()
+    );
+    // Where the guard fails the bound is not evaluated (it may be undefined there).
+    let undefined = format!("{GPIPE_BODY}expect idle == 1 / (P - 2) if P != 2\n");
+    assert_eq!(
+        expect_errors(&undefined, 2, 3, "unit"),
+        Vec::<String>::new()
+    );
+    // A guard that is not a condition is an error at the guard.
+    let not_bool = format!("{GPIPE_BODY}expect idle == 3 if P\n");
+    let ov = Overrides {
+        pp: Some(2),
+        microbatches: Some(3),
+        ..Default::default()
+    };
+    let Err(LoadError::Spec { diags, .. }) = load_spec(&not_bool, &ov) else {
+        panic!("a non-boolean guard elaborated")
+    };
+    assert!(diags[0].message.contains("bool"), "{}", diags[0].message);
+}
+
+// Issue (expect grammar): `fmt` prints the relations and the guard, and reads them back.
+#[test]
+fn expect_relations_and_guard_round_trip_through_fmt() {
+    let src = "rank r {\n    F(0)\n}\n\nexpect warmup >= 1 if r == 0\nexpect peak_activations <= M\nexpect idle >= 0\nexpect makespan <= 2 * F if F == B && MSG == 0\nexpect bubble(from_start) >= 0\nexpect exposed_comm <= 0 if P > 1\n";
+    let f = parse_file(src).unwrap();
+    assert_eq!(format_file(&f, src), src);
+    let Item::Expect(kind, _, guard, _) = &f.items[1] else {
+        panic!("{:?}", f.items[1])
+    };
+    assert_eq!(*kind, ExpectKind::Warmup(Rel::Ge));
+    assert!(guard.is_some());
+    // `=` gets the old hint; an unknown relation names the three.
+    let e = parse_file("expect warmup < 1\n").unwrap_err();
+    assert!(e.message.contains("`<=`, `==` or `>=`"), "{}", e.message);
+}
+
+// Breakit item 23: `fmt` keeps a comment at the end of a block's header line on that line
+// and one after ops on their line, instead of moving it into the block.
+#[test]
+fn item23_fmt_keeps_header_and_line_comments_in_place() {
+    for (src, want) in [
+        (
+            "rank r {\n    F?(0); BW(0) # pair\n    for i in 0..M { # loop head\n        F(0)\n        BW(0)\n    }\n}\n",
+            "rank r {\n    F?(0) BW(0) # pair\n    for i in 0..M { # loop head\n        F(0)\n        BW(0)\n    }\n}\n",
+        ),
+        (
+            "rank r # after rank r\n{ # after brace\n    F(0) BW(0)\n}\n",
+            "rank r { # after rank r\n    # after brace\n    F(0)\n    BW(0)\n}\n",
+        ),
+        (
+            "rank r {\n    repeat M { F?(0); BW(0) # pair\n    }\n    if r == 0 { # first\n        F(0)\n    }\n}\n",
+            "rank r {\n    repeat M {\n        F?(0) BW(0) # pair\n    }\n    if r == 0 { # first\n        F(0)\n    }\n}\n",
+        ),
+        (
+            "list r { # greedy\n    F(c, m) = m\n    BW(c, m) = m\n}\n",
+            "list r { # greedy\n    F(c, m) = m\n    BW(c, m) = m\n}\n",
+        ),
+    ] {
+        let f = parse_file(src).unwrap();
+        let out = format_file(&f, src);
+        assert_eq!(out, want, "{src}");
+        // Idempotent, and the same program.
+        let back = parse_file(&out).unwrap();
+        assert_eq!(format_file(&back, &out), out);
+        assert_eq!(back, f);
+    }
+}
+
+/// Rank 0's ops of a one-rank spec at M = `mb`, as text.
+fn rank0_ops(src: &str, mb: u32) -> Vec<String> {
+    let ov = Overrides {
+        pp: Some(1),
+        microbatches: Some(mb),
+        ..Default::default()
+    };
+    let e = load_spec(src, &ov).unwrap_or_else(|e| panic!("{e:?}"));
+    e.program.ranks[0]
+        .iter()
+        .map(schedc_ir::text::instr_to_string)
+        .collect()
+}
+
+// Issue (`done`): `done(K, c)` is chunk c's counter for K, the micro-batch the next `K(c)`
+// takes (the count run when ops run in order), as the language chapter now says; an explicit
+// `K(c, m)` moves it past m; `left(K, c)` is M minus it; `done(W, c)` counts the Ws run.
+#[test]
+fn done_is_the_chunk_counter_as_the_language_chapter_says() {
+    let src = "placement loop\nrank r {\n    F(0, 2)\n    F(0, done(F, 0) - 3)\n    F(0, left(F, 0))\n    F(0)\n    B(0, done(B, 0) + 1)\n    B(0, 0)\n    W(0)\n    B(0, done(W, 0) + 1)\n    B(0)\n    repeat 4 - done(W, 0) { W(0) }\n}\n";
+    assert_eq!(
+        rank0_ops(src, 4),
+        [
+            "F(0,2)", "F(0,0)", "F(0,1)", "F(0,3)", "B(0,1)", "B(0,0)", "W(0,1)", "B(0,2)",
+            "B(0,3)", "W(0,0)", "W(0,2)", "W(0,3)"
+        ]
+    );
+}
+
+// Breakit#5 (list scheduling grew as P^3): the greedy's lower bounds are now computed only
+// where a decision reads them, and memoized per state. The orders must not change: the
+// FNV-1a hash of each program's IR text, pinned from the greedy before the change (the
+// same programs as `schedc convert SPEC --pp P --mb M --cost C --to ir-text`).
+#[test]
+fn list_scheduled_orders_are_unchanged_by_the_incremental_bounds() {
+    let fnv = |s: &str| {
+        s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    };
+    let profa = "F=1,B=1.1,W=0.9,latency=0.05";
+    // (spec, P, M, parameters, cost, hash)
+    type Case<'a> = (&'a str, u32, u32, &'a [(&'a str, i64)], &'a str, u64);
+    let cases: [Case; 8] = [
+        ("v_half", 16, 32, &[], "unit", 0xab9c_77c9_089b_0e4c),
+        ("v_half", 8, 24, &[], profa, 0x2509_dc98_36bf_f88a),
+        (
+            "v_half",
+            7,
+            5,
+            &[],
+            "F=1,B=2,W=1,latency=0.3",
+            0x3a4f_c5a7_d49f_443e,
+        ),
+        ("v_min", 12, 30, &[], profa, 0xf298_a85d_8bb0_77b7),
+        ("hanayo", 8, 16, &[], "unit", 0xe0db_97ee_7aab_4c97),
+        (
+            "hanayo",
+            6,
+            13,
+            &[("waves", 3)],
+            profa,
+            0xde94_0616_1abc_4ff1,
+        ),
+        (
+            "chimera",
+            8,
+            16,
+            &[],
+            "F=1,B=2,W=1,latency=0.3",
+            0xe7ba_69fc_4292_5ca0,
+        ),
+        ("chimera_direct", 4, 8, &[], "unit", 0x97d2_4889_07f4_6905),
+    ];
+    let mut got = Vec::new();
+    for (spec, pp, mb, params, cost, _) in cases {
+        let ov = Overrides {
+            pp: Some(pp),
+            microbatches: Some(mb),
+            params: params.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            list_cost: Some(schedc::sim::cost::CostModel::resolve(cost).unwrap()),
+            ..Default::default()
+        };
+        let e = load_spec(&std_spec(spec), &ov).unwrap_or_else(|e| panic!("{spec}: {e:?}"));
+        got.push(fnv(&schedc_ir::text::print(&e.program)));
+    }
+    let want: Vec<u64> = cases.iter().map(|c| c.5).collect();
+    assert_eq!(got, want, "{got:#x?}");
 }

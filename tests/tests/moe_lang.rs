@@ -373,7 +373,7 @@ fn set_spec() -> impl Strategy<Value = SetSpec> {
 }
 
 fn new_item() -> impl Strategy<Value = Item> {
-    let rel = prop::sample::select(vec![Rel::Le, Rel::Eq]);
+    let rel = prop::sample::select(vec![Rel::Le, Rel::Eq, Rel::Ge]);
     let conv = prop::sample::select(schedc::sim::Convention::ALL.to_vec());
     prop_oneof![
         (prop::sample::select(vec!["ep", "ep2", "world"]), set_spec())
@@ -387,9 +387,10 @@ fn new_item() -> impl Strategy<Value = Item> {
                 rel.clone().prop_map(ExpectKind::ExposedA2a),
                 rel.prop_map(ExpectKind::ExposedComm),
             ],
-            small_expr()
+            small_expr(),
+            prop::option::of(small_expr())
         )
-            .prop_map(|(k, e)| Item::Expect(k, e, sp())),
+            .prop_map(|(k, e, g)| Item::Expect(k, e, g, sp())),
     ]
 }
 

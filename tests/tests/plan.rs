@@ -162,3 +162,28 @@ fn balanced_layout_keeps_the_remainder_off_the_embedding_and_head_stages() {
         }
     }
 }
+
+/// issue 22 item 7: the table's schedule column fits the longest name shown
+/// (`interleaved_1f1b_a2a V=2` is 24 characters): every row is as long as the header, so
+/// the columns stay aligned.
+#[test]
+fn plan_table_fits_the_longest_schedule_name() {
+    let mut req = request("llama3-8b", "h100", 4, 16);
+    req.fixed = Fixed::parse("tp=2,pp=2").unwrap();
+    let p = plan(&req, &specs(&["1f1b", "interleaved_1f1b_a2a"])).unwrap();
+    assert!(p
+        .candidates
+        .iter()
+        .any(|x| x.fits && x.schedule_text().starts_with("interleaved_1f1b_a2a V=")));
+    let text = schedc::plan::report(&req, &p, 10);
+    let mut lines = text.lines().skip_while(|l| !l.starts_with("mesh "));
+    let header = lines.next().unwrap();
+    let rows: Vec<&str> = lines
+        .take_while(|l| l.starts_with("tp="))
+        .map(|l| l.trim_end_matches(" *"))
+        .collect();
+    assert!(rows.len() >= 2, "{text}");
+    for r in rows {
+        assert_eq!(r.len(), header.len(), "{r}\n{header}");
+    }
+}

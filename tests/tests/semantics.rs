@@ -172,6 +172,28 @@ rank 1: F(1,0) F(1,1) F(3,0) BW(3,0) F(3,1) BW(3,1) BW(1,0) BW(1,1)\n";
     assert_eq!(w[1].per_stage, vec![(1, 2), (3, 1)]);
 }
 
+/// issue 22 item 7: an overlapped pair split into MoE parts (`--moe` issues the backward's
+/// combine before the forward's attention) keeps its forward inside the pair, as the unsplit
+/// pair does; a forward after the whole backward does not count.
+#[test]
+fn warmup_counts_the_forward_of_a_split_pair() {
+    let whole = "pp 1\nstages 2\nmicrobatches 2\nplacement 0 0\n\
+rank 0: F(0,0) F(1,0) F(0,1)&BW(1,0) BW(0,0) F(1,1) BW(1,1) BW(0,1)\n";
+    let split = "pp 1\nstages 2\nmicrobatches 2\nplacement 0 0\nmoe 0 1\n\
+rank 0: F(0,0) F(1,0) BW(1,0).combine F(0,1).attn F(0,1).dispatch BW(1,0).mlp \
+BW(1,0).dispatch F(0,1).mlp F(0,1).combine BW(1,0).attn BW(0,0) F(1,1) BW(1,1) BW(0,1)\n";
+    for src in [whole, split] {
+        let p = parse(src).unwrap().program;
+        let w = schedc::passes::warmup::analyze(&p);
+        assert_eq!(
+            (w[0].phases.warmup, w[0].phases.steady, w[0].phases.cooldown),
+            (3, 3, 2),
+            "{src}"
+        );
+        assert_eq!(w[0].per_stage, vec![(0, 2), (1, 1)], "{src}");
+    }
+}
+
 #[test]
 fn unit_time_idle_of_1f1b_is_three_per_hop() {
     // 1F1B with the fused backward (BW = B + W = 2): idle (P-1)(F+B+W) = 3(P-1) on every rank

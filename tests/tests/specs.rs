@@ -469,3 +469,106 @@ fn worse_priorities_fail_their_spec() {
         );
     }
 }
+
+/// Megatron-Core's interleaved schedule with `--overlap-moe-expert-parallel-comm`, rank `r`,
+/// written from NVIDIA/Megatron-LM @d98e8a64 `schedules.py`: `get_schedule_table` (groups of
+/// `microbatch_group_size_per_vp_stage`, default P, micro-batches per chunk),
+/// `get_pp_rank_microbatches` (warmup `2(P - 1 - r) + (V - 1)N`, plus one with the overlap,
+/// at most `MV`) and `forward_backward_pipelining_with_interleaving` (warmup forwards, then
+/// forward `k + warmup` combined with backward `k`, then the backwards left). The backward of
+/// virtual micro-batch `k` runs chunk `V - 1 - chunk(k)`.
+fn megatron_combined_1f1b(pp: u32, vpp: u32, mb: u32, r: u32) -> Vec<schedc_ir::Instr> {
+    use schedc_ir::{Compute, Instr, Kind};
+    let group = pp;
+    let mut table = Vec::new();
+    for first in (0..mb).step_by(group as usize) {
+        let end = if first + group >= mb {
+            mb
+        } else {
+            first + group
+        };
+        for c in 0..vpp {
+            for m in first..end {
+                table.push((m, c));
+            }
+        }
+    }
+    let total = mb * vpp;
+    let warmup = (2 * (pp - 1 - r) + (vpp - 1) * group + 1).min(total);
+    let f = |k: u32| Compute::new(Kind::F, table[k as usize].1 * pp + r, table[k as usize].0);
+    let b = |k: u32| {
+        let (m, c) = table[k as usize];
+        Compute::new(Kind::BW, (vpp - 1 - c) * pp + r, m)
+    };
+    let mut out: Vec<Instr> = (0..warmup).map(|k| Instr::Compute(f(k))).collect();
+    for k in 0..total - warmup {
+        out.push(Instr::Overlap {
+            fwd: f(k + warmup),
+            bwd: b(k),
+        });
+    }
+    out.extend((total - warmup..total).map(|k| Instr::Compute(b(k))));
+    out
+}
+
+/// issue 22 item 7: `interleaved_1f1b_a2a` is Megatron-Core's combined 1F1B op for op (each
+/// rank's forwards, overlapped F&B pairs and backwards, with their stages and micro-batches).
+#[test]
+fn interleaved_1f1b_a2a_is_megatron_combined_1f1b_op_for_op() {
+    let text =
+        std::fs::read_to_string(conform::root().join("specs/interleaved_1f1b_a2a.sched")).unwrap();
+    let mut n = 0;
+    for pp in 2..=8u32 {
+        for vpp in 2..=4u32 {
+            for mb in [pp, 2 * pp, 3 * pp, 4 * pp] {
+                let ov = schedc::input::Overrides {
+                    pp: Some(pp),
+                    microbatches: Some(mb),
+                    vpp: Some(vpp),
+                    ..Default::default()
+                };
+                let e = schedc::input::load_spec(&text, &ov).unwrap();
+                for r in 0..pp {
+                    assert_eq!(
+                        e.program.ranks[r as usize],
+                        megatron_combined_1f1b(pp, vpp, mb, r),
+                        "P={pp} V={vpp} M={mb} rank {r}"
+                    );
+                }
+                n += 1;
+            }
+        }
+    }
+    assert_eq!(n, 7 * 3 * 4);
+    // P = 1 (Megatron's `combined_1f1b_schedule_for_no_pipelining`: the first forward alone,
+    // then backward i with forward i + 1, the last backward alone).
+    for mb in 1..=4u32 {
+        let ov = schedc::input::Overrides {
+            pp: Some(1),
+            microbatches: Some(mb),
+            vpp: Some(1),
+            ..Default::default()
+        };
+        let e = schedc::input::load_spec(&text, &ov).unwrap();
+        assert_eq!(e.program.ranks[0], megatron_combined_1f1b(1, 1, mb, 0));
+        assert_eq!(e.program.ranks[0].len() as u32, mb + 1, "M={mb}");
+    }
+}
+
+/// issue 22 item 7: every instance P in 2..=8, M in 1..=8P, V in 2..=4 that Megatron accepts
+/// (P | M) passes `schedc check` with the spec's expectations; V = 1 with P > 1 is refused
+/// (Megatron asserts virtual pipelining for the overlap with PP > 1).
+#[test]
+fn interleaved_1f1b_a2a_sweep() {
+    for v in 2..=4 {
+        let (ok, refused) = sweep("interleaved_1f1b_a2a", 2..=8, Some(v));
+        // M in 1..=8P: the 8 multiples of P are accepted.
+        assert_eq!(ok, 7 * 8, "V={v}");
+        assert_eq!(refused, (2..=8).map(|p| 8 * p - 8).sum::<u32>() as usize);
+    }
+    let (ok, refused) = sweep("interleaved_1f1b_a2a", 2..=4, Some(1));
+    assert_eq!(
+        (ok, refused),
+        (0, (2..=4).map(|p| 8 * p).sum::<u32>() as usize)
+    );
+}

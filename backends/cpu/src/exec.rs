@@ -152,7 +152,16 @@ pub struct ExecOptions {
     pub trace: bool,
     /// Called after every step with (step, loss) from the main thread (progress).
     pub on_step: Option<OnStep>,
+    /// With [`ExecOptions::trace`]: where the spans go while the run goes, each rank's
+    /// spans of a step once it finishes the step (on the thread that called [`execute`]);
+    /// [`ExecResult::trace`] then stays empty, so that a long traced run holds about one
+    /// step of spans rather than all of them. `None`: they are collected in
+    /// [`ExecResult::trace`].
+    pub trace_sink: Option<SpanSink>,
 }
+
+/// Receives a traced run's spans as the ranks finish each step ([`ExecOptions::trace_sink`]).
+pub type SpanSink = Arc<Mutex<dyn FnMut(&[Span]) + Send>>;
 
 impl Default for ExecOptions {
     fn default() -> Self {
@@ -164,6 +173,7 @@ impl Default for ExecOptions {
             faults: Faults::default(),
             trace: false,
             on_step: None,
+            trace_sink: None,
         }
     }
 }
@@ -260,24 +270,65 @@ fn span_of(op: &Op) -> (&'static str, Option<String>) {
 /// rank, one thread per stream (`compute`, `comm`, ..., `ep`), a complete event per
 /// [`Span`] with its chunk and step in `args`; times in microseconds.
 pub fn chrome_trace(spans: &[Span]) -> String {
-    use serde_json::json;
-    let mut ev = Vec::new();
-    let mut named: HashSet<(u32, usize)> = HashSet::new();
-    for s in spans {
-        if named.insert((s.rank, usize::MAX)) {
-            ev.push(json!({"name": "process_name", "ph": "M", "pid": s.rank, "args": {"name": format!("rank {}", s.rank)}}));
-        }
-        if named.insert((s.rank, s.stream)) {
-            ev.push(json!({"name": "thread_name", "ph": "M", "pid": s.rank, "tid": s.stream, "args": {"name": s.stream_name}}));
-        }
-        ev.push(json!({
-            "name": s.name, "cat": s.cat, "ph": "X", "pid": s.rank, "tid": s.stream,
-            "ts": s.start_us, "dur": s.dur_us,
-            "args": {"chunk": s.chunk, "step": s.step},
-        }));
+    let mut w = ChromeTraceWriter::new(Vec::new()).expect("a Vec takes the header");
+    w.push(spans).expect("a Vec takes the events");
+    String::from_utf8(w.finish().expect("a Vec takes the end")).expect("JSON is UTF-8")
+}
+
+/// [`chrome_trace`] written as the spans come (a streamed trace: [`ExecOptions::trace_sink`]):
+/// the header at once, each span's event (after its rank's and stream's name records, the
+/// first time they appear) as it is pushed, the end by [`ChromeTraceWriter::finish`]. The
+/// memory it holds is the set of named (rank, stream) pairs.
+pub struct ChromeTraceWriter<W: std::io::Write> {
+    out: W,
+    named: HashSet<(u32, usize)>,
+    first: bool,
+}
+
+impl<W: std::io::Write> ChromeTraceWriter<W> {
+    /// Writes the header to `out`. Errors: the write's.
+    pub fn new(mut out: W) -> std::io::Result<Self> {
+        out.write_all(b"{\"displayTimeUnit\":\"ms\",\"traceEvents\":[")?;
+        Ok(ChromeTraceWriter {
+            out,
+            named: HashSet::new(),
+            first: true,
+        })
     }
-    serde_json::to_string(&json!({"traceEvents": ev, "displayTimeUnit": "ms"}))
-        .expect("a trace serializes")
+
+    fn event(&mut self, v: serde_json::Value) -> std::io::Result<()> {
+        if !self.first {
+            self.out.write_all(b",")?;
+        }
+        self.first = false;
+        serde_json::to_writer(&mut self.out, &v).map_err(std::io::Error::other)
+    }
+
+    /// Writes the events of `spans`. Errors: the write's.
+    pub fn push(&mut self, spans: &[Span]) -> std::io::Result<()> {
+        use serde_json::json;
+        for s in spans {
+            if self.named.insert((s.rank, usize::MAX)) {
+                self.event(json!({"name": "process_name", "ph": "M", "pid": s.rank, "args": {"name": format!("rank {}", s.rank)}}))?;
+            }
+            if self.named.insert((s.rank, s.stream)) {
+                self.event(json!({"name": "thread_name", "ph": "M", "pid": s.rank, "tid": s.stream, "args": {"name": s.stream_name}}))?;
+            }
+            self.event(json!({
+                "name": s.name, "cat": s.cat, "ph": "X", "pid": s.rank, "tid": s.stream,
+                "ts": s.start_us, "dur": s.dur_us,
+                "args": {"chunk": s.chunk, "step": s.step},
+            }))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the end of the JSON and flushes; returns the writer. Errors: the write's.
+    pub fn finish(mut self) -> std::io::Result<W> {
+        self.out.write_all(b"]}")?;
+        self.out.flush()?;
+        Ok(self.out)
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -809,6 +860,11 @@ impl<T: Real> Device for Rank<'_, T> {
 
     fn end_step(&mut self, step: usize) -> Result<(), String> {
         self.report(Report::Loss(step, self.loss));
+        // A streamed trace holds a step of spans per rank, not the whole run's.
+        if self.sh.opts.trace && !self.spans.is_empty() {
+            let spans = std::mem::take(&mut self.spans);
+            self.report(Report::Trace(spans));
+        }
         Ok(())
     }
 
@@ -945,11 +1001,19 @@ fn run_rank<T: Real>(
         }
     }
     rank.report(Report::Ops(ops));
-    if sh.opts.trace {
+    if sh.opts.trace && !rank.spans.is_empty() {
         let spans = std::mem::take(&mut rank.spans);
         rank.report(Report::Trace(spans));
     }
     Ok(())
+}
+
+/// Spans reported by a rank: to the sink, or kept.
+fn take_spans(opts: &ExecOptions, kept: &mut Vec<Span>, spans: Vec<Span>) {
+    match &opts.trace_sink {
+        Some(sink) => (sink.lock().unwrap_or_else(|p| p.into_inner()))(&spans),
+        None => kept.extend(spans),
+    }
 }
 
 /// Runs `opts.steps` training steps of `set` on one thread per global rank. Errors: the
@@ -1025,7 +1089,7 @@ pub fn execute<T: Real>(
                 Ok(Report::Grads(step, r, s, named)) => result.grads[step].push((r, s, named)),
                 Ok(Report::Params(r, s, named)) => result.params.push((r, s, named)),
                 Ok(Report::Ops(n)) => result.instructions += n,
-                Ok(Report::Trace(t)) => result.trace.extend(t),
+                Ok(Report::Trace(t)) => take_spans(opts, &mut result.trace, t),
                 Err(_) => {
                     // A thread that died without reporting (it cannot: the exit report is
                     // sent after catch_unwind) would otherwise be waited for forever.
@@ -1041,7 +1105,7 @@ pub fn execute<T: Real>(
                 Report::Grads(step, r, s, named) => result.grads[step].push((r, s, named)),
                 Report::Params(r, s, named) => result.params.push((r, s, named)),
                 Report::Ops(n) => result.instructions += n,
-                Report::Trace(t) => result.trace.extend(t),
+                Report::Trace(t) => take_spans(opts, &mut result.trace, t),
                 Report::Exit => {}
             }
         }

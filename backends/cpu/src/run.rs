@@ -2,7 +2,7 @@
 
 use crate::exec::{
     compare, execute, reference, Batching, Comparison, Data, ExecOptions, OnStep, Optimizer,
-    Reference, RunFailure,
+    Reference, RunFailure, SpanSink,
 };
 use crate::tensor::Real;
 use schedc_ir::Program;
@@ -59,6 +59,10 @@ pub struct RunConfig {
     pub progress: bool,
     /// Record the Chrome trace of the pipelined run ([`RunReport::trace`]).
     pub trace: bool,
+    /// With `trace`: stream the spans here as the run goes ([`ExecOptions::trace_sink`],
+    /// e.g. a [`crate::exec::ChromeTraceWriter`] on the trace file) instead of keeping them
+    /// all for [`RunReport::trace`] (which is then `None`).
+    pub trace_sink: Option<SpanSink>,
 }
 
 impl Default for RunConfig {
@@ -74,6 +78,7 @@ impl Default for RunConfig {
             timeout: Duration::from_secs(60),
             progress: false,
             trace: false,
+            trace_sink: None,
         }
     }
 }
@@ -239,9 +244,32 @@ impl Verification {
         if let Some(f) = &self.verify_failure {
             s += &format!("  failed: {f}\n");
         }
+        // Where every difference is exactly 0 there is no worst one to name.
+        let none = "none (all equal)";
+        if self.max_rel_grad_err == 0.0
+            && self.max_abs_loss_err == 0.0
+            && self.max_rel_param_err == 0.0
+        {
+            s += "  every gradient, loss and parameter equals sequential training's exactly\n";
+            return s;
+        }
         s += &format!(
-            "  worst gradient: {}; worst loss: step {}; worst parameter: {}\n",
-            self.worst.grad, self.worst.loss_step, self.worst.param
+            "  worst gradient: {}; worst loss: {}; worst parameter: {}\n",
+            if self.max_rel_grad_err == 0.0 {
+                none.to_string()
+            } else {
+                self.worst.grad.clone()
+            },
+            if self.max_abs_loss_err == 0.0 {
+                none.to_string()
+            } else {
+                format!("step {}", self.worst.loss_step)
+            },
+            if self.max_rel_param_err == 0.0 {
+                none.to_string()
+            } else {
+                self.worst.param.clone()
+            },
         );
         s
     }
@@ -381,10 +409,24 @@ pub fn params_per_stage(m: &ModelConfig) -> u64 {
     m.layers_per_stage as u64 * layer + 2 * v * h + h
 }
 
+/// Bytes a traced run holds per instruction of a step when the trace is streamed
+/// ([`RunConfig::trace_sink`]): each rank's spans of the step it is running and of one step
+/// waiting to be written. A span (its name, stream and chunk strings) measured about 250 B;
+/// doubled, for two steps: 1 KiB.
+pub const TRACE_BYTES_PER_STEP_INSTRUCTION: u64 = 1 << 10;
+
+/// Bytes a traced run holds per instruction of every step when the trace is kept whole
+/// ([`RunReport::trace`]): the spans, then the JSON. Measured: `schedc run
+/// specs/dualpipe.sched --pp 4 --mb 8 --steps 400 --trace` peaked at 974 MB before the trace
+/// was streamed, 2.2 KiB per instruction of a step (1096) per step; doubled: 4.5 KiB.
+pub const TRACE_BYTES_PER_INSTRUCTION: u64 = 4608;
+
 /// The estimated peak memory of [`run`], bytes (saturating): lowering and verifying the
-/// programs ([`schedc_program::estimate_memory`]), [`BYTES_PER_RANK`] per global rank, and
+/// programs ([`schedc_program::estimate_memory`]), [`BYTES_PER_RANK`] per global rank,
 /// with `verify` the recorded gradients of every step (f64, on every rank and in the
-/// sequential reference).
+/// sequential reference), and with `trace` the spans held: about two steps' when streamed
+/// ([`TRACE_BYTES_PER_STEP_INSTRUCTION`]), every step's otherwise
+/// ([`TRACE_BYTES_PER_INSTRUCTION`]).
 pub fn estimate_memory(source: &Program, world: u64, cfg: &RunConfig) -> u64 {
     estimate_memory_of(&schedc::limits::Size::of(source), world, cfg)
 }
@@ -402,6 +444,20 @@ pub fn estimate_memory_of(size: &schedc::limits::Size, world: u64, cfg: &RunConf
             .saturating_mul(params_per_stage(&cfg.model))
             .saturating_mul(8);
         b = b.saturating_add(per_step.saturating_mul(cfg.steps as u64));
+    }
+    if cfg.trace {
+        let replicas = (world / size.ranks.max(1)).max(1);
+        let instructions = size
+            .compute_ops
+            .saturating_mul(schedc_program::INSTRUCTIONS_PER_COMPUTE_OP)
+            .saturating_mul(cfg.model.layers_per_stage.max(1) as u64)
+            .saturating_mul(replicas);
+        b = b.saturating_add(match cfg.trace_sink {
+            Some(_) => instructions.saturating_mul(TRACE_BYTES_PER_STEP_INSTRUCTION),
+            None => instructions
+                .saturating_mul(TRACE_BYTES_PER_INSTRUCTION)
+                .saturating_mul(cfg.steps as u64),
+        });
     }
     b
 }
@@ -481,7 +537,7 @@ fn run_typed<T: Real>(
         let b = indicatif::ProgressBar::new(cfg.steps as u64);
         b.set_style(
             indicatif::ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}",
+                "{wide_bar} {pos}/{len} steps {elapsed_precise} eta {eta} {msg}",
             )
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
@@ -499,6 +555,7 @@ fn run_typed<T: Real>(
         timeout: cfg.timeout,
         record: cfg.verify,
         trace: cfg.trace,
+        trace_sink: cfg.trace_sink.clone(),
         on_step,
         ..ExecOptions::default()
     };
@@ -526,7 +583,8 @@ fn run_typed<T: Real>(
         loss: res.losses.clone(),
         verify: None,
         seconds: res.seconds,
-        trace: cfg.trace.then(|| crate::exec::chrome_trace(&res.trace)),
+        trace: (cfg.trace && cfg.trace_sink.is_none())
+            .then(|| crate::exec::chrome_trace(&res.trace)),
     };
     if cfg.verify {
         let r = reference::<T>(

@@ -121,10 +121,11 @@ fn run_program(
 const TOL: f64 = 1e-10;
 
 /// Every spec in specs/, with the `--vpp` each needs (a test below checks none is missing).
-const SPECS: [(&str, Option<u32>); 15] = [
+const SPECS: [(&str, Option<u32>); 16] = [
     ("gpipe", None),
     ("1f1b", None),
     ("interleaved_1f1b", Some(2)),
+    ("interleaved_1f1b_a2a", Some(2)),
     ("looped_bfs", Some(2)),
     ("interleaved_zb", Some(2)),
     ("zb_h1", None),

@@ -8,6 +8,35 @@ use crate::kernels::{KernelInfo, KERNELS, PRELUDE};
 /// The default GPU architecture (H100/H200).
 pub const DEFAULT_ARCH: &str = "sm_90";
 
+/// Checks the form of a GPU architecture for `--arch` before NVRTC is loaded, so that a
+/// misspelt one is reported as such even where NVRTC is missing: `sm_NN` or `compute_NN`
+/// with a compute capability NN from 50 to 199 written as digits (`sm_90`, `sm_100`),
+/// optionally followed by `a` or `f` (`sm_90a`, `sm_100f`). Whether this NVRTC supports it
+/// is NVRTC's to say. Errors: the message (bad usage).
+pub fn validate_arch(arch: &str) -> Result<(), String> {
+    let bad = || {
+        format!(
+            "--arch {arch}: expected a GPU architecture such as sm_80 (A100), sm_90 (H100, H200) or sm_100 (B200): `sm_` or `compute_` and a compute capability from 50 to 199, optionally followed by `a` or `f`"
+        )
+    };
+    let digits = arch
+        .strip_prefix("sm_")
+        .or_else(|| arch.strip_prefix("compute_"))
+        .ok_or_else(bad)?;
+    let digits = digits
+        .strip_suffix('a')
+        .or_else(|| digits.strip_suffix('f'))
+        .unwrap_or(digits);
+    if !(2..=3).contains(&digits.len()) || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let cc: u32 = digits.parse().map_err(|_| bad())?;
+    if !(50..=199).contains(&cc) {
+        return Err(bad());
+    }
+    Ok(())
+}
+
 /// The source of `kernels` for element type `dtype`: the prelude, `typedef ... T;`, the
 /// kernels.
 pub fn source(kernels: &[KernelInfo], dtype: DType) -> String {
@@ -107,6 +136,30 @@ mod tests {
         let shim = crate::host::shim_kernel_names();
         let names: Vec<&str> = KERNELS.iter().map(|k| k.name).collect();
         assert_eq!(shim, names);
+    }
+
+    #[test]
+    fn finding16_arch_is_validated_without_nvrtc() {
+        for ok in [
+            "sm_75",
+            "sm_90",
+            "sm_90a",
+            "sm_100",
+            "sm_100f",
+            "compute_90",
+            "sm_120",
+        ] {
+            assert_eq!(validate_arch(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "sm_9000", "sm_9", "sm90", "90", "sm_", "sm_abc", "sm_40", "sm_90x", "",
+        ] {
+            let e = validate_arch(bad).unwrap_err();
+            assert!(
+                e.starts_with(&format!("--arch {bad}: expected a GPU architecture")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -14,6 +14,8 @@
 //! nvlink_bandwidth = 200e9   # per GPU, one direction, bytes/s
 //! network_bandwidth = 50e9   # per GPU, one direction, bytes/s (400 Gb/s)
 //! gpus_per_node = 8
+//! # gemm_efficiency = 0.6     # measured fraction of the bf16 peak (default: the fit)
+//! # gemm_fp8_efficiency = 0.5
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -39,6 +41,13 @@ pub struct Hardware {
     pub network_bandwidth: f64,
     /// GPUs per node (one NVLink domain).
     pub gpus_per_node: u32,
+    /// The fraction of the bf16 peak a large GEMM reaches on this GPU, when you have
+    /// measured it: it replaces the fitted default ([`super::Efficiency::gemm`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_efficiency: Option<f64>,
+    /// The same for fp8 GEMMs ([`super::Efficiency::gemm_fp8`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_fp8_efficiency: Option<f64>,
 }
 
 /// The preset names.
@@ -61,6 +70,8 @@ impl Hardware {
                 nvlink_bandwidth: 300e9,
                 network_bandwidth: 25e9,
                 gpus_per_node: 8,
+                gemm_efficiency: None,
+                gemm_fp8_efficiency: None,
             });
         }
         let (bf16, hbm, hbm_bw, nvlink) = match name {
@@ -85,6 +96,8 @@ impl Hardware {
             nvlink_bandwidth: nvlink,
             network_bandwidth: 50e9,
             gpus_per_node: 8,
+            gemm_efficiency: None,
+            gemm_fp8_efficiency: None,
         })
     }
 
@@ -104,6 +117,16 @@ impl Hardware {
         }
         if self.gpus_per_node == 0 {
             return Err("`gpus_per_node` must be at least 1".into());
+        }
+        for (k, v) in [
+            ("gemm_efficiency", self.gemm_efficiency),
+            ("gemm_fp8_efficiency", self.gemm_fp8_efficiency),
+        ] {
+            if let Some(v) = v {
+                if !(v > 0.0 && v <= 1.0) {
+                    return Err(format!("`{k}` must be in (0, 1], got {v}"));
+                }
+            }
         }
         Ok(())
     }

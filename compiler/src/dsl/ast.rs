@@ -209,13 +209,15 @@ pub enum SetSpec {
     Where(String, Expr),
 }
 
-/// The relation of a timing expectation.
+/// The relation of an expectation: the figure on the left, the bound on the right.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Rel {
     /// `<=`
     Le,
-    /// `==` (within a relative 1e-9)
+    /// `==` (a timing figure within a relative 1e-9)
     Eq,
+    /// `>=`
+    Ge,
 }
 
 impl Rel {
@@ -224,6 +226,16 @@ impl Rel {
         match self {
             Rel::Le => "<=",
             Rel::Eq => "==",
+            Rel::Ge => ">=",
+        }
+    }
+
+    /// Whether `got` relates to `bound` so, within `tol` (0 for integer figures).
+    pub fn holds(self, got: f64, bound: f64, tol: f64) -> bool {
+        match self {
+            Rel::Le => got <= bound + tol,
+            Rel::Eq => (got - bound).abs() <= tol,
+            Rel::Ge => got >= bound - tol,
         }
     }
 }
@@ -293,27 +305,27 @@ pub enum PlacementSpec {
     Map(String, Expr),
 }
 
-/// What an `expect` line asserts, per rank (the rank variable is bound).
+/// What an `expect` line asserts: a figure and its relation (`<=`, `==` or `>=`) to the
+/// bound. The per-rank figures (warmup, peak activations, idle) are checked on every rank,
+/// the rank variable bound.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ExpectKind {
-    /// `expect warmup == e`
-    Warmup,
-    /// `expect peak_activations <= e`
-    PeakActivations,
-    /// `expect peak_activations == e`
-    PeakActivationsExact,
-    /// `expect idle == e` (unit time, F=B=W=1, BW=2)
-    Idle,
-    /// `expect makespan <= e` (or `==`): the step's makespan under the cost model, seconds.
+    /// `expect warmup == e`: forwards before the rank's first backward.
+    Warmup(Rel),
+    /// `expect peak_activations <= e`: the rank's peak of live activations (chunk units).
+    PeakActivations(Rel),
+    /// `expect idle == e`: the rank's idle time under unit times (F=B=W=1, BW=2).
+    Idle(Rel),
+    /// `expect makespan <= e`: the step's makespan under the cost model, seconds.
     Makespan(Rel),
-    /// `expect bubble(CONVENTION) <= e` (or `==`): the bubble fraction under a named
-    /// convention (`from_start`, `per_rank_span`, `steady_state`).
+    /// `expect bubble(CONVENTION) <= e`: the bubble fraction under a named convention
+    /// (`from_start`, `per_rank_span`, `steady_state`).
     Bubble(crate::sim::Convention, Rel),
-    /// `expect exposed_a2a <= e` (or `==`): the fraction of the MoE all-to-all time not
-    /// hidden under compute (0 without all-to-alls).
+    /// `expect exposed_a2a <= e`: the fraction of the MoE all-to-all time not hidden under
+    /// compute (0 without all-to-alls).
     ExposedA2a(Rel),
-    /// `expect exposed_comm <= e` (or `==`): communication the compute streams wait for,
-    /// seconds summed over ranks.
+    /// `expect exposed_comm <= e`: communication the compute streams wait for, seconds
+    /// summed over ranks.
     ExposedComm(Rel),
 }
 
@@ -330,18 +342,35 @@ impl ExpectKind {
         )
     }
 
+    /// The relation.
+    pub fn rel(&self) -> Rel {
+        match self {
+            ExpectKind::Warmup(r)
+            | ExpectKind::PeakActivations(r)
+            | ExpectKind::Idle(r)
+            | ExpectKind::Makespan(r)
+            | ExpectKind::Bubble(_, r)
+            | ExpectKind::ExposedA2a(r)
+            | ExpectKind::ExposedComm(r) => *r,
+        }
+    }
+
+    /// The figure as written: `makespan`, `bubble(from_start)`.
+    pub fn figure(&self) -> String {
+        match self {
+            ExpectKind::Warmup(_) => "warmup".into(),
+            ExpectKind::PeakActivations(_) => "peak_activations".into(),
+            ExpectKind::Idle(_) => "idle".into(),
+            ExpectKind::Makespan(_) => "makespan".into(),
+            ExpectKind::Bubble(c, _) => format!("bubble({})", c.as_str()),
+            ExpectKind::ExposedA2a(_) => "exposed_a2a".into(),
+            ExpectKind::ExposedComm(_) => "exposed_comm".into(),
+        }
+    }
+
     /// The left-hand side and relation as written: `makespan <=`, `bubble(from_start) ==`.
     pub fn lhs(&self) -> String {
-        match self {
-            ExpectKind::Warmup => "warmup ==".into(),
-            ExpectKind::PeakActivations => "peak_activations <=".into(),
-            ExpectKind::PeakActivationsExact => "peak_activations ==".into(),
-            ExpectKind::Idle => "idle ==".into(),
-            ExpectKind::Makespan(r) => format!("makespan {}", r.as_str()),
-            ExpectKind::Bubble(c, r) => format!("bubble({}) {}", c.as_str(), r.as_str()),
-            ExpectKind::ExposedA2a(r) => format!("exposed_a2a {}", r.as_str()),
-            ExpectKind::ExposedComm(r) => format!("exposed_comm {}", r.as_str()),
-        }
+        format!("{} {}", self.figure(), self.rel().as_str())
     }
 }
 
@@ -423,8 +452,10 @@ pub enum Item {
     /// `r`, the local chunk and the micro-batch) and optional rules; schedc builds the
     /// per-rank orders by a deterministic cross-rank greedy (`dsl::list`).
     List(String, Vec<ListRule>, Sp),
-    /// `expect ...`
-    Expect(ExpectKind, Expr, Sp),
+    /// `expect FIGURE REL e [if COND]`: the figure, the bound `e`, and the guard `COND` (the
+    /// line applies only where it holds: per rank for the per-rank figures, under the cost
+    /// model for the timing ones).
+    Expect(ExpectKind, Expr, Option<Expr>, Sp),
     /// `communicator NAME [r0, r1, ...]` (or `all`, or `r => cond`): a named set of ranks
     /// for `A2A` collectives.
     Communicator(String, SetSpec, Sp),

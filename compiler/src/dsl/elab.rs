@@ -49,6 +49,9 @@ pub struct Expectation {
     pub kind: ExpectKind,
     /// The expected value (or bound) per rank; empty for a timing expectation.
     pub values: Vec<i64>,
+    /// Per rank, whether the line's `if` guard holds there (all true without a guard); empty
+    /// for a timing expectation, whose guard is in its [`Formula`].
+    pub applies: Vec<bool>,
     /// The `expect` item.
     pub sp: Sp,
     /// For a timing expectation ([`ExpectKind::is_timing`]): the bound, evaluated later under
@@ -64,6 +67,8 @@ pub struct Expectation {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Formula {
     expr: Expr,
+    /// The line's `if` guard, evaluated with the same names.
+    guard: Option<Expr>,
     /// The top-level bindings where the `expect` item is, as integers (booleans 0/1).
     vars: Vec<(String, i64)>,
     /// The user functions visible there: (name, parameters, body).
@@ -85,6 +90,18 @@ impl Formula {
         } else {
             Err((self.expr.sp(), "the bound is not a finite number".into()))
         }
+    }
+
+    /// Whether the line's `if` guard holds with `costs` bound first (true without a guard).
+    ///
+    /// Errors: as [`Formula::eval`], and a guard that is not a comparison or a boolean.
+    pub fn applies(&self, costs: &[(&str, f64)]) -> Result<bool, (Sp, String)> {
+        let Some(g) = &self.guard else {
+            return Ok(true);
+        };
+        let mut env: Vec<(String, f64)> = costs.iter().map(|(n, v)| (n.to_string(), *v)).collect();
+        env.extend(self.vars.iter().map(|(n, v)| (n.clone(), *v as f64)));
+        self.truth(g, &env, 0)
     }
 
     fn real(&self, e: &Expr, env: &[(String, f64)], depth: u32) -> Result<f64, (Sp, String)> {
@@ -1069,6 +1086,9 @@ pub fn elaborate_with(
     if inst.mb == 0 {
         return Err(vec![err(any_sp, "--mb must be at least 1")]);
     }
+    if let Some(e) = shadowed_builtin(file) {
+        return Err(vec![e]);
+    }
     env.push("P", Val::Int(inst.pp as i64), false);
     env.push("M", Val::Int(inst.mb as i64), false);
     // Parameters.
@@ -1475,11 +1495,15 @@ pub fn elaborate_with(
             },
             ranks: Vec::new(),
         });
+        // The block's lines are IR text indented as a whole (as a spec indents a block):
+        // drop their common indentation, so that `rank N:` starts its line as IR text
+        // wants (an indented line there continues the previous rank's list).
+        let (body, back) = dedent(body);
         let text = format!("{header}{body}");
         let parsed = schedc_ir::text::parse(&text).map_err(|e| {
             // Map the error back into the spec: the body starts after `literal {`.
             let body_start = sp.start + "literal {".len();
-            let off = e.offset.saturating_sub(header.len()) + body_start;
+            let off = back(e.offset.saturating_sub(header.len())) + body_start;
             vec![ElabError {
                 sp: Sp {
                     start: off,
@@ -1515,7 +1539,7 @@ pub fn elaborate_with(
             }
             ranks[r].extend(instrs);
             spans[r].extend(parsed.spans.ranks[r].iter().map(|s| Span {
-                start: (s.start as usize - header.len() + body_start) as u32,
+                start: (back(s.start as usize - header.len()) + body_start) as u32,
                 len: s.len,
             }));
         }
@@ -1524,14 +1548,16 @@ pub fn elaborate_with(
     // Expectations.
     let mut expects = Vec::new();
     for it in &file.items {
-        if let Item::Expect(kind, e, sp) = it {
+        if let Item::Expect(kind, e, guard, sp) = it {
             if kind.is_timing() {
                 expects.push(Expectation {
                     kind: kind.clone(),
                     values: Vec::new(),
+                    applies: Vec::new(),
                     sp: *sp,
                     formula: Some(Formula {
                         expr: e.clone(),
+                        guard: guard.clone(),
                         vars: env
                             .vars
                             .iter()
@@ -1553,6 +1579,7 @@ pub fn elaborate_with(
                 continue;
             }
             let mut values = Vec::with_capacity(pp as usize);
+            let mut applies = Vec::with_capacity(pp as usize);
             for r in 0..pp {
                 let var = rank_items
                     .first()
@@ -1563,16 +1590,28 @@ pub fn elaborate_with(
                     })
                     .unwrap_or("r");
                 env.push(var, Val::Int(r as i64), false);
-                let v = eval(e, &env, None).and_then(|v| int(v, e.sp()));
+                // The guard first: where it fails, the bound need not be defined.
+                let holds = match guard {
+                    Some(g) => eval(g, &env, None).and_then(|v| boolean(v, g.sp())),
+                    None => Ok(true),
+                };
+                let v = match &holds {
+                    Ok(true) => eval(e, &env, None).and_then(|v| int(v, e.sp())),
+                    Ok(false) => Ok(0),
+                    Err(x) => Err(x.clone()),
+                };
                 env.vars.pop();
-                values.push(v.map_err(|mut e| {
+                let at_rank = |mut e: ElabError| {
                     e.rank = Some(r);
                     vec![e]
-                })?);
+                };
+                applies.push(holds.map_err(at_rank)?);
+                values.push(v.map_err(at_rank)?);
             }
             expects.push(Expectation {
                 kind: kind.clone(),
                 values,
+                applies,
                 sp: *sp,
                 formula: None,
             });
@@ -1586,6 +1625,106 @@ pub fn elaborate_with(
         name,
         notes,
     })
+}
+
+/// What a built-in name of the instance means, for the error that refuses a spec defining it.
+fn builtin_meaning(n: &str) -> Option<&'static str> {
+    Some(match n {
+        "P" => "the number of ranks, `--pp`",
+        "M" => "the number of micro-batches, `--mb`",
+        "V" => "the number of virtual stages per rank, `--vpp` or the `vpp` item",
+        "S" => "the number of stages, the `stages` item",
+        _ => return None,
+    })
+}
+
+/// The first name a spec defines (`param`, `let`, `var`, `fn` and its parameters, a loop or
+/// rank variable, a `list` block's names) that is one of the instance's built-in names
+/// (P, M, V, S): it would silently shadow the instance's value.
+fn shadowed_builtin(file: &File) -> Option<ElabError> {
+    fn refuse(n: &str, sp: Sp) -> Option<ElabError> {
+        let what = builtin_meaning(n)?;
+        let mut e = err(
+            sp,
+            format!("`{n}` is built in ({what}); choose another name"),
+        );
+        e.help = Some(format!(
+            "a spec reads `{n}` from the instance; a parameter of its own needs a name of its own"
+        ));
+        Some(e)
+    }
+    fn stmts(body: &[Stmt]) -> Option<ElabError> {
+        for st in body {
+            let found = match st {
+                Stmt::Let(n, _, sp) | Stmt::Var(n, _, sp) => refuse(n, *sp),
+                Stmt::For { var, body, sp, .. } => refuse(var, *sp).or_else(|| stmts(body)),
+                Stmt::Repeat(_, b, _) | Stmt::While(_, b, _) => stmts(b),
+                Stmt::If(_, a, b, _) => stmts(a).or_else(|| stmts(b)),
+                _ => None,
+            };
+            if found.is_some() {
+                return found;
+            }
+        }
+        None
+    }
+    for it in &file.items {
+        let found = match it {
+            Item::Param(n, _, sp) | Item::Let(n, _, sp) => refuse(n, *sp),
+            Item::Fn(n, params, _, sp) => {
+                refuse(n, *sp).or_else(|| params.iter().find_map(|p| refuse(p, *sp)))
+            }
+            Item::Rank(n, body, sp) => refuse(n, *sp).or_else(|| stmts(body)),
+            Item::List(n, rules, sp) => refuse(n, *sp).or_else(|| {
+                rules.iter().find_map(|r| match r {
+                    ListRule::Let(n, _, sp) => refuse(n, *sp),
+                    ListRule::Priority { chunk, mb, sp, .. } => {
+                        refuse(chunk, *sp).or_else(|| refuse(mb, *sp))
+                    }
+                    _ => None,
+                })
+            }),
+            _ => None,
+        };
+        if found.is_some() {
+            return found;
+        }
+    }
+    None
+}
+
+/// `body` without the indentation (spaces and tabs) that all its non-blank lines share, and
+/// a map from an offset in the result back to the offset in `body`.
+fn dedent(body: &str) -> (String, impl Fn(usize) -> usize) {
+    let indent_of = |l: &str| l.len() - l.trim_start_matches([' ', '\t']).len();
+    let k = body
+        .split('\n')
+        .filter(|l| !l.trim().is_empty())
+        .map(indent_of)
+        .min()
+        .unwrap_or(0);
+    let mut out = String::with_capacity(body.len());
+    // (start of a line in `out`, bytes removed before it and at its start)
+    let mut marks: Vec<(usize, usize)> = Vec::new();
+    let mut removed = 0;
+    for (n, line) in body.split('\n').enumerate() {
+        if n > 0 {
+            out.push('\n');
+        }
+        let cut = if line.trim().is_empty() {
+            0
+        } else {
+            k.min(indent_of(line))
+        };
+        removed += cut;
+        marks.push((out.len(), removed));
+        out.push_str(&line[cut..]);
+    }
+    let back = move |off: usize| {
+        let i = marks.partition_point(|&(start, _)| start <= off);
+        off + if i == 0 { 0 } else { marks[i - 1].1 }
+    };
+    (out, back)
 }
 
 /// A `list r { }` block: each op's priority, the rules, then the list scheduler

@@ -1,6 +1,7 @@
 //! `schedc fmt`: the canonical layout of a `.sched` file. Comments are kept: each goes before
-//! the item or statement that follows it in the source (a comment at the end of a line moves
-//! above that line's statement). Formatting is idempotent and `parse(fmt(f)) == parse(f)`.
+//! the item or statement that follows it in the source, except a comment at the end of a
+//! line, which stays at the end of that line's statement (or, on a block's first line, of
+//! the block's header: `for i in 0..k { # head`). Formatting is idempotent and `parse(fmt(f)) == parse(f)`.
 
 use super::ast::*;
 use std::fmt::Write as _;
@@ -82,6 +83,27 @@ impl Fmt<'_> {
             let _ = writeln!(self.out, " {c}");
             self.next += 1;
         }
+    }
+
+    /// A comment on the first source line of a block's header (`for i in 0..k { # head`,
+    /// `rank r # program`), which starts at `start`, before the block's first statement (at
+    /// `first`), stays at the end of the header line just printed (it moved into the block
+    /// before).
+    fn header_comment(&mut self, start: usize, first: Option<usize>) {
+        let Some((off, c)) = self.comments.get(self.next) else {
+            return;
+        };
+        let (off, c) = (*off, c.clone());
+        if off < start
+            || first.is_some_and(|f| f < off)
+            || !same_line(self.src, start, off)
+            || !self.out.ends_with('\n')
+        {
+            return;
+        }
+        self.out.pop();
+        let _ = writeln!(self.out, " {c}");
+        self.next += 1;
     }
 
     fn flush_comments(&mut self, before: usize, indent: usize) {
@@ -476,6 +498,7 @@ fn write_stmt_inner(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
                 let _ = write!(f.out, " step {}", expr_str(st));
             }
             f.out.push_str(" {\n");
+            f.header_comment(stmt_start(s), body.first().map(stmt_start));
             write_block(f, body, indent + 4, stmt_end(s) + 1);
             let _ = writeln!(f.out, "{pad}}}");
         }
@@ -518,16 +541,19 @@ fn write_stmt_inner(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
         }
         Stmt::Repeat(n, body, _) => {
             let _ = writeln!(f.out, "{pad}repeat {} {{", expr_str(n));
+            f.header_comment(stmt_start(s), body.first().map(stmt_start));
             write_block(f, body, indent + 4, stmt_end(s) + 1);
             let _ = writeln!(f.out, "{pad}}}");
         }
         Stmt::While(c, body, _) => {
             let _ = writeln!(f.out, "{pad}while {} {{", expr_str(c));
+            f.header_comment(stmt_start(s), body.first().map(stmt_start));
             write_block(f, body, indent + 4, stmt_end(s) + 1);
             let _ = writeln!(f.out, "{pad}}}");
         }
         Stmt::If(c, a, b, _) => {
             let _ = writeln!(f.out, "{pad}if {} {{", expr_str(c));
+            f.header_comment(stmt_start(s), a.first().map(stmt_start));
             let a_end = a.last().map_or(0, stmt_end) + 1;
             write_block(f, a, indent + 4, a_end);
             // `else if` chains print flat.
@@ -588,7 +614,7 @@ fn item_sp(it: &Item) -> Sp {
         | Item::Rank(_, _, s)
         | Item::Literal(_, s)
         | Item::List(_, _, s)
-        | Item::Expect(_, _, s)
+        | Item::Expect(_, _, _, s)
         | Item::Communicator(_, _, s)
         | Item::Moe(_, s) => *s,
     }
@@ -672,12 +698,14 @@ pub fn format_file(file: &File, src: &str) -> String {
             }
             Item::Rank(n, body, sp) => {
                 let _ = writeln!(f.out, "rank {n} {{");
+                f.header_comment(sp.start, body.first().map(stmt_start));
                 let end = body.last().map_or(sp.end, stmt_end) + 1;
                 write_block(&mut f, body, 4, end);
                 f.out.push_str("}\n");
             }
             Item::List(n, rules, sp) => {
                 let _ = writeln!(f.out, "list {n} {{");
+                f.header_comment(sp.start, rules.first().map(|r| r.sp().start));
                 let end = rules.last().map_or(sp.end, |r| r.sp().end) + 1;
                 write_list(&mut f, rules, end);
                 f.out.push_str("}\n");
@@ -687,8 +715,12 @@ pub fn format_file(file: &File, src: &str) -> String {
                 f.out.push_str(body);
                 f.out.push_str("}\n");
             }
-            Item::Expect(k, e, _) => {
-                let _ = writeln!(f.out, "expect {} {}", k.lhs(), expr_str(e));
+            Item::Expect(k, e, guard, _) => {
+                let _ = write!(f.out, "expect {} {}", k.lhs(), expr_str(e));
+                if let Some(g) = guard {
+                    let _ = write!(f.out, " if {}", expr_str(g));
+                }
+                f.out.push('\n');
             }
             Item::Communicator(n, set, _) => {
                 let _ = writeln!(f.out, "communicator {n} {}", set_str(set));

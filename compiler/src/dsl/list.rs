@@ -45,10 +45,14 @@
 //! they are (from t0, each op as soon as its rank is free and its input has arrived);
 //! `strict` runs it once without backfilling. Every choice is a pure function of the input:
 //! the orders are deterministic.
-//! One decision costs `O(kinds x stages per rank)` plus a walk along the head's chain of
-//! inputs; a run is `O(events x P)` decisions at most (P = 64, M = 512, V = 2: about 2 s in a
-//! release build for the two variants without `defer W`, `check` included; `defer W` runs
-//! four).
+//! A run makes one decision per idle rank per event: about one per op, plus the ranks that
+//! wait. One decision costs `O(kinds x stages per rank)`, `O(log ops)` under a memory cap,
+//! and the lower bound along a chain of inputs only where the decision reads it (a ready op
+//! that might backfill, or a deferred W): first a quick bound (the chain's last input starting
+//! now), and the walk along the chain, memoized per state, only when the quick bound cannot
+//! decide. The decisions are those of the full computation (the bench `list` and the book's
+//! "List scheduling" give the times; before, every idle rank walked its chain at every event,
+//! which grew as P^3).
 
 use crate::sim::cost::CostModel;
 use schedc_ir::{Kind, Pipeline};
@@ -363,6 +367,8 @@ fn run(
     let mut events: BinaryHeap<Reverse<Time>> = BinaryHeap::new();
     let mut now = 0f64;
     let mut ndone = 0usize;
+    let mut memo = BoundMemo::new(n);
+    let nonneg = comm >= 0.0 && dur.iter().all(|&d| d >= 0.0);
 
     loop {
         // Passes over the ranks at `now` while one starts an op of zero (or below EPS)
@@ -391,6 +397,7 @@ fn run(
                         comm,
                         backfill_forwards,
                         w_due,
+                        nonneg,
                     },
                     &State {
                         done: &done,
@@ -405,6 +412,7 @@ fn run(
                         wready: &wready[r],
                         fwd_left: fwd_left[r],
                     },
+                    &mut memo,
                 ) else {
                     continue;
                 };
@@ -415,6 +423,8 @@ fn run(
                     progressed = true;
                 }
                 let e = now + dur[i];
+                // The bounds read what has run and the ranks' clocks.
+                memo.state += 1;
                 done[i] = true;
                 end[i] = e;
                 free[r] = e;
@@ -484,7 +494,10 @@ fn run(
             }
         }
         match next {
-            Some(t) => now = t,
+            Some(t) => {
+                now = t;
+                memo.state += 1;
+            }
             None => {
                 // Every rank is idle and none can start: report each one's head.
                 let mut stuck = Vec::new();
@@ -549,6 +562,10 @@ struct Ctx<'a> {
     backfill_forwards: bool,
     /// A deferred `W` whose priority comes before the head runs first (forwards left).
     w_due: bool,
+    /// Every op time and the message latency are non-negative (as a validated cost model's
+    /// are): a quick bound can then stand in for [`Ctx::lower_bound`] (see
+    /// [`Ctx::ends_before`]).
+    nonneg: bool,
 }
 
 /// The state a decision reads.
@@ -600,24 +617,29 @@ impl PrefixMax {
     }
     /// The largest prefix sum of the values at `0..k`.
     fn prefix_max(&self, k: usize) -> i64 {
-        // Left-to-right over the canonical nodes covering 0..k.
+        // Left-to-right over the canonical nodes covering 0..k: the left side's in the
+        // order found, then the right side's in reverse (at most one per level each; no
+        // allocation, as `allows` asks once per candidate and decision).
         let (mut lo, mut hi) = (self.n, self.n + k);
-        let mut left: Vec<usize> = Vec::new();
-        let mut right: Vec<usize> = Vec::new();
+        let mut left = [0usize; 64];
+        let mut right = [0usize; 64];
+        let (mut nl, mut nr) = (0, 0);
         while lo < hi {
             if lo & 1 == 1 {
-                left.push(lo);
+                left[nl] = lo;
+                nl += 1;
                 lo += 1;
             }
             if hi & 1 == 1 {
                 hi -= 1;
-                right.push(hi);
+                right[nr] = hi;
+                nr += 1;
             }
             lo /= 2;
             hi /= 2;
         }
         let mut acc = (0i64, 0i64);
-        for &k in left.iter().chain(right.iter().rev()) {
+        for &k in left[..nl].iter().chain(right[..nr].iter().rev()) {
             acc = Self::join(acc, self.t[k]);
         }
         acc.1
@@ -640,25 +662,87 @@ impl Ctx<'_> {
 
     /// A lower bound on when `i` can start, for an `i` whose input has not run: along its
     /// chain of inputs not yet run, each starts no earlier than `now` and its rank's clock.
-    fn lower_bound(&self, i: usize, now: f64, st: &State<'_>) -> f64 {
-        let mut chain: Vec<usize> = Vec::new();
-        let mut cur = i;
-        while self.pred[cur] != NONE && !st.done[self.pred[cur] as usize] {
-            cur = self.pred[cur] as usize;
-            chain.push(cur);
+    /// The value is the input's [`Ctx::end_bound`] plus the message latency across ranks.
+    fn lower_bound(&self, i: usize, now: f64, st: &State<'_>, memo: &mut BoundMemo) -> f64 {
+        let p = self.pred[i] as usize;
+        let e = self.end_bound(p, now, st, memo);
+        if self.rank_of[p] != self.rank_of[i] {
+            e + self.comm
+        } else {
+            e
         }
-        // `cur` is the earliest op of the chain; its own input has run (or it has none).
-        let mut t = self.ready_at(cur, st.end).max(now);
-        for (k, &c) in chain.iter().enumerate().rev() {
-            let s = t.max(st.free[self.rank_of[c] as usize]).max(now);
-            t = s + self.dur[c];
-            // Message to the consumer (the next op down the chain, or `i`).
-            let consumer = if k == 0 { i } else { chain[k - 1] };
-            if self.rank_of[c] != self.rank_of[consumer] {
-                t += self.comm;
+    }
+
+    /// Whether something that ends at `x` ends before `i` (whose input has not run) can
+    /// start: `x <= lower_bound(i) + EPS`. Tested first against a quicker bound, `i`'s input
+    /// starting at `now` or its rank's clock, whichever is later, whatever its own inputs:
+    /// with non-negative times every step of the walk can only raise the bound (rounding is
+    /// monotone), so the quick bound is at most the full one, and passing it passes. Only
+    /// when it fails is the chain walked: the answer is the full bound's.
+    fn ends_before(
+        &self,
+        x: f64,
+        i: usize,
+        now: f64,
+        st: &State<'_>,
+        memo: &mut BoundMemo,
+    ) -> bool {
+        if self.nonneg {
+            let p = self.pred[i] as usize;
+            let e = now.max(st.free[self.rank_of[p] as usize]) + self.dur[p];
+            let quick = if self.rank_of[p] != self.rank_of[i] {
+                e + self.comm
+            } else {
+                e
+            };
+            if x <= quick + EPS {
+                return true;
             }
         }
-        t
+        x <= self.lower_bound(i, now, st, memo) + EPS
+    }
+
+    /// A lower bound on when op `c`, not yet run, can end: it starts no earlier than `now`,
+    /// its rank's clock and its input (its input's bound plus the message latency across
+    /// ranks, when the input has not run either), and takes its op time.
+    ///
+    /// Memoized in `memo` for the current state (see [`BoundMemo`]): ranks whose heads
+    /// share a chain of inputs walk it once per state, not once each. The arithmetic is the
+    /// same, op by op, as a walk from the earliest op of the chain (the same values).
+    fn end_bound(&self, c: usize, now: f64, st: &State<'_>, memo: &mut BoundMemo) -> f64 {
+        if memo.stamp[c] == memo.state {
+            return memo.val[c];
+        }
+        // Walk back to the earliest op of the chain not yet run, or to one already bounded.
+        let mut chain = std::mem::take(&mut memo.chain);
+        chain.clear();
+        let mut cur = c;
+        loop {
+            chain.push(cur);
+            let p = self.pred[cur];
+            if p == NONE || st.done[p as usize] || memo.stamp[p as usize] == memo.state {
+                break;
+            }
+            cur = p as usize;
+        }
+        for &x in chain.iter().rev() {
+            let p = self.pred[x];
+            let t = if p == NONE || st.done[p as usize] {
+                self.ready_at(x, st.end).max(now)
+            } else {
+                let e = memo.val[p as usize];
+                if self.rank_of[p as usize] != self.rank_of[x] {
+                    e + self.comm
+                } else {
+                    e
+                }
+            };
+            let s = t.max(st.free[self.rank_of[x] as usize]).max(now);
+            memo.val[x] = s + self.dur[x];
+            memo.stamp[x] = memo.state;
+        }
+        memo.chain = chain;
+        memo.val[c]
     }
 
     /// May forward `i` start now, leaving room (memory) for the ops before it in the order,
@@ -690,11 +774,44 @@ impl Ctx<'_> {
     }
 }
 
+/// Memo of [`Ctx::end_bound`] per op: a value counts while its stamp equals `state`, the
+/// number of the current state. `run` moves to a new number whenever the simulated time
+/// advances or an op starts (everything a bound reads: what has run, when it ends, the
+/// ranks' clocks, the time).
+struct BoundMemo {
+    val: Vec<f64>,
+    stamp: Vec<u64>,
+    state: u64,
+    /// Scratch: a chain of inputs being walked.
+    chain: Vec<usize>,
+    /// Scratch: ops whose start bound `pick` may need.
+    lazy: Vec<usize>,
+}
+
+impl BoundMemo {
+    fn new(n: usize) -> Self {
+        BoundMemo {
+            val: vec![0.0; n],
+            stamp: vec![0; n],
+            state: 1,
+            chain: Vec::new(),
+            lazy: Vec::new(),
+        }
+    }
+}
+
 /// The op rank `r` starts at `now`, if any: with `w_due` and forwards left, a ready deferred
 /// W whose priority comes before the head; else its head if ready and allowed; else the
 /// smallest-priority backfill candidate that ends before the head can start; else a deferred
 /// W (in a bubble, or to free memory the cap needs).
-fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
+///
+/// A lower bound along a chain of inputs is consulted only where a decision reads it: the
+/// head's when a ready candidate may backfill before it, and, for a deferred W in a bubble,
+/// each one until one shows that the W would not end in time, each through
+/// [`Ctx::ends_before`] (a quick bound first). The W's test against the smallest bound,
+/// `now + w <= min(bounds) + EPS`, is made bound by bound (rounding is monotone, so the two
+/// agree): the decision is the one the full computation gives.
+fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>, memo: &mut BoundMemo) -> Option<usize> {
     let mut h = cx.head;
     while h < cx.order.len() && st.done[cx.order[h] as usize] {
         h += 1;
@@ -715,6 +832,9 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
         }
     }
     let mut mem_blocked = false;
+    // When the head can start: `horizon`, or, while `lazy_head`, the head's lower bound, not
+    // yet computed.
+    let mut lazy_head = None;
     let horizon = match head_op {
         None => f64::INFINITY,
         Some(i) if !cx.allows(i, r, st) => {
@@ -724,7 +844,8 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
         Some(i) => {
             let t = cx.ready_at(i, st.end);
             if t.is_nan() {
-                cx.lower_bound(i, now, st)
+                lazy_head = Some(i);
+                f64::INFINITY
             } else if t <= now + EPS {
                 return Some(i);
             } else {
@@ -733,7 +854,10 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
         }
     };
     // Backfill: the first op not yet run of each (kind, stage) queue. A deferred W must not
-    // delay any of them either.
+    // delay any of them either: `w_horizon` is the smallest of their known start times, and
+    // `lazy` the candidates whose start is a lower bound not yet computed.
+    let mut lazy = std::mem::take(&mut memo.lazy);
+    lazy.clear();
     let mut best: Option<(i64, usize)> = None;
     let mut w_horizon = horizon;
     for (q, &k) in cx.queues.iter().zip(cx.qhead.iter()) {
@@ -753,16 +877,20 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
             continue;
         }
         let t = cx.ready_at(i, st.end);
-        if t.is_nan() || t > now + EPS {
-            let lb = if t.is_nan() {
-                cx.lower_bound(i, now, st)
-            } else {
-                t
-            };
-            w_horizon = w_horizon.min(lb);
+        if t.is_nan() {
+            lazy.push(i);
             continue;
         }
-        if now + cx.dur[i] > horizon + EPS {
+        if t > now + EPS {
+            w_horizon = w_horizon.min(t);
+            continue;
+        }
+        let x = now + cx.dur[i];
+        let fits = match lazy_head {
+            Some(hd) => cx.ends_before(x, hd, now, st, memo),
+            None => x <= horizon + EPS,
+        };
+        if !fits {
             continue;
         }
         let key = (cx.ops[i].prio, i);
@@ -770,21 +898,38 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>) -> Option<usize> {
             best = Some(key);
         }
     }
-    if mem_blocked {
-        if let Some(Reverse((_, w))) = st.wready.peek() {
-            return Some(*w as usize);
+    let pick_w = |memo: &mut BoundMemo, lazy: &[usize]| {
+        if mem_blocked {
+            if let Some(Reverse((_, w))) = st.wready.peek() {
+                return Some(*w as usize);
+            }
         }
-    }
-    if let Some((_, i)) = best {
-        return Some(i);
-    }
-    if let Some(Reverse((_, w))) = st.wready.peek() {
+        if let Some((_, i)) = best {
+            return Some(i);
+        }
+        let Reverse((_, w)) = st.wready.peek()?;
         let w = *w as usize;
-        if head_op.is_none() || now + cx.dur[w] <= w_horizon + EPS {
+        if head_op.is_none() {
             return Some(w);
         }
-    }
-    None
+        // `x <= min(bounds) + EPS` if and only if `x <= b + EPS` for every bound `b`.
+        let x = now + cx.dur[w];
+        // Not `x > ...`: an incomparable (NaN) bound refuses the W, as `<=` did.
+        if x.partial_cmp(&(w_horizon + EPS))
+            .is_none_or(|o| o == Ordering::Greater)
+        {
+            return None;
+        }
+        for &i in lazy_head.iter().chain(lazy) {
+            if !cx.ends_before(x, i, now, st, memo) {
+                return None;
+            }
+        }
+        Some(w)
+    };
+    let out = pick_w(memo, &lazy);
+    memo.lazy = lazy;
+    out
 }
 
 #[cfg(test)]

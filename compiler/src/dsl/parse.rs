@@ -986,37 +986,41 @@ fn item(i: In<'_>) -> R<'_, Item> {
         return Ok((i3, Item::Moe(set, sp_of(start, i3))));
     }
     if let Ok((i2, _)) = kw("expect").parse(i) {
-        let (i3, k) = cut(|i| -> R<'_, (ExpectKind, &'static str)> {
+        let rel = |i| -> R<'_, Rel> {
+            cut(expect(
+                "`<=`, `==` or `>=`",
+                alt((
+                    value(Rel::Le, tok("<=")),
+                    value(Rel::Eq, tok("==")),
+                    value(Rel::Ge, tok(">=")),
+                )),
+            ))
+            .parse(i)
+        };
+        let (i3, kind) = cut(|i| -> R<'_, ExpectKind> {
             if let Ok((i2, _)) = kw("warmup").parse(i) {
-                return Ok((i2, (ExpectKind::Warmup, "==")));
+                let (i3, r) = rel(i2)?;
+                return Ok((i3, ExpectKind::Warmup(r)));
             }
             if let Ok((i2, _)) = kw("peak_activations").parse(i) {
-                if let Ok((i3, _)) = tok("==").parse(i2) {
-                    return Ok((i3, (ExpectKind::PeakActivationsExact, "")));
-                }
-                return Ok((i2, (ExpectKind::PeakActivations, "<=")));
+                let (i3, r) = rel(i2)?;
+                return Ok((i3, ExpectKind::PeakActivations(r)));
             }
             if let Ok((i2, _)) = kw("idle").parse(i) {
-                return Ok((i2, (ExpectKind::Idle, "==")));
+                let (i3, r) = rel(i2)?;
+                return Ok((i3, ExpectKind::Idle(r)));
             }
-            let rel = |i| -> R<'_, Rel> {
-                cut(expect(
-                    "`<=` or `==`",
-                    alt((value(Rel::Le, tok("<=")), value(Rel::Eq, tok("==")))),
-                ))
-                .parse(i)
-            };
             if let Ok((i2, _)) = kw("makespan").parse(i) {
                 let (i3, r) = rel(i2)?;
-                return Ok((i3, (ExpectKind::Makespan(r), "")));
+                return Ok((i3, ExpectKind::Makespan(r)));
             }
             if let Ok((i2, _)) = kw("exposed_a2a").parse(i) {
                 let (i3, r) = rel(i2)?;
-                return Ok((i3, (ExpectKind::ExposedA2a(r), "")));
+                return Ok((i3, ExpectKind::ExposedA2a(r)));
             }
             if let Ok((i2, _)) = kw("exposed_comm").parse(i) {
                 let (i3, r) = rel(i2)?;
-                return Ok((i3, (ExpectKind::ExposedComm(r), "")));
+                return Ok((i3, ExpectKind::ExposedComm(r)));
             }
             if let Ok((i2, _)) = kw("bubble").parse(i) {
                 let (i3, _) = cut(expect("`(` and a convention", tok("("))).parse(i2)?;
@@ -1037,7 +1041,7 @@ fn item(i: In<'_>) -> R<'_, Item> {
                 let (i5, _) = ws(i4)?;
                 let (i6, _) = cut(expect("`)`", tok(")"))).parse(i5)?;
                 let (i7, r) = rel(i6)?;
-                return Ok((i7, (ExpectKind::Bubble(conv, r), "")));
+                return Ok((i7, ExpectKind::Bubble(conv, r)));
             }
             fail(
                 i,
@@ -1045,18 +1049,13 @@ fn item(i: In<'_>) -> R<'_, Item> {
             )
         })
         .parse(i2)?;
-        let (kind, op) = k;
-        let (i4, _) = if op.is_empty() {
-            (i3, i3)
-        } else {
-            cut(expect(
-                if op == "==" { "`==`" } else { "`<=` (or `==`)" },
-                tok(op),
-            ))
-            .parse(i3)?
-        };
-        let (i5, e) = cut(expect("an expression", expr)).parse(i4)?;
-        return Ok((i5, Item::Expect(kind, e, sp_of(start, i5))));
+        let (i4, e) = cut(expect("an expression", expr)).parse(i3)?;
+        // `if COND`: the line applies only where the condition holds.
+        if let Ok((i5, _)) = kw("if").parse(i4) {
+            let (i6, c) = cut(expect("a condition after `if`", expr)).parse(i5)?;
+            return Ok((i6, Item::Expect(kind, e, Some(c), sp_of(start, i6))));
+        }
+        return Ok((i4, Item::Expect(kind, e, None, sp_of(start, i4))));
     }
     fail(
         i,

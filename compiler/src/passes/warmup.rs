@@ -9,10 +9,13 @@
 //! * **steady**: the compute ops in between (from the first backward up to and including the
 //!   last forward).
 //!
-//! MoE parts count as one op (their first part in execution order); W never starts the
-//! steady state. No errors: the figures are facts for reports and expectations.
+//! MoE parts count as one op: a forward at its first part in execution order, a backward at
+//! its last, so that a forward whose parts interleave with a backward's (an overlapped pair
+//! split by `--moe`, which issues `B.combine` before `F.attn`) counts as inside that pair,
+//! as it does unsplit. W never starts the steady state. No errors: the figures are facts for
+//! reports and expectations.
 
-use super::is_first_part;
+use super::{is_first_part, is_last_part};
 use schedc_ir::{Instr, Kind, Program};
 use serde::Serialize;
 
@@ -41,11 +44,15 @@ pub fn analyze(p: &Program) -> Vec<RankWarmup> {
     p.ranks
         .iter()
         .map(|instrs| {
-            // Sequence of (is_forward, is_backward_input, stage) per op (first parts only).
+            // Sequence of (is_forward, is_backward_input, stage) per op: a forward at its first
+            // part, a backward (and W, which is whole) at its last.
             let mut seq: Vec<(bool, bool, u32)> = Vec::with_capacity(instrs.len());
             for ins in instrs {
                 match ins {
-                    Instr::Compute(c) if is_first_part(c) => {
+                    Instr::Compute(c)
+                        if (c.kind == Kind::F && is_first_part(c))
+                            || (c.kind != Kind::F && is_last_part(c)) =>
+                    {
                         seq.push((c.kind == Kind::F, c.kind.is_backward_input(), c.stage))
                     }
                     Instr::Overlap { fwd, bwd } => {

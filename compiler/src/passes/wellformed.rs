@@ -220,6 +220,26 @@ impl WfError {
     }
 }
 
+/// Where `c` (the same kind, stage, micro-batch and part) first occurs in `p`, ranks in
+/// order.
+fn first_copy(p: &Program, c: &Compute) -> Option<Pos> {
+    for (r, instrs) in p.ranks.iter().enumerate() {
+        for (i, ins) in instrs.iter().enumerate() {
+            let mut hit = false;
+            ins.for_each_compute(|x| {
+                hit |= x.kind == c.kind && x.stage == c.stage && x.mb == c.mb && x.part == c.part;
+            });
+            if hit {
+                return Some(Pos {
+                    rank: r as u32,
+                    pos: i as u32,
+                });
+            }
+        }
+    }
+    None
+}
+
 /// Runs pass 1. `idx` must be built from the same program.
 pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
     let mut errs = Vec::new();
@@ -281,9 +301,10 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                 let bits = &mut seen[k * 5 + pi];
                 let (w, b) = (key / 64, 1u64 << (key % 64));
                 if bits[w] & b != 0 {
-                    let first = idx
-                        .get(c.kind, c.stage, c.mb)
-                        .map(|s| s.first)
+                    // The earlier copy of this very part (the index knows the op's first
+                    // part only); a rare error, so a scan.
+                    let first = first_copy(p, c)
+                        .or_else(|| idx.get(c.kind, c.stage, c.mb).map(|s| s.first))
                         .unwrap_or(Pos::NONE);
                     errs.push(WfError::Duplicate { at, first, op: *c });
                 } else {

@@ -646,6 +646,19 @@ impl CostModel {
         }
     }
 
+    /// The model for a schedule of `pl`, as `sim`, `check` and `compare` time it: the op
+    /// times are for a stage holding 1/P of the model, so a schedule that splits it into more
+    /// stages per direction than ranks (V > 1: interleaved, ZB-V, DualPipeV) has each op
+    /// charged `P / stages per direction` of them ([`CostModel::op_scale`]), and every
+    /// schedule does the same work. An `op_scale` already set is kept.
+    pub fn for_pipeline(&self, pl: &schedc_ir::Pipeline) -> CostModel {
+        let mut c = self.clone();
+        if c.op_scale.is_none() {
+            c.op_scale = Some(pl.pp as f64 / pl.stages_per_direction().max(1) as f64);
+        }
+        c
+    }
+
     /// Seconds of one P2P message.
     pub fn message_time(&self) -> f64 {
         let bytes = self.message_bytes();
