@@ -126,6 +126,24 @@ impl ClusterArgs {
         }
     }
 
+    /// Resolves `--model` and `--hardware` and parses `--mesh`, `--recompute`, `--dtype` and
+    /// `--attention` once, so that a command deriving costs per schedule (`compare`)
+    /// refuses a bad one before any row. Errors: the message, naming the option (exit 2).
+    pub fn resolve_names(&self) -> Result<(), String> {
+        if let Some(m) = &self.model {
+            arch::resolve(m).map_err(|e| format!("--model: {e}"))?;
+        }
+        Hardware::resolve(self.hardware.as_deref().unwrap_or("h100"))
+            .map_err(|e| format!("--hardware: {e}"))?;
+        layout::Mesh::parse(self.mesh.as_deref().unwrap_or(""), 1)?;
+        layout::Recompute::parse(self.recompute.as_deref().unwrap_or("none"))?;
+        layout::Dtype::parse(self.dtype.as_deref().unwrap_or("bf16"))?;
+        match self.attention.as_deref().unwrap_or("flash") {
+            "flash" | "eager" => Ok(()),
+            other => Err(format!("--attention: `{other}` is not flash or eager")),
+        }
+    }
+
     /// Derives the cost model for a program of shape `pl`. Errors: the message, naming the
     /// option or the config field (exit 2).
     pub fn scenario(&self, pl: &Pipeline) -> Result<Scenario, String> {

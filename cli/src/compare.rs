@@ -39,6 +39,10 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     pub format: OutFormat,
+    /// Derive each row's op times and memory from a model (as `sim --model`): each
+    /// schedule's stages hold their own layers, so no op is scaled by P / stages.
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
 }
 
 /// Runs `schedc compare`: exit 0 when every input was simulated with its expectations
@@ -56,17 +60,49 @@ pub fn run(args: Args) -> ExitCode {
         set,
         specs,
         format,
+        cluster,
     } = args;
     if pp == 0 || mb == 0 || vpp == 0 {
         eprintln!("error: --pp, --mb and --vpp must be at least 1");
+        return ExitCode::from(2);
+    }
+    if let Err(e) = cluster.check_without_model() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    if cluster.given() && cost != "unit" {
+        eprintln!("error: --model derives the op times; give --cost or --model, not both (--set K=V overrides what --model derives)");
         return ExitCode::from(2);
     }
     let model = match resolve_cost(&cost, set.as_deref()) {
         Ok(m) => m,
         Err(c) => return c,
     };
-    let cost = cost.to_string_lossy().into_owned();
-    if moe.is_some() {
+    let derive = if cluster.given() {
+        // Refuse a bad --model, --hardware or --mesh once, before any row.
+        if let Err(e) = cluster.resolve_names() {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+        let set = set.clone();
+        let cl = cluster.clone();
+        Some(schedc::compare::Deriver(std::sync::Arc::new(
+            move |pl: &schedc_ir::Pipeline| {
+                let mut sc = cl.scenario(pl)?;
+                if let Some(kv) = &set {
+                    sc.cost.apply_overrides_everywhere(kv)?;
+                }
+                Ok((sc.derived, sc.cost))
+            },
+        )))
+    } else {
+        None
+    };
+    let cost = match &cluster.model {
+        Some(m) => format!("derived from --model {m}"),
+        None => cost.to_string_lossy().into_owned(),
+    };
+    if moe.is_some() && derive.is_none() {
         if let Err(c) = require_moe_costs(&model, &cost) {
             return c;
         }
@@ -103,6 +139,7 @@ pub fn run(args: Args) -> ExitCode {
         moe,
         cost: model,
         cost_name: cost,
+        derive,
     };
     let report = match schedc::compare::compare(&files, &opts) {
         Ok(r) => r,

@@ -63,8 +63,10 @@ enum Cmd {
     /// convention, exposed all-to-all, peak activations, parameter copies; rejected specs and
     /// failed expectations reported as such. Exit 1 if any input fails.
     Compare(compare::Args),
-    /// Recommend a pipeline degree and schedule for a cluster and a model, with the
-    /// reasoning, memory per GPU and GPU-hours saved against 1F1B.
+    /// Recommend a mesh (tp, pp, ep, dp), a schedule and its micro-batches for a model on a
+    /// cluster: every candidate simulated under the model-level cost model (as `sim
+    /// --model`), ranked by tokens/s among those that fit, with the reasoning, the top
+    /// candidates and what was skipped or pruned.
     Plan(plan::Args),
     /// Train a small MoE transformer under the schedule on a backend (`--backend cpu`: one
     /// thread per global rank), optionally comparing with sequential training (`--verify`).

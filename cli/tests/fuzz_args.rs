@@ -178,18 +178,16 @@ fn standalone(cmd: &str) -> Vec<Flag> {
             ("--gpus-per-node", Some(&["8", "4", "0", "3"][..])),
             (
                 "--model",
-                Some(&["dsv3", "dense70b", "gpt5", "README.md"][..]),
+                Some(&["dsv3", "llama3-8b", "gpt5", "README.md"][..]),
             ),
+            ("--hardware", Some(&["h100", "a100", "x", "README.md"][..])),
+            ("--mesh", Some(&["tp=2", "ep=3", "tp=3", "pp=0", "x"][..])),
             ("--ep", Some(&["1", "8", "3", "0", "1000"][..])),
-            ("--interconnect", Some(&["ib400", "ib800", "x"][..])),
-            ("--gpu-memory", Some(&["80", "0", "-1", "inf", "NaN"][..])),
-            ("--peak-tflops", Some(&["989", "0", "NaN"][..])),
-            ("--mfu", Some(&["0.4", "0", "2"][..])),
-            (
-                "--global-batch-tokens",
-                Some(&["1e5", "1e6", "1", "0", "-5", "1e30"][..]),
-            ),
-            ("--intra-node-bandwidth", Some(&["160", "0", "-1"][..])),
+            ("--seq", Some(&["4096", "0", "1"][..])),
+            ("--global-batch", Some(&["8", "0", "7", "-5"][..])),
+            ("--recompute", Some(&["full", "x"][..])),
+            ("--dtype", Some(&["fp8", "x"][..])),
+            ("--global-batch-tokens", Some(&["1e5", "1"][..])),
             ("--format", Some(FORMAT)),
         ],
         "fmt" => vec![("--write", None), ("--check", None)],
@@ -248,11 +246,13 @@ fn command_line() -> impl Strategy<Value = Vec<String>> {
                 v.extend(
                     [
                         "--gpus",
-                        "8",
+                        "4",
                         "--model",
-                        "dense70b",
-                        "--global-batch-tokens",
-                        "1e5",
+                        "llama3-8b",
+                        "--global-batch",
+                        "8",
+                        "--mesh",
+                        "tp=2,pp=2",
                     ]
                     .map(String::from),
                 );
@@ -261,7 +261,7 @@ fn command_line() -> impl Strategy<Value = Vec<String>> {
             // rather than stop at a missing --pp.
             let mut used: Vec<&str> = Vec::new();
             if cmd == "plan" {
-                used.extend(["--gpus", "--model", "--global-batch-tokens"]);
+                used.extend(["--gpus", "--model", "--global-batch", "--mesh"]);
             }
             if base && !matches!(cmd, "compare" | "plan" | "fmt" | "test") {
                 v.extend(["--pp", "2", "--mb", "4"].map(String::from));

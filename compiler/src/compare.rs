@@ -16,7 +16,10 @@
 //!
 //! Op times are for a stage of 1/P of the model: a schedule that splits the model into more,
 //! smaller stages (interleaved, ZB-V, DualPipeV) has each op scaled by `P / stages per
-//! direction` ([`crate::sim::cost::CostModel::op_scale`]), so all do the same work.
+//! direction` ([`crate::sim::cost::CostModel::op_scale`]), so all do the same work. With a
+//! model ([`Options::derive`], `--model`), each row's costs are derived for its own stages
+//! instead (each holds its own layers: no scaling), and the row gets the step-level figures
+//! (step time, tokens/s, MFU, memory in bytes) of [`crate::costmodel::StepReport`].
 
 use crate::check::{self, Verdict};
 use crate::input::{self, LoadError, Overrides};
@@ -43,6 +46,44 @@ pub struct Options {
     pub cost: CostModel,
     /// Its name, for the report.
     pub cost_name: String,
+    /// Costs derived per row from a model (`--model`): given each row's program shape, its
+    /// derived costs and the simulator's cost model (replacing `cost`; its `op_scale` of 1
+    /// is kept). Errors: the message, shown as the row's error.
+    pub derive: Option<Deriver>,
+}
+
+/// What [`Deriver`] computes for a row's program shape: its derived costs and the
+/// simulator's cost model, or the error.
+pub type DeriveFn = dyn Fn(&schedc_ir::Pipeline) -> Result<(crate::costmodel::Derived, CostModel), String>
+    + Send
+    + Sync;
+
+/// The function that derives a row's costs from its program shape (see
+/// [`Options::derive`]).
+#[derive(Clone)]
+pub struct Deriver(pub std::sync::Arc<DeriveFn>);
+
+impl std::fmt::Debug for Deriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Deriver(..)")
+    }
+}
+
+/// The step-level figures of a row whose costs were derived from a model.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepFigures {
+    /// Step time (makespan, exposed DP reduction and optimizer), seconds.
+    pub step_seconds: f64,
+    /// Tokens per second over all GPUs.
+    pub tokens_per_second: f64,
+    /// Model TFLOP/s per GPU.
+    pub tflops_per_gpu: f64,
+    /// Model FLOPs utilization.
+    pub mfu: f64,
+    /// The largest rank's memory, bytes.
+    pub peak_memory_bytes: f64,
+    /// Whether every rank fits in the GPU.
+    pub fits: bool,
 }
 
 /// Why a row has no figures, or what is wrong with them.
@@ -101,6 +142,9 @@ pub struct Figures {
     pub param_copies: u32,
     /// Stages per rank.
     pub stages_per_rank: f64,
+    /// With a model (`--model`): the step-level figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<StepFigures>,
 }
 
 /// One input's outcome.
@@ -137,6 +181,8 @@ pub struct Report {
     pub moe_adjacent: bool,
     /// Ops in flight per rank of a `--moe=STAGES:list` run (cost-aware part order), if any.
     pub moe_list: Option<u8>,
+    /// Whether each row's costs were derived from a model (`--model`).
+    pub derived: bool,
     /// Every input, simulated ones by makespan first, then the others in input order.
     pub rows: Vec<Row>,
 }
@@ -241,7 +287,7 @@ pub fn expand(inputs: &[PathBuf]) -> Result<Vec<Source>, String> {
 /// Errors (usage, the whole command fails): a `--param` that no spec declares; `--moe`
 /// with a cost model that has no `[moe]` section ([`crate::moe::require_moe_costs`]).
 pub fn compare(files: &[Source], opts: &Options) -> Result<Report, String> {
-    if opts.moe.is_some() {
+    if opts.moe.is_some() && opts.derive.is_none() {
         crate::moe::require_moe_costs(&opts.cost, &opts.cost_name)?;
     }
     // Each parameter must be declared by some spec.
@@ -295,6 +341,7 @@ pub fn compare(files: &[Source], opts: &Options) -> Result<Report, String> {
         mb: opts.mb,
         cost: opts.cost_name.clone(),
         moe: opts.moe.is_some(),
+        derived: opts.derive.is_some(),
         moe_list: match opts.moe.as_ref().map(|m| m.interleave()) {
             Some(crate::moe::Interleave::List(k)) => Some(k),
             _ => None,
@@ -350,10 +397,38 @@ fn one(f: &Source, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
             ..Default::default()
         }
     };
-    let loaded = match match f {
-        Source::File(p) => input::load_path(p, &ov),
-        Source::Spec { name, text } => input::load_str(&format!("{name}.sched"), text.clone(), &ov),
-    } {
+    let load = |ov: &Overrides| match f {
+        Source::File(p) => input::load_path(p, ov),
+        Source::Spec { name, text } => input::load_str(&format!("{name}.sched"), text.clone(), ov),
+    };
+    // With a model, this row's costs: derived for the shape of a quiet first load (a load
+    // that fails is reported by the real one below).
+    let mut ov = ov;
+    let mut derived = None;
+    if let Some(d) = &opts.derive {
+        let quiet = Overrides {
+            list_cost: None,
+            moe: None,
+            ..ov.clone()
+        };
+        if let Ok(l) = load(&quiet) {
+            match (d.0)(&l.program.pipeline) {
+                Ok((dv, cost)) => {
+                    if opts.moe.is_some() {
+                        if let Err(e) = crate::moe::require_moe_costs(&cost, &opts.cost_name) {
+                            return row(None, Status::Error { message: e });
+                        }
+                    }
+                    if spec {
+                        ov.list_cost = Some(cost.clone());
+                    }
+                    derived = Some((dv, cost));
+                }
+                Err(e) => return row(None, Status::Error { message: e }),
+            }
+        }
+    }
+    let loaded = match load(&ov) {
         Ok(l) => l,
         Err(LoadError::Spec {
             diags,
@@ -392,7 +467,7 @@ fn one(f: &Source, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
     };
     Row {
         notes: loaded.notes.clone(),
-        ..judge(&loaded, opts, &row)
+        ..judge(&loaded, opts, derived.as_ref(), &row)
     }
 }
 
@@ -400,13 +475,20 @@ fn one(f: &Source, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
 fn judge(
     loaded: &input::Loaded,
     opts: &Options,
+    derived: Option<&(crate::costmodel::Derived, CostModel)>,
     row: &dyn Fn(Option<Figures>, Status) -> Row,
 ) -> Row {
     let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &Default::default());
     let pl = &loaded.program.pipeline;
-    let mut model = opts.cost.clone();
-    model.op_scale = None;
-    let model = model.for_pipeline(pl);
+    let model = match derived {
+        // Each stage's derived costs already hold its own layers (op_scale 1).
+        Some((_, cost)) => cost.for_pipeline(pl),
+        None => {
+            let mut m = opts.cost.clone();
+            m.op_scale = None;
+            m.for_pipeline(pl)
+        }
+    };
     // Under a part reordering, the expectations describe the spec's own order: checked there.
     match &loaded.expect_program {
         Some(before) if out.report.verdict == Verdict::Accepted => check::check_expectations_on(
@@ -485,6 +567,20 @@ fn judge(
         peak_activations: peak,
         param_copies: pl.directions(),
         stages_per_rank: pl.stages as f64 / pl.pp as f64,
+        step: match (derived, &out.checked) {
+            (Some((d, _)), Some(prog)) => {
+                let st = d.step_report(&prog.pipeline, &res);
+                Some(StepFigures {
+                    step_seconds: st.step_seconds,
+                    tokens_per_second: st.tokens_per_second,
+                    tflops_per_gpu: st.tflops_per_gpu,
+                    mfu: st.mfu,
+                    peak_memory_bytes: st.peak_memory_bytes,
+                    fits: st.fits,
+                })
+            }
+            _ => None,
+        },
     };
     let status = if errors.is_empty() {
         Status::Ok
@@ -504,12 +600,25 @@ pub fn render(r: &Report) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "P = {}, M = {}, cost model `{}`{}{} (op times per stage of 1/P of the model; a stage of a V-way split takes 1/V)",
+        "P = {}, M = {}, cost model `{}`{}{} ({})",
         r.pp,
         r.mb,
         r.cost,
-        if r.moe { ", --moe (MoE stages split into attention, dispatch, MLP, combine)" } else { "" },
-        if r.moe_adjacent { ", consecutive independent plain ops interleaved (:adjacent)" } else { "" }
+        if r.moe {
+            ", --moe (MoE stages split into attention, dispatch, MLP, combine)"
+        } else {
+            ""
+        },
+        if r.moe_adjacent {
+            ", consecutive independent plain ops interleaved (:adjacent)"
+        } else {
+            ""
+        },
+        if r.derived {
+            "op times and memory derived per schedule: each stage holds its own layers"
+        } else {
+            "op times per stage of 1/P of the model; a stage of a V-way split takes 1/V"
+        }
     );
     if let Some(k) = r.moe_list {
         let _ = writeln!(
@@ -590,6 +699,33 @@ pub fn render(r: &Report) -> String {
             f.peak_activations,
             f.param_copies
         );
+    }
+    if r.derived {
+        let _ = writeln!(
+            o,
+            "\n{:<w$} {:>10} {:>12} {:>9} {:>7} {:>10} {:>5}",
+            "schedule", "step (s)", "tokens/s", "TFLOP/s", "MFU", "mem (GB)", "fits"
+        );
+        for (row, name) in r
+            .rows
+            .iter()
+            .filter(|row| row.figures.is_some())
+            .zip(&names)
+        {
+            if let Some(st) = row.figures.as_ref().and_then(|f| f.step.as_ref()) {
+                let _ = writeln!(
+                    o,
+                    "{:<w$} {:>10.4} {:>12.0} {:>9.1} {:>6.1}% {:>10.1} {:>5}",
+                    name,
+                    st.step_seconds,
+                    st.tokens_per_second,
+                    st.tflops_per_gpu,
+                    100.0 * st.mfu,
+                    st.peak_memory_bytes / 1e9,
+                    if st.fits { "yes" } else { "no" }
+                );
+            }
+        }
     }
     let other: Vec<String> = r
         .rows

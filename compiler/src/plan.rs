@@ -1,382 +1,398 @@
-//! `schedc plan`: recommends a pipeline degree and schedule for a cluster and a model, from
-//! the standard library of specs (or a directory of them), `schedc check` and the simulator,
-//! with the reasoning shown and every schedule it could not use listed with the reason.
+//! `schedc plan`: a layout (mesh `tp`, `pp`, `ep`, `dp`), a schedule and its micro-batch
+//! count for a model on a cluster, found by a search in which every candidate is priced by
+//! the simulator under the model-level cost model ([`crate::costmodel::evaluate`]: the same
+//! figures `schedc sim SPEC --model ... --hardware ... --mesh ...` prints). The plan has no
+//! formula of its own.
 //!
-//! The estimate, in order (every constant is printed with the plan):
-//! * **Parallelism.** Dense models use tensor parallelism across a node (TP = GPUs per node);
-//!   MoE models shard the routed experts over EP GPUs of the same stage (TP = 1), so EP must
-//!   divide the routed experts and the data-parallel degree DP of the stage (the EP group is
-//!   made of DP ranks). Pipeline degree PP in {1, 2, 4, ...} dividing the node count (a stage
-//!   owns whole nodes), at most the layer count; DP = GPUs / (PP * TP).
-//! * **Micro-batches.** M = global batch tokens / (DP * sequence length) per pipeline,
-//!   rounded; a schedule that refuses that M (DualPipe needs an even M, interleaved schedules
-//!   rounds of P) gets the nearest M it accepts, and the tokens per step are reported.
-//! * **Compute.** Forward FLOPs per token = 2 * active parameters (Kaplan et al. 2020, §2.1);
-//!   input-gradient backward B = forward and weight-gradient backward W = forward (the
-//!   backward is 2x the forward). A stage holds 1/S of the layers of its direction (S
-//!   stages per direction); time = FLOPs / (GPUs sharing the stage * peak * MFU).
-//! * **MoE all-to-all.** Each MoE layer's dispatch and combine each move `seq * hidden *
-//!   top_k * 2` bytes (bf16) per GPU per micro-batch, of which the share (EP - 1) / EP leaves
-//!   the GPU. An EP group within a node goes over the intra-node links (NVLink, default 160
-//!   GB/s: DeepSeek-V3, arXiv 2412.19437, §3.2.2); one spanning nodes sends the share (EP -
-//!   G) / EP bound for other nodes over the inter-node links, at the same time as the rest
-//!   over NVLink (the slower of the two). The simulator prices them, not a second model of
-//!   the plan's own: every F, B and BW of an MoE model is split into its parts (attention,
-//!   dispatch, expert MLP, combine; [`crate::moe`]), a dispatch and a combine of an op move
-//!   the tokens of every layer of its stage on the rank's expert-parallel stream, and W has
-//!   none. A plain op waits for its all-to-alls; only an overlapped F&B pair (DualPipe,
-//!   DualPipeV: DeepSeek-V3 §3.2.1, Figure 4) hides each under the other micro-batch's
-//!   compute, as far as it fits. Attention and the expert MLP take half of an op's compute
-//!   each.
-//! * **Pipeline messages.** One activation (`seq * hidden * 2` bytes / TP) per stage
-//!   boundary over the inter-node links.
-//! * **Memory per GPU.** Weights and gradients (bf16, 2 + 2 bytes per parameter) and Adam
-//!   state with fp32 master weights (12 bytes) of the parameters it holds (the non-expert
-//!   share /TP and the expert share /EP, per stage; no ZeRO sharding); DualPipe's two
-//!   directions hold two stages each with their own weights and gradients (one optimizer
-//!   state per stage of the model). Activations: `34 * seq * hidden` bytes per layer per
-//!   micro-batch (Korthikanti et al. 2022, eq. 2, without recomputation, /TP), times the
-//!   peak live (stage, micro-batch) count of the simulated schedule.
-//! * **Step time** from the simulator (`schedc::sim`) under these op times; GPU-hours per
-//!   million tokens = GPUs * step / 3600 / (tokens per step / 1e6).
+//! ## The search
+//!
+//! * **Meshes.** Tensor parallelism `tp` in {1, 2, 4, 8}, within a node, dividing the
+//!   attention heads (and the key-value heads, or a multiple of them); pipeline degree `pp`
+//!   any divisor of `GPUs / tp` up to the layer count; `dp = GPUs / (tp * pp)`; for an MoE
+//!   model every expert-parallel degree `ep` that divides the routed experts and `tp * dp`
+//!   (the EP group folded into a stage's GPUs); no context parallelism (`cp = 1`).
+//!   `--mesh` fixes any of them.
+//! * **Layers per stage.** Megatron-LM's even split ([`layout::default_split`]); where it
+//!   does not divide, [`balanced_layout`] (the remainder on the middle stages, not on the
+//!   embedding's and the head's), shown with the candidate.
+//! * **Schedules.** Every spec of the standard library (or `--specs DIR`), with `V` in
+//!   1..=4 where the spec leaves V free (at most one layer per stage); M = global batch /
+//!   (dp * micro-batch size); a spec that refuses that M gets the nearest M it accepts
+//!   within a quarter of it (noted, and its tokens per step are its own).
+//! * **Memory.** A candidate fits when the simulator's largest rank (weights, gradients,
+//!   optimizer state, the peak of live activations, the per-GPU overhead) fits the GPU.
+//! * **Ranking.** By tokens per second (step time, exposed DP reduction and optimizer
+//!   included); ties by memory.
+//!
+//! ## Pruning (so that 2048 GPUs plan in seconds)
+//!
+//! Before any simulation each mesh gets two bounds from [`costmodel::derive`] alone (a
+//! closed form, no schedule):
+//!
+//! * **memory:** the weights, gradients and optimizer state of the whole pipeline over `pp`
+//!   ranks plus the overhead, a lower bound on the largest rank under any schedule; a mesh
+//!   over the GPU's memory is skipped;
+//! * **throughput:** every rank's compute (F + B + W of its stages, all-to-alls and
+//!   bubbles left out) averaged over the `pp` ranks is a lower bound on the makespan of any
+//!   schedule at any M, so `dp * micro-batch size * seq * pp / sum of F + B + W over the
+//!   stages` is an upper bound on the tokens per second.
+//!
+//! Meshes are simulated best bound first; a mesh whose bound is at most the best fitting
+//! candidate's tokens per second cannot hold a better one and is not simulated (listed
+//! as pruned, with its bound). Within a mesh the specs whose V is free try V = 1, 2, ...
+//! and stop at the first V that is slower than the one before (the bubble shrinks with V
+//! while the messages and per-stage costs grow; a heuristic). Screening, another heuristic:
+//! after the first [`SCREEN_MESHES`] meshes, a schedule never within [`SCREEN_RATIO`] of
+//! the best tokens/s at a mesh simulated so far is not simulated again (the reasoning lists
+//! it); 1F1B is simulated on the recommended mesh regardless, as the report's baseline.
 
-use crate::check::{check, Verdict};
-use crate::input::{load_spec, LoadError, Overrides};
-use crate::sim::cost::{CostModel, Memory, Moe, OpCosts};
-use crate::sim::simulate;
-use serde::{Deserialize, Serialize};
+use crate::costmodel::{
+    self,
+    arch::Arch,
+    hardware::Hardware,
+    layout::{self, Dtype, Mesh, Recompute},
+    Efficiency, Instance, Training,
+};
+use crate::input::{load_str, LoadError, Overrides};
+use serde::Serialize;
 use std::fmt::Write as _;
 
-/// A model, as far as the plan needs it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ModelSpec {
-    /// Name.
-    pub name: String,
-    /// Transformer layers.
-    pub layers: u32,
-    /// Hidden size.
-    pub hidden: u32,
-    /// Sequence length (tokens per micro-batch).
-    pub seq: u32,
-    /// All parameters.
-    pub total_params: f64,
-    /// Parameters active per token (all, for a dense model).
-    pub active_params: f64,
-    /// Parameters in routed experts (0 for a dense model).
-    #[serde(default)]
-    pub expert_params: f64,
-    /// Routed experts per MoE layer (0 for dense).
-    #[serde(default)]
-    pub experts: u32,
-    /// Experts each token is routed to.
-    #[serde(default)]
-    pub top_k: u32,
+/// Mesh dimensions fixed by `--mesh` (the others are searched).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Fixed {
+    /// Tensor-parallel degree.
+    pub tp: Option<u32>,
+    /// Pipeline-parallel degree.
+    pub pp: Option<u32>,
+    /// Expert-parallel degree.
+    pub ep: Option<u32>,
+    /// Data-parallel degree.
+    pub dp: Option<u32>,
 }
 
-impl ModelSpec {
-    /// Checks the figures: sizes positive, expert parameters within the total, top-k within
-    /// the experts. Errors name the field.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.layers == 0 || self.hidden == 0 || self.seq == 0 {
-            return Err("layers, hidden and seq must be at least 1".into());
+impl Fixed {
+    /// Parses `tp=2,pp=8,ep=32,dp=16` (any subset, any order; `cp=1` is accepted, the plan
+    /// does not search context parallelism). Errors name `--mesh`: an unknown or repeated
+    /// key, a value that is not a positive integer, `cp` other than 1.
+    pub fn parse(s: &str) -> Result<Fixed, String> {
+        // The syntax is `sim --mesh`'s; the keys given are the fixed dimensions.
+        let m = Mesh::parse(s, 1)?;
+        let given = |k: &str| {
+            s.split(',')
+                .filter_map(|p| p.split_once('='))
+                .any(|(key, _)| key.trim() == k)
+        };
+        if m.cp != 1 {
+            return Err(format!(
+                "--mesh cp={}: plan does not search context parallelism; evaluate a cp layout with `schedc sim --mesh`",
+                m.cp
+            ));
         }
-        for (n, v) in [
-            ("total_params", self.total_params),
-            ("active_params", self.active_params),
-        ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(format!("`{n}` must be a positive number, got {v}"));
+        Ok(Fixed {
+            tp: given("tp").then_some(m.tp),
+            pp: given("pp").then_some(m.pp),
+            ep: given("ep").then_some(m.ep),
+            dp: given("dp").then_some(m.dp),
+        })
+    }
+}
+
+/// What to plan for.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// GPUs in all.
+    pub gpus: u32,
+    /// The model.
+    pub arch: Arch,
+    /// The GPU and its links.
+    pub hardware: Hardware,
+    /// Tokens per sequence.
+    pub seq: u64,
+    /// Sequences per micro-batch.
+    pub micro_batch_size: u64,
+    /// Sequences per optimizer step over all GPUs.
+    pub global_batch: u64,
+    /// Recomputation.
+    pub recompute: Recompute,
+    /// GEMM number format.
+    pub dtype: Dtype,
+    /// ZeRO-1 over the data-parallel group.
+    pub distributed_optimizer: bool,
+    /// FlashAttention (else eager attention).
+    pub flash_attention: bool,
+    /// Dimensions fixed by `--mesh`.
+    pub fixed: Fixed,
+    /// The cost model's efficiencies.
+    pub efficiency: Efficiency,
+}
+
+impl Request {
+    /// Checks the figures against each other. Errors name the option: `--gpus` (zero, or
+    /// neither within a node nor whole nodes), `--seq`, `--micro-batch-size`,
+    /// `--global-batch` (zero), `--mesh` (dimensions that do not multiply to the GPUs, an
+    /// `ep` that does not divide the experts or that a dense model cannot have, a `tp`
+    /// beyond a node).
+    pub fn validate(&self) -> Result<(), String> {
+        let g = self.gpus;
+        let gpn = self.hardware.gpus_per_node;
+        if g == 0 {
+            return Err("--gpus must be at least 1".into());
+        }
+        if g > gpn && !g.is_multiple_of(gpn) {
+            return Err(format!(
+                "--gpus {g} is not a multiple of the {gpn} GPUs per node of --hardware {}",
+                self.hardware.name
+            ));
+        }
+        if self.seq == 0 || self.micro_batch_size == 0 || self.global_batch == 0 {
+            return Err("--seq, --micro-batch-size and --global-batch must be at least 1".into());
+        }
+        let f = &self.fixed;
+        let given: u64 = [f.tp, f.pp, f.dp]
+            .iter()
+            .flatten()
+            .map(|&x| x as u64)
+            .product();
+        let dims = [("tp", f.tp), ("pp", f.pp), ("dp", f.dp)]
+            .iter()
+            .filter_map(|(k, v)| v.map(|v| format!("{k}={v}")))
+            .collect::<Vec<_>>()
+            .join(" x ");
+        if f.tp.is_some() && f.pp.is_some() && f.dp.is_some() && given != g as u64 {
+            return Err(format!("--mesh {dims} is {given} GPUs, but --gpus is {g}"));
+        }
+        if !(g as u64).is_multiple_of(given) {
+            return Err(format!(
+                "--mesh {dims} = {given} does not divide --gpus {g}"
+            ));
+        }
+        if let Some(tp) = f.tp {
+            if tp > gpn {
+                return Err(format!(
+                    "--mesh tp={tp} spans more than a node of {gpn} GPUs"
+                ));
             }
         }
-        if !(self.expert_params.is_finite()
-            && self.expert_params >= 0.0
-            && self.expert_params < self.total_params)
-        {
-            return Err(format!(
-                "`expert_params` must be at least 0 and below total_params, got {}",
-                self.expert_params
-            ));
-        }
-        if self.active_params > self.total_params {
-            return Err("`active_params` cannot exceed `total_params`".into());
-        }
-        if self.experts > 0 && (self.top_k == 0 || self.top_k > self.experts) {
-            return Err(format!(
-                "`top_k` must be in 1..={} for {} experts",
-                self.experts, self.experts
-            ));
-        }
-        if self.experts == 0 && (self.top_k > 0 || self.expert_params > 0.0) {
-            return Err("a dense model (experts = 0) has no `top_k` or `expert_params`".into());
+        match (&self.arch.moe, f.ep) {
+            (None, Some(ep)) if ep > 1 => {
+                return Err(format!(
+                    "--mesh ep={ep}: `{}` is dense (no routed experts)",
+                    self.arch.name
+                ))
+            }
+            (Some(m), Some(ep)) if !m.experts.is_multiple_of(ep as u64) => {
+                return Err(format!(
+                    "--mesh ep={ep} does not divide the model's {} routed experts",
+                    m.experts
+                ))
+            }
+            _ => {}
         }
         Ok(())
     }
 
-    /// True for MoE.
-    pub fn is_moe(&self) -> bool {
-        self.experts > 0
-    }
-}
-
-/// The shipped model presets.
-pub fn preset(name: &str) -> Option<ModelSpec> {
-    match name {
-        // DeepSeek-V3 (arXiv 2412.19437, §2 and §4.2): 671B total, 37B active, 61 layers,
-        // hidden 7168, 256 routed experts of which 8 active (plus one shared expert).
-        // Routed-expert parameters: 58 MoE layers * 256 experts * 3 * 7168 * 2048.
-        "dsv3" | "deepseek-v3" => Some(ModelSpec {
-            name: "DeepSeek-V3-like MoE (671B total, 37B active)".into(),
-            layers: 61,
-            hidden: 7168,
-            seq: 4096,
-            total_params: 671e9,
-            active_params: 37e9,
-            expert_params: 58.0 * 256.0 * 3.0 * 7168.0 * 2048.0,
-            experts: 256,
-            top_k: 8,
-        }),
-        // Llama-2/3-70B-like dense model: 80 layers, hidden 8192.
-        "dense70b" | "llama70b" => Some(ModelSpec {
-            name: "70B dense".into(),
-            layers: 80,
-            hidden: 8192,
-            seq: 4096,
-            total_params: 70e9,
-            active_params: 70e9,
-            expert_params: 0.0,
-            experts: 0,
-            top_k: 0,
-        }),
-        _ => None,
-    }
-}
-
-/// The default intra-node (NVLink) bandwidth per GPU, bytes/s: H800's 160 GB/s as
-/// DeepSeek-V3 reports it (arXiv 2412.19437, §3.2.2).
-pub const DEFAULT_INTRA_BW: f64 = 160e9;
-
-/// The cluster.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Cluster {
-    /// GPUs in all.
-    pub gpus: u32,
-    /// GPUs per node.
-    pub gpus_per_node: u32,
-    /// Memory per GPU, bytes.
-    pub gpu_memory: f64,
-    /// Peak dense bf16 throughput per GPU, FLOP/s.
-    pub peak_flops: f64,
-    /// Model FLOPs utilization assumed for compute.
-    pub mfu: f64,
-    /// Inter-node bandwidth per GPU, bytes/s.
-    pub inter_bw: f64,
-    /// Intra-node bandwidth per GPU (NVLink), bytes/s.
-    pub intra_bw: f64,
-    /// Per-message latency, seconds.
-    pub latency: f64,
-    /// Tokens per optimizer step.
-    pub global_batch_tokens: f64,
-    /// Expert-parallel degree for MoE models (default: GPUs per node, or the largest
-    /// divisor of the expert count below it).
-    pub ep: Option<u32>,
-}
-
-impl Cluster {
-    /// Checks the figures against each other and the model. Errors: the message, naming the
-    /// option (`--gpus`, `--ep`, ...).
-    pub fn validate(&self, model: &ModelSpec) -> Result<(), String> {
-        if self.gpus == 0
-            || self.gpus_per_node == 0
-            || !self.gpus.is_multiple_of(self.gpus_per_node)
-        {
-            return Err("--gpus must be a positive multiple of --gpus-per-node".into());
-        }
-        let pos = |name: &str, v: f64| {
-            if v.is_finite() && v > 0.0 {
-                Ok(())
-            } else {
-                Err(format!("{name} must be a positive number, got {v}"))
-            }
-        };
-        pos("--gpu-memory", self.gpu_memory)?;
-        pos("--peak-tflops", self.peak_flops)?;
-        pos("the inter-node bandwidth", self.inter_bw)?;
-        pos("--intra-node-bandwidth", self.intra_bw)?;
-        if !(self.mfu > 0.0 && self.mfu <= 1.0) {
-            return Err(format!("--mfu must be in (0, 1], got {}", self.mfu));
-        }
-        if !(self.global_batch_tokens.is_finite() && self.global_batch_tokens >= 1.0) {
-            return Err(format!(
-                "--global-batch-tokens must be a positive number of tokens, got {}",
-                self.global_batch_tokens
-            ));
-        }
-        if !(self.latency.is_finite() && self.latency >= 0.0) {
-            return Err(format!(
-                "the latency must be at least 0, got {}",
-                self.latency
-            ));
-        }
-        match (model.is_moe(), self.ep) {
-            (false, Some(_)) => Err(format!(
-                "--ep applies to MoE models; `{}` is dense (it uses tensor parallelism across a node)",
-                model.name
-            )),
-            (true, Some(0)) => Err("--ep must be at least 1".into()),
-            (true, Some(ep)) if ep > model.experts => Err(format!(
-                "--ep {ep} exceeds the {} routed experts: each EP rank holds at least one",
-                model.experts
-            )),
-            (true, Some(ep)) if !model.experts.is_multiple_of(ep) => Err(format!(
-                "--ep {ep} does not divide the {} routed experts: each EP rank holds the same number",
-                model.experts
-            )),
-            (true, Some(ep)) if ep > self.gpus => Err(format!(
-                "--ep {ep} exceeds the {} GPUs",
-                self.gpus
-            )),
-            _ => Ok(()),
+    fn training(&self, mesh: Mesh, layout: Option<String>) -> Training {
+        Training {
+            mesh,
+            seq: self.seq,
+            micro_batch_size: self.micro_batch_size,
+            recompute: self.recompute,
+            distributed_optimizer: self.distributed_optimizer,
+            dtype: self.dtype,
+            layout,
+            flash_attention: self.flash_attention,
         }
     }
 
-    /// The expert-parallel degree: `--ep`, else the largest divisor of the expert count that
-    /// is at most the GPUs per node. 1 for a dense model.
-    pub fn ep_degree(&self, model: &ModelSpec) -> u32 {
-        if !model.is_moe() {
-            return 1;
+    /// The layout string for `chunks` model chunks: `None` (the even split) where
+    /// [`layout::default_split`] divides, else [`balanced_layout`].
+    fn layout_for(&self, chunks: u32) -> Option<String> {
+        match layout::default_split(self.arch.layers(), chunks) {
+            Ok(_) => None,
+            Err(_) => Some(balanced_layout(self.arch.layers(), chunks)),
         }
-        self.ep.unwrap_or_else(|| {
-            (1..=self.gpus_per_node.min(model.experts))
-                .rev()
-                .find(|d| model.experts.is_multiple_of(*d))
-                .unwrap_or(1)
+    }
+}
+
+/// A Megatron-LM layout string of `layers` layers over `chunks` stages where the even split
+/// does not divide: every stage `layers / chunks` layers, and the remainder one more each on
+/// the middle stages first, the first and the last stage only after them (they also hold
+/// the embedding and the output head and loss, the heaviest in memory and the head in
+/// time, as Megatron-LM's `--account-for-embedding-in-pipeline-split` and
+/// `--account-for-loss-in-pipeline-split` weigh them). `61, 16`: `Et*3`, 13 stages of
+/// `t*4`, `t*3`, `t*3L`. Requires `1 <= chunks <= layers`.
+pub fn balanced_layout(layers: u32, chunks: u32) -> String {
+    let c = chunks.max(1) as usize;
+    let (q, r) = (layers / c as u32, (layers % c as u32) as usize);
+    let mut n = vec![q; c];
+    let order = (1..c.saturating_sub(1))
+        .chain([0])
+        .chain((c > 1).then_some(c - 1));
+    for i in order.take(r) {
+        n[i] += 1;
+    }
+    let stages: Vec<String> = n
+        .iter()
+        .enumerate()
+        .map(|(i, &k)| {
+            let body = match k {
+                0 => String::new(),
+                1 => "t".to_string(),
+                k => format!("t*{k}"),
+            };
+            format!(
+                "{}{body}{}",
+                if i == 0 { "E" } else { "" },
+                if i + 1 == c { "L" } else { "" }
+            )
         })
-    }
-
-    /// Seconds of one all-to-all (a dispatch or a combine of one MoE layer, one micro-batch)
-    /// per GPU, and the links it uses. See the module docs.
-    pub fn all_to_all(&self, model: &ModelSpec, ep: u32) -> (f64, String) {
-        if !model.is_moe() || ep <= 1 {
-            return (0.0, "no all-to-all (EP = 1)".into());
+        .collect();
+    // Runs of equal stages before the last as `(t*4|)*13`.
+    let mut out = String::new();
+    let mut i = 0;
+    while i < c {
+        let mut j = i + 1;
+        while j < c - 1 && stages[j] == stages[i] {
+            j += 1;
         }
-        let bytes = model.seq as f64 * model.hidden as f64 * model.top_k as f64 * 2.0;
-        let e = ep as f64;
-        let g = self.gpus_per_node as f64;
-        if ep <= self.gpus_per_node {
-            let t = bytes * (e - 1.0) / e / self.intra_bw + self.latency;
-            (
-                t,
-                format!(
-                    "the EP group of {ep} fits in a node: NVLink at {:.0} GB/s",
-                    self.intra_bw / 1e9
-                ),
-            )
+        if i + 1 == c {
+            out.push_str(&stages[i]);
+        } else if j - i > 1 {
+            out.push_str(&format!("({}|)*{}", stages[i], j - i));
         } else {
-            let inter = bytes * (e - g) / e / self.inter_bw;
-            let intra = bytes * (g - 1.0) / e / self.intra_bw;
-            (
-                inter.max(intra) + self.latency,
-                format!(
-                    "the EP group of {ep} spans {} nodes: the share bound for other nodes, {:.0}%, over the inter-node links at {:.0} GB/s",
-                    ep.div_ceil(self.gpus_per_node),
-                    100.0 * (e - g) / e,
-                    self.inter_bw / 1e9
-                ),
-            )
+            out.push_str(&stages[i]);
+            out.push('|');
         }
+        i = j;
     }
+    out
 }
 
-/// An interconnect by name: (bytes/s per GPU, latency s).
-pub fn interconnect(name: &str) -> Option<(f64, f64)> {
-    match name {
-        "ib400" => Some((50e9, 5e-6)),
-        "ib200" => Some((25e9, 5e-6)),
-        "roce100" => Some((12.5e9, 1e-5)),
-        "ib800" => Some((100e9, 4e-6)),
-        _ => None,
-    }
-}
-
-/// One evaluated option.
+/// One simulated candidate.
 #[derive(Clone, Debug, Serialize)]
 pub struct Candidate {
     /// Spec name.
     pub schedule: String,
-    /// Pipeline degree (GPUs per pipeline).
+    /// The V asked of a spec that leaves it free (`None`: the spec's own).
+    pub vpp: Option<u32>,
+    /// Stages per rank (2 for DualPipe's two directions and for V-shaped specs).
+    pub stages_per_rank: u32,
+    /// Tensor-parallel degree.
+    pub tp: u32,
+    /// Pipeline degree.
     pub pp: u32,
+    /// Expert-parallel degree.
+    pub ep: u32,
     /// Data-parallel degree.
     pub dp: u32,
-    /// Micro-batches per step.
+    /// The layout string when the even split does not divide (else `None`).
+    pub layout: Option<String>,
+    /// Micro-batches per step (per pipeline).
     pub microbatches: u32,
-    /// Tokens per step (M * DP * sequence length).
+    /// Tokens per step over all GPUs.
     pub tokens_per_step: f64,
     /// Step time, seconds.
     pub step_seconds: f64,
-    /// Bubble under the `from_start` convention: idle / (busy + idle) over all ranks, one
-    /// step with a barrier at both ends (Zero Bubble's convention).
+    /// Tokens per second over all GPUs.
+    pub tokens_per_second: f64,
+    /// Model TFLOP/s per GPU.
+    pub tflops_per_gpu: f64,
+    /// Model FLOPs utilization against the dtype's dense peak.
+    pub mfu: f64,
+    /// Bubble, `from_start` convention (idle / (busy + idle), barrier at both ends).
     pub bubble: f64,
     /// Share of the MoE all-to-all time not hidden under compute (0 for a dense model).
     pub a2a_exposed: f64,
-    /// Peak memory per GPU, bytes.
+    /// The largest rank's memory, bytes.
     pub memory_bytes: f64,
-    /// Whether it fits.
+    /// Whether it fits in the GPU's memory.
     pub fits: bool,
-    /// GPU-hours per million tokens.
-    pub gpu_hours_per_mtok: f64,
-    /// What was adjusted (an M the schedule accepts), if anything.
+    /// An M other than the batch's, and why.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
 }
 
-/// A schedule the plan could not evaluate at a pipeline degree, and why.
+impl Candidate {
+    /// `tp=1 pp=16 ep=64 dp=128`.
+    pub fn mesh_text(&self) -> String {
+        mesh_text(self.tp, self.pp, self.ep, self.dp)
+    }
+    /// `dualpipe`, `interleaved_1f1b V=2`.
+    pub fn schedule_text(&self) -> String {
+        match self.vpp {
+            Some(v) => format!("{} V={v}", self.schedule),
+            None => self.schedule.clone(),
+        }
+    }
+}
+
+fn mesh_text(tp: u32, pp: u32, ep: u32, dp: u32) -> String {
+    format!("tp={tp} pp={pp} ep={ep} dp={dp}")
+}
+
+/// What was not simulated, and why.
 #[derive(Clone, Debug, Serialize)]
 pub struct Skipped {
-    /// Spec name (`*` for every schedule at this PP).
+    /// The mesh (`tp=.. pp=.. ep=.. dp=..`), or the dimension refused (`tp=16`).
+    pub mesh: String,
+    /// The spec (`*`: every one).
     pub schedule: String,
-    /// Pipeline degree.
-    pub pp: u32,
     /// Why.
     pub why: String,
+}
+
+/// A mesh within memory by its weights, gradients and optimizer state, with its bounds.
+#[derive(Clone, Debug, Serialize)]
+pub struct MeshBound {
+    /// The mesh.
+    pub mesh: String,
+    /// Upper bound on the tokens per second of any schedule on it.
+    pub bound_tokens_per_second: f64,
+    /// Lower bound on the largest rank's memory, bytes.
+    pub memory_lower_bound_bytes: f64,
+    /// Simulated (else pruned: its bound is at most the best found before it).
+    pub simulated: bool,
 }
 
 /// The plan.
 #[derive(Clone, Debug, Serialize)]
 pub struct Plan {
-    /// All candidates evaluated.
+    /// Every simulated candidate: those that fit by tokens per second (best first), then
+    /// those that do not.
     pub candidates: Vec<Candidate>,
-    /// Index of the recommendation in `candidates`.
+    /// The recommendation: index in `candidates` (the first, when something fits).
     pub best: Option<usize>,
-    /// What could not be evaluated, and why.
+    /// Schedules not simulated at a mesh by screening (see [`SCREEN_RATIO`]).
+    pub screened_out: Vec<Skipped>,
+    /// What was not simulated, and why.
     pub skipped: Vec<Skipped>,
+    /// Every mesh within memory by its static bytes, best bound first: simulated, or
+    /// pruned by its throughput bound.
+    pub meshes: Vec<MeshBound>,
+    /// Simulations run.
+    pub simulations: usize,
     /// The reasoning, one line each.
     pub reasoning: Vec<String>,
 }
 
-/// Bytes of weights, gradients and optimizer state per parameter (bf16 weights and
-/// gradients, fp32 master weights and Adam moments).
-const BYTES_WG: f64 = 4.0;
-const BYTES_OPT: f64 = 12.0;
-
-/// What the plan needs of a spec's header: its V (fixed, or free: 2 is tried) and whether it
-/// is bidirectional.
+/// Whether a spec fixes its V (anything but `vpp default N`, which leaves it to `--vpp`)
+/// and whether it is bidirectional.
 fn spec_shape(text: &str) -> (bool, bool) {
     use crate::dsl::ast::{Item, PlacementSpec};
     match crate::dsl::parse_file(text) {
         Ok(f) => (
-            f.items.iter().any(|i| matches!(i, Item::Vpp(..))),
+            !f.items.iter().any(|i| matches!(i, Item::VppDefault(..))),
             f.items
                 .iter()
                 .any(|i| matches!(i, Item::Placement(PlacementSpec::Bidir, _))),
         ),
-        Err(_) => (false, false),
+        Err(_) => (true, false),
     }
 }
 
 /// Micro-batch counts to try for a spec, the batch's own first: the nearest even M for a
 /// bidirectional spec, then multiples of P below and above (interleaved rounds), then 2P
-/// (DualPipe's least), each only within a quarter of the batch's M.
+/// (DualPipeV's least), each only within a quarter of the batch's M.
 fn m_candidates(m: u32, pp: u32, bidir: bool) -> Vec<u32> {
     let mut v = vec![m];
     if bidir && m % 2 == 1 {
@@ -392,530 +408,750 @@ fn m_candidates(m: u32, pp: u32, bidir: bool) -> Vec<u32> {
             v.push(x);
         }
     }
-    // Only near the batch's own M: a schedule that needs a very different M does not fit
-    // this batch.
     let slack = (m / 4).max(1);
     v.retain(|&x| x.abs_diff(m) <= slack);
     v
 }
 
-/// The compute times, seconds, of the ops of a stage holding `stage_frac` of the model's
-/// layers (see the module docs): F = B = W = forward FLOPs / (GPUs sharing the stage * peak
-/// * MFU); BW and overlapped pairs are left to the simulator (the sum of their parts).
-pub fn op_costs(model: &ModelSpec, c: &Cluster, stage_frac: f64) -> OpCosts {
-    let tp = if model.is_moe() { 1 } else { c.gpus_per_node };
-    let f = 2.0 * model.active_params * model.seq as f64 * stage_frac
-        / (tp as f64 * c.peak_flops * c.mfu);
-    OpCosts {
-        f: Some(f),
-        b: Some(f),
-        w: Some(f),
-        bw: None,
-        fb: None,
-    }
+/// Meshes at which every schedule is simulated before screening starts.
+pub const SCREEN_MESHES: usize = 3;
+
+/// A schedule that never came within this share of the best tokens/s at a mesh simulated
+/// so far is not simulated at later meshes (screening; a heuristic, not a bound).
+pub const SCREEN_RATIO: f64 = 0.9;
+
+/// One mesh to simulate, with its bounds.
+struct MeshCase {
+    mesh: Mesh,
+    m: u32,
+    bound_tps: f64,
+    statics: f64,
 }
 
-/// The simulator's `[moe]` figures for an MoE model's stage holding `stage_frac` of the
-/// layers: a dispatch (and a combine) of an F, B or BW op moves the tokens of every layer of
-/// the stage, `layers * stage_frac` all-to-alls of [`Cluster::all_to_all`] seconds each, on
-/// the rank's expert-parallel stream; attention and the expert MLP split the op's compute
-/// half and half. The simulator (`--moe` lowering, [`crate::moe`]) charges them: exposed
-/// for a plain op, hidden under the other micro-batch's compute inside an overlapped F&B
-/// pair as far as they fit (DeepSeek-V3, arXiv 2412.19437, §3.2.1, Figure 4).
-pub fn moe_costs(model: &ModelSpec, c: &Cluster, stage_frac: f64, ep: u32) -> Moe {
-    let (a2a, _) = c.all_to_all(model, ep);
-    let per_op = model.layers as f64 * stage_frac * a2a;
-    Moe {
-        present: true,
-        dispatch: per_op,
-        combine: per_op,
-        attn_share: 0.5,
-        overlap: true,
-        ..Moe::default()
-    }
-}
-
-/// Evaluates every schedule of `specs` (`(name, text)`, e.g. [`crate::specs`]'s standard
-/// library) at every pipeline degree.
+/// Plans `req` over `specs` (`(name, text)`, e.g. [`crate::specs`]'s standard library).
 ///
-/// Errors: a cluster [`Cluster::validate`] refuses, an instance over the memory limit of
-/// [`crate::limits`], or no pipeline degree that can be evaluated at all (each reason
-/// listed).
-pub fn plan(model: &ModelSpec, c: &Cluster, specs: &[(String, String)]) -> Result<Plan, String> {
-    model.validate()?;
-    c.validate(model)?;
-    let mut why = Vec::new();
+/// Errors: what [`Request::validate`] refuses, or no mesh at all (every one listed with its
+/// reason). A plan in which nothing fits is not an error (`best` is `None`).
+pub fn plan(req: &Request, specs: &[(String, String)]) -> Result<Plan, String> {
+    req.validate()?;
+    let arch = &req.arch;
+    let hw = &req.hardware;
+    let eff = &req.efficiency;
+    let layers = arch.layers();
+    let heads = arch.attention.heads();
+    let kvh = arch.attention.kv_heads();
     let mut skipped = Vec::new();
-    let moe = model.is_moe();
-    let g = c.gpus_per_node;
-    let ep = c.ep_degree(model);
-    let tp = if moe { 1 } else { g };
-    why.push(format!(
-        "{}: {} layers, hidden {}, {:.0}B parameters ({:.0}B active){}",
-        model.name,
-        model.layers,
-        model.hidden,
-        model.total_params / 1e9,
-        model.active_params / 1e9,
-        if moe {
-            format!(
-                ", {:.0}B in {} routed experts (top-{})",
-                model.expert_params / 1e9,
-                model.experts,
-                model.top_k
-            )
-        } else {
-            String::new()
-        }
-    ));
-    why.push(if moe {
-        format!(
-            "MoE: routed experts sharded over EP = {ep} GPUs of the same stage (EP divides DP), {} experts per GPU, no tensor parallelism",
-            model.experts / ep
-        )
-    } else {
-        format!("dense: tensor parallelism across each node (TP = {tp})")
-    });
-    let (a2a, a2a_why) = c.all_to_all(model, ep);
-    if moe {
-        why.push(format!(
-            "MoE all-to-all: {a2a_why}; a dispatch or combine moves {:.1} MB per GPU per layer and micro-batch: {:.3} ms each. Priced by the simulator: every F, B and BW is split into attention, dispatch, expert MLP and combine (attention and MLP half of its compute each), the all-to-alls of every layer of its stage run on the expert-parallel stream, exposed in plain ops and hidden under the other micro-batch's compute inside an overlapped F&B pair (DualPipe, DualPipeV, Megatron-Core's combined 1F1B interleaved_1f1b_a2a) as far as they fit",
-            model.seq as f64 * model.hidden as f64 * model.top_k as f64 * 2.0 / 1e6,
-            a2a * 1e3
-        ));
-    }
-    let nodes = c.gpus / g;
-    let tokens_mb = model.seq as f64;
-    let dense_params = model.total_params - model.expert_params;
-    let mut out = Vec::new();
-    let mut pps = Vec::new();
-    let mut pp = 1u32;
-    while pp <= nodes.min(model.layers) {
-        if nodes.is_multiple_of(pp) {
-            pps.push(pp);
-        }
-        pp = pp.saturating_mul(2);
-        if pp == 0 || pp > (1 << 30) {
-            break;
-        }
-    }
-    for &pp in &pps {
-        let dp = c.gpus / (pp * tp);
-        if moe && (ep > dp || !dp.is_multiple_of(ep)) {
-            skipped.push(Skipped {
-                schedule: "*".into(),
-                pp,
-                why: format!(
-                    "EP = {ep} needs {ep} GPUs of one stage for its group, and PP = {pp} leaves DP = {dp} per stage{}",
-                    if ep <= dp { " (not a multiple of EP)" } else { "" }
-                ),
-            });
+    let mut cases = Vec::new();
+    let mut memory_skipped = 0usize;
+    let mut limit_err: Option<String> = None;
+    let skip = |skipped: &mut Vec<Skipped>, mesh: String, why: String| {
+        skipped.push(Skipped {
+            mesh,
+            schedule: "*".into(),
+            why,
+        })
+    };
+    for tp in [1u32, 2, 4, 8] {
+        if req.fixed.tp.is_some_and(|t| t != tp) {
             continue;
         }
-        let m_exact = c.global_batch_tokens / (dp as f64 * tokens_mb);
-        if m_exact < 0.5 {
-            skipped.push(Skipped {
-                schedule: "*".into(),
-                pp,
-                why: format!(
-                    "the global batch of {} is less than one sequence ({}) per data-parallel replica (DP = {dp})",
-                    tokens_text(c.global_batch_tokens),
-                    tokens_text(model.seq as f64)
-                ),
-            });
+        if tp > hw.gpus_per_node || !req.gpus.is_multiple_of(tp) {
             continue;
         }
-        // Saturates at u32::MAX: the memory limit below refuses such an instance.
-        let m = m_exact.round().max(1.0) as u32;
-        for (sched, text) in specs {
-            let (fixed_v, bidir) = spec_shape(text);
-            let vpp = if fixed_v { None } else { Some(2) };
-            // The memory limit, before anything is built.
-            let bound = crate::limits::spec_size_lower_bound(pp, m, vpp);
-            crate::limits::within_limit(
-                &format!("planning {sched} at PP = {pp}, M = {m}"),
-                crate::limits::estimate(crate::limits::Work::Sim, &bound),
-            )?;
-            let mut refusal = None;
-            let mut found = None;
-            for mm in m_candidates(m, pp, bidir) {
-                let ov = Overrides {
-                    pp: Some(pp),
-                    microbatches: Some(mm),
-                    vpp,
-                    ..Default::default()
-                };
-                match load_spec(text, &ov) {
-                    Ok(e) => {
-                        found = Some((mm, e));
-                        break;
-                    }
-                    Err(LoadError::Spec { diags, .. }) => {
-                        if refusal.is_none() {
-                            refusal = Some(
-                                diags
-                                    .first()
-                                    .map(|d| d.message.clone())
-                                    .unwrap_or_else(|| "does not elaborate".into()),
-                            );
-                        }
-                    }
-                    Err(LoadError::Usage(u)) | Err(LoadError::Io(u)) => {
-                        refusal.get_or_insert(u);
-                    }
-                    Err(LoadError::Parse(p)) => {
-                        refusal.get_or_insert(p.message);
-                    }
+        if !heads.is_multiple_of(tp as u64)
+            || !(kvh.is_multiple_of(tp as u64) || (tp as u64).is_multiple_of(kvh))
+        {
+            skip(
+                &mut skipped,
+                format!("tp={tp}"),
+                format!("does not divide the {heads} attention heads ({kvh} key-value heads)"),
+            );
+            continue;
+        }
+        let rest = req.gpus / tp;
+        for pp in (1..=rest.min(layers)).filter(|p| rest.is_multiple_of(*p)) {
+            if req.fixed.pp.is_some_and(|p| p != pp) {
+                continue;
+            }
+            let dp = rest / pp;
+            if req.fixed.dp.is_some_and(|d| d != dp) {
+                continue;
+            }
+            let eps: Vec<u32> = match &arch.moe {
+                None => vec![1],
+                Some(moe) => (1..=(tp * dp).min(moe.experts as u32))
+                    .filter(|e| moe.experts.is_multiple_of(*e as u64))
+                    .filter(|e| (tp * dp).is_multiple_of(*e))
+                    .filter(|e| req.fixed.ep.is_none_or(|f| f == *e))
+                    .collect(),
+            };
+            if eps.is_empty() {
+                if let Some(ep) = req.fixed.ep {
+                    skip(
+                        &mut skipped,
+                        format!("tp={tp} pp={pp} dp={dp}"),
+                        format!(
+                            "--mesh ep={ep} does not divide tp * dp = {} (the expert-parallel group is folded into a stage's GPUs)",
+                            tp * dp
+                        ),
+                    );
                 }
             }
-            let Some((mm, e)) = found else {
-                skipped.push(Skipped {
-                    schedule: sched.clone(),
+            let per = dp as u64 * req.micro_batch_size;
+            for ep in eps {
+                let mesh = Mesh {
+                    tp,
                     pp,
-                    why: format!(
-                        "at M = {m}: {}",
-                        refusal.unwrap_or_else(|| "refused".into())
-                    ),
+                    ep,
+                    dp,
+                    cp: 1,
+                };
+                let name = mesh_text(tp, pp, ep, dp);
+                if !req.global_batch.is_multiple_of(per) {
+                    skip(
+                        &mut skipped,
+                        name,
+                        format!(
+                            "the global batch of {} sequences is not a multiple of dp x micro-batch size = {per}",
+                            req.global_batch
+                        ),
+                    );
+                    continue;
+                }
+                let m = req.global_batch / per;
+                // The memory limit at the batch's M, before anything is built.
+                let bound =
+                    crate::limits::spec_size_lower_bound(pp, m.min(u32::MAX as u64) as u32, None);
+                if let Err(e) = crate::limits::within_limit(
+                    &format!("planning at {name}, M = {m}"),
+                    crate::limits::estimate(crate::limits::Work::Sim, &bound),
+                ) {
+                    limit_err.get_or_insert(e.clone());
+                    skip(&mut skipped, name, e);
+                    continue;
+                }
+                let m = m as u32;
+                // The bounds, from the closed-form costs of the mesh's pp stages.
+                let tr = req.training(mesh, req.layout_for(pp));
+                let d = match costmodel::derive(arch, hw, &tr, pp, m, eff) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        skip(&mut skipped, name, e);
+                        continue;
+                    }
+                };
+                let statics: f64 = d
+                    .chunks
+                    .iter()
+                    .map(|c| c.param_bytes + c.grad_bytes + c.optimizer_bytes)
+                    .sum::<f64>()
+                    / pp as f64
+                    + d.overhead_bytes;
+                if statics > hw.hbm_bytes {
+                    memory_skipped += 1;
+                    skip(
+                        &mut skipped,
+                        name,
+                        format!(
+                            "weights, gradients and optimizer state alone need {:.1} GB per GPU (averaged over the {pp} pipeline ranks, with the {:.0} GB overhead), over the GPU's {:.1} GB",
+                            statics / 1e9,
+                            d.overhead_bytes / 1e9,
+                            hw.hbm_bytes / 1e9
+                        ),
+                    );
+                    continue;
+                }
+                let work: f64 = d.chunks.iter().map(|c| c.f + c.b + c.w).sum();
+                let bound_tps = if work > 0.0 {
+                    dp as f64 * req.micro_batch_size as f64 * req.seq as f64 * pp as f64 / work
+                } else {
+                    f64::INFINITY
+                };
+                cases.push(MeshCase {
+                    mesh,
+                    m,
+                    bound_tps,
+                    statics,
                 });
-                continue;
-            };
-            let pl = &e.program.pipeline;
-            let per_dir = pl.stages_per_direction();
-            if per_dir > model.layers {
-                skipped.push(Skipped {
-                    schedule: sched.clone(),
-                    pp,
-                    why: format!(
-                        "{per_dir} stages per direction for {} layers: a stage would hold less than one layer",
-                        model.layers
-                    ),
-                });
-                continue;
             }
-            // An MoE model's ops in parts, so that the simulator prices the all-to-alls.
-            let program = if moe {
-                match crate::input::apply_moe(&e.program, None, &crate::moe::MoeStages::All) {
-                    Ok((p, _)) => p,
-                    Err(err) => {
-                        skipped.push(Skipped {
+        }
+    }
+    let memory_skips = memory_skipped;
+    if cases.is_empty() && memory_skips == 0 {
+        return Err(no_candidate(req, &skipped));
+    }
+    // Best bound first; ties: fewer pipeline ranks (less memory per rank for activations is
+    // not implied, but fewer messages), then smaller ep.
+    cases.sort_by(|a, b| {
+        b.bound_tps
+            .total_cmp(&a.bound_tps)
+            .then(a.mesh.pp.cmp(&b.mesh.pp))
+            .then(a.mesh.ep.cmp(&b.mesh.ep))
+    });
+    let shapes: Vec<(bool, bool)> = specs.iter().map(|(_, t)| spec_shape(t)).collect();
+    let moe = arch.moe.is_some();
+    let mut out: Vec<Candidate> = Vec::new();
+    let mut meshes = Vec::new();
+    let mut best_tps = 0.0f64;
+    let mut simulations = 0usize;
+    let mut screened = 0usize;
+    let mut family_best: std::collections::HashMap<String, f64> = Default::default();
+    let mut screened_out: Vec<Skipped> = Vec::new();
+    for case in &cases {
+        let mesh = case.mesh;
+        let name = mesh_text(mesh.tp, mesh.pp, mesh.ep, mesh.dp);
+        let simulated = case.bound_tps > best_tps;
+        meshes.push(MeshBound {
+            mesh: name.clone(),
+            bound_tokens_per_second: case.bound_tps,
+            memory_lower_bound_bytes: case.statics,
+            simulated,
+        });
+        if !simulated {
+            continue;
+        }
+        let first_here = out.len();
+        for ((sched, text), &(fixed_v, bidir)) in specs.iter().zip(&shapes) {
+            // Screening: after the first meshes, a schedule that was never within
+            // SCREEN_RATIO of the best at a mesh simulated so far is not simulated again.
+            if screened >= SCREEN_MESHES {
+                if let Some(&r) = family_best.get(sched.as_str()) {
+                    if r < SCREEN_RATIO {
+                        screened_out.push(Skipped {
+                            mesh: name.clone(),
                             schedule: sched.clone(),
-                            pp,
-                            why: format!("cannot split its ops into MoE parts: {err}"),
+                            why: format!(
+                                "screened out: at most {:.0}% of the best tokens/s at each of the meshes simulated before",
+                                100.0 * r
+                            ),
                         });
                         continue;
                     }
                 }
-            } else {
-                e.program.clone()
-            };
-            let chk = check(&program, None, &Default::default());
-            if chk.report.verdict != Verdict::Accepted {
-                skipped.push(Skipped {
-                    schedule: sched.clone(),
-                    pp,
-                    why: format!("does not pass `schedc check` at M = {mm}"),
-                });
-                continue;
             }
-            let stage_frac = 1.0 / per_dir as f64;
-            let held = pl.stages as f64 / pl.pp as f64;
-            let directions = pl.directions() as f64;
-            let msg = tokens_mb * model.hidden as f64 * 2.0 / tp as f64;
-            let cost = CostModel {
-                compute: crate::sim::cost::ComputeCosts {
-                    all: op_costs(model, c, stage_frac),
-                    stage: Default::default(),
-                },
-                p2p: crate::sim::cost::P2p {
-                    latency: c.latency,
-                    bandwidth: c.inter_bw,
-                    bytes: Some(msg),
-                },
-                model: None,
-                moe: if moe {
-                    moe_costs(model, c, stage_frac, ep)
-                } else {
-                    Moe::default()
-                },
-                memory: Memory {
-                    activation_bytes: 34.0
-                        * tokens_mb
-                        * model.hidden as f64
-                        * model.layers as f64
-                        * stage_frac
-                        / tp as f64,
-                    released_at_b: 0.5,
-                    param_bytes: 0.0,
-                    grad_bytes: 0.0,
-                    optimizer_bytes: 0.0,
-                    ..Memory::default()
-                },
-                op_scale: None,
-            };
-            let res = match simulate(chk.checked.as_ref().expect("lowered"), &cost) {
-                Ok(r) => r,
-                Err(err) => {
+            let vs: Vec<Option<u32>> = if fixed_v {
+                vec![None]
+            } else {
+                let (fit, over): (Vec<u32>, Vec<u32>) =
+                    (1..=4u32).partition(|v| mesh.pp * v <= layers);
+                if let Some(&v) = over.first() {
                     skipped.push(Skipped {
-                        schedule: sched.clone(),
-                        pp,
-                        why: err,
+                        mesh: name.clone(),
+                        schedule: format!("{sched} V>={v}"),
+                        why: format!("{} stages or more for {layers} layers", mesh.pp * v),
                     });
-                    continue;
                 }
+                fit.into_iter().map(Some).collect()
             };
-            let stage_params_dense = dense_params * stage_frac / tp as f64;
-            let stage_params_exp = model.expert_params * stage_frac / ep as f64;
-            let per_stage = stage_params_dense + stage_params_exp;
-            let static_b = per_stage * held * BYTES_WG + per_stage * held / directions * BYTES_OPT;
-            let act = res
-                .ranks
-                .iter()
-                .map(|r| r.peak_activation_bytes)
-                .fold(0.0, f64::max);
-            let mem = static_b + act;
-            let tokens_step = mm as f64 * tokens_mb * dp as f64;
-            out.push(Candidate {
-                schedule: sched.clone(),
-                pp,
-                dp,
-                microbatches: mm,
-                tokens_per_step: tokens_step,
-                step_seconds: res.makespan,
-                bubble: res.bubble.from_start,
-                a2a_exposed: res.a2a.exposed_fraction(),
-                memory_bytes: mem,
-                fits: mem <= c.gpu_memory,
-                gpu_hours_per_mtok: c.gpus as f64 * res.makespan / 3600.0 / (tokens_step / 1e6),
-                note: (mm != m).then(|| {
-                    format!(
-                        "M = {mm} instead of {m} ({})",
-                        refusal.clone().unwrap_or_default()
-                    )
-                }),
-            });
+            let mut last: Option<f64> = None;
+            for vpp in vs {
+                let r = one(
+                    req,
+                    mesh,
+                    case.m,
+                    sched,
+                    text,
+                    vpp,
+                    bidir,
+                    moe,
+                    &mut simulations,
+                );
+                match r {
+                    Ok(c) => {
+                        let tps = c.tokens_per_second;
+                        if c.fits {
+                            best_tps = best_tps.max(tps);
+                        }
+                        out.push(c);
+                        // V = 1, 2, ...: stop at the first V slower than the one before.
+                        if last.is_some_and(|l| tps < l) {
+                            break;
+                        }
+                        last = Some(tps);
+                    }
+                    Err(why) => {
+                        if why.contains(crate::limits::LIMIT_VAR) && limit_err.is_none() {
+                            limit_err = Some(why.clone());
+                        }
+                        skipped.push(Skipped {
+                            mesh: name.clone(),
+                            schedule: match vpp {
+                                Some(v) => format!("{sched} V={v}"),
+                                None => sched.clone(),
+                            },
+                            why,
+                        });
+                    }
+                }
+            }
+        }
+        let here = &out[first_here..];
+        let top = here.iter().map(|c| c.tokens_per_second).fold(0.0, f64::max);
+        if top > 0.0 {
+            screened += 1;
+            for c in here {
+                let r = family_best.entry(c.schedule.clone()).or_insert(0.0);
+                *r = r.max(c.tokens_per_second / top);
+            }
         }
     }
+    // Nothing simulated: an instance over the memory limit is an error (exit 2), as it is for
+    // every command; so is a search that found nothing to simulate, unless meshes were
+    // refused for memory (then the plan says that nothing fits).
     if out.is_empty() {
-        let reasons: Vec<String> = skipped
-            .iter()
-            .map(|s| format!("PP = {} ({}): {}", s.pp, s.schedule, s.why))
-            .collect();
-        return Err(format!(
-            "no configuration can be evaluated:\n  {}",
-            if reasons.is_empty() {
-                format!(
-                    "no pipeline degree divides the {nodes} node(s) within the {} layers",
-                    model.layers
-                )
-            } else {
-                reasons.join("\n  ")
-            }
-        ));
+        if let Some(e) = limit_err {
+            return Err(e);
+        }
+        if memory_skips == 0 {
+            return Err(no_candidate(req, &skipped));
+        }
     }
-    // The recommendation: the fastest per token among the pipelined configurations that fit
-    // (GPU-hours per million tokens, since M may differ between schedules).
-    let best = out
+    // 1F1B on the recommended mesh, the baseline the report compares with, if screening
+    // left it out.
+    if let Some(b) = out
         .iter()
-        .enumerate()
-        .filter(|(_, x)| x.fits && x.pp > 1)
-        .min_by(|a, b| a.1.gpu_hours_per_mtok.total_cmp(&b.1.gpu_hours_per_mtok))
-        .map(|(i, _)| i);
+        .filter(|c| c.fits)
+        .max_by(|a, b| a.tokens_per_second.total_cmp(&b.tokens_per_second))
+        .cloned()
+    {
+        let same = |c: &Candidate| c.tp == b.tp && c.pp == b.pp && c.ep == b.ep && c.dp == b.dp;
+        if !out.iter().any(|c| same(c) && c.schedule == "1f1b") {
+            if let Some((n, t)) = specs.iter().find(|(n, _)| n == "1f1b") {
+                let mesh = Mesh {
+                    tp: b.tp,
+                    pp: b.pp,
+                    ep: b.ep,
+                    dp: b.dp,
+                    cp: 1,
+                };
+                let m = (req.global_batch / (b.dp as u64 * req.micro_batch_size)) as u32;
+                if let Ok(c) = one(req, mesh, m, n, t, None, false, moe, &mut simulations) {
+                    out.push(c);
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| {
+        b.fits
+            .cmp(&a.fits)
+            .then(b.tokens_per_second.total_cmp(&a.tokens_per_second))
+            .then(a.memory_bytes.total_cmp(&b.memory_bytes))
+    });
+    let best = out.first().filter(|c| c.fits).map(|_| 0);
+    let mut why = Vec::new();
     why.push(format!(
-        "compute: 2 x {:.0}B active FLOPs per token at {:.0}% MFU of {:.0} TFLOP/s; B = W = F",
-        model.active_params / 1e9,
-        c.mfu * 100.0,
-        c.peak_flops / 1e12
+        "{}: {} layers, hidden {}, {:.1}B parameters ({:.1}B active){}",
+        arch.name,
+        layers,
+        arch.hidden,
+        arch.total_params() as f64 / 1e9,
+        arch.active_params() as f64 / 1e9,
+        match &arch.moe {
+            Some(m) => format!(
+                ", {} routed experts (top-{}), {:.1}B parameters in them",
+                m.experts,
+                m.top_k,
+                arch.expert_params() as f64 / 1e9
+            ),
+            None => String::new(),
+        }
     ));
     why.push(format!(
-        "{} GPUs, {} per node, {:.0} GB each; {} per step requested ({} per sequence)",
-        c.gpus,
-        g,
-        c.gpu_memory / 1e9,
-        tokens_text(c.global_batch_tokens),
-        tokens_text(model.seq as f64)
+        "{} GPUs of {} ({:.0} GB, {} per node); {} sequences of {} tokens per step, micro-batch size {}, {}, recompute {}, {}",
+        req.gpus,
+        hw.name,
+        hw.hbm_bytes / 1e9,
+        hw.gpus_per_node,
+        req.global_batch,
+        req.seq,
+        req.micro_batch_size,
+        match req.dtype {
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp8 => "fp8",
+        },
+        match req.recompute {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        },
+        if req.distributed_optimizer {
+            "distributed optimizer (ZeRO-1)"
+        } else {
+            "optimizer state replicated over DP"
+        }
     ));
+    why.push(format!(
+        "{} meshes within memory by weights, gradients and optimizer state; {} simulated ({} simulations{}), {} pruned: their compute bound cannot beat the best found",
+        cases.len(),
+        meshes.iter().filter(|m| m.simulated).count(),
+        simulations,
+        if moe { ", MoE ops split into attention, dispatch, expert MLP and combine (--moe=auto)" } else { "" },
+        meshes.iter().filter(|m| !m.simulated).count()
+    ));
+    {
+        let mut names: Vec<(String, f64)> = Vec::new();
+        for x in &screened_out {
+            if !names.iter().any(|(n, _)| *n == x.schedule) {
+                names.push((x.schedule.clone(), family_best[&x.schedule]));
+            }
+        }
+        if !names.is_empty() {
+            why.push(format!(
+                "screening (a heuristic): after the first {SCREEN_MESHES} meshes, a schedule never within {:.0}% of the best tokens/s at a mesh simulated so far is not simulated again: {} ({} simulations saved)",
+                100.0 * SCREEN_RATIO,
+                names
+                    .iter()
+                    .map(|(n, r)| format!("{n} (at most {:.0}%)", 100.0 * r))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                screened_out.len()
+            ));
+        }
+    }
     Ok(Plan {
         candidates: out,
         best,
+        screened_out,
         skipped,
+        meshes,
+        simulations,
         reasoning: why,
     })
 }
 
-/// `1 token`, `4096 tokens`, `16.0 M tokens`.
-fn tokens_text(t: f64) -> String {
-    if t >= 1e6 {
-        format!("{:.1} M tokens", t / 1e6)
-    } else if t == 1.0 {
-        "1 token".into()
-    } else {
-        format!("{t} tokens")
+/// The error of a search with nothing to simulate: each distinct reason once (at most
+/// ten), with a mesh it holds for.
+fn no_candidate(req: &Request, skipped: &[Skipped]) -> String {
+    let mut reasons: Vec<String> = Vec::new();
+    for s in skipped {
+        let line = format!("{} at {}: {}", s.schedule, s.mesh, s.why);
+        if !reasons.iter().any(|r| r.ends_with(&s.why)) {
+            reasons.push(line);
+        }
     }
+    let more = reasons.len().saturating_sub(10);
+    reasons.truncate(10);
+    if more > 0 {
+        reasons.push(format!("and {more} more reasons"));
+    }
+    format!(
+        "no candidate of {} GPUs for {} can be simulated:\n  {}",
+        req.gpus,
+        req.arch.name,
+        if reasons.is_empty() {
+            "no tp in {1, 2, 4, 8} with a pp dividing the GPUs matches --mesh".to_string()
+        } else {
+            reasons.join("\n  ")
+        }
+    )
 }
 
-/// The parameter overhead of DualPipe's second copy per GPU: bytes of weights and gradients
-/// of one more copy of the rank's stages.
-pub fn dualpipe_overhead(model: &ModelSpec, pp: u32, gpus_per_node: u32, ep: Option<u32>) -> f64 {
-    let (tp, ep) = if model.is_moe() {
-        (1, ep.unwrap_or(gpus_per_node).min(model.experts.max(1)))
-    } else {
-        (gpus_per_node, 1)
+/// Evaluates one spec at one mesh: its candidate, or why it has none.
+#[allow(clippy::too_many_arguments)]
+fn one(
+    req: &Request,
+    mesh: Mesh,
+    m: u32,
+    sched: &str,
+    text: &str,
+    vpp: Option<u32>,
+    bidir: bool,
+    moe: bool,
+    simulations: &mut usize,
+) -> Result<Candidate, String> {
+    let mut refusal: Option<String> = None;
+    let mut found = None;
+    for mm in m_candidates(m, mesh.pp, bidir) {
+        let bound = crate::limits::spec_size_lower_bound(mesh.pp, mm, vpp);
+        if let Err(e) = crate::limits::within_limit(
+            &format!("{sched} at pp = {}, M = {mm}", mesh.pp),
+            crate::limits::estimate(crate::limits::Work::Sim, &bound),
+        ) {
+            refusal.get_or_insert(e);
+            continue;
+        }
+        let ov = Overrides {
+            pp: Some(mesh.pp),
+            microbatches: Some(mm),
+            vpp,
+            ..Default::default()
+        };
+        match load_str(sched, text.to_string(), &ov) {
+            Ok(l) => {
+                let pl = &l.program.pipeline;
+                found = Some((mm, pl.stages_per_direction(), pl.stages / pl.pp.max(1)));
+                break;
+            }
+            Err(LoadError::Spec { diags, .. }) => {
+                refusal.get_or_insert(
+                    diags
+                        .first()
+                        .map(|d| d.message.clone())
+                        .unwrap_or_else(|| "does not elaborate".into()),
+                );
+            }
+            Err(LoadError::Usage(u)) | Err(LoadError::Io(u)) => {
+                refusal.get_or_insert(u);
+            }
+            Err(LoadError::Parse(p)) => {
+                refusal.get_or_insert(format!(
+                    "syntax error at {}:{}: {}",
+                    p.line, p.col, p.message
+                ));
+            }
+        }
+    }
+    let Some((mm, chunks, per_rank)) = found else {
+        return Err(format!(
+            "at M = {m}: {}",
+            refusal.unwrap_or_else(|| "refused".into())
+        ));
     };
-    let dense = (model.total_params - model.expert_params) / pp as f64 / tp as f64;
-    let experts = model.expert_params / pp as f64 / ep as f64;
-    (dense + experts) * BYTES_WG
+    if chunks > req.arch.layers() {
+        return Err(format!(
+            "{chunks} stages per direction for {} layers",
+            req.arch.layers()
+        ));
+    }
+    let layout = req.layout_for(chunks);
+    let tr = req.training(mesh, layout.clone());
+    let inst = Instance {
+        name: sched,
+        text,
+        pp: mesh.pp,
+        mb: mm,
+        vpp,
+        moe: moe.then_some("auto"),
+    };
+    *simulations += 1;
+    let ev = costmodel::evaluate(&inst, &req.arch, &req.hardware, &tr, &req.efficiency)?;
+    let st = &ev.step;
+    Ok(Candidate {
+        schedule: sched.to_string(),
+        vpp,
+        stages_per_rank: per_rank,
+        tp: mesh.tp,
+        pp: mesh.pp,
+        ep: mesh.ep,
+        dp: mesh.dp,
+        layout,
+        microbatches: mm,
+        tokens_per_step: st.tokens_per_step,
+        step_seconds: st.step_seconds,
+        tokens_per_second: st.tokens_per_second,
+        tflops_per_gpu: st.tflops_per_gpu,
+        mfu: st.mfu,
+        bubble: ev.sim.bubble.from_start,
+        a2a_exposed: ev.sim.a2a.exposed_fraction(),
+        memory_bytes: st.peak_memory_bytes,
+        fits: st.fits,
+        note: (mm != m)
+            .then(|| format!("M = {mm} instead of {m}: {}", refusal.unwrap_or_default())),
+    })
 }
 
-/// The human report.
-pub fn report(model: &ModelSpec, c: &Cluster, p: &Plan) -> String {
+/// The human report: the reasoning, the recommendation and why, the top `top` candidates
+/// that fit, what did not fit, what was skipped and pruned.
+pub fn report(req: &Request, p: &Plan, top: usize) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "reasoning:");
     for w in &p.reasoning {
         let _ = writeln!(o, "  - {w}");
     }
-    // The schedule column fits the longest name (`interleaved_1f1b_a2a` is 20 characters).
-    let w = p
-        .candidates
-        .iter()
-        .map(|x| x.schedule.chars().count())
-        .max()
-        .unwrap_or(0)
-        .max(18);
-    let _ = writeln!(
-        o,
-        "\n{:>4} {:>5} {:<w$} {:>6} {:>10} {:>11} {:>12} {:>10} {:>6} {:>14}",
-        "PP",
-        "DP",
-        "schedule",
-        "M",
-        "step (s)",
-        "bubble",
-        "a2a exposed",
-        "mem (GB)",
-        "fits",
-        "GPU-h / Mtok"
-    );
-    let _ = writeln!(
-        o,
-        "{:>4} {:>5} {:<w$} {:>6} {:>10} {:>11} {:>12} {:>10} {:>6} {:>14}",
-        "", "", "", "", "", "(from_start)", "(of a2a)", "", "", ""
-    );
-    let mut rows: Vec<&Candidate> = p.candidates.iter().collect();
-    rows.sort_by(|a, b| {
-        a.pp.cmp(&b.pp)
-            .then(a.gpu_hours_per_mtok.total_cmp(&b.gpu_hours_per_mtok))
-    });
-    for x in rows {
-        let _ = writeln!(
-            o,
-            "{:>4} {:>5} {:<w$} {:>6} {:>10.3} {:>10.1}% {:>12} {:>10.1} {:>6} {:>14.3}{}",
-            x.pp,
-            x.dp,
-            x.schedule,
-            x.microbatches,
-            x.step_seconds,
-            100.0 * x.bubble,
-            if model.is_moe() {
-                format!("{:.1}%", 100.0 * x.a2a_exposed)
-            } else {
-                "-".into()
-            },
-            x.memory_bytes / 1e9,
-            if x.fits { "yes" } else { "no" },
-            x.gpu_hours_per_mtok,
-            if x.note.is_some() { "  *" } else { "" }
-        );
-    }
-    let notes: Vec<&Candidate> = p.candidates.iter().filter(|x| x.note.is_some()).collect();
-    if !notes.is_empty() {
-        let _ = writeln!(o, "\n* M adjusted to one the schedule accepts:");
-        for x in notes {
+    let fits: Vec<&Candidate> = p.candidates.iter().filter(|c| c.fits).collect();
+    match p.best.map(|i| &p.candidates[i]) {
+        Some(b) => {
             let _ = writeln!(
                 o,
-                "  {} at PP = {}: {}",
-                x.schedule,
-                x.pp,
-                x.note.as_deref().unwrap_or("")
+                "\nrecommendation: {} with {}, M = {}{}",
+                b.mesh_text(),
+                b.schedule_text(),
+                b.microbatches,
+                b.layout
+                    .as_ref()
+                    .map(|l| format!(", layout \"{l}\""))
+                    .unwrap_or_default()
+            );
+            let _ = writeln!(
+                o,
+                "  step {:.3} s, {:.0} tokens/s ({:.0} per GPU), {:.1} TFLOP/s per GPU, MFU {:.1}%, {:.1} of {:.1} GB per GPU",
+                b.step_seconds,
+                b.tokens_per_second,
+                b.tokens_per_second / req.gpus as f64,
+                b.tflops_per_gpu,
+                100.0 * b.mfu,
+                b.memory_bytes / 1e9,
+                req.hardware.hbm_bytes / 1e9
+            );
+            let _ = writeln!(
+                o,
+                "  bubble {:.1}% (from_start){}",
+                100.0 * b.bubble,
+                if req.arch.moe.is_some() {
+                    format!(
+                        ", {:.1}% of the all-to-all time exposed",
+                        100.0 * b.a2a_exposed
+                    )
+                } else {
+                    String::new()
+                }
+            );
+            let same_mesh = |c: &&Candidate| {
+                c.tp == b.tp && c.pp == b.pp && c.ep == b.ep && c.dp == b.dp && c.fits
+            };
+            if let Some(base) = p
+                .candidates
+                .iter()
+                .filter(same_mesh)
+                .find(|c| c.schedule == "1f1b")
+            {
+                let _ = writeln!(
+                    o,
+                    "  against 1f1b on the same mesh: {:+.1}% tokens/s (1f1b: {:.3} s, bubble {:.1}%)",
+                    100.0 * (b.tokens_per_second / base.tokens_per_second - 1.0),
+                    base.step_seconds,
+                    100.0 * base.bubble
+                );
+            }
+            if let Some(next) = fits
+                .iter()
+                .find(|c| !(c.tp == b.tp && c.pp == b.pp && c.ep == b.ep && c.dp == b.dp))
+            {
+                let _ = writeln!(
+                    o,
+                    "  the best other mesh, {} with {}: {:.0} tokens/s ({:+.1}%)",
+                    next.mesh_text(),
+                    next.schedule_text(),
+                    next.tokens_per_second,
+                    100.0 * (next.tokens_per_second / b.tokens_per_second - 1.0)
+                );
+            }
+            if let Some(n) = &b.note {
+                let _ = writeln!(o, "  {n}");
+            }
+        }
+        None => {
+            let _ = writeln!(
+                o,
+                "\nno candidate fits in {:.1} GB per GPU",
+                req.hardware.hbm_bytes / 1e9
+            );
+        }
+    }
+    if !fits.is_empty() {
+        let _ = writeln!(
+            o,
+            "\ntop {} of {} that fit:",
+            top.min(fits.len()),
+            fits.len()
+        );
+        // The schedule column fits the longest name shown (`interleaved_1f1b_a2a V=4` is 24
+        // characters).
+        let w = fits
+            .iter()
+            .take(top)
+            .map(|c| c.schedule_text().chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(22);
+        let _ = writeln!(
+            o,
+            "{:<28} {:<w$} {:>5} {:>9} {:>11} {:>8} {:>6} {:>8} {:>6} {:>9}",
+            "mesh",
+            "schedule",
+            "M",
+            "step (s)",
+            "tokens/s",
+            "TFLOP/s",
+            "MFU",
+            "bubble",
+            "a2a",
+            "mem (GB)"
+        );
+        for c in fits.iter().take(top) {
+            let _ = writeln!(
+                o,
+                "{:<28} {:<w$} {:>5} {:>9.3} {:>11.0} {:>8.1} {:>5.1}% {:>7.1}% {:>6} {:>9.1}{}",
+                c.mesh_text(),
+                c.schedule_text(),
+                c.microbatches,
+                c.step_seconds,
+                c.tokens_per_second,
+                c.tflops_per_gpu,
+                100.0 * c.mfu,
+                100.0 * c.bubble,
+                if req.arch.moe.is_some() {
+                    format!("{:.0}%", 100.0 * c.a2a_exposed)
+                } else {
+                    "-".into()
+                },
+                c.memory_bytes / 1e9,
+                if c.note.is_some() { " *" } else { "" }
+            );
+        }
+        if fits.iter().take(top).any(|c| c.note.is_some()) {
+            let _ = writeln!(
+                o,
+                "  * M adjusted to one the schedule accepts (its own tokens per step)"
+            );
+        }
+    }
+    let over: Vec<&Candidate> = p.candidates.iter().filter(|c| !c.fits).collect();
+    if !over.is_empty() {
+        let _ = writeln!(o, "\ndo not fit ({}), the smallest first:", over.len());
+        let mut v = over.clone();
+        v.sort_by(|a, b| a.memory_bytes.total_cmp(&b.memory_bytes));
+        for c in v.iter().take(top) {
+            let _ = writeln!(
+                o,
+                "  {} with {}: {:.1} GB",
+                c.mesh_text(),
+                c.schedule_text(),
+                c.memory_bytes / 1e9
             );
         }
     }
     if !p.skipped.is_empty() {
-        let _ = writeln!(o, "\nnot evaluated:");
-        // One line per (schedule, reason), with the pipeline degrees it holds for.
-        let mut groups: Vec<(String, String, Vec<u32>)> = Vec::new();
+        let _ = writeln!(o, "\nnot simulated:");
+        // One line per (schedule, reason), with the meshes it holds for.
+        let mut groups: Vec<(String, String, Vec<String>)> = Vec::new();
         for s in &p.skipped {
-            let why = s.why.clone();
             match groups
                 .iter_mut()
-                .find(|(n, w, _)| *n == s.schedule && *w == why)
+                .find(|(n, w, _)| *n == s.schedule && *w == s.why)
             {
-                Some(gr) => gr.2.push(s.pp),
-                None => groups.push((s.schedule.clone(), why, vec![s.pp])),
+                Some(g) => g.2.push(s.mesh.clone()),
+                None => groups.push((s.schedule.clone(), s.why.clone(), vec![s.mesh.clone()])),
             }
         }
-        for (n, w, pps) in groups {
+        for (n, w, meshes) in groups {
+            let shown: Vec<String> = meshes.iter().take(3).cloned().collect();
             let _ = writeln!(
                 o,
-                "  {} at PP = {}: {w}",
+                "  {} at {}{}: {w}",
                 if n == "*" {
                     "every schedule"
                 } else {
                     n.as_str()
                 },
-                pps.iter()
-                    .map(|x| x.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                shown.join("; "),
+                if meshes.len() > 3 {
+                    format!(" and {} more", meshes.len() - 3)
+                } else {
+                    String::new()
+                }
             );
         }
     }
-    match p.best {
-        Some(i) => {
-            let b = &p.candidates[i];
-            let base = p
-                .candidates
-                .iter()
-                .find(|x| x.pp == b.pp && x.schedule == "1f1b");
-            let _ = writeln!(
-                o,
-                "\nrecommendation: PP = {} with {}: step {:.3} s, bubble {:.1}% (from_start), {:.1} GB per GPU",
-                b.pp,
-                b.schedule,
-                b.step_seconds,
-                100.0 * b.bubble,
-                b.memory_bytes / 1e9
-            );
-            if let Some(base) = base {
-                let saved = base.gpu_hours_per_mtok - b.gpu_hours_per_mtok;
-                let _ = writeln!(
-                    o,
-                    "  {} {:.3} GPU-hours per million tokens against 1F1B at the same PP ({:.1}%)",
-                    if saved >= 0.0 { "saves" } else { "costs" },
-                    saved.abs(),
-                    100.0 * saved.abs() / base.gpu_hours_per_mtok
-                );
-            }
-            let extra = dualpipe_overhead(model, b.pp, c.gpus_per_node, Some(c.ep_degree(model)));
-            let base_mem = base.map(|x| x.memory_bytes);
-            let _ = writeln!(
-                o,
-                "  DualPipe's second parameter copy at PP = {}: {:.2} GB per GPU (weights and gradients){}{}",
-                b.pp,
-                extra / 1e9,
-                match base_mem {
-                    Some(m) => format!(", {:.1}% of 1F1B's {:.1} GB per GPU", 100.0 * extra / m, m / 1e9),
-                    None => String::new(),
-                },
-                if model.is_moe() { "; small because the experts, most of the parameters, are sharded by EP" } else { "" }
-            );
-        }
-        None => {
-            let _ = writeln!(
-                o,
-                "\nno pipelined configuration fits in {:.0} GB per GPU",
-                c.gpu_memory / 1e9
-            );
-        }
+    let pruned: Vec<&MeshBound> = p.meshes.iter().filter(|m| !m.simulated).collect();
+    if let Some(first) = pruned.first() {
+        let _ = writeln!(
+            o,
+            "\npruned: {} meshes whose compute bound (at most {:.0} tokens/s, {}) is below the best found",
+            pruned.len(),
+            first.bound_tokens_per_second,
+            first.mesh
+        );
     }
     o
 }
