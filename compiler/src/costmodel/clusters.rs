@@ -130,7 +130,9 @@ pub fn dsv3_h800(eff: &Efficiency, schedule: &str) -> Run {
 }
 
 /// A Megatron-Bridge H100 performance row (docs/performance-summary-archive.md): FP8,
-/// micro-batch size 1, the recipe's TP/PP/VP/EP; interleaved 1F1B (plain 1F1B without PP).
+/// micro-batch size 1, the recipe's TP/PP/VP/EP; interleaved 1F1B (plain 1F1B without PP;
+/// `interleaved_1f1b_a2a`, Megatron-Core's combined 1F1B, where the recipe overlaps the
+/// all-to-all).
 /// `which`: `qwen3-235b` (26.04.01: 256 GPUs, TP2 PP8 VP4 EP32, GBS 8192, seq 4096: 1712
 /// tokens/s/GPU), `dsv3` (25.09: 1024 GPUs, TP2 PP8 VP4 EP64, GBS 8192, layout
 /// `Et|(tt|)*30mL`, MLA up-projections and MLP recomputed: 1297), `llama3-70b` (25.11: 64
@@ -150,10 +152,12 @@ pub fn bridge_h100(eff: &Efficiency, which: &str) -> Run {
     match which {
         "qwen3-235b" => {
             let tr = base(mesh(2, 8, 32, 16), 4096);
+            // The recipe overlaps the EP all-to-all (`overlap_moe_expert_parallel_comm`):
+            // Megatron-Core's combined 1F1B.
             run(
                 "qwen3-235b-a22b",
                 "h100",
-                "interleaved_1f1b",
+                "interleaved_1f1b_a2a",
                 Some(4),
                 512,
                 true,
