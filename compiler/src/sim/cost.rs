@@ -8,6 +8,7 @@
 //! W = 1.0              # weight-gradient backward
 //! # BW = 2.0           # fused backward; default B + W
 //! # FB = 3.0           # an overlapped F&B pair; default F + (the backward's time)
+//! # measured = false   # true: times of this program's own stages (a profile), no 1/V charge
 //! [compute.stage.0]    # per-stage overrides (embedding), [compute.stage.N] ...
 //! F = 1.2
 //! [p2p]
@@ -73,6 +74,11 @@ pub struct ComputeCosts {
     /// Per-stage overrides, keyed by stage id.
     #[serde(default)]
     pub stage: BTreeMap<String, OpCosts>,
+    /// The times are of this program's own stages as run (a measured profile, such as the
+    /// torch runtime's `write_profile`): no `P / stages per direction` charge
+    /// ([`CostModel::for_pipeline`]). Default false: times for a stage of 1/P of the model.
+    #[serde(default)]
+    pub measured: bool,
 }
 
 /// Point-to-point communication.
@@ -654,7 +660,11 @@ impl CostModel {
     pub fn for_pipeline(&self, pl: &schedc_ir::Pipeline) -> CostModel {
         let mut c = self.clone();
         if c.op_scale.is_none() {
-            c.op_scale = Some(pl.pp as f64 / pl.stages_per_direction().max(1) as f64);
+            c.op_scale = Some(if c.compute.measured {
+                1.0
+            } else {
+                pl.pp as f64 / pl.stages_per_direction().max(1) as f64
+            });
         }
         c
     }
