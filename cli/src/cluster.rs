@@ -16,11 +16,13 @@ pub struct ClusterArgs {
     /// qwen3-30b-a3b, llama3-8b, llama3-70b, dense70b, zb-6.2b). Replaces --cost.
     #[arg(long, value_name = "CONFIG.JSON|PRESET")]
     pub model: Option<String>,
-    /// GPU and links with --model: h100, h200, h800, b200, or a TOML file (default h100).
+    /// GPU and links with --model: a100, h100, h200, h800, b200, or a TOML file (default
+    /// h100).
     #[arg(long, value_name = "PRESET|FILE")]
     pub hardware: Option<String>,
     /// The device mesh with --model, e.g. tp=2,pp=8,ep=32,dp=16,cp=1 (pp defaults to the
-    /// schedule's P; ep is folded into tp*cp*dp).
+    /// schedule's P; ep is folded into tp*cp*dp; cp splits the sequence, its key-value
+    /// exchange is not priced).
     #[arg(long, value_name = "tp=,pp=,ep=,dp=,cp=")]
     pub mesh: Option<String>,
     /// Tokens per sequence with --model (default 4096).
@@ -29,8 +31,8 @@ pub struct ClusterArgs {
     /// Sequences per micro-batch with --model (default 1).
     #[arg(long, value_name = "SEQS")]
     pub micro_batch_size: Option<u64>,
-    /// Sequences per optimizer step with --model: checked against micro-batch size x
-    /// micro-batches x dp.
+    /// Sequences per optimizer step with --model: `sim` and `compare` check it against
+    /// micro-batch size x micro-batches x dp; `plan` derives the micro-batches from it.
     #[arg(long, value_name = "SEQS")]
     pub global_batch: Option<u64>,
     /// Recomputation with --model: none, selective, full (default none).

@@ -431,11 +431,13 @@ pub fn run(a: Args) -> ExitCode {
     };
 
     // With --model: the costs of the input's stages (the one pipeline searched).
+    let mut gpu_memory: Option<(f64, f64)> = None;
     if a.cluster.given() {
         let sc = match a.cluster.scenario(&pipelines[0]) {
             Ok(sc) => sc,
             Err(e) => return fail(e),
         };
+        gpu_memory = Some((sc.derived.gpu_memory, sc.derived.overhead_bytes));
         cost = sc.cost;
         if let Some(kv) = &a.set {
             if let Err(e) = cost.apply_overrides_everywhere(kv) {
@@ -914,6 +916,28 @@ pub fn run(a: Args) -> ExitCode {
         }
     }
 
+    // Under --model, a schedule whose memory exceeds the GPU's is rejected (exit 1) after
+    // the report, as `schedc sim --model` does.
+    let does_not_fit = gpu_memory.is_some_and(|(mem, over)| {
+        let need = opt_row.peak_memory_bytes + over;
+        if need > mem {
+            eprintln!(
+                "error: the optimized schedule needs {:.1} GB on its busiest rank, over the GPU's {:.1} GB: it does not fit this layout (lower --max-activations, or recompute)",
+                need / 1e9,
+                mem / 1e9
+            );
+            true
+        } else {
+            false
+        }
+    });
+    let fit_code = |c: ExitCode| {
+        if does_not_fit && c == ExitCode::SUCCESS {
+            ExitCode::from(1)
+        } else {
+            c
+        }
+    };
     match a.format {
         OutFormat::Json => {
             let j = serde_json::json!({
@@ -963,10 +987,10 @@ pub fn run(a: Args) -> ExitCode {
                 "greedy": greedy_row,
                 "specs": spec_rows,
             });
-            report_then(
+            fit_code(report_then(
                 &format!("{}\n", serde_json::to_string_pretty(&j).expect("json")),
                 write_error,
-            )
+            ))
         }
         OutFormat::Human => {
             use std::fmt::Write as _;
@@ -1073,9 +1097,9 @@ pub fn run(a: Args) -> ExitCode {
                 // Standard output carries the schedule: the report goes to standard error,
                 // so that `-o - | schedc check -` reads the schedule alone.
                 eprint!("{o}");
-                ExitCode::SUCCESS
+                fit_code(ExitCode::SUCCESS)
             } else {
-                report_then(&o, write_error)
+                fit_code(report_then(&o, write_error))
             }
         }
     }

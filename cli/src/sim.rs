@@ -79,6 +79,15 @@ pub fn run(args: Args) -> ExitCode {
         Some(m) => format!("derived from --model {m}"),
         None => cost.to_string_lossy().into_owned(),
     };
+    if let (Some(sc), Some(_)) = (&scenario, &input.moe) {
+        if sc.derived.chunks.iter().all(|c| c.moe_layers == 0) {
+            eprintln!(
+                "error: --moe splits MoE ops into all-to-all parts, but `{}` has no MoE layer in this layout: drop --moe",
+                sc.model
+            );
+            return ExitCode::from(2);
+        }
+    }
     // With --model and an input that does not load, the load below says why.
     if input.moe.is_some() && (scenario.is_some() || !cluster.given()) {
         if let Err(c) = require_moe_costs(&model, &cost_name) {

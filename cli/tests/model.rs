@@ -374,3 +374,52 @@ fn optimize_with_a_model_writes_what_sim_with_the_model_gives() {
     ]);
     refused(&o, 2, "give an input schedule");
 }
+
+#[test]
+fn break_it_round_on_the_cost_model() {
+    let sim = |extra: &[&str]| {
+        let mut a = vec!["sim", "specs/1f1b.sched", "--pp", "4", "--mb", "8"];
+        a.extend(extra);
+        schedc(&a)
+    };
+    // A layout's `m` must be one of the model's multi-token-prediction modules.
+    refused(
+        &sim(&["--model", "llama3-8b", "--layout", "Et*8|t*8|t*8|t*8mL"]),
+        2,
+        "places 1 multi-token-prediction module(s) (`m`), but the model has 0",
+    );
+    // --moe on a dense model says so.
+    refused(
+        &sim(&["--model", "llama3-8b", "--moe"]),
+        2,
+        "has no MoE layer",
+    );
+    // fp8 caches the dense GEMM inputs in fp8 too: less activation memory than bf16.
+    let mem = |dtype: &str| {
+        let o = sim(&["--model", "llama3-8b", "--dtype", dtype, "--format", "json"]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["peak_memory_bytes"].as_f64().unwrap()
+    };
+    assert!(mem("fp8") < mem("bf16"));
+    // optimize --model refuses a schedule that does not fit the GPU (exit 1, after the report).
+    let o = schedc(&[
+        "optimize",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-activations",
+        "4",
+        "--model",
+        "llama3-8b",
+        "--hardware",
+        "h100",
+        "--attention",
+        "eager",
+        "--time-limit",
+        "5",
+        "--no-progress",
+    ]);
+    refused(&o, 1, "it does not fit this layout");
+}

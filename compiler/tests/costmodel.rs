@@ -266,3 +266,38 @@ fn configs_read_their_families_layers() {
     assert!(!d.moe_layers[2] && d.moe_layers[3]);
     assert_eq!(d.moe.as_ref().unwrap().max_nodes, Some(4));
 }
+
+#[test]
+fn moe_routing_fields_are_checked() {
+    let ds = |extra: &str| {
+        config_err(&format!(
+            r#"{{"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+            "num_attention_heads": 128, "vocab_size": 129280, "intermediate_size": 18432,
+            "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 2048, {extra}}}"#
+        ))
+    };
+    let e = ds(r#""n_group": 8, "topk_group": 9"#);
+    assert!(e.contains("`topk_group` (9) must be in 1..=8"), "{e}");
+    let e = ds(r#""n_group": 7, "topk_group": 4"#);
+    assert!(e.contains("`n_group` (7) does not divide the 256"), "{e}");
+    let e = ds(r#""moe_layer_freq": 0"#);
+    assert!(e.contains("`moe_layer_freq` must be at least 1"), "{e}");
+    let e = ds(r#""first_k_dense_replace": 100"#);
+    assert!(
+        e.contains("`first_k_dense_replace` (100) exceeds the 61 layers"),
+        "{e}"
+    );
+    let e = config_err(
+        r#"{"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 4,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+            "vocab_size": 1000, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 768, "decoder_sparse_step": 0}"#,
+    );
+    assert!(
+        e.contains("`decoder_sparse_step` must be at least 1"),
+        "{e}"
+    );
+    assert_eq!(arch::preset("dsv3").unwrap().mtp_layers, 1);
+}

@@ -170,6 +170,9 @@ pub struct Arch {
     pub moe: Option<MoeArch>,
     /// For each transformer layer, whether its feed-forward is MoE (`false`: dense).
     pub moe_layers: Vec<bool>,
+    /// Multi-token-prediction modules (`num_nextn_predict_layers`, DeepSeek-V3 §2.2): what a
+    /// layout's `m` may place.
+    pub mtp_layers: u32,
 }
 
 impl Arch {
@@ -275,7 +278,8 @@ pub fn preset(name: &str) -> Option<Arch> {
             "n_shared_experts":1,"num_experts_per_tok":8,"first_k_dense_replace":3,
             "moe_layer_freq":1,"q_lora_rank":1536,"kv_lora_rank":512,"qk_nope_head_dim":128,
             "qk_rope_head_dim":64,"v_head_dim":128,"num_attention_heads":128,
-            "vocab_size":129280,"tie_word_embeddings":false,"n_group":8,"topk_group":4}"#
+            "vocab_size":129280,"tie_word_embeddings":false,"n_group":8,"topk_group":4,
+            "num_nextn_predict_layers":1}"#
         }
         // Qwen/Qwen3-235B-A22B, config.json.
         "qwen3-235b-a22b" => {
@@ -429,7 +433,12 @@ pub fn from_config(v: &Value, source: &str) -> Result<Arch, String> {
         "qwen3_moe" => {
             let experts = int("num_experts")?;
             let top_k = int("num_experts_per_tok")?;
-            let step = opt_int("decoder_sparse_step")?.unwrap_or(1).max(1);
+            let step = opt_int("decoder_sparse_step")?.unwrap_or(1);
+            if step == 0 {
+                return Err(format!(
+                    "{source}: field `decoder_sparse_step` must be at least 1, got 0"
+                ));
+            }
             let mut dense = vec![false; n];
             if let Some(l) = obj.get("mlp_only_layers") {
                 let arr = l.as_array().ok_or_else(|| {
@@ -478,7 +487,17 @@ pub fn from_config(v: &Value, source: &str) -> Result<Arch, String> {
         "deepseek_v2" | "deepseek_v3" => {
             let experts = opt_int("n_routed_experts")?.unwrap_or(0);
             let first_dense = opt_int("first_k_dense_replace")?.unwrap_or(0);
-            let freq = opt_int("moe_layer_freq")?.unwrap_or(1).max(1);
+            if first_dense > layers {
+                return Err(format!(
+                    "{source}: field `first_k_dense_replace` ({first_dense}) exceeds the {layers} layers"
+                ));
+            }
+            let freq = opt_int("moe_layer_freq")?.unwrap_or(1);
+            if freq == 0 {
+                return Err(format!(
+                    "{source}: field `moe_layer_freq` must be at least 1, got 0"
+                ));
+            }
             let ffn = int("intermediate_size")?;
             if experts == 0 {
                 (ffn, None, vec![false; n])
@@ -488,8 +507,20 @@ pub fn from_config(v: &Value, source: &str) -> Result<Arch, String> {
                 let ml = (0..n as u64)
                     .map(|i| i >= first_dense && i.is_multiple_of(freq))
                     .collect();
-                let groups = opt_int("n_group")?.unwrap_or(1);
+                let groups = opt_int("n_group")?.unwrap_or(1).max(1);
                 let topk_group = opt_int("topk_group")?;
+                if !experts.is_multiple_of(groups) {
+                    return Err(format!(
+                        "{source}: field `n_group` ({groups}) does not divide the {experts} routed experts"
+                    ));
+                }
+                if let Some(g) = topk_group {
+                    if g == 0 || g > groups {
+                        return Err(format!(
+                            "{source}: field `topk_group` ({g}) must be in 1..={groups} (`n_group`)"
+                        ));
+                    }
+                }
                 (
                     ffn,
                     Some(MoeArch {
@@ -523,6 +554,7 @@ pub fn from_config(v: &Value, source: &str) -> Result<Arch, String> {
         .and_then(Value::as_str)
         .map(str::to_string)
         .unwrap_or_else(|| source.to_string());
+    let mtp_layers = opt_int("num_nextn_predict_layers")?.unwrap_or(0) as u32;
     Ok(Arch {
         name,
         family,
@@ -533,6 +565,7 @@ pub fn from_config(v: &Value, source: &str) -> Result<Arch, String> {
         ffn,
         moe,
         moe_layers,
+        mtp_layers,
     })
 }
 

@@ -399,6 +399,13 @@ pub fn derive(
         Some(s) => layout::parse_layout(s, arch.layers(), chunks)?,
         None => layout::default_split(arch.layers(), chunks)?,
     };
+    let mtp: u32 = layout.iter().map(|c| c.mtp).sum();
+    if mtp > arch.mtp_layers {
+        return Err(format!(
+            "--layout places {mtp} multi-token-prediction module(s) (`m`), but the model has {} (`num_nextn_predict_layers`)",
+            arch.mtp_layers
+        ));
+    }
     let tp = m.tp as f64;
     let h = arch.hidden as f64;
     let seq = tr.seq as f64;
@@ -614,15 +621,17 @@ pub fn derive(
                 b_mlp += bm;
                 w += g;
                 model_fwd += mlp_fwd * tp;
-                let full = 2.0 * tl * h + 3.0 * t * ff;
-                let recomputable = tl * h + t * ff;
-                act += 2.0
-                    * match tr.recompute {
-                        Recompute::None => full,
-                        Recompute::Selective => full - recomputable,
-                        Recompute::Full => 0.0,
-                    };
-                act_w += 2.0 * (tl * h + t * ff);
+                // Bytes: the norm's input (bf16) and output (fc1's input), gate and up
+                // (bf16), the SwiGLU output (fc2's input); GEMM inputs in fp8 under
+                // --dtype fp8. Selective recomputation rebuilds the norm and SwiGLU outputs.
+                let full = 2.0 * tl * h + gin * tl * h + 4.0 * t * ff + gin * t * ff;
+                let recomputable = gin * tl * h + gin * t * ff;
+                act += match tr.recompute {
+                    Recompute::None => full,
+                    Recompute::Selective => full - recomputable,
+                    Recompute::Full => 0.0,
+                };
+                act_w += gin * (tl * h + t * ff);
                 dense_params += rest_par as f64 / tp;
             }
             if tr.recompute == Recompute::Full {
