@@ -214,59 +214,7 @@ impl Request {
     }
 }
 
-/// A Megatron-LM layout string of `layers` layers over `chunks` stages where the even split
-/// does not divide: every stage `layers / chunks` layers, and the remainder one more each on
-/// the middle stages first, the first and the last stage only after them (they also hold
-/// the embedding and the output head and loss, the heaviest in memory and the head in
-/// time, as Megatron-LM's `--account-for-embedding-in-pipeline-split` and
-/// `--account-for-loss-in-pipeline-split` weigh them). `61, 16`: `Et*3`, 13 stages of
-/// `t*4`, `t*3`, `t*3L`. Requires `1 <= chunks <= layers`.
-pub fn balanced_layout(layers: u32, chunks: u32) -> String {
-    let c = chunks.max(1) as usize;
-    let (q, r) = (layers / c as u32, (layers % c as u32) as usize);
-    let mut n = vec![q; c];
-    let order = (1..c.saturating_sub(1))
-        .chain([0])
-        .chain((c > 1).then_some(c - 1));
-    for i in order.take(r) {
-        n[i] += 1;
-    }
-    let stages: Vec<String> = n
-        .iter()
-        .enumerate()
-        .map(|(i, &k)| {
-            let body = match k {
-                0 => String::new(),
-                1 => "t".to_string(),
-                k => format!("t*{k}"),
-            };
-            format!(
-                "{}{body}{}",
-                if i == 0 { "E" } else { "" },
-                if i + 1 == c { "L" } else { "" }
-            )
-        })
-        .collect();
-    // Runs of equal stages before the last as `(t*4|)*13`.
-    let mut out = String::new();
-    let mut i = 0;
-    while i < c {
-        let mut j = i + 1;
-        while j < c - 1 && stages[j] == stages[i] {
-            j += 1;
-        }
-        if i + 1 == c {
-            out.push_str(&stages[i]);
-        } else if j - i > 1 {
-            out.push_str(&format!("({}|)*{}", stages[i], j - i));
-        } else {
-            out.push_str(&stages[i]);
-            out.push('|');
-        }
-        i = j;
-    }
-    out
-}
+pub use crate::costmodel::layout::balanced_layout;
 
 /// One simulated candidate.
 #[derive(Clone, Debug, Serialize)]

@@ -166,7 +166,7 @@ pub fn default_split(layers: u32, chunks: u32) -> Result<Vec<Chunk>, String> {
         return Err(format!(
             "{layers} layers do not divide over {chunks} pipeline stages (nor {} with the embedding and the loss counted as layers, Megatron-LM's --account-for-embedding-in-pipeline-split); give --layout, e.g. \"{}\"",
             layers + 2,
-            suggest_layout(layers, chunks)
+            balanced_layout(layers, chunks)
         ));
     };
     let mut out = Vec::with_capacity(chunks as usize);
@@ -183,40 +183,58 @@ pub fn default_split(layers: u32, chunks: u32) -> Result<Vec<Chunk>, String> {
     Ok(out)
 }
 
-/// A valid layout for `layers` over `chunks` stages: the first `layers % chunks` stages one
-/// layer more than the rest (what an error suggests).
-pub fn suggest_layout(layers: u32, chunks: u32) -> String {
-    let (q, r) = (layers / chunks.max(1), layers % chunks.max(1));
-    let stage = |n: u32| match n {
-        0 => String::new(),
-        1 => "t".to_string(),
-        n => format!("t*{n}"),
-    };
-    let mut parts: Vec<String> = Vec::new();
-    let mut k = 0;
-    while k < chunks {
-        let n = if k < r { q + 1 } else { q };
-        let mut run = 1;
-        while k + run < chunks
-            && (if k + run < r { q + 1 } else { q }) == n
-            && k + run + 1 < chunks
-            && k > 0
-        {
-            run += 1;
-        }
-        let body = stage(n);
-        let body = if k == 0 { format!("E{body}") } else { body };
-        let last = k + run == chunks;
-        let body = if last { format!("{body}L") } else { body };
-        if run > 1 {
-            parts.push(format!("({body}|)*{run}"));
-            k += run;
-            continue;
-        }
-        parts.push(if last { body } else { format!("{body}|") });
-        k += 1;
+/// A Megatron-LM layout string of `layers` layers over `chunks` stages where the even split
+/// does not divide: every stage `layers / chunks` layers, and the remainder one more each on
+/// the middle stages first, the first and the last stage only after them (they also hold
+/// the embedding and the output head and loss, the heaviest in memory and the head in
+/// time, as Megatron-LM's `--account-for-embedding-in-pipeline-split` and
+/// `--account-for-loss-in-pipeline-split` weigh them). `61, 16`: `Et*3`, 13 stages of
+/// `t*4`, `t*3`, `t*3L`. Requires `1 <= chunks <= layers`.
+pub fn balanced_layout(layers: u32, chunks: u32) -> String {
+    let c = chunks.max(1) as usize;
+    let (q, r) = (layers / c as u32, (layers % c as u32) as usize);
+    let mut n = vec![q; c];
+    let order = (1..c.saturating_sub(1))
+        .chain([0])
+        .chain((c > 1).then_some(c - 1));
+    for i in order.take(r) {
+        n[i] += 1;
     }
-    parts.concat()
+    let stages: Vec<String> = n
+        .iter()
+        .enumerate()
+        .map(|(i, &k)| {
+            let body = match k {
+                0 => String::new(),
+                1 => "t".to_string(),
+                k => format!("t*{k}"),
+            };
+            format!(
+                "{}{body}{}",
+                if i == 0 { "E" } else { "" },
+                if i + 1 == c { "L" } else { "" }
+            )
+        })
+        .collect();
+    // Runs of equal stages before the last as `(t*4|)*13`.
+    let mut out = String::new();
+    let mut i = 0;
+    while i < c {
+        let mut j = i + 1;
+        while j < c - 1 && stages[j] == stages[i] {
+            j += 1;
+        }
+        if i + 1 == c {
+            out.push_str(&stages[i]);
+        } else if j - i > 1 {
+            out.push_str(&format!("({}|)*{}", stages[i], j - i));
+        } else {
+            out.push_str(&stages[i]);
+            out.push('|');
+        }
+        i = j;
+    }
+    out
 }
 
 /// Parses a Megatron-LM pipeline layout (`--pipeline-model-parallel-layout`): stages
@@ -362,7 +380,7 @@ mod tests {
     #[test]
     fn a_suggested_layout_parses_and_holds_every_layer() {
         for (layers, chunks) in [(61, 16), (61, 32), (30, 7), (94, 32), (5, 4), (9, 8)] {
-            let s = suggest_layout(layers, chunks);
+            let s = balanced_layout(layers, chunks);
             let c = parse_layout(&s, layers, chunks).unwrap_or_else(|e| panic!("{s}: {e}"));
             assert_eq!(c.len() as u32, chunks, "{s}");
             let n: usize = c.iter().map(|c| c.layers.len()).sum();
