@@ -230,6 +230,10 @@ class _Abort(Exception):
     """Another stream of this rank failed."""
 
 
+class _PeerFailed(Exception):
+    """Another rank published its failure in the store (its text)."""
+
+
 @dataclass
 class _Seg:
     """One autograd segment of a (stage, micro-batch): the whole stage or one MoE part."""
@@ -707,14 +711,7 @@ class ProgramRuntime:
             tail = (time.perf_counter() - self._mark + self._carry) / len(self._samples_step)
             for key, t in self._samples_step:
                 self.times.setdefault(key, []).append((self._step, t + tail))
-        deadline = time.monotonic() + self._t + 5.0
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive() and self._failure is None:
-                self._fail(SchedcRuntimeError(
-                    f"rank {self.rank}, step {self._step}: the {t.name} thread did not finish "
-                    f"within {self._t:.1f} s after the compute stream", rank=self.rank,
-                    step=self._step))
+        self._join(threads)
         if self._failure is None and self._deferred is not None and not self._accumulate:
             try:
                 self._finish_optimizer(before_optimizer)
@@ -742,6 +739,47 @@ class ProgramRuntime:
         self._step += 1
         self.loss_chunks = sorted(self._losses)
         return [self._losses[g] for g in self.loss_chunks]
+
+    def _join(self, threads: list) -> None:
+        """Waits for the comm threads. A gloo wait cannot be interrupted (aborting a process
+        group closes no connection), so after a failure, this rank's or a peer's (published
+        in the store), a thread still blocked in one is left behind: a daemon that ends at
+        the process group's timeout; the runtime is unusable by then."""
+        deadline = time.monotonic() + self._t + 5.0
+        grace = None
+        polls = 0
+        while any(t.is_alive() for t in threads):
+            alive = [t for t in threads if t.is_alive()]
+            alive[0].join(0.05)
+            now = time.monotonic()
+            if self._failure is not None:
+                grace = grace or now + 1.0
+                if now > grace:
+                    return
+                continue
+            polls += 1
+            if polls % 4 == 0:
+                first = self._origin_text()
+                if first:
+                    self._fail(self._peer_failed(first, None))
+                    continue
+            if now > deadline:
+                self._fail(SchedcRuntimeError(
+                    f"rank {self.rank}, step {self._step}: the {alive[0].name} thread did not "
+                    f"finish within {self._t:.1f} s after the compute stream", rank=self.rank,
+                    step=self._step, origin=False))
+                return
+
+    def _peer_failed(self, first: str, e: int | None) -> SchedcRuntimeError:
+        """This rank's error when another rank's step failed first (``e``: the event the
+        compute stream was waiting for)."""
+        what = ""
+        if e is not None:
+            name, i, op = self._recorder[e]
+            what = f" while waiting for {name} op #{i - 1} `{op_text(op)}`"
+        return SchedcRuntimeError(
+            f"rank {self.rank}, step {self._step}: stopped{what}: the step failed first on "
+            f"another rank: {first}", rank=self.rank, step=self._step, origin=False)
 
     def _finish_optimizer(self, hook: Callable | None) -> None:
         """After the streams, when the optimizer steps were deferred (a ``before_optimizer``
@@ -841,6 +879,8 @@ class ProgramRuntime:
             self._pending_sends[si] = []
         except _Abort:
             pass
+        except _PeerFailed as e:
+            self._fail(self._peer_failed(str(e), ops[i][1] if 0 <= i < len(ops) and ops[i][0] == WAIT else None))
         except BaseException as e:  # noqa: BLE001 - every failure becomes the step's error
             op = ops[i] if 0 <= i < len(ops) else None
             self._fail(self._error(e, si, i, op))
@@ -890,9 +930,15 @@ class ProgramRuntime:
         # The op that records the event has its own timeout (a receive's names its peer);
         # this one is a backstop, a little later.
         deadline = time.monotonic() + self._t + 5.0
+        polls = 0
         while not ev.wait(0.05):
             if self._abort:
                 raise _Abort
+            polls += 1
+            if polls % 4 == 0:  # waiting for 0.2 s: has another rank failed?
+                first = self._origin_text()
+                if first:
+                    raise _PeerFailed(first)
             if time.monotonic() > deadline:
                 name, i, op = self._recorder[e]
                 raise TimeoutError(
