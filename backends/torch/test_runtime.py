@@ -26,6 +26,13 @@ What it checks (one line per check, then ``N passed, M failed``; exit status 1 o
    1F1B, ZB-V, DualPipeV and DualPipeV in MoE parts.
 5. **faults**: a rank killed in the middle of a step, and a message that is never sent: every
    rank ends with a SchedcRuntimeError naming its rank, op and peer, within the timeout.
+6. **the training loop** (``--only loop`` or ``loop-errors``, ``loop-api``, ``loop-dp2``,
+   ``loop-amp``): a non-scalar or tuple loss, a shape change under static shapes (refused by
+   the sender, every rank names ``static_shapes=False`` within seconds), the runtime after a
+   failed step, ``make_stage(stage, n)``, ``data_shards``, an optimizer instance, the default
+   timeouts, LR schedulers, gradient accumulation, ``clip_grad_norm_`` in ``before_optimizer``,
+   checkpoint and resume, bf16 and fp16 AMP, ``torch.compile`` with B/W split
+   (``--no-compile`` skips the last, about 50 s).
 """
 
 from __future__ import annotations
