@@ -789,12 +789,11 @@ class ProgramRuntime:
         skip = False
         if scaler is not None:
             inv = 1.0 / float(scaler.get_scale())
-            bad = torch.zeros(1, dtype=torch.float64)
+            bad = torch.zeros(1, dtype=torch.float32, device=self.device)  # NCCL: on the device
             for p in self.parameters():
                 if p.grad is not None:
                     p.grad.mul_(inv)
-                    if not bool(torch.isfinite(p.grad).all()):
-                        bad.fill_(1.0)
+                    bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float().reshape(1))
             # Every rank skips, or none does: the replicas must stay equal.
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._world_pg)
             skip = bool(bad.item() > 0)
