@@ -185,7 +185,7 @@ class Program:
 
     @property
     def microbatches(self) -> int:
-        """M: micro-batches per direction."""
+        """Micro-batches per direction: ``--mb`` (``--mb / 2`` for DualPipe's two directions)."""
         return self.manifest["microbatches"]
 
     @property
@@ -195,8 +195,9 @@ class Program:
 
     @property
     def total_microbatches(self) -> int:
-        """Micro-batches in one step (M, or 2M for DualPipe): ``step`` splits its batch into
-        this many chunks."""
+        """Micro-batches in one step: ``schedc compile --mb``, whatever the schedule (DualPipe
+        runs ``--mb / 2`` per direction: ``--mb 8`` gives 8 chunks, 4 per direction);
+        ``step`` splits its batch into this many chunks."""
         return self.microbatches * self.directions
 
     @property

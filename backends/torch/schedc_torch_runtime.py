@@ -39,6 +39,10 @@ writes a cost model in schedc's TOML that ``schedc sim --cost FILE`` reads.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import itertools
+import math
 import os
 import statistics
 import threading
@@ -70,17 +74,24 @@ __all__ = [
     "MoEParts",
     "FChunk",
     "BChunk",
+    "clip_grad_norm_",
 ]
+
+#: Each runtime of a process gets the next number (the same on every rank: construction is
+#: collective); it names the runtime's keys in the default group's store.
+_RUNTIMES = itertools.count()
 
 
 class SchedcRuntimeError(RuntimeError):
     """A step that failed: where (rank, step, stream, op), with whom (``peer``), and why."""
 
     def __init__(self, message: str, *, rank: int, step: int, stream: str = "",
-                 index: int = -1, op: str = "", peer: int | None = None):
+                 index: int = -1, op: str = "", peer: int | None = None, origin: bool = True):
         super().__init__(message)
         self.rank, self.step, self.stream, self.index = rank, step, stream, index
-        self.op, self.peer = op, peer
+        # origin: False when this rank failed because a peer did (its connection closed, or
+        # it never answered); the message then ends with the first failing rank's error.
+        self.op, self.peer, self.origin = op, peer, origin
 
 
 # ------------------------------------------------------------------------------------------
@@ -133,12 +144,15 @@ class FChunk:
     target: Any = None
     outputs: Any = None
     loss: torch.Tensor | None = None
+    autocast: Any = None  # the runtime's ``torch.autocast`` context factory (``autocast_dtype``)
 
     def forward(self):
-        """The plain forward (and the loss on a last stage); returns the outputs."""
-        self.outputs = self.module(*self.inputs)
-        if self.loss_fn is not None:
-            self.loss = self.loss_fn(self.outputs, self.target)
+        """The plain forward (and the loss on a last stage), under the runtime's autocast
+        when it has one; returns the outputs."""
+        with self.autocast() if self.autocast is not None else contextlib.nullcontext():
+            self.outputs = self.module(*self.inputs)
+            if self.loss_fn is not None:
+                self.loss = self.loss_fn(self.outputs, self.target)
         return self.outputs
 
 
@@ -216,6 +230,10 @@ class _Abort(Exception):
     """Another stream of this rank failed."""
 
 
+class _PeerFailed(Exception):
+    """Another rank published its failure in the store (its text)."""
+
+
 @dataclass
 class _Seg:
     """One autograd segment of a (stage, micro-batch): the whole stage or one MoE part."""
@@ -252,6 +270,23 @@ class _Stage:
 # ------------------------------------------------------------------------------------------
 
 
+def _stage_maker(make_stage: Callable, n_model_stages: int, rank: int) -> Callable[[int], torch.nn.Module]:
+    """``make_stage`` as a function of the model stage: ``make_stage(s, n)`` when it takes two
+    positional arguments (or ``*args``), ``make_stage(s)`` when it takes one."""
+    try:
+        params = list(inspect.signature(make_stage).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: the documented form
+        return lambda s: make_stage(s, n_model_stages)
+    pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind == p.VAR_POSITIONAL for p in params) or len(pos) >= 2:
+        return lambda s: make_stage(s, n_model_stages)
+    if len(pos) == 1:
+        return make_stage
+    raise SchedcRuntimeError(
+        "make_stage must take the model stage and the number of model stages: "
+        "make_stage(model_stage, n_model_stages) -> nn.Module", rank=rank, step=-1)
+
+
 def load_program(path_or_dir: str | os.PathLike, rank: int | None = None, **kwargs) -> "ProgramRuntime":
     """Reads rank ``rank``'s program (default: this process's rank in the default process
     group) and builds its runtime; ``kwargs`` go to :class:`ProgramRuntime`.
@@ -275,14 +310,19 @@ class ProgramRuntime:
     Args:
         program: from :func:`read_program`.
         stages: the rank's stage modules by IR stage id (``program.stages``), or
-        make_stage: ``make_stage(model_stage) -> nn.Module``, called once per local stage (for
-            DualPipe twice per model stage over the mirror pair: once on each of the two ranks;
-            the runtime copies the direction-0 copy's parameters into the other).
-        loss_fn: ``loss_fn(output, target) -> scalar``, on last stages.
-        optimizer: ``optimizer(params) -> torch.optim.Optimizer``: one per local stage, stepped
-            where the program has ``optimizer_step``. Without it the gradients stay in
-            ``.grad`` for the caller (each step starts from zero gradients: the program's
-            ``alloc weight_grad (zeroed)``).
+        make_stage: ``make_stage(model_stage, n_model_stages) -> nn.Module`` (or, a callable
+            of one positional parameter, ``make_stage(model_stage)``), called once per local
+            stage; ``n_model_stages`` is the number of model stages the program cuts the model
+            into (``program.manifest["model_stages"]``: P, P*V or 2P for a V, by schedule). For
+            DualPipe it is called twice per model stage over the mirror pair, once on each of
+            the two ranks; the runtime copies the direction-0 copy's parameters into the other.
+        loss_fn: ``loss_fn(output, target) -> loss``, on last stages: a 0-dimensional tensor
+            (a per-token or per-sample loss, or a tuple, ends the step with an error saying so).
+        optimizer: a factory ``optimizer(params) -> torch.optim.Optimizer`` (not an optimizer
+            instance): one optimizer per local stage (:attr:`optimizers`), stepped where the
+            program has ``optimizer_step``. Without it the gradients stay in ``.grad`` for the
+            caller (each step starts from zero gradients: the program's ``alloc weight_grad
+            (zeroed)``, unless the previous step was ``step(..., accumulate=True)``).
         moe_parts: :class:`MoEParts`, required when the program splits stages into MoE parts.
         overlapped_forward_backward: ``fn(f: FChunk, b: BChunk)`` for an overlapped pair whose
             backward is fused; without it the pair runs F then B.
@@ -290,7 +330,19 @@ class ProgramRuntime:
             (default: an all-reduce of one number over the group, which keeps their order).
         is_expert: ``fn(name, param) -> bool``: expert parameters (reduced over the expert
             data-parallel group); default none.
-        timeout: seconds any wait may take before the step fails.
+        timeout: seconds any wait may take before the step fails (default 60), from the second
+            step on. A peer that dies or fails is noticed at once (its connections close), so
+            the timeout only bounds a peer that is stuck.
+        first_step_timeout: the same for the first step (default 300: lazy initialisation,
+            ``torch.compile`` and cuDNN autotuning happen there). The process groups are
+            created with the larger of the two.
+        autocast_dtype: run every forward (and the loss) under ``torch.autocast(device type,
+            dtype)``, e.g. ``torch.bfloat16``; backward passes run outside it, as torch
+            recommends.
+        grad_scaler: a ``torch.amp.GradScaler`` (fp16): the losses are seeded with its scale;
+            after the reductions the runtime unscales the gradients (before
+            ``before_optimizer``), agrees over every rank whether any is infinite or NaN
+            (then every rank skips the step) and updates the scale.
         profile: time every kernel and message (see :meth:`write_profile`).
         scale_grads: seed each micro-batch's loss with ``1 / (micro-batches x data shards)``
             so that gradients are those of the mean loss over the global batch (torch's
@@ -305,14 +357,17 @@ class ProgramRuntime:
         program: Program,
         *,
         stages: Mapping[int, torch.nn.Module] | torch.nn.Module | None = None,
-        make_stage: Callable[[int], torch.nn.Module] | None = None,
+        make_stage: Callable[..., torch.nn.Module] | None = None,
         loss_fn: Callable | None = None,
         optimizer: Callable | None = None,
         moe_parts: MoEParts | None = None,
         overlapped_forward_backward: Callable | None = None,
         collective: Callable | None = None,
         is_expert: Callable | None = None,
-        timeout: float = 300.0,
+        timeout: float = 60.0,
+        first_step_timeout: float = 300.0,
+        autocast_dtype: torch.dtype | None = None,
+        grad_scaler: Any = None,
         profile: bool = False,
         scale_grads: bool = True,
         static_shapes: bool = True,
@@ -337,6 +392,10 @@ class ProgramRuntime:
         self.overlap_fn = overlapped_forward_backward
         self.collective_fn = collective
         self.timeout = float(timeout)
+        self.first_step_timeout = float(first_step_timeout)
+        self._t = self.first_step_timeout  # the current step's timeout
+        self.autocast_dtype = autocast_dtype
+        self.grad_scaler = grad_scaler
         self.profile = profile
         self.static_shapes = static_shapes
         self._faults = dict(_faults or {})
@@ -351,7 +410,16 @@ class ProgramRuntime:
         for dim, n in m["mesh"]["dims"]:
             if dim in ("dp", "ep"):
                 shards *= n
+        self._data_shards = shards
         self.scale = 1.0 / (program.total_microbatches * shards) if scale_grads else 1.0
+        self.n_model_stages: int = m["model_stages"]
+        if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
+            raise SchedcRuntimeError(
+                f"optimizer= takes a factory that builds one optimizer per local stage, e.g. "
+                f"optimizer=lambda params: torch.optim.SGD(params, lr=0.1); got "
+                f"{'an optimizer instance' if isinstance(optimizer, torch.optim.Optimizer) else 'a'} "
+                f"`{type(optimizer).__name__}`", rank=self.rank, step=-1)
+        make = _stage_maker(make_stage, self.n_model_stages, self.rank) if make_stage is not None else None
 
         # Stage modules.
         self.stages: dict[int, _Stage] = {}
@@ -364,8 +432,8 @@ class ProgramRuntime:
                 mod = stages[info.stage]
             elif isinstance(stages, torch.nn.Module) and len(program.stages) == 1:
                 mod = stages
-            elif make_stage is not None:
-                mod = make_stage(info.model_stage)
+            elif make is not None:
+                mod = make(info.model_stage)
             else:
                 raise SchedcRuntimeError(
                     f"rank {self.rank} holds stages {[s.stage for s in program.stages]}: pass "
@@ -375,15 +443,37 @@ class ProgramRuntime:
                         [bool(is_expert and is_expert(n, p)) for n, p in named])
             if optimizer is not None and st.params:
                 st.optimizer = optimizer(st.params)
+                if not isinstance(st.optimizer, torch.optim.Optimizer):
+                    raise SchedcRuntimeError(
+                        f"optimizer(params) returned a `{type(st.optimizer).__name__}`, not a "
+                        "torch.optim.Optimizer", rank=self.rank, step=-1)
             self.stages[info.stage] = st
         self._check_program()
+        # Split backward (B then W, retain_graph=True) cannot run a graph that
+        # torch.compile's AOTAutograd compiled with donated buffers (it refuses:
+        # "compiled with non-empty donated buffers ... retain_graph=False"). The flag is
+        # read when a compiled stage's backward is compiled (its first call), after this.
+        if any(k.pass_ in ("B", "W") for _, ops in program.streams for op in ops
+               if op[0] in (KERNEL, OVERLAP) for k in op[1:3] if isinstance(k, Kernel)):
+            try:
+                import torch._functorch.config as _fconfig
+                _fconfig.donated_buffer = False
+            except (ImportError, AttributeError):  # an older torch without the flag
+                pass
 
         # Process groups: one per channel, one per collective group; every rank creates all
         # of them in the manifest's order (new_group is collective over the world).
         world = list(range(program.world))
-        td = timedelta(seconds=self.timeout)
+        td = timedelta(seconds=max(self.timeout, self.first_step_timeout))
         self._chan_pg = {c: dist.new_group(world, timeout=td) for c in m["channels"]}
         self._pgs = {tuple(g): dist.new_group(list(g), timeout=td) for g in m["groups"]}
+        # Every rank: clip_grad_norm_ and the GradScaler's agreement.
+        self._world_pg = dist.new_group(world, timeout=td)
+        self._uid = next(_RUNTIMES)
+        try:
+            self._store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - only the errors' cross-rank detail is lost
+            self._store = None
         self._stream_pg = []
         for name, _ in program.streams:
             ch = 0 if name in ("compute", "comm") else int(name.split("@")[1])
@@ -404,6 +494,8 @@ class ProgramRuntime:
         self._step = 0
         self._broken: SchedcRuntimeError | None = None
         self._shapes: dict = {}  # buffer key -> [(dtype, shape)] from the first step
+        self._sent_shapes: dict = {}  # the same, of the messages this rank sends
+        self._keep_grads = False  # the previous step accumulated: do not zero the gradients
         self.peak_stash = 0
         self.leaked_stashes = 0
         self.times: dict[tuple, list] = {}  # profile: (pass, stage, part) -> [(step, seconds)]
@@ -444,32 +536,148 @@ class ProgramRuntime:
                     dist.broadcast(p.data, src=src, group=pg)
 
     def parameters(self) -> list:
-        """Every parameter of the rank's stages (both copies for DualPipe)."""
+        """Every parameter of the rank's stages (both copies for DualPipe: to count each
+        parameter once, use :func:`clip_grad_norm_` or :meth:`counted_parameters`)."""
         return [p for st in self.stages.values() for p in st.params]
+
+    def counted_parameters(self) -> list:
+        """The parameters whose gradients this rank counts in a global sum over every rank
+        (as :func:`clip_grad_norm_` does): after the step's reductions every copy of a
+        parameter holds the same gradient, so only one copy counts. DualPipe's direction-1
+        copy is left out, and data-parallel replicas other than the first (dense parameters:
+        ``dp`` and ``ep`` coordinates 0; expert parameters, which differ along ``ep``: ``dp``
+        coordinate 0)."""
+        dp0 = self.program.coords.get("dp", 0) == 0
+        ep0 = self.program.coords.get("ep", 0) == 0
+        out = []
+        for st in self.stages.values():
+            if st.info.replica_peer is not None and st.info.direction != 0:
+                continue
+            for p, e in zip(st.params, st.expert):
+                if dp0 and (e or ep0):
+                    out.append(p)
+        return out
 
     @property
     def local_stages(self) -> list[LocalStage]:
         return list(self.program.stages)
 
+    @property
+    def data_shards(self) -> int:
+        """How many data-parallel shards the global batch has (the product of the mesh's
+        ``dp`` and ``ep`` sizes): each passes its own batch to :meth:`step`."""
+        return self._data_shards
+
+    @property
+    def data_shard(self) -> int:
+        """This rank's data shard, ``0 .. data_shards - 1``: which shard of the global batch
+        its :meth:`step` takes (the same on every rank of one pipeline)."""
+        return self.program.data_shard
+
+    @property
+    def optimizers(self) -> dict[int, torch.optim.Optimizer]:
+        """The rank's optimizers by IR stage id (those ``optimizer=`` built; a stage without
+        trainable parameters has none): for LR schedulers, e.g.
+        ``[StepLR(o, 10) for o in rt.optimizers.values()]``, stepped after each :meth:`step`."""
+        return {s: st.optimizer for s, st in self.stages.items() if st.optimizer is not None}
+
+    @property
+    def broken(self) -> SchedcRuntimeError | None:
+        """The error of the step that failed, after which this runtime refuses to step (its
+        process groups are aborted); None while it is usable."""
+        return self._broken
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's state: every local stage's module and optimizer state dict by IR stage
+        id (both DualPipe copies), and the GradScaler's. Save one per rank (e.g.
+        ``torch.save(rt.state_dict(), f"ckpt/rank{rank}.pt")``); LR schedulers have their
+        own ``state_dict``. The tensors are the live ones: save or copy them before the next
+        step. Gradients being accumulated (``accumulate=True``) are not part of it."""
+        return {
+            "rank": self.rank,
+            "stages": {s: st.module.state_dict() for s, st in self.stages.items()},
+            "optimizers": {s: st.optimizer.state_dict() for s, st in self.stages.items()
+                           if st.optimizer is not None},
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restores what :meth:`state_dict` returned on the same rank of the same programs
+        (module parameters and buffers, optimizer state such as momentum and step counts, the
+        GradScaler's scale): the next step is the one the saved run would have taken.
+
+        Raises:
+            SchedcRuntimeError: a state of other stages (another rank's, or other programs')."""
+        got = sorted(state.get("stages", {}))
+        if got != sorted(self.stages):
+            raise SchedcRuntimeError(
+                f"rank {self.rank} holds stages {sorted(self.stages)} but the state has "
+                f"{got} (saved on rank {state.get('rank')}; load each rank's own file)",
+                rank=self.rank, step=self._step)
+        opts = state.get("optimizers", {})
+        for s, st in self.stages.items():
+            st.module.load_state_dict(state["stages"][s])
+            if st.optimizer is not None:
+                if s not in opts:
+                    raise SchedcRuntimeError(
+                        f"rank {self.rank}: the state has no optimizer for stage {s}",
+                        rank=self.rank, step=self._step)
+                st.optimizer.load_state_dict(opts[s])
+        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self, inputs: Any = None, targets: Any = None) -> list[torch.Tensor]:
-        """One training step on the whole batch (split along dimension 0 into
-        ``program.total_microbatches`` chunks; DualPipe's direction 0 takes the first half).
+    def step(self, inputs: Any = None, targets: Any = None, *, accumulate: bool = False,
+             before_optimizer: Callable | None = None) -> list[torch.Tensor]:
+        """One training step on this data shard's batch, split along dimension 0 into
+        ``program.total_microbatches`` chunks (the compile's ``--mb``; DualPipe's direction 0
+        takes the first half).
 
         ``inputs`` (a tensor or a tuple of tensors) is needed on ranks holding a first stage,
         ``targets`` on ranks holding a last stage. Returns the losses (detached, unscaled) of
         the micro-batches whose loss this rank computed, in chunk order; :attr:`loss_chunks`
         says which chunks they are.
 
+        Args:
+            accumulate: keep this step's gradients for the next step instead of reducing them
+                and stepping the optimizers (every rank must pass the same value). After k
+                steps with ``accumulate=True`` and one without, the gradients that are reduced,
+                passed to ``before_optimizer`` and stepped are the sum of the k + 1 steps'
+                gradients (as k + 1 calls of ``loss.backward()`` in plain torch; each step's is
+                that of its mean loss with ``scale_grads``); DualPipe's replica sums and the
+                data-parallel all-reduces run once, in the last step.
+            before_optimizer: ``fn(runtime)``, called on every rank once the step's gradients
+                are reduced (DualPipe's copies summed, data-parallel replicas all-reduced,
+                GradScaler-unscaled) and before any optimizer step: the place for
+                :func:`clip_grad_norm_`. Not called with ``accumulate=True``.
+
         Raises:
-            SchedcRuntimeError: a kernel raised, a message never came or a peer vanished
-                (within ``timeout``), or a previous step failed.
+            SchedcRuntimeError: a kernel raised, a loss is not a scalar, a message's shape
+                changed under ``static_shapes=True``, a message never came or a peer vanished
+                (within the timeout), or a previous step failed (:attr:`broken`). A failed step
+                leaves the runtime unusable on every rank (its process groups are aborted so
+                that no rank hangs): every later ``step`` raises, naming the first error;
+                build a new one with :func:`load_program` (and :meth:`load_state_dict` from a
+                checkpoint) to go on.
         """
         if self._broken is not None:
             raise SchedcRuntimeError(
-                f"rank {self.rank}: a previous step failed ({self._broken}); the process groups "
-                "are aborted, start a new process group", rank=self.rank, step=self._step)
+                f"rank {self.rank}: this runtime is unusable since step {self._broken.step} "
+                f"failed ({self._broken}); its process groups are aborted: build a new runtime "
+                "with load_program (and load_state_dict from a checkpoint) on every rank",
+                rank=self.rank, step=self._step)
+        self._accumulate = bool(accumulate)
+        self._deferred: list[int] | None = (
+            [] if (before_optimizer is not None or self._scaling()) else None)
+        self._t = self.first_step_timeout if self._step == 0 else self.timeout
+        seed = self.scale
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            # scale() creates the scaler's scale tensor on its first call.
+            seed = self.scale * float(self.grad_scaler.scale(torch.ones((), device=self.device)))
+        self._seed = seed
         n = self.program.total_microbatches
         self._in = self._split(inputs, n, "inputs") if any(s.info.first for s in self.stages.values()) else None
         self._tg = self._split(targets, n, "targets") if any(s.info.last for s in self.stages.values()) else None
@@ -503,18 +711,21 @@ class ProgramRuntime:
             tail = (time.perf_counter() - self._mark + self._carry) / len(self._samples_step)
             for key, t in self._samples_step:
                 self.times.setdefault(key, []).append((self._step, t + tail))
-        deadline = time.monotonic() + self.timeout + 5.0
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive() and self._failure is None:
-                self._fail(SchedcRuntimeError(
-                    f"rank {self.rank}, step {self._step}: the {t.name} thread did not finish "
-                    f"within {self.timeout:.1f} s after the compute stream", rank=self.rank,
-                    step=self._step))
+        self._join(threads)
+        if self._failure is None and self._deferred is not None and not self._accumulate:
+            try:
+                self._finish_optimizer(before_optimizer)
+            except BaseException as e:  # noqa: BLE001
+                err = e if isinstance(e, SchedcRuntimeError) else SchedcRuntimeError(
+                    f"rank {self.rank}, step {self._step}, before the optimizer: "
+                    f"{type(e).__name__}: {str(e).strip()}", rank=self.rank, step=self._step)
+                err.__cause__ = e
+                self._fail(err)
         if self._failure is not None:
             self._broken = self._failure
             self._abort_groups()
             raise self._failure
+        self._keep_grads = self._accumulate
         if self._cuda:
             torch.cuda.synchronize(self.device)
         self.step_times.append(time.perf_counter() - t0)
@@ -528,6 +739,74 @@ class ProgramRuntime:
         self._step += 1
         self.loss_chunks = sorted(self._losses)
         return [self._losses[g] for g in self.loss_chunks]
+
+    def _join(self, threads: list) -> None:
+        """Waits for the comm threads. A gloo wait cannot be interrupted (aborting a process
+        group closes no connection), so after a failure, this rank's or a peer's (published
+        in the store), a thread still blocked in one is left behind: a daemon that ends at
+        the process group's timeout; the runtime is unusable by then."""
+        deadline = time.monotonic() + self._t + 5.0
+        grace = None
+        polls = 0
+        while any(t.is_alive() for t in threads):
+            alive = [t for t in threads if t.is_alive()]
+            alive[0].join(0.05)
+            now = time.monotonic()
+            if self._failure is not None:
+                grace = grace or now + 1.0
+                if now > grace:
+                    return
+                continue
+            polls += 1
+            if polls % 4 == 0:
+                first = self._origin_text()
+                if first:
+                    self._fail(self._peer_failed(first, None))
+                    continue
+            if now > deadline:
+                self._fail(SchedcRuntimeError(
+                    f"rank {self.rank}, step {self._step}: the {alive[0].name} thread did not "
+                    f"finish within {self._t:.1f} s after the compute stream", rank=self.rank,
+                    step=self._step, origin=False))
+                return
+
+    def _peer_failed(self, first: str, e: int | None) -> SchedcRuntimeError:
+        """This rank's error when another rank's step failed first (``e``: the event the
+        compute stream was waiting for)."""
+        what = ""
+        if e is not None:
+            name, i, op = self._recorder[e]
+            what = f" while waiting for {name} op #{i - 1} `{op_text(op)}`"
+        return SchedcRuntimeError(
+            f"rank {self.rank}, step {self._step}: stopped{what}: the step failed first on "
+            f"another rank: {first}", rank=self.rank, step=self._step, origin=False)
+
+    def _finish_optimizer(self, hook: Callable | None) -> None:
+        """After the streams, when the optimizer steps were deferred (a ``before_optimizer``
+        hook or a GradScaler): unscale, the hook, the optimizer steps in program order."""
+        scaler = self.grad_scaler if self._scaling() else None
+        opts = [self.stages[s].optimizer for s in self._deferred if self.stages[s].optimizer is not None]
+        skip = False
+        if scaler is not None:
+            inv = 1.0 / float(scaler.get_scale())
+            bad = torch.zeros(1, dtype=torch.float32, device=self.device)  # NCCL: on the device
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(inv)
+                    bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float().reshape(1))
+            # Every rank skips, or none does: the replicas must stay equal.
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._world_pg)
+            skip = bool(bad.item() > 0)
+        if hook is not None and not skip:
+            hook(self)
+        if not skip:
+            for o in opts:
+                o.step()
+        if scaler is not None:
+            _scaler_update(scaler, skip)
+
+    def _scaling(self) -> bool:
+        return self.grad_scaler is not None and self.grad_scaler.is_enabled()
 
     def _split(self, x, n: int, what: str) -> list[tuple]:
         if x is None:
@@ -548,10 +827,29 @@ class ProgramRuntime:
     def _fail(self, err: SchedcRuntimeError) -> None:
         if self._failure is None:
             self._failure = err
+            # Tell the peers why (before the groups are aborted, which is how they learn that
+            # this rank failed): their errors name this one.
+            if self._store is not None and err.origin:
+                try:
+                    self._store.set(f"schedc/{self._uid}/origin", str(err))
+                except Exception:  # noqa: BLE001 - the peers then say less
+                    pass
         self._abort = True
 
+    def _origin_text(self) -> str:
+        """The first failing rank's error, when a rank published it."""
+        if self._store is None:
+            return ""
+        key = f"schedc/{self._uid}/origin"
+        try:
+            if self._store.check([key]):
+                return self._store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            pass
+        return ""
+
     def _abort_groups(self) -> None:
-        for pg in [*self._chan_pg.values(), *self._pgs.values()]:
+        for pg in [*self._chan_pg.values(), *self._pgs.values(), self._world_pg]:
             try:
                 pg.abort()
             except Exception:  # noqa: BLE001 - best effort: the error is already reported
@@ -580,6 +878,8 @@ class ProgramRuntime:
             self._pending_sends[si] = []
         except _Abort:
             pass
+        except _PeerFailed as e:
+            self._fail(self._peer_failed(str(e), ops[i][1] if 0 <= i < len(ops) and ops[i][0] == WAIT else None))
         except BaseException as e:  # noqa: BLE001 - every failure becomes the step's error
             op = ops[i] if 0 <= i < len(ops) else None
             self._fail(self._error(e, si, i, op))
@@ -596,20 +896,26 @@ class ProgramRuntime:
         msg = str(e).strip()
         low = msg.lower()
         comm = op is not None and op[0] in (SEND, RECV, COLLECTIVE, REPLICA, ALLREDUCE)
+        origin = False
         if isinstance(e, TimeoutError) and op is not None and op[0] == WAIT:
             why = msg
         elif comm and ("timed out" in low or "timeout" in low):
-            why = (f"no message from rank {peer} within {self.timeout:.1f} s (the peer is stuck, "
+            why = (f"no message from rank {peer} within {self._t:.1f} s (the peer is stuck, "
                    "or never sent it)") if peer is not None and op[0] == RECV else (
-                   f"not completed within {self.timeout:.1f} s" + (f" by rank {peer}" if peer is not None else ""))
+                   f"not completed within {self._t:.1f} s" + (f" by rank {peer}" if peer is not None else ""))
         elif comm and any(w in low for w in ("closed", "reset", "broken pipe", "connection", "abort")):
             why = (f"rank {peer}'s connection closed (its process died or stopped after an error)"
                    if peer is not None else "a peer's connection closed (its process died or stopped)")
         else:
             why = f"{type(e).__name__}: {msg.splitlines()[0] if msg else ''}"
+            origin = True
+        if not origin:
+            first = self._origin_text()
+            if first:
+                why += f"; the step failed first on another rank: {first}"
         where = f"rank {self.rank}, step {self._step}, {name} stream op #{i} `{text}`"
         err = SchedcRuntimeError(f"{where}: {why}", rank=self.rank, step=self._step,
-                                 stream=name, index=i, op=text, peer=peer)
+                                 stream=name, index=i, op=text, peer=peer, origin=origin)
         err.__cause__ = e
         return err
 
@@ -622,30 +928,36 @@ class ProgramRuntime:
         ev = self._events[e]
         # The op that records the event has its own timeout (a receive's names its peer);
         # this one is a backstop, a little later.
-        deadline = time.monotonic() + self.timeout + 5.0
+        deadline = time.monotonic() + self._t + 5.0
+        polls = 0
         while not ev.wait(0.05):
             if self._abort:
                 raise _Abort
+            polls += 1
+            if polls % 4 == 0:  # waiting for 0.2 s: has another rank failed?
+                first = self._origin_text()
+                if first:
+                    raise _PeerFailed(first)
             if time.monotonic() > deadline:
                 name, i, op = self._recorder[e]
                 raise TimeoutError(
-                    f"waited {self.timeout + 5.0:.1f} s for e{e}, recorded after {name} op "
+                    f"waited {self._t + 5.0:.1f} s for e{e}, recorded after {name} op "
                     f"#{i - 1} `{op_text(op)}`, which did not complete")
 
     def _wait_work(self, work, si: int, i: int, op) -> None:
         if self._cuda:
-            deadline = time.monotonic() + self.timeout
+            deadline = time.monotonic() + self._t
             sleep = 1e-5
             while not work.is_completed():
                 if self._abort:
                     raise _Abort
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"timed out after {self.timeout:.1f} s")
+                    raise TimeoutError(f"timed out after {self._t:.1f} s")
                 time.sleep(sleep)
                 sleep = min(sleep * 2, 1e-3)
             work.wait()
         else:
-            work.wait(timeout=timedelta(seconds=self.timeout))
+            work.wait(timeout=timedelta(seconds=self._t))
 
     def _exec(self, si: int, i: int, op: tuple) -> None:
         c = op[0]
@@ -678,16 +990,22 @@ class ProgramRuntime:
         elif c == OVERLAP:
             self._overlap(op[1], op[2])
         elif c == REPLICA:
-            if self._faults.get("skip_replica_sum"):
-                return
+            if self._faults.get("skip_replica_sum") or self._accumulate:
+                return  # accumulating: the last step of the accumulation sums
             self._reduce(self.stages[op[1]], (self.rank, op[3]), "all", si, i, op)
         elif c == ALLREDUCE:
+            if self._accumulate:
+                return
             self._reduce(self.stages[op[1]], op[3], op[2], si, i, op)
         elif c == COLLECTIVE:
             self._collective(op, si, i)
         elif c == OPT:
             st = self.stages[op[1]]
-            if st.optimizer is not None:
+            if self._accumulate:
+                return
+            if self._deferred is not None:
+                self._deferred.append(op[1])  # after the streams: see _finish_optimizer
+            elif st.optimizer is not None:
                 st.optimizer.step()
 
     # -- buffers ----------------------------------------------------------------------------
@@ -695,8 +1013,9 @@ class ProgramRuntime:
     def _alloc(self, key: tuple, zero: bool) -> None:
         kind = key[0]
         if kind == "weight_grad":
-            for p in self.stages[key[1]].params:
-                p.grad = None
+            if not self._keep_grads:  # else: accumulating over steps
+                for p in self.stages[key[1]].params:
+                    p.grad = None
             self._bufs[key] = True
         elif kind == "stash":
             self._bufs[key] = _Stash()
@@ -756,7 +1075,9 @@ class ProgramRuntime:
     def _finish_forward(self, st: _Stage, k: Kernel, stash: _Stash, out) -> None:
         """After the forward's last piece: the loss (last stage) or the output activation."""
         if st.info.last:
-            loss = self.loss_fn(out, self._target(st, k.mb))
+            with self._autocast():
+                loss = self.loss_fn(out, self._target(st, k.mb))
+            _check_loss(loss)
             stash.loss = loss
             self._losses[self.program.global_mb(st.info.stage, k.mb)] = loss.detach()
         key = ("act", k.stage, k.mb)
@@ -774,7 +1095,8 @@ class ProgramRuntime:
             else:
                 x = _leaves(stash.segs[-1].outputs, True)
             fn = st.module if k.part is None else (lambda *a: self.moe_parts.get(k.part)(st.module, *a))
-            out = fn(*x)
+            with self._autocast():
+                out = fn(*x)
             stash.segs.append(_Seg(k.part, x, _tuple(out)))
             if k.part in (None, "combine"):
                 self._finish_forward(st, k, stash, out)
@@ -790,6 +1112,11 @@ class ProgramRuntime:
         else:
             raise ValueError(f"unknown pass {p}")
 
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     def _seg_for(self, stash: _Stash, part: str | None) -> _Seg:
         for seg in stash.segs:
             if seg.part == part:
@@ -800,7 +1127,7 @@ class ProgramRuntime:
         """The tensors to differentiate for this backward piece, and their gradients."""
         first_piece = k.part in (None, "combine")
         if first_piece and st.info.last:
-            return [stash.loss], [torch.full_like(stash.loss, self.scale)]
+            return [stash.loss], [torch.full_like(stash.loss, self._seed)]
         if first_piece:
             got = self._bufs[("grad", k.stage + 1, k.mb)]
             it = iter(got)
@@ -849,14 +1176,15 @@ class ProgramRuntime:
         stf: _Stash = self._bufs[("stash", kf.stage, kf.mb)]
         stb: _Stash = self._bufs[("stash", kb.stage, kb.mb)]
         x = self._stage_input(sf, kf.mb)
-        f = FChunk(sf.module, kf.stage, kf.mb, x)
+        f = FChunk(sf.module, kf.stage, kf.mb, x,
+                   autocast=self._autocast if self.autocast_dtype is not None else None)
         if sf.info.last:
             f.loss_fn, f.target = self.loss_fn, self._target(sf, kf.mb)
         seg = self._seg_for(stb, None)
         roots, grads = self._roots(sb, kb, stb, seg)
         b = BChunk(sb.module, kb.stage, kb.mb, seg.inputs, tuple(roots), tuple(grads), params=sb.params)
         if sb.info.last:
-            b.loss = stb.loss * self.scale
+            b.loss = stb.loss * self._seed
             b.outputs, b.output_grads = (), ()
         for xx in seg.inputs:
             xx.grad = None
@@ -874,7 +1202,9 @@ class ProgramRuntime:
         stf.segs.append(_Seg(None, x, _tuple(f.outputs)))
         if sf.info.last:
             if f.loss is None:
-                f.loss = self.loss_fn(f.outputs, f.target)
+                with self._autocast():
+                    f.loss = self.loss_fn(f.outputs, f.target)
+            _check_loss(f.loss)
             stf.loss = f.loss
             self._losses[self.program.global_mb(sf.info.stage, kf.mb)] = f.loss.detach()
         key = ("act", kf.stage, kf.mb)
@@ -893,6 +1223,19 @@ class ProgramRuntime:
             return
         tensors = [t.contiguous() for t in self._bufs[key]]
         pg = self._stream_pg[si]
+        if self.static_shapes:
+            shapes = [(t.dtype, tuple(t.shape)) for t in tensors]
+            if self._headers:
+                self._sent_shapes[key] = shapes
+            elif self._sent_shapes.get(key) != shapes:
+                def txt(sh):
+                    return ", ".join(f"{tuple(d)} {str(dt).replace('torch.', '')}" for dt, d in sh or [])
+                raise ValueError(
+                    f"the shape of {buf_text(key)} changed since the first step: [{txt(shapes)}] "
+                    f"instead of [{txt(self._sent_shapes.get(key))}]; with static_shapes=True "
+                    "(the default) shapes travel in the first step only: pass "
+                    "static_shapes=False to load_program when the inputs' shapes vary between "
+                    "steps (a short last batch, padding to the longest sequence)")
         if self._headers:
             h = _header(tensors, self.device)
             self._pending_sends[si].append((op, i, dist.isend(h, peer, group=pg)))
@@ -1009,6 +1352,64 @@ class ProgramRuntime:
         msgs = [(t, b) for step, t, b in self.msg_times if step >= skip] or [
             (t, b) for _, t, b in self.msg_times]
         return {"compute": comp, "messages": msgs, "steps": self.step_times[skip:] or self.step_times}
+
+
+def _check_loss(loss) -> None:
+    """A loss must be one number: a per-token or per-sample loss would be seeded element by
+    element, its gradient the sum's (torch's runtime refuses it too)."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"loss_fn returned a {type(loss).__name__}, not a tensor: return the scalar loss "
+            "alone (for a loss that also returns extras: loss_fn=lambda out, y: f(out, y)[0])")
+    if loss.dim() != 0:
+        raise ValueError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}: the loss must be a "
+            "0-dimensional scalar (reduce it, e.g. with .mean(), or reduction='mean'); the "
+            "runtime does not sum it for you")
+
+
+def _scaler_update(scaler, found_inf: bool) -> None:
+    """``scaler.update()`` with the verdict every rank agreed on (the runtime unscaled the
+    gradients itself, so the scaler has no per-optimizer record): torch's own update rule
+    (back off on an infinite gradient, grow after ``growth_interval`` clean steps)."""
+    scale, tracker = scaler._check_scale_growth_tracker("update")
+    torch._amp_update_scale_(scale, tracker, torch.full((1,), float(found_inf), device=scale.device),
+                             scaler.get_growth_factor(), scaler.get_backoff_factor(),
+                             scaler.get_growth_interval())
+
+
+def clip_grad_norm_(rt: "ProgramRuntime", max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole pipelined model: the norm of every
+    parameter's gradient, each parameter counted once across pipeline ranks, DualPipe's two
+    copies and data-parallel replicas (:meth:`ProgramRuntime.counted_parameters`); then every
+    local gradient (both copies) is multiplied by ``min(1, max_norm / (norm + 1e-6))``.
+
+    Collective over every rank of the programs: call it on every rank, where the gradients
+    are reduced, i.e. in ``step(..., before_optimizer=lambda rt: clip_grad_norm_(rt, 1.0))``.
+    Returns the total norm (float64, on every rank).
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite."""
+    norm_type = float(norm_type)
+    grads = [p.grad for p in rt.counted_parameters() if p.grad is not None]
+    if math.isinf(norm_type):
+        local = torch.stack([g.detach().abs().max().double() for g in grads]).max() if grads else torch.zeros((), dtype=torch.float64)
+        op = dist.ReduceOp.MAX
+    else:
+        local = (torch.stack([g.detach().double().abs().pow(norm_type).sum() for g in grads]).sum()
+                 if grads else torch.zeros((), dtype=torch.float64))
+        op = dist.ReduceOp.SUM
+    buf = local.reshape(1).to(rt.device)
+    dist.all_reduce(buf, op=op, group=rt._world_pg)
+    total = buf[0] if math.isinf(norm_type) else buf[0].pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in rt.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return total
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -26,12 +26,21 @@ What it checks (one line per check, then ``N passed, M failed``; exit status 1 o
    1F1B, ZB-V, DualPipeV and DualPipeV in MoE parts.
 5. **faults**: a rank killed in the middle of a step, and a message that is never sent: every
    rank ends with a SchedcRuntimeError naming its rank, op and peer, within the timeout.
+6. **the training loop** (``--only loop`` or ``loop-errors``, ``loop-api``, ``loop-dp2``,
+   ``loop-amp``): a non-scalar or tuple loss, a shape change under static shapes (refused by
+   the sender, every rank names ``static_shapes=False`` within seconds), the runtime after a
+   failed step, ``make_stage(stage, n)``, ``data_shards``, an optimizer instance, the default
+   timeouts, LR schedulers, gradient accumulation, ``clip_grad_norm_`` in ``before_optimizer``,
+   checkpoint and resume, bf16 and fp16 AMP, ``torch.compile`` with B/W split
+   (``--no-compile`` skips the last, about 50 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import json
 import os
 import queue
@@ -707,15 +716,475 @@ def check_faults(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None
 
 
 # ------------------------------------------------------------------------------------------
+# 6. The training loop (issue 25)
+# ------------------------------------------------------------------------------------------
+
+# name -> (spec, schedc arguments, mesh)
+LOOP_PROGRAMS = {
+    "1f1b-p2": ("specs/1f1b.sched", ["--pp", "2", "--mb", "4"], None),
+    "1f1b-p4": ("specs/1f1b.sched", ["--pp", "4", "--mb", "4"], None),
+    "interleaved": ("specs/interleaved_1f1b.sched", ["--pp", "2", "--vpp", "2", "--mb", "4"], None),
+    "dualpipe-dp2": ("specs/dualpipe.sched", ["--pp", "2", "--mb", "4"], "pp=2,dp=2"),
+    "zb_h1": ("specs/zb_h1.sched", ["--pp", "2", "--mb", "4"], None),
+}
+
+
+def loop_runtime(c: dict, rank: int, dtype=torch.float64, seed: int = SEED, cfg: mm.Config | None = None, **kw):
+    """A runtime over program ``c["dir"]`` with the test model (SGD unless ``optimizer=``)."""
+    cfg = cfg or mm.Config()
+    prog = rtm.read_program(c["dir"], rank)
+    n = prog.manifest["model_stages"]
+    kw.setdefault("optimizer", lambda ps: torch.optim.SGD(ps, lr=LR))
+    kw.setdefault("loss_fn", mm.loss_fn)
+    kw.setdefault("make_stage", mm.maker(cfg, n, seed, dtype))
+    return rtm.ProgramRuntime(prog, timeout=20.0, first_step_timeout=60.0, **kw), prog
+
+
+def ref_backward(ref, batches, n_chunks: int, shards: int, loss_scale: float = 1.0, autocast=None) -> list:
+    """Non-pipelined: adds the gradients of the mean loss over every shard's chunks (times
+    ``loss_scale``) into ``.grad``; returns the chunk losses by (shard, chunk)."""
+    losses = {}
+    for sh, (x, y) in enumerate(batches):
+        for i, (xm, ym) in enumerate(zip(x.tensor_split(n_chunks), y.tensor_split(n_chunks))):
+            with autocast() if autocast else contextlib.nullcontext():
+                h = xm
+                for s in ref:
+                    h = s(h)
+                loss = mm.loss_fn(h, ym)
+            (loss * (loss_scale / (n_chunks * shards))).backward()
+            losses[(sh, i)] = loss.detach()
+    return losses
+
+
+def max_param_err(rt, ref, grads: bool = False) -> float:
+    """Largest relative error of the runtime's parameters (or gradients) against the reference's."""
+    err = 0.0
+    for st in rt.stages.values():
+        rs = ref[st.info.model_stage]
+        for (_, p), (_, q) in zip(st.module.named_parameters(), rs.named_parameters()):
+            a, b = (p.grad, q.grad) if grads else (p.detach(), q.detach())
+            if b is None:
+                continue
+            err = max(err, rel_err(a, b))
+    return err
+
+
+SLOWEST_FAILURE = [0.0]  # seconds, the slowest expect_failure of this process
+
+
+def expect_failure(fn) -> str:
+    t0 = time.time()
+    try:
+        fn()
+    except rtm.SchedcRuntimeError as e:
+        return str(e)
+    finally:
+        SLOWEST_FAILURE[0] = max(SLOWEST_FAILURE[0], time.time() - t0)
+    return "(no error)"
+
+
+def case_errors(rank: int, world: int, c: dict) -> dict:
+    """1F1B on 4 ranks: a per-token loss, a tuple loss, shape changes under static shapes,
+    then a runtime that works; every failure on every rank, and the call after it."""
+    torch.set_default_dtype(torch.float64)
+    cfg = mm.Config()
+    out = {}
+    chunks = 4
+
+    def per_token(logits, y):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+
+    def with_aux(logits, y):
+        return mm.loss_fn(logits, y), {"aux": 0}
+
+    x, y = mm.batch(cfg, chunks * MB_ROWS, SEED)
+    for name, fn in (("per_token", per_token), ("tuple", with_aux)):
+        rt, _ = loop_runtime(c, rank, loss_fn=fn)
+        out[name] = expect_failure(lambda: rt.step(x, y))
+        out[name + "_again"] = expect_failure(lambda: rt.step(x, y))
+        out[name + "_broken"] = rt.broken is not None
+    # A short last batch, then a longer one, under the default static_shapes=True.
+    for name, rows in (("shorter", chunks), ("longer", 3 * chunks)):
+        rt, _ = loop_runtime(c, rank)
+        rt.step(x, y)
+        x2, y2 = mm.batch(cfg, rows, SEED + 1)
+        out[name] = expect_failure(lambda: rt.step(x2, y2))
+    # static_shapes=False takes them; and a new runtime works after the failures above.
+    rt, _ = loop_runtime(c, rank, static_shapes=False)
+    got = []
+    for step, rows in enumerate((chunks * MB_ROWS, chunks, 3 * chunks)):
+        xs, ys = mm.batch(cfg, rows, SEED + step)
+        got.append(len(rt.step(xs, ys)))
+    out["dynamic"] = got
+    out["slowest"] = SLOWEST_FAILURE[0]
+    return out
+
+
+def case_api(rank: int, world: int, c: dict) -> dict:
+    """Interleaved 1F1B on 2 ranks: make_stage(stage, n), the optimizer factory check, the
+    timeouts, LR schedulers on rt.optimizers (3 steps against non-pipelined SGD + StepLR)."""
+    torch.set_default_dtype(torch.float64)
+    cfg = mm.Config()
+    out = {}
+    seen = []
+    base = None
+
+    def make2(s, n):
+        nonlocal base
+        seen.append((s, n))
+        if base is None:
+            base = mm.build(cfg, n, SEED)
+        return copy.deepcopy(base[s])
+
+    try:
+        rt, prog = loop_runtime(c, rank, make_stage=make2)
+        rt.step(*mm.batch(cfg, prog.total_microbatches * MB_ROWS, SEED))
+        out["make_stage"] = {"seen": seen, "model_stages": prog.manifest["model_stages"], "ok": True}
+    except Exception as e:  # noqa: BLE001
+        out["make_stage"] = {"seen": seen, "model_stages": -1, "ok": False, "error": repr(e)}
+    rt1, _ = loop_runtime(c, rank)  # the one-argument form (mm.maker) still works
+    out["one_arg"] = len(rt1.stages)
+    inst = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    out["instance"] = expect_failure(lambda: loop_runtime(c, rank, optimizer=inst))
+    out["timeouts"] = (rt1.timeout, rt1.first_step_timeout)
+    # LR schedulers on the runtime's optimizers.
+    rt, prog = loop_runtime(c, rank)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in rt.optimizers.values()]
+    ref = mm.build(cfg, prog.manifest["model_stages"], SEED)
+    ref_opt = torch.optim.SGD([p for s in ref for p in s.parameters()], lr=LR)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    n = prog.total_microbatches
+    for step in range(3):
+        batch = shard_batch(cfg, step, 0, n)
+        rt.step(*batch)
+        for sch in scheds:
+            sch.step()
+        ref_opt.zero_grad()
+        ref_backward(ref, [batch], n, 1)
+        ref_opt.step()
+        ref_sched.step()
+    out["lr"] = {"n_optimizers": len(rt.optimizers), "lrs": sorted({o.param_groups[0]["lr"] for o in rt.optimizers.values()}),
+                 "param_err": max_param_err(rt, ref), "ref_lr": ref_opt.param_groups[0]["lr"]}
+    return out
+
+
+def case_dp2(rank: int, world: int, c: dict) -> dict:
+    """DualPipe with dp=2 (4 ranks, both copies of every stage): data_shards, accumulation,
+    clip_grad_norm_ in before_optimizer, checkpoint and resume."""
+    torch.set_default_dtype(torch.float64)
+    cfg = mm.Config()
+    out = {}
+    rt, prog = loop_runtime(c, rank)
+    out["shards"] = (rt.data_shards, rt.data_shard, prog.data_shard)
+    n_model, n = prog.manifest["model_stages"], prog.total_microbatches
+    shards = rt.data_shards
+    # 1. Accumulation: steps 0 and 1 accumulate, step 2 reduces and steps the optimizer.
+    ref = mm.build(cfg, n_model, SEED)
+    ref_opt = torch.optim.SGD([p for s in ref for p in s.parameters()], lr=LR)
+    ref_opt.zero_grad()
+    for step in range(3):
+        batches = [shard_batch(cfg, step, sh, n) for sh in range(shards)]
+        ref_backward(ref, batches, n, shards)
+        rt.step(*batches[rt.data_shard], accumulate=step < 2)
+    out["accumulate_grad_err"] = max_param_err(rt, ref, grads=True)
+    ref_opt.step()
+    out["accumulate_param_err"] = max_param_err(rt, ref)
+    # 2. Clipping in before_optimizer: the global norm against the unpipelined model's.
+    rt, _ = loop_runtime(c, rank)
+    ref = mm.build(cfg, n_model, SEED)
+    ref_opt = torch.optim.SGD([p for s in ref for p in s.parameters()], lr=LR)
+    norms, naive = [], []
+
+    def hook(r):
+        # What a user summing over rt.parameters() on every rank would get (both copies, both replicas).
+        sq = torch.tensor([sum(float(p.grad.double().pow(2).sum()) for p in r.parameters() if p.grad is not None)])
+        dist.all_reduce(sq)
+        naive.append(float(sq.sqrt()))
+        norms.append(float(rtm.clip_grad_norm_(r, 0.05)))
+
+    ref_norms = []
+    for step in range(2):
+        batches = [shard_batch(cfg, step, sh, n) for sh in range(shards)]
+        ref_opt.zero_grad()
+        ref_backward(ref, batches, n, shards)
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_([p for s in ref for p in s.parameters()], 0.05)))
+        rt.step(*batches[rt.data_shard], before_optimizer=hook)
+        out.setdefault("clip_grad_err", []).append(max_param_err(rt, ref, grads=True))
+        ref_opt.step()
+    out["norms"], out["ref_norms"], out["naive"] = norms, ref_norms, naive
+    out["clip_param_err"] = max_param_err(rt, ref)
+    # 3. Checkpoint after step 2, resume into a runtime built from another seed: steps 3-5.
+    adam = {"optimizer": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
+    rt, _ = loop_runtime(c, rank, **adam)
+    losses, ckpt = [], None
+    for step in range(5):
+        got = rt.step(*shard_batch(cfg, step, rt.data_shard, n))
+        if step >= 2:
+            losses.append(torch.stack(got) if got else torch.zeros(0))
+        if step == 1:
+            buf = io.BytesIO()
+            torch.save(rt.state_dict(), buf)
+            ckpt = buf.getvalue()
+    rt2, _ = loop_runtime(c, rank, seed=SEED + 7, **adam)
+    rt2.load_state_dict(torch.load(io.BytesIO(ckpt)))
+    resumed = []
+    for step in range(2, 5):
+        got = rt2.step(*shard_batch(cfg, step, rt2.data_shard, n))
+        resumed.append(torch.stack(got) if got else torch.zeros(0))
+    out["resume_equal"] = all(torch.equal(a, b) for a, b in zip(losses, resumed))
+    out["resume_n"] = sum(a.numel() for a in losses)
+    out["resume_diff"] = max([float((a - b).abs().max()) for a, b in zip(losses, resumed) if a.numel()], default=0.0)
+    # A runtime from another seed without the load differs (the comparison can fail).
+    rt3, _ = loop_runtime(c, rank, seed=SEED + 7, **adam)
+    got = rt3.step(*shard_batch(cfg, 2, rt3.data_shard, n))
+    out["unloaded_differs"] = bool(got) and not torch.equal(torch.stack(got), losses[0])
+    wrong = dict(rt2.state_dict(), stages={99: {}})
+    out["wrong_state"] = expect_failure(lambda: rt2.load_state_dict(wrong))
+    return out
+
+
+def case_amp(rank: int, world: int, c: dict) -> dict:
+    """ZB-H1 (B/W split) on 2 ranks in f32: bf16 autocast, fp16 autocast with a GradScaler
+    (on CPU: torch 2.15 runs both), torch.compile'd stages."""
+    torch.set_default_dtype(torch.float32)
+    cfg = mm.Config(experts=0)
+    out = {}
+    prog = rtm.read_program(c["dir"], rank)
+    n_model, n = prog.manifest["model_stages"], prog.total_microbatches
+    f32 = torch.float32
+    # bf16 autocast against the unpipelined model under the same autocast.
+    ac = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    rt, _ = loop_runtime(c, rank, dtype=f32, cfg=cfg, autocast_dtype=torch.bfloat16)
+    ref = mm.build(cfg, n_model, SEED, f32)
+    plain = mm.build(cfg, n_model, SEED, f32)
+    le = lp = 0.0
+    for step in range(2):
+        batch = shard_batch(cfg, step, 0, n)
+        got = rt.step(*batch)
+        for s in ref:
+            s.zero_grad()
+        rl = ref_backward(ref, [batch], n, 1, autocast=ac)
+        pl = ref_backward(plain, [batch], n, 1)
+        for g, l in zip(rt.loss_chunks, got):
+            le = max(le, rel_err(l, rl[(0, g)]))
+            lp = max(lp, rel_err(l, pl[(0, g)]))
+        if step == 0:
+            out["bf16_grad_err"] = max_param_err(rt, ref, grads=True)
+        break
+    out["bf16_loss_err"], out["bf16_vs_f32"], out["has_loss"] = le, lp, bool(rt.loss_chunks)
+    # fp16 with a GradScaler: an initial scale that overflows (skipped step, backed off on
+    # every rank), then steps; scale and parameters against torch's GradScaler loop.
+    ac16 = lambda: torch.autocast("cpu", dtype=torch.float16)  # noqa: E731
+    # 2^40 overflows, 2^20 does once the model moved, 1 grows to 2 after 2 clean steps.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -20, growth_interval=2)
+    rt, _ = loop_runtime(c, rank, dtype=f32, cfg=cfg, autocast_dtype=torch.float16, grad_scaler=scaler)
+    ref = mm.build(cfg, n_model, SEED, f32)
+    ref_opt = torch.optim.SGD([p for s in ref for p in s.parameters()], lr=LR)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -20, growth_interval=2)
+    scales = []
+    for step in range(5):
+        batch = shard_batch(cfg, step, 0, n)
+        rt.step(*batch)
+        ref_opt.zero_grad()
+        ref_backward(ref, [batch], n, 1, loss_scale=float(ref_scaler.scale(torch.ones(()))), autocast=ac16)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        scales.append((float(scaler.get_scale()), float(ref_scaler.get_scale())))
+    out["fp16_scales"] = scales
+    out["fp16_param_err"] = max_param_err(rt, ref)
+    # torch.compile'd stages under a schedule that splits B and W.
+    if not c.get("compile"):
+        return out
+    t0 = time.time()
+    make = mm.maker(cfg, n_model, SEED, f32)
+    rt, _ = loop_runtime(c, rank, dtype=f32, cfg=cfg, make_stage=lambda s: torch.compile(make(s)))
+    ref = mm.build(cfg, n_model, SEED, f32)
+    ref_opt = torch.optim.SGD([p for s in ref for p in s.parameters()], lr=LR)
+    le = 0.0
+    for step in range(2):
+        batch = shard_batch(cfg, step, 0, n)
+        got = rt.step(*batch)
+        ref_opt.zero_grad()
+        rl = ref_backward(ref, [batch], n, 1)
+        for g, l in zip(rt.loss_chunks, got):
+            le = max(le, rel_err(l, rl[(0, g)]))
+        if step == 0:
+            out["compile_grad_err"] = max_param_err(rt, ref, grads=True)
+        ref_opt.step()
+    out["compile_loss_err"] = le
+    out["compile_secs"] = time.time() - t0
+    return out
+
+
+LOOP_CASES = {"errors": (case_errors, "1f1b-p4"), "api": (case_api, "interleaved"),
+              "dp2": (case_dp2, "dualpipe-dp2"), "amp": (case_amp, "zb_h1")}
+
+
+def loop_worker(rank: int, world: int, port: int, c: dict, results) -> None:
+    try:
+        init(rank, world, port)
+        res = LOOP_CASES[c["case"]][0](rank, world, c)
+        results.put((rank, res, None))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, None, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # some runtimes' process groups are aborted: leave without destroying them
+
+
+def check_loop(tally: Tally, exe: str, tmp: str, only, timeout: float, compile_: bool) -> None:
+    for case, (_, prog_name) in LOOP_CASES.items():
+        key = f"loop-{case}"
+        if only and key not in only and "loop" not in only:
+            continue
+        spec, args, mesh = LOOP_PROGRAMS[prog_name]
+        d = os.path.join(tmp, f"loop-{prog_name}")
+        if not os.path.exists(d):
+            compile_program(exe, spec, args, mesh, False, d)
+        world = json.load(open(os.path.join(d, "manifest.json")))["world"]
+        got, errors, secs = spawn(world, loop_worker, {"case": case, "dir": d, "compile": compile_}, timeout)
+        for e in errors.values():
+            print(e, file=sys.stderr)
+        if errors or len(got) < world:
+            why = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errors.items()))
+            tally.record(key, False, why or f"results from ranks {sorted(got)} only")
+            continue
+        globals()[f"report_loop_{case}"](tally, got)
+        print(f"   ({secs:.1f}s)", flush=True)
+
+
+def _show(got: dict, k: str) -> None:
+    for r in sorted(got):
+        print(f"      rank {r}: {got[r][k]}")
+
+
+def report_loop_errors(tally: Tally, got: dict) -> None:
+    ranks = sorted(got)
+    pt = [got[r]["per_token"] for r in ranks]
+    tally.record("loss_must_be_scalar",
+                 all("0-dimensional scalar" in e and "shape (16,)" in e for e in pt)
+                 and all(got[r]["per_token_broken"] for r in ranks),
+                 "a per-token loss (shape (16,): 2 sequences of 8 tokens) ends the step on every rank "
+                 "with the last stage's error")
+    _show(got, "per_token")
+    tally.record("tuple_loss_says_what_to_return",
+                 all("loss_fn returned a tuple, not a tensor" in got[r]["tuple"] and "[0]" in got[r]["tuple"] for r in ranks),
+                 got[ranks[-1]]["tuple"].split(": ", 1)[-1][:160])
+    again = [got[r]["per_token_again"] for r in ranks]
+    tally.record("failed_step_says_unusable_on_every_later_call",
+                 all("unusable since step 0 failed" in e and "load_program" in e for e in again),
+                 again[0][:200])
+    for name in ("shorter", "longer"):
+        es = [got[r][name] for r in ranks]
+        sender = [e for e in es if "changed since the first step" in e]
+        tally.record(f"static_shape_change_detected_by_sender ({name} batch)",
+                     all("static_shapes=False" in e for e in es) and any(
+                         e.startswith("rank 0, step 1, comm stream op #") and "send act(0," in e for e in sender),
+                     f"{len(es)}/{len(ranks)} ranks name static_shapes=False (no hang, no gloo terminate)")
+        _show(got, name)
+    slow = max(got[r]["slowest"] for r in ranks)
+    tally.record("failures_end_every_rank_without_waiting_for_the_timeout", slow <= 5.0,
+                 f"the slowest failed step (or refused call) took {slow:.1f} s on any rank (timeout 20 s, "
+                 "first step 60 s)")
+    tally.record("static_shapes_false_takes_varying_batches_after_a_failed_runtime",
+                 all(len(got[r]["dynamic"]) == 3 for r in ranks) and got[ranks[-1]]["dynamic"] == [4, 4, 4],
+                 f"3 steps of 8, 4 and 12 rows on a new runtime; last rank's losses per step {got[ranks[-1]]['dynamic']}")
+
+
+def report_loop_api(tally: Tally, got: dict) -> None:
+    ms = [got[r]["make_stage"] for r in sorted(got)]
+    tally.record("make_stage_gets_n_model_stages",
+                 all(m["ok"] and m["seen"] and all(n == m["model_stages"] == 4 for _, n in m["seen"]) for m in ms)
+                 and all(got[r]["one_arg"] == 2 for r in got),
+                 f"calls {[m['seen'] for m in ms]} (interleaved P=2, V=2: 4 model stages); "
+                 f"make_stage(s) still works; {ms[0].get('error', '')}")
+    e = got[0]["instance"]
+    tally.record("optimizer_instance_says_pass_a_factory",
+                 "takes a factory" in e and "lambda params" in e and "`SGD`" in e, e)
+    tally.record("default_timeout_60s_first_step_300s", got[0]["timeouts"] == (20.0, 60.0)
+                 and rtm.ProgramRuntime.__init__.__kwdefaults__["timeout"] == 60.0
+                 and rtm.ProgramRuntime.__init__.__kwdefaults__["first_step_timeout"] == 300.0,
+                 f"defaults timeout={rtm.ProgramRuntime.__init__.__kwdefaults__['timeout']}, "
+                 f"first_step_timeout={rtm.ProgramRuntime.__init__.__kwdefaults__['first_step_timeout']}; set here: {got[0]['timeouts']}")
+    lr = [got[r]["lr"] for r in sorted(got)]
+    err = max(x["param_err"] for x in lr)
+    tally.record("lr_scheduler_on_rt_optimizers",
+                 err <= 1e-12 and all(x["lrs"] == [LR / 8] and x["n_optimizers"] == 2 for x in lr)
+                 and lr[0]["ref_lr"] == LR / 8,
+                 f"StepLR(step_size=1, gamma=0.5) on rt.optimizers, 3 steps: lr {lr[0]['lrs']}, "
+                 f"parameters max rel err {err:.1e} against non-pipelined SGD + StepLR")
+
+
+def report_loop_dp2(tally: Tally, got: dict) -> None:
+    ranks = sorted(got)
+    tally.record("data_shards_property",
+                 all(got[r]["shards"][0] == 2 and got[r]["shards"][1] == got[r]["shards"][2] for r in ranks)
+                 and sorted(got[r]["shards"][1] for r in ranks) == [0, 0, 1, 1],
+                 f"(data_shards, data_shard, program.data_shard) per rank {[got[r]['shards'] for r in ranks]}")
+    ge = max(got[r]["accumulate_grad_err"] for r in ranks)
+    pe = max(got[r]["accumulate_param_err"] for r in ranks)
+    tally.record("accumulate_over_steps", ge <= 1e-10 and pe <= 1e-12,
+                 f"DualPipe dp=2, 2 steps accumulate=True then 1 step: gradients max rel err {ge:.1e}, "
+                 f"parameters after the SGD step {pe:.1e} against the sum of 3 non-pipelined steps' gradients")
+    norms, ref_norms, naive = got[0]["norms"], got[0]["ref_norms"], got[0]["naive"]
+    nerr = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+    same = all(got[r]["norms"] == norms for r in ranks)
+    cge = max(max(got[r]["clip_grad_err"]) for r in ranks)
+    cpe = max(got[r]["clip_param_err"] for r in ranks)
+    tally.record("clip_grad_norm_counts_each_parameter_once",
+                 nerr <= 1e-12 and same and cge <= 1e-10 and cpe <= 1e-12,
+                 f"global norms {[f'{x:.15g}' for x in norms]} vs unpipelined {[f'{x:.15g}' for x in ref_norms]} "
+                 f"(rel err {nerr:.1e}; summing rt.parameters() over ranks would give {naive[0]:.6g}); clipped "
+                 f"gradients max rel err {cge:.1e}, parameters after 2 steps {cpe:.1e}")
+    eq = all(got[r]["resume_equal"] for r in ranks)
+    n = sum(got[r]["resume_n"] for r in ranks)
+    tally.record("checkpoint_resume_bit_identical (DualPipe dp=2)",
+                 eq and n == 3 * 4 * 2 and all(got[r]["unloaded_differs"] for r in ranks if got[r]["resume_n"]),
+                 f"AdamW, state_dict after step 2, load into a runtime built from another seed: {n} losses "
+                 f"(3 steps x 4 chunks x 2 shards) of "
+                 f"steps 3-5 {'bit-identical' if eq else 'DIFFER'} (max diff "
+                 f"{max(got[r]['resume_diff'] for r in ranks):.1e}); without the load they differ")
+    e = got[0]["wrong_state"]
+    tally.record("load_state_dict_of_other_stages_refused", "load each rank's own file" in e, e)
+
+
+def report_loop_amp(tally: Tally, got: dict) -> None:
+    ranks = sorted(got)
+    le = max(got[r]["bf16_loss_err"] for r in ranks)
+    ge = max(got[r]["bf16_grad_err"] for r in ranks)
+    vs = max(got[r]["bf16_vs_f32"] for r in ranks)
+    tally.record("amp_bf16_autocast (ZB-H1)", le <= 1e-6 and ge <= 1e-5 and vs > 1e-4,
+                 f"losses max rel err {le:.1e}, gradients {ge:.1e} against the unpipelined model under "
+                 f"the same autocast; {vs:.1e} against f32 without it (autocast is on)")
+    sc = got[0]["fp16_scales"]
+    pe = max(got[r]["fp16_param_err"] for r in ranks)
+    tally.record("amp_fp16_grad_scaler (ZB-H1)",
+                 all(a == b for a, b in sc) and sc[0][0] < 2.0 ** 40 and sc[-1][0] > sc[-2][0] and pe <= 1e-5
+                 and all(got[r]["fp16_scales"] == sc for r in ranks),
+                 f"scale after each of 5 steps {[a for a, _ in sc]} (torch's GradScaler loop: "
+                 f"{[b for _, b in sc]}: overflowed steps skipped on every rank, then growth); "
+                 f"parameters max rel err {pe:.1e}")
+    if "compile_loss_err" in got[0]:
+        le = max(got[r]["compile_loss_err"] for r in ranks)
+        ge = max(got[r]["compile_grad_err"] for r in ranks)
+        tally.record("torch_compile_with_bw_split (ZB-H1)", le <= 1e-5 and ge <= 1e-4,
+                     f"torch.compile'd stages (inductor), 2 steps: losses max rel err {le:.1e}, gradients "
+                     f"{ge:.1e} against the unpipelined model; {got[0]['compile_secs']:.0f} s with compilation")
+    else:
+        print("  SKIP torch_compile_with_bw_split: --no-compile")
+
+
+# ------------------------------------------------------------------------------------------
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedc", default=os.path.join(ROOT, "target", "debug", "schedc"))
-    ap.add_argument("--only", action="append", help="a configuration name, torch-NAME, calibration-NAME, faults, units")
+    ap.add_argument("--only", action="append", help="a configuration name, torch-NAME, calibration-NAME, faults, units, loop, loop-NAME")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     ap.add_argument("--torch-steps", type=int, default=12, help="steps per runtime in the torch comparison")
     ap.add_argument("--keep", help="write the programs here and keep them")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile check (about N s)")
     args = ap.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print(f"torch {torch.__version__}, schedc {args.schedc}", flush=True)
@@ -739,6 +1208,8 @@ def main() -> int:
         check_calibration(tally, args.schedc, tmp, only, args.timeout, args.torch_steps)
         print("== faults", flush=True)
         check_faults(tally, args.schedc, tmp, only, args.timeout)
+        print("== the training loop (issue 25)", flush=True)
+        check_loop(tally, args.schedc, tmp, only, args.timeout, not args.no_compile)
     print(f"{tally.passed} passed, {len(tally.failed)} failed ({time.time() - t0:.0f}s)"
           + (": " + ", ".join(tally.failed) if tally.failed else ""))
     return 1 if tally.failed else 0
