@@ -436,11 +436,15 @@ impl miette::Diagnostic for Rendered<'_> {
         }
         for (loc, label) in &self.diag.related {
             if let Some(sp) = loc.span {
+                // A location in a spec that is no instruction (an empty `op`: the use of a
+                // `def`, a definition) has no position to show.
+                let text = if loc.op.is_empty() {
+                    label.clone()
+                } else {
+                    format!("{label} (rank {}, position {})", loc.rank, loc.position)
+                };
                 v.push(miette::LabeledSpan::new_with_span(
-                    Some(format!(
-                        "{label} (rank {}, position {})",
-                        loc.rank, loc.position
-                    )),
+                    Some(text),
                     (sp.start as usize, sp.len as usize),
                 ));
             }

@@ -522,6 +522,23 @@ pub fn elab_diag(e: &crate::dsl::ElabError) -> crate::diag::Diagnostic {
     d.rank = e.rank;
     d.help = e.help.clone();
     d.notes = e.context.clone();
+    // An error inside a `def`: each use it was expanded from (or the definition, for an
+    // error at a use) as a second location.
+    for (sp, label) in e.expansions.iter() {
+        d.related.push((
+            crate::diag::Loc {
+                rank: e.rank.unwrap_or(0),
+                position: 0,
+                op: String::new(),
+                span: Some(Span {
+                    start: sp.start as u32,
+                    len: (sp.end - sp.start) as u32,
+                }),
+                location: None,
+            },
+            label.clone(),
+        ));
+    }
     d
 }
 

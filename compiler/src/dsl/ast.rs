@@ -288,6 +288,9 @@ pub enum Stmt {
     Part(OpStmt, schedc_ir::Part, Sp),
     /// `A2A(comm, "label")`: a collective on a declared communicator.
     Collective(CollStmt),
+    /// `NAME(a, b)`: the use of a `def NAME(x, y) { ... }`: its statements, run here with
+    /// `x`, `y` bound to the values of `a`, `b` (evaluated once, at the use).
+    Call(String, Vec<Expr>, Sp),
 }
 
 /// The placement item.
@@ -442,6 +445,10 @@ pub enum Item {
     /// `fn name(a, b) = e`: a function of integers, visible to everything after it (rank
     /// programs and `expect` lines); it sees the items before it and its parameters.
     Fn(String, Vec<String>, Expr, Sp),
+    /// `def name(a, b) { ... }`: a named group of statements, used as the statement
+    /// `name(x, y)` in a rank program (or another `def` after it). Its body sees the items
+    /// before it, its parameters and the rank's progress functions; the span is the header's.
+    Def(String, Vec<String>, Vec<Stmt>, Sp),
     /// `require cond, "message"`.
     Require(Expr, String, Sp),
     /// `rank r { ... }`: the program of every rank, `r` bound to its id.

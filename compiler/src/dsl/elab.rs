@@ -40,6 +40,11 @@ pub struct ElabError {
     /// Where in the program it happened, innermost first: the loop iterations
     /// (`` in iteration `i = 3` of the `for` loop ``).
     pub context: Vec<String>,
+    /// For an error inside the statements of a `def`: the uses it was expanded from,
+    /// innermost first (the span of `NAME(args)` and NAME). The error's own span is in the
+    /// `def`; these are the use sites, which the diagnostic shows beside it. (Boxed: the
+    /// error travels in every `Result` of the elaborator.)
+    pub expansions: Box<Vec<(Sp, String)>>,
 }
 
 /// A per-rank expectation, evaluated: `values[r]`.
@@ -252,9 +257,22 @@ struct FnDef {
     scope: usize,
 }
 
+/// A `def`: a named group of statements, its parameters, and what it sees (the bindings
+/// and the `fn`s and `def`s defined above it).
+struct DefDef {
+    name: String,
+    params: Vec<String>,
+    body: Vec<Stmt>,
+    scope: usize,
+    fns: std::rc::Rc<Vec<FnDef>>,
+    defs: std::rc::Rc<Vec<DefDef>>,
+    sp: Sp,
+}
+
 struct Env {
     vars: Vec<Binding>,
     fns: std::rc::Rc<Vec<FnDef>>,
+    defs: std::rc::Rc<Vec<DefDef>>,
     depth: u32,
 }
 
@@ -280,6 +298,7 @@ fn err(sp: Sp, message: impl Into<String>) -> ElabError {
         refused: false,
         usage: false,
         context: Vec::new(),
+        expansions: Box::default(),
     }
 }
 
@@ -541,6 +560,7 @@ fn call(
                     })
                     .collect(),
                 fns: env.fns.clone(),
+                defs: env.defs.clone(),
                 depth: env.depth + 1,
             };
             for (p, v) in f.params.iter().zip(vals) {
@@ -838,6 +858,73 @@ fn comm(c: &CommStmt, env: &Env, st: &RankState<'_>) -> Result<Comm, ElabError> 
     })
 }
 
+/// The use of a `def`, `NAME(args)`: its statements run with the parameters bound to the
+/// arguments' values, in the scope of the definition; an error inside carries the use site.
+fn expand(
+    n: &str,
+    args: &[Expr],
+    sp: Sp,
+    env: &mut Env,
+    st: &mut RankState<'_>,
+) -> Result<(), ElabError> {
+    let defs = env.defs.clone();
+    let Some(d) = defs.iter().rev().find(|d| d.name == n) else {
+        let mut e = err(sp, format!("unknown statement `{n}(..)`: no `def {n}`"));
+        let best = super::parse::closest(n, defs.iter().map(|d| d.name.as_str()));
+        e.help = Some(match best {
+            Some(name) => format!("did you mean `{name}`?"),
+            None if defs.is_empty() => {
+                "define it with `def NAME(params) { statements }` above its first use".into()
+            }
+            None => format!(
+                "the defs in scope: {}",
+                defs.iter()
+                    .map(|d| d.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        });
+        return Err(e);
+    };
+    if args.len() != d.params.len() {
+        let mut e = err(
+            sp,
+            format!(
+                "`{n}` takes {} argument(s) ({}), given {}",
+                d.params.len(),
+                d.params.join(", "),
+                args.len()
+            ),
+        );
+        e.expansions.push((d.sp, format!("`def {n}` is here")));
+        return Err(e);
+    }
+    let mut vals = Vec::with_capacity(args.len());
+    for a in args {
+        vals.push(eval(a, env, Some(st))?);
+    }
+    let mut inner = Env {
+        vars: env.vars[..d.scope.min(env.vars.len())]
+            .iter()
+            .map(|b| Binding {
+                name: b.name.clone(),
+                val: b.val,
+                mutable: false,
+            })
+            .collect(),
+        fns: d.fns.clone(),
+        defs: d.defs.clone(),
+        depth: 0,
+    };
+    for (p, v) in d.params.iter().zip(vals) {
+        inner.push(p, v, false);
+    }
+    exec(&d.body, &mut inner, st).map_err(|mut e| {
+        e.expansions.push((sp, format!("in this use of `{n}`")));
+        e
+    })
+}
+
 fn exec(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<(), ElabError> {
     let mark = env.vars.len();
     let r = exec_inner(body, env, st);
@@ -1005,6 +1092,10 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                     st.spans.push(span(*sp));
                 }
             }
+            Stmt::Call(n, args, sp) => {
+                tick(st, *sp)?;
+                expand(n, args, *sp, env, st)?;
+            }
             Stmt::Collective(c) => {
                 tick(st, c.sp)?;
                 let label = interpolate(&c.label, env);
@@ -1049,6 +1140,7 @@ pub fn elaborate_with(
     let mut env = Env {
         vars: Vec::new(),
         fns: std::rc::Rc::new(Vec::new()),
+        defs: std::rc::Rc::new(Vec::new()),
         depth: 0,
     };
     let mut name = None;
@@ -1267,6 +1359,9 @@ pub fn elaborate_with(
                     scope: env.vars.len(),
                 });
                 env.fns = std::rc::Rc::new(fns);
+            }
+            Item::Def(n, params, body, sp) => {
+                def_item(file, n, params, body, *sp, &mut env).map_err(|e| vec![e])?;
             }
             Item::Stages(e, _) => {
                 s_val = int(
@@ -1515,6 +1610,7 @@ pub fn elaborate_with(
                 refused: false,
                 usage: false,
                 context: Vec::new(),
+                expansions: Box::default(),
             }]
         })?;
         let body_start = sp.start + "literal {".len();
@@ -1675,6 +1771,9 @@ fn shadowed_builtin(file: &File) -> Option<ElabError> {
                 refuse(n, *sp).or_else(|| params.iter().find_map(|p| refuse(p, *sp)))
             }
             Item::Rank(n, body, sp) => refuse(n, *sp).or_else(|| stmts(body)),
+            Item::Def(n, params, body, sp) => refuse(n, *sp)
+                .or_else(|| params.iter().find_map(|p| refuse(p, *sp)))
+                .or_else(|| stmts(body)),
             Item::List(n, rules, sp) => refuse(n, *sp).or_else(|| {
                 rules.iter().find_map(|r| match r {
                     ListRule::Let(n, _, sp) => refuse(n, *sp),
@@ -1691,6 +1790,116 @@ fn shadowed_builtin(file: &File) -> Option<ElabError> {
         }
     }
     None
+}
+
+/// The calls (`NAME(args)`) in a block, nested blocks included: (name, span).
+fn calls_in(body: &[Stmt], out: &mut Vec<(String, Sp)>) {
+    for s in body {
+        match s {
+            Stmt::Call(n, _, sp) => out.push((n.clone(), *sp)),
+            Stmt::For { body, .. } | Stmt::Repeat(_, body, _) | Stmt::While(_, body, _) => {
+                calls_in(body, out)
+            }
+            Stmt::If(_, a, b, _) => {
+                calls_in(a, out);
+                calls_in(b, out);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Registers `def n(params) { body }`: refuses a name taken by an op, a send or a receive,
+/// a second `def` of the same name, and recursion (a `def` that uses itself, or one defined
+/// below it, which is how a cycle of defs would start).
+fn def_item(
+    file: &File,
+    n: &str,
+    params: &[String],
+    body: &[Stmt],
+    sp: Sp,
+    env: &mut Env,
+) -> Result<(), ElabError> {
+    const TAKEN: [&str; 9] = ["F", "B", "W", "BW", "SA", "RA", "SG", "RG", "A2A"];
+    if TAKEN.contains(&n) {
+        return Err(err(
+            sp,
+            format!("`{n}` is an op of the language; a `def` needs another name"),
+        ));
+    }
+    if let Some(prev) = env.defs.iter().find(|d| d.name == n) {
+        let mut e = err(sp, format!("`def {n}` is defined twice"));
+        e.expansions
+            .push((prev.sp, "the first definition is here".to_string()));
+        return Err(e);
+    }
+    for (i, p) in params.iter().enumerate() {
+        if params[..i].contains(p) {
+            return Err(err(
+                sp,
+                format!("`def {n}` names the parameter `{p}` twice"),
+            ));
+        }
+    }
+    let mut calls = Vec::new();
+    calls_in(body, &mut calls);
+    for (c, csp) in calls {
+        if c == n {
+            let mut e = err(
+                csp,
+                format!("`def {n}` uses itself: a def cannot be recursive"),
+            );
+            e.help = Some(
+                "a def expands to its statements at each use, so a recursive one never ends; write the repetition as a loop (`repeat`, `for`, `while`)".into(),
+            );
+            e.expansions.push((sp, format!("`def {n}` is here")));
+            return Err(e);
+        }
+        if env.defs.iter().any(|d| d.name == c) {
+            continue;
+        }
+        let later = file.items.iter().find_map(|it| match it {
+            Item::Def(m, _, _, dsp) if *m == c => Some(*dsp),
+            _ => None,
+        });
+        if let Some(dsp) = later {
+            let mut e = err(
+                csp,
+                format!("`def {n}` uses `{c}`, which is defined below it"),
+            );
+            e.help = Some(
+                "a def sees only the defs above it (so defs cannot call each other in a cycle): move this one below it".into(),
+            );
+            e.expansions.push((dsp, format!("`def {c}` is here")));
+            return Err(e);
+        }
+    }
+    let mut defs: Vec<DefDef> = env.defs.iter().map(DefDef::clone_def).collect();
+    defs.push(DefDef {
+        name: n.to_string(),
+        params: params.to_vec(),
+        body: body.to_vec(),
+        scope: env.vars.len(),
+        fns: env.fns.clone(),
+        defs: env.defs.clone(),
+        sp,
+    });
+    env.defs = std::rc::Rc::new(defs);
+    Ok(())
+}
+
+impl DefDef {
+    fn clone_def(&self) -> DefDef {
+        DefDef {
+            name: self.name.clone(),
+            params: self.params.clone(),
+            body: self.body.clone(),
+            scope: self.scope,
+            fns: self.fns.clone(),
+            defs: self.defs.clone(),
+            sp: self.sp,
+        }
+    }
 }
 
 /// `body` without the indentation (spaces and tabs) that all its non-blank lines share, and
@@ -1883,6 +2092,7 @@ fn elab_list(
                                 })
                                 .collect(),
                             fns: env.fns.clone(),
+                            defs: env.defs.clone(),
                             depth: 0,
                         });
                     }

@@ -1,0 +1,256 @@
+//! Issue 26 item 4, the language's remaining items: named op groups (`def`), run as a user
+//! would.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn schedc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_schedc"))
+        .current_dir(root())
+        .env_remove("SCHEDC_MEMORY_LIMIT")
+        .args(args)
+        .output()
+        .expect("runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("schedc-groups-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn write(d: &std::path::Path, name: &str, text: &str) -> String {
+    let p = d.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+const PARTS: &str = "tests/data/dualpipev_parts.sched";
+const PARTS_INLINE: &str = "tests/data/dualpipev_parts_inline.sched";
+
+/// `def fb(f, b)` in dualpipev_parts.sched: the lowered program of every instance is
+/// byte-identical to the one of the same spec with the eight parts written out at each use.
+#[test]
+fn def_pair_elaborates_byte_identical_to_the_written_out_parts() {
+    let mut n = 0;
+    for (pp, mb) in [(1, 2), (2, 4), (2, 5), (3, 9), (4, 8), (4, 11)] {
+        for (warm, p3) in [(0, 0), (1, 1), (0, 1)] {
+            for moe in [None, Some("--moe")] {
+                let (pp, mb) = (pp.to_string(), mb.to_string());
+                let (w, p) = (format!("warm={warm}"), format!("p3={p3}"));
+                let run = |spec: &str| {
+                    let mut a = vec![
+                        "convert",
+                        spec,
+                        "--pp",
+                        &pp,
+                        "--mb",
+                        &mb,
+                        "--param",
+                        &w,
+                        "--param",
+                        &p,
+                        "--to",
+                        "ir-text",
+                        "--lowered",
+                    ];
+                    a.extend(moe);
+                    let o = schedc(&a);
+                    assert_eq!(o.status.code(), Some(0), "{spec}: {}", stderr(&o));
+                    stdout(&o)
+                };
+                let (a, b) = (run(PARTS), run(PARTS_INLINE));
+                assert!(a.lines().count() > pp.parse::<usize>().unwrap());
+                assert_eq!(a, b, "--pp {pp} --mb {mb} --param {w} --param {p} {moe:?}");
+                n += 1;
+            }
+        }
+    }
+    assert_eq!(n, 36);
+    // The spec with the def is shorter, and `fmt` keeps it (canonical, def included).
+    let lines = |p: &str| {
+        std::fs::read_to_string(root().join(p))
+            .unwrap()
+            .lines()
+            .count()
+    };
+    // Four lines shorter with the def and its comment (seven lines) included; each of the
+    // four uses is one line instead of two to four.
+    assert_eq!(lines(PARTS_INLINE) - 2 - lines(PARTS), 4);
+    let o = schedc(&["fmt", "--check", PARTS]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = schedc(&["fmt", PARTS]);
+    assert!(
+        stdout(&o).contains("def fb(f, b) {\n    BW(b).combine F(f).attn"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+/// `fmt` is idempotent on a def written loosely, keeps its comments, and a one-line use.
+#[test]
+fn def_fmt_round_trips_and_is_idempotent() {
+    let d = tmpdir("fmt");
+    let spec = write(
+        &d,
+        "g.sched",
+        "vpp 1\ndef  two( c ){F(c)   # first\n BW(c) }\nrank r { repeat M / 2 { two(0) ; two( 0 ) } }\n",
+    );
+    let o = schedc(&["fmt", &spec]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let once = stdout(&o);
+    assert_eq!(
+        once,
+        "vpp 1\n\ndef two(c) {\n    F(c) # first\n    BW(c)\n}\n\nrank r {\n    repeat M / 2 { two(0) two(0) }\n}\n"
+    );
+    let again = write(&d, "g2.sched", &once);
+    let o = schedc(&["fmt", "--check", &again]);
+    assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+    let o = schedc(&["check", &again, "--pp", "2", "--mb", "4"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+/// An error inside an expansion shows the statement in the def and the use it was expanded
+/// from, each with its file:line:col (text and JSON).
+#[test]
+fn def_error_points_at_the_definition_and_the_use() {
+    let d = tmpdir("err");
+    let spec = write(
+        &d,
+        "e.sched",
+        "vpp 1\ndef pair(c) {\n    F(c)\n    BW(c)\n    F(c)\n}\nrank r {\n    repeat M { pair(0) }\n}\n",
+    );
+    let o = schedc(&["check", &spec, "--pp", "2", "--mb", "2"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("has no micro-batch left"), "{e}");
+    assert!(e.contains("e.sched:3:5]"), "{e}");
+    assert!(e.contains("e.sched:8:16]"), "{e}");
+    assert!(e.contains("in this use of `pair`"), "{e}");
+    let o = schedc(&["check", &spec, "--pp", "2", "--mb", "2", "--format", "json"]);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let diag = &j["diagnostics"][0];
+    assert!(diag["location"].as_str().unwrap().ends_with("e.sched:3:5"));
+    let rel = &diag["related"][0];
+    assert!(rel["location"].as_str().unwrap().ends_with("e.sched:8:16"));
+    assert_eq!(rel["label"], "in this use of `pair`");
+}
+
+/// Recursion is refused with a clear error, directly and through a def defined below.
+#[test]
+fn def_recursion_is_refused() {
+    let d = tmpdir("rec");
+    let spec = write(
+        &d,
+        "self.sched",
+        "vpp 1\ndef loop_(c) {\n    F(c)\n    loop_(c)\n}\nrank r { loop_(0) }\n",
+    );
+    let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("`def loop_` uses itself: a def cannot be recursive"),
+        "{e}"
+    );
+    assert!(e.contains("self.sched:4:5]"), "{e}");
+    assert!(e.contains("`def loop_` is here"), "{e}");
+    let spec = write(
+        &d,
+        "mutual.sched",
+        "vpp 1\ndef a(c) { b(c) }\ndef b(c) { a(c) }\nrank r { a(0) }\n",
+    );
+    let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("`def a` uses `b`, which is defined below it"),
+        "{e}"
+    );
+    assert!(e.contains("a def sees only the defs above it"), "{e}");
+}
+
+/// A use with the wrong number of arguments names the def's parameters and points at it; an
+/// unknown name suggests the closest def.
+#[test]
+fn def_arity_and_unknown_name() {
+    let d = tmpdir("arity");
+    let spec = write(
+        &d,
+        "a.sched",
+        "vpp 1\ndef pair(c, k) {\n    F(c)\n    BW(k)\n}\nrank r { repeat M { pair(0) } }\n",
+    );
+    let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("`pair` takes 2 argument(s) (c, k), given 1"),
+        "{e}"
+    );
+    assert!(e.contains("a.sched:6:21]"), "{e}");
+    assert!(e.contains("`def pair` is here"), "{e}");
+    let spec = write(
+        &d,
+        "u.sched",
+        "vpp 1\ndef pair(c) {\n    F(c)\n    BW(c)\n}\nrank r { repeat M { piar(0) } }\n",
+    );
+    // An unknown statement is a syntax error (exit 2), found before elaboration.
+    let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("the use of a def), found `piar`"), "{e}");
+    assert!(e.contains("u.sched:6:21]"), "{e}");
+    assert!(
+        e.contains("no `def piar` in this file; did you mean `pair`?"),
+        "{e}"
+    );
+    // A def cannot take an op's name.
+    let spec = write(
+        &d,
+        "op.sched",
+        "vpp 1\ndef BW(c) { F(c) }\nrank r { F(0) BW(0) }\n",
+    );
+    let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("`BW` is an op of the language"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// A def's body sees the items above it and its parameters, not the caller's names: the rank
+/// goes in as an argument.
+#[test]
+fn def_body_sees_its_parameters_not_the_callers_names() {
+    let d = tmpdir("scope");
+    let spec = write(
+        &d,
+        "s.sched",
+        "vpp 1\nlet k = 1\ndef warm(n) { repeat n { F(0) } }\ndef leak() { repeat w { F(0) } }\nrank r {\n    let w = min(P - r, M)\n    warm(w)\n    repeat M - w { F(0) BW(0) }\n    repeat w { BW(0) }\n}\n",
+    );
+    let o = schedc(&["check", &spec, "--pp", "4", "--mb", "8"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let bad = write(
+        &d,
+        "leak.sched",
+        "vpp 1\ndef leak() { repeat w { F(0) } }\nrank r {\n    let w = 1\n    leak()\n    repeat M - 1 { F(0) BW(0) }\n    BW(0)\n}\n",
+    );
+    let o = schedc(&["check", &bad, "--pp", "1", "--mb", "2"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("unknown name `w`"), "{e}");
+    assert!(e.contains("in this use of `leak`"), "{e}");
+}
