@@ -254,3 +254,130 @@ fn def_body_sees_its_parameters_not_the_callers_names() {
     assert!(e.contains("unknown name `w`"), "{e}");
     assert!(e.contains("in this use of `leak`"), "{e}");
 }
+
+const MOE_COST: &str = "../shared/costs/moe-1to1.toml";
+
+/// `src` with `lines` inserted after its `placement` line.
+fn with_lines(src: &str, lines: &str) -> String {
+    let text = std::fs::read_to_string(root().join(src)).unwrap();
+    let at = text.find("\nplacement ").expect("a placement line") + 1;
+    let eol = at + text[at..].find('\n').unwrap() + 1;
+    format!("{}{lines}{}", &text[..eol], &text[eol..])
+}
+
+/// A spec's `parts list` item gives exactly what `--moe=all:list` gives for the same spec
+/// without it (both `moe all`): the program (convert), the simulated step under a cost model
+/// (sim), and a check sweep ordered under the cost.
+#[test]
+fn parts_list_item_equals_moe_all_list_on_the_command_line() {
+    let d = tmpdir("parts");
+    let mut n = 0;
+    for (src, params) in [
+        ("specs/dualpipev.sched", vec![]),
+        (PARTS, vec!["--param", "warm=0", "--param", "p3=0"]),
+        (PARTS, vec![]),
+    ] {
+        let moe = if src == PARTS { "" } else { "moe all\n" };
+        let with = write(
+            &d,
+            "with.sched",
+            &with_lines(src, &format!("{moe}parts list\n")),
+        );
+        let without = write(&d, "without.sched", &with_lines(src, moe));
+        for (pp, mb) in [("2", "4"), ("4", "10")] {
+            for cost in [None, Some(MOE_COST)] {
+                let run = |spec: &str, extra: &[&str]| {
+                    let mut a = vec!["convert", spec, "--pp", pp, "--mb", mb, "--to", "ir-text"];
+                    a.extend(&params);
+                    a.extend(extra);
+                    if let Some(c) = cost {
+                        a.extend(["--cost", c]);
+                    }
+                    let o = schedc(&a);
+                    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+                    stdout(&o)
+                };
+                let a = run(&with, &[]);
+                assert_eq!(
+                    a,
+                    run(&without, &["--moe=all:list"]),
+                    "{src} {pp} {mb} {cost:?}"
+                );
+                // Not plain --moe's order: the item does reorder.
+                assert_ne!(a, run(&without, &["--moe"]), "{src} {pp} {mb} {cost:?}");
+                n += 1;
+            }
+        }
+        let sim = |spec: &str, extra: &[&str]| {
+            let mut a = vec!["sim", spec, "--pp", "4", "--mb", "10", "--cost", MOE_COST];
+            a.extend(&params);
+            a.extend(extra);
+            let o = schedc(&a);
+            assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+            stdout(&o)
+        };
+        assert_eq!(sim(&with, &[]), sim(&without, &["--moe=all:list"]));
+        let sweep = |spec: &str, extra: &[&str]| {
+            let mut a = vec![
+                "check", spec, "--pp", "2..=3", "--mb", "6..=8", "--cost", MOE_COST,
+            ];
+            a.extend(&params);
+            a.extend(extra);
+            let o = schedc(&a);
+            (
+                o.status.code(),
+                stdout(&o).replace("without.sched", "with.sched"),
+            )
+        };
+        let (code, out) = sweep(&with, &[]);
+        assert_eq!(
+            (code, out.clone()),
+            sweep(&without, &["--moe=all:list"]),
+            "{out}"
+        );
+    }
+    assert_eq!(n, 12);
+}
+
+/// `parts list N` is `--moe=all:listN`, `parts adjacent` is `--moe=all:adjacent`; a `--moe`
+/// on the command line takes precedence; `fmt` keeps the item; N out of 1..=8 is refused.
+#[test]
+fn parts_item_window_adjacent_precedence_fmt_and_errors() {
+    let d = tmpdir("parts2");
+    let src = "specs/dualpipev.sched";
+    let conv = |spec: &str, extra: &[&str]| {
+        let mut a = vec!["convert", spec, "--pp", "4", "--mb", "8", "--to", "ir-text"];
+        a.extend(extra);
+        let o = schedc(&a);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let without = write(&d, "without.sched", &with_lines(src, "moe all\n"));
+    let l3 = write(&d, "l3.sched", &with_lines(src, "moe all\nparts list 3\n"));
+    assert_eq!(conv(&l3, &[]), conv(&without, &["--moe=all:list3"]));
+    let adj = write(
+        &d,
+        "adj.sched",
+        &with_lines(src, "moe all\nparts adjacent\n"),
+    );
+    assert_eq!(conv(&adj, &[]), conv(&without, &["--moe=all:adjacent"]));
+    assert_eq!(conv(&l3, &["--moe"]), conv(&without, &["--moe"]));
+    for spec in [&l3, &adj] {
+        let o = schedc(&["fmt", "--check", spec]);
+        assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+    }
+    let o = schedc(&["fmt", &l3]);
+    assert!(
+        stdout(&o).contains("\nmoe all\nparts list 3\n"),
+        "{}",
+        stdout(&o)
+    );
+    let bad = write(&d, "bad.sched", &with_lines(src, "moe all\nparts list 9\n"));
+    let o = schedc(&["check", &bad, "--pp", "2", "--mb", "4"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("`parts list 9`: the ops in flight must be 1 to 8"),
+        "{}",
+        stderr(&o)
+    );
+}

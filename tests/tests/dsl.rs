@@ -207,6 +207,12 @@ fn item() -> impl Strategy<Value = Item> {
             prop::collection::vec(stmt(), 0..4)
         )
             .prop_map(|(n, ps, b)| Item::Def(n, ps, b, sp())),
+        prop_oneof![
+            Just(PartsOrder::List(None)),
+            expr().prop_map(|e| PartsOrder::List(Some(e))),
+            Just(PartsOrder::Adjacent),
+        ]
+        .prop_map(|o| Item::Parts(o, sp())),
         Just(Item::Literal(
             "\nrank 0: F(0,0) {SA(0,0->1) RG(1,0<-1)} BW(0,0)\n".into(),
             sp()

@@ -469,4 +469,18 @@ pub enum Item {
     /// `moe [s0, s1, ...]` (or `all`, or `s => cond`): the MoE stages; the others are
     /// dense (no MoE parts; `--moe` keeps them whole).
     Moe(SetSpec, Sp),
+    /// `parts list [N]` or `parts adjacent`: the spec's MoE stages (its `moe` item, else
+    /// every stage) are split into parts in that order, as `--moe=auto:list[N]` (or
+    /// `:adjacent`) would, without the flag; `--moe` on the command line takes precedence.
+    Parts(PartsOrder, Sp),
+}
+
+/// The part order a `parts` item asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PartsOrder {
+    /// `parts list` / `parts list N`: the cost-aware greedy of `--moe=...:list` (`:listN`),
+    /// N ops in flight per rank (1 to 8; 2 without N).
+    List(Option<Expr>),
+    /// `parts adjacent`: consecutive independent plain ops interleaved at part level.
+    Adjacent,
 }

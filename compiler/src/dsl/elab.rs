@@ -234,6 +234,9 @@ pub struct Elaborated {
     pub name: Option<String>,
     /// Things the user should know about the instance (e.g. that V defaulted to 1).
     pub notes: Vec<String>,
+    /// The part order of the spec's `parts` item: the `--moe` selection it stands for
+    /// (`auto:listN` or `auto:adjacent`), applied where the command line gives no `--moe`.
+    pub parts: Option<crate::moe::MoeStages>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1464,8 +1467,9 @@ pub fn elaborate_with(
     }
     .map_err(|e| vec![err(placement.map_or(any_sp, |p| p.1), e.to_string())])?;
 
-    // Communicators and MoE stages.
+    // Communicators, MoE stages and their part order.
     let mut pipeline = pipeline;
+    let mut parts = None;
     for it in &file.items {
         match it {
             Item::Communicator(name, set, sp) => {
@@ -1479,6 +1483,29 @@ pub fn elaborate_with(
                 pipeline.communicators.push(Communicator {
                     name: name.clone(),
                     ranks,
+                });
+            }
+            Item::Parts(order, sp) => {
+                if parts.is_some() {
+                    return Err(vec![err(*sp, "`parts` is given twice")]);
+                }
+                let auto = Box::new(crate::moe::MoeStages::Auto);
+                parts = Some(match order {
+                    PartsOrder::Adjacent => crate::moe::MoeStages::Adjacent(auto),
+                    PartsOrder::List(None) => {
+                        crate::moe::MoeStages::Listed(auto, crate::moe_list::DEFAULT_WINDOW as u8)
+                    }
+                    PartsOrder::List(Some(e)) => {
+                        let n = int(eval(e, &env, None).map_err(|x| vec![x])?, e.sp())
+                            .map_err(|x| vec![x])?;
+                        if !(1..=8).contains(&n) {
+                            return Err(vec![err(
+                                e.sp(),
+                                format!("`parts list {n}`: the ops in flight must be 1 to 8"),
+                            )]);
+                        }
+                        crate::moe::MoeStages::Listed(auto, n as u8)
+                    }
                 });
             }
             Item::Moe(set, sp) => {
@@ -1720,6 +1747,7 @@ pub fn elaborate_with(
         expects,
         name,
         notes,
+        parts,
     })
 }
 

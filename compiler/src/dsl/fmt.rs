@@ -624,7 +624,8 @@ fn item_sp(it: &Item) -> Sp {
         | Item::List(_, _, s)
         | Item::Expect(_, _, _, s)
         | Item::Communicator(_, _, s)
-        | Item::Moe(_, s) => *s,
+        | Item::Moe(_, s)
+        | Item::Parts(_, s) => *s,
     }
 }
 
@@ -746,10 +747,17 @@ pub fn format_file(file: &File, src: &str) -> String {
             Item::Moe(set, _) => {
                 let _ = writeln!(f.out, "moe {}", set_str(set));
             }
+            Item::Parts(order, _) => match order {
+                PartsOrder::List(None) => f.out.push_str("parts list\n"),
+                PartsOrder::List(Some(e)) => {
+                    let _ = writeln!(f.out, "parts list {}", expr_str(e));
+                }
+                PartsOrder::Adjacent => f.out.push_str("parts adjacent\n"),
+            },
         }
         prev_block = is_block;
         let end = match it {
-            Item::Rank(_, body, sp) => {
+            Item::Rank(_, body, sp) | Item::Def(_, _, body, sp) => {
                 close_brace_after(src, body.last().map_or(sp.end, |s| full_end(src, s))) + 1
             }
             Item::List(_, rules, sp) => {

@@ -1021,6 +1021,21 @@ fn item(i: In<'_>) -> R<'_, Item> {
         let (i4, set) = cut(|i| set_spec(i, "a rank expression or `]`")).parse(i3)?;
         return Ok((i4, Item::Communicator(n, set, sp_of(start, i4))));
     }
+    if let Ok((i2, _)) = kw("parts").parse(i) {
+        if let Ok((i3, _)) = kw("adjacent").parse(i2) {
+            return Ok((i3, Item::Parts(PartsOrder::Adjacent, sp_of(start, i3))));
+        }
+        let (i3, _) = cut(expect("`list` or `adjacent` after `parts`", kw("list"))).parse(i2)?;
+        // `parts list N`: N on the same line (a next line starts the next item).
+        let same_line =
+            !start.fragment()[..i3.location_offset() - start.location_offset()].contains('\n');
+        if same_line {
+            if let Ok((i4, n)) = expr(i3) {
+                return Ok((i4, Item::Parts(PartsOrder::List(Some(n)), sp_of(start, i4))));
+            }
+        }
+        return Ok((i3, Item::Parts(PartsOrder::List(None), sp_of(start, i3))));
+    }
     if let Ok((i2, _)) = kw("moe").parse(i) {
         let (i3, set) = cut(|i| set_spec(i, "a stage expression or `]`")).parse(i2)?;
         return Ok((i3, Item::Moe(set, sp_of(start, i3))));
@@ -1099,7 +1114,7 @@ fn item(i: In<'_>) -> R<'_, Item> {
     }
     fail(
         i,
-        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, def, require, rank, list, literal, communicator, moe, expect)",
+        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, def, require, rank, list, literal, communicator, moe, parts, expect)",
     )
 }
 
