@@ -16,6 +16,9 @@ use std::fmt::Write as _;
 /// Ops per rank beyond which the period search is not tried (it is quadratic in the
 /// length of a rank's list, bounded by [`MAX_PERIOD`]).
 const MAX_OPS_PER_RANK: usize = 20_000;
+/// Instructions in all beyond which the period search is not tried (the family is checked
+/// at up to 17 values of M).
+const MAX_OPS: usize = 400_000;
 /// The longest period (instructions) searched.
 const MAX_PERIOD: usize = 512;
 
@@ -244,9 +247,11 @@ pub fn family(
 ) -> Result<Family, String> {
     let pl = &p.pipeline;
     let dirs = pl.total_microbatches() / pl.microbatches.max(1);
-    if p.ranks.iter().any(|r| r.len() > MAX_OPS_PER_RANK) {
+    if p.ranks.iter().any(|r| r.len() > MAX_OPS_PER_RANK)
+        || p.ranks.iter().map(Vec::len).sum::<usize>() > MAX_OPS
+    {
         return Err(format!(
-            "a rank has more than {MAX_OPS_PER_RANK} instructions, too long to search for a period"
+            "more than {MAX_OPS_PER_RANK} instructions on a rank or {MAX_OPS} in all, too many to search for a period"
         ));
     }
     // Templates: each instruction with its micro-batches blanked, interned.

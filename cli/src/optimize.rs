@@ -44,8 +44,10 @@ pub enum ExactMode {
 pub enum OutKind {
     /// IR text of the lowered program (sends and receives in place).
     IrText,
-    /// A `.sched` spec with the lowered program (sends, receives, channels) in a `literal
-    /// { }` block, for this P and M, in `schedc fmt`'s form.
+    /// A `.sched` spec in `schedc fmt`'s form: a family in M (P fixed) when the found order
+    /// has a periodic steady state, checked before it is written; else the lowered program
+    /// (sends, receives, channels) in a `literal { }` block for this P and M. The report says
+    /// which.
     Spec,
     /// PyTorch's compute_only CSV (torch's `I` is our B, its `B` our BW). It carries the
     /// ops' order only: `schedc sim` re-inserts the messages, and the report gives the

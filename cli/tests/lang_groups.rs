@@ -381,3 +381,134 @@ fn parts_item_window_adjacent_precedence_fmt_and_errors() {
         stderr(&o)
     );
 }
+
+/// Runs `schedc optimize INPUT --pp P --mb M --max-activations CAP --to FORM -o OUT`.
+fn optimize(input: &str, pp: &str, mb: &str, cap: &str, form: &str, out: &str) -> Output {
+    let mut a = vec![
+        "optimize",
+        "--pp",
+        pp,
+        "--mb",
+        mb,
+        "--max-activations",
+        cap,
+        "--time-limit",
+        "2",
+        "--to",
+        form,
+        "-o",
+        out,
+        "--force",
+    ];
+    if !input.is_empty() {
+        a.insert(1, input);
+    }
+    schedc(&a)
+}
+
+/// `optimize --to spec` on a periodic result writes a family in M: its instance at the
+/// optimized M is the order written as IR text (byte for byte, as `convert` prints them), it
+/// simulates to the reported makespan, other M pass `check` under the same cap, and M below
+/// the checked range is refused by its `require`.
+#[test]
+fn optimize_to_spec_writes_a_family_when_the_order_is_periodic() {
+    let d = tmpdir("family");
+    let fam = d.join("fam.sched");
+    let fam = fam.to_str().unwrap();
+    let ir = d.join("inst.ir");
+    let ir = ir.to_str().unwrap();
+    let o = optimize("specs/1f1b.sched", "4", "8", "4", "spec", fam);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("periodic: wrote a family in M (P fixed), M = 4..=12 step 1 checked by `schedc check` (periods of 5 to 7 instructions per rank, 1 micro-batch(es) per period)"),
+        "{}",
+        stdout(&o)
+    );
+    let text = std::fs::read_to_string(fam).unwrap();
+    assert!(text.contains("require P == 4,"), "{text}");
+    assert!(text.contains("require M >= 4,"), "{text}");
+    assert!(text.contains("for k in 0..n_mb - 4 {"), "{text}");
+    assert!(!text.contains("literal"), "{text}");
+    let o = optimize("specs/1f1b.sched", "4", "8", "4", "ir-text", ir);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let conv = |args: &[&str]| {
+        let mut a = vec!["convert"];
+        a.extend(args);
+        a.extend(["--to", "ir-text"]);
+        let o = schedc(&a);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        stdout(&o)
+    };
+    assert_eq!(conv(&[fam, "--pp", "4", "--mb", "8"]), conv(&[ir]));
+    let o = schedc(&["sim", fam, "--pp", "4", "--mb", "8", "--cost", "unit"]);
+    assert!(
+        stdout(&o).starts_with("makespan 27.000000 s"),
+        "{}",
+        stdout(&o)
+    );
+    for (mb, code) in [("5", 0), ("11", 0), ("20", 0), ("3", 1)] {
+        let o = schedc(&[
+            "check",
+            fam,
+            "--pp",
+            "4",
+            "--mb",
+            mb,
+            "--max-activations",
+            "4",
+        ]);
+        assert_eq!(o.status.code(), Some(code), "M = {mb}: {}", stderr(&o));
+    }
+    // `fmt` leaves the written family as it is.
+    let o = schedc(&["fmt", "--check", fam]);
+    assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+}
+
+/// Interleaved 1F1B's order repeats every P = 4 micro-batches: the family's M steps by 4.
+#[test]
+fn optimize_to_spec_family_with_a_period_of_several_micro_batches() {
+    let d = tmpdir("family4");
+    let fam = d.join("fam.sched");
+    let fam = fam.to_str().unwrap();
+    let o = optimize("specs/interleaved_1f1b.sched", "4", "16", "8", "spec", fam);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("periodic: wrote a family in M (P fixed), M = 8..=32 step 4"),
+        "{}",
+        stdout(&o)
+    );
+    for (mb, code) in [("12", 0), ("24", 0), ("18", 1)] {
+        let o = schedc(&[
+            "check",
+            fam,
+            "--pp",
+            "4",
+            "--mb",
+            mb,
+            "--max-activations",
+            "8",
+        ]);
+        assert_eq!(o.status.code(), Some(code), "M = {mb}: {}", stderr(&o));
+    }
+}
+
+/// A result with no steady state (M = 2 on 4 ranks) is written as the one instance, and the
+/// report says so.
+#[test]
+fn optimize_to_spec_says_not_periodic_and_writes_one_instance() {
+    let d = tmpdir("nofamily");
+    let out = d.join("one.sched");
+    let out = out.to_str().unwrap();
+    let o = optimize("specs/1f1b.sched", "4", "2", "4", "spec", out);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains(
+            "not periodic: wrote one instance (rank 0 repeats no block of ops with shifted micro-batches)"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    let text = std::fs::read_to_string(out).unwrap();
+    assert!(text.contains("require M == 2,"), "{text}");
+    assert!(text.contains("literal {"), "{text}");
+}
