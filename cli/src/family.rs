@@ -441,33 +441,38 @@ mod tests {
 
     #[test]
     fn finds_the_steady_state_of_a_shifted_block() {
-        // a0 a1 | b0 c0 | b1 c1 | b2 c2 | d
-        let tpl = [0, 0, 1, 2, 1, 2, 1, 2, 3];
-        let mb: Vec<Vec<u32>> = [0, 1, 0, 0, 1, 1, 2, 2, 0]
+        // 1F1B's shape: F0 F1 B0 F2 B1 F3 B2 F4 B3 B4 (template and op id: F 0, B 1).
+        let tpl = [0, 0, 1, 0, 1, 0, 1, 0, 1, 1];
+        let mb: Vec<Vec<u32>> = [0, 1, 0, 2, 1, 3, 2, 4, 3, 4]
             .iter()
             .map(|&m| vec![m])
             .collect();
-        let ops: Vec<Vec<u32>> = [0, 0, 1, 2, 1, 2, 1, 2, 3]
-            .iter()
-            .map(|&o| vec![o])
-            .collect();
-        // Every op of the rank in the period: none (a and d do not repeat).
-        assert_eq!(find_period(&tpl, &mb, &ops, None), None);
-        let ops: Vec<Vec<u32>> = [0, 0, 1, 2, 1, 2, 1, 2, 2]
-            .iter()
-            .map(|&o| vec![o])
-            .collect();
-        let p = find_period(&tpl, &mb, &ops, None).unwrap();
+        let ops: Vec<Vec<u32>> = tpl.iter().map(|&o| vec![o]).collect();
         assert_eq!(
-            p,
-            Period {
-                start: 2,
+            find_period(&tpl, &mb, &ops, None),
+            Some(Period {
+                start: 1,
                 len: 2,
-                count: 3,
+                count: 4,
                 shift: 1
-            }
+            })
         );
-        assert_eq!(find_period(&tpl, &mb, &ops, Some(2)), None);
+        // With a shift of 2: two micro-batches per period.
+        assert_eq!(
+            find_period(&tpl, &mb, &ops, Some(2)),
+            Some(Period {
+                start: 1,
+                len: 4,
+                count: 2,
+                shift: 2
+            })
+        );
+        assert_eq!(find_period(&tpl, &mb, &ops, Some(3)), None);
+        // An op that never repeats (id 2, first) leaves no period that runs every op.
+        let tpl2: Vec<u32> = std::iter::once(2).chain(tpl).collect();
+        let mb2: Vec<Vec<u32>> = std::iter::once(vec![0]).chain(mb).collect();
+        let ops2: Vec<Vec<u32>> = tpl2.iter().map(|&o| vec![o]).collect();
+        assert_eq!(find_period(&tpl2, &mb2, &ops2, None), None);
         assert_eq!(offset("n_mb", -3), "n_mb - 3");
     }
 }
