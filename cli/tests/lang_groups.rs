@@ -149,6 +149,36 @@ fn def_error_points_at_the_definition_and_the_use() {
     assert_eq!(rel["label"], "in this use of `pair`");
 }
 
+/// An error of the checks on an op a def emitted (an order error, also under `--moe`) points
+/// at the statement in the def and at the use it was expanded from.
+#[test]
+fn def_check_error_points_at_the_definition_and_the_use() {
+    let d = tmpdir("ord");
+    let spec = write(
+        &d,
+        "o.sched",
+        "vpp 1\ndef pair(c) {\n    BW(c)\n    F(c)\n}\nrank r {\n    repeat M { pair(0) }\n}\n",
+    );
+    for moe in [None, Some("--moe")] {
+        let mut a = vec!["check", &spec, "--pp", "2", "--mb", "1"];
+        a.extend(moe);
+        let o = schedc(&a);
+        assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+        let e = format!("{}{}", stdout(&o), stderr(&o));
+        assert!(e.contains("runs before its forward F(0,0)"), "{e}");
+        assert!(e.contains("o.sched:3:5]"), "{e}");
+        assert!(e.contains("╰── in this use of `pair`"), "{e}");
+    }
+    let o = schedc(&["check", &spec, "--pp", "2", "--mb", "1", "--format", "json"]);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let diag = &j["diagnostics"][0];
+    assert_eq!(diag["code"], "order");
+    assert!(diag["location"].as_str().unwrap().ends_with("o.sched:3:5"));
+    let rel = &diag["related"][0];
+    assert_eq!(rel["label"], "in this use of `pair`");
+    assert!(rel["location"].as_str().unwrap().ends_with("o.sched:7:16"));
+}
+
 /// Recursion is refused with a clear error, directly and through a def defined below.
 #[test]
 fn def_recursion_is_refused() {

@@ -544,6 +544,7 @@ pub fn elab_diag(e: &crate::dsl::ElabError) -> crate::diag::Diagnostic {
                     len: (sp.end - sp.start) as u32,
                 }),
                 location: None,
+                via: Vec::new(),
             },
             label.clone(),
         ));

@@ -305,6 +305,11 @@ fn err(sp: Sp, message: impl Into<String>) -> ElabError {
     }
 }
 
+/// An op of a rank: (kind, stage, micro-batch).
+type OpId = (Kind, u32, u32);
+/// The uses of `def`s an op was emitted from, innermost first.
+type Uses = Vec<(Sp, String)>;
+
 /// Per-rank elaboration state.
 struct RankState<'a> {
     rank: u32,
@@ -324,6 +329,11 @@ struct RankState<'a> {
     open: Vec<(u32, Kind, u32, u8)>,
     out: Vec<Instr>,
     spans: Vec<Span>,
+    /// The uses of `def`s being expanded, outermost first (span, label).
+    chain: Vec<(Sp, String)>,
+    /// The compute ops emitted inside a `def`: (kind, stage, mb) and the uses, innermost
+    /// first.
+    expanded: Vec<(OpId, Uses)>,
     budget: &'a mut u64,
     /// True in a `list` block: its priorities are fixed expressions, so the progress
     /// functions (`done`, `left`, `pending`) of a rank program mean nothing there.
@@ -922,10 +932,28 @@ fn expand(
     for (p, v) in d.params.iter().zip(vals) {
         inner.push(p, v, false);
     }
-    exec(&d.body, &mut inner, st).map_err(|mut e| {
+    st.chain.push((sp, format!("in this use of `{n}`")));
+    let res = exec(&d.body, &mut inner, st);
+    st.chain.pop();
+    res.map_err(|mut e| {
         e.expansions.push((sp, format!("in this use of `{n}`")));
         e
     })
+}
+
+/// Inside a `def`'s expansion: records the uses for the compute ops of the instruction just
+/// emitted (for the checks' diagnostics, [`SourceMap::expanded`]).
+fn note_expanded(st: &mut RankState<'_>) {
+    if st.chain.is_empty() {
+        return;
+    }
+    let Some(i) = st.out.last() else { return };
+    let uses: Vec<(Sp, String)> = st.chain.iter().rev().cloned().collect();
+    let mut keys = Vec::new();
+    i.for_each_compute(|c| keys.push((c.kind, c.stage, c.mb)));
+    for k in keys {
+        st.expanded.push((k, uses.clone()));
+    }
 }
 
 fn exec(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<(), ElabError> {
@@ -1049,6 +1077,7 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                 if let Some(c) = op_compute(o, env, st)? {
                     st.out.push(Instr::Compute(c));
                     st.spans.push(span(o.sp));
+                    note_expanded(st);
                 }
             }
             Stmt::Overlap(a, b, sp) => {
@@ -1067,6 +1096,7 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                     (None, None) => continue,
                 }
                 st.spans.push(span(*sp));
+                note_expanded(st);
             }
             Stmt::Comm(c) => {
                 tick(st, c.sp)?;
@@ -1093,6 +1123,7 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                 if let Some(c) = part_compute(o, *part, *sp, env, st)? {
                     st.out.push(Instr::Compute(c));
                     st.spans.push(span(*sp));
+                    note_expanded(st);
                 }
             }
             Stmt::Call(n, args, sp) => {
@@ -1522,6 +1553,7 @@ pub fn elaborate_with(
     }
 
     // Rank programs.
+    let mut expanded = std::collections::HashMap::new();
     let mut ranks: Vec<Vec<Instr>> = vec![Vec::new(); pp as usize];
     let mut spans: Vec<Vec<Span>> = vec![Vec::new(); pp as usize];
     let mut budget = 0u64;
@@ -1589,6 +1621,8 @@ pub fn elaborate_with(
                 open: Vec::new(),
                 out: Vec::new(),
                 spans: Vec::new(),
+                chain: Vec::new(),
+                expanded: Vec::new(),
                 budget: &mut budget,
                 list: false,
             };
@@ -1598,6 +1632,11 @@ pub fn elaborate_with(
             if let Err(mut e) = res {
                 e.rank = Some(r);
                 return Err(vec![e]);
+            }
+            for (key, uses) in st.expanded {
+                expanded
+                    .entry((r, key.0, key.1, key.2))
+                    .or_insert_with(|| uses.into_iter().map(|(sp, l)| (span(sp), l)).collect());
             }
             ranks[r as usize] = st.out;
             spans[r as usize] = st.spans;
@@ -1743,7 +1782,10 @@ pub fn elaborate_with(
 
     Ok(Elaborated {
         program: Program { pipeline, ranks },
-        spans: SourceMap { ranks: spans },
+        spans: SourceMap {
+            ranks: spans,
+            expanded,
+        },
         expects,
         name,
         notes,
@@ -2095,6 +2137,8 @@ fn elab_list(
             open: Vec::new(),
             out: Vec::new(),
             spans: Vec::new(),
+            chain: Vec::new(),
+            expanded: Vec::new(),
             budget,
             list: true,
         };
