@@ -353,6 +353,12 @@ pub fn run(a: Args) -> ExitCode {
                 Ok(l) => l,
                 Err(c) => return c,
             };
+            if loaded.moe.is_some() {
+                // No `--moe` here: the spec's own `parts` item split its MoE stages.
+                return fail(format!(
+                    "{input}: its `parts` item splits the MoE stages into parts, and the search orders whole ops: give the spec without the `parts` item, with --moe for the parts"
+                ));
+            }
             let p: Program = loaded.program;
             let sc = match Sched::from_program(&p) {
                 Ok(s) => s,

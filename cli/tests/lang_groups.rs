@@ -402,6 +402,25 @@ fn parts_item_window_adjacent_precedence_fmt_and_errors() {
         "{}",
         stdout(&o)
     );
+    // The optimizer orders whole ops: a spec whose `parts` item splits them is refused.
+    let o = schedc(&[
+        "optimize",
+        &l3,
+        "--pp",
+        "2",
+        "--mb",
+        "4",
+        "--max-activations",
+        "8",
+        "--time-limit",
+        "1",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("its `parts` item splits the MoE stages into parts"),
+        "{}",
+        stderr(&o)
+    );
     let bad = write(&d, "bad.sched", &with_lines(src, "moe all\nparts list 9\n"));
     let o = schedc(&["check", &bad, "--pp", "2", "--mb", "4"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
