@@ -403,11 +403,13 @@ fn sweep(
                     // `:list` orders the parts under the sweep's cost model, as `check
                     // --cost` does on one instance; the expectations describe the spec's
                     // own order (plain `--moe`) where the parts are reordered.
-                    let before = match &input.moe {
+                    // A spec's `parts` item where no `--moe` is given, as in one instance.
+                    let moe = input.moe.clone().or(e.parts.clone());
+                    let before = match &moe {
                         Some(sel) => schedc::input::expectations_program(&e.program, sel),
                         None => Ok(None),
                     };
-                    let split = match &input.moe {
+                    let split = match &moe {
                         Some(sel) => schedc::input::apply_moe_under(
                             &e.program,
                             Some(&e.spans),

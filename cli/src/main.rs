@@ -23,6 +23,7 @@ mod common;
 mod compare;
 mod compile;
 mod convert;
+mod family;
 mod fmt;
 mod optimize;
 mod plan;

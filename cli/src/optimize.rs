@@ -44,8 +44,10 @@ pub enum ExactMode {
 pub enum OutKind {
     /// IR text of the lowered program (sends and receives in place).
     IrText,
-    /// A `.sched` spec with the lowered program (sends, receives, channels) in a `literal
-    /// { }` block, for this P and M, in `schedc fmt`'s form.
+    /// A `.sched` spec in `schedc fmt`'s form: a family in M (P fixed) when the found order
+    /// has a periodic steady state, checked before it is written; else the lowered program
+    /// (sends, receives, channels) in a `literal { }` block for this P and M. The report says
+    /// which.
     Spec,
     /// PyTorch's compute_only CSV (torch's `I` is our B, its `B` our BW). It carries the
     /// ops' order only: `schedc sim` re-inserts the messages, and the report gives the
@@ -351,6 +353,12 @@ pub fn run(a: Args) -> ExitCode {
                 Ok(l) => l,
                 Err(c) => return c,
             };
+            if loaded.moe.is_some() {
+                // No `--moe` here: the spec's own `parts` item split its MoE stages.
+                return fail(format!(
+                    "{input}: its `parts` item splits the MoE stages into parts, and the search orders whole ops: give the spec without the `parts` item, with --moe for the parts"
+                ));
+            }
             let p: Program = loaded.program;
             let sc = match Sched::from_program(&p) {
                 Ok(s) => s,
@@ -823,6 +831,7 @@ pub fn run(a: Args) -> ExitCode {
     } else {
         OutKind::IrText
     };
+    let mut family_note: Option<String> = None;
     let text = match figures_form {
         OutKind::IrText => schedc_ir::text::print(&ver.program),
         OutKind::TorchCsv => match schedc::import::torch::write_csv(
@@ -832,7 +841,25 @@ pub fn run(a: Args) -> ExitCode {
             Ok(t) => t,
             Err(e) => return fail(e),
         },
-        OutKind::Spec => spec_body(&ver.program),
+        OutKind::Spec => {
+            // A family in M where the found order is periodic, checked before it is written;
+            // else the one instance.
+            let valid = |text: &str, m: u32| family_instance(text, file_pl, m, cand.inst.cap);
+            match crate::family::family(&ver.program, &valid) {
+                Ok(f) => {
+                    family_note = Some(f.note());
+                    f.text
+                }
+                Err(why) => {
+                    family_note = Some(if why.starts_with("periodic") {
+                        format!("wrote one instance: {why}")
+                    } else {
+                        format!("not periodic: wrote one instance ({why})")
+                    });
+                    spec_body(&ver.program)
+                }
+            }
+        }
     };
     // The table's units against the file's: the cost is for one stage of the reference
     // pipeline (`cand.scale`), and `schedc sim` charges a stage of a V-way split 1/V of it.
@@ -979,6 +1006,7 @@ pub fn run(a: Args) -> ExitCode {
                     "same_units_as_rows": same_units,
                     "sim": sim_cmd,
                     "check": check_cmd,
+                    "family": family_note,
                 },
                 "phases": out.phases.iter().map(|p| serde_json::json!({
                     "name": p.name, "best": p.best, "evaluations": p.evals, "seconds": p.seconds
@@ -1038,6 +1066,9 @@ pub fn run(a: Args) -> ExitCode {
                     opt_row.makespan
                 )
             );
+            if let Some(n) = &family_note {
+                let _ = writeln!(o, "{n}\n");
+            }
             let _ = writeln!(
                 o,
                 "bubble: idle fraction under each convention — from_start (one step, barrier at both ends), per_rank_span (each rank from its first op to its last), steady_state (steps back to back, no barrier); bubble/busy is idle / busy from start\n"
@@ -1321,6 +1352,35 @@ fn out_program(inst: &Instance, sc: &Sched) -> Program {
 fn spec_body(p: &Program) -> String {
     use std::fmt::Write as _;
     let pl = &p.pipeline;
+    let mut s = spec_header(p);
+    let _ = writeln!(
+        s,
+        "require P == {}, \"this schedule was found for P = {}\"",
+        pl.pp, pl.pp
+    );
+    let _ = writeln!(
+        s,
+        "require M == {}, \"this schedule was found for M = {}\"",
+        pl.total_microbatches(),
+        pl.total_microbatches()
+    );
+    s.push_str("literal {\n");
+    let text = schedc_ir::text::print(p);
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("rank ") || l.starts_with("group ") || l.starts_with("moe "))
+    {
+        let _ = writeln!(s, "{line}");
+    }
+    s.push_str("}\n");
+    s
+}
+
+/// The spec form's first lines: its name, V and placement (as `stages` and a list for an
+/// explicit placement).
+pub(crate) fn spec_header(p: &Program) -> String {
+    use std::fmt::Write as _;
+    let pl = &p.pipeline;
     let mut s = String::new();
     let _ = writeln!(s, "schedule \"optimized\"");
     let v = pl.stages / pl.pp.max(1);
@@ -1345,27 +1405,40 @@ fn spec_body(p: &Program) -> String {
             );
         }
     }
-    let _ = writeln!(
-        s,
-        "require P == {}, \"this schedule was found for P = {}\"",
-        pl.pp, pl.pp
-    );
-    let _ = writeln!(
-        s,
-        "require M == {}, \"this schedule was found for M = {}\"",
-        pl.total_microbatches(),
-        pl.total_microbatches()
-    );
-    s.push_str("literal {\n");
-    let text = schedc_ir::text::print(p);
-    for line in text
-        .lines()
-        .filter(|l| l.starts_with("rank ") || l.starts_with("group ") || l.starts_with("moe "))
-    {
-        let _ = writeln!(s, "{line}");
-    }
-    s.push_str("}\n");
     s
+}
+
+/// Elaborates the spec `text` at P = `pl.pp` and `m` micro-batches (no `--moe`) and checks
+/// it with at most `cap` live activations: its program if `schedc check` accepts it.
+///
+/// Errors: the instance is refused, does not elaborate or is rejected (the first error).
+fn family_instance(text: &str, pl: &Pipeline, m: u32, cap: u64) -> Result<Program, String> {
+    let ov = schedc::input::Overrides {
+        pp: Some(pl.pp),
+        microbatches: Some(m),
+        ..Default::default()
+    };
+    let loaded = schedc::input::load_str("optimized.sched", text.to_string(), &ov)
+        .map_err(|e| crate::common::load_error_text(&e, "optimized.sched"))?;
+    let checked = schedc::check::check(
+        &loaded.program,
+        loaded.spans.as_ref(),
+        &schedc::check::Options {
+            max_activations: Some(cap),
+            ..Default::default()
+        },
+    );
+    if checked.report.verdict != schedc::check::Verdict::Accepted {
+        let first = checked
+            .report
+            .diagnostics
+            .iter()
+            .find(|d| d.severity == schedc::diag::Severity::Error)
+            .map(|d| d.message.clone())
+            .unwrap_or_default();
+        return Err(format!("schedc check rejects it: {first}"));
+    }
+    Ok(loaded.program)
 }
 
 /// The `#` comment heading a written spec or IR text: how it was found, and the makespan

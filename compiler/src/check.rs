@@ -439,7 +439,10 @@ fn lowered_spans(orig: &Program, spans: &SourceMap, lowered: &Program) -> Source
         }
         out.push(v);
     }
-    SourceMap { ranks: out }
+    SourceMap {
+        ranks: out,
+        expanded: spans.expanded.clone(),
+    }
 }
 
 /// Checks a spec's expectations against a report: one `expectation` error per `expect`

@@ -131,6 +131,10 @@ pub struct Loc {
     /// `file:line:col` of the span, filled in by [`Diagnostic::locate`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub location: Option<String>,
+    /// For an op a spec emitted inside a `def`: the uses it was expanded from (span, label),
+    /// which [`Diagnostic::at`] adds as related locations.
+    #[serde(skip)]
+    pub via: Vec<(Span, String)>,
 }
 
 /// One finding of a pass.
@@ -191,6 +195,19 @@ impl Diagnostic {
         self.position = Some(loc.position);
         self.op = Some(loc.op);
         self.span = loc.span;
+        for (sp, label) in loc.via {
+            self.related.push((
+                Loc {
+                    rank: loc.rank,
+                    position: 0,
+                    op: String::new(),
+                    span: Some(sp),
+                    location: None,
+                    via: Vec::new(),
+                },
+                label,
+            ));
+        }
         self
     }
     /// Sets only the rank.
@@ -436,11 +453,15 @@ impl miette::Diagnostic for Rendered<'_> {
         }
         for (loc, label) in &self.diag.related {
             if let Some(sp) = loc.span {
+                // A location in a spec that is no instruction (an empty `op`: the use of a
+                // `def`, a definition) has no position to show.
+                let text = if loc.op.is_empty() {
+                    label.clone()
+                } else {
+                    format!("{label} (rank {}, position {})", loc.rank, loc.position)
+                };
                 v.push(miette::LabeledSpan::new_with_span(
-                    Some(format!(
-                        "{label} (rank {}, position {})",
-                        loc.rank, loc.position
-                    )),
+                    Some(text),
                     (sp.start as usize, sp.len as usize),
                 ));
             }

@@ -97,6 +97,9 @@ pub struct Loaded {
     /// describe and are checked on ([`crate::check::check_expectations_on`]). `None` when
     /// they describe [`Loaded::program`] itself.
     pub expect_program: Option<Program>,
+    /// The MoE part selection applied: `--moe`'s, else a spec's `parts` item's
+    /// ([`crate::dsl::Elaborated::parts`]); `None` when the ops were not split.
+    pub moe: Option<crate::moe::MoeStages>,
 }
 
 /// A load failure: unreadable file, or a syntax error with its location.
@@ -292,6 +295,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     let mut torch_format = None;
     let mut spec_expects = Vec::new();
     let mut notes = Vec::new();
+    let mut spec_parts = None;
     if format != Format::Spec && (ov.pp.is_some() || ov.vpp.is_some() || !ov.params.is_empty()) {
         return Err(LoadError::Usage(format!(
             "--pp, --vpp and --param apply to .sched specs only, and `{name}` reads as {} (a spec is recognised by its .sched extension or by its content: a `schedule`, `param`, `let` or `require` line, or a `rank r {{` block)",
@@ -312,6 +316,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
             };
             spec_expects = e.expects;
             notes = e.notes;
+            spec_parts = e.parts;
             (e.program, Some(e.spans))
         }
         Format::IrText => {
@@ -346,7 +351,10 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     if format != Format::Spec {
         apply_overrides(&mut program, ov).map_err(LoadError::Usage)?;
     }
-    if let Some(sel) = &ov.moe {
+    // A spec's `parts` item stands for `--moe=auto:list` (or `:adjacent`) where the command
+    // line gives no `--moe`.
+    let moe = ov.moe.clone().or(spec_parts);
+    if let Some(sel) = &moe {
         // `:list` and `:adjacent` reorder the parts of a compute-only program; an input with
         // its messages (or waits) written keeps plain `--moe`'s order: say so.
         let mode = match sel.interleave() {
@@ -369,13 +377,13 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
             ));
         }
     }
-    let expect_program = match &ov.moe {
+    let expect_program = match &moe {
         Some(sel) if !spec_expects.is_empty() => {
             expectations_program(&program, sel).map_err(LoadError::Usage)?
         }
         _ => None,
     };
-    let (program, spans) = match &ov.moe {
+    let (program, spans) = match &moe {
         Some(sel) => apply_moe_under(&program, spans.as_ref(), sel, ov.list_cost.as_ref())
             .map_err(LoadError::Usage)?,
         None => (program, spans),
@@ -392,6 +400,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
         spec_expects,
         notes,
         expect_program,
+        moe,
     })
 }
 
@@ -522,6 +531,24 @@ pub fn elab_diag(e: &crate::dsl::ElabError) -> crate::diag::Diagnostic {
     d.rank = e.rank;
     d.help = e.help.clone();
     d.notes = e.context.clone();
+    // An error inside a `def`: each use it was expanded from (or the definition, for an
+    // error at a use) as a second location.
+    for (sp, label) in e.expansions.iter() {
+        d.related.push((
+            crate::diag::Loc {
+                rank: e.rank.unwrap_or(0),
+                position: 0,
+                op: String::new(),
+                span: Some(Span {
+                    start: sp.start as u32,
+                    len: (sp.end - sp.start) as u32,
+                }),
+                location: None,
+                via: Vec::new(),
+            },
+            label.clone(),
+        ));
+    }
     d
 }
 

@@ -539,7 +539,10 @@ pub fn split_timed(
             pipeline.moe_stages = Some(moe.to_vec());
             return (
                 Program { pipeline, ranks },
-                spans.map(|_| SourceMap { ranks: span_ranks }),
+                spans.map(|m| SourceMap {
+                    ranks: span_ranks,
+                    expanded: m.expanded.clone(),
+                }),
             );
         }
         return split_timed(p, spans, moe, Interleave::None, None);
@@ -664,7 +667,10 @@ pub fn split_timed(
     pipeline.moe_stages = Some(moe.to_vec());
     (
         Program { pipeline, ranks },
-        spans.map(|_| SourceMap { ranks: span_ranks }),
+        spans.map(|m| SourceMap {
+            ranks: span_ranks,
+            expanded: m.expanded.clone(),
+        }),
     )
 }
 

@@ -43,7 +43,14 @@ pub struct Span {
 pub struct SourceMap {
     /// One span per instruction, per rank.
     pub ranks: Vec<Vec<Span>>,
+    /// For the compute ops a spec emitted inside a `def`'s statements, keyed by (rank, kind,
+    /// stage, micro-batch): the uses it was expanded from, innermost first (span, label).
+    /// Keyed by the op, not its position, so that it survives `--moe` splits and lowering.
+    pub expanded: std::collections::HashMap<OpKey, Vec<(Span, String)>>,
 }
+
+/// An op of a rank by identity: (rank, kind, stage, micro-batch).
+pub type OpKey = (u32, Kind, u32, u32);
 
 impl SourceMap {
     /// The span of rank `r`'s instruction at `pos`, if known.
@@ -904,7 +911,10 @@ pub fn parse(src: &str) -> Result<Parsed, ParseError> {
             pipeline,
             ranks: prog_ranks,
         },
-        spans: SourceMap { ranks: span_ranks },
+        spans: SourceMap {
+            ranks: span_ranks,
+            ..Default::default()
+        },
         expects,
         budget_activations: budget,
         stages_given,

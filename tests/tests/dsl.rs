@@ -120,6 +120,7 @@ fn stmt() -> impl Strategy<Value = Stmt> {
         comm().prop_map(Stmt::Comm),
         prop::collection::vec(comm(), 1..3).prop_map(|v| Stmt::Group(v, sp())),
         Just(Stmt::Idle(sp())),
+        (name(), prop::collection::vec(expr(), 0..3)).prop_map(|(n, a)| Stmt::Call(n, a, sp())),
     ];
     leaf.prop_recursive(3, 20, 4, |inner| {
         let body = prop::collection::vec(inner, 0..4);
@@ -200,6 +201,18 @@ fn item() -> impl Strategy<Value = Item> {
         )),
         (expr(), "[a-zA-Z0-9 ,.()=<>+-]{0,20}").prop_map(|(e, m)| Item::Require(e, m, sp())),
         (name(), prop::collection::vec(stmt(), 0..5)).prop_map(|(n, b)| Item::Rank(n, b, sp())),
+        (
+            name(),
+            prop::collection::vec(name(), 0..3),
+            prop::collection::vec(stmt(), 0..4)
+        )
+            .prop_map(|(n, ps, b)| Item::Def(n, ps, b, sp())),
+        prop_oneof![
+            Just(PartsOrder::List(None)),
+            expr().prop_map(|e| PartsOrder::List(Some(e))),
+            Just(PartsOrder::Adjacent),
+        ]
+        .prop_map(|o| Item::Parts(o, sp())),
         Just(Item::Literal(
             "\nrank 0: F(0,0) {SA(0,0->1) RG(1,0<-1)} BW(0,0)\n".into(),
             sp()
@@ -227,7 +240,14 @@ proptest! {
     /// idempotent.
     #[test]
     fn fmt_round_trips(items in prop::collection::vec(item(), 0..6)) {
-        let file = File { items };
+        // A use of a def needs a `def` of its name in the file (else it is a syntax error):
+        // one, empty, for each name the generator uses.
+        let mut all: Vec<Item> = ["a", "b", "x", "warmup", "k2", "n_1"]
+            .iter()
+            .map(|n| Item::Def(n.to_string(), Vec::new(), Vec::new(), sp()))
+            .collect();
+        all.extend(items);
+        let file = File { items: all };
         let text = format_file(&file, "");
         let back = parse_file(&text).map_err(|e| TestCaseError::fail(format!("{e:?}\n{text}")))?;
         prop_assert_eq!(&back, &file, "\n{}", text);

@@ -288,6 +288,9 @@ pub enum Stmt {
     Part(OpStmt, schedc_ir::Part, Sp),
     /// `A2A(comm, "label")`: a collective on a declared communicator.
     Collective(CollStmt),
+    /// `NAME(a, b)`: the use of a `def NAME(x, y) { ... }`: its statements, run here with
+    /// `x`, `y` bound to the values of `a`, `b` (evaluated once, at the use).
+    Call(String, Vec<Expr>, Sp),
 }
 
 /// The placement item.
@@ -442,6 +445,10 @@ pub enum Item {
     /// `fn name(a, b) = e`: a function of integers, visible to everything after it (rank
     /// programs and `expect` lines); it sees the items before it and its parameters.
     Fn(String, Vec<String>, Expr, Sp),
+    /// `def name(a, b) { ... }`: a named group of statements, used as the statement
+    /// `name(x, y)` in a rank program (or another `def` after it). Its body sees the items
+    /// before it, its parameters and the rank's progress functions; the span is the header's.
+    Def(String, Vec<String>, Vec<Stmt>, Sp),
     /// `require cond, "message"`.
     Require(Expr, String, Sp),
     /// `rank r { ... }`: the program of every rank, `r` bound to its id.
@@ -462,4 +469,18 @@ pub enum Item {
     /// `moe [s0, s1, ...]` (or `all`, or `s => cond`): the MoE stages; the others are
     /// dense (no MoE parts; `--moe` keeps them whole).
     Moe(SetSpec, Sp),
+    /// `parts list [N]` or `parts adjacent`: the spec's MoE stages (its `moe` item, else
+    /// every stage) are split into parts in that order, as `--moe=auto:list[N]` (or
+    /// `:adjacent`) would, without the flag; `--moe` on the command line takes precedence.
+    Parts(PartsOrder, Sp),
+}
+
+/// The part order a `parts` item asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PartsOrder {
+    /// `parts list` / `parts list N`: the cost-aware greedy of `--moe=...:list` (`:listN`),
+    /// N ops in flight per rank (1 to 8; 2 without N).
+    List(Option<Expr>),
+    /// `parts adjacent`: consecutive independent plain ops interleaved at part level.
+    Adjacent,
 }

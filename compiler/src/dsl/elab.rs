@@ -40,6 +40,11 @@ pub struct ElabError {
     /// Where in the program it happened, innermost first: the loop iterations
     /// (`` in iteration `i = 3` of the `for` loop ``).
     pub context: Vec<String>,
+    /// For an error inside the statements of a `def`: the uses it was expanded from,
+    /// innermost first (the span of `NAME(args)` and NAME). The error's own span is in the
+    /// `def`; these are the use sites, which the diagnostic shows beside it. (Boxed: the
+    /// error travels in every `Result` of the elaborator.)
+    pub expansions: Box<Vec<(Sp, String)>>,
 }
 
 /// A per-rank expectation, evaluated: `values[r]`.
@@ -229,6 +234,9 @@ pub struct Elaborated {
     pub name: Option<String>,
     /// Things the user should know about the instance (e.g. that V defaulted to 1).
     pub notes: Vec<String>,
+    /// The part order of the spec's `parts` item: the `--moe` selection it stands for
+    /// (`auto:listN` or `auto:adjacent`), applied where the command line gives no `--moe`.
+    pub parts: Option<crate::moe::MoeStages>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -252,9 +260,22 @@ struct FnDef {
     scope: usize,
 }
 
+/// A `def`: a named group of statements, its parameters, and what it sees (the bindings
+/// and the `fn`s and `def`s defined above it).
+struct DefDef {
+    name: String,
+    params: Vec<String>,
+    body: Vec<Stmt>,
+    scope: usize,
+    fns: std::rc::Rc<Vec<FnDef>>,
+    defs: std::rc::Rc<Vec<DefDef>>,
+    sp: Sp,
+}
+
 struct Env {
     vars: Vec<Binding>,
     fns: std::rc::Rc<Vec<FnDef>>,
+    defs: std::rc::Rc<Vec<DefDef>>,
     depth: u32,
 }
 
@@ -280,8 +301,14 @@ fn err(sp: Sp, message: impl Into<String>) -> ElabError {
         refused: false,
         usage: false,
         context: Vec::new(),
+        expansions: Box::default(),
     }
 }
+
+/// An op of a rank: (kind, stage, micro-batch).
+type OpId = (Kind, u32, u32);
+/// The uses of `def`s an op was emitted from, innermost first.
+type Uses = Vec<(Sp, String)>;
 
 /// Per-rank elaboration state.
 struct RankState<'a> {
@@ -302,6 +329,11 @@ struct RankState<'a> {
     open: Vec<(u32, Kind, u32, u8)>,
     out: Vec<Instr>,
     spans: Vec<Span>,
+    /// The uses of `def`s being expanded, outermost first (span, label).
+    chain: Vec<(Sp, String)>,
+    /// The compute ops emitted inside a `def`: (kind, stage, mb) and the uses, innermost
+    /// first.
+    expanded: Vec<(OpId, Uses)>,
     budget: &'a mut u64,
     /// True in a `list` block: its priorities are fixed expressions, so the progress
     /// functions (`done`, `left`, `pending`) of a rank program mean nothing there.
@@ -541,6 +573,7 @@ fn call(
                     })
                     .collect(),
                 fns: env.fns.clone(),
+                defs: env.defs.clone(),
                 depth: env.depth + 1,
             };
             for (p, v) in f.params.iter().zip(vals) {
@@ -838,6 +871,91 @@ fn comm(c: &CommStmt, env: &Env, st: &RankState<'_>) -> Result<Comm, ElabError> 
     })
 }
 
+/// The use of a `def`, `NAME(args)`: its statements run with the parameters bound to the
+/// arguments' values, in the scope of the definition; an error inside carries the use site.
+fn expand(
+    n: &str,
+    args: &[Expr],
+    sp: Sp,
+    env: &mut Env,
+    st: &mut RankState<'_>,
+) -> Result<(), ElabError> {
+    let defs = env.defs.clone();
+    let Some(d) = defs.iter().rev().find(|d| d.name == n) else {
+        let mut e = err(sp, format!("unknown statement `{n}(..)`: no `def {n}`"));
+        let best = super::parse::closest(n, defs.iter().map(|d| d.name.as_str()));
+        e.help = Some(match best {
+            Some(name) => format!("did you mean `{name}`?"),
+            None if defs.is_empty() => {
+                "define it with `def NAME(params) { statements }` above its first use".into()
+            }
+            None => format!(
+                "the defs in scope: {}",
+                defs.iter()
+                    .map(|d| d.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        });
+        return Err(e);
+    };
+    if args.len() != d.params.len() {
+        let mut e = err(
+            sp,
+            format!(
+                "`{n}` takes {} argument(s) ({}), given {}",
+                d.params.len(),
+                d.params.join(", "),
+                args.len()
+            ),
+        );
+        e.expansions.push((d.sp, format!("`def {n}` is here")));
+        return Err(e);
+    }
+    let mut vals = Vec::with_capacity(args.len());
+    for a in args {
+        vals.push(eval(a, env, Some(st))?);
+    }
+    let mut inner = Env {
+        vars: env.vars[..d.scope.min(env.vars.len())]
+            .iter()
+            .map(|b| Binding {
+                name: b.name.clone(),
+                val: b.val,
+                mutable: false,
+            })
+            .collect(),
+        fns: d.fns.clone(),
+        defs: d.defs.clone(),
+        depth: 0,
+    };
+    for (p, v) in d.params.iter().zip(vals) {
+        inner.push(p, v, false);
+    }
+    st.chain.push((sp, format!("in this use of `{n}`")));
+    let res = exec(&d.body, &mut inner, st);
+    st.chain.pop();
+    res.map_err(|mut e| {
+        e.expansions.push((sp, format!("in this use of `{n}`")));
+        e
+    })
+}
+
+/// Inside a `def`'s expansion: records the uses for the compute ops of the instruction just
+/// emitted (for the checks' diagnostics, [`SourceMap::expanded`]).
+fn note_expanded(st: &mut RankState<'_>) {
+    if st.chain.is_empty() {
+        return;
+    }
+    let Some(i) = st.out.last() else { return };
+    let uses: Vec<(Sp, String)> = st.chain.iter().rev().cloned().collect();
+    let mut keys = Vec::new();
+    i.for_each_compute(|c| keys.push((c.kind, c.stage, c.mb)));
+    for k in keys {
+        st.expanded.push((k, uses.clone()));
+    }
+}
+
 fn exec(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<(), ElabError> {
     let mark = env.vars.len();
     let r = exec_inner(body, env, st);
@@ -959,6 +1077,7 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                 if let Some(c) = op_compute(o, env, st)? {
                     st.out.push(Instr::Compute(c));
                     st.spans.push(span(o.sp));
+                    note_expanded(st);
                 }
             }
             Stmt::Overlap(a, b, sp) => {
@@ -977,6 +1096,7 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                     (None, None) => continue,
                 }
                 st.spans.push(span(*sp));
+                note_expanded(st);
             }
             Stmt::Comm(c) => {
                 tick(st, c.sp)?;
@@ -1003,7 +1123,12 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                 if let Some(c) = part_compute(o, *part, *sp, env, st)? {
                     st.out.push(Instr::Compute(c));
                     st.spans.push(span(*sp));
+                    note_expanded(st);
                 }
+            }
+            Stmt::Call(n, args, sp) => {
+                tick(st, *sp)?;
+                expand(n, args, *sp, env, st)?;
             }
             Stmt::Collective(c) => {
                 tick(st, c.sp)?;
@@ -1049,6 +1174,7 @@ pub fn elaborate_with(
     let mut env = Env {
         vars: Vec::new(),
         fns: std::rc::Rc::new(Vec::new()),
+        defs: std::rc::Rc::new(Vec::new()),
         depth: 0,
     };
     let mut name = None;
@@ -1268,6 +1394,9 @@ pub fn elaborate_with(
                 });
                 env.fns = std::rc::Rc::new(fns);
             }
+            Item::Def(n, params, body, sp) => {
+                def_item(file, n, params, body, *sp, &mut env).map_err(|e| vec![e])?;
+            }
             Item::Stages(e, _) => {
                 s_val = int(
                     eval(e, &env, None).map_err(|x| before_vpp(x, &env))?,
@@ -1369,8 +1498,9 @@ pub fn elaborate_with(
     }
     .map_err(|e| vec![err(placement.map_or(any_sp, |p| p.1), e.to_string())])?;
 
-    // Communicators and MoE stages.
+    // Communicators, MoE stages and their part order.
     let mut pipeline = pipeline;
+    let mut parts = None;
     for it in &file.items {
         match it {
             Item::Communicator(name, set, sp) => {
@@ -1384,6 +1514,29 @@ pub fn elaborate_with(
                 pipeline.communicators.push(Communicator {
                     name: name.clone(),
                     ranks,
+                });
+            }
+            Item::Parts(order, sp) => {
+                if parts.is_some() {
+                    return Err(vec![err(*sp, "`parts` is given twice")]);
+                }
+                let auto = Box::new(crate::moe::MoeStages::Auto);
+                parts = Some(match order {
+                    PartsOrder::Adjacent => crate::moe::MoeStages::Adjacent(auto),
+                    PartsOrder::List(None) => {
+                        crate::moe::MoeStages::Listed(auto, crate::moe_list::DEFAULT_WINDOW as u8)
+                    }
+                    PartsOrder::List(Some(e)) => {
+                        let n = int(eval(e, &env, None).map_err(|x| vec![x])?, e.sp())
+                            .map_err(|x| vec![x])?;
+                        if !(1..=8).contains(&n) {
+                            return Err(vec![err(
+                                e.sp(),
+                                format!("`parts list {n}`: the ops in flight must be 1 to 8"),
+                            )]);
+                        }
+                        crate::moe::MoeStages::Listed(auto, n as u8)
+                    }
                 });
             }
             Item::Moe(set, sp) => {
@@ -1400,6 +1553,7 @@ pub fn elaborate_with(
     }
 
     // Rank programs.
+    let mut expanded = std::collections::HashMap::new();
     let mut ranks: Vec<Vec<Instr>> = vec![Vec::new(); pp as usize];
     let mut spans: Vec<Vec<Span>> = vec![Vec::new(); pp as usize];
     let mut budget = 0u64;
@@ -1467,6 +1621,8 @@ pub fn elaborate_with(
                 open: Vec::new(),
                 out: Vec::new(),
                 spans: Vec::new(),
+                chain: Vec::new(),
+                expanded: Vec::new(),
                 budget: &mut budget,
                 list: false,
             };
@@ -1476,6 +1632,11 @@ pub fn elaborate_with(
             if let Err(mut e) = res {
                 e.rank = Some(r);
                 return Err(vec![e]);
+            }
+            for (key, uses) in st.expanded {
+                expanded
+                    .entry((r, key.0, key.1, key.2))
+                    .or_insert_with(|| uses.into_iter().map(|(sp, l)| (span(sp), l)).collect());
             }
             ranks[r as usize] = st.out;
             spans[r as usize] = st.spans;
@@ -1515,6 +1676,7 @@ pub fn elaborate_with(
                 refused: false,
                 usage: false,
                 context: Vec::new(),
+                expansions: Box::default(),
             }]
         })?;
         let body_start = sp.start + "literal {".len();
@@ -1620,10 +1782,14 @@ pub fn elaborate_with(
 
     Ok(Elaborated {
         program: Program { pipeline, ranks },
-        spans: SourceMap { ranks: spans },
+        spans: SourceMap {
+            ranks: spans,
+            expanded,
+        },
         expects,
         name,
         notes,
+        parts,
     })
 }
 
@@ -1675,6 +1841,9 @@ fn shadowed_builtin(file: &File) -> Option<ElabError> {
                 refuse(n, *sp).or_else(|| params.iter().find_map(|p| refuse(p, *sp)))
             }
             Item::Rank(n, body, sp) => refuse(n, *sp).or_else(|| stmts(body)),
+            Item::Def(n, params, body, sp) => refuse(n, *sp)
+                .or_else(|| params.iter().find_map(|p| refuse(p, *sp)))
+                .or_else(|| stmts(body)),
             Item::List(n, rules, sp) => refuse(n, *sp).or_else(|| {
                 rules.iter().find_map(|r| match r {
                     ListRule::Let(n, _, sp) => refuse(n, *sp),
@@ -1691,6 +1860,116 @@ fn shadowed_builtin(file: &File) -> Option<ElabError> {
         }
     }
     None
+}
+
+/// The calls (`NAME(args)`) in a block, nested blocks included: (name, span).
+fn calls_in(body: &[Stmt], out: &mut Vec<(String, Sp)>) {
+    for s in body {
+        match s {
+            Stmt::Call(n, _, sp) => out.push((n.clone(), *sp)),
+            Stmt::For { body, .. } | Stmt::Repeat(_, body, _) | Stmt::While(_, body, _) => {
+                calls_in(body, out)
+            }
+            Stmt::If(_, a, b, _) => {
+                calls_in(a, out);
+                calls_in(b, out);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Registers `def n(params) { body }`: refuses a name taken by an op, a send or a receive,
+/// a second `def` of the same name, and recursion (a `def` that uses itself, or one defined
+/// below it, which is how a cycle of defs would start).
+fn def_item(
+    file: &File,
+    n: &str,
+    params: &[String],
+    body: &[Stmt],
+    sp: Sp,
+    env: &mut Env,
+) -> Result<(), ElabError> {
+    const TAKEN: [&str; 9] = ["F", "B", "W", "BW", "SA", "RA", "SG", "RG", "A2A"];
+    if TAKEN.contains(&n) {
+        return Err(err(
+            sp,
+            format!("`{n}` is an op of the language; a `def` needs another name"),
+        ));
+    }
+    if let Some(prev) = env.defs.iter().find(|d| d.name == n) {
+        let mut e = err(sp, format!("`def {n}` is defined twice"));
+        e.expansions
+            .push((prev.sp, "the first definition is here".to_string()));
+        return Err(e);
+    }
+    for (i, p) in params.iter().enumerate() {
+        if params[..i].contains(p) {
+            return Err(err(
+                sp,
+                format!("`def {n}` names the parameter `{p}` twice"),
+            ));
+        }
+    }
+    let mut calls = Vec::new();
+    calls_in(body, &mut calls);
+    for (c, csp) in calls {
+        if c == n {
+            let mut e = err(
+                csp,
+                format!("`def {n}` uses itself: a def cannot be recursive"),
+            );
+            e.help = Some(
+                "a def expands to its statements at each use, so a recursive one never ends; write the repetition as a loop (`repeat`, `for`, `while`)".into(),
+            );
+            e.expansions.push((sp, format!("`def {n}` is here")));
+            return Err(e);
+        }
+        if env.defs.iter().any(|d| d.name == c) {
+            continue;
+        }
+        let later = file.items.iter().find_map(|it| match it {
+            Item::Def(m, _, _, dsp) if *m == c => Some(*dsp),
+            _ => None,
+        });
+        if let Some(dsp) = later {
+            let mut e = err(
+                csp,
+                format!("`def {n}` uses `{c}`, which is defined below it"),
+            );
+            e.help = Some(
+                "a def sees only the defs above it (so defs cannot call each other in a cycle): move this one below it".into(),
+            );
+            e.expansions.push((dsp, format!("`def {c}` is here")));
+            return Err(e);
+        }
+    }
+    let mut defs: Vec<DefDef> = env.defs.iter().map(DefDef::clone_def).collect();
+    defs.push(DefDef {
+        name: n.to_string(),
+        params: params.to_vec(),
+        body: body.to_vec(),
+        scope: env.vars.len(),
+        fns: env.fns.clone(),
+        defs: env.defs.clone(),
+        sp,
+    });
+    env.defs = std::rc::Rc::new(defs);
+    Ok(())
+}
+
+impl DefDef {
+    fn clone_def(&self) -> DefDef {
+        DefDef {
+            name: self.name.clone(),
+            params: self.params.clone(),
+            body: self.body.clone(),
+            scope: self.scope,
+            fns: self.fns.clone(),
+            defs: self.defs.clone(),
+            sp: self.sp,
+        }
+    }
 }
 
 /// `body` without the indentation (spaces and tabs) that all its non-blank lines share, and
@@ -1858,6 +2137,8 @@ fn elab_list(
             open: Vec::new(),
             out: Vec::new(),
             spans: Vec::new(),
+            chain: Vec::new(),
+            expanded: Vec::new(),
             budget,
             list: true,
         };
@@ -1883,6 +2164,7 @@ fn elab_list(
                                 })
                                 .collect(),
                             fns: env.fns.clone(),
+                            defs: env.defs.clone(),
                             depth: 0,
                         });
                     }

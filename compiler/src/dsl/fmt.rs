@@ -242,6 +242,7 @@ fn stmt_start(s: &Stmt) -> usize {
         Stmt::Op(o) => o.sp.start,
         Stmt::Overlap(_, _, sp) | Stmt::Group(_, sp) | Stmt::Idle(sp) => sp.start,
         Stmt::Comm(c) => c.sp.start,
+        Stmt::Call(_, _, sp) => sp.start,
     }
 }
 
@@ -333,6 +334,7 @@ fn is_simple(s: &Stmt) -> bool {
             | Stmt::Group(..)
             | Stmt::Part(..)
             | Stmt::Collective(_)
+            | Stmt::Call(..)
     )
 }
 
@@ -344,6 +346,10 @@ fn simple_str(s: &Stmt) -> String {
         Stmt::Collective(c) => coll_str(c),
         Stmt::Overlap(a, b, _) => format!("{} & {}", op_str(a), op_str(b)),
         Stmt::Idle(_) => "idle".into(),
+        Stmt::Call(n, args, _) => format!(
+            "{n}({})",
+            args.iter().map(expr_str).collect::<Vec<_>>().join(", ")
+        ),
         Stmt::Comm(c) => comm_str(c),
         Stmt::Group(v, _) => format!(
             "group {{ {} }}",
@@ -432,6 +438,7 @@ fn stmt_end(s: &Stmt) -> usize {
         Stmt::Comm(c) => c.sp.end,
         Stmt::Part(_, _, sp) => sp.end,
         Stmt::Collective(c) => c.sp.end,
+        Stmt::Call(_, _, sp) => sp.end,
     }
 }
 
@@ -593,7 +600,7 @@ fn write_stmt_inner(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
         Stmt::Idle(_) => {
             let _ = writeln!(f.out, "{pad}idle");
         }
-        Stmt::Part(..) | Stmt::Collective(_) => {
+        Stmt::Part(..) | Stmt::Collective(_) | Stmt::Call(..) => {
             let _ = writeln!(f.out, "{pad}{}", simple_str(s));
         }
     }
@@ -612,11 +619,13 @@ fn item_sp(it: &Item) -> Sp {
         | Item::Fn(_, _, _, s)
         | Item::Require(_, _, s)
         | Item::Rank(_, _, s)
+        | Item::Def(_, _, _, s)
         | Item::Literal(_, s)
         | Item::List(_, _, s)
         | Item::Expect(_, _, _, s)
         | Item::Communicator(_, _, s)
-        | Item::Moe(_, s) => *s,
+        | Item::Moe(_, s)
+        | Item::Parts(_, s) => *s,
     }
 }
 
@@ -638,7 +647,10 @@ pub fn format_file(file: &File, src: &str) -> String {
     };
     let mut prev_block = false;
     for (k, it) in file.items.iter().enumerate() {
-        let is_block = matches!(it, Item::Rank(..) | Item::Literal(..) | Item::List(..));
+        let is_block = matches!(
+            it,
+            Item::Rank(..) | Item::Def(..) | Item::Literal(..) | Item::List(..)
+        );
         let starts_expects = matches!(it, Item::Expect(..))
             && !matches!(file.items.get(k.wrapping_sub(1)), Some(Item::Expect(..)));
         let start = first_comment_or(&f, item_sp(it).start);
@@ -703,6 +715,13 @@ pub fn format_file(file: &File, src: &str) -> String {
                 write_block(&mut f, body, 4, end);
                 f.out.push_str("}\n");
             }
+            Item::Def(n, params, body, sp) => {
+                let _ = writeln!(f.out, "def {n}({}) {{", params.join(", "));
+                f.header_comment(sp.start, body.first().map(stmt_start));
+                let end = body.last().map_or(sp.end, stmt_end) + 1;
+                write_block(&mut f, body, 4, end);
+                f.out.push_str("}\n");
+            }
             Item::List(n, rules, sp) => {
                 let _ = writeln!(f.out, "list {n} {{");
                 f.header_comment(sp.start, rules.first().map(|r| r.sp().start));
@@ -728,10 +747,17 @@ pub fn format_file(file: &File, src: &str) -> String {
             Item::Moe(set, _) => {
                 let _ = writeln!(f.out, "moe {}", set_str(set));
             }
+            Item::Parts(order, _) => match order {
+                PartsOrder::List(None) => f.out.push_str("parts list\n"),
+                PartsOrder::List(Some(e)) => {
+                    let _ = writeln!(f.out, "parts list {}", expr_str(e));
+                }
+                PartsOrder::Adjacent => f.out.push_str("parts adjacent\n"),
+            },
         }
         prev_block = is_block;
         let end = match it {
-            Item::Rank(_, body, sp) => {
+            Item::Rank(_, body, sp) | Item::Def(_, _, body, sp) => {
                 close_brace_after(src, body.last().map_or(sp.end, |s| full_end(src, s))) + 1
             }
             Item::List(_, rules, sp) => {

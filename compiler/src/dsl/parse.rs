@@ -709,6 +709,26 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
         return Err(nom::Err::Failure(e));
     }
     if let Ok((i2, (n, _))) = ident(i) {
+        // `NAME(args)`: the use of a `def`.
+        if let Ok((mut cur, _)) = tok("(").parse(i2) {
+            let mut args = Vec::new();
+            if let Ok((i3, _)) = tok(")").parse(cur) {
+                cur = i3;
+            } else {
+                loop {
+                    let (i3, a) = cut(expect("an argument", expr)).parse(cur)?;
+                    args.push(a);
+                    if let Ok((i4, _)) = tok(",").parse(i3) {
+                        cur = i4;
+                        continue;
+                    }
+                    let (i4, _) = cut(expect("`,` or `)`", tok(")"))).parse(i3)?;
+                    cur = i4;
+                    break;
+                }
+            }
+            return Ok((cur, Stmt::Call(n, args, sp_of(start, cur))));
+        }
         if let Ok((i3, _)) = tok("=").parse(i2) {
             if !i3.fragment().starts_with('=') {
                 let (i4, e) = cut(expect("an expression", expr)).parse(i3)?;
@@ -716,10 +736,7 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
             }
         }
     }
-    fail(
-        i,
-        "a statement (let, var, for, while, repeat, if, an op such as F(0) or F(0).attn, a send or receive, A2A, group, idle)",
-    )
+    fail(i, STMT_EXPECTED)
 }
 
 fn if_rest<'a>(i: In<'a>, start: In<'a>) -> R<'a, Stmt> {
@@ -952,6 +969,29 @@ fn item(i: In<'_>) -> R<'_, Item> {
         let (i7, e) = cut(expect("an expression", expr)).parse(i6)?;
         return Ok((i7, Item::Fn(n, params, e, sp_of(start, i7))));
     }
+    if let Ok((i2, _)) = kw("def").parse(i) {
+        let (i3, (n, _)) = cut(expect("a name after `def`", ident)).parse(i2)?;
+        let (mut cur, _) = cut(expect("`(` and the parameters", tok("("))).parse(i3)?;
+        let mut params = Vec::new();
+        if let Ok((i4, _)) = tok(")").parse(cur) {
+            cur = i4;
+        } else {
+            loop {
+                let (i4, (pn, _)) = cut(expect("a parameter name", ident)).parse(cur)?;
+                params.push(pn);
+                if let Ok((i5, _)) = tok(",").parse(i4) {
+                    cur = i5;
+                    continue;
+                }
+                let (i5, _) = cut(expect("`,` or `)`", tok(")"))).parse(i4)?;
+                cur = i5;
+                break;
+            }
+        }
+        let sp = sp_of(start, cur);
+        let (i4, body) = cut(block).parse(cur)?;
+        return Ok((i4, Item::Def(n, params, body, sp)));
+    }
     if let Ok((i2, _)) = kw("require").parse(i) {
         let (i3, c) = cut(expect("a condition", expr)).parse(i2)?;
         let (i4, _) = cut(expect("`,` and a message in quotes", tok(","))).parse(i3)?;
@@ -980,6 +1020,21 @@ fn item(i: In<'_>) -> R<'_, Item> {
         let (i3, (n, _)) = cut(expect("a communicator name", ident)).parse(i2)?;
         let (i4, set) = cut(|i| set_spec(i, "a rank expression or `]`")).parse(i3)?;
         return Ok((i4, Item::Communicator(n, set, sp_of(start, i4))));
+    }
+    if let Ok((i2, _)) = kw("parts").parse(i) {
+        if let Ok((i3, _)) = kw("adjacent").parse(i2) {
+            return Ok((i3, Item::Parts(PartsOrder::Adjacent, sp_of(start, i3))));
+        }
+        let (i3, _) = cut(expect("`list` or `adjacent` after `parts`", kw("list"))).parse(i2)?;
+        // `parts list N`: N on the same line (a next line starts the next item).
+        let same_line =
+            !start.fragment()[..i3.location_offset() - start.location_offset()].contains('\n');
+        if same_line {
+            if let Ok((i4, n)) = expr(i3) {
+                return Ok((i4, Item::Parts(PartsOrder::List(Some(n)), sp_of(start, i4))));
+            }
+        }
+        return Ok((i3, Item::Parts(PartsOrder::List(None), sp_of(start, i3))));
     }
     if let Ok((i2, _)) = kw("moe").parse(i) {
         let (i3, set) = cut(|i| set_spec(i, "a stage expression or `]`")).parse(i2)?;
@@ -1059,7 +1114,7 @@ fn item(i: In<'_>) -> R<'_, Item> {
     }
     fail(
         i,
-        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, require, rank, list, literal, communicator, moe, expect)",
+        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, def, require, rank, list, literal, communicator, moe, parts, expect)",
     )
 }
 
@@ -1160,5 +1215,85 @@ pub fn parse_file(src: &str) -> Result<File, SyntaxError> {
             }
         }
     }
-    Ok(File { items })
+    let file = File { items };
+    unknown_calls(&file)?;
+    Ok(file)
+}
+
+const STMT_EXPECTED: &str = "a statement (let, var, for, while, repeat, if, an op such as F(0) or F(0).attn, a send or receive, A2A, group, idle, the use of a def)";
+
+/// Edit distance between two names (for "did you mean").
+pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
+/// The closest of `names` to `n`, if close enough to be a typo.
+pub(crate) fn closest<'a>(n: &str, names: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    names
+        .map(|m| (edit_distance(m, n), m))
+        .filter(|&(k, m)| k <= 2.max(m.len() / 3))
+        .min()
+        .map(|(_, m)| m)
+}
+
+/// A statement `NAME(..)` whose NAME no `def` of the file has is a syntax error (as any
+/// other unknown statement), with the closest `def` suggested.
+fn unknown_calls(file: &File) -> Result<(), SyntaxError> {
+    let defs: Vec<&str> = file
+        .items
+        .iter()
+        .filter_map(|it| match it {
+            Item::Def(n, ..) => Some(n.as_str()),
+            _ => None,
+        })
+        .collect();
+    fn walk(body: &[Stmt], defs: &[&str]) -> Result<(), SyntaxError> {
+        for s in body {
+            match s {
+                Stmt::Call(n, _, sp) if !defs.contains(&n.as_str()) => {
+                    let found = format!("`{n}`");
+                    let help = help_for(STMT_EXPECTED, &found).or_else(|| {
+                        Some(match closest(n, defs.iter().copied()) {
+                            Some(m) => format!("no `def {n}` in this file; did you mean `{m}`?"),
+                            None => format!(
+                                "no `def {n}` in this file: define it with `def {n}(params) {{ statements }}`"
+                            ),
+                        })
+                    });
+                    return Err(SyntaxError {
+                        offset: sp.start,
+                        len: n.len(),
+                        message: format!("expected {STMT_EXPECTED}, found {found}"),
+                        help,
+                    });
+                }
+                Stmt::For { body, .. } | Stmt::Repeat(_, body, _) | Stmt::While(_, body, _) => {
+                    walk(body, defs)?
+                }
+                Stmt::If(_, a, b, _) => {
+                    walk(a, defs)?;
+                    walk(b, defs)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+    for it in &file.items {
+        if let Item::Rank(_, body, _) | Item::Def(_, _, body, _) = it {
+            walk(body, &defs)?;
+        }
+    }
+    Ok(())
 }

@@ -632,7 +632,10 @@ pub fn parse_csv(src: &str, opts: &TorchOptions) -> Result<TorchImport, ParseErr
     }
     Ok(TorchImport {
         program: Program { pipeline, ranks },
-        spans: SourceMap { ranks: spans },
+        spans: SourceMap {
+            ranks: spans,
+            ..Default::default()
+        },
         format,
     })
 }

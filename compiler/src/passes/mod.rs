@@ -50,12 +50,31 @@ impl<'a> Ctx<'a> {
             .and_then(|v| v.get(pos))
             .map(instr_to_string)
             .unwrap_or_default();
+        // An op a spec's `def` emitted: the uses it was expanded from.
+        let mut via = Vec::new();
+        if let (Some(s), Some(i)) = (
+            self.spans.filter(|s| !s.expanded.is_empty()),
+            self.program.ranks.get(r).and_then(|v| v.get(pos)),
+        ) {
+            let mut first = None;
+            i.for_each_compute(|c| {
+                first.get_or_insert((c.kind, c.stage, c.mb));
+            });
+            if let Some((k, st, mb)) = first {
+                via = s
+                    .expanded
+                    .get(&(r as u32, k, st, mb))
+                    .cloned()
+                    .unwrap_or_default();
+            }
+        }
         Loc {
             rank: r as u32,
             position: pos,
             op,
             span: self.spans.and_then(|s| s.get(r, pos)),
             location: None,
+            via,
         }
     }
 }
