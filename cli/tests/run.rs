@@ -465,3 +465,42 @@ fn run_json_reports_a_bad_cost_model_as_json() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 23: `run --mesh pp=2,tp=2 --verify` trains with tensor parallelism on the CPU
+/// backend and equals sequential training; a TP size that does not divide the heads is
+/// refused (exit 2) naming the dimension.
+#[test]
+fn run_tensor_parallel_equals_sequential_and_refuses_what_does_not_divide() {
+    let args = |mesh: &str| {
+        let mut c = bin();
+        c.args([
+            "run",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--steps",
+            "2",
+            "--verify",
+            "--format",
+            "json",
+            "--mesh",
+            mesh,
+        ]);
+        c.output().unwrap()
+    };
+    let out = args("pp=2,tp=2");
+    assert_ok(&out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["max_rel_grad_err"].as_f64().unwrap() < 1e-10, "{v}");
+    assert!(v["max_abs_loss_err"].as_f64().unwrap() < 1e-10, "{v}");
+    assert!(v["max_rel_param_err"].as_f64().unwrap() < 1e-10, "{v}");
+    let out = args("pp=2,tp=8");
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("tp=8 does not divide the model's attention heads (4)"),
+        "{}",
+        stderr(&out)
+    );
+}

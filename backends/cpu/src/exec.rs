@@ -29,12 +29,13 @@ use crate::model::{
     stage_backward_local, stage_forward_local, Grads, ModelConfig, Packet, RouterState, Scope,
     StageKernels, StageParams, Stash, WeightSet,
 };
-use crate::tensor::Real;
+use crate::model::{tp_shard_name, tp_split};
+use crate::tensor::{add_into, Real};
 pub use schedc_program::data::{Batching, Data};
 use schedc_program::interp::{self, Cursor, Device, InterpOptions, Ready};
 pub use schedc_program::interp::{Abort, At, ExecError, RunFailure, POLL};
 use schedc_program::mesh::Dim;
-use schedc_program::{A2a, Buf, LocalStage, Op, Part, Pass, ProgramSet, RankProgram};
+use schedc_program::{A2a, Buf, LocalStage, Op, Part, Pass, ProgramSet, RankProgram, Tp};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -260,6 +261,15 @@ fn span_of(op: &Op) -> (&'static str, Option<String>) {
             };
             ("all_to_all", Some(format!("{pass}({stage},{mb})")))
         }
+        Op::TpCollective {
+            stage, mb, phase, ..
+        } => {
+            let pass = match phase {
+                Tp::AttnOut | Tp::MlpOut => "F",
+                Tp::MlpInGrad | Tp::AttnInGrad => "B",
+            };
+            ("tp", Some(format!("{pass}({stage},{mb})")))
+        }
         Op::Send { .. } | Op::Recv { .. } => ("p2p", None),
         Op::ReplicaSum { .. } | Op::AllReduce { .. } => ("reduce", None),
         _ => ("optimizer", None),
@@ -338,6 +348,7 @@ impl<W: std::io::Write> ChromeTraceWriter<W> {
 enum Tag {
     P2p(Buf),
     A2a(u32, u32, u32, A2a),
+    Tp(u32, u32, u32, Tp),
     Replica(u32),
     AllReduce(u32, Scope),
 }
@@ -397,6 +408,8 @@ struct Rank<'a, T> {
     cfg: &'a ModelConfig,
     ep: usize,
     sp: usize,
+    /// Size of the TP group.
+    tp: usize,
     stages: Vec<StageState<T>>,
     bufs: HashMap<Buf, Value<T>>,
     mailbox: HashMap<Key, VecDeque<Body<T>>>,
@@ -551,6 +564,7 @@ impl<'a, T: Real> Rank<'a, T> {
             sp: self.sp,
             pos0: self.prog.coords.sp as usize * (self.cfg.seq_len / self.sp),
             route_groups: 1,
+            tp: self.tp,
         }
     }
 
@@ -590,6 +604,7 @@ impl<'a, T: Real> Rank<'a, T> {
             sp,
             pos0,
             route_groups: 1,
+            tp: self.tp,
         };
         let mut out: Option<(Buf, Vec<T>)> = None;
         match (k.pass, k.part) {
@@ -601,6 +616,14 @@ impl<'a, T: Real> Rank<'a, T> {
                 };
                 let l = layer as usize;
                 kern.fwd_attn(l, &mut st, &stage.routers[l], &mut g.loads[l])?;
+            }
+            (Pass::F, Part::AttnPost { layer }) => {
+                let g = match self.bufs.get_mut(&Buf::WeightGrad { stage: k.stage }) {
+                    Some(Value::Grads(g)) => g,
+                    _ => return Err(format!("weight_grad({}) is not allocated", k.stage)),
+                };
+                let l = layer as usize;
+                kern.fwd_attn_post(l, &mut st, &stage.routers[l], &mut g.loads[l])?;
             }
             (Pass::F, Part::Qkv { layer }) => kern.fwd_qkv(layer as usize, &mut st),
             (Pass::F, Part::Experts { layer }) => kern.fwd_experts(layer as usize, &mut st)?,
@@ -622,8 +645,12 @@ impl<'a, T: Real> Rank<'a, T> {
             }
             (Pass::B, Part::Experts { layer }) => kern.bwd_experts(layer as usize, &mut st)?,
             (Pass::B, Part::Attn { layer }) => kern.bwd_attn(layer as usize, &mut st)?,
-            (Pass::B, Part::Qkv { layer }) => {
-                kern.bwd_qkv(layer as usize, &mut st)?;
+            (Pass::B, Part::Qkv { layer } | Part::QkvPost { layer }) => {
+                if matches!(k.part, Part::Qkv { .. }) {
+                    kern.bwd_qkv(layer as usize, &mut st)?;
+                } else {
+                    kern.bwd_qkv_post(layer as usize, &mut st)?;
+                }
                 if let Some(b) = k.writes.iter().find(|b| matches!(b, Buf::Grad { .. })) {
                     out = Some((*b, st.grad.clone()));
                 }
@@ -734,6 +761,60 @@ impl<'a, T: Real> Rank<'a, T> {
                 st.inbox = inbox;
                 self.put(sb, Value::Stash(st))?;
             }
+            Op::TpCollective {
+                stage,
+                mb,
+                layer,
+                phase,
+                group,
+            } => {
+                let tag = Tag::Tp(*stage, *mb, *layer, *phase);
+                let sb = Buf::Stash {
+                    stage: *stage,
+                    mb: *mb,
+                };
+                if !*posted {
+                    let mut st = self.take_stash(sb)?;
+                    let part = std::mem::take(&mut st.tp_out);
+                    self.put(sb, Value::Stash(st))?;
+                    for to in group {
+                        self.send(*to, tag.clone(), Body::Tensor(part.clone()));
+                    }
+                    *posted = true;
+                    if stream != 0 {
+                        return Ok(Ready::Blocked(format!(
+                            "the {phase:?} tensor-parallel all-reduce of stage {stage}, micro-batch {mb}, layer {layer} (posted)"
+                        )));
+                    }
+                }
+                let missing = self.missing_from(group, &tag);
+                if !missing.is_empty() {
+                    return Ok(Ready::Blocked(format!(
+                        "the {phase:?} tensor-parallel all-reduce of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
+                    )));
+                }
+                // Sum in group order: every member adds the same numbers in the same order.
+                let mut sum: Option<Vec<T>> = None;
+                for m in group {
+                    let Some(Body::Tensor(t)) = self.take(*m, &tag) else {
+                        return Err("a tensor-parallel message is not a tensor".into());
+                    };
+                    match &mut sum {
+                        None => sum = Some(t),
+                        Some(acc) if acc.len() == t.len() => add_into(acc, &t),
+                        Some(acc) => {
+                            return Err(format!(
+                                "{phase:?} all-reduce: rank {m} sent {} values, expected {}",
+                                t.len(),
+                                acc.len()
+                            ))
+                        }
+                    }
+                }
+                let mut st = self.take_stash(sb)?;
+                st.tp_in = sum.unwrap_or_default();
+                self.put(sb, Value::Stash(st))?;
+            }
             Op::ReplicaSum {
                 stage,
                 model_stage,
@@ -826,10 +907,7 @@ impl<'a, T: Real> Rank<'a, T> {
                 let g = self.take_grads(*stage)?;
                 let si = self.stage_ix(*stage)?;
                 if self.sh.opts.record {
-                    let mut named = Vec::new();
-                    g.params.visit(&mut |n, _, t| {
-                        named.push((n.to_string(), t.iter().map(|x| x.f64()).collect()))
-                    });
+                    let named = self.named(&g.params);
                     self.report(Report::Grads(self.step, me, *stage, named));
                 }
                 let cfg = self.cfg;
@@ -843,6 +921,21 @@ impl<'a, T: Real> Rank<'a, T> {
             }
         }
         Ok(Ready::Done)
+    }
+
+    /// Every tensor of `p` by name, as f64; with TP the split tensors under their
+    /// [`tp_shard_name`].
+    fn named(&self, p: &StageParams<T>) -> Named {
+        let mut named = Vec::new();
+        let j = self.prog.coords.tp as usize;
+        p.visit(&mut |n, _, t| {
+            let name = match tp_split(self.cfg, n).filter(|_| self.tp > 1) {
+                Some(split) => tp_shard_name(n, split, j, self.tp),
+                None => n.to_string(),
+            };
+            named.push((name, t.iter().map(|x| x.f64()).collect()))
+        });
+        named
     }
 
     fn report(&self, r: Report) {
@@ -859,7 +952,13 @@ impl<T: Real> Device for Rank<'_, T> {
     }
 
     fn end_step(&mut self, step: usize) -> Result<(), String> {
-        self.report(Report::Loss(step, self.loss));
+        // Every TP member computes the same loss: the first one reports it.
+        let loss = if self.prog.coords.tp == 0 {
+            self.loss
+        } else {
+            0.0
+        };
+        self.report(Report::Loss(step, loss));
         // A streamed trace holds a step of spans per rank, not the whole run's.
         if self.sh.opts.trace && !self.spans.is_empty() {
             let spans = std::mem::take(&mut self.spans);
@@ -952,18 +1051,23 @@ fn run_rank<T: Real>(
         }
     };
     let n_model = sh.set.manifest.model_stages as usize;
+    let tp = sh.set.manifest.mesh.size(Dim::Tp) as usize;
     let stages = prog
         .stages
         .iter()
         .map(|info| StageState {
             info: info.clone(),
-            params: StageParams::init(
-                cfg,
-                info.model_stage as usize,
-                n_model,
-                info.expert_lo as usize,
-                info.expert_hi as usize,
-            ),
+            params: {
+                let mut p = StageParams::init(
+                    cfg,
+                    info.model_stage as usize,
+                    n_model,
+                    info.expert_lo as usize,
+                    info.expert_hi as usize,
+                );
+                p.shard_tp(cfg, prog.coords.tp as usize, tp);
+                p
+            },
             routers: (0..cfg.layers_per_stage)
                 .map(|_| RouterState::new(cfg))
                 .collect(),
@@ -976,6 +1080,7 @@ fn run_rank<T: Real>(
         cfg,
         ep: sh.set.manifest.mesh.size(Dim::Ep) as usize,
         sp: sh.set.manifest.mesh.size(Dim::Sp) as usize,
+        tp,
         stages,
         bufs: HashMap::new(),
         mailbox: HashMap::new(),
@@ -993,10 +1098,7 @@ fn run_rank<T: Real>(
     let ops = interp::run_rank(prog, &mut rank, opts, &sh.abort, cursor)?;
     if sh.opts.record {
         for st in &rank.stages {
-            let mut named = Vec::new();
-            st.params.visit(&mut |n, _, t| {
-                named.push((n.to_string(), t.iter().map(|x| x.f64()).collect()))
-            });
+            let named = rank.named(&st.params);
             rank.report(Report::Params(prog.rank, st.info.stage, named));
         }
     }
@@ -1182,6 +1284,7 @@ pub fn reference<T: Real>(
                         sp: 1,
                         pos0: 0,
                         route_groups: batching.sp.max(1),
+                        tp: 1,
                     };
                     let mut st = kern.new_stash(
                         if k == 0 { tokens.clone() } else { Vec::new() },
@@ -1212,6 +1315,7 @@ pub fn reference<T: Real>(
                         sp: 1,
                         pos0: 0,
                         route_groups: batching.sp.max(1),
+                        tp: 1,
                     };
                     let st = &mut stashes[k];
                     stage_backward_local(&kern, st, dy.take())?;
@@ -1309,11 +1413,9 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
         let mut covered: HashSet<&str> = HashSet::new();
         for (rank, _, named) in copies {
             for (n, t) in named {
-                let w = want
-                    .get(n.as_str())
-                    .ok_or_else(|| format!("the reference has no {n}"))?;
-                covered.insert(w_name(&want, n));
-                let e = rel(t, w);
+                let (base, w) = expected(&want, n)?;
+                covered.insert(w_name(&want, base));
+                let e = rel(t, &w);
                 c.tensors_compared += 1;
                 if step == 0 && worse(e, c.first_step_rel_grad_err) {
                     c.first_step_rel_grad_err = e;
@@ -1333,10 +1435,8 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
     let want: HashMap<&str, &Vec<f64>> = r.params.iter().map(|(n, t)| (n.as_str(), t)).collect();
     for (rank, _, named) in &run.params {
         for (n, t) in named {
-            let w = want
-                .get(n.as_str())
-                .ok_or_else(|| format!("the reference has no {n}"))?;
-            let e = rel(t, w);
+            let (_, w) = expected(&want, n)?;
+            let e = rel(t, &w);
             if worse(e, c.max_rel_param_err) || c.worst_param.is_empty() {
                 if worse(e, c.max_rel_param_err) {
                     c.max_rel_param_err = e;
@@ -1346,6 +1446,28 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
         }
     }
     Ok(c)
+}
+
+/// The reference's tensor for the run's tensor named `n`: the whole tensor, or for a TP
+/// member's slice ([`tp_shard_name`]) the same slice of it. Returns the base name too.
+fn expected<'n>(
+    want: &HashMap<&str, &Vec<f64>>,
+    n: &'n str,
+) -> Result<(&'n str, Vec<f64>), String> {
+    let (base, shard) = match crate::model::parse_tp_shard_name(n) {
+        Some((base, split, j, k)) => (base, Some((split, j, k))),
+        None => (n, None),
+    };
+    let w = want
+        .get(base)
+        .ok_or_else(|| format!("the reference has no {base}"))?;
+    Ok((
+        base,
+        match shard {
+            Some((split, j, k)) => crate::model::tp_slice(w, split, j, k),
+            None => w.to_vec(),
+        },
+    ))
 }
 
 fn w_name<'a>(want: &HashMap<&'a str, &Vec<f64>>, n: &str) -> &'a str {

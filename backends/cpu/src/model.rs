@@ -68,6 +68,21 @@
 //! routing group (capacity counted per chunk); the sequential reference routes whole
 //! sequences in the same `n` groups ([`route_groups`]).
 //!
+//! ## Tensor parallelism
+//! With TP size `n` (Megatron-LM, arXiv 1909.08053, §3), member `j` holds heads
+//! `j H/n .. (j+1) H/n` of `W_UQ`, `W_QR`, `W_UK`, `W_UV` (columns) and `W_O` (rows), and
+//! hidden units `j f/n ..` of the shared expert (`W1`, `W3` columns, `W2` rows)
+//! ([`tp_split`]); everything else is replicated. [`StageKernels::fwd_attn`] stops at the
+//! member's partial `o W_O` (`st.tp_out`); after the all-reduce (`st.tp_in`)
+//! [`StageKernels::fwd_attn_post`] adds the residual, routes, and runs the member's slice of
+//! the shared expert, whose partial output is all-reduced before [`StageKernels::fwd_combine`].
+//! Backward: the shared expert's partial input gradient is all-reduced before
+//! [`StageKernels::bwd_attn`]; [`StageKernels::bwd_qkv`] stops at the partial gradients of
+//! the column-parallel inputs `[c_Q; c_KV; k^R]`, all-reduced before
+//! [`StageKernels::bwd_qkv_post`] runs the replicated norms and down-projections, whose
+//! weight gradients are thereby the same on every member (no TP reduction of them needed).
+//! Routed experts are whole on each EP rank and run redundantly on every TP member.
+//!
 //! ## Expert parallelism
 //! With EP size `n`, rank `q` of the EP group holds experts `q E/n .. (q+1) E/n`. Dispatch
 //! sends each assignment's `n2` row to its expert's rank (ordered by expert, then token,
@@ -359,6 +374,94 @@ impl<T: Real> StageParams<T> {
             }
         });
         assert_eq!(at, data.len(), "unflatten: length mismatch");
+    }
+}
+
+/// How tensor parallelism splits a tensor over the TP group (Megatron-LM, Shoeybi et al.,
+/// arXiv 1909.08053, §3): member `j` of `n` holds columns `j C/n .. (j+1) C/n` of every row
+/// (a column-parallel weight: `W_UQ`, `W_QR`, `W_UK`, `W_UV`, whose columns are grouped by
+/// head, and the shared expert's `W1`, `W3`), or rows `j R/n .. (j+1) R/n` (a row-parallel
+/// weight: `W_O`, whose rows are grouped by head, and the shared expert's `W2`). Every other
+/// tensor is replicated on each member: embedding, norms, the down-projections `W_DQ`,
+/// `W_DKV`, `W_KR`, the router, the routed experts (whole per EP rank: no expert TP), the
+/// final norm and the LM head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpSplit {
+    /// Column-parallel: the matrix has this many columns.
+    Columns(usize),
+    /// Row-parallel.
+    Rows,
+}
+
+/// How tensor parallelism splits the tensor named `name` ([`StageParams::visit`]'s names),
+/// or `None` for a replicated one.
+pub fn tp_split(cfg: &ModelConfig, name: &str) -> Option<TpSplit> {
+    let h = cfg.heads;
+    let Some((_, leaf)) = name.split_once('.') else {
+        return None;
+    };
+    match leaf {
+        "wuq" | "wuk" => Some(TpSplit::Columns(h * cfg.qk_nope_head_dim)),
+        "wqr" => Some(TpSplit::Columns(h * cfg.qk_rope_head_dim)),
+        "wuv" => Some(TpSplit::Columns(h * cfg.v_head_dim)),
+        "wo" | "shared.w2" => Some(TpSplit::Rows),
+        "shared.w1" | "shared.w3" => Some(TpSplit::Columns(cfg.expert_hidden)),
+        _ => None,
+    }
+}
+
+/// Member `j`'s slice (of `n`) of `full` under `split`.
+pub fn tp_slice<T: Copy>(full: &[T], split: TpSplit, j: usize, n: usize) -> Vec<T> {
+    match split {
+        TpSplit::Rows => {
+            let per = full.len() / n;
+            full[j * per..(j + 1) * per].to_vec()
+        }
+        TpSplit::Columns(c) => {
+            let w = c / n;
+            full.chunks(c)
+                .flat_map(|row| row[j * w..(j + 1) * w].iter().copied())
+                .collect()
+        }
+    }
+}
+
+/// The name under which a TP member reports its slice of a split tensor:
+/// `NAME[tp J/N columns C]` or `NAME[tp J/N rows]` ([`parse_tp_shard_name`] reads it back).
+pub fn tp_shard_name(name: &str, split: TpSplit, j: usize, n: usize) -> String {
+    match split {
+        TpSplit::Columns(c) => format!("{name}[tp {j}/{n} columns {c}]"),
+        TpSplit::Rows => format!("{name}[tp {j}/{n} rows]"),
+    }
+}
+
+/// Reads a [`tp_shard_name`]: `(name, split, j, n)`; `None` for a plain name.
+pub fn parse_tp_shard_name(s: &str) -> Option<(&str, TpSplit, usize, usize)> {
+    let (name, rest) = s.split_once("[tp ")?;
+    let rest = rest.strip_suffix(']')?;
+    let (jn, kind) = rest.split_once(' ')?;
+    let (j, n) = jn.split_once('/')?;
+    let (j, n): (usize, usize) = (j.parse().ok()?, n.parse().ok()?);
+    let split = if kind == "rows" {
+        TpSplit::Rows
+    } else {
+        TpSplit::Columns(kind.strip_prefix("columns ")?.parse().ok()?)
+    };
+    (j < n).then_some((name, split, j, n))
+}
+
+impl<T: Real> StageParams<T> {
+    /// Keeps TP member `j`'s slice (of `n`) of every split tensor ([`tp_split`]); the
+    /// replicated tensors stay whole. `n = 1` keeps everything.
+    pub fn shard_tp(&mut self, cfg: &ModelConfig, j: usize, n: usize) {
+        if n <= 1 {
+            return;
+        }
+        self.visit_mut(&mut |name, _, t| {
+            if let Some(split) = tp_split(cfg, name) {
+                *t = tp_slice(t, split, j, n);
+            }
+        });
     }
 }
 
@@ -1089,6 +1192,10 @@ pub struct Stash<T> {
     pub outbox: Vec<Packet<T>>,
     /// Messages received by the last all-to-all (one per EP group member).
     pub inbox: Vec<Packet<T>>,
+    /// This TP member's partial sums for the next tensor-parallel all-reduce.
+    pub tp_out: Vec<T>,
+    /// The sum over the TP group left by the last tensor-parallel all-reduce.
+    pub tp_in: Vec<T>,
     /// Sum of the scaled token losses (last stage).
     pub loss: f64,
     layers: Vec<LayerCache<T>>,
@@ -1113,6 +1220,10 @@ pub struct StageKernels<'a, T> {
     /// Routing groups the local tokens are split into (each with its own capacity): 1 on
     /// an SP rank (its chunk), `sp` for the whole sequence on one host.
     pub route_groups: usize,
+    /// Size of the TP group: `params` holds this member's `H / tp` heads' slices of `W_UQ`,
+    /// `W_QR`, `W_UK`, `W_UV`, `W_O` and its `f / tp` slice of the shared expert
+    /// ([`tp_split`]); 1 without tensor parallelism.
+    pub tp: usize,
 }
 
 /// Which weight gradients a `W` kernel adds ([`StageKernels::weights_of`]).
@@ -1130,6 +1241,18 @@ pub enum WeightSet {
 impl<T: Real> StageKernels<'_, T> {
     fn d(&self) -> usize {
         self.cfg.hidden
+    }
+
+    /// The attention shapes of this member's heads (`H / tp` of them).
+    fn sh(&self) -> AttnShape {
+        let mut sh = AttnShape::of(self.cfg);
+        sh.heads /= self.tp.max(1);
+        sh
+    }
+
+    /// The shared expert's hidden width on this member (`f / tp`).
+    fn shared_f(&self) -> usize {
+        self.cfg.expert_hidden / self.tp.max(1)
     }
 
     /// Prepares an empty stash for `tokens`/`targets` with loss scale `scale`.
@@ -1179,7 +1302,7 @@ impl<T: Real> StageKernels<'_, T> {
             cfg.hidden,
             cfg.q_lora_rank,
             cfg.kv_lora_rank,
-            AttnShape::of(cfg),
+            self.sh(),
         );
         let (h, eps) = (sh.heads, cfg.norm_eps);
         let p = &self.params.layers[l];
@@ -1241,12 +1364,7 @@ impl<T: Real> StageKernels<'_, T> {
         loads: &mut [T],
     ) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, e, kvr, sh) = (
-            cfg.hidden,
-            cfg.experts,
-            cfg.kv_lora_rank,
-            AttnShape::of(cfg),
-        );
+        let (d, kvr, sh) = (cfg.hidden, cfg.kv_lora_rank, self.sh());
         let h = sh.heads;
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
@@ -1277,7 +1395,51 @@ impl<T: Real> StageKernels<'_, T> {
             v: &v,
         };
         let (o_heads, probs) = attention(&input, &sh, self.pos0, &cfg.bugs);
-        let mut h1 = matmul(&o_heads, &p.wo, t, h * sh.v, d);
+        // With TP: this member's heads' share of `o W_O` (row-parallel `W_O`).
+        let h1_part = matmul(&o_heads, &p.wo, t, h * sh.v, d);
+        st.layers[l] = LayerCache {
+            ckv_all,
+            kpe_all,
+            k_nope,
+            v,
+            probs,
+            o_heads,
+            ..c
+        };
+        if self.tp > 1 {
+            st.tp_out = h1_part;
+            return Ok(());
+        }
+        st.tp_in = h1_part;
+        self.fwd_attn_post(l, st, router, loads)
+    }
+
+    /// F, the rest of layer `l`'s attention block once `st.tp_in` holds `o W_O` summed over
+    /// the TP group (with `tp = 1`, [`Self::fwd_attn`] calls it itself): `h1 = x + o W_O`,
+    /// norm, routing; fills `st.outbox` with the dispatch packets and adds the layer's top-k
+    /// counts to `loads`. With `tp > 1` also runs this member's slice of the shared expert
+    /// (column-parallel `W1`, `W3`, row-parallel `W2`) into `st.tp_out` for the `mlp_out`
+    /// all-reduce. Errors: a reduced output of the wrong size.
+    pub fn fwd_attn_post(
+        &self,
+        l: usize,
+        st: &mut Stash<T>,
+        router: &RouterState<T>,
+        loads: &mut [T],
+    ) -> Result<(), String> {
+        let cfg = self.cfg;
+        let (d, e) = (cfg.hidden, cfg.experts);
+        let p = &self.params.layers[l];
+        let mut h1 = std::mem::take(&mut st.tp_in);
+        let c = std::mem::take(&mut st.layers[l]);
+        let t = c.x.len() / d;
+        if h1.len() != t * d {
+            return Err(format!(
+                "the attention's reduced output has {} values, expected {} ({t} tokens x {d})",
+                h1.len(),
+                t * d
+            ));
+        }
         add_into(&mut h1, &c.x);
         let (n2, xhat2, inv2) = rmsnorm(&h1, &p.norm2, d, cfg.norm_eps);
         let logits = matmul(&n2, &p.router, t, d, e);
@@ -1301,13 +1463,18 @@ impl<T: Real> StageKernels<'_, T> {
             pk.meta.push(x as u32);
         }
         st.outbox = out;
+        let mut shared = None;
+        if self.tp > 1 {
+            st.tp_out = match &p.shared {
+                Some(sw) => {
+                    let (ys, sc) = ffn_forward(sw, n2.clone(), d, self.shared_f());
+                    shared = Some(sc);
+                    ys
+                }
+                None => Vec::new(),
+            };
+        }
         st.layers[l] = LayerCache {
-            ckv_all,
-            kpe_all,
-            k_nope,
-            v,
-            probs,
-            o_heads,
             xhat2,
             inv2,
             n2,
@@ -1315,6 +1482,7 @@ impl<T: Real> StageKernels<'_, T> {
             routing: Some(r),
             order,
             h1,
+            shared,
             ..c
         };
         Ok(())
@@ -1355,7 +1523,7 @@ impl<T: Real> StageKernels<'_, T> {
     /// F, combine of layer `l`: `y = h1 + sum_j g_j out_j + shared(n2)` from the expert
     /// outputs in `st.inbox`; `st.x = y`. Errors: a packet of the wrong size.
     pub fn fwd_combine(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
-        let (d, f) = (self.d(), self.cfg.expert_hidden);
+        let (d, f) = (self.d(), self.shared_f());
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
         let c = &mut st.layers[l];
@@ -1384,7 +1552,21 @@ impl<T: Real> StageKernels<'_, T> {
                 }
             }
         }
-        if let Some(sw) = &p.shared {
+        if self.tp > 1 {
+            // The shared expert's output, summed over the TP group (`attn_post`, then the
+            // `mlp_out` all-reduce).
+            if p.shared.is_some() {
+                let ys = std::mem::take(&mut st.tp_in);
+                if ys.len() != y.len() {
+                    return Err(format!(
+                        "combine: the shared expert's reduced output has {} values, expected {}",
+                        ys.len(),
+                        y.len()
+                    ));
+                }
+                add_into(&mut y, &ys);
+            }
+        } else if let Some(sw) = &p.shared {
             let (ys, sc) = ffn_forward(sw, c.n2.clone(), d, f);
             add_into(&mut y, &ys);
             c.shared = Some(sc);
@@ -1450,7 +1632,7 @@ impl<T: Real> StageKernels<'_, T> {
     /// `g_j dy` to the expert ranks (`st.outbox`, dispatch order), the gates' gradients and
     /// the shared expert's input gradient kept.
     pub fn bwd_combine(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
-        let (d, f) = (self.d(), self.cfg.expert_hidden);
+        let (d, f) = (self.d(), self.shared_f());
         let p = &self.params.layers[l];
         let dy = std::mem::take(&mut st.grad);
         let c = &mut st.layers[l];
@@ -1472,8 +1654,15 @@ impl<T: Real> StageKernels<'_, T> {
         let mut d_n2 = vec![T::zero(); dy.len()];
         if let (Some(sw), Some(sc)) = (&p.shared, &c.shared) {
             let (dx, gr) = ffn_backward(sw, sc, dy.clone(), d, f);
-            d_n2 = dx;
+            if self.tp > 1 {
+                // This member's slice's share: the `mlp_in_grad` all-reduce sums them.
+                st.tp_out = dx;
+            } else {
+                d_n2 = dx;
+            }
             c.shared_grad = Some(gr);
+        } else if self.tp > 1 {
+            st.tp_out = d_n2.clone();
         }
         c.dgates = dgates;
         c.d_n2 = d_n2;
@@ -1535,16 +1724,27 @@ impl<T: Real> StageKernels<'_, T> {
             cfg.hidden,
             cfg.experts,
             cfg.kv_lora_rank,
-            AttnShape::of(cfg),
+            self.sh(),
         );
         let h = sh.heads;
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
+        let reduced = std::mem::take(&mut st.tp_in);
         let c = &mut st.layers[l];
         let r = c.routing.as_ref().ok_or("backward before forward")?;
         let t = c.x.len() / d;
         let per = e / self.ep;
         let mut d_n2 = std::mem::take(&mut c.d_n2);
+        if self.tp > 1 {
+            if reduced.len() != d_n2.len() {
+                return Err(format!(
+                    "the shared expert's reduced input gradient has {} values, expected {}",
+                    reduced.len(),
+                    d_n2.len()
+                ));
+            }
+            d_n2 = reduced;
+        }
         let mut next = vec![0usize; self.ep];
         for &i in &c.order {
             let q = r.experts[i] / per;
@@ -1618,7 +1818,7 @@ impl<T: Real> StageKernels<'_, T> {
             cfg.hidden,
             cfg.q_lora_rank,
             cfg.kv_lora_rank,
-            AttnShape::of(cfg),
+            self.sh(),
         );
         let (h, kw) = (sh.heads, sh.kpe_width());
         let p = &self.params.layers[l];
@@ -1646,9 +1846,50 @@ impl<T: Real> StageKernels<'_, T> {
             cfg.rope_base,
             true,
         );
-        let dckv_raw = rmsnorm_backward(&dckv, &p.kv_norm, &c.ckv_xhat, &c.ckv_inv, kvr);
         let mut dcq = matmul_bt(&c.dq_nope, &p.wuq, t, h * sh.nope, qr);
         add_into(&mut dcq, &matmul_bt(&c.dqr, &p.wqr, t, h * sh.rope, qr));
+        // With TP: this member's heads' share of the gradients of the column-parallel
+        // up-projections' inputs (`[dc_Q; dc_KV; dk^R]`, `t` rows each).
+        let mut part = dcq;
+        part.extend_from_slice(&dckv);
+        part.extend_from_slice(&dkr);
+        if self.tp > 1 {
+            st.tp_out = part;
+            return Ok(());
+        }
+        st.tp_in = part;
+        self.bwd_qkv_post(l, st)
+    }
+
+    /// B, the rest of layer `l`'s attention backward once `st.tp_in` holds `[dc_Q; dc_KV;
+    /// dk^R]` summed over the TP group (with `tp = 1`, [`Self::bwd_qkv`] calls it itself):
+    /// the latents' norms, the down-projections and the attention norm; sets `st.grad` to
+    /// the gradient w.r.t. the layer input. Errors: a reduced gradient of the wrong size.
+    pub fn bwd_qkv_post(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        let cfg = self.cfg;
+        let (d, qr, kvr, sh) = (
+            cfg.hidden,
+            cfg.q_lora_rank,
+            cfg.kv_lora_rank,
+            self.sh(),
+        );
+        let kw = sh.kpe_width();
+        let p = &self.params.layers[l];
+        let red = std::mem::take(&mut st.tp_in);
+        let c = &mut st.layers[l];
+        let t = c.x.len() / d;
+        if red.len() != t * (qr + kvr + kw) {
+            return Err(format!(
+                "the reduced latent gradients have {} values, expected {} ({t} tokens x {})",
+                red.len(),
+                t * (qr + kvr + kw),
+                qr + kvr + kw
+            ));
+        }
+        let dcq = red[..t * qr].to_vec();
+        let dckv = red[t * qr..t * (qr + kvr)].to_vec();
+        let dkr = red[t * (qr + kvr)..].to_vec();
+        let dckv_raw = rmsnorm_backward(&dckv, &p.kv_norm, &c.ckv_xhat, &c.ckv_inv, kvr);
         let dcq_raw = rmsnorm_backward(&dcq, &p.q_norm, &c.cq_xhat, &c.cq_inv, qr);
         let mut da = matmul_bt(&dcq_raw, &p.wdq, t, qr, d);
         add_into(&mut da, &matmul_bt(&dckv_raw, &p.wdkv, t, kvr, d));
@@ -1691,7 +1932,7 @@ impl<T: Real> StageKernels<'_, T> {
         };
         let cfg = self.cfg;
         let (d, e, f, v) = (cfg.hidden, cfg.experts, cfg.expert_hidden, cfg.vocab);
-        let (qr, kvr, sh) = (cfg.q_lora_rank, cfg.kv_lora_rank, AttnShape::of(cfg));
+        let (qr, kvr, sh) = (cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
         if let (Some(ge), true, true) = (&mut g.embed, self.params.embed.is_some(), attn) {
             if st.grad.len() != st.tokens.len() * d {
                 return Err("embedding gradient before the backward".into());
@@ -1712,7 +1953,7 @@ impl<T: Real> StageKernels<'_, T> {
             if mlp {
                 if let (Some(gs), Some(sc), Some(sg)) = (&mut gl.shared, &c.shared, &c.shared_grad)
                 {
-                    ffn_weight_grad(gs, sc, sg, d, f);
+                    ffn_weight_grad(gs, sc, sg, d, self.shared_f());
                 }
                 for (ids, caches, grads) in &st.experts[l].sources {
                     for (i, &x) in ids.iter().enumerate() {
@@ -1959,6 +2200,7 @@ pub mod properties {
             sp: 1,
             pos0: 0,
             route_groups: 1,
+            tp: 1,
         };
         let t = cfg.seq_len;
         let mut rng = Rng::new(17);
@@ -2399,6 +2641,7 @@ mod tests {
             sp: 1,
             pos0: 0,
             route_groups: 1,
+            tp: 1,
         };
         let mut st = k.new_stash(tokens(cfg), targets(cfg), 1.0 / cfg.seq_len as f64);
         let routers: Vec<RouterState<f64>> = (0..p.layers.len()).map(|_| router(cfg)).collect();
@@ -2446,6 +2689,7 @@ mod tests {
             sp: 1,
             pos0: 0,
             route_groups: 1,
+            tp: 1,
         };
         let mut st = k.new_stash(tokens(cfg), targets(cfg), 1.0 / cfg.seq_len as f64);
         let routers: Vec<RouterState<f64>> = (0..p.layers.len()).map(|_| router(cfg)).collect();

@@ -464,16 +464,8 @@ pub fn estimate_memory_of(size: &schedc::limits::Size, world: u64, cfg: &RunConf
 
 /// `schedc run INPUT ... --backend cpu`: lowers and verifies the programs, trains
 /// `cfg.steps` steps with one thread per global rank, and with `cfg.verify` compares with
-/// sequential training. Errors: [`RunError`]; the CPU backend also refuses `tp > 1` (it
-/// has no tensor-parallel kernels).
+/// sequential training. Errors: [`RunError`].
 pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
-    if let Some(m) = &cfg.mesh {
-        if m.size(Dim::Tp) > 1 {
-            return Err(RunError::Config(
-                "the CPU backend has no tensor-parallel kernels: use tp=1 (the mesh builds the groups; the executor does not split weights)".into(),
-            ));
-        }
-    }
     if cfg.steps == 0 {
         return Err(RunError::Config("--steps must be at least 1".into()));
     }

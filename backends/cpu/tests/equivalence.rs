@@ -220,6 +220,140 @@ fn every_schedule_p4_equals_sequential() {
     assert!(n >= 60, "only {n} instances");
 }
 
+/// Issue 23: tensor parallelism, Megatron-LM's way (MLA's per-head up-projections and the
+/// shared expert's `W1`, `W3` column-parallel, `W_O` and `W2` row-parallel, two all-reduces
+/// per layer each way), equals sequential training for every spec at `pp=2,tp=2`.
+#[test]
+fn every_schedule_p2_tp2_equals_sequential() {
+    let (lines, n) = sweep(&[2], &["pp=P,tp=2"]);
+    println!("{}", lines.join("\n"));
+    assert!(n >= 40, "only {n} instances");
+}
+
+/// Issue 23: tensor parallelism with the other dimensions: expert and data parallelism,
+/// the `sp` dimension (which splits the sequence like context parallelism; it composes
+/// with `tp` as an outer dimension: each SP chunk's TP group splits the heads), several
+/// steps of Adam, and DualPipe at `pp=4,tp=2,ep=2`.
+#[test]
+fn tensor_parallel_with_ep_dp_sp_and_dualpipe_equals_sequential() {
+    for (name, pp, mb, mesh) in [
+        ("1f1b", 2, 4, "pp=2,tp=2,ep=2,dp=2"),
+        ("zbv", 2, 4, "pp=2,tp=2,ep=2,dp=2"),
+        ("1f1b", 2, 4, "pp=2,tp=2,sp=2"),
+        ("dualpipe", 4, 8, "pp=4,tp=2,ep=2"),
+        ("dualpipev", 4, 8, "pp=4,tp=2,ep=2"),
+    ] {
+        let c = run_case(
+            name,
+            pp,
+            mb,
+            None,
+            mesh,
+            3,
+            Optimizer::adam(1e-2),
+            LowerOptions::default(),
+        )
+        .unwrap();
+        println!(
+            "{name} P={pp} M={mb} {mesh}: grad {:.2e} loss {:.2e} params {:.2e}",
+            c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+        );
+        assert!(
+            c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+            "{name} {mesh}: {c:?}"
+        );
+    }
+}
+
+/// Issue 23: every spec split into MoE parts (`--moe`) at `pp=2,tp=2,ep=2`: the TP
+/// all-reduces of a part run on the `tp` stream between its kernels.
+#[test]
+fn every_schedule_in_moe_parts_p2_tp2_ep2_equals_sequential() {
+    let mut n = 0;
+    for (name, vpp) in SPECS {
+        for mb in [2, 4] {
+            let Some(src) = moe_spec(name, 2, mb, vpp, "all") else {
+                continue;
+            };
+            let c = run_program(
+                &ModelConfig::tiny(),
+                &src,
+                "pp=2,tp=2,ep=2",
+                2,
+                Optimizer::Sgd { lr: 0.2 },
+                LowerOptions::default(),
+            );
+            n += 1;
+            println!(
+                "{name:<17} --moe M={mb} pp=2,tp=2,ep=2: grad {:.2e} loss {:.2e} params {:.2e}",
+                c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+            );
+            assert!(
+                c.max_rel_grad_err <= MOE_TOL
+                    && c.max_abs_loss_err <= MOE_TOL
+                    && c.max_rel_param_err <= MOE_TOL,
+                "{name} --moe M={mb}: {c:?}"
+            );
+        }
+    }
+    assert!(n >= 20, "only {n} instances");
+}
+
+/// Issue 23, silent failure: a TP rank that skips the all-reduce of the column-parallel
+/// inputs' gradients (each member keeps its own heads' share of `[dc_Q; dc_KV; dk^R]`)
+/// trains without an error, but its replicated weights' gradients (`W_DQ`, `W_DKV`,
+/// `W_KR`, the norms) miss the other heads' shares: the comparison catches it. The same run
+/// with the all-reduce equals sequential training, and reports each split tensor as its
+/// member's slice.
+#[test]
+fn silent_failure_tp_input_gradient_all_reduce_is_needed() {
+    let cfg = ModelConfig::tiny();
+    let src = spec("1f1b", 2, 2, None).unwrap();
+    let mesh: Mesh = "pp=2,tp=2".parse().unwrap();
+    let set = ProgramSet::lower(&src, &mesh, &cfg, LowerOptions::default()).unwrap();
+    let data = Data::builtin();
+    let opts = ExecOptions {
+        steps: 1,
+        optimizer: Optimizer::Sgd { lr: 0.2 },
+        record: true,
+        ..ExecOptions::default()
+    };
+    let b = Batching {
+        shards: 1,
+        microbatches: 2,
+        sp: 1,
+    };
+    let r = reference::<f64>(&cfg, 2, b, &data, 1, &opts.optimizer).unwrap();
+    let good = execute::<f64>(&set, &data, &opts).unwrap();
+    let names: Vec<&str> = good.grads[0]
+        .iter()
+        .filter(|(rank, _, _)| *rank == 1)
+        .flat_map(|(_, _, named)| named.iter().map(|(n, _)| n.as_str()))
+        .collect();
+    assert!(names.contains(&"layer0.wuq[tp 1/2 columns 16]"), "{names:?}");
+    assert!(names.contains(&"layer0.wo[tp 1/2 rows]"), "{names:?}");
+    assert!(names.contains(&"layer0.wdq"), "{names:?}");
+    let c = compare(&good, &r).unwrap();
+    assert!(c.max_rel_grad_err < TOL, "{c:?}");
+    let mut bad = set.clone();
+    for rp in &mut bad.ranks {
+        let me = rp.rank;
+        for st in &mut rp.streams {
+            for op in &mut st.ops {
+                if let schedc_program::Op::TpCollective { phase, group, .. } = op {
+                    if *phase == schedc_program::Tp::AttnInGrad {
+                        *group = vec![me];
+                    }
+                }
+            }
+        }
+    }
+    let run = execute::<f64>(&bad, &data, &opts).unwrap();
+    let c = compare(&run, &r).unwrap();
+    assert!(c.max_rel_grad_err > 1e-3, "{c:?}");
+    assert!(c.worst_grad.starts_with("layer0."), "{}", c.worst_grad);
+}
+
 #[test]
 fn several_steps_keep_parameters_equal_sgd_and_adam() {
     for (name, pp, mb, mesh) in [
@@ -381,9 +515,12 @@ fn run_refuses_what_it_cannot_do() {
         mesh: None,
         ..Default::default()
     };
-    cfg.mesh = Some("pp=2,tp=2".parse().unwrap());
+    cfg.mesh = Some("pp=2,tp=4".parse().unwrap());
     let e = schedc_cpu::run(&src, &cfg).unwrap_err().to_string();
-    assert!(e.contains("no tensor-parallel kernels: use tp=1"), "{e}");
+    assert!(
+        e.contains("tp=4 does not divide the model's attention heads (2)"),
+        "{e}"
+    );
     cfg.mesh = Some("pp=2,sp=3".parse().unwrap());
     let e = schedc_cpu::run(&src, &cfg).unwrap_err().to_string();
     assert!(

@@ -214,7 +214,7 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
     if let Some(m) = &cfg.mesh {
         if m.size(Dim::Tp) > 1 {
             return Err(RunError::Config(
-                "the CUDA backend has no tensor-parallel kernels: use tp=1".into(),
+                "the CUDA backend has no tensor-parallel kernels: use tp=1 (the CPU backend, --backend cpu, runs tp > 1)".into(),
             ));
         }
     }

@@ -147,6 +147,7 @@ fn stage_roundtrip(cfg: &ModelConfig, dt: DType) {
         sp: 1,
         pos0: 0,
         route_groups: 1,
+        tp: 1,
     };
     let routers: Vec<RouterState<f32>> = (0..cfg.layers_per_stage)
         .map(|_| RouterState::new(cfg))

@@ -94,6 +94,11 @@ impl ProgramSet {
             }
         };
         mesh.validate(None, &fit)?;
+        if !stage && mesh.size(Dim::Tp) > 1 && model.rope_keys_per_token() > 1 {
+            return Err(ProgramError::Unsupported(
+                "tensor parallelism with one RoPE key per head (the per-head-kpe bug): the TP kernels split the heads and share one RoPE key per token".into(),
+            ));
+        }
         // The model's kernels cover whole ops only; the user's stages take parts and
         // collectives too.
         for (r, instrs) in ir.ranks.iter().enumerate().filter(|_| !stage) {
@@ -147,6 +152,7 @@ fn groups_and_channels(ranks: &[RankProgram]) -> (Vec<Vec<u32>>, Vec<u32>) {
             for op in &st.ops {
                 match op {
                     Op::AllToAll { group, .. }
+                    | Op::TpCollective { group, .. }
                     | Op::AllReduce { group, .. }
                     | Op::Collective { group, .. } => {
                         let mut g = group.clone();
@@ -171,6 +177,8 @@ struct Builder {
     comm: Vec<Op>,
     /// The expert-parallel stream (MoE parts' all-to-alls).
     ep: Vec<Op>,
+    /// The tensor-parallel stream (`tp > 1`).
+    tp: Vec<Op>,
     channels: std::collections::BTreeMap<u32, Vec<Op>>,
     events: u32,
 }
@@ -179,6 +187,28 @@ impl Builder {
     fn event(&mut self) -> u32 {
         self.events += 1;
         self.events - 1
+    }
+
+    /// A tensor-parallel all-reduce of layer `layer` of `(stage, mb)` on the TP stream,
+    /// bracketed by events: after the compute stream's last kernel, before its next.
+    /// Nothing with a TP group of one.
+    fn tp_collective(&mut self, group: &[u32], stage: u32, mb: u32, layer: u32, phase: Tp) {
+        if group.len() < 2 {
+            return;
+        }
+        let ready = self.event();
+        let done = self.event();
+        self.compute.push(Op::Record { event: ready });
+        self.tp.push(Op::Wait { event: ready });
+        self.tp.push(Op::TpCollective {
+            stage,
+            mb,
+            layer,
+            phase,
+            group: group.to_vec(),
+        });
+        self.tp.push(Op::Record { event: done });
+        self.compute.push(Op::Wait { event: done });
     }
 
     /// The op list of communication stream `channel` (0: the default comm stream).
@@ -245,11 +275,13 @@ fn lower_rank(
     let peer = |pp_rank: u32| mesh.pipeline_peer(g, pp_rank);
     let ep_group = mesh.ep_group(g)?;
     let sp_group = mesh.sp_group(g)?;
+    let tp_group = mesh.tp_group(g)?;
 
     let mut b = Builder {
         compute: Vec::new(),
         comm: Vec::new(),
         ep: Vec::new(),
+        tp: Vec::new(),
         channels: Default::default(),
         events: 0,
     };
@@ -291,6 +323,7 @@ fn lower_rank(
         layers: lps,
         ep_group: &ep_group,
         sp_group: &sp_group,
+        tp_group: &tp_group,
         recv_ev: &recv_ev,
         send_ev: &send_ev,
         comm_pos: &comm_pos,
@@ -349,10 +382,7 @@ fn lower_rank(
                     } else if !win.items.is_empty() {
                         win.items.push((c, st));
                     } else {
-                        emit_compute(
-                            &mut b, pl, &st, c.kind, c.mb, lps, &ep_group, &sp_group, &recv_ev,
-                            &send_ev,
-                        );
+                        emit_compute(&mut b, &cx, &st, c.kind, c.mb);
                     }
                 }
             }
@@ -558,6 +588,12 @@ fn lower_rank(
             ops: b.ep,
         });
     }
+    if !b.tp.is_empty() {
+        streams.push(Stream {
+            kind: StreamKind::Tp,
+            ops: b.tp,
+        });
+    }
     Ok(RankProgram {
         rank: g,
         coords,
@@ -568,19 +604,13 @@ fn lower_rank(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn emit_compute(
-    b: &mut Builder,
-    pl: &schedc_ir::Pipeline,
-    st: &LocalStage,
-    kind: Kind,
-    mb: u32,
-    layers: u32,
-    ep_group: &[u32],
-    sp_group: &[u32],
-    recv_ev: &HashMap<Buf, u32>,
-    send_ev: &HashMap<Buf, u32>,
-) {
+/// A whole op of `st` (with `tp > 1`, each layer adds the TP all-reduces and the `attn_post`
+/// and `qkv_post` kernels after them; see [`crate::format`]).
+fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, mb: u32) {
+    let (pl, layers, ep_group, sp_group, tp_group) =
+        (cx.pl, cx.layers, cx.ep_group, cx.sp_group, cx.tp_group);
+    let (recv_ev, send_ev) = (cx.recv_ev, cx.send_ev);
+    let tp = tp_group.len() > 1;
     let s = st.stage;
     let stash = Buf::Stash { stage: s, mb };
     let wg = Buf::WeightGrad { stage: s };
@@ -647,6 +677,16 @@ fn emit_compute(
                     vec![stash],
                     vec![stash, wg],
                 ));
+                if tp {
+                    b.tp_collective(tp_group, s, mb, l, Tp::AttnOut);
+                    b.compute.push(kernel(
+                        Pass::F,
+                        Part::AttnPost { layer: l },
+                        vec![stash],
+                        vec![stash, wg],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpOut);
+                }
                 b.compute.push(a2a(l, A2a::Dispatch));
                 b.compute.push(kernel(
                     Pass::F,
@@ -706,6 +746,7 @@ fn emit_compute(
                         buf: gin.expect("checked"),
                     });
                 }
+                b.tp_collective(tp_group, s, mb, l, Tp::MlpInGrad);
                 b.compute.push(a2a(l, A2a::CombineGrad));
                 b.compute.push(kernel(
                     Pass::B,
@@ -725,8 +766,24 @@ fn emit_compute(
                 if l == 0 {
                     writes.extend(gout);
                 }
-                b.compute
-                    .push(kernel(Pass::B, Part::Qkv { layer: l }, vec![stash], writes));
+                if tp {
+                    b.compute.push(kernel(
+                        Pass::B,
+                        Part::Qkv { layer: l },
+                        vec![stash],
+                        vec![stash],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::AttnInGrad);
+                    b.compute.push(kernel(
+                        Pass::B,
+                        Part::QkvPost { layer: l },
+                        vec![stash],
+                        writes,
+                    ));
+                } else {
+                    b.compute
+                        .push(kernel(Pass::B, Part::Qkv { layer: l }, vec![stash], writes));
+                }
             }
             if let Some(e) = gout.and_then(|o| send_ev.get(&o)) {
                 b.compute.push(Op::Record { event: *e });
@@ -913,6 +970,8 @@ struct PartCtx<'a> {
     layers: u32,
     ep_group: &'a [u32],
     sp_group: &'a [u32],
+    /// The TP group (one member: no tensor parallelism).
+    tp_group: &'a [u32],
     recv_ev: &'a HashMap<Buf, u32>,
     send_ev: &'a HashMap<Buf, u32>,
     /// The instruction index of each message of the rank (sends and receives).
@@ -1148,18 +1207,7 @@ fn flush_window(
                 if round == 0 {
                     sends_first(b, &mut state, &mut finished, recv_of(c, 0));
                     producers_first(b, &mut state, c);
-                    emit_compute(
-                        b,
-                        cx.pl,
-                        st,
-                        c.kind,
-                        c.mb,
-                        layers,
-                        cx.ep_group,
-                        cx.sp_group,
-                        cx.recv_ev,
-                        cx.send_ev,
-                    );
+                    emit_compute(b, cx, st, c.kind, c.mb);
                 }
                 continue;
             }
@@ -1338,6 +1386,16 @@ fn emit_part(
                 vec![stash],
                 vec![stash, wg],
             ));
+            if cx.tp_group.len() > 1 {
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::AttnOut);
+                b.compute.push(k(
+                    Pass::F,
+                    Part::AttnPost { layer: l },
+                    vec![stash],
+                    vec![stash, wg],
+                ));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpOut);
+            }
         }
         (Kind::F, IrPart::Dispatch) => ep_a2a(b, ps, A2a::Dispatch),
         (Kind::F, IrPart::Mlp) => {
@@ -1384,6 +1442,7 @@ fn emit_part(
                     buf: gin.expect("checked"),
                 });
             }
+            b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpInGrad);
             ep_a2a(b, ps, A2a::CombineGrad);
         }
         (_, IrPart::Mlp) => {
@@ -1410,8 +1469,16 @@ fn emit_part(
             if l == 0 {
                 writes.extend(gout);
             }
-            b.compute
-                .push(k(Pass::B, Part::Qkv { layer: l }, vec![stash], writes));
+            if cx.tp_group.len() > 1 {
+                b.compute
+                    .push(k(Pass::B, Part::Qkv { layer: l }, vec![stash], vec![stash]));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::AttnInGrad);
+                b.compute
+                    .push(k(Pass::B, Part::QkvPost { layer: l }, vec![stash], writes));
+            } else {
+                b.compute
+                    .push(k(Pass::B, Part::Qkv { layer: l }, vec![stash], writes));
+            }
             if l == 0 {
                 if let Some(e) = gout.and_then(|o| cx.send_ev.get(&o)) {
                     b.compute.push(Op::Record { event: *e });

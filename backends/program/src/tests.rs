@@ -754,3 +754,53 @@ fn interleaved_parts_of_dependent_ops_need_one_layer_per_stage() {
         "{e}"
     );
 }
+
+/// Issue 23: with `tp > 1` each layer's four tensor-parallel all-reduces (attention output
+/// and shared-expert output in the forward, their input gradients in the backward) are ops
+/// of the last stream, `tp`, over the TP group, bracketed by events; the programs verify
+/// (whole ops and MoE parts); `tp = 1` has no `tp` stream.
+#[test]
+fn tensor_parallel_collectives_are_ops_of_their_own_stream() {
+    let cfg = ModelConfig::tiny();
+    for (name, src) in [
+        ("1f1b", spec("1f1b", 2, 4, None)),
+        ("dualpipev --moe", moe(&spec("dualpipev", 2, 4, None))),
+    ] {
+        let mesh: Mesh = "pp=2,tp=2,ep=2".parse().unwrap();
+        let set = ProgramSet::lower(&src, &mesh, &cfg, LowerOptions::default()).unwrap();
+        verify(&set, &src).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for rp in &set.ranks {
+            let tp = rp.streams.last().unwrap();
+            assert_eq!(tp.kind, StreamKind::Tp, "{name}");
+            let group = mesh.tp_group(rp.rank).unwrap();
+            let mut n = [0usize; 4];
+            for op in &tp.ops {
+                if let Op::TpCollective { phase, group: g, .. } = op {
+                    assert_eq!(g, &group);
+                    n[*phase as usize] += 1;
+                }
+            }
+            // One layer per stage; every (stage, micro-batch) runs F and B once.
+            let ops = rp.stages.len() * 4;
+            assert_eq!(n, [ops; 4], "{name} rank {}", rp.rank);
+            for st in &rp.streams[..rp.streams.len() - 1] {
+                assert!(
+                    !st.ops.iter().any(|o| matches!(o, Op::TpCollective { .. })),
+                    "{name}: a TP collective on {}",
+                    st.kind
+                );
+            }
+        }
+        let flat = ProgramSet::lower(
+            &src,
+            &"pp=2,ep=2".parse().unwrap(),
+            &cfg,
+            LowerOptions::default(),
+        )
+        .unwrap();
+        assert!(flat
+            .ranks
+            .iter()
+            .all(|rp| rp.streams.iter().all(|s| s.kind != StreamKind::Tp)));
+    }
+}
