@@ -159,6 +159,76 @@ pub struct ExecOptions {
     /// step of spans rather than all of them. `None`: they are collected in
     /// [`ExecResult::trace`].
     pub trace_sink: Option<SpanSink>,
+    /// How the expert-parallel all-to-alls travel between nodes (`run --a2a`).
+    pub a2a: A2aMode,
+}
+
+/// How the expert-parallel all-to-alls (dispatch, combine and their gradients) travel
+/// (`run --a2a`). Both deliver the same packets, so training is identical; they differ in
+/// the messages on the inter-node network ([`Traffic`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum A2aMode {
+    /// Every member sends its packet for every other member directly.
+    #[default]
+    Flat,
+    /// DeepSeek-V3's two-level dispatch (arXiv 2412.19437, §3.2.2): a member sends one
+    /// message per other node, to its peer there (the member of that node with the same
+    /// index among the group's members of its node), carrying each distinct row once
+    /// however many of that node's members want it (a token routed to several experts on
+    /// one node crosses the network once); the peer scatters the rows inside its node.
+    /// Combine and the gradients take the same two hops (their rows are distinct per
+    /// expert, so only the number of messages drops).
+    Hierarchical,
+}
+
+impl std::str::FromStr for A2aMode {
+    type Err = String;
+    /// `flat` or `hierarchical`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "flat" => Ok(A2aMode::Flat),
+            "hierarchical" => Ok(A2aMode::Hierarchical),
+            _ => Err(format!(
+                "unknown all-to-all `{s}`: expected flat or hierarchical"
+            )),
+        }
+    }
+}
+
+/// Bytes and messages a run moved between ranks, summed over every rank and step
+/// (messages a rank sends itself are not counted). A row of `n` values of the run's
+/// precision is `n` times 4 (f32) or 8 (f64) bytes; expert ids and row indices 4 bytes each.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Traffic {
+    /// Expert-parallel all-to-alls: bytes between ranks of one node.
+    pub a2a_intra_bytes: u64,
+    /// Expert-parallel all-to-alls: bytes between nodes.
+    pub a2a_inter_bytes: u64,
+    /// Expert-parallel all-to-alls: messages inside a node.
+    pub a2a_intra_messages: u64,
+    /// Expert-parallel all-to-alls: messages between nodes.
+    pub a2a_inter_messages: u64,
+    /// Of [`Traffic::a2a_inter_bytes`], the forward dispatch's (token rows to their
+    /// experts: what the hierarchical all-to-all sends once per node).
+    pub dispatch_inter_bytes: u64,
+    /// Tensor-parallel all-reduces: bytes sent (each member sends its partial sums to every
+    /// other member).
+    pub tp_bytes: u64,
+    /// Tensor-parallel all-reduces: bytes of those that crossed nodes.
+    pub tp_inter_bytes: u64,
+}
+
+impl Traffic {
+    fn add(&mut self, o: &Traffic) {
+        self.a2a_intra_bytes += o.a2a_intra_bytes;
+        self.a2a_inter_bytes += o.a2a_inter_bytes;
+        self.a2a_intra_messages += o.a2a_intra_messages;
+        self.a2a_inter_messages += o.a2a_inter_messages;
+        self.dispatch_inter_bytes += o.dispatch_inter_bytes;
+        self.tp_bytes += o.tp_bytes;
+        self.tp_inter_bytes += o.tp_inter_bytes;
+    }
 }
 
 /// Receives a traced run's spans as the ranks finish each step ([`ExecOptions::trace_sink`]).
@@ -175,6 +245,7 @@ impl Default for ExecOptions {
             trace: false,
             on_step: None,
             trace_sink: None,
+            a2a: A2aMode::Flat,
         }
     }
 }
@@ -210,6 +281,8 @@ pub struct ExecResult {
     /// With [`ExecOptions::trace`]: every instruction that touches data (kernels,
     /// messages, collectives, the optimizer), by rank, in the order each rank finished them.
     pub trace: Vec<Span>,
+    /// What the collectives moved ([`ExecOptions::a2a`]).
+    pub traffic: Traffic,
 }
 
 /// When one instruction ran on one stream of one rank ([`ExecOptions::trace`]). An
@@ -348,6 +421,11 @@ impl<W: std::io::Write> ChromeTraceWriter<W> {
 enum Tag {
     P2p(Buf),
     A2a(u32, u32, u32, A2a),
+    /// Hierarchical all-to-all: a member's bundle for a node, to its peer there.
+    A2aHop(u32, u32, u32, A2a),
+    /// Hierarchical all-to-all: the packet of original source `.4`, forwarded inside the
+    /// node by its peer.
+    A2aFwd(u32, u32, u32, A2a, u32),
     Tp(u32, u32, u32, Tp),
     Replica(u32),
     AllReduce(u32, Scope),
@@ -356,6 +434,15 @@ enum Tag {
 enum Body<T> {
     Tensor(Vec<T>),
     Packet(Packet<T>),
+    Bundle(Bundle<T>),
+}
+
+/// A hierarchical all-to-all's message for one node: its distinct rows once, and per
+/// destination member the indices of its rows and their expert ids.
+struct Bundle<T> {
+    rows: Vec<T>,
+    width: usize,
+    dests: Vec<(u32, Vec<u32>, Vec<u32>)>,
 }
 
 struct Msg<T> {
@@ -368,10 +455,11 @@ struct Msg<T> {
 type Key = (u32, usize, Tag);
 
 enum Report {
-    Loss(usize, f64),
+    Loss(usize, u32, f64),
     Grads(usize, u32, u32, Named),
     Params(u32, u32, Named),
     Ops(u64),
+    Traffic(Traffic),
     Trace(Vec<Span>),
     Exit,
 }
@@ -421,6 +509,7 @@ struct Rank<'a, T> {
     /// its head was posted.
     spans: Vec<Span>,
     posted_at: Vec<Option<Instant>>,
+    traffic: Traffic,
 }
 
 impl<'a, T: Real> Rank<'a, T> {
@@ -699,7 +788,9 @@ impl<'a, T: Real> Rank<'a, T> {
                 }
                 match self.take(*peer, &tag) {
                     Some(Body::Tensor(t)) => self.put(*buf, Value::Tensor(t))?,
-                    Some(Body::Packet(_)) => return Err(format!("{buf} arrived as a packet")),
+                    Some(Body::Packet(_) | Body::Bundle(_)) => {
+                        return Err(format!("{buf} arrived as a packet"))
+                    }
                     None => {
                         return Ok(Ready::Blocked(format!(
                             "{} from rank {peer}",
@@ -707,6 +798,15 @@ impl<'a, T: Real> Rank<'a, T> {
                         )))
                     }
                 }
+            }
+            Op::AllToAll {
+                stage,
+                mb,
+                layer,
+                phase,
+                group,
+            } if self.hierarchical(*phase, group) => {
+                return self.hierarchical_a2a(*stage, *mb, *layer, *phase, group, posted)
             }
             Op::AllToAll {
                 stage,
@@ -731,7 +831,11 @@ impl<'a, T: Real> Rank<'a, T> {
                             group.len()
                         ));
                     }
+                    let ep = !matches!(phase, A2a::GatherKv | A2a::ScatterKvGrad);
                     for (to, pk) in group.iter().zip(out) {
+                        if ep {
+                            self.count_packet(*to, &pk, *phase);
+                        }
                         self.send(*to, tag.clone(), Body::Packet(pk));
                     }
                     *posted = true;
@@ -777,6 +881,14 @@ impl<'a, T: Real> Rank<'a, T> {
                     let mut st = self.take_stash(sb)?;
                     let part = std::mem::take(&mut st.tp_out);
                     self.put(sb, Value::Stash(st))?;
+                    let bytes = (part.len() * std::mem::size_of::<T>()) as u64;
+                    let mesh = &self.sh.set.manifest.mesh;
+                    for to in group.iter().filter(|m| **m != me) {
+                        self.traffic.tp_bytes += bytes;
+                        if mesh.node_of(*to) != mesh.node_of(me) {
+                            self.traffic.tp_inter_bytes += bytes;
+                        }
+                    }
                     for to in group {
                         self.send(*to, tag.clone(), Body::Tensor(part.clone()));
                     }
@@ -923,6 +1035,203 @@ impl<'a, T: Real> Rank<'a, T> {
         Ok(Ready::Done)
     }
 
+    /// True if the all-to-all `phase` over `group` runs hierarchically: an expert-parallel
+    /// one under [`A2aMode::Hierarchical`] whose group spans more than one node.
+    fn hierarchical(&self, phase: A2a, group: &[u32]) -> bool {
+        let mesh = &self.sh.set.manifest.mesh;
+        self.sh.opts.a2a == A2aMode::Hierarchical
+            && !matches!(phase, A2a::GatherKv | A2a::ScatterKvGrad)
+            && group
+                .iter()
+                .any(|m| mesh.node_of(*m) != mesh.node_of(group[0]))
+    }
+
+    /// Counts a packet sent to `to` in the expert-parallel traffic.
+    fn count_packet(&mut self, to: u32, pk: &Packet<T>, phase: A2a) {
+        let me = self.prog.rank;
+        if to == me {
+            return;
+        }
+        let bytes = (pk.data.len() * std::mem::size_of::<T>() + pk.meta.len() * 4) as u64;
+        let mesh = &self.sh.set.manifest.mesh;
+        if mesh.node_of(to) == mesh.node_of(me) {
+            self.traffic.a2a_intra_bytes += bytes;
+            self.traffic.a2a_intra_messages += 1;
+        } else {
+            self.count_inter(bytes, phase);
+        }
+    }
+
+    fn count_inter(&mut self, bytes: u64, phase: A2a) {
+        self.traffic.a2a_inter_bytes += bytes;
+        self.traffic.a2a_inter_messages += 1;
+        if phase == A2a::Dispatch {
+            self.traffic.dispatch_inter_bytes += bytes;
+        }
+    }
+
+    /// The member of `group` in `node` that relays `src`'s rows there: the one whose index
+    /// among the group's members of `node` equals `src`'s index among those of its own node
+    /// (modulo their number).
+    fn relay(&self, group: &[u32], src: u32, node: u32) -> u32 {
+        let mesh = &self.sh.set.manifest.mesh;
+        let own: Vec<u32> = group
+            .iter()
+            .copied()
+            .filter(|m| mesh.node_of(*m) == mesh.node_of(src))
+            .collect();
+        let there: Vec<u32> = group
+            .iter()
+            .copied()
+            .filter(|m| mesh.node_of(*m) == node)
+            .collect();
+        let i = own.iter().position(|m| *m == src).unwrap_or(0);
+        there[i % there.len()]
+    }
+
+    /// The hierarchical all-to-all ([`A2aMode::Hierarchical`]): posts one packet per member
+    /// of the own node and one bundle per other node (to the member relaying for this rank
+    /// there); relays the bundles it receives to their destinations in its node; completes
+    /// when every member's packet has arrived (directly, or relayed), with the same inbox as
+    /// the flat all-to-all.
+    fn hierarchical_a2a(
+        &mut self,
+        stage: u32,
+        mb: u32,
+        layer: u32,
+        phase: A2a,
+        group: &[u32],
+        posted: &mut bool,
+    ) -> Result<Ready, String> {
+        let me = self.prog.rank;
+        let mesh = self.sh.set.manifest.mesh.clone();
+        let my_node = mesh.node_of(me);
+        let direct = Tag::A2a(stage, mb, layer, phase);
+        let hop = Tag::A2aHop(stage, mb, layer, phase);
+        let sb = Buf::Stash { stage, mb };
+        let width = self.cfg.hidden;
+        if !*posted {
+            let mut st = self.take_stash(sb)?;
+            let out = std::mem::take(&mut st.outbox);
+            self.put(sb, Value::Stash(st))?;
+            if out.len() != group.len() {
+                return Err(format!(
+                    "{} packets for an all-to-all over {} ranks",
+                    out.len(),
+                    group.len()
+                ));
+            }
+            let mut bundles: Vec<(u32, Bundle<T>, HashMap<Vec<u64>, u32>)> = Vec::new();
+            for (to, pk) in group.iter().zip(out) {
+                let node = mesh.node_of(*to);
+                if node == my_node {
+                    self.count_packet(*to, &pk, phase);
+                    self.send(*to, direct.clone(), Body::Packet(pk));
+                    continue;
+                }
+                let at = match bundles.iter().position(|b| b.0 == node) {
+                    Some(i) => i,
+                    None => {
+                        bundles.push((
+                            node,
+                            Bundle {
+                                rows: Vec::new(),
+                                width,
+                                dests: Vec::new(),
+                            },
+                            HashMap::new(),
+                        ));
+                        bundles.len() - 1
+                    }
+                };
+                let (_, b, seen) = &mut bundles[at];
+                if pk.data.len() % width != 0 {
+                    return Err(format!(
+                        "a packet of {} values is not rows of {width}",
+                        pk.data.len()
+                    ));
+                }
+                let mut idx = Vec::with_capacity(pk.data.len() / width);
+                for row in pk.data.chunks(width) {
+                    let key: Vec<u64> = row.iter().map(|x| x.f64().to_bits()).collect();
+                    let n = (b.rows.len() / width) as u32;
+                    let i = *seen.entry(key).or_insert_with(|| {
+                        b.rows.extend_from_slice(row);
+                        n
+                    });
+                    idx.push(i);
+                }
+                b.dests.push((*to, idx, pk.meta));
+            }
+            for (node, b, _) in bundles {
+                let relay = self.relay(group, me, node);
+                let idx: usize = b.dests.iter().map(|d| d.1.len() + d.2.len()).sum();
+                let bytes = (b.rows.len() * std::mem::size_of::<T>() + idx * 4) as u64;
+                self.count_inter(bytes, phase);
+                self.send(relay, hop.clone(), Body::Bundle(b));
+            }
+            *posted = true;
+        }
+        // Relay the bundles that have come for this node.
+        self.drain();
+        for src in group.iter().copied() {
+            if mesh.node_of(src) == my_node || self.relay(group, src, my_node) != me {
+                continue;
+            }
+            if let Some(body) = self.take(src, &hop) {
+                let Body::Bundle(b) = body else {
+                    return Err("a relayed all-to-all message is not a bundle".into());
+                };
+                for (to, idx, meta) in b.dests {
+                    let mut data = Vec::with_capacity(idx.len() * b.width);
+                    for i in idx {
+                        let i = i as usize;
+                        data.extend_from_slice(&b.rows[i * b.width..(i + 1) * b.width]);
+                    }
+                    let pk = Packet { data, meta };
+                    self.count_packet(to, &pk, phase);
+                    self.send(to, Tag::A2aFwd(stage, mb, layer, phase, src), Body::Packet(pk));
+                }
+            }
+        }
+        self.drain();
+        let from = |r: &Self, src: u32| {
+            if mesh.node_of(src) == my_node {
+                (src, direct.clone())
+            } else {
+                (
+                    r.relay(group, src, my_node),
+                    Tag::A2aFwd(stage, mb, layer, phase, src),
+                )
+            }
+        };
+        let missing: Vec<u32> = group
+            .iter()
+            .copied()
+            .filter(|src| {
+                let (f, t) = from(self, *src);
+                !self.has(f, &t)
+            })
+            .collect();
+        if !missing.is_empty() {
+            return Ok(Ready::Blocked(format!(
+                "the {phase:?} all-to-all (hierarchical) of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
+            )));
+        }
+        let mut inbox = Vec::with_capacity(group.len());
+        for src in group.iter().copied() {
+            let (f, t) = from(self, src);
+            match self.take(f, &t) {
+                Some(Body::Packet(p)) => inbox.push(p),
+                _ => return Err("an all-to-all message is not a packet".into()),
+            }
+        }
+        let mut st = self.take_stash(sb)?;
+        st.inbox = inbox;
+        self.put(sb, Value::Stash(st))?;
+        Ok(Ready::Done)
+    }
+
     /// Every tensor of `p` by name, as f64; with TP the split tensors under their
     /// [`tp_shard_name`].
     fn named(&self, p: &StageParams<T>) -> Named {
@@ -958,7 +1267,7 @@ impl<T: Real> Device for Rank<'_, T> {
         } else {
             0.0
         };
-        self.report(Report::Loss(step, loss));
+        self.report(Report::Loss(step, self.prog.rank, loss));
         // A streamed trace holds a step of spans per rank, not the whole run's.
         if self.sh.opts.trace && !self.spans.is_empty() {
             let spans = std::mem::take(&mut self.spans);
@@ -1090,6 +1399,7 @@ fn run_rank<T: Real>(
         loss: 0.0,
         spans: Vec::new(),
         posted_at: vec![None; prog.streams.len()],
+        traffic: Traffic::default(),
     };
     let opts = InterpOptions {
         steps: sh.opts.steps,
@@ -1103,6 +1413,7 @@ fn run_rank<T: Real>(
         }
     }
     rank.report(Report::Ops(ops));
+    rank.report(Report::Traffic(rank.traffic));
     if sh.opts.trace && !rank.spans.is_empty() {
         let spans = std::mem::take(&mut rank.spans);
         rank.report(Report::Trace(spans));
@@ -1152,6 +1463,7 @@ pub fn execute<T: Real>(
         ..ExecResult::default()
     };
     let mut stopped: Vec<(ExecError, Instant)> = Vec::new();
+    let mut per_rank: Vec<Vec<(u32, f64)>> = vec![Vec::new(); opts.steps];
     std::thread::scope(|scope| {
         let sh = &sh;
         let handles: Vec<_> = rxs
@@ -1178,8 +1490,9 @@ pub fn execute<T: Real>(
         while done_threads < world {
             match rep_rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(Report::Exit) => done_threads += 1,
-                Ok(Report::Loss(step, l)) => {
+                Ok(Report::Loss(step, r, l)) => {
                     result.losses[step] += l;
+                    per_rank[step].push((r, l));
                     seen[step] += 1;
                     while next_step < opts.steps && seen[next_step] == world {
                         if let Some(f) = &opts.on_step {
@@ -1191,6 +1504,7 @@ pub fn execute<T: Real>(
                 Ok(Report::Grads(step, r, s, named)) => result.grads[step].push((r, s, named)),
                 Ok(Report::Params(r, s, named)) => result.params.push((r, s, named)),
                 Ok(Report::Ops(n)) => result.instructions += n,
+                Ok(Report::Traffic(t)) => result.traffic.add(&t),
                 Ok(Report::Trace(t)) => take_spans(opts, &mut result.trace, t),
                 Err(_) => {
                     // A thread that died without reporting (it cannot: the exit report is
@@ -1203,10 +1517,14 @@ pub fn execute<T: Real>(
         }
         while let Ok(r) = rep_rx.try_recv() {
             match r {
-                Report::Loss(step, l) => result.losses[step] += l,
+                Report::Loss(step, r, l) => {
+                    result.losses[step] += l;
+                    per_rank[step].push((r, l));
+                }
                 Report::Grads(step, r, s, named) => result.grads[step].push((r, s, named)),
                 Report::Params(r, s, named) => result.params.push((r, s, named)),
                 Report::Ops(n) => result.instructions += n,
+                Report::Traffic(t) => result.traffic.add(&t),
                 Report::Trace(t) => take_spans(opts, &mut result.trace, t),
                 Report::Exit => {}
             }
@@ -1219,6 +1537,12 @@ pub fn execute<T: Real>(
     });
     result.seconds = start.elapsed().as_secs_f64();
     sh.abort.outcome(stopped)?;
+    // The step loss summed in rank order (the running sum above, in arrival order, is only
+    // for the progress callback), so that equal runs report equal losses bit for bit.
+    for (step, mut v) in per_rank.into_iter().enumerate() {
+        v.sort_by_key(|x| x.0);
+        result.losses[step] = v.iter().map(|x| x.1).sum();
+    }
     for p in result.grads.iter_mut() {
         p.sort_by_key(|(r, s, _)| (*r, *s));
     }

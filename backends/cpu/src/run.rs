@@ -1,7 +1,7 @@
 //! The entry point of `schedc run ... --backend cpu` ([`run`]).
 
 use crate::exec::{
-    compare, execute, reference, Batching, Comparison, Data, ExecOptions, OnStep, Optimizer,
+    compare, execute, reference, A2aMode, Batching, Comparison, Data, ExecOptions, OnStep, Optimizer,
     Reference, RunFailure, SpanSink,
 };
 use crate::tensor::Real;
@@ -63,6 +63,8 @@ pub struct RunConfig {
     /// e.g. a [`crate::exec::ChromeTraceWriter`] on the trace file) instead of keeping them
     /// all for [`RunReport::trace`] (which is then `None`).
     pub trace_sink: Option<SpanSink>,
+    /// `--a2a`: how the expert-parallel all-to-alls cross nodes (the mesh's `node=K`).
+    pub a2a: A2aMode,
 }
 
 impl Default for RunConfig {
@@ -79,8 +81,18 @@ impl Default for RunConfig {
             progress: false,
             trace: false,
             trace_sink: None,
+            a2a: A2aMode::Flat,
         }
     }
+}
+
+/// Bytes (or messages) by network level.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ByLevel {
+    /// Between ranks of one node (NVLink).
+    pub intra_node: u64,
+    /// Between nodes (the scale-out network).
+    pub inter_node: u64,
 }
 
 /// Where `--verify` found the largest differences.
@@ -307,6 +319,18 @@ pub struct RunReport {
     pub verify: Option<Verification>,
     /// Wall seconds of the pipelined run.
     pub seconds: f64,
+    /// `--a2a`.
+    pub a2a: A2aMode,
+    /// Bytes the expert-parallel all-to-alls moved over the whole run, by level (nodes of
+    /// the mesh's `node=K`; a rank's packets for itself not counted).
+    pub a2a_bytes: ByLevel,
+    /// Messages of the expert-parallel all-to-alls, by level.
+    pub a2a_messages: ByLevel,
+    /// Of the inter-node bytes, the forward dispatch's.
+    pub dispatch_inter_node_bytes: u64,
+    /// Bytes the tensor-parallel all-reduces moved (each member's partial sums to every
+    /// other member), by level.
+    pub tp_bytes: ByLevel,
     /// With [`RunConfig::trace`]: the Chrome trace JSON of the pipelined run
     /// ([`crate::exec::chrome_trace`]); not part of the report's JSON.
     #[serde(skip)]
@@ -351,6 +375,25 @@ impl RunReport {
                 )
             }
             _ => {}
+        }
+        if self.a2a_messages.intra_node + self.a2a_messages.inter_node > 0 {
+            s += &format!(
+                "all-to-all ({}): {} B inside nodes, {} B between nodes ({} messages; dispatch {} B)\n",
+                match self.a2a {
+                    A2aMode::Flat => "flat",
+                    A2aMode::Hierarchical => "hierarchical",
+                },
+                self.a2a_bytes.intra_node,
+                self.a2a_bytes.inter_node,
+                self.a2a_messages.inter_node,
+                self.dispatch_inter_node_bytes,
+            );
+        }
+        if self.tp_bytes.intra_node + self.tp_bytes.inter_node > 0 {
+            s += &format!(
+                "tensor-parallel all-reduces: {} B inside nodes, {} B between nodes\n",
+                self.tp_bytes.intra_node, self.tp_bytes.inter_node
+            );
         }
         s += &format!("pipelined: {:.3} s", self.seconds);
         if let Some(v) = &self.verify {
@@ -549,6 +592,7 @@ fn run_typed<T: Real>(
         trace: cfg.trace,
         trace_sink: cfg.trace_sink.clone(),
         on_step,
+        a2a: cfg.a2a,
         ..ExecOptions::default()
     };
     let res = execute::<T>(set, data, &opts);
@@ -575,6 +619,20 @@ fn run_typed<T: Real>(
         loss: res.losses.clone(),
         verify: None,
         seconds: res.seconds,
+        a2a: cfg.a2a,
+        a2a_bytes: ByLevel {
+            intra_node: res.traffic.a2a_intra_bytes,
+            inter_node: res.traffic.a2a_inter_bytes,
+        },
+        a2a_messages: ByLevel {
+            intra_node: res.traffic.a2a_intra_messages,
+            inter_node: res.traffic.a2a_inter_messages,
+        },
+        dispatch_inter_node_bytes: res.traffic.dispatch_inter_bytes,
+        tp_bytes: ByLevel {
+            intra_node: res.traffic.tp_bytes - res.traffic.tp_inter_bytes,
+            inter_node: res.traffic.tp_inter_bytes,
+        },
         trace: (cfg.trace && cfg.trace_sink.is_none())
             .then(|| crate::exec::chrome_trace(&res.trace)),
     };

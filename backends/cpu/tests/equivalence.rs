@@ -5,7 +5,7 @@
 
 use schedc::input::{load_spec, Overrides};
 use schedc_cpu::exec::{
-    compare, execute, reference, Batching, Comparison, Data, ExecOptions, Optimizer,
+    compare, execute, reference, A2aMode, Batching, Comparison, Data, ExecOptions, Optimizer,
 };
 use schedc_cpu::model::properties::kpe_shared_across_heads;
 use schedc_cpu::model::ModelConfig;
@@ -1007,4 +1007,60 @@ fn moe_rolling_interleave_equals_sequential() {
         e.to_string(),
         "unsupported: rank 0: the MoE parts of F(7,0) and B(7,0) interleave, but one needs the other's result; with 2 layers per stage the CPU backend runs interleaved parts layer by layer, so only independent ops may interleave"
     );
+}
+
+/// Issue 23: the hierarchical all-to-all (`run --a2a hierarchical`, DeepSeek-V3's two-level
+/// dispatch) trains exactly like the flat one (bit for bit: losses, gradients, parameters) at
+/// `pp=2,ep=8,node=4` with top-4 routing over 8 experts, whole ops and MoE parts (its
+/// all-to-alls on the EP stream), and sends fewer bytes and messages between nodes.
+#[test]
+fn hierarchical_all_to_all_equals_flat_exactly_and_crosses_nodes_less() {
+    let cfg = ModelConfig {
+        experts: 8,
+        top_k: 4,
+        ..ModelConfig::tiny()
+    };
+    let mesh: Mesh = "pp=2,ep=8,node=4".parse().unwrap();
+    let data = Data::builtin();
+    for (name, src) in [
+        ("1f1b", spec("1f1b", 2, 4, None).unwrap()),
+        ("dualpipev --moe", moe_spec("dualpipev", 2, 4, None, "all").unwrap()),
+    ] {
+        let set = ProgramSet::lower(&src, &mesh, &cfg, LowerOptions::default()).unwrap();
+        let run = |a2a| {
+            let opts = ExecOptions {
+                steps: 2,
+                optimizer: Optimizer::Sgd { lr: 0.2 },
+                record: true,
+                a2a,
+                ..ExecOptions::default()
+            };
+            execute::<f64>(&set, &data, &opts).unwrap()
+        };
+        let flat = run(A2aMode::Flat);
+        let hier = run(A2aMode::Hierarchical);
+        assert_eq!(flat.losses, hier.losses, "{name}");
+        assert_eq!(flat.grads, hier.grads, "{name}");
+        assert_eq!(flat.params, hier.params, "{name}");
+        let (f, h) = (flat.traffic, hier.traffic);
+        println!("{name}: flat {f:?}\n{name}: hierarchical {h:?}");
+        println!(
+            "{name}: inter-node bytes flat/hierarchical {:.2}, messages {:.2}",
+            f.a2a_inter_bytes as f64 / h.a2a_inter_bytes as f64,
+            f.a2a_inter_messages as f64 / h.a2a_inter_messages as f64
+        );
+        // Each rank sends one message per other node instead of one per member there (4).
+        assert_eq!(f.a2a_inter_messages, 4 * h.a2a_inter_messages, "{name}");
+        println!(
+            "{name}: dispatch inter-node bytes flat/hierarchical {:.2}",
+            f.dispatch_inter_bytes as f64 / h.dispatch_inter_bytes as f64
+        );
+        assert!(h.a2a_inter_bytes < f.a2a_inter_bytes, "{name}: {h:?} {f:?}");
+        assert!(
+            h.dispatch_inter_bytes * 3 < f.dispatch_inter_bytes * 2,
+            "{name}: {h:?} {f:?}"
+        );
+        // Relaying inside the destination node adds intra-node traffic.
+        assert!(h.a2a_intra_bytes > f.a2a_intra_bytes, "{name}");
+    }
 }

@@ -369,6 +369,7 @@ pub fn as_exec_result(r: &GpuResult) -> ExecResult {
         seconds: r.seconds,
         instructions: r.instructions,
         trace: Vec::new(),
+        traffic: Default::default(),
     }
 }
 
