@@ -541,7 +541,10 @@ fn run_hierarchical_all_to_all_reports_bytes_by_level() {
     let f: serde_json::Value = serde_json::from_slice(&f.stdout).unwrap();
     let h: serde_json::Value = serde_json::from_slice(&h.stdout).unwrap();
     assert_eq!(f["loss"], h["loss"]);
-    assert_eq!((f["a2a"].as_str(), h["a2a"].as_str()), (Some("flat"), Some("hierarchical")));
+    assert_eq!(
+        (f["a2a"].as_str(), h["a2a"].as_str()),
+        (Some("flat"), Some("hierarchical"))
+    );
     let n = |v: &serde_json::Value, k: &str, l: &str| v[k][l].as_u64().unwrap();
     assert_eq!(
         n(&f, "a2a_messages", "inter_node"),

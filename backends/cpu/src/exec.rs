@@ -1121,7 +1121,9 @@ impl<'a, T: Real> Rank<'a, T> {
                     group.len()
                 ));
             }
-            let mut bundles: Vec<(u32, Bundle<T>, HashMap<Vec<u64>, u32>)> = Vec::new();
+            // Per other node: its bundle, and each distinct row's index in it (by bits).
+            type Rows = HashMap<Vec<u64>, u32>;
+            let mut bundles: Vec<(u32, Bundle<T>, Rows)> = Vec::new();
             for (to, pk) in group.iter().zip(out) {
                 let node = mesh.node_of(*to);
                 if node == my_node {
@@ -1190,7 +1192,11 @@ impl<'a, T: Real> Rank<'a, T> {
                     }
                     let pk = Packet { data, meta };
                     self.count_packet(to, &pk, phase);
-                    self.send(to, Tag::A2aFwd(stage, mb, layer, phase, src), Body::Packet(pk));
+                    self.send(
+                        to,
+                        Tag::A2aFwd(stage, mb, layer, phase, src),
+                        Body::Packet(pk),
+                    );
                 }
             }
         }

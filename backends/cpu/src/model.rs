@@ -397,9 +397,7 @@ pub enum TpSplit {
 /// or `None` for a replicated one.
 pub fn tp_split(cfg: &ModelConfig, name: &str) -> Option<TpSplit> {
     let h = cfg.heads;
-    let Some((_, leaf)) = name.split_once('.') else {
-        return None;
-    };
+    let (_, leaf) = name.split_once('.')?;
     match leaf {
         "wuq" | "wuk" => Some(TpSplit::Columns(h * cfg.qk_nope_head_dim)),
         "wqr" => Some(TpSplit::Columns(h * cfg.qk_rope_head_dim)),
@@ -1298,12 +1296,7 @@ impl<T: Real> StageKernels<'_, T> {
     /// (`inference/model.py`, `q_norm`, `kv_norm`; DeepSeek-V2 §3.1.2).
     pub fn fwd_qkv(&self, l: usize, st: &mut Stash<T>) {
         let cfg = self.cfg;
-        let (d, qr, kvr, sh) = (
-            cfg.hidden,
-            cfg.q_lora_rank,
-            cfg.kv_lora_rank,
-            self.sh(),
-        );
+        let (d, qr, kvr, sh) = (cfg.hidden, cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
         let (h, eps) = (sh.heads, cfg.norm_eps);
         let p = &self.params.layers[l];
         let x = std::mem::take(&mut st.x);
@@ -1720,12 +1713,7 @@ impl<T: Real> StageKernels<'_, T> {
     /// reduce-scatter; [`StageKernels::bwd_qkv`] sums them).
     pub fn bwd_attn(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, e, kvr, sh) = (
-            cfg.hidden,
-            cfg.experts,
-            cfg.kv_lora_rank,
-            self.sh(),
-        );
+        let (d, e, kvr, sh) = (cfg.hidden, cfg.experts, cfg.kv_lora_rank, self.sh());
         let h = sh.heads;
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
@@ -1814,12 +1802,7 @@ impl<T: Real> StageKernels<'_, T> {
     /// wrong size.
     pub fn bwd_qkv(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, qr, kvr, sh) = (
-            cfg.hidden,
-            cfg.q_lora_rank,
-            cfg.kv_lora_rank,
-            self.sh(),
-        );
+        let (d, qr, kvr, sh) = (cfg.hidden, cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
         let (h, kw) = (sh.heads, sh.kpe_width());
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
@@ -1867,12 +1850,7 @@ impl<T: Real> StageKernels<'_, T> {
     /// the gradient w.r.t. the layer input. Errors: a reduced gradient of the wrong size.
     pub fn bwd_qkv_post(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, qr, kvr, sh) = (
-            cfg.hidden,
-            cfg.q_lora_rank,
-            cfg.kv_lora_rank,
-            self.sh(),
-        );
+        let (d, qr, kvr, sh) = (cfg.hidden, cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
         let kw = sh.kpe_width();
         let p = &self.params.layers[l];
         let red = std::mem::take(&mut st.tp_in);

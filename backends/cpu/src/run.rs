@@ -1,8 +1,8 @@
 //! The entry point of `schedc run ... --backend cpu` ([`run`]).
 
 use crate::exec::{
-    compare, execute, reference, A2aMode, Batching, Comparison, Data, ExecOptions, OnStep, Optimizer,
-    Reference, RunFailure, SpanSink,
+    compare, execute, reference, A2aMode, Batching, Comparison, Data, ExecOptions, OnStep,
+    Optimizer, Reference, RunFailure, SpanSink,
 };
 use crate::tensor::Real;
 use schedc_ir::Program;

@@ -330,7 +330,10 @@ fn silent_failure_tp_input_gradient_all_reduce_is_needed() {
         .filter(|(rank, _, _)| *rank == 1)
         .flat_map(|(_, _, named)| named.iter().map(|(n, _)| n.as_str()))
         .collect();
-    assert!(names.contains(&"layer0.wuq[tp 1/2 columns 16]"), "{names:?}");
+    assert!(
+        names.contains(&"layer0.wuq[tp 1/2 columns 16]"),
+        "{names:?}"
+    );
     assert!(names.contains(&"layer0.wo[tp 1/2 rows]"), "{names:?}");
     assert!(names.contains(&"layer0.wdq"), "{names:?}");
     let c = compare(&good, &r).unwrap();
@@ -1024,7 +1027,10 @@ fn hierarchical_all_to_all_equals_flat_exactly_and_crosses_nodes_less() {
     let data = Data::builtin();
     for (name, src) in [
         ("1f1b", spec("1f1b", 2, 4, None).unwrap()),
-        ("dualpipev --moe", moe_spec("dualpipev", 2, 4, None, "all").unwrap()),
+        (
+            "dualpipev --moe",
+            moe_spec("dualpipev", 2, 4, None, "all").unwrap(),
+        ),
     ] {
         let set = ProgramSet::lower(&src, &mesh, &cfg, LowerOptions::default()).unwrap();
         let run = |a2a| {

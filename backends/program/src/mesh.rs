@@ -256,7 +256,9 @@ impl std::str::FromStr for Mesh {
             dims.push((d, n));
         }
         if dims.is_empty() {
-            return Err(err("only `node` given; expected NAME=SIZE pairs such as pp=4,dp=2".into()));
+            return Err(err(
+                "only `node` given; expected NAME=SIZE pairs such as pp=4,dp=2".into(),
+            ));
         }
         let mut m = Mesh::from_dims(dims).map_err(err)?;
         m.node = node;
@@ -641,13 +643,19 @@ mod tests {
         let n: Mesh = "pp=2,ep=8,node=4".parse().unwrap();
         assert_eq!(n.to_string(), "pp=2,ep=8,dp=1,tp=1,sp=1,node=4");
         assert_eq!((n.node_size(), n.node_of(5), n.node_of(11)), (4, 1, 2));
-        let f8 = Fit { experts: 8, ..fit(2) };
+        let f8 = Fit {
+            experts: 8,
+            ..fit(2)
+        };
         assert!(n.validate(None, &f8).is_ok());
         let n3: Mesh = "pp=2,ep=8,node=3".parse().unwrap();
         let e = n3.validate(None, &f8).unwrap_err().to_string();
         assert!(e.contains("node=3 does not divide the 16 ranks"), "{e}");
         let n6: Mesh = "pp=3,ep=4,node=6".parse().unwrap();
-        let e = n6.validate(None, &Fit { pp: 3, ..f8 }).unwrap_err().to_string();
+        let e = n6
+            .validate(None, &Fit { pp: 3, ..f8 })
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("node=6 neither divides ep=4 nor is a multiple of it"),
             "{e}"

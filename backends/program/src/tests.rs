@@ -775,7 +775,10 @@ fn tensor_parallel_collectives_are_ops_of_their_own_stream() {
             let group = mesh.tp_group(rp.rank).unwrap();
             let mut n = [0usize; 4];
             for op in &tp.ops {
-                if let Op::TpCollective { phase, group: g, .. } = op {
+                if let Op::TpCollective {
+                    phase, group: g, ..
+                } = op
+                {
                     assert_eq!(g, &group);
                     n[*phase as usize] += 1;
                 }
