@@ -62,6 +62,12 @@ pub struct Args {
     /// gives the bytes by level (`a2a_bytes`).
     #[arg(long, value_enum, default_value = "flat")]
     pub a2a: A2a,
+    /// CPU: Megatron-LM's sequence parallelism inside the TP group (needs tp > 1 in --mesh):
+    /// each TP rank keeps 1/tp of the tokens between the TP collectives (norms, residuals,
+    /// router, routed experts on the shard), which become all-gathers and reduce-scatters.
+    /// The mesh's `sp` is the other kind: it splits each sequence over its own ranks.
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// CPU: routed experts per MoE layer of the model (default: 4).
     #[arg(long)]
     pub experts: Option<usize>,
@@ -192,8 +198,14 @@ pub fn run(args: Args) -> ExitCode {
         if args.trace.is_some() {
             return usage("--trace is for --backend cpu");
         }
-        if args.a2a != A2a::Flat || args.experts.is_some() || args.top_k.is_some() {
-            return usage("--a2a, --experts and --top-k are for --backend cpu");
+        if args.a2a != A2a::Flat
+            || args.experts.is_some()
+            || args.top_k.is_some()
+            || args.sequence_parallel
+        {
+            return usage(
+                "--a2a, --experts, --top-k and --sequence-parallel are for --backend cpu",
+            );
         }
         // Before the schedule is loaded and before NVRTC is.
         if let Some(a) = &args.arch {
@@ -267,6 +279,7 @@ pub fn run(args: Args) -> ExitCode {
         mesh,
         dtype,
         model,
+        sequence_parallel: args.sequence_parallel,
         a2a: match args.a2a {
             A2a::Flat => schedc_cpu::exec::A2aMode::Flat,
             A2a::Hierarchical => schedc_cpu::exec::A2aMode::Hierarchical,

@@ -562,3 +562,55 @@ fn run_hierarchical_all_to_all_reports_bytes_by_level() {
         stderr(&bad)
     );
 }
+
+/// Issue 23: `run --sequence-parallel` (Megatron's sequence parallelism inside the TP
+/// group) equals sequential training at `pp=2,tp=2` and with the mesh's `sp=2`; without a
+/// TP group it is refused (exit 2) and says which `sp` is which.
+#[test]
+fn run_sequence_parallel_in_the_tp_group() {
+    let run = |mesh: &str| {
+        bin()
+            .args([
+                "run",
+                "specs/1f1b.sched",
+                "--pp",
+                "2",
+                "--mb",
+                "2",
+                "--steps",
+                "2",
+                "--verify",
+                "--sequence-parallel",
+                "--format",
+                "json",
+                "--mesh",
+                mesh,
+            ])
+            .output()
+            .unwrap()
+    };
+    for mesh in ["pp=2,tp=2", "pp=2,tp=2,sp=2"] {
+        let out = run(mesh);
+        assert_ok(&out);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(
+            v["max_rel_grad_err"].as_f64().unwrap() < 1e-10,
+            "{mesh}: {v}"
+        );
+        assert!(
+            v["max_rel_param_err"].as_f64().unwrap() < 1e-10,
+            "{mesh}: {v}"
+        );
+        assert!(
+            v["tp_bytes"]["intra_node"].as_u64().unwrap() > 0,
+            "{mesh}: {v}"
+        );
+    }
+    let out = run("pp=2,sp=2");
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("it needs tp > 1") && stderr(&out).contains("the mesh's `sp`"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -35,7 +35,7 @@ pub use schedc_program::data::{Batching, Data};
 use schedc_program::interp::{self, Cursor, Device, InterpOptions, Ready};
 pub use schedc_program::interp::{Abort, At, ExecError, RunFailure, POLL};
 use schedc_program::mesh::Dim;
-use schedc_program::{A2a, Buf, LocalStage, Op, Part, Pass, ProgramSet, RankProgram, Tp};
+use schedc_program::{A2a, Buf, LocalStage, Op, Part, Pass, ProgramSet, RankProgram, Tp, TpKind};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -337,14 +337,13 @@ fn span_of(op: &Op) -> (&'static str, Option<String>) {
         Op::TpCollective {
             stage, mb, phase, ..
         } => {
-            let pass = match phase {
-                Tp::AttnOut | Tp::MlpOut => "F",
-                Tp::MlpInGrad | Tp::AttnInGrad => "B",
-            };
+            let pass = if phase.forward() { "F" } else { "B" };
             ("tp", Some(format!("{pass}({stage},{mb})")))
         }
         Op::Send { .. } | Op::Recv { .. } => ("p2p", None),
-        Op::ReplicaSum { .. } | Op::AllReduce { .. } => ("reduce", None),
+        Op::ReplicaSum { .. } | Op::AllReduce { .. } | Op::TpGradAllReduce { .. } => {
+            ("reduce", None)
+        }
         _ => ("optimizer", None),
     }
 }
@@ -427,6 +426,7 @@ enum Tag {
     /// node by its peer.
     A2aFwd(u32, u32, u32, A2a, u32),
     Tp(u32, u32, u32, Tp),
+    TpGrad(u32),
     Replica(u32),
     AllReduce(u32, Scope),
 }
@@ -498,6 +498,8 @@ struct Rank<'a, T> {
     sp: usize,
     /// Size of the TP group.
     tp: usize,
+    /// Megatron sequence parallelism inside the TP group.
+    seq_par: bool,
     stages: Vec<StageState<T>>,
     bufs: HashMap<Buf, Value<T>>,
     mailbox: HashMap<Key, VecDeque<Body<T>>>,
@@ -633,8 +635,13 @@ impl<'a, T: Real> Rank<'a, T> {
             .index(self.step, self.prog.data_shard as usize, gmb);
         let (tokens, targets) = self.sh.data.sequence(idx, self.cfg.seq_len)?;
         // This rank's sequence-parallel chunk.
-        let c = self.cfg.seq_len / self.sp;
-        let lo = self.prog.coords.sp as usize * c;
+        let mut c = self.cfg.seq_len / self.sp;
+        let mut lo = self.prog.coords.sp as usize * c;
+        if self.seq_par {
+            // This TP member's shard of the chunk.
+            c /= self.tp;
+            lo += self.prog.coords.tp as usize * c;
+        }
         let (tokens, targets) = (tokens[lo..lo + c].to_vec(), targets[lo..lo + c].to_vec());
         let scale = 1.0 / self.sh.batching.tokens(self.cfg.seq_len) as f64;
         let k = self.kernels(si);
@@ -654,6 +661,8 @@ impl<'a, T: Real> Rank<'a, T> {
             pos0: self.prog.coords.sp as usize * (self.cfg.seq_len / self.sp),
             route_groups: 1,
             tp: self.tp,
+            tp_rank: self.prog.coords.tp as usize,
+            sequence_parallel: self.seq_par,
         }
     }
 
@@ -694,6 +703,8 @@ impl<'a, T: Real> Rank<'a, T> {
             pos0,
             route_groups: 1,
             tp: self.tp,
+            tp_rank: self.prog.coords.tp as usize,
+            sequence_parallel: self.seq_par,
         };
         let mut out: Option<(Buf, Vec<T>)> = None;
         match (k.pass, k.part) {
@@ -715,6 +726,13 @@ impl<'a, T: Real> Rank<'a, T> {
                 kern.fwd_attn_post(l, &mut st, &stage.routers[l], &mut g.loads[l])?;
             }
             (Pass::F, Part::Qkv { layer }) => kern.fwd_qkv(layer as usize, &mut st),
+            (Pass::F, Part::QkvPost { layer }) => kern.fwd_qkv_post(layer as usize, &mut st)?,
+            (Pass::F, Part::Shared { layer }) => kern.fwd_shared(layer as usize, &mut st)?,
+            (Pass::B, Part::Shared { layer }) => kern.bwd_shared(layer as usize, &mut st)?,
+            (Pass::B, Part::AttnPost { layer }) => kern.bwd_attn_post(layer as usize, &mut st)?,
+            (Pass::B, Part::Attn { layer }) if self.seq_par => {
+                kern.bwd_attn_gathered(layer as usize, &mut st)?
+            }
             (Pass::F, Part::Experts { layer }) => kern.fwd_experts(layer as usize, &mut st)?,
             (Pass::F, Part::Combine { layer }) => {
                 kern.fwd_combine(layer as usize, &mut st)?;
@@ -881,7 +899,12 @@ impl<'a, T: Real> Rank<'a, T> {
                     let mut st = self.take_stash(sb)?;
                     let part = std::mem::take(&mut st.tp_out);
                     self.put(sb, Value::Stash(st))?;
-                    let bytes = (part.len() * std::mem::size_of::<T>()) as u64;
+                    // A reduce-scatter's member needs only its shard of each partial.
+                    let n = match phase.kind() {
+                        TpKind::ReduceScatter => part.len() / group.len().max(1),
+                        _ => part.len(),
+                    };
+                    let bytes = (n * std::mem::size_of::<T>()) as u64;
                     let mesh = &self.sh.set.manifest.mesh;
                     for to in group.iter().filter(|m| **m != me) {
                         self.traffic.tp_bytes += bytes;
@@ -902,30 +925,48 @@ impl<'a, T: Real> Rank<'a, T> {
                 let missing = self.missing_from(group, &tag);
                 if !missing.is_empty() {
                     return Ok(Ready::Blocked(format!(
-                        "the {phase:?} tensor-parallel all-reduce of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
+                        "the {phase:?} tensor-parallel collective of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
                     )));
                 }
-                // Sum in group order: every member adds the same numbers in the same order.
-                let mut sum: Option<Vec<T>> = None;
+                let mut parts = Vec::with_capacity(group.len());
                 for m in group {
                     let Some(Body::Tensor(t)) = self.take(*m, &tag) else {
                         return Err("a tensor-parallel message is not a tensor".into());
                     };
-                    match &mut sum {
-                        None => sum = Some(t),
-                        Some(acc) if acc.len() == t.len() => add_into(acc, &t),
-                        Some(acc) => {
-                            return Err(format!(
-                                "{phase:?} all-reduce: rank {m} sent {} values, expected {}",
-                                t.len(),
-                                acc.len()
-                            ))
-                        }
-                    }
+                    parts.push(t);
                 }
                 let mut st = self.take_stash(sb)?;
-                st.tp_in = sum.unwrap_or_default();
+                st.tp_in = tp_combine(*phase, parts, group, me)?;
                 self.put(sb, Value::Stash(st))?;
+            }
+            Op::TpGradAllReduce { stage, group } => {
+                let tag = Tag::TpGrad(*stage);
+                if !*posted {
+                    let g = self.take_grads(*stage)?;
+                    let v = self.replicated_grads(&g);
+                    self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
+                    for m in group {
+                        self.send(*m, tag.clone(), Body::Tensor(v.clone()));
+                    }
+                    *posted = true;
+                }
+                let missing = self.missing_from(group, &tag);
+                if !missing.is_empty() {
+                    return Ok(Ready::Blocked(format!(
+                        "the shard gradients of stage {stage} from TP ranks {missing:?}"
+                    )));
+                }
+                let mut parts = Vec::with_capacity(group.len());
+                for m in group {
+                    let Some(Body::Tensor(t)) = self.take(*m, &tag) else {
+                        return Err("a TP gradient message is not a tensor".into());
+                    };
+                    parts.push(t);
+                }
+                let sum = tp_combine(Tp::AttnOut, parts, group, me)?;
+                let mut g = self.take_grads(*stage)?;
+                self.set_replicated_grads(&mut g, &sum)?;
+                self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
             }
             Op::ReplicaSum {
                 stage,
@@ -1238,6 +1279,53 @@ impl<'a, T: Real> Rank<'a, T> {
         Ok(Ready::Done)
     }
 
+    /// The tensors of `g` that the TP group does not split (both scopes, visit order), then
+    /// the load counts: what a sequence-parallel member computed on its shard only.
+    fn replicated_grads(&self, g: &Grads<T>) -> Vec<T> {
+        let mut v = Vec::new();
+        g.params.visit(&mut |n, _, t| {
+            if tp_split(self.cfg, n).is_none() {
+                v.extend_from_slice(t);
+            }
+        });
+        for l in &g.loads {
+            v.extend_from_slice(l);
+        }
+        v
+    }
+
+    /// Inverse of [`Self::replicated_grads`].
+    fn set_replicated_grads(&self, g: &mut Grads<T>, v: &[T]) -> Result<(), String> {
+        let mut at = 0;
+        let cfg = self.cfg;
+        let mut short = false;
+        g.params.visit_mut(&mut |n, _, t| {
+            if tp_split(cfg, n).is_none() {
+                let k = t.len();
+                match v.get(at..at + k) {
+                    Some(src) => t.copy_from_slice(src),
+                    None => short = true,
+                }
+                at += k;
+            }
+        });
+        for l in &mut g.loads {
+            let k = l.len();
+            match v.get(at..at + k) {
+                Some(src) => l.copy_from_slice(src),
+                None => short = true,
+            }
+            at += k;
+        }
+        if short || at != v.len() {
+            return Err(format!(
+                "the TP gradient sum has {} values, expected {at}",
+                v.len()
+            ));
+        }
+        Ok(())
+    }
+
     /// Every tensor of `p` by name, as f64; with TP the split tensors under their
     /// [`tp_shard_name`].
     fn named(&self, p: &StageParams<T>) -> Named {
@@ -1267,8 +1355,9 @@ impl<T: Real> Device for Rank<'_, T> {
     }
 
     fn end_step(&mut self, step: usize) -> Result<(), String> {
-        // Every TP member computes the same loss: the first one reports it.
-        let loss = if self.prog.coords.tp == 0 {
+        // Every TP member computes the same loss: the first one reports it (with sequence
+        // parallelism each computes its shard's).
+        let loss = if self.prog.coords.tp == 0 || self.seq_par {
             self.loss
         } else {
             0.0
@@ -1396,6 +1485,7 @@ fn run_rank<T: Real>(
         ep: sh.set.manifest.mesh.size(Dim::Ep) as usize,
         sp: sh.set.manifest.mesh.size(Dim::Sp) as usize,
         tp,
+        seq_par: sh.set.manifest.sequence_parallel,
         stages,
         bufs: HashMap::new(),
         mailbox: HashMap::new(),
@@ -1615,6 +1705,8 @@ pub fn reference<T: Real>(
                         pos0: 0,
                         route_groups: batching.sp.max(1),
                         tp: 1,
+                        tp_rank: 0,
+                        sequence_parallel: false,
                     };
                     let mut st = kern.new_stash(
                         if k == 0 { tokens.clone() } else { Vec::new() },
@@ -1646,6 +1738,8 @@ pub fn reference<T: Real>(
                         pos0: 0,
                         route_groups: batching.sp.max(1),
                         tp: 1,
+                        tp_rank: 0,
+                        sequence_parallel: false,
                     };
                     let st = &mut stashes[k];
                     stage_backward_local(&kern, st, dy.take())?;
@@ -1776,6 +1870,41 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
         }
     }
     Ok(c)
+}
+
+/// What a TP collective leaves on member `me` from the members' partials (group order):
+/// the sum (all-reduce, added in group order), the concatenation (all-gather), or `me`'s
+/// shard of the sum (reduce-scatter). Errors: partials of different sizes.
+fn tp_combine<T: Real>(
+    phase: Tp,
+    parts: Vec<Vec<T>>,
+    group: &[u32],
+    me: u32,
+) -> Result<Vec<T>, String> {
+    let n = parts.first().map_or(0, Vec::len);
+    if parts.iter().any(|p| p.len() != n) {
+        return Err(format!(
+            "{phase:?}: the TP members sent partials of different sizes ({:?})",
+            parts.iter().map(Vec::len).collect::<Vec<_>>()
+        ));
+    }
+    Ok(match phase.kind() {
+        TpKind::AllGather => parts.concat(),
+        TpKind::AllReduce | TpKind::ReduceScatter => {
+            let mut it = parts.into_iter();
+            let mut acc = it.next().unwrap_or_default();
+            for p in it {
+                add_into(&mut acc, &p);
+            }
+            if phase.kind() == TpKind::ReduceScatter {
+                let j = group.iter().position(|m| *m == me).unwrap_or(0);
+                let per = acc.len() / group.len().max(1);
+                acc[j * per..(j + 1) * per].to_vec()
+            } else {
+                acc
+            }
+        }
+    })
 }
 
 /// The reference's tensor for the run's tensor named `n`: the whole tensor, or for a TP

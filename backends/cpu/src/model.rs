@@ -83,6 +83,15 @@
 //! weight gradients are thereby the same on every member (no TP reduction of them needed).
 //! Routed experts are whole on each EP rank and run redundantly on every TP member.
 //!
+//! With Megatron's sequence parallelism ([`StageKernels::sequence_parallel`]) the local
+//! tokens are the member's shard of the chunk: [`StageKernels::fwd_qkv`] leaves the shard's
+//! latents for an all-gather, [`StageKernels::fwd_qkv_post`] up-projects the chunk's;
+//! `o W_O` is reduce-scattered back to the shard, [`StageKernels::fwd_shared`] runs the
+//! shared expert's slice on the gathered rows; the backward mirrors it
+//! ([`StageKernels::bwd_shared`], [`StageKernels::bwd_attn_post`] then
+//! [`StageKernels::bwd_attn_gathered`]; `[dc_Q; dc_KV; dk^R]` reduce-scattered). The RoPE
+//! keys are rotated at the shard's global positions.
+//!
 //! ## Expert parallelism
 //! With EP size `n`, rank `q` of the EP group holds experts `q E/n .. (q+1) E/n`. Dispatch
 //! sends each assignment's `n2` row to its expert's rank (ordered by expert, then token,
@@ -375,6 +384,45 @@ impl<T: Real> StageParams<T> {
         });
         assert_eq!(at, data.len(), "unflatten: length mismatch");
     }
+}
+
+/// Rows of several blocks side by side: row `i` of the result is row `i` of each block in
+/// turn (blocks of `w` values per row, the same number of rows). The TP collectives carry
+/// such rows, so that a shard of rows is one contiguous slice.
+pub fn interleave<T: Copy>(blocks: &[(&[T], usize)]) -> Vec<T> {
+    let rows = blocks.first().map_or(0, |(b, w)| b.len() / (*w).max(1));
+    let mut out = Vec::with_capacity(blocks.iter().map(|(b, _)| b.len()).sum());
+    for r in 0..rows {
+        for (b, w) in blocks {
+            out.extend_from_slice(&b[r * w..(r + 1) * w]);
+        }
+    }
+    out
+}
+
+/// Inverse of [`interleave`] for blocks of `widths`. Errors: a length that is not whole
+/// rows.
+pub fn deinterleave<T: Copy>(v: &[T], widths: &[usize]) -> Result<Vec<Vec<T>>, String> {
+    let row: usize = widths.iter().sum();
+    if row == 0 || !v.len().is_multiple_of(row) {
+        return Err(format!(
+            "{} values are not whole rows of {row} ({widths:?})",
+            v.len()
+        ));
+    }
+    let rows = v.len() / row;
+    let mut out: Vec<Vec<T>> = widths
+        .iter()
+        .map(|w| Vec::with_capacity(rows * w))
+        .collect();
+    for r in v.chunks(row) {
+        let mut at = 0;
+        for (o, w) in out.iter_mut().zip(widths) {
+            o.extend_from_slice(&r[at..at + w]);
+            at += w;
+        }
+    }
+    Ok(out)
 }
 
 /// How tensor parallelism splits a tensor over the TP group (Megatron-LM, Shoeybi et al.,
@@ -1145,6 +1193,9 @@ pub struct LayerCache<T> {
     dckv_raw: Vec<T>,
     dkr: Vec<T>,
     dh1: Vec<T>,
+    /// The gradient of `h1` on the chunk's rows (with Megatron sequence parallelism, the
+    /// TP group's gathered one; else `dh1`): what `W_O`'s gradient needs.
+    dh1_full: Vec<T>,
     da: Vec<T>,
     dlogits: Vec<T>,
 }
@@ -1222,6 +1273,13 @@ pub struct StageKernels<'a, T> {
     /// `W_QR`, `W_UK`, `W_UV`, `W_O` and its `f / tp` slice of the shared expert
     /// ([`tp_split`]); 1 without tensor parallelism.
     pub tp: usize,
+    /// This member's index in the TP group.
+    pub tp_rank: usize,
+    /// Megatron-LM's sequence parallelism inside the TP group (Korthikanti et al., arXiv
+    /// 2205.05198, §4.2.2): the local tokens are this member's shard (`1/tp`) of the chunk;
+    /// norms, residuals, router and routed experts run on the shard, the TP collectives are
+    /// all-gathers and reduce-scatters.
+    pub sequence_parallel: bool,
 }
 
 /// Which weight gradients a `W` kernel adds ([`StageKernels::weights_of`]).
@@ -1246,6 +1304,16 @@ impl<T: Real> StageKernels<'_, T> {
         let mut sh = AttnShape::of(self.cfg);
         sh.heads /= self.tp.max(1);
         sh
+    }
+
+    /// Where `t` local rows start in the chunk: `tp_rank t` for a sequence-parallel TP
+    /// member's shard, else 0.
+    fn shard_offset(&self, t: usize) -> usize {
+        if self.sequence_parallel && !self.cfg.bugs.shard_positions_from_zero {
+            self.tp_rank * t
+        } else {
+            0
+        }
     }
 
     /// The shared expert's hidden width on this member (`f / tp`).
@@ -1297,27 +1365,74 @@ impl<T: Real> StageKernels<'_, T> {
     pub fn fwd_qkv(&self, l: usize, st: &mut Stash<T>) {
         let cfg = self.cfg;
         let (d, qr, kvr, sh) = (cfg.hidden, cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
-        let (h, eps) = (sh.heads, cfg.norm_eps);
+        let eps = cfg.norm_eps;
         let p = &self.params.layers[l];
         let x = std::mem::take(&mut st.x);
         let t = x.len() / d;
         let (a, xhat1, inv1) = rmsnorm(&x, &p.norm1, d, eps);
         let cq_raw = matmul(&a, &p.wdq, t, d, qr);
         let (cq, cq_xhat, cq_inv) = rmsnorm(&cq_raw, &p.q_norm, qr, eps);
-        let q_nope = matmul(&cq, &p.wuq, t, qr, h * sh.nope);
-        let mut q_pe = matmul(&cq, &p.wqr, t, qr, h * sh.rope);
-        rope(&mut q_pe, h, sh.rope, self.pos0, cfg.rope_base, false);
         let ckv_raw = matmul(&a, &p.wdkv, t, d, kvr);
         let (ckv, ckv_xhat, ckv_inv) = rmsnorm(&ckv_raw, &p.kv_norm, kvr, eps);
         let mut kpe = matmul(&a, &p.wkr, t, d, sh.kpe_width());
+        // The RoPE key at the local tokens' global positions (a sequence-parallel TP
+        // member's shard starts `tp_rank t` into the chunk).
         rope(
             &mut kpe,
             sh.kpe_heads,
             sh.rope,
-            self.pos0,
+            self.pos0 + self.shard_offset(t),
             cfg.rope_base,
             false,
         );
+        st.layers[l] = LayerCache {
+            x,
+            xhat1,
+            inv1,
+            a,
+            cq_xhat,
+            cq_inv,
+            ckv_xhat,
+            ckv_inv,
+            ..LayerCache::default()
+        };
+        if self.sequence_parallel {
+            // The TP group all-gathers the shards' latents before the up-projections.
+            st.tp_out = interleave(&[(&cq, qr), (&ckv, kvr), (&kpe, sh.kpe_width())]);
+            return;
+        }
+        self.qkv_up(l, st, cq, ckv, kpe);
+    }
+
+    /// F, with Megatron sequence parallelism: once `st.tp_in` holds the TP group's
+    /// gathered `[c_Q; c_KV; k^R]` rows (the whole chunk), the up-projections
+    /// ([`Self::fwd_qkv`] does them itself otherwise). Errors: a gathered block of the
+    /// wrong size.
+    pub fn fwd_qkv_post(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        let cfg = self.cfg;
+        let (qr, kvr, kw) = (cfg.q_lora_rank, cfg.kv_lora_rank, self.sh().kpe_width());
+        let all = std::mem::take(&mut st.tp_in);
+        let mut parts = deinterleave(&all, &[qr, kvr, kw])?.into_iter();
+        let (cq, ckv, kpe) = (
+            parts.next().unwrap_or_default(),
+            parts.next().unwrap_or_default(),
+            parts.next().unwrap_or_default(),
+        );
+        self.qkv_up(l, st, cq, ckv, kpe);
+        Ok(())
+    }
+
+    /// The query up-projections of the chunk's `c_Q` (this member's heads; `q^R` rotated
+    /// at the chunk's positions) and the SP group's all-gather packets `[c_KV; k^R]`.
+    fn qkv_up(&self, l: usize, st: &mut Stash<T>, cq: Vec<T>, ckv: Vec<T>, kpe: Vec<T>) {
+        let cfg = self.cfg;
+        let (qr, sh) = (cfg.q_lora_rank, self.sh());
+        let h = sh.heads;
+        let p = &self.params.layers[l];
+        let t = cq.len() / qr;
+        let q_nope = matmul(&cq, &p.wuq, t, qr, h * sh.nope);
+        let mut q_pe = matmul(&cq, &p.wqr, t, qr, h * sh.rope);
+        rope(&mut q_pe, h, sh.rope, self.pos0, cfg.rope_base, false);
         let mut latent = ckv;
         latent.extend_from_slice(&kpe);
         st.outbox = (0..self.sp)
@@ -1326,20 +1441,10 @@ impl<T: Real> StageKernels<'_, T> {
                 meta: Vec::new(),
             })
             .collect();
-        st.layers[l] = LayerCache {
-            x,
-            xhat1,
-            inv1,
-            a,
-            cq,
-            cq_xhat,
-            cq_inv,
-            q_nope,
-            q_pe,
-            ckv_xhat,
-            ckv_inv,
-            ..LayerCache::default()
-        };
+        let c = &mut st.layers[l];
+        c.cq = cq;
+        c.q_nope = q_nope;
+        c.q_pe = q_pe;
     }
 
     /// F, the rest of layer `l`'s attention and its router: the gathered latents and
@@ -1362,7 +1467,8 @@ impl<T: Real> StageKernels<'_, T> {
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
         let c = std::mem::take(&mut st.layers[l]);
-        let t = c.x.len() / d;
+        // The chunk's query rows (with Megatron sequence parallelism, the TP group's).
+        let t = c.q_nope.len() / (h * sh.nope);
         let w = cfg.kv_gather_width();
         let mut ckv_all = Vec::with_capacity(t * kvr * self.sp);
         let mut kpe_all = Vec::with_capacity(t * sh.kpe_width() * self.sp);
@@ -1457,7 +1563,10 @@ impl<T: Real> StageKernels<'_, T> {
         }
         st.outbox = out;
         let mut shared = None;
-        if self.tp > 1 {
+        if self.sequence_parallel {
+            // The shared expert runs on the TP group's gathered rows (`shared` kernel).
+            st.tp_out = n2.clone();
+        } else if self.tp > 1 {
             st.tp_out = match &p.shared {
                 Some(sw) => {
                     let (ys, sc) = ffn_forward(sw, n2.clone(), d, self.shared_f());
@@ -1569,6 +1678,50 @@ impl<T: Real> StageKernels<'_, T> {
         Ok(())
     }
 
+    /// F, with Megatron sequence parallelism: this member's slice of the shared expert on
+    /// the TP group's gathered MoE-norm rows (`st.tp_in`, the whole chunk); its partial
+    /// output goes to `st.tp_out` for the reduce-scatter (an all-zero output without a
+    /// shared expert).
+    pub fn fwd_shared(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        let (d, f) = (self.d(), self.shared_f());
+        let n2 = std::mem::take(&mut st.tp_in);
+        let c = &mut st.layers[l];
+        st.tp_out = match &self.params.layers[l].shared {
+            Some(sw) => {
+                let (ys, sc) = ffn_forward(sw, n2, d, f);
+                c.shared = Some(sc);
+                ys
+            }
+            None => vec![T::zero(); n2.len()],
+        };
+        Ok(())
+    }
+
+    /// B, with Megatron sequence parallelism: this member's slice of the shared expert's
+    /// backward on the TP group's gathered output gradient (`st.tp_in`); the partial input
+    /// gradient goes to `st.tp_out` for the reduce-scatter.
+    pub fn bwd_shared(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        let (d, f) = (self.d(), self.shared_f());
+        let dy = std::mem::take(&mut st.tp_in);
+        let c = &mut st.layers[l];
+        st.tp_out = match (&self.params.layers[l].shared, &c.shared) {
+            (Some(sw), Some(sc)) => {
+                if dy.len() != sc.x.len() {
+                    return Err(format!(
+                        "the gathered output gradient has {} values, expected {}",
+                        dy.len(),
+                        sc.x.len()
+                    ));
+                }
+                let (dx, gr) = ffn_backward(sw, sc, dy, d, f);
+                c.shared_grad = Some(gr);
+                dx
+            }
+            _ => vec![T::zero(); dy.len()],
+        };
+        Ok(())
+    }
+
     /// F, final norm, LM head and cross-entropy on `st.x`; returns the scaled loss sum and
     /// keeps the logits' gradient. Errors: a target outside the vocabulary.
     pub fn fwd_head(&self, st: &mut Stash<T>) -> Result<f64, String> {
@@ -1645,7 +1798,11 @@ impl<T: Real> StageKernels<'_, T> {
             dgates[i] = dot;
         }
         let mut d_n2 = vec![T::zero(); dy.len()];
-        if let (Some(sw), Some(sc)) = (&p.shared, &c.shared) {
+        if self.sequence_parallel {
+            // The shared expert's backward runs on the TP group's gathered output gradient
+            // (`shared` kernel).
+            st.tp_out = dy.clone();
+        } else if let (Some(sw), Some(sc)) = (&p.shared, &c.shared) {
             let (dx, gr) = ffn_backward(sw, sc, dy.clone(), d, f);
             if self.tp > 1 {
                 // This member's slice's share: the `mlp_in_grad` all-reduce sums them.
@@ -1712,9 +1869,25 @@ impl<T: Real> StageKernels<'_, T> {
     /// each SP group member, the `[dc_KV; dk^R]` of its chunk (`t × (d_c + d_h^R)`, the
     /// reduce-scatter; [`StageKernels::bwd_qkv`] sums them).
     pub fn bwd_attn(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        self.bwd_attn_post(l, st)?;
+        let dh1 = st.layers[l].dh1.clone();
+        self.bwd_attn_core(l, st, dh1)
+    }
+
+    /// B, with Megatron sequence parallelism: the attention core of layer `l` once
+    /// `st.tp_in` holds the TP group's gathered `h1` gradient (the whole chunk).
+    pub fn bwd_attn_gathered(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        let dh1 = std::mem::take(&mut st.tp_in);
+        self.bwd_attn_core(l, st, dh1)
+    }
+
+    /// B, routing and MoE norm of layer `l` (on the local tokens): with the experts' input
+    /// gradients in `st.inbox` (and with TP the shared expert's reduced input gradient in
+    /// `st.tp_in`), the gradient of `h1`; with Megatron sequence parallelism also to
+    /// `st.tp_out` for the TP group's all-gather.
+    pub fn bwd_attn_post(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, e, kvr, sh) = (cfg.hidden, cfg.experts, cfg.kv_lora_rank, self.sh());
-        let h = sh.heads;
+        let (d, e) = (cfg.hidden, cfg.experts);
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
         let reduced = std::mem::take(&mut st.tp_in);
@@ -1753,6 +1926,32 @@ impl<T: Real> StageKernels<'_, T> {
         add_into(&mut d_n2, &matmul_bt(&dlogits, &p.router, t, e, d));
         let mut dh1 = rmsnorm_backward(&d_n2, &p.norm2, &c.xhat2, &c.inv2, d);
         add_into(&mut dh1, &c.dy);
+        if self.sequence_parallel {
+            st.tp_out = dh1.clone();
+        }
+        c.d_n2 = d_n2;
+        c.dlogits = dlogits;
+        c.dh1 = dh1;
+        Ok(())
+    }
+
+    /// B, the attention core of layer `l` from the gradient `dh1` of `h1` on the chunk's
+    /// rows: through `W_O` (this member's heads), the attention, and `W_UK`, `W_UV` to the
+    /// SP group's reduce-scatter packets (`st.outbox`).
+    fn bwd_attn_core(&self, l: usize, st: &mut Stash<T>, dh1: Vec<T>) -> Result<(), String> {
+        let cfg = self.cfg;
+        let (d, kvr, sh) = (cfg.hidden, cfg.kv_lora_rank, self.sh());
+        let h = sh.heads;
+        let p = &self.params.layers[l];
+        let c = &mut st.layers[l];
+        let t = c.q_nope.len() / (h * sh.nope);
+        if dh1.len() != t * d {
+            return Err(format!(
+                "the gathered h1 gradient has {} values, expected {}",
+                dh1.len(),
+                t * d
+            ));
+        }
         let d_oh = matmul_bt(&dh1, &p.wo, t, d, h * sh.v);
         let input = AttnIn {
             q_nope: &c.q_nope,
@@ -1782,9 +1981,7 @@ impl<T: Real> StageKernels<'_, T> {
                 }
             })
             .collect();
-        c.d_n2 = d_n2;
-        c.dlogits = dlogits;
-        c.dh1 = dh1;
+        c.dh1_full = dh1;
         c.dq_nope = g.dq_nope;
         // Rotated back here; bwd_qkv needs only the pre-rotation gradient.
         let mut dqr = g.dq_pe;
@@ -1802,12 +1999,13 @@ impl<T: Real> StageKernels<'_, T> {
     /// wrong size.
     pub fn bwd_qkv(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, qr, kvr, sh) = (cfg.hidden, cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
+        let (qr, kvr, sh) = (cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
         let (h, kw) = (sh.heads, sh.kpe_width());
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
         let c = &mut st.layers[l];
-        let t = c.x.len() / d;
+        // The chunk's rows (with Megatron sequence parallelism, the TP group's).
+        let t = c.q_nope.len() / (h * sh.nope);
         let w = cfg.kv_gather_width();
         let (mut dckv, mut dkr) = (vec![T::zero(); t * kvr], vec![T::zero(); t * kw]);
         for pk in &inbox {
@@ -1832,10 +2030,8 @@ impl<T: Real> StageKernels<'_, T> {
         let mut dcq = matmul_bt(&c.dq_nope, &p.wuq, t, h * sh.nope, qr);
         add_into(&mut dcq, &matmul_bt(&c.dqr, &p.wqr, t, h * sh.rope, qr));
         // With TP: this member's heads' share of the gradients of the column-parallel
-        // up-projections' inputs (`[dc_Q; dc_KV; dk^R]`, `t` rows each).
-        let mut part = dcq;
-        part.extend_from_slice(&dckv);
-        part.extend_from_slice(&dkr);
+        // up-projections' inputs (`[dc_Q; dc_KV; dk^R]` side by side, `t` rows).
+        let part = interleave(&[(&dcq, qr), (&dckv, kvr), (&dkr, kw)]);
         if self.tp > 1 {
             st.tp_out = part;
             return Ok(());
@@ -1864,9 +2060,12 @@ impl<T: Real> StageKernels<'_, T> {
                 qr + kvr + kw
             ));
         }
-        let dcq = red[..t * qr].to_vec();
-        let dckv = red[t * qr..t * (qr + kvr)].to_vec();
-        let dkr = red[t * (qr + kvr)..].to_vec();
+        let mut parts = deinterleave(&red, &[qr, kvr, kw])?.into_iter();
+        let (dcq, dckv, dkr) = (
+            parts.next().unwrap_or_default(),
+            parts.next().unwrap_or_default(),
+            parts.next().unwrap_or_default(),
+        );
         let dckv_raw = rmsnorm_backward(&dckv, &p.kv_norm, &c.ckv_xhat, &c.ckv_inv, kvr);
         let dcq_raw = rmsnorm_backward(&dcq, &p.q_norm, &c.cq_xhat, &c.cq_inv, qr);
         let mut da = matmul_bt(&dcq_raw, &p.wdq, t, qr, d);
@@ -1949,8 +2148,11 @@ impl<T: Real> StageKernels<'_, T> {
             rmsnorm_weight_grad(&mut gl.norm1, &c.da, &c.xhat1, d);
             add_matmul_at(&mut gl.wdq, &c.a, &c.dcq_raw, t, d, qr);
             rmsnorm_weight_grad(&mut gl.q_norm, &c.dcq, &c.cq_xhat, qr);
-            add_matmul_at(&mut gl.wuq, &c.cq, &c.dq_nope, t, qr, h * sh.nope);
-            add_matmul_at(&mut gl.wqr, &c.cq, &c.dqr, t, qr, h * sh.rope);
+            // The up-projections and W_O see the chunk's rows (with Megatron sequence
+            // parallelism, the TP group's; the norms and down-projections its shard).
+            let tq = c.cq.len() / qr;
+            add_matmul_at(&mut gl.wuq, &c.cq, &c.dq_nope, tq, qr, h * sh.nope);
+            add_matmul_at(&mut gl.wqr, &c.cq, &c.dqr, tq, qr, h * sh.rope);
             add_matmul_at(&mut gl.wdkv, &c.a, &c.dckv_raw, t, d, kvr);
             rmsnorm_weight_grad(&mut gl.kv_norm, &c.dckv, &c.ckv_xhat, kvr);
             add_matmul_at(&mut gl.wkr, &c.a, &c.dkr, t, d, sh.kpe_width());
@@ -1958,7 +2160,7 @@ impl<T: Real> StageKernels<'_, T> {
             // data-parallel all-reduce (which spans the SP group) sums the shares.
             add_matmul_at(&mut gl.wuk, &c.ckv_all, &c.dk_nope, tk, kvr, h * sh.nope);
             add_matmul_at(&mut gl.wuv, &c.ckv_all, &c.dv, tk, kvr, h * sh.v);
-            add_matmul_at(&mut gl.wo, &c.o_heads, &c.dh1, t, h * sh.v, d);
+            add_matmul_at(&mut gl.wo, &c.o_heads, &c.dh1_full, tq, h * sh.v, d);
             rmsnorm_weight_grad(&mut gl.norm2, &c.d_n2, &c.xhat2, d);
             add_matmul_at(&mut gl.router, &c.n2, &c.dlogits, t, d, e);
         }
@@ -2179,6 +2381,8 @@ pub mod properties {
             pos0: 0,
             route_groups: 1,
             tp: 1,
+            tp_rank: 0,
+            sequence_parallel: false,
         };
         let t = cfg.seq_len;
         let mut rng = Rng::new(17);
@@ -2620,6 +2824,8 @@ mod tests {
             pos0: 0,
             route_groups: 1,
             tp: 1,
+            tp_rank: 0,
+            sequence_parallel: false,
         };
         let mut st = k.new_stash(tokens(cfg), targets(cfg), 1.0 / cfg.seq_len as f64);
         let routers: Vec<RouterState<f64>> = (0..p.layers.len()).map(|_| router(cfg)).collect();
@@ -2668,6 +2874,8 @@ mod tests {
             pos0: 0,
             route_groups: 1,
             tp: 1,
+            tp_rank: 0,
+            sequence_parallel: false,
         };
         let mut st = k.new_stash(tokens(cfg), targets(cfg), 1.0 / cfg.seq_len as f64);
         let routers: Vec<RouterState<f64>> = (0..p.layers.len()).map(|_| router(cfg)).collect();

@@ -7,7 +7,9 @@ use crate::exec::{
 use crate::tensor::Real;
 use schedc_ir::Program;
 use schedc_program::mesh::{Dim, Mesh};
-use schedc_program::{lower_verified, ModelConfig, ProgramError, ProgramSet, VerifyReport};
+use schedc_program::{
+    lower_verified_with, LowerOptions, ModelConfig, ProgramError, ProgramSet, VerifyReport,
+};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -65,6 +67,9 @@ pub struct RunConfig {
     pub trace_sink: Option<SpanSink>,
     /// `--a2a`: how the expert-parallel all-to-alls cross nodes (the mesh's `node=K`).
     pub a2a: A2aMode,
+    /// `--sequence-parallel`: Megatron-LM's sequence parallelism inside the TP group
+    /// (needs `tp > 1`).
+    pub sequence_parallel: bool,
 }
 
 impl Default for RunConfig {
@@ -82,6 +87,7 @@ impl Default for RunConfig {
             trace: false,
             trace_sink: None,
             a2a: A2aMode::Flat,
+            sequence_parallel: false,
         }
     }
 }
@@ -391,7 +397,7 @@ impl RunReport {
         }
         if self.tp_bytes.intra_node + self.tp_bytes.inter_node > 0 {
             s += &format!(
-                "tensor-parallel all-reduces: {} B inside nodes, {} B between nodes\n",
+                "tensor-parallel collectives: {} B inside nodes, {} B between nodes\n",
                 self.tp_bytes.intra_node, self.tp_bytes.inter_node
             );
         }
@@ -549,7 +555,11 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
     }
     data.sequence(0, cfg.model.seq_len)
         .map_err(RunError::Config)?;
-    let (set, verified) = lower_verified(source, cfg.mesh.as_ref(), &cfg.model)?;
+    let opts = LowerOptions {
+        sequence_parallel: cfg.sequence_parallel,
+        ..LowerOptions::default()
+    };
+    let (set, verified) = lower_verified_with(source, cfg.mesh.as_ref(), &cfg.model, opts)?;
     match cfg.dtype {
         DType::F32 => run_typed::<f32>(&set, verified, &data, cfg),
         DType::F64 => run_typed::<f64>(&set, verified, &data, cfg),
@@ -566,7 +576,13 @@ fn run_typed<T: Real>(
     let batching = Batching {
         shards: m.mesh.data_shards() as usize,
         microbatches: (m.microbatches * m.directions) as usize,
-        sp: m.mesh.size(Dim::Sp) as usize,
+        // Each SP chunk (and with --sequence-parallel each TP shard of it) routes alone.
+        sp: m.mesh.size(Dim::Sp) as usize
+            * if m.sequence_parallel {
+                m.mesh.size(Dim::Tp) as usize
+            } else {
+                1
+            },
     };
     let bar = cfg.progress.then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);

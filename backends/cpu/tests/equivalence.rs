@@ -104,7 +104,13 @@ fn run_program(
     let b = Batching {
         shards: mesh.data_shards() as usize,
         microbatches: (set.manifest.microbatches * set.manifest.directions) as usize,
-        sp: mesh.size(Dim::Sp) as usize,
+        // Each SP chunk (and with --sequence-parallel each TP shard of it) routes alone.
+        sp: mesh.size(Dim::Sp) as usize
+            * if set.manifest.sequence_parallel {
+                mesh.size(Dim::Tp) as usize
+            } else {
+                1
+            },
     };
     let r = reference::<f64>(
         cfg,
@@ -263,6 +269,98 @@ fn tensor_parallel_with_ep_dp_sp_and_dualpipe_equals_sequential() {
             "{name} {mesh}: {c:?}"
         );
     }
+}
+
+/// Issue 23: Megatron-LM's sequence parallelism inside the TP group
+/// (`--sequence-parallel`: norms, residuals, router and routed experts on each member's
+/// shard of the tokens; all-gathers and reduce-scatters instead of the all-reduces; the
+/// shards' gradients of the replicated weights summed over the TP group) equals sequential
+/// training for every spec at `pp=2,tp=2`, and with the `sp` dimension, EP, DP and DualPipe.
+#[test]
+fn sequence_parallel_in_the_tp_group_equals_sequential() {
+    let sp = LowerOptions {
+        sequence_parallel: true,
+        ..LowerOptions::default()
+    };
+    let mut n = 0;
+    for (name, vpp) in SPECS {
+        for mb in [2, 4] {
+            let Some(c) = run_case(
+                name,
+                2,
+                mb,
+                vpp,
+                "pp=2,tp=2",
+                2,
+                Optimizer::Sgd { lr: 0.2 },
+                sp,
+            ) else {
+                continue;
+            };
+            n += 1;
+            assert!(
+                c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+                "{name} M={mb} --sequence-parallel: {c:?}"
+            );
+        }
+    }
+    assert!(n >= 20, "only {n} instances");
+    for (name, pp, mb, mesh) in [
+        ("1f1b", 2, 4, "pp=2,tp=2,sp=2"),
+        ("zbv", 2, 4, "pp=2,tp=2,ep=2,dp=2"),
+        ("dualpipe", 4, 8, "pp=4,tp=2,ep=2"),
+    ] {
+        let c = run_case(name, pp, mb, None, mesh, 3, Optimizer::adam(1e-2), sp).unwrap();
+        println!(
+            "{name} P={pp} M={mb} {mesh} --sequence-parallel: grad {:.2e} loss {:.2e} params {:.2e}",
+            c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+        );
+        assert!(
+            c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+            "{name} {mesh} --sequence-parallel: {c:?}"
+        );
+    }
+}
+
+/// Issue 23, silent failure: with Megatron sequence parallelism a TP member that rotates
+/// its shard's RoPE keys from the chunk's start instead of the shard's position trains
+/// without an error; the comparison with sequential training catches it (and the same run
+/// without the bug passes, above).
+#[test]
+fn silent_failure_sequence_parallel_shard_keeps_its_positions() {
+    let mut cfg = ModelConfig::tiny();
+    cfg.bugs.shard_positions_from_zero = true;
+    let sp = LowerOptions {
+        sequence_parallel: true,
+        ..LowerOptions::default()
+    };
+    let c = run_case_with(
+        &cfg,
+        "1f1b",
+        2,
+        2,
+        None,
+        "pp=2,tp=2",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        sp,
+    )
+    .unwrap();
+    assert!(c.max_rel_grad_err > 1e-3, "{c:?}");
+    // Without sequence parallelism the switch changes nothing (no shard offset to miss).
+    let c = run_case_with(
+        &cfg,
+        "1f1b",
+        2,
+        2,
+        None,
+        "pp=2,tp=2",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        LowerOptions::default(),
+    )
+    .unwrap();
+    assert!(c.max_rel_grad_err < TOL, "{c:?}");
 }
 
 /// Issue 23: every spec split into MoE parts (`--moe`) at `pp=2,tp=2,ep=2`: the TP

@@ -670,7 +670,7 @@ impl Device for RankDev<'_> {
             Op::Overlap { .. } | Op::Collective { .. } => Err(format!(
                 "`{op}` is a stage-granularity op; the CUDA backend runs schedc's model"
             )),
-            Op::TpCollective { .. } => Err(format!(
+            Op::TpCollective { .. } | Op::TpGradAllReduce { .. } => Err(format!(
                 "`{op}`: the CUDA backend has no tensor-parallel kernels (tp=1 only; the CPU backend runs tp > 1)"
             )),
             Op::Kernel(k) => self.kernel(stream, k).map(|_| Ready::Done),

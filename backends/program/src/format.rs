@@ -314,6 +314,13 @@ pub enum Part {
         /// Layer within the stage.
         layer: u32,
     },
+    /// Megatron sequence parallelism: this member's slice of the shared expert of a layer on
+    /// the TP group's gathered rows (F), or its backward on the gathered output gradient
+    /// (B).
+    Shared {
+        /// Layer within the stage.
+        layer: u32,
+    },
     /// Every weight gradient of the stage (pass `W`).
     Weights,
     /// The expert (and shared-expert) weight gradients of every layer of the stage: a split
@@ -393,6 +400,64 @@ pub enum Tp {
     /// latent `c_Q`, the key/value latent `c_KV` and the RoPE key `k^R` (`t × (d_c' + d_c +
     /// d_h^R)`; `k^R` is shared by every head, so each member holds its heads' share).
     AttnInGrad,
+    /// Sequence parallel, forward, all-gather: the shards' `[c_Q; c_KV; k^R]` rows.
+    LatentGather,
+    /// Sequence parallel, forward, reduce-scatter: `o W_O` (each member keeps its shard's
+    /// rows of the sum).
+    AttnOutScatter,
+    /// Sequence parallel, forward, all-gather: the shards' MoE-norm rows (the shared
+    /// expert's input).
+    MlpInGather,
+    /// Sequence parallel, forward, reduce-scatter: the shared expert's output.
+    MlpOutScatter,
+    /// Sequence parallel, backward, all-gather: the layer output's gradient (for the shared
+    /// expert).
+    MlpOutGradGather,
+    /// Sequence parallel, backward, reduce-scatter: the shared expert's input gradient.
+    MlpInGradScatter,
+    /// Sequence parallel, backward, all-gather: the gradient of `h1` (for `W_O`).
+    AttnOutGradGather,
+    /// Sequence parallel, backward, reduce-scatter: `[dc_Q; dc_KV; dk^R]`.
+    LatentGradScatter,
+}
+
+/// What a [`Tp`] phase does with the members' `tp_out`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpKind {
+    /// Every member gets the sum.
+    AllReduce,
+    /// Every member gets the members' rows, concatenated in group order.
+    AllGather,
+    /// Member `j` gets rows `j/n` of the sum (`n` equal shards).
+    ReduceScatter,
+}
+
+impl Tp {
+    /// The collective the phase is.
+    pub fn kind(self) -> TpKind {
+        match self {
+            Tp::AttnOut | Tp::MlpOut | Tp::MlpInGrad | Tp::AttnInGrad => TpKind::AllReduce,
+            Tp::LatentGather | Tp::MlpInGather | Tp::MlpOutGradGather | Tp::AttnOutGradGather => {
+                TpKind::AllGather
+            }
+            Tp::AttnOutScatter
+            | Tp::MlpOutScatter
+            | Tp::MlpInGradScatter
+            | Tp::LatentGradScatter => TpKind::ReduceScatter,
+        }
+    }
+    /// True for the forward's phases.
+    pub fn forward(self) -> bool {
+        matches!(
+            self,
+            Tp::AttnOut
+                | Tp::MlpOut
+                | Tp::LatentGather
+                | Tp::AttnOutScatter
+                | Tp::MlpInGather
+                | Tp::MlpOutScatter
+        )
+    }
 }
 
 /// One instruction of a stream.
@@ -465,6 +530,16 @@ pub enum Op {
         /// The TP group, global ranks in order.
         group: Vec<u32>,
     },
+    /// Megatron sequence parallelism: sum over the TP group the gradients that each member
+    /// computed on its own shard of the tokens: every tensor that is not split over the
+    /// group (embedding, norms, down-projections, router, routed experts, head) and the
+    /// load counts. On the comm stream before the data-parallel all-reduces.
+    TpGradAllReduce {
+        /// Stage.
+        stage: u32,
+        /// The TP group, global ranks in order.
+        group: Vec<u32>,
+    },
     /// DualPipe: exchange `weight_grad(stage)` with `peer`, which holds the same model
     /// stage in the other direction, and add.
     ReplicaSum {
@@ -525,6 +600,7 @@ impl fmt::Display for Kernel {
             Part::Combine { layer } => format!("combine[{layer}]"),
             Part::AttnPost { layer } => format!("attn_post[{layer}]"),
             Part::QkvPost { layer } => format!("qkv_post[{layer}]"),
+            Part::Shared { layer } => format!("shared[{layer}]"),
             Part::Head => "head".to_string(),
             Part::Weights => "weights".to_string(),
             Part::WeightsMlp => "weights.mlp".to_string(),
@@ -579,7 +655,12 @@ impl fmt::Display for Op {
                 group,
             } => write!(
                 f,
-                "tp_all_reduce {phase:?}({stage},{mb})[{layer}] over {group:?}"
+                "tp_{} {phase:?}({stage},{mb})[{layer}] over {group:?}",
+                match phase.kind() {
+                    TpKind::AllReduce => "all_reduce",
+                    TpKind::AllGather => "all_gather",
+                    TpKind::ReduceScatter => "reduce_scatter",
+                }
             ),
             Op::ReplicaSum {
                 stage,
@@ -598,6 +679,9 @@ impl fmt::Display for Op {
                 "all_reduce {scope:?} weight_grad({stage}) over {group:?}"
             ),
             Op::OptimizerStep { stage } => write!(f, "optimizer_step stage {stage}"),
+            Op::TpGradAllReduce { stage, group } => {
+                write!(f, "tp_grad_all_reduce weight_grad({stage}) over {group:?}")
+            }
             Op::Overlap { fwd, bwd } => write!(f, "{fwd} & {bwd}"),
             Op::Collective { comm, label, group } => {
                 write!(f, "collective {comm}:{label} over {group:?}")
@@ -620,7 +704,9 @@ impl Op {
                 };
                 (vec![b], vec![b])
             }
-            Op::ReplicaSum { stage, .. } | Op::AllReduce { stage, .. } => {
+            Op::ReplicaSum { stage, .. }
+            | Op::AllReduce { stage, .. }
+            | Op::TpGradAllReduce { stage, .. } => {
                 let b = Buf::WeightGrad { stage: *stage };
                 (vec![b], vec![b])
             }
@@ -735,6 +821,11 @@ pub struct Manifest {
     /// gives each its own in-order communicator.
     #[serde(default)]
     pub channels: Vec<u32>,
+    /// Megatron-LM's sequence parallelism inside the TP group (`--sequence-parallel`, with
+    /// `tp > 1`): each TP member holds `1/tp` of its chunk's tokens between the TP
+    /// collectives, which are all-gathers and reduce-scatters.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sequence_parallel: bool,
 }
 
 /// Every rank's program and the manifest.

@@ -15,6 +15,9 @@ pub struct LowerOptions {
     /// Injected bug (tests only): DualPipe's two copies of a stage keep their own
     /// gradients instead of summing them.
     pub bug_skip_replica_sum: bool,
+    /// Megatron-LM's sequence parallelism inside the TP group ([`Manifest::sequence_parallel`];
+    /// needs `tp > 1`, whole ops only).
+    pub sequence_parallel: bool,
 }
 
 /// The first error diagnostics of a rejected check, joined.
@@ -94,6 +97,23 @@ impl ProgramSet {
             }
         };
         mesh.validate(None, &fit)?;
+        if opts.sequence_parallel {
+            if stage || mesh.size(Dim::Tp) < 2 {
+                return Err(ProgramError::Unsupported(
+                    "--sequence-parallel is Megatron's sequence parallelism inside the TP group: it needs tp > 1 at model granularity (the mesh's `sp` is the other kind, which splits the sequence over its own ranks)".into(),
+                ));
+            }
+            let chunk = model.seq_len as u32 / mesh.size(Dim::Sp);
+            if !chunk.is_multiple_of(mesh.size(Dim::Tp)) {
+                return Err(ProgramError::Mesh(MeshError::Fit {
+                    mesh: mesh.to_string(),
+                    why: format!(
+                        "tp={} does not divide the {chunk} tokens of a sequence chunk (--sequence-parallel shards them over the TP group)",
+                        mesh.size(Dim::Tp)
+                    ),
+                }));
+            }
+        }
         if !stage && mesh.size(Dim::Tp) > 1 && model.rope_keys_per_token() > 1 {
             return Err(ProgramError::Unsupported(
                 "tensor parallelism with one RoPE key per head (the per-head-kpe bug): the TP kernels split the heads and share one RoPE key per token".into(),
@@ -133,6 +153,7 @@ impl ProgramSet {
                 files: (0..world).map(|g| format!("rank{g}.json")).collect(),
                 groups,
                 channels,
+                sequence_parallel: opts.sequence_parallel,
             },
             ranks,
         })
@@ -153,6 +174,7 @@ fn groups_and_channels(ranks: &[RankProgram]) -> (Vec<Vec<u32>>, Vec<u32>) {
                 match op {
                     Op::AllToAll { group, .. }
                     | Op::TpCollective { group, .. }
+                    | Op::TpGradAllReduce { group, .. }
                     | Op::AllReduce { group, .. }
                     | Op::Collective { group, .. } => {
                         let mut g = group.clone();
@@ -324,6 +346,7 @@ fn lower_rank(
         ep_group: &ep_group,
         sp_group: &sp_group,
         tp_group: &tp_group,
+        seq_par: opts.sequence_parallel,
         recv_ev: &recv_ev,
         send_ev: &send_ev,
         comm_pos: &comm_pos,
@@ -375,6 +398,11 @@ fn lower_rank(
                             emit_weights_part(&mut b, st.stage, c.mb, c.part);
                         }
                     } else if c.part != IrPart::Whole {
+                        if opts.sequence_parallel {
+                            return Err(ProgramError::Unsupported(
+                                "--sequence-parallel with MoE parts (--moe): the parts' TP all-gathers and reduce-scatters are not lowered yet; use whole ops".into(),
+                            ));
+                        }
                         win.push_part(c, st);
                         if win.open == 0 {
                             flush_window(&mut b, &cx, &mut win, r)?;
@@ -535,6 +563,12 @@ fn lower_rank(
     let dense = mesh.dense_dp_group(g)?;
     let expert = mesh.expert_dp_group(g)?;
     for s in &stages {
+        if opts.sequence_parallel && tp_group.len() > 1 {
+            b.comm.push(Op::TpGradAllReduce {
+                stage: s.stage,
+                group: tp_group.clone(),
+            });
+        }
         if let (Some(p), false) = (s.replica_peer, opts.bug_skip_replica_sum) {
             b.comm.push(Op::ReplicaSum {
                 stage: s.stage,
@@ -670,6 +704,15 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
                         buf: input.expect("checked"),
                     });
                 }
+                if cx.seq_par {
+                    b.tp_collective(tp_group, s, mb, l, Tp::LatentGather);
+                    b.compute.push(kernel(
+                        Pass::F,
+                        Part::QkvPost { layer: l },
+                        vec![stash],
+                        vec![stash],
+                    ));
+                }
                 b.compute.push(a2a(l, A2a::GatherKv));
                 b.compute.push(kernel(
                     Pass::F,
@@ -677,7 +720,23 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
                     vec![stash],
                     vec![stash, wg],
                 ));
-                if tp {
+                if cx.seq_par {
+                    b.tp_collective(tp_group, s, mb, l, Tp::AttnOutScatter);
+                    b.compute.push(kernel(
+                        Pass::F,
+                        Part::AttnPost { layer: l },
+                        vec![stash],
+                        vec![stash, wg],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpInGather);
+                    b.compute.push(kernel(
+                        Pass::F,
+                        Part::Shared { layer: l },
+                        vec![stash],
+                        vec![stash],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpOutScatter);
+                } else if tp {
                     b.tp_collective(tp_group, s, mb, l, Tp::AttnOut);
                     b.compute.push(kernel(
                         Pass::F,
@@ -746,7 +805,18 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
                         buf: gin.expect("checked"),
                     });
                 }
-                b.tp_collective(tp_group, s, mb, l, Tp::MlpInGrad);
+                if cx.seq_par {
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpOutGradGather);
+                    b.compute.push(kernel(
+                        Pass::B,
+                        Part::Shared { layer: l },
+                        vec![stash],
+                        vec![stash],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpInGradScatter);
+                } else {
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpInGrad);
+                }
                 b.compute.push(a2a(l, A2a::CombineGrad));
                 b.compute.push(kernel(
                     Pass::B,
@@ -755,6 +825,15 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
                     vec![stash],
                 ));
                 b.compute.push(a2a(l, A2a::DispatchGrad));
+                if cx.seq_par {
+                    b.compute.push(kernel(
+                        Pass::B,
+                        Part::AttnPost { layer: l },
+                        vec![stash],
+                        vec![stash],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::AttnOutGradGather);
+                }
                 b.compute.push(kernel(
                     Pass::B,
                     Part::Attn { layer: l },
@@ -773,7 +852,12 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
                         vec![stash],
                         vec![stash],
                     ));
-                    b.tp_collective(tp_group, s, mb, l, Tp::AttnInGrad);
+                    let phase = if cx.seq_par {
+                        Tp::LatentGradScatter
+                    } else {
+                        Tp::AttnInGrad
+                    };
+                    b.tp_collective(tp_group, s, mb, l, phase);
                     b.compute.push(kernel(
                         Pass::B,
                         Part::QkvPost { layer: l },
@@ -972,6 +1056,8 @@ struct PartCtx<'a> {
     sp_group: &'a [u32],
     /// The TP group (one member: no tensor parallelism).
     tp_group: &'a [u32],
+    /// Megatron sequence parallelism inside the TP group.
+    seq_par: bool,
     recv_ev: &'a HashMap<Buf, u32>,
     send_ev: &'a HashMap<Buf, u32>,
     /// The instruction index of each message of the rank (sends and receives).

@@ -807,3 +807,49 @@ fn tensor_parallel_collectives_are_ops_of_their_own_stream() {
             .all(|rp| rp.streams.iter().all(|s| s.kind != StreamKind::Tp)));
     }
 }
+
+/// Issue 23: with `sequence_parallel` each layer's TP collectives are all-gathers and
+/// reduce-scatters (four each way), the step ends with the TP sum of the shards' gradients on
+/// the comm stream, and the programs verify; it needs `tp > 1` and whole ops.
+#[test]
+fn sequence_parallel_lowers_gathers_and_scatters() {
+    let cfg = ModelConfig::tiny();
+    let src = spec("1f1b", 2, 4, None);
+    let mesh: Mesh = "pp=2,tp=2".parse().unwrap();
+    let opts = LowerOptions {
+        sequence_parallel: true,
+        ..LowerOptions::default()
+    };
+    let set = ProgramSet::lower(&src, &mesh, &cfg, opts).unwrap();
+    assert!(set.manifest.sequence_parallel);
+    verify(&set, &src).unwrap();
+    for rp in &set.ranks {
+        let tp = rp.streams.last().unwrap();
+        assert_eq!(tp.kind, StreamKind::Tp);
+        let mut kinds = [0usize; 3];
+        for op in &tp.ops {
+            if let Op::TpCollective { phase, .. } = op {
+                kinds[phase.kind() as usize] += 1;
+            }
+        }
+        // 4 micro-batches, one layer: 4 gathers and 4 scatters per F and B each.
+        assert_eq!(kinds, [0, 4 * 4, 4 * 4], "rank {}", rp.rank);
+        let comm = &rp.streams[1];
+        assert_eq!(
+            comm.ops
+                .iter()
+                .filter(|o| matches!(o, Op::TpGradAllReduce { .. }))
+                .count(),
+            rp.stages.len()
+        );
+    }
+    for (src, mesh, want) in [
+        (src.clone(), "pp=2", "needs tp > 1"),
+        (moe(&src), "pp=2,tp=2", "with MoE parts"),
+    ] {
+        let e = ProgramSet::lower(&src, &mesh.parse().unwrap(), &cfg, opts)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{e}");
+    }
+}

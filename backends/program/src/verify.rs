@@ -285,6 +285,7 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
 enum CollKey {
     A2a(u32, u32, u32, A2a, Vec<u32>),
     Tp(u32, u32, u32, Tp, Vec<u32>),
+    TpGrad(u32, Vec<u32>),
     Replica(u32, Vec<u32>),
     AllReduce(u32, Scope, Vec<u32>),
     /// The schedule's own collective: communicator, label, group, and which call of the
@@ -320,6 +321,9 @@ fn coll_key(rank: u32, op: &Op, occurrence: u32) -> Option<(CollKey, Vec<u32>)> 
             CollKey::Tp(*stage, *mb, *layer, *phase, group.clone()),
             group.clone(),
         )),
+        Op::TpGradAllReduce { stage, group } => {
+            Some((CollKey::TpGrad(*stage, group.clone()), group.clone()))
+        }
         Op::ReplicaSum {
             model_stage, peer, ..
         } => {
