@@ -398,11 +398,6 @@ fn lower_rank(
                             emit_weights_part(&mut b, st.stage, c.mb, c.part);
                         }
                     } else if c.part != IrPart::Whole {
-                        if opts.sequence_parallel {
-                            return Err(ProgramError::Unsupported(
-                                "--sequence-parallel with MoE parts (--moe): the parts' TP all-gathers and reduce-scatters are not lowered yet; use whole ops".into(),
-                            ));
-                        }
                         win.push_part(c, st);
                         if win.open == 0 {
                             flush_window(&mut b, &cx, &mut win, r)?;
@@ -1465,6 +1460,15 @@ fn emit_part(
                     buf: input.expect("checked"),
                 });
             }
+            if cx.seq_par {
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::LatentGather);
+                b.compute.push(k(
+                    Pass::F,
+                    Part::QkvPost { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+            }
             b.compute.push(a2a(A2a::GatherKv));
             b.compute.push(k(
                 Pass::F,
@@ -1472,7 +1476,23 @@ fn emit_part(
                 vec![stash],
                 vec![stash, wg],
             ));
-            if cx.tp_group.len() > 1 {
+            if cx.seq_par {
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::AttnOutScatter);
+                b.compute.push(k(
+                    Pass::F,
+                    Part::AttnPost { layer: l },
+                    vec![stash],
+                    vec![stash, wg],
+                ));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpInGather);
+                b.compute.push(k(
+                    Pass::F,
+                    Part::Shared { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpOutScatter);
+            } else if cx.tp_group.len() > 1 {
                 b.tp_collective(cx.tp_group, s, mb, l, Tp::AttnOut);
                 b.compute.push(k(
                     Pass::F,
@@ -1528,7 +1548,18 @@ fn emit_part(
                     buf: gin.expect("checked"),
                 });
             }
-            b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpInGrad);
+            if cx.seq_par {
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpOutGradGather);
+                b.compute.push(k(
+                    Pass::B,
+                    Part::Shared { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpInGradScatter);
+            } else {
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpInGrad);
+            }
             ep_a2a(b, ps, A2a::CombineGrad);
         }
         (_, IrPart::Mlp) => {
@@ -1543,6 +1574,15 @@ fn emit_part(
         (_, IrPart::Dispatch) => ep_a2a(b, ps, A2a::DispatchGrad),
         (_, IrPart::Attn) => {
             wait(b, ps);
+            if cx.seq_par {
+                b.compute.push(k(
+                    Pass::B,
+                    Part::AttnPost { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::AttnOutGradGather);
+            }
             b.compute.push(k(
                 Pass::B,
                 Part::Attn { layer: l },
@@ -1558,7 +1598,12 @@ fn emit_part(
             if cx.tp_group.len() > 1 {
                 b.compute
                     .push(k(Pass::B, Part::Qkv { layer: l }, vec![stash], vec![stash]));
-                b.tp_collective(cx.tp_group, s, mb, l, Tp::AttnInGrad);
+                let phase = if cx.seq_par {
+                    Tp::LatentGradScatter
+                } else {
+                    Tp::AttnInGrad
+                };
+                b.tp_collective(cx.tp_group, s, mb, l, phase);
                 b.compute
                     .push(k(Pass::B, Part::QkvPost { layer: l }, vec![stash], writes));
             } else {
