@@ -640,6 +640,22 @@ mod tests {
             e.contains("tp=3 does not divide the model's attention heads (4)"),
             "{e}"
         );
+        // Issue 23: a TP size the expert hidden size cannot hold names it.
+        let t4: Mesh = "pp=4,tp=4".parse().unwrap();
+        let e = t4
+            .validate(
+                None,
+                &Fit {
+                    expert_hidden: 6,
+                    ..fit(4)
+                },
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tp=4 does not divide the model's expert hidden size (6)"),
+            "{e}"
+        );
         let n: Mesh = "pp=2,ep=8,node=4".parse().unwrap();
         assert_eq!(n.to_string(), "pp=2,ep=8,dp=1,tp=1,sp=1,node=4");
         assert_eq!((n.node_size(), n.node_of(5), n.node_of(11)), (4, 1, 2));
