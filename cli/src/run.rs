@@ -34,6 +34,15 @@ pub enum Mode {
     Nccl,
 }
 
+/// `--a2a`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum A2a {
+    /// Every rank sends to every rank of its EP group directly.
+    Flat,
+    /// Two-level: across nodes once per node, then inside the node.
+    Hierarchical,
+}
+
 /// `schedc run`'s arguments.
 #[derive(clap::Args)]
 pub struct Args {
@@ -41,9 +50,30 @@ pub struct Args {
     pub input: InputArgs,
     #[command(flatten)]
     pub order_cost: OrderCostArgs,
-    /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`).
+    /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`); `node=K` adds how
+    /// many consecutive ranks share a node (default: all on one), for --a2a and the traffic
+    /// figures. CPU: `tp` splits the attention heads and the shared expert over the TP group
+    /// (Megatron-LM); `sp` splits each sequence (context-parallel style).
     #[arg(long)]
     pub mesh: Option<String>,
+    /// CPU: how the expert-parallel all-to-alls cross nodes: `flat` (every rank to every
+    /// rank) or `hierarchical` (DeepSeek-V3: one message per other node, each token's row
+    /// once per node, scattered inside the node). Same training either way; the report
+    /// gives the bytes by level (`a2a_bytes`).
+    #[arg(long, value_enum, default_value = "flat")]
+    pub a2a: A2a,
+    /// CPU: Megatron-LM's sequence parallelism inside the TP group (needs tp > 1 in --mesh):
+    /// each TP rank keeps 1/tp of the tokens between the TP collectives (norms, residuals,
+    /// router, routed experts on the shard), which become all-gathers and reduce-scatters.
+    /// The mesh's `sp` is the other kind: it splits each sequence over its own ranks.
+    #[arg(long)]
+    pub sequence_parallel: bool,
+    /// CPU: routed experts per MoE layer of the model (default: 4).
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// CPU: experts each token is routed to (default: 2).
+    #[arg(long)]
+    pub top_k: Option<usize>,
     /// The backend.
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: Backend,
@@ -168,6 +198,15 @@ pub fn run(args: Args) -> ExitCode {
         if args.trace.is_some() {
             return usage("--trace is for --backend cpu");
         }
+        if args.a2a != A2a::Flat
+            || args.experts.is_some()
+            || args.top_k.is_some()
+            || args.sequence_parallel
+        {
+            return usage(
+                "--a2a, --experts, --top-k and --sequence-parallel are for --backend cpu",
+            );
+        }
         // Before the schedule is loaded and before NVRTC is.
         if let Some(a) = &args.arch {
             if let Err(e) = schedc_cuda::nvrtc::validate_arch(a) {
@@ -226,9 +265,25 @@ pub fn run(args: Args) -> ExitCode {
         Ok(t) => t,
         Err(e) => return fail(format, &e, 2),
     };
+    let mut model = RunConfig::default().model;
+    if let Some(e) = args.experts {
+        model.experts = e;
+    }
+    if let Some(k) = args.top_k {
+        model.top_k = k;
+    }
+    if let Err(e) = model.validate() {
+        return fail(format, &format!("--experts/--top-k: {e}"), 2);
+    }
     let cfg = RunConfig {
         mesh,
         dtype,
+        model,
+        sequence_parallel: args.sequence_parallel,
+        a2a: match args.a2a {
+            A2a::Flat => schedc_cpu::exec::A2aMode::Flat,
+            A2a::Hierarchical => schedc_cpu::exec::A2aMode::Hierarchical,
+        },
         steps: args.steps,
         data: args.data,
         verify: args.verify,

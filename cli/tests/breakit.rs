@@ -475,7 +475,7 @@ fn item11_exit_codes() {
         &["--data", "/nonexistent"][..],
         &["--steps", "0"][..],
         &["--data", empty.to_str().unwrap()][..],
-        &["--mesh", "pp=4,tp=2"][..],
+        &["--mesh", "pp=4,tp=8"][..],
         &["--mesh", "pp=3"][..],
         &["--mesh", "pp=4,ep=3"][..],
     ] {

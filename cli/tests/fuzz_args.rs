@@ -133,8 +133,22 @@ fn flags(cmd: &str) -> Vec<Flag> {
         "run" => vec![
             (
                 "--mesh",
-                Some(&["pp=2", "pp=4,ep=2", "pp=4,tp=2", "pp=2,sp=2", "dp=0", "x"][..]),
+                Some(
+                    &[
+                        "pp=2",
+                        "pp=4,ep=2",
+                        "pp=4,tp=2",
+                        "pp=2,sp=2",
+                        "pp=2,ep=2,node=1",
+                        "pp=2,node=3",
+                        "dp=0",
+                        "x",
+                    ][..],
+                ),
             ),
+            ("--a2a", Some(&["flat", "hierarchical", "x"][..])),
+            ("--experts", Some(&["8", "3", "0", "x"][..])),
+            ("--top-k", Some(&["1", "4", "9", "0"][..])),
             ("--dtype", Some(&["f32", "f64", "f16"][..])),
             ("--steps", Some(&["0", "1", "2", "-1", "x"][..])),
             (

@@ -465,3 +465,152 @@ fn run_json_reports_a_bad_cost_model_as_json() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 23: `run --mesh pp=2,tp=2 --verify` trains with tensor parallelism on the CPU
+/// backend and equals sequential training; a TP size that does not divide the heads is
+/// refused (exit 2) naming the dimension.
+#[test]
+fn run_tensor_parallel_equals_sequential_and_refuses_what_does_not_divide() {
+    let args = |mesh: &str| {
+        let mut c = bin();
+        c.args([
+            "run",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--steps",
+            "2",
+            "--verify",
+            "--format",
+            "json",
+            "--mesh",
+            mesh,
+        ]);
+        c.output().unwrap()
+    };
+    let out = args("pp=2,tp=2");
+    assert_ok(&out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["max_rel_grad_err"].as_f64().unwrap() < 1e-10, "{v}");
+    assert!(v["max_abs_loss_err"].as_f64().unwrap() < 1e-10, "{v}");
+    assert!(v["max_rel_param_err"].as_f64().unwrap() < 1e-10, "{v}");
+    let out = args("pp=2,tp=8");
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("tp=8 does not divide the model's attention heads (4)"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// Issue 23: `run --a2a hierarchical` at `--mesh pp=2,ep=8,node=4` with top-4 routing over 8
+/// experts trains exactly like `--a2a flat` (same losses to the last bit) and reports
+/// `a2a_bytes` by level: 4x fewer inter-node messages, about half the dispatch's inter-node
+/// bytes. A node size that neither divides nor is a multiple of `ep` is refused (exit 2).
+#[test]
+fn run_hierarchical_all_to_all_reports_bytes_by_level() {
+    let run = |a2a: &str, mesh: &str| {
+        bin()
+            .args([
+                "run",
+                "specs/1f1b.sched",
+                "--pp",
+                "2",
+                "--mb",
+                "2",
+                "--experts",
+                "8",
+                "--top-k",
+                "4",
+                "--format",
+                "json",
+                "--a2a",
+                a2a,
+                "--mesh",
+                mesh,
+            ])
+            .output()
+            .unwrap()
+    };
+    let f = run("flat", "pp=2,ep=8,node=4");
+    let h = run("hierarchical", "pp=2,ep=8,node=4");
+    assert_ok(&f);
+    assert_ok(&h);
+    let f: serde_json::Value = serde_json::from_slice(&f.stdout).unwrap();
+    let h: serde_json::Value = serde_json::from_slice(&h.stdout).unwrap();
+    assert_eq!(f["loss"], h["loss"]);
+    assert_eq!(
+        (f["a2a"].as_str(), h["a2a"].as_str()),
+        (Some("flat"), Some("hierarchical"))
+    );
+    let n = |v: &serde_json::Value, k: &str, l: &str| v[k][l].as_u64().unwrap();
+    assert_eq!(
+        n(&f, "a2a_messages", "inter_node"),
+        4 * n(&h, "a2a_messages", "inter_node")
+    );
+    assert!(n(&h, "a2a_bytes", "inter_node") < n(&f, "a2a_bytes", "inter_node"));
+    assert!(n(&h, "a2a_bytes", "intra_node") > n(&f, "a2a_bytes", "intra_node"));
+    let d = |v: &serde_json::Value| v["dispatch_inter_node_bytes"].as_u64().unwrap() as f64;
+    assert!(d(&f) / d(&h) > 1.5, "{} {}", d(&f), d(&h));
+    let bad = run("hierarchical", "pp=2,ep=8,node=3");
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+    assert!(
+        stderr(&bad).contains("node=3 does not divide the 16 ranks"),
+        "{}",
+        stderr(&bad)
+    );
+}
+
+/// Issue 23: `run --sequence-parallel` (Megatron's sequence parallelism inside the TP
+/// group) equals sequential training at `pp=2,tp=2` and with the mesh's `sp=2`; without a
+/// TP group it is refused (exit 2) and says which `sp` is which.
+#[test]
+fn run_sequence_parallel_in_the_tp_group() {
+    let run = |mesh: &str| {
+        bin()
+            .args([
+                "run",
+                "specs/1f1b.sched",
+                "--pp",
+                "2",
+                "--mb",
+                "2",
+                "--steps",
+                "2",
+                "--verify",
+                "--sequence-parallel",
+                "--format",
+                "json",
+                "--mesh",
+                mesh,
+            ])
+            .output()
+            .unwrap()
+    };
+    for mesh in ["pp=2,tp=2", "pp=2,tp=2,sp=2"] {
+        let out = run(mesh);
+        assert_ok(&out);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(
+            v["max_rel_grad_err"].as_f64().unwrap() < 1e-10,
+            "{mesh}: {v}"
+        );
+        assert!(
+            v["max_rel_param_err"].as_f64().unwrap() < 1e-10,
+            "{mesh}: {v}"
+        );
+        assert!(
+            v["tp_bytes"]["intra_node"].as_u64().unwrap() > 0,
+            "{mesh}: {v}"
+        );
+    }
+    let out = run("pp=2,sp=2");
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("it needs tp > 1") && stderr(&out).contains("the mesh's `sp`"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -29,12 +29,13 @@ use crate::model::{
     stage_backward_local, stage_forward_local, Grads, ModelConfig, Packet, RouterState, Scope,
     StageKernels, StageParams, Stash, WeightSet,
 };
-use crate::tensor::Real;
+use crate::model::{tp_shard_name, tp_split};
+use crate::tensor::{add_into, Real};
 pub use schedc_program::data::{Batching, Data};
 use schedc_program::interp::{self, Cursor, Device, InterpOptions, Ready};
 pub use schedc_program::interp::{Abort, At, ExecError, RunFailure, POLL};
 use schedc_program::mesh::Dim;
-use schedc_program::{A2a, Buf, LocalStage, Op, Part, Pass, ProgramSet, RankProgram};
+use schedc_program::{A2a, Buf, LocalStage, Op, Part, Pass, ProgramSet, RankProgram, Tp, TpKind};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -158,6 +159,76 @@ pub struct ExecOptions {
     /// step of spans rather than all of them. `None`: they are collected in
     /// [`ExecResult::trace`].
     pub trace_sink: Option<SpanSink>,
+    /// How the expert-parallel all-to-alls travel between nodes (`run --a2a`).
+    pub a2a: A2aMode,
+}
+
+/// How the expert-parallel all-to-alls (dispatch, combine and their gradients) travel
+/// (`run --a2a`). Both deliver the same packets, so training is identical; they differ in
+/// the messages on the inter-node network ([`Traffic`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum A2aMode {
+    /// Every member sends its packet for every other member directly.
+    #[default]
+    Flat,
+    /// DeepSeek-V3's two-level dispatch (arXiv 2412.19437, §3.2.2): a member sends one
+    /// message per other node, to its peer there (the member of that node with the same
+    /// index among the group's members of its node), carrying each distinct row once
+    /// however many of that node's members want it (a token routed to several experts on
+    /// one node crosses the network once); the peer scatters the rows inside its node.
+    /// Combine and the gradients take the same two hops (their rows are distinct per
+    /// expert, so only the number of messages drops).
+    Hierarchical,
+}
+
+impl std::str::FromStr for A2aMode {
+    type Err = String;
+    /// `flat` or `hierarchical`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "flat" => Ok(A2aMode::Flat),
+            "hierarchical" => Ok(A2aMode::Hierarchical),
+            _ => Err(format!(
+                "unknown all-to-all `{s}`: expected flat or hierarchical"
+            )),
+        }
+    }
+}
+
+/// Bytes and messages a run moved between ranks, summed over every rank and step
+/// (messages a rank sends itself are not counted). A row of `n` values of the run's
+/// precision is `n` times 4 (f32) or 8 (f64) bytes; expert ids and row indices 4 bytes each.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Traffic {
+    /// Expert-parallel all-to-alls: bytes between ranks of one node.
+    pub a2a_intra_bytes: u64,
+    /// Expert-parallel all-to-alls: bytes between nodes.
+    pub a2a_inter_bytes: u64,
+    /// Expert-parallel all-to-alls: messages inside a node.
+    pub a2a_intra_messages: u64,
+    /// Expert-parallel all-to-alls: messages between nodes.
+    pub a2a_inter_messages: u64,
+    /// Of [`Traffic::a2a_inter_bytes`], the forward dispatch's (token rows to their
+    /// experts: what the hierarchical all-to-all sends once per node).
+    pub dispatch_inter_bytes: u64,
+    /// Tensor-parallel all-reduces: bytes sent (each member sends its partial sums to every
+    /// other member).
+    pub tp_bytes: u64,
+    /// Tensor-parallel all-reduces: bytes of those that crossed nodes.
+    pub tp_inter_bytes: u64,
+}
+
+impl Traffic {
+    fn add(&mut self, o: &Traffic) {
+        self.a2a_intra_bytes += o.a2a_intra_bytes;
+        self.a2a_inter_bytes += o.a2a_inter_bytes;
+        self.a2a_intra_messages += o.a2a_intra_messages;
+        self.a2a_inter_messages += o.a2a_inter_messages;
+        self.dispatch_inter_bytes += o.dispatch_inter_bytes;
+        self.tp_bytes += o.tp_bytes;
+        self.tp_inter_bytes += o.tp_inter_bytes;
+    }
 }
 
 /// Receives a traced run's spans as the ranks finish each step ([`ExecOptions::trace_sink`]).
@@ -174,6 +245,7 @@ impl Default for ExecOptions {
             trace: false,
             on_step: None,
             trace_sink: None,
+            a2a: A2aMode::Flat,
         }
     }
 }
@@ -209,6 +281,8 @@ pub struct ExecResult {
     /// With [`ExecOptions::trace`]: every instruction that touches data (kernels,
     /// messages, collectives, the optimizer), by rank, in the order each rank finished them.
     pub trace: Vec<Span>,
+    /// What the collectives moved ([`ExecOptions::a2a`]).
+    pub traffic: Traffic,
 }
 
 /// When one instruction ran on one stream of one rank ([`ExecOptions::trace`]). An
@@ -260,8 +334,16 @@ fn span_of(op: &Op) -> (&'static str, Option<String>) {
             };
             ("all_to_all", Some(format!("{pass}({stage},{mb})")))
         }
+        Op::TpCollective {
+            stage, mb, phase, ..
+        } => {
+            let pass = if phase.forward() { "F" } else { "B" };
+            ("tp", Some(format!("{pass}({stage},{mb})")))
+        }
         Op::Send { .. } | Op::Recv { .. } => ("p2p", None),
-        Op::ReplicaSum { .. } | Op::AllReduce { .. } => ("reduce", None),
+        Op::ReplicaSum { .. } | Op::AllReduce { .. } | Op::TpGradAllReduce { .. } => {
+            ("reduce", None)
+        }
         _ => ("optimizer", None),
     }
 }
@@ -338,6 +420,13 @@ impl<W: std::io::Write> ChromeTraceWriter<W> {
 enum Tag {
     P2p(Buf),
     A2a(u32, u32, u32, A2a),
+    /// Hierarchical all-to-all: a member's bundle for a node, to its peer there.
+    A2aHop(u32, u32, u32, A2a),
+    /// Hierarchical all-to-all: the packet of original source `.4`, forwarded inside the
+    /// node by its peer.
+    A2aFwd(u32, u32, u32, A2a, u32),
+    Tp(u32, u32, u32, Tp),
+    TpGrad(u32),
     Replica(u32),
     AllReduce(u32, Scope),
 }
@@ -345,6 +434,15 @@ enum Tag {
 enum Body<T> {
     Tensor(Vec<T>),
     Packet(Packet<T>),
+    Bundle(Bundle<T>),
+}
+
+/// A hierarchical all-to-all's message for one node: its distinct rows once, and per
+/// destination member the indices of its rows and their expert ids.
+struct Bundle<T> {
+    rows: Vec<T>,
+    width: usize,
+    dests: Vec<(u32, Vec<u32>, Vec<u32>)>,
 }
 
 struct Msg<T> {
@@ -357,10 +455,11 @@ struct Msg<T> {
 type Key = (u32, usize, Tag);
 
 enum Report {
-    Loss(usize, f64),
+    Loss(usize, u32, f64),
     Grads(usize, u32, u32, Named),
     Params(u32, u32, Named),
     Ops(u64),
+    Traffic(Traffic),
     Trace(Vec<Span>),
     Exit,
 }
@@ -397,6 +496,10 @@ struct Rank<'a, T> {
     cfg: &'a ModelConfig,
     ep: usize,
     sp: usize,
+    /// Size of the TP group.
+    tp: usize,
+    /// Megatron sequence parallelism inside the TP group.
+    seq_par: bool,
     stages: Vec<StageState<T>>,
     bufs: HashMap<Buf, Value<T>>,
     mailbox: HashMap<Key, VecDeque<Body<T>>>,
@@ -408,6 +511,7 @@ struct Rank<'a, T> {
     /// its head was posted.
     spans: Vec<Span>,
     posted_at: Vec<Option<Instant>>,
+    traffic: Traffic,
 }
 
 impl<'a, T: Real> Rank<'a, T> {
@@ -531,8 +635,13 @@ impl<'a, T: Real> Rank<'a, T> {
             .index(self.step, self.prog.data_shard as usize, gmb);
         let (tokens, targets) = self.sh.data.sequence(idx, self.cfg.seq_len)?;
         // This rank's sequence-parallel chunk.
-        let c = self.cfg.seq_len / self.sp;
-        let lo = self.prog.coords.sp as usize * c;
+        let mut c = self.cfg.seq_len / self.sp;
+        let mut lo = self.prog.coords.sp as usize * c;
+        if self.seq_par {
+            // This TP member's shard of the chunk.
+            c /= self.tp;
+            lo += self.prog.coords.tp as usize * c;
+        }
         let (tokens, targets) = (tokens[lo..lo + c].to_vec(), targets[lo..lo + c].to_vec());
         let scale = 1.0 / self.sh.batching.tokens(self.cfg.seq_len) as f64;
         let k = self.kernels(si);
@@ -551,6 +660,9 @@ impl<'a, T: Real> Rank<'a, T> {
             sp: self.sp,
             pos0: self.prog.coords.sp as usize * (self.cfg.seq_len / self.sp),
             route_groups: 1,
+            tp: self.tp,
+            tp_rank: self.prog.coords.tp as usize,
+            sequence_parallel: self.seq_par,
         }
     }
 
@@ -590,6 +702,9 @@ impl<'a, T: Real> Rank<'a, T> {
             sp,
             pos0,
             route_groups: 1,
+            tp: self.tp,
+            tp_rank: self.prog.coords.tp as usize,
+            sequence_parallel: self.seq_par,
         };
         let mut out: Option<(Buf, Vec<T>)> = None;
         match (k.pass, k.part) {
@@ -602,7 +717,22 @@ impl<'a, T: Real> Rank<'a, T> {
                 let l = layer as usize;
                 kern.fwd_attn(l, &mut st, &stage.routers[l], &mut g.loads[l])?;
             }
+            (Pass::F, Part::AttnPost { layer }) => {
+                let g = match self.bufs.get_mut(&Buf::WeightGrad { stage: k.stage }) {
+                    Some(Value::Grads(g)) => g,
+                    _ => return Err(format!("weight_grad({}) is not allocated", k.stage)),
+                };
+                let l = layer as usize;
+                kern.fwd_attn_post(l, &mut st, &stage.routers[l], &mut g.loads[l])?;
+            }
             (Pass::F, Part::Qkv { layer }) => kern.fwd_qkv(layer as usize, &mut st),
+            (Pass::F, Part::QkvPost { layer }) => kern.fwd_qkv_post(layer as usize, &mut st)?,
+            (Pass::F, Part::Shared { layer }) => kern.fwd_shared(layer as usize, &mut st)?,
+            (Pass::B, Part::Shared { layer }) => kern.bwd_shared(layer as usize, &mut st)?,
+            (Pass::B, Part::AttnPost { layer }) => kern.bwd_attn_post(layer as usize, &mut st)?,
+            (Pass::B, Part::Attn { layer }) if self.seq_par => {
+                kern.bwd_attn_gathered(layer as usize, &mut st)?
+            }
             (Pass::F, Part::Experts { layer }) => kern.fwd_experts(layer as usize, &mut st)?,
             (Pass::F, Part::Combine { layer }) => {
                 kern.fwd_combine(layer as usize, &mut st)?;
@@ -622,8 +752,12 @@ impl<'a, T: Real> Rank<'a, T> {
             }
             (Pass::B, Part::Experts { layer }) => kern.bwd_experts(layer as usize, &mut st)?,
             (Pass::B, Part::Attn { layer }) => kern.bwd_attn(layer as usize, &mut st)?,
-            (Pass::B, Part::Qkv { layer }) => {
-                kern.bwd_qkv(layer as usize, &mut st)?;
+            (Pass::B, Part::Qkv { layer } | Part::QkvPost { layer }) => {
+                if matches!(k.part, Part::Qkv { .. }) {
+                    kern.bwd_qkv(layer as usize, &mut st)?;
+                } else {
+                    kern.bwd_qkv_post(layer as usize, &mut st)?;
+                }
                 if let Some(b) = k.writes.iter().find(|b| matches!(b, Buf::Grad { .. })) {
                     out = Some((*b, st.grad.clone()));
                 }
@@ -672,7 +806,9 @@ impl<'a, T: Real> Rank<'a, T> {
                 }
                 match self.take(*peer, &tag) {
                     Some(Body::Tensor(t)) => self.put(*buf, Value::Tensor(t))?,
-                    Some(Body::Packet(_)) => return Err(format!("{buf} arrived as a packet")),
+                    Some(Body::Packet(_) | Body::Bundle(_)) => {
+                        return Err(format!("{buf} arrived as a packet"))
+                    }
                     None => {
                         return Ok(Ready::Blocked(format!(
                             "{} from rank {peer}",
@@ -680,6 +816,15 @@ impl<'a, T: Real> Rank<'a, T> {
                         )))
                     }
                 }
+            }
+            Op::AllToAll {
+                stage,
+                mb,
+                layer,
+                phase,
+                group,
+            } if self.hierarchical(*phase, group) => {
+                return self.hierarchical_a2a(*stage, *mb, *layer, *phase, group, posted)
             }
             Op::AllToAll {
                 stage,
@@ -704,7 +849,11 @@ impl<'a, T: Real> Rank<'a, T> {
                             group.len()
                         ));
                     }
+                    let ep = !matches!(phase, A2a::GatherKv | A2a::ScatterKvGrad);
                     for (to, pk) in group.iter().zip(out) {
+                        if ep {
+                            self.count_packet(*to, &pk, *phase);
+                        }
                         self.send(*to, tag.clone(), Body::Packet(pk));
                     }
                     *posted = true;
@@ -733,6 +882,91 @@ impl<'a, T: Real> Rank<'a, T> {
                 let mut st = self.take_stash(sb)?;
                 st.inbox = inbox;
                 self.put(sb, Value::Stash(st))?;
+            }
+            Op::TpCollective {
+                stage,
+                mb,
+                layer,
+                phase,
+                group,
+            } => {
+                let tag = Tag::Tp(*stage, *mb, *layer, *phase);
+                let sb = Buf::Stash {
+                    stage: *stage,
+                    mb: *mb,
+                };
+                if !*posted {
+                    let mut st = self.take_stash(sb)?;
+                    let part = std::mem::take(&mut st.tp_out);
+                    self.put(sb, Value::Stash(st))?;
+                    // A reduce-scatter's member needs only its shard of each partial.
+                    let n = match phase.kind() {
+                        TpKind::ReduceScatter => part.len() / group.len().max(1),
+                        _ => part.len(),
+                    };
+                    let bytes = (n * std::mem::size_of::<T>()) as u64;
+                    let mesh = &self.sh.set.manifest.mesh;
+                    for to in group.iter().filter(|m| **m != me) {
+                        self.traffic.tp_bytes += bytes;
+                        if mesh.node_of(*to) != mesh.node_of(me) {
+                            self.traffic.tp_inter_bytes += bytes;
+                        }
+                    }
+                    for to in group {
+                        self.send(*to, tag.clone(), Body::Tensor(part.clone()));
+                    }
+                    *posted = true;
+                    if stream != 0 {
+                        return Ok(Ready::Blocked(format!(
+                            "the {phase:?} tensor-parallel all-reduce of stage {stage}, micro-batch {mb}, layer {layer} (posted)"
+                        )));
+                    }
+                }
+                let missing = self.missing_from(group, &tag);
+                if !missing.is_empty() {
+                    return Ok(Ready::Blocked(format!(
+                        "the {phase:?} tensor-parallel collective of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
+                    )));
+                }
+                let mut parts = Vec::with_capacity(group.len());
+                for m in group {
+                    let Some(Body::Tensor(t)) = self.take(*m, &tag) else {
+                        return Err("a tensor-parallel message is not a tensor".into());
+                    };
+                    parts.push(t);
+                }
+                let mut st = self.take_stash(sb)?;
+                st.tp_in = tp_combine(*phase, parts, group, me)?;
+                self.put(sb, Value::Stash(st))?;
+            }
+            Op::TpGradAllReduce { stage, group } => {
+                let tag = Tag::TpGrad(*stage);
+                if !*posted {
+                    let g = self.take_grads(*stage)?;
+                    let v = self.replicated_grads(&g);
+                    self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
+                    for m in group {
+                        self.send(*m, tag.clone(), Body::Tensor(v.clone()));
+                    }
+                    *posted = true;
+                }
+                let missing = self.missing_from(group, &tag);
+                if !missing.is_empty() {
+                    return Ok(Ready::Blocked(format!(
+                        "the shard gradients of stage {stage} from TP ranks {missing:?}"
+                    )));
+                }
+                let mut parts = Vec::with_capacity(group.len());
+                for m in group {
+                    let Some(Body::Tensor(t)) = self.take(*m, &tag) else {
+                        return Err("a TP gradient message is not a tensor".into());
+                    };
+                    parts.push(t);
+                }
+                let sum = tp_combine(Tp::AttnOut, parts, group, me)?;
+                let mut g = self.take_grads(*stage)?;
+                self.set_replicated_grads(&mut g, &sum)?;
+                self.put(Buf::WeightGrad { stage: *stage }, Value::Grads(g))?;
             }
             Op::ReplicaSum {
                 stage,
@@ -826,10 +1060,7 @@ impl<'a, T: Real> Rank<'a, T> {
                 let g = self.take_grads(*stage)?;
                 let si = self.stage_ix(*stage)?;
                 if self.sh.opts.record {
-                    let mut named = Vec::new();
-                    g.params.visit(&mut |n, _, t| {
-                        named.push((n.to_string(), t.iter().map(|x| x.f64()).collect()))
-                    });
+                    let named = self.named(&g.params);
                     self.report(Report::Grads(self.step, me, *stage, named));
                 }
                 let cfg = self.cfg;
@@ -843,6 +1074,271 @@ impl<'a, T: Real> Rank<'a, T> {
             }
         }
         Ok(Ready::Done)
+    }
+
+    /// True if the all-to-all `phase` over `group` runs hierarchically: an expert-parallel
+    /// one under [`A2aMode::Hierarchical`] whose group spans more than one node.
+    fn hierarchical(&self, phase: A2a, group: &[u32]) -> bool {
+        let mesh = &self.sh.set.manifest.mesh;
+        self.sh.opts.a2a == A2aMode::Hierarchical
+            && !matches!(phase, A2a::GatherKv | A2a::ScatterKvGrad)
+            && group
+                .iter()
+                .any(|m| mesh.node_of(*m) != mesh.node_of(group[0]))
+    }
+
+    /// Counts a packet sent to `to` in the expert-parallel traffic.
+    fn count_packet(&mut self, to: u32, pk: &Packet<T>, phase: A2a) {
+        let me = self.prog.rank;
+        if to == me {
+            return;
+        }
+        let bytes = (pk.data.len() * std::mem::size_of::<T>() + pk.meta.len() * 4) as u64;
+        let mesh = &self.sh.set.manifest.mesh;
+        if mesh.node_of(to) == mesh.node_of(me) {
+            self.traffic.a2a_intra_bytes += bytes;
+            self.traffic.a2a_intra_messages += 1;
+        } else {
+            self.count_inter(bytes, phase);
+        }
+    }
+
+    fn count_inter(&mut self, bytes: u64, phase: A2a) {
+        self.traffic.a2a_inter_bytes += bytes;
+        self.traffic.a2a_inter_messages += 1;
+        if phase == A2a::Dispatch {
+            self.traffic.dispatch_inter_bytes += bytes;
+        }
+    }
+
+    /// The member of `group` in `node` that relays `src`'s rows there: the one whose index
+    /// among the group's members of `node` equals `src`'s index among those of its own node
+    /// (modulo their number).
+    fn relay(&self, group: &[u32], src: u32, node: u32) -> u32 {
+        let mesh = &self.sh.set.manifest.mesh;
+        let own: Vec<u32> = group
+            .iter()
+            .copied()
+            .filter(|m| mesh.node_of(*m) == mesh.node_of(src))
+            .collect();
+        let there: Vec<u32> = group
+            .iter()
+            .copied()
+            .filter(|m| mesh.node_of(*m) == node)
+            .collect();
+        let i = own.iter().position(|m| *m == src).unwrap_or(0);
+        there[i % there.len()]
+    }
+
+    /// The hierarchical all-to-all ([`A2aMode::Hierarchical`]): posts one packet per member
+    /// of the own node and one bundle per other node (to the member relaying for this rank
+    /// there); relays the bundles it receives to their destinations in its node; completes
+    /// when every member's packet has arrived (directly, or relayed), with the same inbox as
+    /// the flat all-to-all.
+    fn hierarchical_a2a(
+        &mut self,
+        stage: u32,
+        mb: u32,
+        layer: u32,
+        phase: A2a,
+        group: &[u32],
+        posted: &mut bool,
+    ) -> Result<Ready, String> {
+        let me = self.prog.rank;
+        let mesh = self.sh.set.manifest.mesh.clone();
+        let my_node = mesh.node_of(me);
+        let direct = Tag::A2a(stage, mb, layer, phase);
+        let hop = Tag::A2aHop(stage, mb, layer, phase);
+        let sb = Buf::Stash { stage, mb };
+        let width = self.cfg.hidden;
+        if !*posted {
+            let mut st = self.take_stash(sb)?;
+            let out = std::mem::take(&mut st.outbox);
+            self.put(sb, Value::Stash(st))?;
+            if out.len() != group.len() {
+                return Err(format!(
+                    "{} packets for an all-to-all over {} ranks",
+                    out.len(),
+                    group.len()
+                ));
+            }
+            // Per other node: its bundle, and each distinct row's index in it (by bits).
+            type Rows = HashMap<Vec<u64>, u32>;
+            let mut bundles: Vec<(u32, Bundle<T>, Rows)> = Vec::new();
+            for (to, pk) in group.iter().zip(out) {
+                let node = mesh.node_of(*to);
+                if node == my_node {
+                    self.count_packet(*to, &pk, phase);
+                    self.send(*to, direct.clone(), Body::Packet(pk));
+                    continue;
+                }
+                let at = match bundles.iter().position(|b| b.0 == node) {
+                    Some(i) => i,
+                    None => {
+                        bundles.push((
+                            node,
+                            Bundle {
+                                rows: Vec::new(),
+                                width,
+                                dests: Vec::new(),
+                            },
+                            HashMap::new(),
+                        ));
+                        bundles.len() - 1
+                    }
+                };
+                let (_, b, seen) = &mut bundles[at];
+                if pk.data.len() % width != 0 {
+                    return Err(format!(
+                        "a packet of {} values is not rows of {width}",
+                        pk.data.len()
+                    ));
+                }
+                let mut idx = Vec::with_capacity(pk.data.len() / width);
+                for row in pk.data.chunks(width) {
+                    let key: Vec<u64> = row.iter().map(|x| x.f64().to_bits()).collect();
+                    let n = (b.rows.len() / width) as u32;
+                    let i = *seen.entry(key).or_insert_with(|| {
+                        b.rows.extend_from_slice(row);
+                        n
+                    });
+                    idx.push(i);
+                }
+                b.dests.push((*to, idx, pk.meta));
+            }
+            for (node, b, _) in bundles {
+                let relay = self.relay(group, me, node);
+                let idx: usize = b.dests.iter().map(|d| d.1.len() + d.2.len()).sum();
+                let bytes = (b.rows.len() * std::mem::size_of::<T>() + idx * 4) as u64;
+                self.count_inter(bytes, phase);
+                self.send(relay, hop.clone(), Body::Bundle(b));
+            }
+            *posted = true;
+        }
+        // Relay the bundles that have come for this node.
+        self.drain();
+        for src in group.iter().copied() {
+            if mesh.node_of(src) == my_node || self.relay(group, src, my_node) != me {
+                continue;
+            }
+            if let Some(body) = self.take(src, &hop) {
+                let Body::Bundle(b) = body else {
+                    return Err("a relayed all-to-all message is not a bundle".into());
+                };
+                for (to, idx, meta) in b.dests {
+                    let mut data = Vec::with_capacity(idx.len() * b.width);
+                    for i in idx {
+                        let i = i as usize;
+                        data.extend_from_slice(&b.rows[i * b.width..(i + 1) * b.width]);
+                    }
+                    let pk = Packet { data, meta };
+                    self.count_packet(to, &pk, phase);
+                    self.send(
+                        to,
+                        Tag::A2aFwd(stage, mb, layer, phase, src),
+                        Body::Packet(pk),
+                    );
+                }
+            }
+        }
+        self.drain();
+        let from = |r: &Self, src: u32| {
+            if mesh.node_of(src) == my_node {
+                (src, direct.clone())
+            } else {
+                (
+                    r.relay(group, src, my_node),
+                    Tag::A2aFwd(stage, mb, layer, phase, src),
+                )
+            }
+        };
+        let missing: Vec<u32> = group
+            .iter()
+            .copied()
+            .filter(|src| {
+                let (f, t) = from(self, *src);
+                !self.has(f, &t)
+            })
+            .collect();
+        if !missing.is_empty() {
+            return Ok(Ready::Blocked(format!(
+                "the {phase:?} all-to-all (hierarchical) of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
+            )));
+        }
+        let mut inbox = Vec::with_capacity(group.len());
+        for src in group.iter().copied() {
+            let (f, t) = from(self, src);
+            match self.take(f, &t) {
+                Some(Body::Packet(p)) => inbox.push(p),
+                _ => return Err("an all-to-all message is not a packet".into()),
+            }
+        }
+        let mut st = self.take_stash(sb)?;
+        st.inbox = inbox;
+        self.put(sb, Value::Stash(st))?;
+        Ok(Ready::Done)
+    }
+
+    /// The tensors of `g` that the TP group does not split (both scopes, visit order), then
+    /// the load counts: what a sequence-parallel member computed on its shard only.
+    fn replicated_grads(&self, g: &Grads<T>) -> Vec<T> {
+        let mut v = Vec::new();
+        g.params.visit(&mut |n, _, t| {
+            if tp_split(self.cfg, n).is_none() {
+                v.extend_from_slice(t);
+            }
+        });
+        for l in &g.loads {
+            v.extend_from_slice(l);
+        }
+        v
+    }
+
+    /// Inverse of [`Self::replicated_grads`].
+    fn set_replicated_grads(&self, g: &mut Grads<T>, v: &[T]) -> Result<(), String> {
+        let mut at = 0;
+        let cfg = self.cfg;
+        let mut short = false;
+        g.params.visit_mut(&mut |n, _, t| {
+            if tp_split(cfg, n).is_none() {
+                let k = t.len();
+                match v.get(at..at + k) {
+                    Some(src) => t.copy_from_slice(src),
+                    None => short = true,
+                }
+                at += k;
+            }
+        });
+        for l in &mut g.loads {
+            let k = l.len();
+            match v.get(at..at + k) {
+                Some(src) => l.copy_from_slice(src),
+                None => short = true,
+            }
+            at += k;
+        }
+        if short || at != v.len() {
+            return Err(format!(
+                "the TP gradient sum has {} values, expected {at}",
+                v.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every tensor of `p` by name, as f64; with TP the split tensors under their
+    /// [`tp_shard_name`].
+    fn named(&self, p: &StageParams<T>) -> Named {
+        let mut named = Vec::new();
+        let j = self.prog.coords.tp as usize;
+        p.visit(&mut |n, _, t| {
+            let name = match tp_split(self.cfg, n).filter(|_| self.tp > 1) {
+                Some(split) => tp_shard_name(n, split, j, self.tp),
+                None => n.to_string(),
+            };
+            named.push((name, t.iter().map(|x| x.f64()).collect()))
+        });
+        named
     }
 
     fn report(&self, r: Report) {
@@ -859,7 +1355,14 @@ impl<T: Real> Device for Rank<'_, T> {
     }
 
     fn end_step(&mut self, step: usize) -> Result<(), String> {
-        self.report(Report::Loss(step, self.loss));
+        // Every TP member computes the same loss: the first one reports it (with sequence
+        // parallelism each computes its shard's).
+        let loss = if self.prog.coords.tp == 0 || self.seq_par {
+            self.loss
+        } else {
+            0.0
+        };
+        self.report(Report::Loss(step, self.prog.rank, loss));
         // A streamed trace holds a step of spans per rank, not the whole run's.
         if self.sh.opts.trace && !self.spans.is_empty() {
             let spans = std::mem::take(&mut self.spans);
@@ -952,18 +1455,23 @@ fn run_rank<T: Real>(
         }
     };
     let n_model = sh.set.manifest.model_stages as usize;
+    let tp = sh.set.manifest.mesh.size(Dim::Tp) as usize;
     let stages = prog
         .stages
         .iter()
         .map(|info| StageState {
             info: info.clone(),
-            params: StageParams::init(
-                cfg,
-                info.model_stage as usize,
-                n_model,
-                info.expert_lo as usize,
-                info.expert_hi as usize,
-            ),
+            params: {
+                let mut p = StageParams::init(
+                    cfg,
+                    info.model_stage as usize,
+                    n_model,
+                    info.expert_lo as usize,
+                    info.expert_hi as usize,
+                );
+                p.shard_tp(cfg, prog.coords.tp as usize, tp);
+                p
+            },
             routers: (0..cfg.layers_per_stage)
                 .map(|_| RouterState::new(cfg))
                 .collect(),
@@ -976,6 +1484,8 @@ fn run_rank<T: Real>(
         cfg,
         ep: sh.set.manifest.mesh.size(Dim::Ep) as usize,
         sp: sh.set.manifest.mesh.size(Dim::Sp) as usize,
+        tp,
+        seq_par: sh.set.manifest.sequence_parallel,
         stages,
         bufs: HashMap::new(),
         mailbox: HashMap::new(),
@@ -985,6 +1495,7 @@ fn run_rank<T: Real>(
         loss: 0.0,
         spans: Vec::new(),
         posted_at: vec![None; prog.streams.len()],
+        traffic: Traffic::default(),
     };
     let opts = InterpOptions {
         steps: sh.opts.steps,
@@ -993,14 +1504,12 @@ fn run_rank<T: Real>(
     let ops = interp::run_rank(prog, &mut rank, opts, &sh.abort, cursor)?;
     if sh.opts.record {
         for st in &rank.stages {
-            let mut named = Vec::new();
-            st.params.visit(&mut |n, _, t| {
-                named.push((n.to_string(), t.iter().map(|x| x.f64()).collect()))
-            });
+            let named = rank.named(&st.params);
             rank.report(Report::Params(prog.rank, st.info.stage, named));
         }
     }
     rank.report(Report::Ops(ops));
+    rank.report(Report::Traffic(rank.traffic));
     if sh.opts.trace && !rank.spans.is_empty() {
         let spans = std::mem::take(&mut rank.spans);
         rank.report(Report::Trace(spans));
@@ -1050,6 +1559,7 @@ pub fn execute<T: Real>(
         ..ExecResult::default()
     };
     let mut stopped: Vec<(ExecError, Instant)> = Vec::new();
+    let mut per_rank: Vec<Vec<(u32, f64)>> = vec![Vec::new(); opts.steps];
     std::thread::scope(|scope| {
         let sh = &sh;
         let handles: Vec<_> = rxs
@@ -1076,8 +1586,9 @@ pub fn execute<T: Real>(
         while done_threads < world {
             match rep_rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(Report::Exit) => done_threads += 1,
-                Ok(Report::Loss(step, l)) => {
+                Ok(Report::Loss(step, r, l)) => {
                     result.losses[step] += l;
+                    per_rank[step].push((r, l));
                     seen[step] += 1;
                     while next_step < opts.steps && seen[next_step] == world {
                         if let Some(f) = &opts.on_step {
@@ -1089,6 +1600,7 @@ pub fn execute<T: Real>(
                 Ok(Report::Grads(step, r, s, named)) => result.grads[step].push((r, s, named)),
                 Ok(Report::Params(r, s, named)) => result.params.push((r, s, named)),
                 Ok(Report::Ops(n)) => result.instructions += n,
+                Ok(Report::Traffic(t)) => result.traffic.add(&t),
                 Ok(Report::Trace(t)) => take_spans(opts, &mut result.trace, t),
                 Err(_) => {
                     // A thread that died without reporting (it cannot: the exit report is
@@ -1101,10 +1613,14 @@ pub fn execute<T: Real>(
         }
         while let Ok(r) = rep_rx.try_recv() {
             match r {
-                Report::Loss(step, l) => result.losses[step] += l,
+                Report::Loss(step, r, l) => {
+                    result.losses[step] += l;
+                    per_rank[step].push((r, l));
+                }
                 Report::Grads(step, r, s, named) => result.grads[step].push((r, s, named)),
                 Report::Params(r, s, named) => result.params.push((r, s, named)),
                 Report::Ops(n) => result.instructions += n,
+                Report::Traffic(t) => result.traffic.add(&t),
                 Report::Trace(t) => take_spans(opts, &mut result.trace, t),
                 Report::Exit => {}
             }
@@ -1117,6 +1633,12 @@ pub fn execute<T: Real>(
     });
     result.seconds = start.elapsed().as_secs_f64();
     sh.abort.outcome(stopped)?;
+    // The step loss summed in rank order (the running sum above, in arrival order, is only
+    // for the progress callback), so that equal runs report equal losses bit for bit.
+    for (step, mut v) in per_rank.into_iter().enumerate() {
+        v.sort_by_key(|x| x.0);
+        result.losses[step] = v.iter().map(|x| x.1).sum();
+    }
     for p in result.grads.iter_mut() {
         p.sort_by_key(|(r, s, _)| (*r, *s));
     }
@@ -1182,6 +1704,9 @@ pub fn reference<T: Real>(
                         sp: 1,
                         pos0: 0,
                         route_groups: batching.sp.max(1),
+                        tp: 1,
+                        tp_rank: 0,
+                        sequence_parallel: false,
                     };
                     let mut st = kern.new_stash(
                         if k == 0 { tokens.clone() } else { Vec::new() },
@@ -1212,6 +1737,9 @@ pub fn reference<T: Real>(
                         sp: 1,
                         pos0: 0,
                         route_groups: batching.sp.max(1),
+                        tp: 1,
+                        tp_rank: 0,
+                        sequence_parallel: false,
                     };
                     let st = &mut stashes[k];
                     stage_backward_local(&kern, st, dy.take())?;
@@ -1309,11 +1837,9 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
         let mut covered: HashSet<&str> = HashSet::new();
         for (rank, _, named) in copies {
             for (n, t) in named {
-                let w = want
-                    .get(n.as_str())
-                    .ok_or_else(|| format!("the reference has no {n}"))?;
-                covered.insert(w_name(&want, n));
-                let e = rel(t, w);
+                let (base, w) = expected(&want, n)?;
+                covered.insert(w_name(&want, base));
+                let e = rel(t, &w);
                 c.tensors_compared += 1;
                 if step == 0 && worse(e, c.first_step_rel_grad_err) {
                     c.first_step_rel_grad_err = e;
@@ -1333,10 +1859,8 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
     let want: HashMap<&str, &Vec<f64>> = r.params.iter().map(|(n, t)| (n.as_str(), t)).collect();
     for (rank, _, named) in &run.params {
         for (n, t) in named {
-            let w = want
-                .get(n.as_str())
-                .ok_or_else(|| format!("the reference has no {n}"))?;
-            let e = rel(t, w);
+            let (_, w) = expected(&want, n)?;
+            let e = rel(t, &w);
             if worse(e, c.max_rel_param_err) || c.worst_param.is_empty() {
                 if worse(e, c.max_rel_param_err) {
                     c.max_rel_param_err = e;
@@ -1346,6 +1870,63 @@ pub fn compare(run: &ExecResult, r: &Reference) -> Result<Comparison, String> {
         }
     }
     Ok(c)
+}
+
+/// What a TP collective leaves on member `me` from the members' partials (group order):
+/// the sum (all-reduce, added in group order), the concatenation (all-gather), or `me`'s
+/// shard of the sum (reduce-scatter). Errors: partials of different sizes.
+fn tp_combine<T: Real>(
+    phase: Tp,
+    parts: Vec<Vec<T>>,
+    group: &[u32],
+    me: u32,
+) -> Result<Vec<T>, String> {
+    let n = parts.first().map_or(0, Vec::len);
+    if parts.iter().any(|p| p.len() != n) {
+        return Err(format!(
+            "{phase:?}: the TP members sent partials of different sizes ({:?})",
+            parts.iter().map(Vec::len).collect::<Vec<_>>()
+        ));
+    }
+    Ok(match phase.kind() {
+        TpKind::AllGather => parts.concat(),
+        TpKind::AllReduce | TpKind::ReduceScatter => {
+            let mut it = parts.into_iter();
+            let mut acc = it.next().unwrap_or_default();
+            for p in it {
+                add_into(&mut acc, &p);
+            }
+            if phase.kind() == TpKind::ReduceScatter {
+                let j = group.iter().position(|m| *m == me).unwrap_or(0);
+                let per = acc.len() / group.len().max(1);
+                acc[j * per..(j + 1) * per].to_vec()
+            } else {
+                acc
+            }
+        }
+    })
+}
+
+/// The reference's tensor for the run's tensor named `n`: the whole tensor, or for a TP
+/// member's slice ([`tp_shard_name`]) the same slice of it. Returns the base name too.
+fn expected<'n>(
+    want: &HashMap<&str, &Vec<f64>>,
+    n: &'n str,
+) -> Result<(&'n str, Vec<f64>), String> {
+    let (base, shard) = match crate::model::parse_tp_shard_name(n) {
+        Some((base, split, j, k)) => (base, Some((split, j, k))),
+        None => (n, None),
+    };
+    let w = want
+        .get(base)
+        .ok_or_else(|| format!("the reference has no {base}"))?;
+    Ok((
+        base,
+        match shard {
+            Some((split, j, k)) => crate::model::tp_slice(w, split, j, k),
+            None => w.to_vec(),
+        },
+    ))
 }
 
 fn w_name<'a>(want: &HashMap<&'a str, &Vec<f64>>, n: &str) -> &'a str {

@@ -68,6 +68,30 @@
 //! routing group (capacity counted per chunk); the sequential reference routes whole
 //! sequences in the same `n` groups ([`route_groups`]).
 //!
+//! ## Tensor parallelism
+//! With TP size `n` (Megatron-LM, arXiv 1909.08053, §3), member `j` holds heads
+//! `j H/n .. (j+1) H/n` of `W_UQ`, `W_QR`, `W_UK`, `W_UV` (columns) and `W_O` (rows), and
+//! hidden units `j f/n ..` of the shared expert (`W1`, `W3` columns, `W2` rows)
+//! ([`tp_split`]); everything else is replicated. [`StageKernels::fwd_attn`] stops at the
+//! member's partial `o W_O` (`st.tp_out`); after the all-reduce (`st.tp_in`)
+//! [`StageKernels::fwd_attn_post`] adds the residual, routes, and runs the member's slice of
+//! the shared expert, whose partial output is all-reduced before [`StageKernels::fwd_combine`].
+//! Backward: the shared expert's partial input gradient is all-reduced before
+//! [`StageKernels::bwd_attn`]; [`StageKernels::bwd_qkv`] stops at the partial gradients of
+//! the column-parallel inputs `[c_Q; c_KV; k^R]`, all-reduced before
+//! [`StageKernels::bwd_qkv_post`] runs the replicated norms and down-projections, whose
+//! weight gradients are thereby the same on every member (no TP reduction of them needed).
+//! Routed experts are whole on each EP rank and run redundantly on every TP member.
+//!
+//! With Megatron's sequence parallelism ([`StageKernels::sequence_parallel`]) the local
+//! tokens are the member's shard of the chunk: [`StageKernels::fwd_qkv`] leaves the shard's
+//! latents for an all-gather, [`StageKernels::fwd_qkv_post`] up-projects the chunk's;
+//! `o W_O` is reduce-scattered back to the shard, [`StageKernels::fwd_shared`] runs the
+//! shared expert's slice on the gathered rows; the backward mirrors it
+//! ([`StageKernels::bwd_shared`], [`StageKernels::bwd_attn_post`] then
+//! [`StageKernels::bwd_attn_gathered`]; `[dc_Q; dc_KV; dk^R]` reduce-scattered). The RoPE
+//! keys are rotated at the shard's global positions.
+//!
 //! ## Expert parallelism
 //! With EP size `n`, rank `q` of the EP group holds experts `q E/n .. (q+1) E/n`. Dispatch
 //! sends each assignment's `n2` row to its expert's rank (ordered by expert, then token,
@@ -359,6 +383,131 @@ impl<T: Real> StageParams<T> {
             }
         });
         assert_eq!(at, data.len(), "unflatten: length mismatch");
+    }
+}
+
+/// Rows of several blocks side by side: row `i` of the result is row `i` of each block in
+/// turn (blocks of `w` values per row, the same number of rows). The TP collectives carry
+/// such rows, so that a shard of rows is one contiguous slice.
+pub fn interleave<T: Copy>(blocks: &[(&[T], usize)]) -> Vec<T> {
+    let rows = blocks.first().map_or(0, |(b, w)| b.len() / (*w).max(1));
+    let mut out = Vec::with_capacity(blocks.iter().map(|(b, _)| b.len()).sum());
+    for r in 0..rows {
+        for (b, w) in blocks {
+            out.extend_from_slice(&b[r * w..(r + 1) * w]);
+        }
+    }
+    out
+}
+
+/// Inverse of [`interleave`] for blocks of `widths`. Errors: a length that is not whole
+/// rows.
+pub fn deinterleave<T: Copy>(v: &[T], widths: &[usize]) -> Result<Vec<Vec<T>>, String> {
+    let row: usize = widths.iter().sum();
+    if row == 0 || !v.len().is_multiple_of(row) {
+        return Err(format!(
+            "{} values are not whole rows of {row} ({widths:?})",
+            v.len()
+        ));
+    }
+    let rows = v.len() / row;
+    let mut out: Vec<Vec<T>> = widths
+        .iter()
+        .map(|w| Vec::with_capacity(rows * w))
+        .collect();
+    for r in v.chunks(row) {
+        let mut at = 0;
+        for (o, w) in out.iter_mut().zip(widths) {
+            o.extend_from_slice(&r[at..at + w]);
+            at += w;
+        }
+    }
+    Ok(out)
+}
+
+/// How tensor parallelism splits a tensor over the TP group (Megatron-LM, Shoeybi et al.,
+/// arXiv 1909.08053, §3): member `j` of `n` holds columns `j C/n .. (j+1) C/n` of every row
+/// (a column-parallel weight: `W_UQ`, `W_QR`, `W_UK`, `W_UV`, whose columns are grouped by
+/// head, and the shared expert's `W1`, `W3`), or rows `j R/n .. (j+1) R/n` (a row-parallel
+/// weight: `W_O`, whose rows are grouped by head, and the shared expert's `W2`). Every other
+/// tensor is replicated on each member: embedding, norms, the down-projections `W_DQ`,
+/// `W_DKV`, `W_KR`, the router, the routed experts (whole per EP rank: no expert TP), the
+/// final norm and the LM head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpSplit {
+    /// Column-parallel: the matrix has this many columns.
+    Columns(usize),
+    /// Row-parallel.
+    Rows,
+}
+
+/// How tensor parallelism splits the tensor named `name` ([`StageParams::visit`]'s names),
+/// or `None` for a replicated one.
+pub fn tp_split(cfg: &ModelConfig, name: &str) -> Option<TpSplit> {
+    let h = cfg.heads;
+    let (_, leaf) = name.split_once('.')?;
+    match leaf {
+        "wuq" | "wuk" => Some(TpSplit::Columns(h * cfg.qk_nope_head_dim)),
+        "wqr" => Some(TpSplit::Columns(h * cfg.qk_rope_head_dim)),
+        "wuv" => Some(TpSplit::Columns(h * cfg.v_head_dim)),
+        "wo" | "shared.w2" => Some(TpSplit::Rows),
+        "shared.w1" | "shared.w3" => Some(TpSplit::Columns(cfg.expert_hidden)),
+        _ => None,
+    }
+}
+
+/// Member `j`'s slice (of `n`) of `full` under `split`.
+pub fn tp_slice<T: Copy>(full: &[T], split: TpSplit, j: usize, n: usize) -> Vec<T> {
+    match split {
+        TpSplit::Rows => {
+            let per = full.len() / n;
+            full[j * per..(j + 1) * per].to_vec()
+        }
+        TpSplit::Columns(c) => {
+            let w = c / n;
+            full.chunks(c)
+                .flat_map(|row| row[j * w..(j + 1) * w].iter().copied())
+                .collect()
+        }
+    }
+}
+
+/// The name under which a TP member reports its slice of a split tensor:
+/// `NAME[tp J/N columns C]` or `NAME[tp J/N rows]` ([`parse_tp_shard_name`] reads it back).
+pub fn tp_shard_name(name: &str, split: TpSplit, j: usize, n: usize) -> String {
+    match split {
+        TpSplit::Columns(c) => format!("{name}[tp {j}/{n} columns {c}]"),
+        TpSplit::Rows => format!("{name}[tp {j}/{n} rows]"),
+    }
+}
+
+/// Reads a [`tp_shard_name`]: `(name, split, j, n)`; `None` for a plain name.
+pub fn parse_tp_shard_name(s: &str) -> Option<(&str, TpSplit, usize, usize)> {
+    let (name, rest) = s.split_once("[tp ")?;
+    let rest = rest.strip_suffix(']')?;
+    let (jn, kind) = rest.split_once(' ')?;
+    let (j, n) = jn.split_once('/')?;
+    let (j, n): (usize, usize) = (j.parse().ok()?, n.parse().ok()?);
+    let split = if kind == "rows" {
+        TpSplit::Rows
+    } else {
+        TpSplit::Columns(kind.strip_prefix("columns ")?.parse().ok()?)
+    };
+    (j < n).then_some((name, split, j, n))
+}
+
+impl<T: Real> StageParams<T> {
+    /// Keeps TP member `j`'s slice (of `n`) of every split tensor ([`tp_split`]); the
+    /// replicated tensors stay whole. `n = 1` keeps everything.
+    pub fn shard_tp(&mut self, cfg: &ModelConfig, j: usize, n: usize) {
+        if n <= 1 {
+            return;
+        }
+        self.visit_mut(&mut |name, _, t| {
+            if let Some(split) = tp_split(cfg, name) {
+                *t = tp_slice(t, split, j, n);
+            }
+        });
     }
 }
 
@@ -1044,6 +1193,9 @@ pub struct LayerCache<T> {
     dckv_raw: Vec<T>,
     dkr: Vec<T>,
     dh1: Vec<T>,
+    /// The gradient of `h1` on the chunk's rows (with Megatron sequence parallelism, the
+    /// TP group's gathered one; else `dh1`): what `W_O`'s gradient needs.
+    dh1_full: Vec<T>,
     da: Vec<T>,
     dlogits: Vec<T>,
 }
@@ -1089,6 +1241,10 @@ pub struct Stash<T> {
     pub outbox: Vec<Packet<T>>,
     /// Messages received by the last all-to-all (one per EP group member).
     pub inbox: Vec<Packet<T>>,
+    /// This TP member's partial sums for the next tensor-parallel all-reduce.
+    pub tp_out: Vec<T>,
+    /// The sum over the TP group left by the last tensor-parallel all-reduce.
+    pub tp_in: Vec<T>,
     /// Sum of the scaled token losses (last stage).
     pub loss: f64,
     layers: Vec<LayerCache<T>>,
@@ -1113,6 +1269,17 @@ pub struct StageKernels<'a, T> {
     /// Routing groups the local tokens are split into (each with its own capacity): 1 on
     /// an SP rank (its chunk), `sp` for the whole sequence on one host.
     pub route_groups: usize,
+    /// Size of the TP group: `params` holds this member's `H / tp` heads' slices of `W_UQ`,
+    /// `W_QR`, `W_UK`, `W_UV`, `W_O` and its `f / tp` slice of the shared expert
+    /// ([`tp_split`]); 1 without tensor parallelism.
+    pub tp: usize,
+    /// This member's index in the TP group.
+    pub tp_rank: usize,
+    /// Megatron-LM's sequence parallelism inside the TP group (Korthikanti et al., arXiv
+    /// 2205.05198, §4.2.2): the local tokens are this member's shard (`1/tp`) of the chunk;
+    /// norms, residuals, router and routed experts run on the shard, the TP collectives are
+    /// all-gathers and reduce-scatters.
+    pub sequence_parallel: bool,
 }
 
 /// Which weight gradients a `W` kernel adds ([`StageKernels::weights_of`]).
@@ -1130,6 +1297,28 @@ pub enum WeightSet {
 impl<T: Real> StageKernels<'_, T> {
     fn d(&self) -> usize {
         self.cfg.hidden
+    }
+
+    /// The attention shapes of this member's heads (`H / tp` of them).
+    fn sh(&self) -> AttnShape {
+        let mut sh = AttnShape::of(self.cfg);
+        sh.heads /= self.tp.max(1);
+        sh
+    }
+
+    /// Where `t` local rows start in the chunk: `tp_rank t` for a sequence-parallel TP
+    /// member's shard, else 0.
+    fn shard_offset(&self, t: usize) -> usize {
+        if self.sequence_parallel && !self.cfg.bugs.shard_positions_from_zero {
+            self.tp_rank * t
+        } else {
+            0
+        }
+    }
+
+    /// The shared expert's hidden width on this member (`f / tp`).
+    fn shared_f(&self) -> usize {
+        self.cfg.expert_hidden / self.tp.max(1)
     }
 
     /// Prepares an empty stash for `tokens`/`targets` with loss scale `scale`.
@@ -1175,33 +1364,75 @@ impl<T: Real> StageKernels<'_, T> {
     /// (`inference/model.py`, `q_norm`, `kv_norm`; DeepSeek-V2 §3.1.2).
     pub fn fwd_qkv(&self, l: usize, st: &mut Stash<T>) {
         let cfg = self.cfg;
-        let (d, qr, kvr, sh) = (
-            cfg.hidden,
-            cfg.q_lora_rank,
-            cfg.kv_lora_rank,
-            AttnShape::of(cfg),
-        );
-        let (h, eps) = (sh.heads, cfg.norm_eps);
+        let (d, qr, kvr, sh) = (cfg.hidden, cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
+        let eps = cfg.norm_eps;
         let p = &self.params.layers[l];
         let x = std::mem::take(&mut st.x);
         let t = x.len() / d;
         let (a, xhat1, inv1) = rmsnorm(&x, &p.norm1, d, eps);
         let cq_raw = matmul(&a, &p.wdq, t, d, qr);
         let (cq, cq_xhat, cq_inv) = rmsnorm(&cq_raw, &p.q_norm, qr, eps);
-        let q_nope = matmul(&cq, &p.wuq, t, qr, h * sh.nope);
-        let mut q_pe = matmul(&cq, &p.wqr, t, qr, h * sh.rope);
-        rope(&mut q_pe, h, sh.rope, self.pos0, cfg.rope_base, false);
         let ckv_raw = matmul(&a, &p.wdkv, t, d, kvr);
         let (ckv, ckv_xhat, ckv_inv) = rmsnorm(&ckv_raw, &p.kv_norm, kvr, eps);
         let mut kpe = matmul(&a, &p.wkr, t, d, sh.kpe_width());
+        // The RoPE key at the local tokens' global positions (a sequence-parallel TP
+        // member's shard starts `tp_rank t` into the chunk).
         rope(
             &mut kpe,
             sh.kpe_heads,
             sh.rope,
-            self.pos0,
+            self.pos0 + self.shard_offset(t),
             cfg.rope_base,
             false,
         );
+        st.layers[l] = LayerCache {
+            x,
+            xhat1,
+            inv1,
+            a,
+            cq_xhat,
+            cq_inv,
+            ckv_xhat,
+            ckv_inv,
+            ..LayerCache::default()
+        };
+        if self.sequence_parallel {
+            // The TP group all-gathers the shards' latents before the up-projections.
+            st.tp_out = interleave(&[(&cq, qr), (&ckv, kvr), (&kpe, sh.kpe_width())]);
+            return;
+        }
+        self.qkv_up(l, st, cq, ckv, kpe);
+    }
+
+    /// F, with Megatron sequence parallelism: once `st.tp_in` holds the TP group's
+    /// gathered `[c_Q; c_KV; k^R]` rows (the whole chunk), the up-projections
+    /// ([`Self::fwd_qkv`] does them itself otherwise). Errors: a gathered block of the
+    /// wrong size.
+    pub fn fwd_qkv_post(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        let cfg = self.cfg;
+        let (qr, kvr, kw) = (cfg.q_lora_rank, cfg.kv_lora_rank, self.sh().kpe_width());
+        let all = std::mem::take(&mut st.tp_in);
+        let mut parts = deinterleave(&all, &[qr, kvr, kw])?.into_iter();
+        let (cq, ckv, kpe) = (
+            parts.next().unwrap_or_default(),
+            parts.next().unwrap_or_default(),
+            parts.next().unwrap_or_default(),
+        );
+        self.qkv_up(l, st, cq, ckv, kpe);
+        Ok(())
+    }
+
+    /// The query up-projections of the chunk's `c_Q` (this member's heads; `q^R` rotated
+    /// at the chunk's positions) and the SP group's all-gather packets `[c_KV; k^R]`.
+    fn qkv_up(&self, l: usize, st: &mut Stash<T>, cq: Vec<T>, ckv: Vec<T>, kpe: Vec<T>) {
+        let cfg = self.cfg;
+        let (qr, sh) = (cfg.q_lora_rank, self.sh());
+        let h = sh.heads;
+        let p = &self.params.layers[l];
+        let t = cq.len() / qr;
+        let q_nope = matmul(&cq, &p.wuq, t, qr, h * sh.nope);
+        let mut q_pe = matmul(&cq, &p.wqr, t, qr, h * sh.rope);
+        rope(&mut q_pe, h, sh.rope, self.pos0, cfg.rope_base, false);
         let mut latent = ckv;
         latent.extend_from_slice(&kpe);
         st.outbox = (0..self.sp)
@@ -1210,20 +1441,10 @@ impl<T: Real> StageKernels<'_, T> {
                 meta: Vec::new(),
             })
             .collect();
-        st.layers[l] = LayerCache {
-            x,
-            xhat1,
-            inv1,
-            a,
-            cq,
-            cq_xhat,
-            cq_inv,
-            q_nope,
-            q_pe,
-            ckv_xhat,
-            ckv_inv,
-            ..LayerCache::default()
-        };
+        let c = &mut st.layers[l];
+        c.cq = cq;
+        c.q_nope = q_nope;
+        c.q_pe = q_pe;
     }
 
     /// F, the rest of layer `l`'s attention and its router: the gathered latents and
@@ -1241,17 +1462,13 @@ impl<T: Real> StageKernels<'_, T> {
         loads: &mut [T],
     ) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, e, kvr, sh) = (
-            cfg.hidden,
-            cfg.experts,
-            cfg.kv_lora_rank,
-            AttnShape::of(cfg),
-        );
+        let (d, kvr, sh) = (cfg.hidden, cfg.kv_lora_rank, self.sh());
         let h = sh.heads;
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
         let c = std::mem::take(&mut st.layers[l]);
-        let t = c.x.len() / d;
+        // The chunk's query rows (with Megatron sequence parallelism, the TP group's).
+        let t = c.q_nope.len() / (h * sh.nope);
         let w = cfg.kv_gather_width();
         let mut ckv_all = Vec::with_capacity(t * kvr * self.sp);
         let mut kpe_all = Vec::with_capacity(t * sh.kpe_width() * self.sp);
@@ -1277,7 +1494,51 @@ impl<T: Real> StageKernels<'_, T> {
             v: &v,
         };
         let (o_heads, probs) = attention(&input, &sh, self.pos0, &cfg.bugs);
-        let mut h1 = matmul(&o_heads, &p.wo, t, h * sh.v, d);
+        // With TP: this member's heads' share of `o W_O` (row-parallel `W_O`).
+        let h1_part = matmul(&o_heads, &p.wo, t, h * sh.v, d);
+        st.layers[l] = LayerCache {
+            ckv_all,
+            kpe_all,
+            k_nope,
+            v,
+            probs,
+            o_heads,
+            ..c
+        };
+        if self.tp > 1 {
+            st.tp_out = h1_part;
+            return Ok(());
+        }
+        st.tp_in = h1_part;
+        self.fwd_attn_post(l, st, router, loads)
+    }
+
+    /// F, the rest of layer `l`'s attention block once `st.tp_in` holds `o W_O` summed over
+    /// the TP group (with `tp = 1`, [`Self::fwd_attn`] calls it itself): `h1 = x + o W_O`,
+    /// norm, routing; fills `st.outbox` with the dispatch packets and adds the layer's top-k
+    /// counts to `loads`. With `tp > 1` also runs this member's slice of the shared expert
+    /// (column-parallel `W1`, `W3`, row-parallel `W2`) into `st.tp_out` for the `mlp_out`
+    /// all-reduce. Errors: a reduced output of the wrong size.
+    pub fn fwd_attn_post(
+        &self,
+        l: usize,
+        st: &mut Stash<T>,
+        router: &RouterState<T>,
+        loads: &mut [T],
+    ) -> Result<(), String> {
+        let cfg = self.cfg;
+        let (d, e) = (cfg.hidden, cfg.experts);
+        let p = &self.params.layers[l];
+        let mut h1 = std::mem::take(&mut st.tp_in);
+        let c = std::mem::take(&mut st.layers[l]);
+        let t = c.x.len() / d;
+        if h1.len() != t * d {
+            return Err(format!(
+                "the attention's reduced output has {} values, expected {} ({t} tokens x {d})",
+                h1.len(),
+                t * d
+            ));
+        }
         add_into(&mut h1, &c.x);
         let (n2, xhat2, inv2) = rmsnorm(&h1, &p.norm2, d, cfg.norm_eps);
         let logits = matmul(&n2, &p.router, t, d, e);
@@ -1301,13 +1562,21 @@ impl<T: Real> StageKernels<'_, T> {
             pk.meta.push(x as u32);
         }
         st.outbox = out;
+        let mut shared = None;
+        if self.sequence_parallel {
+            // The shared expert runs on the TP group's gathered rows (`shared` kernel).
+            st.tp_out = n2.clone();
+        } else if self.tp > 1 {
+            st.tp_out = match &p.shared {
+                Some(sw) => {
+                    let (ys, sc) = ffn_forward(sw, n2.clone(), d, self.shared_f());
+                    shared = Some(sc);
+                    ys
+                }
+                None => Vec::new(),
+            };
+        }
         st.layers[l] = LayerCache {
-            ckv_all,
-            kpe_all,
-            k_nope,
-            v,
-            probs,
-            o_heads,
             xhat2,
             inv2,
             n2,
@@ -1315,6 +1584,7 @@ impl<T: Real> StageKernels<'_, T> {
             routing: Some(r),
             order,
             h1,
+            shared,
             ..c
         };
         Ok(())
@@ -1355,7 +1625,7 @@ impl<T: Real> StageKernels<'_, T> {
     /// F, combine of layer `l`: `y = h1 + sum_j g_j out_j + shared(n2)` from the expert
     /// outputs in `st.inbox`; `st.x = y`. Errors: a packet of the wrong size.
     pub fn fwd_combine(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
-        let (d, f) = (self.d(), self.cfg.expert_hidden);
+        let (d, f) = (self.d(), self.shared_f());
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
         let c = &mut st.layers[l];
@@ -1384,13 +1654,71 @@ impl<T: Real> StageKernels<'_, T> {
                 }
             }
         }
-        if let Some(sw) = &p.shared {
+        if self.tp > 1 {
+            // The shared expert's output, summed over the TP group (`attn_post`, then the
+            // `mlp_out` all-reduce).
+            if p.shared.is_some() {
+                let ys = std::mem::take(&mut st.tp_in);
+                if ys.len() != y.len() {
+                    return Err(format!(
+                        "combine: the shared expert's reduced output has {} values, expected {}",
+                        ys.len(),
+                        y.len()
+                    ));
+                }
+                add_into(&mut y, &ys);
+            }
+        } else if let Some(sw) = &p.shared {
             let (ys, sc) = ffn_forward(sw, c.n2.clone(), d, f);
             add_into(&mut y, &ys);
             c.shared = Some(sc);
         }
         c.expert_out = eo;
         st.x = y;
+        Ok(())
+    }
+
+    /// F, with Megatron sequence parallelism: this member's slice of the shared expert on
+    /// the TP group's gathered MoE-norm rows (`st.tp_in`, the whole chunk); its partial
+    /// output goes to `st.tp_out` for the reduce-scatter (an all-zero output without a
+    /// shared expert).
+    pub fn fwd_shared(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        let (d, f) = (self.d(), self.shared_f());
+        let n2 = std::mem::take(&mut st.tp_in);
+        let c = &mut st.layers[l];
+        st.tp_out = match &self.params.layers[l].shared {
+            Some(sw) => {
+                let (ys, sc) = ffn_forward(sw, n2, d, f);
+                c.shared = Some(sc);
+                ys
+            }
+            None => vec![T::zero(); n2.len()],
+        };
+        Ok(())
+    }
+
+    /// B, with Megatron sequence parallelism: this member's slice of the shared expert's
+    /// backward on the TP group's gathered output gradient (`st.tp_in`); the partial input
+    /// gradient goes to `st.tp_out` for the reduce-scatter.
+    pub fn bwd_shared(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        let (d, f) = (self.d(), self.shared_f());
+        let dy = std::mem::take(&mut st.tp_in);
+        let c = &mut st.layers[l];
+        st.tp_out = match (&self.params.layers[l].shared, &c.shared) {
+            (Some(sw), Some(sc)) => {
+                if dy.len() != sc.x.len() {
+                    return Err(format!(
+                        "the gathered output gradient has {} values, expected {}",
+                        dy.len(),
+                        sc.x.len()
+                    ));
+                }
+                let (dx, gr) = ffn_backward(sw, sc, dy, d, f);
+                c.shared_grad = Some(gr);
+                dx
+            }
+            _ => vec![T::zero(); dy.len()],
+        };
         Ok(())
     }
 
@@ -1450,7 +1778,7 @@ impl<T: Real> StageKernels<'_, T> {
     /// `g_j dy` to the expert ranks (`st.outbox`, dispatch order), the gates' gradients and
     /// the shared expert's input gradient kept.
     pub fn bwd_combine(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
-        let (d, f) = (self.d(), self.cfg.expert_hidden);
+        let (d, f) = (self.d(), self.shared_f());
         let p = &self.params.layers[l];
         let dy = std::mem::take(&mut st.grad);
         let c = &mut st.layers[l];
@@ -1470,10 +1798,21 @@ impl<T: Real> StageKernels<'_, T> {
             dgates[i] = dot;
         }
         let mut d_n2 = vec![T::zero(); dy.len()];
-        if let (Some(sw), Some(sc)) = (&p.shared, &c.shared) {
+        if self.sequence_parallel {
+            // The shared expert's backward runs on the TP group's gathered output gradient
+            // (`shared` kernel).
+            st.tp_out = dy.clone();
+        } else if let (Some(sw), Some(sc)) = (&p.shared, &c.shared) {
             let (dx, gr) = ffn_backward(sw, sc, dy.clone(), d, f);
-            d_n2 = dx;
+            if self.tp > 1 {
+                // This member's slice's share: the `mlp_in_grad` all-reduce sums them.
+                st.tp_out = dx;
+            } else {
+                d_n2 = dx;
+            }
             c.shared_grad = Some(gr);
+        } else if self.tp > 1 {
+            st.tp_out = d_n2.clone();
         }
         c.dgates = dgates;
         c.d_n2 = d_n2;
@@ -1530,21 +1869,43 @@ impl<T: Real> StageKernels<'_, T> {
     /// each SP group member, the `[dc_KV; dk^R]` of its chunk (`t × (d_c + d_h^R)`, the
     /// reduce-scatter; [`StageKernels::bwd_qkv`] sums them).
     pub fn bwd_attn(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        self.bwd_attn_post(l, st)?;
+        let dh1 = st.layers[l].dh1.clone();
+        self.bwd_attn_core(l, st, dh1)
+    }
+
+    /// B, with Megatron sequence parallelism: the attention core of layer `l` once
+    /// `st.tp_in` holds the TP group's gathered `h1` gradient (the whole chunk).
+    pub fn bwd_attn_gathered(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        let dh1 = std::mem::take(&mut st.tp_in);
+        self.bwd_attn_core(l, st, dh1)
+    }
+
+    /// B, routing and MoE norm of layer `l` (on the local tokens): with the experts' input
+    /// gradients in `st.inbox` (and with TP the shared expert's reduced input gradient in
+    /// `st.tp_in`), the gradient of `h1`; with Megatron sequence parallelism also to
+    /// `st.tp_out` for the TP group's all-gather.
+    pub fn bwd_attn_post(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, e, kvr, sh) = (
-            cfg.hidden,
-            cfg.experts,
-            cfg.kv_lora_rank,
-            AttnShape::of(cfg),
-        );
-        let h = sh.heads;
+        let (d, e) = (cfg.hidden, cfg.experts);
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
+        let reduced = std::mem::take(&mut st.tp_in);
         let c = &mut st.layers[l];
         let r = c.routing.as_ref().ok_or("backward before forward")?;
         let t = c.x.len() / d;
         let per = e / self.ep;
         let mut d_n2 = std::mem::take(&mut c.d_n2);
+        if self.tp > 1 {
+            if reduced.len() != d_n2.len() {
+                return Err(format!(
+                    "the shared expert's reduced input gradient has {} values, expected {}",
+                    reduced.len(),
+                    d_n2.len()
+                ));
+            }
+            d_n2 = reduced;
+        }
         let mut next = vec![0usize; self.ep];
         for &i in &c.order {
             let q = r.experts[i] / per;
@@ -1565,6 +1926,32 @@ impl<T: Real> StageKernels<'_, T> {
         add_into(&mut d_n2, &matmul_bt(&dlogits, &p.router, t, e, d));
         let mut dh1 = rmsnorm_backward(&d_n2, &p.norm2, &c.xhat2, &c.inv2, d);
         add_into(&mut dh1, &c.dy);
+        if self.sequence_parallel {
+            st.tp_out = dh1.clone();
+        }
+        c.d_n2 = d_n2;
+        c.dlogits = dlogits;
+        c.dh1 = dh1;
+        Ok(())
+    }
+
+    /// B, the attention core of layer `l` from the gradient `dh1` of `h1` on the chunk's
+    /// rows: through `W_O` (this member's heads), the attention, and `W_UK`, `W_UV` to the
+    /// SP group's reduce-scatter packets (`st.outbox`).
+    fn bwd_attn_core(&self, l: usize, st: &mut Stash<T>, dh1: Vec<T>) -> Result<(), String> {
+        let cfg = self.cfg;
+        let (d, kvr, sh) = (cfg.hidden, cfg.kv_lora_rank, self.sh());
+        let h = sh.heads;
+        let p = &self.params.layers[l];
+        let c = &mut st.layers[l];
+        let t = c.q_nope.len() / (h * sh.nope);
+        if dh1.len() != t * d {
+            return Err(format!(
+                "the gathered h1 gradient has {} values, expected {}",
+                dh1.len(),
+                t * d
+            ));
+        }
         let d_oh = matmul_bt(&dh1, &p.wo, t, d, h * sh.v);
         let input = AttnIn {
             q_nope: &c.q_nope,
@@ -1594,9 +1981,7 @@ impl<T: Real> StageKernels<'_, T> {
                 }
             })
             .collect();
-        c.d_n2 = d_n2;
-        c.dlogits = dlogits;
-        c.dh1 = dh1;
+        c.dh1_full = dh1;
         c.dq_nope = g.dq_nope;
         // Rotated back here; bwd_qkv needs only the pre-rotation gradient.
         let mut dqr = g.dq_pe;
@@ -1614,17 +1999,13 @@ impl<T: Real> StageKernels<'_, T> {
     /// wrong size.
     pub fn bwd_qkv(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
         let cfg = self.cfg;
-        let (d, qr, kvr, sh) = (
-            cfg.hidden,
-            cfg.q_lora_rank,
-            cfg.kv_lora_rank,
-            AttnShape::of(cfg),
-        );
+        let (qr, kvr, sh) = (cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
         let (h, kw) = (sh.heads, sh.kpe_width());
         let p = &self.params.layers[l];
         let inbox = std::mem::take(&mut st.inbox);
         let c = &mut st.layers[l];
-        let t = c.x.len() / d;
+        // The chunk's rows (with Megatron sequence parallelism, the TP group's).
+        let t = c.q_nope.len() / (h * sh.nope);
         let w = cfg.kv_gather_width();
         let (mut dckv, mut dkr) = (vec![T::zero(); t * kvr], vec![T::zero(); t * kw]);
         for pk in &inbox {
@@ -1646,9 +2027,46 @@ impl<T: Real> StageKernels<'_, T> {
             cfg.rope_base,
             true,
         );
-        let dckv_raw = rmsnorm_backward(&dckv, &p.kv_norm, &c.ckv_xhat, &c.ckv_inv, kvr);
         let mut dcq = matmul_bt(&c.dq_nope, &p.wuq, t, h * sh.nope, qr);
         add_into(&mut dcq, &matmul_bt(&c.dqr, &p.wqr, t, h * sh.rope, qr));
+        // With TP: this member's heads' share of the gradients of the column-parallel
+        // up-projections' inputs (`[dc_Q; dc_KV; dk^R]` side by side, `t` rows).
+        let part = interleave(&[(&dcq, qr), (&dckv, kvr), (&dkr, kw)]);
+        if self.tp > 1 {
+            st.tp_out = part;
+            return Ok(());
+        }
+        st.tp_in = part;
+        self.bwd_qkv_post(l, st)
+    }
+
+    /// B, the rest of layer `l`'s attention backward once `st.tp_in` holds `[dc_Q; dc_KV;
+    /// dk^R]` summed over the TP group (with `tp = 1`, [`Self::bwd_qkv`] calls it itself):
+    /// the latents' norms, the down-projections and the attention norm; sets `st.grad` to
+    /// the gradient w.r.t. the layer input. Errors: a reduced gradient of the wrong size.
+    pub fn bwd_qkv_post(&self, l: usize, st: &mut Stash<T>) -> Result<(), String> {
+        let cfg = self.cfg;
+        let (d, qr, kvr, sh) = (cfg.hidden, cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
+        let kw = sh.kpe_width();
+        let p = &self.params.layers[l];
+        let red = std::mem::take(&mut st.tp_in);
+        let c = &mut st.layers[l];
+        let t = c.x.len() / d;
+        if red.len() != t * (qr + kvr + kw) {
+            return Err(format!(
+                "the reduced latent gradients have {} values, expected {} ({t} tokens x {})",
+                red.len(),
+                t * (qr + kvr + kw),
+                qr + kvr + kw
+            ));
+        }
+        let mut parts = deinterleave(&red, &[qr, kvr, kw])?.into_iter();
+        let (dcq, dckv, dkr) = (
+            parts.next().unwrap_or_default(),
+            parts.next().unwrap_or_default(),
+            parts.next().unwrap_or_default(),
+        );
+        let dckv_raw = rmsnorm_backward(&dckv, &p.kv_norm, &c.ckv_xhat, &c.ckv_inv, kvr);
         let dcq_raw = rmsnorm_backward(&dcq, &p.q_norm, &c.cq_xhat, &c.cq_inv, qr);
         let mut da = matmul_bt(&dcq_raw, &p.wdq, t, qr, d);
         add_into(&mut da, &matmul_bt(&dckv_raw, &p.wdkv, t, kvr, d));
@@ -1691,7 +2109,7 @@ impl<T: Real> StageKernels<'_, T> {
         };
         let cfg = self.cfg;
         let (d, e, f, v) = (cfg.hidden, cfg.experts, cfg.expert_hidden, cfg.vocab);
-        let (qr, kvr, sh) = (cfg.q_lora_rank, cfg.kv_lora_rank, AttnShape::of(cfg));
+        let (qr, kvr, sh) = (cfg.q_lora_rank, cfg.kv_lora_rank, self.sh());
         if let (Some(ge), true, true) = (&mut g.embed, self.params.embed.is_some(), attn) {
             if st.grad.len() != st.tokens.len() * d {
                 return Err("embedding gradient before the backward".into());
@@ -1712,7 +2130,7 @@ impl<T: Real> StageKernels<'_, T> {
             if mlp {
                 if let (Some(gs), Some(sc), Some(sg)) = (&mut gl.shared, &c.shared, &c.shared_grad)
                 {
-                    ffn_weight_grad(gs, sc, sg, d, f);
+                    ffn_weight_grad(gs, sc, sg, d, self.shared_f());
                 }
                 for (ids, caches, grads) in &st.experts[l].sources {
                     for (i, &x) in ids.iter().enumerate() {
@@ -1730,8 +2148,11 @@ impl<T: Real> StageKernels<'_, T> {
             rmsnorm_weight_grad(&mut gl.norm1, &c.da, &c.xhat1, d);
             add_matmul_at(&mut gl.wdq, &c.a, &c.dcq_raw, t, d, qr);
             rmsnorm_weight_grad(&mut gl.q_norm, &c.dcq, &c.cq_xhat, qr);
-            add_matmul_at(&mut gl.wuq, &c.cq, &c.dq_nope, t, qr, h * sh.nope);
-            add_matmul_at(&mut gl.wqr, &c.cq, &c.dqr, t, qr, h * sh.rope);
+            // The up-projections and W_O see the chunk's rows (with Megatron sequence
+            // parallelism, the TP group's; the norms and down-projections its shard).
+            let tq = c.cq.len() / qr;
+            add_matmul_at(&mut gl.wuq, &c.cq, &c.dq_nope, tq, qr, h * sh.nope);
+            add_matmul_at(&mut gl.wqr, &c.cq, &c.dqr, tq, qr, h * sh.rope);
             add_matmul_at(&mut gl.wdkv, &c.a, &c.dckv_raw, t, d, kvr);
             rmsnorm_weight_grad(&mut gl.kv_norm, &c.dckv, &c.ckv_xhat, kvr);
             add_matmul_at(&mut gl.wkr, &c.a, &c.dkr, t, d, sh.kpe_width());
@@ -1739,7 +2160,7 @@ impl<T: Real> StageKernels<'_, T> {
             // data-parallel all-reduce (which spans the SP group) sums the shares.
             add_matmul_at(&mut gl.wuk, &c.ckv_all, &c.dk_nope, tk, kvr, h * sh.nope);
             add_matmul_at(&mut gl.wuv, &c.ckv_all, &c.dv, tk, kvr, h * sh.v);
-            add_matmul_at(&mut gl.wo, &c.o_heads, &c.dh1, t, h * sh.v, d);
+            add_matmul_at(&mut gl.wo, &c.o_heads, &c.dh1_full, tq, h * sh.v, d);
             rmsnorm_weight_grad(&mut gl.norm2, &c.d_n2, &c.xhat2, d);
             add_matmul_at(&mut gl.router, &c.n2, &c.dlogits, t, d, e);
         }
@@ -1959,6 +2380,9 @@ pub mod properties {
             sp: 1,
             pos0: 0,
             route_groups: 1,
+            tp: 1,
+            tp_rank: 0,
+            sequence_parallel: false,
         };
         let t = cfg.seq_len;
         let mut rng = Rng::new(17);
@@ -2399,6 +2823,9 @@ mod tests {
             sp: 1,
             pos0: 0,
             route_groups: 1,
+            tp: 1,
+            tp_rank: 0,
+            sequence_parallel: false,
         };
         let mut st = k.new_stash(tokens(cfg), targets(cfg), 1.0 / cfg.seq_len as f64);
         let routers: Vec<RouterState<f64>> = (0..p.layers.len()).map(|_| router(cfg)).collect();
@@ -2446,6 +2873,9 @@ mod tests {
             sp: 1,
             pos0: 0,
             route_groups: 1,
+            tp: 1,
+            tp_rank: 0,
+            sequence_parallel: false,
         };
         let mut st = k.new_stash(tokens(cfg), targets(cfg), 1.0 / cfg.seq_len as f64);
         let routers: Vec<RouterState<f64>> = (0..p.layers.len()).map(|_| router(cfg)).collect();

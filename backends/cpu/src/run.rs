@@ -1,13 +1,15 @@
 //! The entry point of `schedc run ... --backend cpu` ([`run`]).
 
 use crate::exec::{
-    compare, execute, reference, Batching, Comparison, Data, ExecOptions, OnStep, Optimizer,
-    Reference, RunFailure, SpanSink,
+    compare, execute, reference, A2aMode, Batching, Comparison, Data, ExecOptions, OnStep,
+    Optimizer, Reference, RunFailure, SpanSink,
 };
 use crate::tensor::Real;
 use schedc_ir::Program;
 use schedc_program::mesh::{Dim, Mesh};
-use schedc_program::{lower_verified, ModelConfig, ProgramError, ProgramSet, VerifyReport};
+use schedc_program::{
+    lower_verified_with, LowerOptions, ModelConfig, ProgramError, ProgramSet, VerifyReport,
+};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -63,6 +65,11 @@ pub struct RunConfig {
     /// e.g. a [`crate::exec::ChromeTraceWriter`] on the trace file) instead of keeping them
     /// all for [`RunReport::trace`] (which is then `None`).
     pub trace_sink: Option<SpanSink>,
+    /// `--a2a`: how the expert-parallel all-to-alls cross nodes (the mesh's `node=K`).
+    pub a2a: A2aMode,
+    /// `--sequence-parallel`: Megatron-LM's sequence parallelism inside the TP group
+    /// (needs `tp > 1`).
+    pub sequence_parallel: bool,
 }
 
 impl Default for RunConfig {
@@ -79,8 +86,19 @@ impl Default for RunConfig {
             progress: false,
             trace: false,
             trace_sink: None,
+            a2a: A2aMode::Flat,
+            sequence_parallel: false,
         }
     }
+}
+
+/// Bytes (or messages) by network level.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ByLevel {
+    /// Between ranks of one node (NVLink).
+    pub intra_node: u64,
+    /// Between nodes (the scale-out network).
+    pub inter_node: u64,
 }
 
 /// Where `--verify` found the largest differences.
@@ -307,6 +325,18 @@ pub struct RunReport {
     pub verify: Option<Verification>,
     /// Wall seconds of the pipelined run.
     pub seconds: f64,
+    /// `--a2a`.
+    pub a2a: A2aMode,
+    /// Bytes the expert-parallel all-to-alls moved over the whole run, by level (nodes of
+    /// the mesh's `node=K`; a rank's packets for itself not counted).
+    pub a2a_bytes: ByLevel,
+    /// Messages of the expert-parallel all-to-alls, by level.
+    pub a2a_messages: ByLevel,
+    /// Of the inter-node bytes, the forward dispatch's.
+    pub dispatch_inter_node_bytes: u64,
+    /// Bytes the tensor-parallel all-reduces moved (each member's partial sums to every
+    /// other member), by level.
+    pub tp_bytes: ByLevel,
     /// With [`RunConfig::trace`]: the Chrome trace JSON of the pipelined run
     /// ([`crate::exec::chrome_trace`]); not part of the report's JSON.
     #[serde(skip)]
@@ -351,6 +381,25 @@ impl RunReport {
                 )
             }
             _ => {}
+        }
+        if self.a2a_messages.intra_node + self.a2a_messages.inter_node > 0 {
+            s += &format!(
+                "all-to-all ({}): {} B inside nodes, {} B between nodes ({} messages; dispatch {} B)\n",
+                match self.a2a {
+                    A2aMode::Flat => "flat",
+                    A2aMode::Hierarchical => "hierarchical",
+                },
+                self.a2a_bytes.intra_node,
+                self.a2a_bytes.inter_node,
+                self.a2a_messages.inter_node,
+                self.dispatch_inter_node_bytes,
+            );
+        }
+        if self.tp_bytes.intra_node + self.tp_bytes.inter_node > 0 {
+            s += &format!(
+                "tensor-parallel collectives: {} B inside nodes, {} B between nodes\n",
+                self.tp_bytes.intra_node, self.tp_bytes.inter_node
+            );
         }
         s += &format!("pipelined: {:.3} s", self.seconds);
         if let Some(v) = &self.verify {
@@ -464,16 +513,8 @@ pub fn estimate_memory_of(size: &schedc::limits::Size, world: u64, cfg: &RunConf
 
 /// `schedc run INPUT ... --backend cpu`: lowers and verifies the programs, trains
 /// `cfg.steps` steps with one thread per global rank, and with `cfg.verify` compares with
-/// sequential training. Errors: [`RunError`]; the CPU backend also refuses `tp > 1` (it
-/// has no tensor-parallel kernels).
+/// sequential training. Errors: [`RunError`].
 pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
-    if let Some(m) = &cfg.mesh {
-        if m.size(Dim::Tp) > 1 {
-            return Err(RunError::Config(
-                "the CPU backend has no tensor-parallel kernels: use tp=1 (the mesh builds the groups; the executor does not split weights)".into(),
-            ));
-        }
-    }
     if cfg.steps == 0 {
         return Err(RunError::Config("--steps must be at least 1".into()));
     }
@@ -514,7 +555,11 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
     }
     data.sequence(0, cfg.model.seq_len)
         .map_err(RunError::Config)?;
-    let (set, verified) = lower_verified(source, cfg.mesh.as_ref(), &cfg.model)?;
+    let opts = LowerOptions {
+        sequence_parallel: cfg.sequence_parallel,
+        ..LowerOptions::default()
+    };
+    let (set, verified) = lower_verified_with(source, cfg.mesh.as_ref(), &cfg.model, opts)?;
     match cfg.dtype {
         DType::F32 => run_typed::<f32>(&set, verified, &data, cfg),
         DType::F64 => run_typed::<f64>(&set, verified, &data, cfg),
@@ -531,7 +576,13 @@ fn run_typed<T: Real>(
     let batching = Batching {
         shards: m.mesh.data_shards() as usize,
         microbatches: (m.microbatches * m.directions) as usize,
-        sp: m.mesh.size(Dim::Sp) as usize,
+        // Each SP chunk (and with --sequence-parallel each TP shard of it) routes alone.
+        sp: m.mesh.size(Dim::Sp) as usize
+            * if m.sequence_parallel {
+                m.mesh.size(Dim::Tp) as usize
+            } else {
+                1
+            },
     };
     let bar = cfg.progress.then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);
@@ -557,6 +608,7 @@ fn run_typed<T: Real>(
         trace: cfg.trace,
         trace_sink: cfg.trace_sink.clone(),
         on_step,
+        a2a: cfg.a2a,
         ..ExecOptions::default()
     };
     let res = execute::<T>(set, data, &opts);
@@ -583,6 +635,20 @@ fn run_typed<T: Real>(
         loss: res.losses.clone(),
         verify: None,
         seconds: res.seconds,
+        a2a: cfg.a2a,
+        a2a_bytes: ByLevel {
+            intra_node: res.traffic.a2a_intra_bytes,
+            inter_node: res.traffic.a2a_inter_bytes,
+        },
+        a2a_messages: ByLevel {
+            intra_node: res.traffic.a2a_intra_messages,
+            inter_node: res.traffic.a2a_inter_messages,
+        },
+        dispatch_inter_node_bytes: res.traffic.dispatch_inter_bytes,
+        tp_bytes: ByLevel {
+            intra_node: res.traffic.tp_bytes - res.traffic.tp_inter_bytes,
+            inter_node: res.traffic.tp_inter_bytes,
+        },
         trace: (cfg.trace && cfg.trace_sink.is_none())
             .then(|| crate::exec::chrome_trace(&res.trace)),
     };

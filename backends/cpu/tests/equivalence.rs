@@ -5,7 +5,7 @@
 
 use schedc::input::{load_spec, Overrides};
 use schedc_cpu::exec::{
-    compare, execute, reference, Batching, Comparison, Data, ExecOptions, Optimizer,
+    compare, execute, reference, A2aMode, Batching, Comparison, Data, ExecOptions, Optimizer,
 };
 use schedc_cpu::model::properties::kpe_shared_across_heads;
 use schedc_cpu::model::ModelConfig;
@@ -104,7 +104,13 @@ fn run_program(
     let b = Batching {
         shards: mesh.data_shards() as usize,
         microbatches: (set.manifest.microbatches * set.manifest.directions) as usize,
-        sp: mesh.size(Dim::Sp) as usize,
+        // Each SP chunk (and with --sequence-parallel each TP shard of it) routes alone.
+        sp: mesh.size(Dim::Sp) as usize
+            * if set.manifest.sequence_parallel {
+                mesh.size(Dim::Tp) as usize
+            } else {
+                1
+            },
     };
     let r = reference::<f64>(
         cfg,
@@ -218,6 +224,239 @@ fn every_schedule_p4_equals_sequential() {
     let (lines, n) = sweep(&[4], &["pp=P", "pp=P,ep=2"]);
     println!("{}", lines.join("\n"));
     assert!(n >= 60, "only {n} instances");
+}
+
+/// Issue 23: tensor parallelism, Megatron-LM's way (MLA's per-head up-projections and the
+/// shared expert's `W1`, `W3` column-parallel, `W_O` and `W2` row-parallel, two all-reduces
+/// per layer each way), equals sequential training for every spec at `pp=2,tp=2`.
+#[test]
+fn every_schedule_p2_tp2_equals_sequential() {
+    let (lines, n) = sweep(&[2], &["pp=P,tp=2"]);
+    println!("{}", lines.join("\n"));
+    assert!(n >= 40, "only {n} instances");
+}
+
+/// Issue 23: tensor parallelism with the other dimensions: expert and data parallelism,
+/// the `sp` dimension (which splits the sequence like context parallelism; it composes
+/// with `tp` as an outer dimension: each SP chunk's TP group splits the heads), several
+/// steps of Adam, and DualPipe at `pp=4,tp=2,ep=2`.
+#[test]
+fn tensor_parallel_with_ep_dp_sp_and_dualpipe_equals_sequential() {
+    for (name, pp, mb, mesh) in [
+        ("1f1b", 2, 4, "pp=2,tp=2,ep=2,dp=2"),
+        ("zbv", 2, 4, "pp=2,tp=2,ep=2,dp=2"),
+        ("1f1b", 2, 4, "pp=2,tp=2,sp=2"),
+        ("dualpipe", 4, 8, "pp=4,tp=2,ep=2"),
+        ("dualpipev", 4, 8, "pp=4,tp=2,ep=2"),
+    ] {
+        let c = run_case(
+            name,
+            pp,
+            mb,
+            None,
+            mesh,
+            3,
+            Optimizer::adam(1e-2),
+            LowerOptions::default(),
+        )
+        .unwrap();
+        println!(
+            "{name} P={pp} M={mb} {mesh}: grad {:.2e} loss {:.2e} params {:.2e}",
+            c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+        );
+        assert!(
+            c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+            "{name} {mesh}: {c:?}"
+        );
+    }
+}
+
+/// Issue 23: Megatron-LM's sequence parallelism inside the TP group
+/// (`--sequence-parallel`: norms, residuals, router and routed experts on each member's
+/// shard of the tokens; all-gathers and reduce-scatters instead of the all-reduces; the
+/// shards' gradients of the replicated weights summed over the TP group) equals sequential
+/// training for every spec at `pp=2,tp=2`, and with the `sp` dimension, EP, DP and DualPipe.
+#[test]
+fn sequence_parallel_in_the_tp_group_equals_sequential() {
+    let sp = LowerOptions {
+        sequence_parallel: true,
+        ..LowerOptions::default()
+    };
+    let mut n = 0;
+    for (name, vpp) in SPECS {
+        for mb in [2, 4] {
+            let Some(c) = run_case(
+                name,
+                2,
+                mb,
+                vpp,
+                "pp=2,tp=2",
+                2,
+                Optimizer::Sgd { lr: 0.2 },
+                sp,
+            ) else {
+                continue;
+            };
+            n += 1;
+            assert!(
+                c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+                "{name} M={mb} --sequence-parallel: {c:?}"
+            );
+        }
+    }
+    assert!(n >= 20, "only {n} instances");
+    for (name, pp, mb, mesh) in [
+        ("1f1b", 2, 4, "pp=2,tp=2,sp=2"),
+        ("zbv", 2, 4, "pp=2,tp=2,ep=2,dp=2"),
+        ("dualpipe", 4, 8, "pp=4,tp=2,ep=2"),
+    ] {
+        let c = run_case(name, pp, mb, None, mesh, 3, Optimizer::adam(1e-2), sp).unwrap();
+        println!(
+            "{name} P={pp} M={mb} {mesh} --sequence-parallel: grad {:.2e} loss {:.2e} params {:.2e}",
+            c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+        );
+        assert!(
+            c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+            "{name} {mesh} --sequence-parallel: {c:?}"
+        );
+    }
+}
+
+/// Issue 23, silent failure: with Megatron sequence parallelism a TP member that rotates
+/// its shard's RoPE keys from the chunk's start instead of the shard's position trains
+/// without an error; the comparison with sequential training catches it (and the same run
+/// without the bug passes, above).
+#[test]
+fn silent_failure_sequence_parallel_shard_keeps_its_positions() {
+    let mut cfg = ModelConfig::tiny();
+    cfg.bugs.shard_positions_from_zero = true;
+    let sp = LowerOptions {
+        sequence_parallel: true,
+        ..LowerOptions::default()
+    };
+    let c = run_case_with(
+        &cfg,
+        "1f1b",
+        2,
+        2,
+        None,
+        "pp=2,tp=2",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        sp,
+    )
+    .unwrap();
+    assert!(c.max_rel_grad_err > 1e-3, "{c:?}");
+    // Without sequence parallelism the switch changes nothing (no shard offset to miss).
+    let c = run_case_with(
+        &cfg,
+        "1f1b",
+        2,
+        2,
+        None,
+        "pp=2,tp=2",
+        1,
+        Optimizer::Sgd { lr: 0.2 },
+        LowerOptions::default(),
+    )
+    .unwrap();
+    assert!(c.max_rel_grad_err < TOL, "{c:?}");
+}
+
+/// Issue 23: every spec split into MoE parts (`--moe`) at `pp=2,tp=2,ep=2`, with and
+/// without `--sequence-parallel`: the TP collectives of a part run on the `tp` stream
+/// between its kernels.
+#[test]
+fn every_schedule_in_moe_parts_p2_tp2_ep2_equals_sequential() {
+    let mut n = 0;
+    for (name, vpp) in SPECS {
+        for (mb, sequence_parallel) in [(2, false), (4, false), (4, true)] {
+            let Some(src) = moe_spec(name, 2, mb, vpp, "all") else {
+                continue;
+            };
+            let c = run_program(
+                &ModelConfig::tiny(),
+                &src,
+                "pp=2,tp=2,ep=2",
+                2,
+                Optimizer::Sgd { lr: 0.2 },
+                LowerOptions {
+                    sequence_parallel,
+                    ..LowerOptions::default()
+                },
+            );
+            n += 1;
+            println!(
+                "{name:<17} --moe M={mb} pp=2,tp=2,ep=2 (sequence parallel: {sequence_parallel}): grad {:.2e} loss {:.2e} params {:.2e}",
+                c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+            );
+            assert!(
+                c.max_rel_grad_err <= MOE_TOL
+                    && c.max_abs_loss_err <= MOE_TOL
+                    && c.max_rel_param_err <= MOE_TOL,
+                "{name} --moe M={mb} (sequence parallel: {sequence_parallel}): {c:?}"
+            );
+        }
+    }
+    assert!(n >= 30, "only {n} instances");
+}
+
+/// Issue 23, silent failure: a TP rank that skips the all-reduce of the column-parallel
+/// inputs' gradients (each member keeps its own heads' share of `[dc_Q; dc_KV; dk^R]`)
+/// trains without an error, but its replicated weights' gradients (`W_DQ`, `W_DKV`,
+/// `W_KR`, the norms) miss the other heads' shares: the comparison catches it. The same run
+/// with the all-reduce equals sequential training, and reports each split tensor as its
+/// member's slice.
+#[test]
+fn silent_failure_tp_input_gradient_all_reduce_is_needed() {
+    let cfg = ModelConfig::tiny();
+    let src = spec("1f1b", 2, 2, None).unwrap();
+    let mesh: Mesh = "pp=2,tp=2".parse().unwrap();
+    let set = ProgramSet::lower(&src, &mesh, &cfg, LowerOptions::default()).unwrap();
+    let data = Data::builtin();
+    let opts = ExecOptions {
+        steps: 1,
+        optimizer: Optimizer::Sgd { lr: 0.2 },
+        record: true,
+        ..ExecOptions::default()
+    };
+    let b = Batching {
+        shards: 1,
+        microbatches: 2,
+        sp: 1,
+    };
+    let r = reference::<f64>(&cfg, 2, b, &data, 1, &opts.optimizer).unwrap();
+    let good = execute::<f64>(&set, &data, &opts).unwrap();
+    let names: Vec<&str> = good.grads[0]
+        .iter()
+        .filter(|(rank, _, _)| *rank == 1)
+        .flat_map(|(_, _, named)| named.iter().map(|(n, _)| n.as_str()))
+        .collect();
+    assert!(
+        names.contains(&"layer0.wuq[tp 1/2 columns 16]"),
+        "{names:?}"
+    );
+    assert!(names.contains(&"layer0.wo[tp 1/2 rows]"), "{names:?}");
+    assert!(names.contains(&"layer0.wdq"), "{names:?}");
+    let c = compare(&good, &r).unwrap();
+    assert!(c.max_rel_grad_err < TOL, "{c:?}");
+    let mut bad = set.clone();
+    for rp in &mut bad.ranks {
+        let me = rp.rank;
+        for st in &mut rp.streams {
+            for op in &mut st.ops {
+                if let schedc_program::Op::TpCollective { phase, group, .. } = op {
+                    if *phase == schedc_program::Tp::AttnInGrad {
+                        *group = vec![me];
+                    }
+                }
+            }
+        }
+    }
+    let run = execute::<f64>(&bad, &data, &opts).unwrap();
+    let c = compare(&run, &r).unwrap();
+    assert!(c.max_rel_grad_err > 1e-3, "{c:?}");
+    assert!(c.worst_grad.starts_with("layer0."), "{}", c.worst_grad);
 }
 
 #[test]
@@ -381,9 +620,12 @@ fn run_refuses_what_it_cannot_do() {
         mesh: None,
         ..Default::default()
     };
-    cfg.mesh = Some("pp=2,tp=2".parse().unwrap());
+    cfg.mesh = Some("pp=2,tp=4".parse().unwrap());
     let e = schedc_cpu::run(&src, &cfg).unwrap_err().to_string();
-    assert!(e.contains("no tensor-parallel kernels: use tp=1"), "{e}");
+    assert!(
+        e.contains("tp=4 does not divide the model's attention heads (2)"),
+        "{e}"
+    );
     cfg.mesh = Some("pp=2,sp=3".parse().unwrap());
     let e = schedc_cpu::run(&src, &cfg).unwrap_err().to_string();
     assert!(
@@ -870,4 +1112,63 @@ fn moe_rolling_interleave_equals_sequential() {
         e.to_string(),
         "unsupported: rank 0: the MoE parts of F(7,0) and B(7,0) interleave, but one needs the other's result; with 2 layers per stage the CPU backend runs interleaved parts layer by layer, so only independent ops may interleave"
     );
+}
+
+/// Issue 23: the hierarchical all-to-all (`run --a2a hierarchical`, DeepSeek-V3's two-level
+/// dispatch) trains exactly like the flat one (bit for bit: losses, gradients, parameters) at
+/// `pp=2,ep=8,node=4` with top-4 routing over 8 experts, whole ops and MoE parts (its
+/// all-to-alls on the EP stream), and sends fewer bytes and messages between nodes.
+#[test]
+fn hierarchical_all_to_all_equals_flat_exactly_and_crosses_nodes_less() {
+    let cfg = ModelConfig {
+        experts: 8,
+        top_k: 4,
+        ..ModelConfig::tiny()
+    };
+    let mesh: Mesh = "pp=2,ep=8,node=4".parse().unwrap();
+    let data = Data::builtin();
+    for (name, src) in [
+        ("1f1b", spec("1f1b", 2, 4, None).unwrap()),
+        (
+            "dualpipev --moe",
+            moe_spec("dualpipev", 2, 4, None, "all").unwrap(),
+        ),
+    ] {
+        let set = ProgramSet::lower(&src, &mesh, &cfg, LowerOptions::default()).unwrap();
+        let run = |a2a| {
+            let opts = ExecOptions {
+                steps: 2,
+                optimizer: Optimizer::Sgd { lr: 0.2 },
+                record: true,
+                a2a,
+                ..ExecOptions::default()
+            };
+            execute::<f64>(&set, &data, &opts).unwrap()
+        };
+        let flat = run(A2aMode::Flat);
+        let hier = run(A2aMode::Hierarchical);
+        assert_eq!(flat.losses, hier.losses, "{name}");
+        assert_eq!(flat.grads, hier.grads, "{name}");
+        assert_eq!(flat.params, hier.params, "{name}");
+        let (f, h) = (flat.traffic, hier.traffic);
+        println!("{name}: flat {f:?}\n{name}: hierarchical {h:?}");
+        println!(
+            "{name}: inter-node bytes flat/hierarchical {:.2}, messages {:.2}",
+            f.a2a_inter_bytes as f64 / h.a2a_inter_bytes as f64,
+            f.a2a_inter_messages as f64 / h.a2a_inter_messages as f64
+        );
+        // Each rank sends one message per other node instead of one per member there (4).
+        assert_eq!(f.a2a_inter_messages, 4 * h.a2a_inter_messages, "{name}");
+        println!(
+            "{name}: dispatch inter-node bytes flat/hierarchical {:.2}",
+            f.dispatch_inter_bytes as f64 / h.dispatch_inter_bytes as f64
+        );
+        assert!(h.a2a_inter_bytes < f.a2a_inter_bytes, "{name}: {h:?} {f:?}");
+        assert!(
+            h.dispatch_inter_bytes * 3 < f.dispatch_inter_bytes * 2,
+            "{name}: {h:?} {f:?}"
+        );
+        // Relaying inside the destination node adds intra-node traffic.
+        assert!(h.a2a_intra_bytes > f.a2a_intra_bytes, "{name}");
+    }
 }

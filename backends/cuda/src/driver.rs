@@ -117,7 +117,7 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
         .flat_map(|r| &r.streams)
         .filter_map(|s| match s.kind {
             StreamKind::Comm { channel } => Some(channel),
-            StreamKind::Compute | StreamKind::Ep => None,
+            StreamKind::Compute | StreamKind::Ep | StreamKind::Tp => None,
         })
         .collect();
     chans.sort();
@@ -669,6 +669,9 @@ impl Device for RankDev<'_> {
             }
             Op::Overlap { .. } | Op::Collective { .. } => Err(format!(
                 "`{op}` is a stage-granularity op; the CUDA backend runs schedc's model"
+            )),
+            Op::TpCollective { .. } | Op::TpGradAllReduce { .. } => Err(format!(
+                "`{op}`: the CUDA backend has no tensor-parallel kernels (tp=1 only; the CPU backend runs tp > 1)"
             )),
             Op::Kernel(k) => self.kernel(stream, k).map(|_| Ready::Done),
             Op::Send { .. } | Op::Recv { .. } if self.transport.groups_messages() => {

@@ -214,7 +214,7 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
     if let Some(m) = &cfg.mesh {
         if m.size(Dim::Tp) > 1 {
             return Err(RunError::Config(
-                "the CUDA backend has no tensor-parallel kernels: use tp=1".into(),
+                "the CUDA backend has no tensor-parallel kernels: use tp=1 (the CPU backend, --backend cpu, runs tp > 1)".into(),
             ));
         }
     }
@@ -369,6 +369,7 @@ pub fn as_exec_result(r: &GpuResult) -> ExecResult {
         seconds: r.seconds,
         instructions: r.instructions,
         trace: Vec::new(),
+        traffic: Default::default(),
     }
 }
 

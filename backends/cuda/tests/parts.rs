@@ -147,6 +147,9 @@ fn stage_roundtrip(cfg: &ModelConfig, dt: DType) {
         sp: 1,
         pos0: 0,
         route_groups: 1,
+        tp: 1,
+        tp_rank: 0,
+        sequence_parallel: false,
     };
     let routers: Vec<RouterState<f32>> = (0..cfg.layers_per_stage)
         .map(|_| RouterState::new(cfg))

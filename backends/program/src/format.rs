@@ -72,6 +72,15 @@
 //! run once per layer, so each layer's all-to-alls hide under the other chunk's compute of
 //! that layer.
 //!
+//! **Tensor parallelism** (`tp > 1`, Megatron-LM's split: each member holds `H/tp` heads of
+//! MLA's up-projections and `W_O`, and `f/tp` of the shared expert): per layer, after `attn`
+//! an [`Op::TpCollective`] [`Tp::AttnOut`], then an `attn_post` kernel (residual, norm,
+//! router, dispatch, the member's slice of the shared expert), then [`Tp::MlpOut`]; in the
+//! backward, after `combine` a [`Tp::MlpInGrad`], and after `qkv` a [`Tp::AttnInGrad`] then
+//! a `qkv_post` kernel (norms and down-projections, the layer's input gradient). Each TP
+//! collective is on the [`StreamKind::Tp`] stream between a record after the kernel before it
+//! and a wait before the kernel after it (whole ops and MoE parts alike).
+//!
 //! One step: `alloc weight_grad` (zeroed) for every local stage; the schedule's compute ops
 //! and messages; `ReplicaSum` (DualPipe: ranks `r` and `P-1-r` exchange and add the
 //! gradients of the model stage they both hold), `AllReduce` of the dense gradients over
@@ -221,8 +230,14 @@ pub enum StreamKind {
     },
     /// The expert-parallel stream: the dispatch and combine all-to-alls of MoE parts (a
     /// `--moe` schedule), so that they run under another chunk's compute. Present only in
-    /// programs lowered from MoE parts; always the last stream.
+    /// programs lowered from MoE parts; last but for the `tp` stream.
     Ep,
+    /// The tensor-parallel stream: the [`Op::TpCollective`]s of a mesh with `tp > 1`, each
+    /// bracketed by events (the compute stream records after the kernel that produced the
+    /// partial sums and waits before the kernel that reads the reduced ones), so that a
+    /// schedule may run other compute while one is in flight. Present only when `tp > 1`;
+    /// always the last stream.
+    Tp,
 }
 
 impl fmt::Display for StreamKind {
@@ -232,6 +247,7 @@ impl fmt::Display for StreamKind {
             StreamKind::Comm { channel: 0 } => f.write_str("comm"),
             StreamKind::Comm { channel } => write!(f, "comm@{channel}"),
             StreamKind::Ep => f.write_str("ep"),
+            StreamKind::Tp => f.write_str("tp"),
         }
     }
 }
@@ -282,6 +298,29 @@ pub enum Part {
     },
     /// Final norm, LM head, cross-entropy (last stage).
     Head,
+    /// Tensor parallelism (`tp > 1`), forward, after the [`Tp::AttnOut`] all-reduce: the
+    /// residual, the MoE norm, the router and the dispatch, and the local slice of the
+    /// shared expert (its partial output goes to the [`Tp::MlpOut`] all-reduce). With
+    /// `tp = 1` the `attn` kernel does all of this itself.
+    AttnPost {
+        /// Layer within the stage.
+        layer: u32,
+    },
+    /// Tensor parallelism (`tp > 1`), backward, after the [`Tp::AttnInGrad`] all-reduce:
+    /// the latents' norms, the down-projections `W_DQ`, `W_DKV`, `W_KR`, the attention norm
+    /// and the residual; writes the layer's input gradient. With `tp = 1` the `qkv` kernel
+    /// does all of this itself.
+    QkvPost {
+        /// Layer within the stage.
+        layer: u32,
+    },
+    /// Megatron sequence parallelism: this member's slice of the shared expert of a layer on
+    /// the TP group's gathered rows (F), or its backward on the gathered output gradient
+    /// (B).
+    Shared {
+        /// Layer within the stage.
+        layer: u32,
+    },
     /// Every weight gradient of the stage (pass `W`).
     Weights,
     /// The expert (and shared-expert) weight gradients of every layer of the stage: a split
@@ -344,6 +383,83 @@ pub enum A2a {
     DispatchGrad,
 }
 
+/// The tensor-parallel collectives of a layer (Megatron-LM's `g` in the forward and `f`
+/// in the backward, Shoeybi et al., arXiv 1909.08053, §3): each an all-reduce over the TP
+/// group of partial sums that every member computed from its own heads or its own slice of
+/// the shared expert; every member adds the members' partials in group order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tp {
+    /// Forward: the output projection `o W_O` (row-parallel `W_O`, `t × d`).
+    AttnOut,
+    /// Forward: the shared expert's output (row-parallel `W2`, `t × d`).
+    MlpOut,
+    /// Backward: the shared expert's input gradient (column-parallel `W1`, `W3`, `t × d`).
+    MlpInGrad,
+    /// Backward: the gradients of the column-parallel up-projections' inputs, the query
+    /// latent `c_Q`, the key/value latent `c_KV` and the RoPE key `k^R` (`t × (d_c' + d_c +
+    /// d_h^R)`; `k^R` is shared by every head, so each member holds its heads' share).
+    AttnInGrad,
+    /// Sequence parallel, forward, all-gather: the shards' `[c_Q; c_KV; k^R]` rows.
+    LatentGather,
+    /// Sequence parallel, forward, reduce-scatter: `o W_O` (each member keeps its shard's
+    /// rows of the sum).
+    AttnOutScatter,
+    /// Sequence parallel, forward, all-gather: the shards' MoE-norm rows (the shared
+    /// expert's input).
+    MlpInGather,
+    /// Sequence parallel, forward, reduce-scatter: the shared expert's output.
+    MlpOutScatter,
+    /// Sequence parallel, backward, all-gather: the layer output's gradient (for the shared
+    /// expert).
+    MlpOutGradGather,
+    /// Sequence parallel, backward, reduce-scatter: the shared expert's input gradient.
+    MlpInGradScatter,
+    /// Sequence parallel, backward, all-gather: the gradient of `h1` (for `W_O`).
+    AttnOutGradGather,
+    /// Sequence parallel, backward, reduce-scatter: `[dc_Q; dc_KV; dk^R]`.
+    LatentGradScatter,
+}
+
+/// What a [`Tp`] phase does with the members' `tp_out`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpKind {
+    /// Every member gets the sum.
+    AllReduce,
+    /// Every member gets the members' rows, concatenated in group order.
+    AllGather,
+    /// Member `j` gets rows `j/n` of the sum (`n` equal shards).
+    ReduceScatter,
+}
+
+impl Tp {
+    /// The collective the phase is.
+    pub fn kind(self) -> TpKind {
+        match self {
+            Tp::AttnOut | Tp::MlpOut | Tp::MlpInGrad | Tp::AttnInGrad => TpKind::AllReduce,
+            Tp::LatentGather | Tp::MlpInGather | Tp::MlpOutGradGather | Tp::AttnOutGradGather => {
+                TpKind::AllGather
+            }
+            Tp::AttnOutScatter
+            | Tp::MlpOutScatter
+            | Tp::MlpInGradScatter
+            | Tp::LatentGradScatter => TpKind::ReduceScatter,
+        }
+    }
+    /// True for the forward's phases.
+    pub fn forward(self) -> bool {
+        matches!(
+            self,
+            Tp::AttnOut
+                | Tp::MlpOut
+                | Tp::LatentGather
+                | Tp::AttnOutScatter
+                | Tp::MlpInGather
+                | Tp::MlpOutScatter
+        )
+    }
+}
+
 /// One instruction of a stream.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -398,6 +514,30 @@ pub enum Op {
         /// Which of the four.
         phase: A2a,
         /// The group, global ranks in order.
+        group: Vec<u32>,
+    },
+    /// A tensor-parallel all-reduce ([`Tp`]) of layer `layer` of `(stage, mb)` over the TP
+    /// group; reads and writes `stash(stage, mb)`. On the [`StreamKind::Tp`] stream.
+    TpCollective {
+        /// Stage.
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+        /// Layer within the stage.
+        layer: u32,
+        /// Which of the four.
+        phase: Tp,
+        /// The TP group, global ranks in order.
+        group: Vec<u32>,
+    },
+    /// Megatron sequence parallelism: sum over the TP group the gradients that each member
+    /// computed on its own shard of the tokens: every tensor that is not split over the
+    /// group (embedding, norms, down-projections, router, routed experts, head) and the
+    /// load counts. On the comm stream before the data-parallel all-reduces.
+    TpGradAllReduce {
+        /// Stage.
+        stage: u32,
+        /// The TP group, global ranks in order.
         group: Vec<u32>,
     },
     /// DualPipe: exchange `weight_grad(stage)` with `peer`, which holds the same model
@@ -458,6 +598,9 @@ impl fmt::Display for Kernel {
             Part::Attn { layer } => format!("attn[{layer}]"),
             Part::Experts { layer } => format!("experts[{layer}]"),
             Part::Combine { layer } => format!("combine[{layer}]"),
+            Part::AttnPost { layer } => format!("attn_post[{layer}]"),
+            Part::QkvPost { layer } => format!("qkv_post[{layer}]"),
+            Part::Shared { layer } => format!("shared[{layer}]"),
             Part::Head => "head".to_string(),
             Part::Weights => "weights".to_string(),
             Part::WeightsMlp => "weights.mlp".to_string(),
@@ -504,6 +647,21 @@ impl fmt::Display for Op {
                 f,
                 "all_to_all {phase:?}({stage},{mb})[{layer}] over {group:?}"
             ),
+            Op::TpCollective {
+                stage,
+                mb,
+                layer,
+                phase,
+                group,
+            } => write!(
+                f,
+                "tp_{} {phase:?}({stage},{mb})[{layer}] over {group:?}",
+                match phase.kind() {
+                    TpKind::AllReduce => "all_reduce",
+                    TpKind::AllGather => "all_gather",
+                    TpKind::ReduceScatter => "reduce_scatter",
+                }
+            ),
             Op::ReplicaSum {
                 stage,
                 model_stage,
@@ -521,6 +679,9 @@ impl fmt::Display for Op {
                 "all_reduce {scope:?} weight_grad({stage}) over {group:?}"
             ),
             Op::OptimizerStep { stage } => write!(f, "optimizer_step stage {stage}"),
+            Op::TpGradAllReduce { stage, group } => {
+                write!(f, "tp_grad_all_reduce weight_grad({stage}) over {group:?}")
+            }
             Op::Overlap { fwd, bwd } => write!(f, "{fwd} & {bwd}"),
             Op::Collective { comm, label, group } => {
                 write!(f, "collective {comm}:{label} over {group:?}")
@@ -536,14 +697,16 @@ impl Op {
             Op::Kernel(k) => (k.reads.clone(), k.writes.clone()),
             Op::Send { buf, .. } => (vec![*buf], vec![]),
             Op::Recv { buf, .. } => (vec![], vec![*buf]),
-            Op::AllToAll { stage, mb, .. } => {
+            Op::AllToAll { stage, mb, .. } | Op::TpCollective { stage, mb, .. } => {
                 let b = Buf::Stash {
                     stage: *stage,
                     mb: *mb,
                 };
                 (vec![b], vec![b])
             }
-            Op::ReplicaSum { stage, .. } | Op::AllReduce { stage, .. } => {
+            Op::ReplicaSum { stage, .. }
+            | Op::AllReduce { stage, .. }
+            | Op::TpGradAllReduce { stage, .. } => {
                 let b = Buf::WeightGrad { stage: *stage };
                 (vec![b], vec![b])
             }
@@ -658,6 +821,11 @@ pub struct Manifest {
     /// gives each its own in-order communicator.
     #[serde(default)]
     pub channels: Vec<u32>,
+    /// Megatron-LM's sequence parallelism inside the TP group (`--sequence-parallel`, with
+    /// `tp > 1`): each TP member holds `1/tp` of its chunk's tokens between the TP
+    /// collectives, which are all-gathers and reduce-scatters.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sequence_parallel: bool,
 }
 
 /// Every rank's program and the manifest.

@@ -15,6 +15,9 @@ pub struct LowerOptions {
     /// Injected bug (tests only): DualPipe's two copies of a stage keep their own
     /// gradients instead of summing them.
     pub bug_skip_replica_sum: bool,
+    /// Megatron-LM's sequence parallelism inside the TP group ([`Manifest::sequence_parallel`];
+    /// needs `tp > 1`, whole ops only).
+    pub sequence_parallel: bool,
 }
 
 /// The first error diagnostics of a rejected check, joined.
@@ -94,6 +97,28 @@ impl ProgramSet {
             }
         };
         mesh.validate(None, &fit)?;
+        if opts.sequence_parallel {
+            if stage || mesh.size(Dim::Tp) < 2 {
+                return Err(ProgramError::Unsupported(
+                    "--sequence-parallel is Megatron's sequence parallelism inside the TP group: it needs tp > 1 at model granularity (the mesh's `sp` is the other kind, which splits the sequence over its own ranks)".into(),
+                ));
+            }
+            let chunk = model.seq_len as u32 / mesh.size(Dim::Sp);
+            if !chunk.is_multiple_of(mesh.size(Dim::Tp)) {
+                return Err(ProgramError::Mesh(MeshError::Fit {
+                    mesh: mesh.to_string(),
+                    why: format!(
+                        "tp={} does not divide the {chunk} tokens of a sequence chunk (--sequence-parallel shards them over the TP group)",
+                        mesh.size(Dim::Tp)
+                    ),
+                }));
+            }
+        }
+        if !stage && mesh.size(Dim::Tp) > 1 && model.rope_keys_per_token() > 1 {
+            return Err(ProgramError::Unsupported(
+                "tensor parallelism with one RoPE key per head (the per-head-kpe bug): the TP kernels split the heads and share one RoPE key per token".into(),
+            ));
+        }
         // The model's kernels cover whole ops only; the user's stages take parts and
         // collectives too.
         for (r, instrs) in ir.ranks.iter().enumerate().filter(|_| !stage) {
@@ -128,6 +153,7 @@ impl ProgramSet {
                 files: (0..world).map(|g| format!("rank{g}.json")).collect(),
                 groups,
                 channels,
+                sequence_parallel: opts.sequence_parallel,
             },
             ranks,
         })
@@ -147,6 +173,8 @@ fn groups_and_channels(ranks: &[RankProgram]) -> (Vec<Vec<u32>>, Vec<u32>) {
             for op in &st.ops {
                 match op {
                     Op::AllToAll { group, .. }
+                    | Op::TpCollective { group, .. }
+                    | Op::TpGradAllReduce { group, .. }
                     | Op::AllReduce { group, .. }
                     | Op::Collective { group, .. } => {
                         let mut g = group.clone();
@@ -171,6 +199,8 @@ struct Builder {
     comm: Vec<Op>,
     /// The expert-parallel stream (MoE parts' all-to-alls).
     ep: Vec<Op>,
+    /// The tensor-parallel stream (`tp > 1`).
+    tp: Vec<Op>,
     channels: std::collections::BTreeMap<u32, Vec<Op>>,
     events: u32,
 }
@@ -179,6 +209,28 @@ impl Builder {
     fn event(&mut self) -> u32 {
         self.events += 1;
         self.events - 1
+    }
+
+    /// A tensor-parallel all-reduce of layer `layer` of `(stage, mb)` on the TP stream,
+    /// bracketed by events: after the compute stream's last kernel, before its next.
+    /// Nothing with a TP group of one.
+    fn tp_collective(&mut self, group: &[u32], stage: u32, mb: u32, layer: u32, phase: Tp) {
+        if group.len() < 2 {
+            return;
+        }
+        let ready = self.event();
+        let done = self.event();
+        self.compute.push(Op::Record { event: ready });
+        self.tp.push(Op::Wait { event: ready });
+        self.tp.push(Op::TpCollective {
+            stage,
+            mb,
+            layer,
+            phase,
+            group: group.to_vec(),
+        });
+        self.tp.push(Op::Record { event: done });
+        self.compute.push(Op::Wait { event: done });
     }
 
     /// The op list of communication stream `channel` (0: the default comm stream).
@@ -245,11 +297,13 @@ fn lower_rank(
     let peer = |pp_rank: u32| mesh.pipeline_peer(g, pp_rank);
     let ep_group = mesh.ep_group(g)?;
     let sp_group = mesh.sp_group(g)?;
+    let tp_group = mesh.tp_group(g)?;
 
     let mut b = Builder {
         compute: Vec::new(),
         comm: Vec::new(),
         ep: Vec::new(),
+        tp: Vec::new(),
         channels: Default::default(),
         events: 0,
     };
@@ -291,6 +345,8 @@ fn lower_rank(
         layers: lps,
         ep_group: &ep_group,
         sp_group: &sp_group,
+        tp_group: &tp_group,
+        seq_par: opts.sequence_parallel,
         recv_ev: &recv_ev,
         send_ev: &send_ev,
         comm_pos: &comm_pos,
@@ -349,10 +405,7 @@ fn lower_rank(
                     } else if !win.items.is_empty() {
                         win.items.push((c, st));
                     } else {
-                        emit_compute(
-                            &mut b, pl, &st, c.kind, c.mb, lps, &ep_group, &sp_group, &recv_ev,
-                            &send_ev,
-                        );
+                        emit_compute(&mut b, &cx, &st, c.kind, c.mb);
                     }
                 }
             }
@@ -505,6 +558,12 @@ fn lower_rank(
     let dense = mesh.dense_dp_group(g)?;
     let expert = mesh.expert_dp_group(g)?;
     for s in &stages {
+        if opts.sequence_parallel && tp_group.len() > 1 {
+            b.comm.push(Op::TpGradAllReduce {
+                stage: s.stage,
+                group: tp_group.clone(),
+            });
+        }
         if let (Some(p), false) = (s.replica_peer, opts.bug_skip_replica_sum) {
             b.comm.push(Op::ReplicaSum {
                 stage: s.stage,
@@ -558,6 +617,12 @@ fn lower_rank(
             ops: b.ep,
         });
     }
+    if !b.tp.is_empty() {
+        streams.push(Stream {
+            kind: StreamKind::Tp,
+            ops: b.tp,
+        });
+    }
     Ok(RankProgram {
         rank: g,
         coords,
@@ -568,19 +633,13 @@ fn lower_rank(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn emit_compute(
-    b: &mut Builder,
-    pl: &schedc_ir::Pipeline,
-    st: &LocalStage,
-    kind: Kind,
-    mb: u32,
-    layers: u32,
-    ep_group: &[u32],
-    sp_group: &[u32],
-    recv_ev: &HashMap<Buf, u32>,
-    send_ev: &HashMap<Buf, u32>,
-) {
+/// A whole op of `st` (with `tp > 1`, each layer adds the TP all-reduces and the `attn_post`
+/// and `qkv_post` kernels after them; see [`crate::format`]).
+fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, mb: u32) {
+    let (pl, layers, ep_group, sp_group, tp_group) =
+        (cx.pl, cx.layers, cx.ep_group, cx.sp_group, cx.tp_group);
+    let (recv_ev, send_ev) = (cx.recv_ev, cx.send_ev);
+    let tp = tp_group.len() > 1;
     let s = st.stage;
     let stash = Buf::Stash { stage: s, mb };
     let wg = Buf::WeightGrad { stage: s };
@@ -640,6 +699,15 @@ fn emit_compute(
                         buf: input.expect("checked"),
                     });
                 }
+                if cx.seq_par {
+                    b.tp_collective(tp_group, s, mb, l, Tp::LatentGather);
+                    b.compute.push(kernel(
+                        Pass::F,
+                        Part::QkvPost { layer: l },
+                        vec![stash],
+                        vec![stash],
+                    ));
+                }
                 b.compute.push(a2a(l, A2a::GatherKv));
                 b.compute.push(kernel(
                     Pass::F,
@@ -647,6 +715,32 @@ fn emit_compute(
                     vec![stash],
                     vec![stash, wg],
                 ));
+                if cx.seq_par {
+                    b.tp_collective(tp_group, s, mb, l, Tp::AttnOutScatter);
+                    b.compute.push(kernel(
+                        Pass::F,
+                        Part::AttnPost { layer: l },
+                        vec![stash],
+                        vec![stash, wg],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpInGather);
+                    b.compute.push(kernel(
+                        Pass::F,
+                        Part::Shared { layer: l },
+                        vec![stash],
+                        vec![stash],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpOutScatter);
+                } else if tp {
+                    b.tp_collective(tp_group, s, mb, l, Tp::AttnOut);
+                    b.compute.push(kernel(
+                        Pass::F,
+                        Part::AttnPost { layer: l },
+                        vec![stash],
+                        vec![stash, wg],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpOut);
+                }
                 b.compute.push(a2a(l, A2a::Dispatch));
                 b.compute.push(kernel(
                     Pass::F,
@@ -706,6 +800,18 @@ fn emit_compute(
                         buf: gin.expect("checked"),
                     });
                 }
+                if cx.seq_par {
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpOutGradGather);
+                    b.compute.push(kernel(
+                        Pass::B,
+                        Part::Shared { layer: l },
+                        vec![stash],
+                        vec![stash],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpInGradScatter);
+                } else {
+                    b.tp_collective(tp_group, s, mb, l, Tp::MlpInGrad);
+                }
                 b.compute.push(a2a(l, A2a::CombineGrad));
                 b.compute.push(kernel(
                     Pass::B,
@@ -714,6 +820,15 @@ fn emit_compute(
                     vec![stash],
                 ));
                 b.compute.push(a2a(l, A2a::DispatchGrad));
+                if cx.seq_par {
+                    b.compute.push(kernel(
+                        Pass::B,
+                        Part::AttnPost { layer: l },
+                        vec![stash],
+                        vec![stash],
+                    ));
+                    b.tp_collective(tp_group, s, mb, l, Tp::AttnOutGradGather);
+                }
                 b.compute.push(kernel(
                     Pass::B,
                     Part::Attn { layer: l },
@@ -725,8 +840,29 @@ fn emit_compute(
                 if l == 0 {
                     writes.extend(gout);
                 }
-                b.compute
-                    .push(kernel(Pass::B, Part::Qkv { layer: l }, vec![stash], writes));
+                if tp {
+                    b.compute.push(kernel(
+                        Pass::B,
+                        Part::Qkv { layer: l },
+                        vec![stash],
+                        vec![stash],
+                    ));
+                    let phase = if cx.seq_par {
+                        Tp::LatentGradScatter
+                    } else {
+                        Tp::AttnInGrad
+                    };
+                    b.tp_collective(tp_group, s, mb, l, phase);
+                    b.compute.push(kernel(
+                        Pass::B,
+                        Part::QkvPost { layer: l },
+                        vec![stash],
+                        writes,
+                    ));
+                } else {
+                    b.compute
+                        .push(kernel(Pass::B, Part::Qkv { layer: l }, vec![stash], writes));
+                }
             }
             if let Some(e) = gout.and_then(|o| send_ev.get(&o)) {
                 b.compute.push(Op::Record { event: *e });
@@ -913,6 +1049,10 @@ struct PartCtx<'a> {
     layers: u32,
     ep_group: &'a [u32],
     sp_group: &'a [u32],
+    /// The TP group (one member: no tensor parallelism).
+    tp_group: &'a [u32],
+    /// Megatron sequence parallelism inside the TP group.
+    seq_par: bool,
     recv_ev: &'a HashMap<Buf, u32>,
     send_ev: &'a HashMap<Buf, u32>,
     /// The instruction index of each message of the rank (sends and receives).
@@ -1148,18 +1288,7 @@ fn flush_window(
                 if round == 0 {
                     sends_first(b, &mut state, &mut finished, recv_of(c, 0));
                     producers_first(b, &mut state, c);
-                    emit_compute(
-                        b,
-                        cx.pl,
-                        st,
-                        c.kind,
-                        c.mb,
-                        layers,
-                        cx.ep_group,
-                        cx.sp_group,
-                        cx.recv_ev,
-                        cx.send_ev,
-                    );
+                    emit_compute(b, cx, st, c.kind, c.mb);
                 }
                 continue;
             }
@@ -1331,6 +1460,15 @@ fn emit_part(
                     buf: input.expect("checked"),
                 });
             }
+            if cx.seq_par {
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::LatentGather);
+                b.compute.push(k(
+                    Pass::F,
+                    Part::QkvPost { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+            }
             b.compute.push(a2a(A2a::GatherKv));
             b.compute.push(k(
                 Pass::F,
@@ -1338,6 +1476,32 @@ fn emit_part(
                 vec![stash],
                 vec![stash, wg],
             ));
+            if cx.seq_par {
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::AttnOutScatter);
+                b.compute.push(k(
+                    Pass::F,
+                    Part::AttnPost { layer: l },
+                    vec![stash],
+                    vec![stash, wg],
+                ));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpInGather);
+                b.compute.push(k(
+                    Pass::F,
+                    Part::Shared { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpOutScatter);
+            } else if cx.tp_group.len() > 1 {
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::AttnOut);
+                b.compute.push(k(
+                    Pass::F,
+                    Part::AttnPost { layer: l },
+                    vec![stash],
+                    vec![stash, wg],
+                ));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpOut);
+            }
         }
         (Kind::F, IrPart::Dispatch) => ep_a2a(b, ps, A2a::Dispatch),
         (Kind::F, IrPart::Mlp) => {
@@ -1384,6 +1548,18 @@ fn emit_part(
                     buf: gin.expect("checked"),
                 });
             }
+            if cx.seq_par {
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpOutGradGather);
+                b.compute.push(k(
+                    Pass::B,
+                    Part::Shared { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpInGradScatter);
+            } else {
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::MlpInGrad);
+            }
             ep_a2a(b, ps, A2a::CombineGrad);
         }
         (_, IrPart::Mlp) => {
@@ -1398,6 +1574,15 @@ fn emit_part(
         (_, IrPart::Dispatch) => ep_a2a(b, ps, A2a::DispatchGrad),
         (_, IrPart::Attn) => {
             wait(b, ps);
+            if cx.seq_par {
+                b.compute.push(k(
+                    Pass::B,
+                    Part::AttnPost { layer: l },
+                    vec![stash],
+                    vec![stash],
+                ));
+                b.tp_collective(cx.tp_group, s, mb, l, Tp::AttnOutGradGather);
+            }
             b.compute.push(k(
                 Pass::B,
                 Part::Attn { layer: l },
@@ -1410,8 +1595,21 @@ fn emit_part(
             if l == 0 {
                 writes.extend(gout);
             }
-            b.compute
-                .push(k(Pass::B, Part::Qkv { layer: l }, vec![stash], writes));
+            if cx.tp_group.len() > 1 {
+                b.compute
+                    .push(k(Pass::B, Part::Qkv { layer: l }, vec![stash], vec![stash]));
+                let phase = if cx.seq_par {
+                    Tp::LatentGradScatter
+                } else {
+                    Tp::AttnInGrad
+                };
+                b.tp_collective(cx.tp_group, s, mb, l, phase);
+                b.compute
+                    .push(k(Pass::B, Part::QkvPost { layer: l }, vec![stash], writes));
+            } else {
+                b.compute
+                    .push(k(Pass::B, Part::Qkv { layer: l }, vec![stash], writes));
+            }
             if l == 0 {
                 if let Some(e) = gout.and_then(|o| cx.send_ev.get(&o)) {
                     b.compute.push(Op::Record { event: *e });

@@ -160,13 +160,20 @@ pub enum MeshError {
     },
 }
 
-/// A device mesh: named dimension sizes in layout order (outermost first).
+/// A device mesh: named dimension sizes in layout order (outermost first), and how many
+/// consecutive global ranks share a node (`node=K` in `--mesh`: ranks `0..K` are node 0,
+/// `K..2K` node 1, ...; default: every rank on one node). The node size is not a dimension:
+/// it says which messages cross the slow inter-node network (the hierarchical all-to-all,
+/// `run --a2a hierarchical`, and the traffic accounting).
 ///
 /// Invariant: every [`Dim`] appears once, every size is at least 1, and the product fits in
 /// `u32`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mesh {
     dims: Vec<(Dim, u32)>,
+    /// Global ranks per node (`None`: all on one node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    node: Option<u32>,
 }
 
 impl Default for Mesh {
@@ -177,24 +184,29 @@ impl Default for Mesh {
 
 impl fmt::Display for Mesh {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let parts: Vec<String> = self
+        let mut parts: Vec<String> = self
             .dims
             .iter()
             .map(|(d, n)| format!("{}={n}", d.as_str()))
             .collect();
+        if let Some(k) = self.node {
+            parts.push(format!("node={k}"));
+        }
         write!(f, "{}", parts.join(","))
     }
 }
 
 impl std::str::FromStr for Mesh {
     type Err = MeshError;
-    /// Parses `pp=4,dp=2,ep=2,tp=1,sp=1` (any subset, any order; spaces allowed).
+    /// Parses `pp=4,dp=2,ep=2,tp=1,sp=1` (any subset, any order; spaces allowed), and
+    /// optionally `node=K` (ranks per node).
     fn from_str(text: &str) -> Result<Self, MeshError> {
         let err = |why: String| MeshError::Syntax {
             text: text.to_string(),
             why,
         };
         let mut dims: Vec<(Dim, u32)> = Vec::new();
+        let mut node = None;
         if text.trim().is_empty() {
             return Err(err(
                 "empty; expected NAME=SIZE pairs such as pp=4,dp=2".into()
@@ -208,9 +220,25 @@ impl std::str::FromStr for Mesh {
                 )));
             };
             let name = name.trim();
+            if name == "node" {
+                if node.is_some() {
+                    return Err(err("`node` is given twice".into()));
+                }
+                let k: u32 = size.trim().parse().map_err(|_| {
+                    err(format!(
+                        "the node size (ranks per node) must be a positive integer, got `{}`",
+                        size.trim()
+                    ))
+                })?;
+                if k == 0 {
+                    return Err(err("the node size must be at least 1".into()));
+                }
+                node = Some(k);
+                continue;
+            }
             let Some(d) = Dim::parse(name) else {
                 return Err(err(format!(
-                    "unknown dimension `{name}`; the dimensions are pp, dp, ep, tp, sp"
+                    "unknown dimension `{name}`; the dimensions are pp, dp, ep, tp, sp (and node=K, ranks per node)"
                 )));
             };
             if dims.iter().any(|(e, _)| *e == d) {
@@ -227,7 +255,14 @@ impl std::str::FromStr for Mesh {
             }
             dims.push((d, n));
         }
-        Mesh::from_dims(dims).map_err(err)
+        if dims.is_empty() {
+            return Err(err(
+                "only `node` given; expected NAME=SIZE pairs such as pp=4,dp=2".into(),
+            ));
+        }
+        let mut m = Mesh::from_dims(dims).map_err(err)?;
+        m.node = node;
+        Ok(m)
     }
 }
 
@@ -260,7 +295,23 @@ impl Mesh {
                 return Err("more than 2^32 - 1 ranks".into());
             }
         }
-        Ok(Mesh { dims })
+        Ok(Mesh { dims, node: None })
+    }
+
+    /// Ranks per node: `node=K`, or the whole world when not given.
+    pub fn node_size(&self) -> u32 {
+        self.node.unwrap_or_else(|| self.world()).max(1)
+    }
+
+    /// The node of global rank `rank` (`rank / node_size`).
+    pub fn node_of(&self, rank: u32) -> u32 {
+        rank / self.node_size()
+    }
+
+    /// The same mesh with `node=K` (`None`: one node).
+    pub fn with_node(mut self, k: Option<u32>) -> Self {
+        self.node = k;
+        self
     }
 
     /// The size of dimension `d`.
@@ -440,6 +491,19 @@ impl Mesh {
                 return bad(format!("tp={tp} does not divide the model's {what} ({n})"));
             }
         }
+        if let Some(k) = self.node {
+            if !self.world().is_multiple_of(k) {
+                return bad(format!(
+                    "node={k} does not divide the {} ranks into whole nodes",
+                    self.world()
+                ));
+            }
+            if !(ep.is_multiple_of(k) || k.is_multiple_of(ep)) {
+                return bad(format!(
+                    "node={k} neither divides ep={ep} nor is a multiple of it (an expert-parallel group must span whole nodes or fit in one)"
+                ));
+            }
+        }
         if !fit.seq_len.is_multiple_of(sp) {
             return bad(format!(
                 "sp={sp} does not divide the sequence length ({})",
@@ -576,6 +640,50 @@ mod tests {
             e.contains("tp=3 does not divide the model's attention heads (4)"),
             "{e}"
         );
+        // Issue 23: a TP size the expert hidden size cannot hold names it.
+        let t4: Mesh = "pp=4,tp=4".parse().unwrap();
+        let e = t4
+            .validate(
+                None,
+                &Fit {
+                    expert_hidden: 6,
+                    ..fit(4)
+                },
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tp=4 does not divide the model's expert hidden size (6)"),
+            "{e}"
+        );
+        let n: Mesh = "pp=2,ep=8,node=4".parse().unwrap();
+        assert_eq!(n.to_string(), "pp=2,ep=8,dp=1,tp=1,sp=1,node=4");
+        assert_eq!((n.node_size(), n.node_of(5), n.node_of(11)), (4, 1, 2));
+        let f8 = Fit {
+            experts: 8,
+            ..fit(2)
+        };
+        assert!(n.validate(None, &f8).is_ok());
+        let n3: Mesh = "pp=2,ep=8,node=3".parse().unwrap();
+        let e = n3.validate(None, &f8).unwrap_err().to_string();
+        assert!(e.contains("node=3 does not divide the 16 ranks"), "{e}");
+        let n6: Mesh = "pp=3,ep=4,node=6".parse().unwrap();
+        let e = n6
+            .validate(None, &Fit { pp: 3, ..f8 })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("node=6 neither divides ep=4 nor is a multiple of it"),
+            "{e}"
+        );
+        for (t, want) in [
+            ("pp=2,node=0", "node size must be at least 1"),
+            ("pp=2,node=x", "must be a positive integer, got `x`"),
+            ("node=2", "only `node` given"),
+        ] {
+            let e = t.parse::<Mesh>().unwrap_err().to_string();
+            assert!(e.contains(want), "{t}: {e}");
+        }
         let s: Mesh = "pp=4,sp=3".parse().unwrap();
         let e = s.validate(None, &fit(4)).unwrap_err().to_string();
         assert!(

@@ -28,6 +28,12 @@ pub struct Bugs {
     /// `H` times the RoPE key.
     #[serde(default)]
     pub per_head_kpe: bool,
+    /// With Megatron sequence parallelism inside the TP group, a member rotates its
+    /// shard's RoPE keys at the chunk's first positions instead of the shard's own (the
+    /// shard's offset `tp_rank * T/(sp tp)` missed): every member but the first attends
+    /// with keys at the wrong positions.
+    #[serde(default)]
+    pub shard_positions_from_zero: bool,
 }
 
 impl Bugs {

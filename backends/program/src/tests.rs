@@ -754,3 +754,101 @@ fn interleaved_parts_of_dependent_ops_need_one_layer_per_stage() {
         "{e}"
     );
 }
+
+/// Issue 23: with `tp > 1` each layer's four tensor-parallel all-reduces (attention output
+/// and shared-expert output in the forward, their input gradients in the backward) are ops
+/// of the last stream, `tp`, over the TP group, bracketed by events; the programs verify
+/// (whole ops and MoE parts); `tp = 1` has no `tp` stream.
+#[test]
+fn tensor_parallel_collectives_are_ops_of_their_own_stream() {
+    let cfg = ModelConfig::tiny();
+    for (name, src) in [
+        ("1f1b", spec("1f1b", 2, 4, None)),
+        ("dualpipev --moe", moe(&spec("dualpipev", 2, 4, None))),
+    ] {
+        let mesh: Mesh = "pp=2,tp=2,ep=2".parse().unwrap();
+        let set = ProgramSet::lower(&src, &mesh, &cfg, LowerOptions::default()).unwrap();
+        verify(&set, &src).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for rp in &set.ranks {
+            let tp = rp.streams.last().unwrap();
+            assert_eq!(tp.kind, StreamKind::Tp, "{name}");
+            let group = mesh.tp_group(rp.rank).unwrap();
+            let mut n = [0usize; 4];
+            for op in &tp.ops {
+                if let Op::TpCollective {
+                    phase, group: g, ..
+                } = op
+                {
+                    assert_eq!(g, &group);
+                    n[*phase as usize] += 1;
+                }
+            }
+            // One layer per stage; every (stage, micro-batch) runs F and B once.
+            let ops = rp.stages.len() * 4;
+            assert_eq!(n, [ops; 4], "{name} rank {}", rp.rank);
+            for st in &rp.streams[..rp.streams.len() - 1] {
+                assert!(
+                    !st.ops.iter().any(|o| matches!(o, Op::TpCollective { .. })),
+                    "{name}: a TP collective on {}",
+                    st.kind
+                );
+            }
+        }
+        let flat = ProgramSet::lower(
+            &src,
+            &"pp=2,ep=2".parse().unwrap(),
+            &cfg,
+            LowerOptions::default(),
+        )
+        .unwrap();
+        assert!(flat
+            .ranks
+            .iter()
+            .all(|rp| rp.streams.iter().all(|s| s.kind != StreamKind::Tp)));
+    }
+}
+
+/// Issue 23: with `sequence_parallel` each layer's TP collectives are all-gathers and
+/// reduce-scatters (four each way), the step ends with the TP sum of the shards' gradients on
+/// the comm stream, and the programs verify (whole ops and MoE parts); it needs `tp > 1`.
+#[test]
+fn sequence_parallel_lowers_gathers_and_scatters() {
+    let cfg = ModelConfig::tiny();
+    let src = spec("1f1b", 2, 4, None);
+    let mesh: Mesh = "pp=2,tp=2".parse().unwrap();
+    let opts = LowerOptions {
+        sequence_parallel: true,
+        ..LowerOptions::default()
+    };
+    let set = ProgramSet::lower(&src, &mesh, &cfg, opts).unwrap();
+    assert!(set.manifest.sequence_parallel);
+    verify(&set, &src).unwrap();
+    for rp in &set.ranks {
+        let tp = rp.streams.last().unwrap();
+        assert_eq!(tp.kind, StreamKind::Tp);
+        let mut kinds = [0usize; 3];
+        for op in &tp.ops {
+            if let Op::TpCollective { phase, .. } = op {
+                kinds[phase.kind() as usize] += 1;
+            }
+        }
+        // 4 micro-batches, one layer: 4 gathers and 4 scatters per F and B each.
+        assert_eq!(kinds, [0, 4 * 4, 4 * 4], "rank {}", rp.rank);
+        let comm = &rp.streams[1];
+        assert_eq!(
+            comm.ops
+                .iter()
+                .filter(|o| matches!(o, Op::TpGradAllReduce { .. }))
+                .count(),
+            rp.stages.len()
+        );
+    }
+    let e = ProgramSet::lower(&src, &"pp=2".parse().unwrap(), &cfg, opts)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("needs tp > 1"), "{e}");
+    // MoE parts too: their TP collectives on the tp stream between the parts' kernels.
+    let parts = moe(&spec("dualpipev", 2, 4, None));
+    let set = ProgramSet::lower(&parts, &"pp=2,tp=2,ep=2".parse().unwrap(), &cfg, opts).unwrap();
+    verify(&set, &parts).unwrap();
+}

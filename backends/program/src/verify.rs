@@ -62,12 +62,14 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
     let ns = rp.streams.len();
     let kinds: Vec<StreamKind> = rp.streams.iter().map(|s| s.kind).collect();
     let mut last_channel = 0;
-    // The EP stream, when there is one, comes last.
-    let comm_end = if kinds.last() == Some(&StreamKind::Ep) {
-        kinds.len() - 1
-    } else {
-        kinds.len()
-    };
+    // The EP stream, when there is one, comes after the comm streams, then the TP stream.
+    let mut comm_end = kinds.len();
+    if comm_end > 0 && kinds[comm_end - 1] == StreamKind::Tp {
+        comm_end -= 1;
+    }
+    if comm_end > 0 && kinds[comm_end - 1] == StreamKind::Ep {
+        comm_end -= 1;
+    }
     let channels_ok = comm_end >= 2
         && kinds[0] == StreamKind::Compute
         && kinds[1] == (StreamKind::Comm { channel: 0 })
@@ -82,7 +84,7 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
         return Err(ProgramError::Buffer {
             rank: rp.rank,
             why: format!(
-                "a rank program has a compute stream, a comm stream for channel 0, then one per other channel in increasing order, then optionally the ep stream; got {kinds:?}"
+                "a rank program has a compute stream, a comm stream for channel 0, then one per other channel in increasing order, then optionally the ep stream, then optionally the tp stream; got {kinds:?}"
             ),
         });
     }
@@ -282,6 +284,8 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum CollKey {
     A2a(u32, u32, u32, A2a, Vec<u32>),
+    Tp(u32, u32, u32, Tp, Vec<u32>),
+    TpGrad(u32, Vec<u32>),
     Replica(u32, Vec<u32>),
     AllReduce(u32, Scope, Vec<u32>),
     /// The schedule's own collective: communicator, label, group, and which call of the
@@ -307,6 +311,19 @@ fn coll_key(rank: u32, op: &Op, occurrence: u32) -> Option<(CollKey, Vec<u32>)> 
             CollKey::A2a(*stage, *mb, *layer, *phase, group.clone()),
             group.clone(),
         )),
+        Op::TpCollective {
+            stage,
+            mb,
+            layer,
+            phase,
+            group,
+        } => Some((
+            CollKey::Tp(*stage, *mb, *layer, *phase, group.clone()),
+            group.clone(),
+        )),
+        Op::TpGradAllReduce { stage, group } => {
+            Some((CollKey::TpGrad(*stage, group.clone()), group.clone()))
+        }
         Op::ReplicaSum {
             model_stage, peer, ..
         } => {
