@@ -53,6 +53,11 @@ pub struct ClusterArgs {
     /// scores stored: Megatron-LM before FlashAttention).
     #[arg(long, value_name = "KERNEL")]
     pub attention: Option<String>,
+    /// The EP all-to-all across nodes with --model: hierarchical (each token crosses the
+    /// network once per destination node, DeepEP's two-level kernels; the default) or flat
+    /// (each copy to an expert on another node crosses it), as `run --a2a` executes them.
+    #[arg(long, value_name = "flat|hierarchical")]
+    pub a2a: Option<String>,
 }
 
 /// What `--model` derived for one program.
@@ -97,6 +102,7 @@ impl ClusterArgs {
         add("dtype", &self.dtype);
         add("layout", &self.layout.as_ref().map(|l| format!("\"{l}\"")));
         add("attention", &self.attention);
+        add("a2a", &self.a2a);
         if self.distributed_optimizer {
             f.push_str(" --distributed-optimizer");
         }
@@ -119,6 +125,7 @@ impl ClusterArgs {
             ("--dtype", self.dtype.is_some()),
             ("--layout", self.layout.is_some()),
             ("--attention", self.attention.is_some()),
+            ("--a2a", self.a2a.is_some()),
         ];
         match stray.iter().find(|(_, on)| *on) {
             Some((flag, _)) => Err(format!(
@@ -140,6 +147,7 @@ impl ClusterArgs {
         layout::Mesh::parse(self.mesh.as_deref().unwrap_or(""), 1)?;
         layout::Recompute::parse(self.recompute.as_deref().unwrap_or("none"))?;
         layout::Dtype::parse(self.dtype.as_deref().unwrap_or("bf16"))?;
+        layout::A2a::parse(self.a2a.as_deref().unwrap_or("hierarchical"))?;
         match self.attention.as_deref().unwrap_or("flash") {
             "flash" | "eager" => Ok(()),
             other => Err(format!("--attention: `{other}` is not flash or eager")),
@@ -177,6 +185,7 @@ impl ClusterArgs {
                 "eager" => false,
                 other => return Err(format!("--attention: `{other}` is not flash or eager")),
             },
+            a2a: layout::A2a::parse(self.a2a.as_deref().unwrap_or("hierarchical"))?,
         };
         let total_mb = pl.total_microbatches();
         if let Some(g) = self.global_batch {

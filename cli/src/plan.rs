@@ -156,6 +156,7 @@ fn request(gpus: u32, c: &crate::cluster::ClusterArgs) -> Result<schedc::plan::R
             "eager" => false,
             other => return Err(format!("--attention: `{other}` is not flash or eager")),
         },
+        a2a: layout::A2a::parse(c.a2a.as_deref().unwrap_or("hierarchical"))?,
         fixed: schedc::plan::Fixed::parse(c.mesh.as_deref().unwrap_or(""))?,
         efficiency: Default::default(),
     };

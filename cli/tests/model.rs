@@ -423,3 +423,75 @@ fn break_it_round_on_the_cost_model() {
     ]);
     refused(&o, 1, "it does not fit this layout");
 }
+
+/// `--a2a flat` prices the one-level all-to-all that `run --a2a flat` executes (issue 23,
+/// item 4). Qwen3-30B-A3B routes each token to 8 of 128 experts with no node limit; over an
+/// EP group of 16 on two 8-GPU nodes, two-level dispatch crosses the network for
+/// `2 (1 - 2^-8) (1/2) = 0.996` node copies per token, flat for `8 (1/2) = 4` expert copies:
+/// the all-to-all time grows about 4x (latency aside), and so does the step.
+#[test]
+fn sim_prices_flat_all_to_all_against_the_two_level_one() {
+    let run = |a2a: &str| {
+        let o = schedc(&[
+            "sim",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "8",
+            "--moe",
+            "--model",
+            "qwen3-30b-a3b",
+            "--mesh",
+            "pp=2,ep=16,dp=16",
+            "--a2a",
+            a2a,
+            "--format",
+            "json",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (
+            v["step_seconds"].as_f64().unwrap(),
+            v["a2a"]["total"].as_f64().unwrap(),
+        )
+    };
+    let (step_h, a2a_h) = run("hierarchical");
+    let (step_f, a2a_f) = run("flat");
+    let ratio = a2a_f / a2a_h;
+    assert!(
+        ratio > 3.8 && ratio < 4.02,
+        "flat / two-level all-to-all {ratio}"
+    );
+    assert!(step_f > 1.5 * step_h, "{step_f} vs {step_h}");
+    refused(
+        &schedc(&[
+            "sim",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--model",
+            "qwen3-30b-a3b",
+            "--a2a",
+            "ring",
+        ]),
+        2,
+        "--a2a: `ring` is not flat or hierarchical",
+    );
+    refused(
+        &schedc(&[
+            "sim",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "4",
+            "--a2a",
+            "flat",
+        ]),
+        2,
+        "--a2a describes the cluster of --model",
+    );
+}

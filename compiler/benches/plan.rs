@@ -35,6 +35,7 @@ fn training() -> Training {
         // 61 layers over 32 chunks: the plan's layout (the even split does not divide).
         layout: Some(schedc::plan::balanced_layout(61, 32)),
         flash_attention: true,
+        a2a: Default::default(),
     }
 }
 
@@ -82,6 +83,7 @@ fn bench(c: &mut Criterion) {
         dtype: layout::Dtype::Bf16,
         distributed_optimizer: false,
         flash_attention: true,
+        a2a: Default::default(),
         fixed: Default::default(),
         efficiency: eff.clone(),
     };

@@ -120,6 +120,8 @@ pub struct Request {
     pub distributed_optimizer: bool,
     /// FlashAttention (else eager attention).
     pub flash_attention: bool,
+    /// The EP all-to-all across nodes (`--a2a`).
+    pub a2a: layout::A2a,
     /// Dimensions fixed by `--mesh`.
     pub fixed: Fixed,
     /// The cost model's efficiencies.
@@ -201,6 +203,7 @@ impl Request {
             dtype: self.dtype,
             layout,
             flash_attention: self.flash_attention,
+            a2a: self.a2a,
         }
     }
 

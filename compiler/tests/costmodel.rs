@@ -50,6 +50,7 @@ fn flops_per_token(name: &str, seq: u64, chunks: u32, layout: Option<&str>) -> f
         dtype: lay::Dtype::Bf16,
         layout: layout.map(str::to_string),
         flash_attention: true,
+        a2a: Default::default(),
     };
     let d = derive(&a, &h, &tr, chunks, 1, &Efficiency::default()).unwrap();
     d.model_flops_per_step / d.tokens_per_step
@@ -300,4 +301,53 @@ fn moe_routing_fields_are_checked() {
         "{e}"
     );
     assert_eq!(arch::preset("dsv3").unwrap().mtp_layers, 1);
+}
+
+/// `--a2a flat` against the default two-level all-to-all (issue 23, item 4): DeepSeek-V3's
+/// top-8 routing limited to 4 nodes, EP 64 over 8 H800 nodes. Two-level dispatch sends a
+/// token over the network once per destination node other than its own: 4 nodes at most,
+/// `4 * 7/8` copies; flat sends every copy bound off the node, `8 * 7/8`: twice the network
+/// bytes. Within one node the two are the same all-to-all.
+#[test]
+fn flat_all_to_all_crosses_the_network_twice_as_often_for_dsv3_routing() {
+    use schedc::costmodel::{all_to_all_seconds, hardware::Hardware, layout as lay};
+    let a = arch::preset("dsv3").unwrap();
+    let h = Hardware::preset("h800").unwrap();
+    let eff = Efficiency::default();
+    let mesh = |ep| lay::Mesh {
+        tp: 1,
+        pp: 1,
+        ep,
+        dp: ep,
+        cp: 1,
+    };
+    let at = |ep, a2a| {
+        all_to_all_seconds(
+            &a,
+            &h,
+            &mesh(ep),
+            4096.0,
+            lay::Dtype::Bf16,
+            false,
+            a2a,
+            &eff,
+        )
+    };
+    let (th, net_h, nvl_h) = at(64, lay::A2a::Hierarchical);
+    let (tf, net_f, nvl_f) = at(64, lay::A2a::Flat);
+    // bf16 rows of 7168 values: 4096 tokens x 3.5 copies x 14336 bytes.
+    assert_eq!(net_h, 4096.0 * 3.5 * 14336.0);
+    assert_eq!(net_f, 4096.0 * 7.0 * 14336.0);
+    assert!((net_f / net_h - 2.0).abs() < 1e-12);
+    assert!(tf > 1.9 * th, "flat {tf} s, two-level {th} s");
+    // Flat forwards nothing over NVLink: only the copies to the 7 other GPUs of the node.
+    assert!((nvl_f - 4096.0 * 8.0 * 7.0 / 64.0 * 14336.0).abs() < 1e-3);
+    assert!(nvl_h > nvl_f);
+    // One node: the same all-to-all.
+    assert_eq!(at(8, lay::A2a::Hierarchical), at(8, lay::A2a::Flat));
+    assert_eq!(lay::A2a::parse("flat"), Ok(lay::A2a::Flat));
+    assert_eq!(
+        lay::A2a::parse("ring"),
+        Err("--a2a: `ring` is not flat or hierarchical".to_string())
+    );
 }

@@ -19,6 +19,7 @@ fn request(model: &str, hw: &str, gpus: u32, global_batch: u64) -> Request {
         dtype: layout::Dtype::Bf16,
         distributed_optimizer: false,
         flash_attention: true,
+        a2a: Default::default(),
         fixed: Fixed::default(),
         efficiency: Efficiency::default(),
     }
@@ -58,6 +59,7 @@ fn plan_candidates_are_the_simulators_and_the_best_is_the_fastest_that_fits() {
             dtype: layout::Dtype::Bf16,
             layout: c.layout.clone(),
             flash_attention: true,
+            a2a: Default::default(),
         };
         let text = schedc::specs::get(&c.schedule).unwrap();
         let inst = Instance {

@@ -103,6 +103,7 @@ fn zb_6_2b(hw: &str, schedule: &str, mbs: u64, mb: u32, eff: &Efficiency) -> Run
         dtype: layout::Dtype::Bf16,
         layout: None,
         flash_attention: false,
+        a2a: Default::default(),
     };
     let vpp = (schedule == "interleaved_1f1b").then_some(4);
     run("zb-6.2b", hw, schedule, vpp, mb, false, tr, eff)
@@ -125,6 +126,7 @@ pub fn dsv3_h800(eff: &Efficiency, schedule: &str) -> Run {
         dtype: layout::Dtype::Fp8,
         layout: Some("Et*3|(t*4|)*14,t*2mL".into()),
         flash_attention: true,
+        a2a: Default::default(),
     };
     run("dsv3", "h800", schedule, None, 120, true, tr, eff)
 }
@@ -148,6 +150,7 @@ pub fn bridge_h100(eff: &Efficiency, which: &str) -> Run {
         dtype: layout::Dtype::Fp8,
         layout: None,
         flash_attention: true,
+        a2a: Default::default(),
     };
     match which {
         "qwen3-235b" => {
@@ -214,7 +217,16 @@ pub fn deepep_bandwidth(ep: u32, combine: bool) -> f64 {
         ..Efficiency::default()
     };
     let dtype = layout::Dtype::Fp8;
-    let (t, net, nvl) = super::all_to_all_seconds(&a, &h, &m, 4096.0, dtype, combine, &eff);
+    let (t, net, nvl) = super::all_to_all_seconds(
+        &a,
+        &h,
+        &m,
+        4096.0,
+        dtype,
+        combine,
+        layout::A2a::Hierarchical,
+        &eff,
+    );
     let bytes = if ep <= 8 { nvl } else { net };
     bytes / t / 1e9
 }

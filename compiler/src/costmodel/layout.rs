@@ -50,6 +50,30 @@ impl Dtype {
     }
 }
 
+/// How the EP all-to-all crosses nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum A2a {
+    /// Two levels (DeepSeek-V3 §3.2.2, DeepEP's internode kernels; `run --a2a hierarchical`
+    /// on the CPU backend): a token crosses the network once per destination node and is
+    /// fanned out over NVLink there. The default.
+    #[default]
+    Hierarchical,
+    /// One level (`run --a2a flat`): every copy of a token bound for an expert on another
+    /// node crosses the network, `top_k` copies at most.
+    Flat,
+}
+
+impl A2a {
+    /// Parses `hierarchical` or `flat`. Errors: the message, naming `--a2a`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "hierarchical" => Ok(A2a::Hierarchical),
+            "flat" => Ok(A2a::Flat),
+            _ => Err(format!("--a2a: `{s}` is not flat or hierarchical")),
+        }
+    }
+}
+
 /// The device mesh: `tp * cp * pp * dp` GPUs; the expert-parallel group of `ep` GPUs is
 /// folded into `tp * cp * dp` (Megatron-Core's MoE parallel folding, expert TP = 1), so `ep`
 /// divides `tp * cp * dp`.

@@ -33,7 +33,9 @@
 //!   node every copy crosses NVLink; an EP group spanning `N` nodes sends a token over the
 //!   network once per destination node (DeepEP's two-level kernels: at most `max_nodes`
 //!   nodes with node-limited routing, else the expected number of distinct nodes among
-//!   `top_k` random experts) and fans it out over NVLink. Dispatch moves fp8 (`hidden +
+//!   `top_k` random experts) and fans it out over NVLink; `--a2a flat` (one level, as `run
+//!   --a2a flat` executes it) sends every copy bound for another node over the network,
+//!   `top_k (N - 1) / N` copies per token. Dispatch moves fp8 (`hidden +
 //!   hidden / 128 * 4` bytes per copy: 1-byte values and a 4-byte scale per 128) under
 //!   `--dtype fp8`, else bf16; combine bf16. Achieved bandwidth: DeepEP's published normal
 //!   kernels on H800 (DeepEP README, legacy table: intranode EP8 153 / 158 GB/s dispatch /
@@ -76,7 +78,7 @@ use crate::sim::cost::{CostModel, Memory, Moe, OpCosts, StageMemory, StageMoe};
 use crate::sim::SimResult;
 use arch::{Arch, Attention};
 use hardware::Hardware;
-use layout::{Chunk, Dtype, Mesh, Recompute};
+use layout::{A2a, Chunk, Dtype, Mesh, Recompute};
 use schedc_ir::Pipeline;
 use serde::Serialize;
 
@@ -155,6 +157,8 @@ pub struct Training {
     /// stored, 5 bytes per score with dropout, Korthikanti et al. 2022 eq. 2's `5as/h` term,
     /// and the full product computed).
     pub flash_attention: bool,
+    /// The EP all-to-all across nodes: two-level (the default) or flat (`--a2a`).
+    pub a2a: A2a,
 }
 
 /// What one model chunk costs, per micro-batch on one GPU of its stage.
@@ -271,7 +275,9 @@ const H800_NVLINK: f64 = 200e9;
 const H800_NETWORK: f64 = 50e9;
 
 /// Seconds of one EP all-to-all (dispatch or combine) of one MoE layer for `tokens` tokens
-/// leaving a GPU, and its bytes `(network, NVLink)`. See the module docs.
+/// leaving a GPU, and its bytes `(network, NVLink)`, two-level or flat (`a2a`). See the
+/// module docs.
+#[allow(clippy::too_many_arguments)] // each is one independent figure of the formula
 pub fn all_to_all_seconds(
     arch: &Arch,
     hw: &Hardware,
@@ -279,6 +285,7 @@ pub fn all_to_all_seconds(
     tokens: f64,
     dtype: Dtype,
     combine: bool,
+    a2a: A2a,
     eff: &Efficiency,
 ) -> (f64, f64, f64) {
     let Some(moe) = &arch.moe else {
@@ -305,11 +312,19 @@ pub fn all_to_all_seconds(
         (0.0, k * (e - 1.0) / e)
     } else {
         let n = nodes as f64;
-        let distinct = match moe.max_nodes {
-            Some(m) => (m as f64).min(k).min(n),
-            None => n * (1.0 - (1.0 - 1.0 / n).powf(k)),
-        };
-        (distinct * (n - 1.0) / n, k * (e - 1.0) / e)
+        match a2a {
+            A2a::Hierarchical => {
+                let distinct = match moe.max_nodes {
+                    Some(m) => (m as f64).min(k).min(n),
+                    None => n * (1.0 - (1.0 - 1.0 / n).powf(k)),
+                };
+                (distinct * (n - 1.0) / n, k * (e - 1.0) / e)
+            }
+            // Every copy to an expert off the node crosses the network; node-limited
+            // routing keeps a token's experts on at most `max_nodes` nodes, which does not
+            // change the expected share off the sender's node.
+            A2a::Flat => (k * (n - 1.0) / n, k * (g as f64 - 1.0) / e),
+        }
     };
     let net_bw = if nodes <= 1 {
         f64::INFINITY
@@ -672,8 +687,8 @@ pub fn derive(
             0.5
         };
         if cc.moe_layers > 0 {
-            let (d, _, _) = all_to_all_seconds(arch, hw, &m, tl, tr.dtype, false, eff);
-            let (cb, _, _) = all_to_all_seconds(arch, hw, &m, tl, tr.dtype, true, eff);
+            let (d, _, _) = all_to_all_seconds(arch, hw, &m, tl, tr.dtype, false, tr.a2a, eff);
+            let (cb, _, _) = all_to_all_seconds(arch, hw, &m, tl, tr.dtype, true, tr.a2a, eff);
             cc.dispatch = d * cc.moe_layers as f64;
             cc.combine = cb * cc.moe_layers as f64;
         }
