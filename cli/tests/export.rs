@@ -357,6 +357,23 @@ fn export_options_out_of_place_are_bad_usage() {
         "--layers and --model both give the layer count",
     );
     assert_exit(
+        &run(&["--to", "megatron", "--layers", "4294967295"]),
+        2,
+        "4294967295 layers: at most 100000 are supported",
+    );
+    assert_exit(
+        &run(&[
+            "--to",
+            "megatron",
+            "--micro-batch-size",
+            "18446744073709551615",
+            "--dp",
+            "4",
+        ]),
+        2,
+        "the global batch, 8 micro-batches x --micro-batch-size 18446744073709551615 x --dp 4, does not fit 64 bits",
+    );
+    assert_exit(
         &run(&["--to", "torch-csv", "--sidecar", "x.json"]),
         2,
         "--sidecar names the CSV file it describes: give -o FILE too",

@@ -290,11 +290,16 @@ pub fn export(p: &Program, name: &str, opts: &Options) -> Result<String, ExportE
     }
     let mbs = opts.micro_batch_size.unwrap_or(1);
     let dp = opts.dp.unwrap_or(1);
+    let global = (m as u64)
+        .checked_mul(mbs)
+        .and_then(|g| g.checked_mul(dp as u64))
+        .ok_or_else(|| {
+            ExportError::Usage(format!(
+                "the global batch, {m} micro-batches x --micro-batch-size {mbs} x --dp {dp}, does not fit 64 bits"
+            ))
+        })?;
     args.push(format!("--micro-batch-size {mbs}"));
-    args.push(format!(
-        "--global-batch-size {}",
-        m as u64 * mbs * dp as u64
-    ));
+    args.push(format!("--global-batch-size {global}"));
     if sched == Schedule::CombinedA2A {
         args.push("--overlap-moe-expert-parallel-comm".into());
         args.push("--delay-wgrad-compute".into());
@@ -313,8 +318,7 @@ pub fn export(p: &Program, name: &str, opts: &Options) -> Result<String, ExportE
         "# (every rank's compute order equals {spec} at that size). Written by `schedc convert --to megatron`.\n"
     ));
     out.push_str(&format!(
-        "# M = global batch / (micro-batch size x data-parallel size) = {} / ({mbs} x {dp}).\n",
-        m as u64 * mbs * dp as u64
+        "# M = global batch / (micro-batch size x data-parallel size) = {global} / ({mbs} x {dp}).\n"
     ));
     if sched == Schedule::CombinedA2A {
         out.push_str("# The overlap also needs expert parallelism (--expert-model-parallel-size above 1) and\n# --moe-token-dispatcher-type alltoall or flex.\n");

@@ -26,6 +26,10 @@ impl std::fmt::Display for ExportError {
     }
 }
 
+/// The most transformer layers a model may have here (a layout's repetition count is capped
+/// at this).
+pub const MAX_LAYERS: u32 = 100_000;
+
 /// Which model layers each of `chunks` model chunks (stages in model order) holds: `layout`
 /// (a Megatron-LM layout string, [`parse_layout`]) where given, else the split
 /// [`balanced_layout`] writes (an even split where `layers` divides; otherwise the extra
@@ -33,7 +37,8 @@ impl std::fmt::Display for ExportError {
 /// last.
 ///
 /// Errors ([`ExportError::Usage`]): a layout that does not parse or does not hold `layers`
-/// layers in `chunks` stages; without one, fewer layers than chunks.
+/// layers in `chunks` stages; without one, fewer layers than chunks or more than
+/// [`MAX_LAYERS`].
 pub fn model_chunks(
     layers: u32,
     chunks: u32,
@@ -42,6 +47,11 @@ pub fn model_chunks(
     let text = match layout {
         Some(l) => l.to_string(),
         None => {
+            if layers > MAX_LAYERS {
+                return Err(ExportError::Usage(format!(
+                    "{layers} layers: at most {MAX_LAYERS} are supported"
+                )));
+            }
             if layers < chunks {
                 return Err(ExportError::Usage(format!(
                     "{layers} layer(s) over {chunks} pipeline stages would leave a stage without a transformer layer: give more --layers, fewer stages, or a --layout that says where each layer goes"
