@@ -121,15 +121,13 @@ pub fn sidecar(
     };
     let (titan, note) = match (torchtitan_schedule(p), &fqns) {
         (Ok(name), Some(f)) => (
-            json!({
-                "parallelism": {
-                    "pipeline_parallel_degree": pl.pp,
-                    "pipeline_parallel_schedule": name,
-                    "pipeline_parallel_schedule_csv": csv,
-                    "num_pp_microbatches": pl.microbatches,
-                    "module_fqns_per_model_part": f,
-                }
-            }),
+            json!({ "parallelism": {
+                "pipeline_parallel_degree": pl.pp,
+                "pipeline_parallel_schedule": name,
+                "pipeline_parallel_schedule_csv": csv,
+                "num_pp_microbatches": pl.microbatches,
+                "module_fqns_per_model_part": f,
+            } }),
             Value::Null,
         ),
         (Ok(_), None) => (
@@ -138,25 +136,61 @@ pub fn sidecar(
         ),
         (Err(e), _) => (Value::Null, json!(e)),
     };
-    let mut v = json!({
-        "schedule_csv": csv,
-        "pipeline_parallel_degree": pl.pp,
-        "stages": pl.stages,
-        "stages_per_rank": stages_per_rank,
-        "microbatches": pl.microbatches,
-        "placement": placement,
-        "stage_to_rank": pl.stage_to_rank,
-        "stages_of_rank": by_rank,
-        "layers": layers,
-        "module_fqns_per_model_part": fqns,
-        "torchtitan": titan,
-    });
+    let mut fields: Vec<(&str, Value)> = vec![
+        ("schedule_csv", json!(csv)),
+        ("pipeline_parallel_degree", json!(pl.pp)),
+        ("stages", json!(pl.stages)),
+        ("stages_per_rank", stages_per_rank),
+        ("microbatches", json!(pl.microbatches)),
+        ("placement", json!(placement)),
+        ("stage_to_rank", json!(pl.stage_to_rank)),
+        ("stages_of_rank", json!(by_rank)),
+        ("layers", json!(layers)),
+        ("module_fqns_per_model_part", json!(fqns)),
+        ("torchtitan", titan),
+    ];
     if !note.is_null() {
-        v["torchtitan_note"] = note;
+        fields.push(("torchtitan_note", note));
     }
-    let mut s = serde_json::to_string_pretty(&v).expect("JSON of plain values");
+    let mut s = String::new();
+    write_object(&mut s, &fields, 0);
     s.push('\n');
     Ok(s)
+}
+
+/// Writes `fields` as a JSON object in their order, one key per line; arrays of scalars and
+/// arrays of such arrays stay on one line per inner array.
+fn write_object(out: &mut String, fields: &[(&str, Value)], indent: usize) {
+    let pad = "  ".repeat(indent + 1);
+    out.push_str("{\n");
+    for (i, (k, v)) in fields.iter().enumerate() {
+        out.push_str(&format!("{pad}{}: ", Value::from(*k)));
+        write_value(out, v, indent + 1);
+        out.push_str(if i + 1 < fields.len() { ",\n" } else { "\n" });
+    }
+    out.push_str(&"  ".repeat(indent));
+    out.push('}');
+}
+
+fn write_value(out: &mut String, v: &Value, indent: usize) {
+    match v {
+        Value::Object(m) => {
+            let f: Vec<(&str, Value)> = m.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+            write_object(out, &f, indent);
+        }
+        Value::Array(a) if a.iter().any(Value::is_array) => {
+            let pad = "  ".repeat(indent + 1);
+            out.push_str("[\n");
+            for (i, x) in a.iter().enumerate() {
+                out.push_str(&pad);
+                out.push_str(&x.to_string());
+                out.push_str(if i + 1 < a.len() { ",\n" } else { "\n" });
+            }
+            out.push_str(&"  ".repeat(indent));
+            out.push(']');
+        }
+        other => out.push_str(&other.to_string()),
+    }
 }
 
 #[cfg(test)]
