@@ -23,6 +23,8 @@ pub enum ConvertTo {
     IrText,
     IrJson,
     TorchCsv,
+    /// Megatron-LM's flags (1F1B, interleaved 1F1B and its combined 1F1B only).
+    Megatron,
 }
 
 /// `convert --torch-format`.

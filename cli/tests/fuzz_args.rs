@@ -112,12 +112,18 @@ fn flags(cmd: &str) -> Vec<Flag> {
         "convert" => vec![
             (
                 "--to",
-                Some(&["ir-text", "ir-json", "torch-csv", "svg"][..]),
+                Some(&["ir-text", "ir-json", "torch-csv", "megatron", "svg"][..]),
             ),
             (
                 "--torch-format",
                 Some(&["compute-only", "compute-comms", "x"][..]),
             ),
+            ("--sidecar", Some(OUT)),
+            ("--layers", Some(SIZES)),
+            ("--model", Some(&["dsv3", "llama3-8b", "nope"][..])),
+            ("--layout", Some(&["Et|tL", "Et*3|(t*4|)*6t*3L", "E(t"][..])),
+            ("--micro-batch-size", Some(SIZES)),
+            ("--dp", Some(SIZES)),
             ("--lowered", None),
             ("-o", Some(OUT)),
             ("--force", None),

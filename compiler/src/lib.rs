@@ -13,6 +13,7 @@ pub mod compare;
 pub mod costmodel;
 pub mod diag;
 pub mod dsl;
+pub mod export;
 pub mod import;
 pub mod input;
 pub mod limits;

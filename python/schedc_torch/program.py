@@ -1,0 +1,1 @@
+../../backends/torch/schedc_program.py
