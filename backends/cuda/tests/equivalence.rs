@@ -234,3 +234,26 @@ fn the_step_callback_sees_every_step_in_order_with_the_summed_loss() {
         assert!(m.pool_peak_in_use <= m.pool && m.params > 0, "{m:?}");
     }
 }
+
+#[test]
+fn tensor_parallel_pp2_tp2_equals_the_cpu() {
+    // Megatron-LM's split (H/tp heads of MLA's up-projections and W_O, f/tp of the shared
+    // expert per member) with the four TP all-reduces per layer on the `tp` stream, through
+    // the transport's reduction: every loss, every gradient slice and every parameter slice
+    // equal the CPU backend's at tp=2.
+    let cfg = ModelConfig::tiny();
+    assert!(cfg.shared_expert && cfg.heads % 2 == 0);
+    for name in ["1f1b", "zb_h1", "dualpipe", "gpipe"] {
+        let d = case(name, 2, 4, "pp=2,tp=2", &cfg, 2);
+        assert!(d.tensors > 0);
+        assert_close(&d);
+    }
+}
+
+#[test]
+fn tensor_parallel_moe_parts_with_ep_and_dp_equal_the_cpu() {
+    // MoE parts (the `ep` and `tp` streams both) at tp=2 with EP, and TP with DP.
+    let cfg = ModelConfig::tiny();
+    assert_close(&case_with("1f1b", 2, 4, "pp=2,tp=2,ep=2", &cfg, 2, true));
+    assert_close(&case("1f1b", 2, 4, "pp=2,tp=2,dp=2", &cfg, 2));
+}
