@@ -147,6 +147,11 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     kinds
 }
 
+/// Why the CUDA backend refuses programs lowered with Megatron sequence parallelism
+/// (`--sequence-parallel`): its all-gathers, reduce-scatters and `shared` kernels are the
+/// CPU backend's only.
+pub const SEQUENCE_PARALLEL_REFUSED: &str = "the CUDA backend runs tensor parallelism without Megatron sequence parallelism: drop --sequence-parallel, or run it on the CPU backend (--backend cpu)";
+
 /// Step losses of a run's ranks as each finishes a step: calls the run's `on_step` with a
 /// step's loss (the sum over the ranks) once every rank has reported it, in step order.
 pub struct Progress {
@@ -245,6 +250,9 @@ impl<'a> RankDev<'a> {
                 ))
             }
         };
+        if m.sequence_parallel {
+            return Err(SEQUENCE_PARALLEL_REFUSED.into());
+        }
         let dims = Dims::new(cfg, &m.mesh, gpu.dtype())?;
         let streams = prog
             .streams
@@ -699,9 +707,7 @@ impl Device for RankDev<'_> {
             Op::Overlap { .. } | Op::Collective { .. } => Err(format!(
                 "`{op}` is a stage-granularity op; the CUDA backend runs schedc's model"
             )),
-            Op::TpGradAllReduce { .. } => Err(format!(
-                "`{op}`: the CUDA backend has no Megatron sequence parallelism (run it without --sequence-parallel, or on the CPU backend)"
-            )),
+            Op::TpGradAllReduce { .. } => Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
             Op::TpCollective {
                 stage,
                 mb,
@@ -729,11 +735,7 @@ impl Device for RankDev<'_> {
                     Tp::MlpOut => (r.sh_y, t * d),
                     Tp::MlpInGrad => (r.dn2, t * d),
                     Tp::AttnInGrad => (r.tpg, t * (dm.qr + dm.kvr + dm.kw())),
-                    other => {
-                        return Err(format!(
-                            "`{op}`: the CUDA backend has no Megatron sequence parallelism ({other:?}); run it without --sequence-parallel, or on the CPU backend"
-                        ))
-                    }
+                    _ => return Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
                 };
                 if region.bytes < count * 4 {
                     return Err(format!(

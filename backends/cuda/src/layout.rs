@@ -514,7 +514,11 @@ impl StashLayout {
                 dcq_raw: a.take(t * qr * ts),
                 da: a.take(act),
                 dx: a.take(act),
-                tpg: a.take(if dims.tp > 1 { t * (qr + kvr + kw) * fs } else { 0 }),
+                tpg: a.take(if dims.tp > 1 {
+                    t * (qr + kvr + kw) * fs
+                } else {
+                    0
+                }),
                 perm: a.take(dims.ep * dims.rmax * is),
                 ecount: a.take(dims.per * is),
                 src_count: a.take(dims.ep * is),
@@ -571,6 +575,24 @@ mod tests {
         assert_eq!(d.slot_bytes % ALIGN, 0);
         let bad: Mesh = "pp=2,ep=3".parse().unwrap();
         assert!(Dims::new(&cfg, &bad, DType::F32).is_err());
+    }
+
+    #[test]
+    fn tp_splits_the_heads_and_the_shared_expert_or_names_the_dimension() {
+        let cfg = ModelConfig::tiny();
+        let d = Dims::new(&cfg, &"pp=2,tp=2".parse().unwrap(), DType::F32).unwrap();
+        assert_eq!(
+            (d.tp, d.heads, d.fs),
+            (2, cfg.heads / 2, cfg.expert_hidden / 2)
+        );
+        // The routed experts stay whole (no expert TP).
+        assert_eq!(d.f, cfg.expert_hidden);
+        let three: Mesh = "pp=2,tp=3".parse().unwrap();
+        let e = Dims::new(&cfg, &three, DType::F32).unwrap_err();
+        assert_eq!(
+            e,
+            format!("the TP group of 3 does not divide the {} heads", cfg.heads)
+        );
     }
 
     #[test]

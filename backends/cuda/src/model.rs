@@ -63,6 +63,7 @@ impl StageDev {
     /// Allocates and initializes stage copy `info` (weights by name, as the CPU backend's
     /// `StageParams::init`, TP member `tp_rank`'s slices of the split ones; balancing state
     /// as `RouterState::new`). `s`: the stream of the uploads.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         gpu: &dyn Gpu,
         s: StreamId,
@@ -774,8 +775,7 @@ impl Model<'_> {
     /// packets.
     fn f_attn(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d, h, kvr, kw, tk) =
-            (dm.t, dm.d, dm.heads, dm.kvr, dm.kw(), dm.tk);
+        let (t, d, h, kvr, kw, tk) = (dm.t, dm.d, dm.heads, dm.kvr, dm.kw(), dm.tk);
         let r = &st.stash.layers[l];
         let w = |n: &str| self.w(st, &self.lname(st, l, n));
         let at = |x: Region| self.at(io, x);

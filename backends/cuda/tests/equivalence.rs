@@ -257,3 +257,63 @@ fn tensor_parallel_moe_parts_with_ep_and_dp_equal_the_cpu() {
     assert_close(&case_with("1f1b", 2, 4, "pp=2,tp=2,ep=2", &cfg, 2, true));
     assert_close(&case("1f1b", 2, 4, "pp=2,tp=2,dp=2", &cfg, 2));
 }
+
+#[test]
+fn sequence_parallel_programs_are_refused_with_a_clear_message() {
+    // Megatron sequence parallelism (all-gathers, reduce-scatters, `shared` kernels) is the
+    // CPU backend's only: the CUDA executor refuses such programs before it runs anything.
+    let cfg = ModelConfig::tiny();
+    let path = format!("{}/../../specs/1f1b.sched", env!("CARGO_MANIFEST_DIR"));
+    let ov = Overrides {
+        pp: Some(2),
+        microbatches: Some(4),
+        ..Default::default()
+    };
+    let src = load_spec(&std::fs::read_to_string(path).unwrap(), &ov)
+        .unwrap()
+        .program;
+    let mesh: Mesh = "pp=2,tp=2".parse().unwrap();
+    let opts = LowerOptions {
+        sequence_parallel: true,
+        ..LowerOptions::default()
+    };
+    let set = ProgramSet::lower(&src, &mesh, &cfg, opts).unwrap();
+    assert!(set.manifest.sequence_parallel);
+    let gpu = HostGpu::new(DType::F32);
+    let err = execute(&gpu, &set, &Data::builtin(), &ExecOptions::default())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains(schedc_cuda::driver::SEQUENCE_PARALLEL_REFUSED),
+        "{err}"
+    );
+}
+
+#[test]
+fn tensor_parallel_in_bf16_is_refused_before_the_device() {
+    // The TP all-reduces sum f32 partials: `run --backend cuda --mesh pp=2,tp=2 --dtype
+    // bf16` is refused as a configuration error (exit 2 in the CLI), before any GPU probe.
+    use schedc_cuda::run::{run, RunConfig, RunError};
+    let path = format!("{}/../../specs/1f1b.sched", env!("CARGO_MANIFEST_DIR"));
+    let ov = Overrides {
+        pp: Some(2),
+        microbatches: Some(4),
+        ..Default::default()
+    };
+    let src = load_spec(&std::fs::read_to_string(path).unwrap(), &ov)
+        .unwrap()
+        .program;
+    let cfg = RunConfig {
+        mesh: Some("pp=2,tp=2".parse().unwrap()),
+        dtype: DType::Bf16,
+        ..RunConfig::default()
+    };
+    match run(&src, &cfg) {
+        Err(RunError::Config(m)) => assert_eq!(
+            m,
+            "tensor parallelism (tp > 1) on the CUDA backend runs in f32: use --dtype f32"
+        ),
+        other => panic!("expected a configuration error, got {:?}", other.err()),
+    }
+}
