@@ -317,3 +317,65 @@ fn tensor_parallel_in_bf16_is_refused_before_the_device() {
         other => panic!("expected a configuration error, got {:?}", other.err()),
     }
 }
+
+/// Issue 23, silent failure, on the CUDA driver: a TP member that skips the all-reduce of
+/// `[dc_Q; dc_KV; dk^R]` (its group cut to itself) runs without an error, but the
+/// replicated down-projections' and norms' gradients miss the other heads' shares: the
+/// comparison with the CPU backend catches it, while the same programs with the all-reduce
+/// pass (`tensor_parallel_pp2_tp2_equals_the_cpu`).
+#[test]
+fn silent_failure_tp_input_gradient_all_reduce_is_needed_on_the_shim() {
+    let cfg = ModelConfig::tiny();
+    let set = lower("1f1b", 2, 4, "pp=2,tp=2", &cfg);
+    let data = Data::builtin();
+    let opt = Optimizer::Sgd { lr: 0.2 };
+    let cpu = cpu_execute::<f32>(
+        &set,
+        &data,
+        &CpuOptions {
+            steps: 1,
+            optimizer: opt,
+            record: true,
+            ..CpuOptions::default()
+        },
+    )
+    .unwrap();
+    let mut bad = set.clone();
+    let mut cut = 0;
+    for rp in &mut bad.ranks {
+        let me = rp.rank;
+        for st in &mut rp.streams {
+            for op in &mut st.ops {
+                if let schedc_program::Op::TpCollective { phase, group, .. } = op {
+                    if *phase == schedc_program::Tp::AttnInGrad {
+                        *group = vec![me];
+                        cut += 1;
+                    }
+                }
+            }
+        }
+    }
+    // One per rank, micro-batch and layer of its stage: 4 x 4 x 1 in the tiny model.
+    assert_eq!(cut, 4 * 4 * cfg.layers_per_stage);
+    assert_eq!(cut, 16);
+    let gpu = HostGpu::new(DType::F32);
+    let run = execute(
+        &gpu,
+        &bad,
+        &data,
+        &ExecOptions {
+            steps: 1,
+            optimizer: opt,
+            record: true,
+            ..ExecOptions::default()
+        },
+    )
+    .unwrap();
+    let d = compare(&run, &cpu);
+    println!(
+        "without the attn_in_grad all-reduce: gradients off by {:.3e} (worst {})",
+        d.grad, d.worst
+    );
+    assert!(d.grad > 1e-3, "gradients off by only {:.3e}", d.grad);
+    assert!(d.worst.starts_with("layer"), "{}", d.worst);
+}
