@@ -243,7 +243,14 @@ fn tensor_parallel_pp2_tp2_equals_the_cpu() {
     // equal the CPU backend's at tp=2.
     let cfg = ModelConfig::tiny();
     assert!(cfg.shared_expert && cfg.heads.is_multiple_of(2));
-    for name in ["1f1b", "zb_h1", "dualpipe", "gpipe"] {
+    for name in [
+        "1f1b",
+        "zb_h1",
+        "dualpipe",
+        "gpipe",
+        "zbv",
+        "interleaved_1f1b",
+    ] {
         let d = case(name, 2, 4, "pp=2,tp=2", &cfg, 2);
         assert!(d.tensors > 0);
         assert_close(&d);
