@@ -386,3 +386,52 @@ fn silent_failure_tp_input_gradient_all_reduce_is_needed_on_the_shim() {
     assert!(d.grad > 1e-3, "gradients off by only {:.3e}", d.grad);
     assert!(d.worst.starts_with("layer"), "{}", d.worst);
 }
+
+/// What `run --backend cuda --mesh pp=2,tp=2 --verify` checks on a GPU, on the host shim:
+/// the driver's TP run against the CPU's sequential f32 reference of the whole model (the
+/// members' slices compared with the reference's slices), two SGD steps.
+#[test]
+fn tensor_parallel_run_equals_the_sequential_reference_as_verify_checks() {
+    use schedc_cpu::exec::{compare as ref_compare, reference};
+    use schedc_program::data::Batching;
+    let cfg = ModelConfig::tiny();
+    for name in ["1f1b", "dualpipe"] {
+        let set = lower(name, 2, 4, "pp=2,tp=2", &cfg);
+        let m = &set.manifest;
+        let data = Data::builtin();
+        let opt = Optimizer::Sgd { lr: 0.2 };
+        let gpu = HostGpu::new(DType::F32);
+        let run = execute(
+            &gpu,
+            &set,
+            &data,
+            &ExecOptions {
+                steps: 2,
+                optimizer: opt,
+                record: true,
+                ..ExecOptions::default()
+            },
+        )
+        .unwrap();
+        let b = Batching {
+            shards: 1,
+            microbatches: (m.microbatches * m.directions) as usize,
+            sp: 1,
+        };
+        let r = reference::<f32>(&cfg, m.model_stages as usize, b, &data, 2, &opt).unwrap();
+        // Every step's loss, counted once (by TP member 0), not twice.
+        assert_eq!(run.losses.len(), 2);
+        for (a, b) in run.losses.iter().zip(&r.losses) {
+            assert!((a - b).abs() <= TOL * b.abs() && *b > 1.0, "{a} vs {b}");
+        }
+        let c = ref_compare(&schedc_cuda::run::as_exec_result(&run), &r).unwrap();
+        println!(
+            "verify {name} pp=2,tp=2: loss {:.3e} (relative), gradients {:.3e} (worst {}), parameters {:.3e}",
+            c.max_rel_loss_err, c.max_rel_grad_err, c.worst_grad, c.max_rel_param_err
+        );
+        assert!(c.max_rel_loss_err <= TOL, "{c:?}");
+        assert!(c.max_rel_grad_err <= TOL, "{c:?}");
+        assert!(c.max_rel_param_err <= TOL, "{c:?}");
+        assert!(c.worst_grad.contains('.'), "{c:?}");
+    }
+}
