@@ -19,7 +19,8 @@
 #   3. expert GEMMs at DeepSeek-like shapes against a plain bf16 GEMM of the same run (goal
 #      70%), an overlapped F&B chunk against F then B (all-to-alls as device copies), and
 #      the launch overhead (gpu_bench);
-#   4. the driver's per-instruction overhead (wall time of the training run per instruction).
+#   4. the driver's per-instruction overhead (wall time of the training run per instruction);
+#   5. tensor parallelism: 1F1B and DualPipe at --mesh pp=2,tp=2, f32 --verify (goal 1e-4).
 # Outputs: $OUT/log.txt, numerics.json, training.json, bench.json, summary.txt.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -96,6 +97,11 @@ run() {
         step "bf16_$spec" 120 "$S" run "specs/$spec.sched" --pp 4 --mb 8 --backend cuda --dtype bf16 --format json
         step "cpu_$spec" 60 "$S" run "specs/$spec.sched" --pp 4 --mb 8 --backend cpu --dtype f32 --format json
     done
+    # Tensor parallelism (issue 23): pp=2,tp=2 in single-GPU mode (four ranks on the one GPU,
+    # the TP all-reduces through the transport on each rank's tp stream), f32 --verify.
+    for spec in 1f1b dualpipe; do
+        step "tp_$spec" 120 "$S" run "specs/$spec.sched" --pp 2 --mb 4 --mesh pp=2,tp=2 --backend cuda --dtype f32 --verify --format json
+    done
     local train=(run specs/dualpipe.sched --pp 4 --mb 8 --data "$GPU/tinyshakespeare.txt" --steps 200 --format json)
     step train_cuda_f32 240 "$S" "${train[@]}" --backend cuda --dtype f32
     step train_cuda_bf16 240 "$S" "${train[@]}" --backend cuda --dtype bf16
@@ -125,6 +131,14 @@ for spec in ["1f1b", "zb_h1", "dualpipe"]:
     r["bf16_pass"] = r.get("bf16_rel_loss_err", 1) <= 1e-2
     num[spec] = r
     lines.append(f"numerics {spec} P=4: f32 grad {f.get('max_rel_grad_err')} loss {r.get('f32_rel_loss_err')} (goal 1e-4) {'PASS' if r['f32_pass'] else 'FAIL'}; bf16 loss {r.get('bf16_rel_loss_err')} (goal 1e-2) {'PASS' if r['bf16_pass'] else 'FAIL'}")
+for spec in ["1f1b", "dualpipe"]:
+    f = load("tp_" + spec)
+    r = {k: f.get(k) for k in ["loss", "reference_loss", "max_rel_grad_err", "max_abs_loss_err", "max_rel_param_err", "error"] if k in f}
+    if "max_abs_loss_err" in f and "reference_loss" in f:
+        r["f32_rel_loss_err"] = f["max_abs_loss_err"] / abs(f["reference_loss"][0])
+    r["f32_pass"] = f.get("max_rel_grad_err", 1) <= 1e-4 and r.get("f32_rel_loss_err", 1) <= 1e-4
+    num["tp_" + spec] = r
+    lines.append(f"numerics {spec} pp=2,tp=2: f32 grad {f.get('max_rel_grad_err')} loss {r.get('f32_rel_loss_err')} (goal 1e-4) {'PASS' if r['f32_pass'] else 'FAIL'}")
 json.dump(num, open(os.path.join(out, "numerics.json"), "w"), indent=1)
 tr = {k: load("train_" + k) for k in ["cuda_f32", "cuda_bf16", "cpu_f32"]}
 curves = {k: v.get("loss", v.get("error")) for k, v in tr.items()}

@@ -23,13 +23,14 @@ use crate::model::{Io, Model, StageDev};
 use crate::pool::{Events, Pool};
 use crate::transport::{CollTag, Cx, Transport};
 use schedc_cpu::exec::{Named, Optimizer};
+use schedc_cpu::model::{tp_shard_name, tp_split};
 use schedc_program::data::{Batching, Data};
 use schedc_program::interp::{
     self, Abort, Cursor, Device, ExecError, InterpOptions, Ready, RunFailure,
 };
 use schedc_program::mesh::Dim;
 use schedc_program::model::Scope;
-use schedc_program::{Buf, Op, Part, Pass, ProgramSet, RankProgram, StreamKind};
+use schedc_program::{Buf, Op, Part, Pass, ProgramSet, RankProgram, StreamKind, Tp};
 use schedc_program::{Granularity, ModelConfig};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -108,7 +109,7 @@ pub struct GpuResult {
 
 /// The communicator index of every stream kind of the program set (the same list on every
 /// rank): compute first, then the communication channels in order, then the EP stream of
-/// MoE parts if any rank has one; one more, after them, carries the losses.
+/// MoE parts if any rank has one, then the TP stream (`tp > 1`) if any; one more, after them, carries the losses.
 pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     let mut kinds: Vec<StreamKind> = vec![StreamKind::Compute];
     let mut chans: Vec<u32> = set
@@ -135,8 +136,21 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     {
         kinds.push(StreamKind::Ep);
     }
+    if set
+        .ranks
+        .iter()
+        .flat_map(|r| &r.streams)
+        .any(|s| s.kind == StreamKind::Tp)
+    {
+        kinds.push(StreamKind::Tp);
+    }
     kinds
 }
+
+/// Why the CUDA backend refuses programs lowered with Megatron sequence parallelism
+/// (`--sequence-parallel`): its all-gathers, reduce-scatters and `shared` kernels are the
+/// CPU backend's only.
+pub const SEQUENCE_PARALLEL_REFUSED: &str = "the CUDA backend runs tensor parallelism without Megatron sequence parallelism: drop --sequence-parallel, or run it on the CPU backend (--backend cpu)";
 
 /// Step losses of a run's ranks as each finishes a step: calls the run's `on_step` with a
 /// step's loss (the sum over the ranks) once every rank has reported it, in step order.
@@ -236,6 +250,9 @@ impl<'a> RankDev<'a> {
                 ))
             }
         };
+        if m.sequence_parallel {
+            return Err(SEQUENCE_PARALLEL_REFUSED.into());
+        }
         let dims = Dims::new(cfg, &m.mesh, gpu.dtype())?;
         let streams = prog
             .streams
@@ -266,6 +283,7 @@ impl<'a> RankDev<'a> {
                     info,
                     m.model_stages as usize,
                     &opts.optimizer,
+                    prog.coords.tp as usize,
                 )
             })
             .collect::<Result<Vec<_>, _>>()
@@ -449,7 +467,7 @@ impl<'a> RankDev<'a> {
                 .dtoh(self.streams[s], grads, &mut b)
                 .map_err(issue)?;
             let g = decode(DType::F32, &b);
-            let named = named(&self.stages[si].layout, &g, true);
+            let named = self.tp_names(named(&self.stages[si].layout, &g, true));
             self.grads.push((self.step, stage, named));
         }
         let cfg = self.cfg;
@@ -491,6 +509,21 @@ impl<'a> RankDev<'a> {
         t.post_group(&mut self.cx(stream), &msgs)
     }
 
+    /// With `tp > 1`, the split tensors of `v` under the CPU backend's
+    /// `tp_shard_name` (so that a comparison with the reference takes the same slice).
+    fn tp_names(&self, mut v: Named) -> Named {
+        let n = self.dims.tp;
+        if n > 1 {
+            let j = self.prog.coords.tp as usize;
+            for (name, _) in &mut v {
+                if let Some(split) = tp_split(self.cfg, name) {
+                    *name = tp_shard_name(name, split, j, n);
+                }
+            }
+        }
+        v
+    }
+
     /// The final parameters of every stage copy, named.
     pub fn params(&self) -> Result<Vec<(u32, Named)>, String> {
         let s = self.streams[0];
@@ -502,7 +535,7 @@ impl<'a> RankDev<'a> {
                 self.gpu.dtoh(s, st.master, &mut b).map_err(issue)?;
                 Ok((
                     st.info.stage,
-                    named(&st.layout, &decode(DType::F32, &b), false),
+                    self.tp_names(named(&st.layout, &decode(DType::F32, &b), false)),
                 ))
             })
             .collect()
@@ -593,6 +626,10 @@ impl Device for RankDev<'_> {
             .dtoh(self.streams[0], self.losses, &mut lb)
             .map_err(issue)?;
         let mut loss: f64 = decode(DType::F32, &lb).iter().map(|x| *x as f64).sum();
+        // Every TP member computes the same loss: the first one reports it.
+        if self.prog.coords.tp != 0 {
+            loss = 0.0;
+        }
         if let Some((coll, comm)) = self.loss_reduce {
             let s = self.streams[0];
             self.gpu
@@ -670,9 +707,52 @@ impl Device for RankDev<'_> {
             Op::Overlap { .. } | Op::Collective { .. } => Err(format!(
                 "`{op}` is a stage-granularity op; the CUDA backend runs schedc's model"
             )),
-            Op::TpCollective { .. } | Op::TpGradAllReduce { .. } => Err(format!(
-                "`{op}`: the CUDA backend has no tensor-parallel kernels (tp=1 only; the CPU backend runs tp > 1)"
-            )),
+            Op::TpGradAllReduce { .. } => Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
+            Op::TpCollective {
+                stage,
+                mb,
+                layer,
+                phase,
+                group,
+            } => {
+                let si = self.stage_ix(*stage)?;
+                let stash = self.buf(&Buf::Stash {
+                    stage: *stage,
+                    mb: *mb,
+                })?;
+                let r = self.stages[si]
+                    .stash
+                    .layers
+                    .get(*layer as usize)
+                    .ok_or(format!("`{op}`: no layer {layer}"))?;
+                let dm = &self.dims;
+                let (t, d) = (dm.t, dm.d);
+                // Every phase is an all-reduce in place of the member's partial sums: `o W_O`
+                // in `h1`, the shared expert's output in `sh_y`, its input gradient in `dn2`,
+                // `[dc_Q; dc_KV; dk^R]` packed in `tpg`.
+                let (region, count) = match phase {
+                    Tp::AttnOut => (r.h1, t * d),
+                    Tp::MlpOut => (r.sh_y, t * d),
+                    Tp::MlpInGrad => (r.dn2, t * d),
+                    Tp::AttnInGrad => (r.tpg, t * (dm.qr + dm.kvr + dm.kw())),
+                    _ => return Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
+                };
+                if region.bytes < count * 4 {
+                    return Err(format!(
+                        "`{op}`: {count} values do not fit the stash region of {} bytes",
+                        region.bytes
+                    ));
+                }
+                let t = self.transport;
+                t.reduce(
+                    &mut self.cx(stream),
+                    CollTag::Tp(*stage, *mb, *layer, *phase),
+                    group,
+                    stash + region.off as u64,
+                    count,
+                    issued,
+                )
+            }
             Op::Kernel(k) => self.kernel(stream, k).map(|_| Ready::Done),
             Op::Send { .. } | Op::Recv { .. } if self.transport.groups_messages() => {
                 self.post_group(stream)

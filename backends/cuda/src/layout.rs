@@ -31,8 +31,13 @@ pub struct Dims {
     pub ts: usize,
     /// Hidden size `d`.
     pub d: usize,
-    /// Heads `H`.
+    /// Heads of this member: `H / tp` (Megatron-LM's split of MLA's up-projections and
+    /// `W_O`; `H` without tensor parallelism).
     pub heads: usize,
+    /// TP group size (1 without tensor parallelism).
+    pub tp: usize,
+    /// The shared expert's hidden width on this member, `f / tp`.
+    pub fs: usize,
     /// Query compression rank `d_c'` (MLA).
     pub qr: usize,
     /// Key/value compression rank `d_c` (MLA).
@@ -100,6 +105,19 @@ impl Dims {
                 cfg.experts
             ));
         }
+        let tp = mesh.size(Dim::Tp) as usize;
+        if !cfg.heads.is_multiple_of(tp) {
+            return Err(format!(
+                "the TP group of {tp} does not divide the {} heads",
+                cfg.heads
+            ));
+        }
+        if !cfg.expert_hidden.is_multiple_of(tp) {
+            return Err(format!(
+                "the TP group of {tp} does not divide the shared expert's hidden size {}",
+                cfg.expert_hidden
+            ));
+        }
         let t = cfg.seq_len / sp;
         let per = cfg.experts / ep;
         let k = cfg.top_k;
@@ -115,7 +133,9 @@ impl Dims {
             dtype,
             ts,
             d,
-            heads: cfg.heads,
+            heads: cfg.heads / tp,
+            tp,
+            fs: cfg.expert_hidden / tp,
             qr: cfg.q_lora_rank,
             kvr: cfg.kv_lora_rank,
             dn: cfg.qk_nope_head_dim,
@@ -364,6 +384,7 @@ pub struct LayerRegions {
     pub dcq_raw: Region,  // T t x qr
     pub da: Region,       // T t x d
     pub dx: Region,       // T t x d: the layer input's gradient
+    pub tpg: Region,      // f t x (qr + kvr + kw): TP, `[dc_Q; dc_KV; dk^R]` to all-reduce
     // The expert side (rows received from the EP group).
     pub perm: Region,      // i ep x rmax
     pub ecount: Region,    // i per
@@ -493,6 +514,11 @@ impl StashLayout {
                 dcq_raw: a.take(t * qr * ts),
                 da: a.take(act),
                 dx: a.take(act),
+                tpg: a.take(if dims.tp > 1 {
+                    t * (qr + kvr + kw) * fs
+                } else {
+                    0
+                }),
                 perm: a.take(dims.ep * dims.rmax * is),
                 ecount: a.take(dims.per * is),
                 src_count: a.take(dims.ep * is),
@@ -549,6 +575,24 @@ mod tests {
         assert_eq!(d.slot_bytes % ALIGN, 0);
         let bad: Mesh = "pp=2,ep=3".parse().unwrap();
         assert!(Dims::new(&cfg, &bad, DType::F32).is_err());
+    }
+
+    #[test]
+    fn tp_splits_the_heads_and_the_shared_expert_or_names_the_dimension() {
+        let cfg = ModelConfig::tiny();
+        let d = Dims::new(&cfg, &"pp=2,tp=2".parse().unwrap(), DType::F32).unwrap();
+        assert_eq!(
+            (d.tp, d.heads, d.fs),
+            (2, cfg.heads / 2, cfg.expert_hidden / 2)
+        );
+        // The routed experts stay whole (no expert TP).
+        assert_eq!(d.f, cfg.expert_hidden);
+        let three: Mesh = "pp=2,tp=3".parse().unwrap();
+        let e = Dims::new(&cfg, &three, DType::F32).unwrap_err();
+        assert_eq!(
+            e,
+            format!("the TP group of 3 does not divide the {} heads", cfg.heads)
+        );
     }
 
     #[test]

@@ -61,8 +61,9 @@ pub struct StageDev {
 
 impl StageDev {
     /// Allocates and initializes stage copy `info` (weights by name, as the CPU backend's
-    /// `StageParams::init`; balancing state as `RouterState::new`). `s`: the stream of the
-    /// uploads.
+    /// `StageParams::init`, TP member `tp_rank`'s slices of the split ones; balancing state
+    /// as `RouterState::new`). `s`: the stream of the uploads.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         gpu: &dyn Gpu,
         s: StreamId,
@@ -71,14 +72,18 @@ impl StageDev {
         info: &LocalStage,
         model_stages: usize,
         opt: &Optimizer,
+        tp_rank: usize,
     ) -> Result<StageDev, GpuError> {
-        let params = StageParams::<f32>::init(
+        let mut params = StageParams::<f32>::init(
             cfg,
             info.model_stage as usize,
             model_stages,
             info.expert_lo as usize,
             info.expert_hi as usize,
         );
+        // Tensor parallelism: this member's slice of every split tensor (the CPU backend's
+        // `tp_split`), so that the kernels run on `H / tp` heads and `f / tp` shared units.
+        params.shard_tp(cfg, tp_rank, dims.tp);
         let layout = ParamLayout::of(&params, cfg.experts);
         let mut flat = params.flatten(schedc_cpu::model::Scope::Dense);
         flat.extend(params.flatten(schedc_cpu::model::Scope::Expert));
@@ -598,6 +603,8 @@ impl Model<'_> {
             (Pass::B, Part::Experts { layer }) => self.b_experts(s, st, layer as usize, io),
             (Pass::B, Part::Attn { layer }) => self.b_attn(s, st, layer as usize, io),
             (Pass::B, Part::Qkv { layer }) => self.b_qkv(s, st, layer as usize, io),
+            (Pass::F, Part::AttnPost { layer }) => self.f_attn_post(s, st, layer as usize, io),
+            (Pass::B, Part::QkvPost { layer }) => self.b_qkv_post(s, st, layer as usize, io),
             (Pass::W, Part::Weights) => self.w_weights(s, st, io, true, true),
             (Pass::W, Part::WeightsAttn) => self.w_weights(s, st, io, true, false),
             (Pass::W, Part::WeightsMlp) => self.w_weights(s, st, io, false, true),
@@ -768,8 +775,7 @@ impl Model<'_> {
     /// packets.
     fn f_attn(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d, e, k, h, kvr, kw, tk) =
-            (dm.t, dm.d, dm.e, dm.k, dm.heads, dm.kvr, dm.kw(), dm.tk);
+        let (t, d, h, kvr, kw, tk) = (dm.t, dm.d, dm.heads, dm.kvr, dm.kw(), dm.tk);
         let r = &st.stash.layers[l];
         let w = |n: &str| self.w(st, &self.lname(st, l, n));
         let at = |x: Region| self.at(io, x);
@@ -830,6 +836,25 @@ impl Model<'_> {
             false,
             false,
         )?;
+        if dm.tp > 1 {
+            // This member's heads' share of `o W_O`: the `attn_out` all-reduce sums it in
+            // place, then `attn_post` goes on.
+            return Ok(());
+        }
+        self.f_attn_post(s, st, l, io)
+    }
+
+    /// F, the rest of the attention block once `h1` holds `o W_O` summed over the TP group
+    /// (`fwd_attn_post`; with `tp = 1` [`Self::f_attn`] runs it itself): residual, norm,
+    /// routing, the dispatch packets; with `tp > 1` also this member's slice of the shared
+    /// expert into `sh_y` (its partial output, for the `mlp_out` all-reduce).
+    fn f_attn_post(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, e, k) = (dm.t, dm.d, dm.e, dm.k);
+        let r = &st.stash.layers[l];
+        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let at = |x: Region| self.at(io, x);
+        let h1 = at(r.h1);
         self.add(s, h1, h1, at(r.xin), t * d)?;
         let n2 = at(r.n2);
         self.rmsnorm(s, (n2, at(r.xhat2), at(r.inv2)), h1, w("norm2")?, t, d)?;
@@ -902,6 +927,28 @@ impl Model<'_> {
                 i(k),
                 i(d),
             ],
+        )?;
+        if dm.tp > 1 && dm.shared {
+            self.shared_fwd(s, st, l, io)?;
+        }
+        Ok(())
+    }
+
+    /// This member's slice of layer `l`'s shared expert on `n2` into `sh_y`.
+    fn shared_fwd(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let r = &st.stash.layers[l];
+        self.ffn(
+            s,
+            st,
+            &self.lname(st, l, "shared"),
+            self.at(io, r.n2),
+            self.dims.t,
+            (
+                self.at(io, r.sh_h1),
+                self.at(io, r.sh_h3),
+                self.at(io, r.sh_act),
+            ),
+            self.at(io, r.sh_y),
         )
     }
 
@@ -1057,7 +1104,8 @@ impl Model<'_> {
         (h1, h3, act): (DevPtr, DevPtr, DevPtr),
         y: DevPtr,
     ) -> Result<(), GpuError> {
-        let (d, f) = (self.dims.d, self.dims.f);
+        // The shared expert: this member's `f / tp` hidden units.
+        let (d, f) = (self.dims.d, self.dims.fs);
         self.mm(
             s,
             (rows, f, d),
@@ -1127,20 +1175,12 @@ impl Model<'_> {
             ],
         )?;
         if dm.shared {
+            // With `tp > 1`, `sh_y` already holds the shared expert's output summed over
+            // the TP group (`attn_post`, then the `mlp_out` all-reduce).
+            if dm.tp == 1 {
+                self.shared_fwd(s, st, l, io)?;
+            }
             let ys = self.at(io, r.sh_y);
-            self.ffn(
-                s,
-                st,
-                &self.lname(st, l, "shared"),
-                self.at(io, r.n2),
-                t,
-                (
-                    self.at(io, r.sh_h1),
-                    self.at(io, r.sh_h3),
-                    self.at(io, r.sh_act),
-                ),
-                ys,
-            )?;
             self.add(s, y, y, ys, t * d)?;
         }
         if l + 1 == dm.layers {
@@ -1243,7 +1283,7 @@ impl Model<'_> {
     /// the shared expert's backward.
     fn b_combine(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d, k, f) = (dm.t, dm.d, dm.k, dm.f);
+        let (t, d, k, f) = (dm.t, dm.d, dm.k, dm.fs);
         let r = &st.stash.layers[l];
         if l + 1 == dm.layers {
             if let Some(g) = io.grad_in {
@@ -1540,7 +1580,7 @@ impl Model<'_> {
     /// gradient.
     fn b_qkv(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d, h, qr, kvr, kw) = (dm.t, dm.d, dm.heads, dm.qr, dm.kvr, dm.kw());
+        let (t, h, qr, kvr, kw) = (dm.t, dm.heads, dm.qr, dm.kvr, dm.kw());
         let r = &st.stash.layers[l];
         let w = |n: &str| self.w(st, &self.lname(st, l, n));
         let at = |x: Region| self.at(io, x);
@@ -1558,17 +1598,7 @@ impl Model<'_> {
             )?;
         }
         self.rope(s, dkr, t, kw, dm.kph, true)?;
-        let dckv_raw = at(r.dckv_raw);
-        self.rmsnorm_bwd(
-            s,
-            dckv_raw,
-            dckv,
-            (w("kv_norm")?, at(r.ckv_xhat), at(r.ckv_inv)),
-            0,
-            t,
-            kvr,
-        )?;
-        let (dcq, dcq_raw) = (at(r.dcq), at(r.dcq_raw));
+        let dcq = at(r.dcq);
         self.mm(
             s,
             (t, qr, h * dm.dn),
@@ -1590,6 +1620,49 @@ impl Model<'_> {
             dcq,
             true,
             false,
+        )?;
+        if dm.tp > 1 {
+            // This member's heads' share of `[dc_Q; dc_KV; dk^R]`, packed for the
+            // `attn_in_grad` all-reduce; `qkv_post` goes on from the sum.
+            let g = at(r.tpg);
+            let mut off = 0u64;
+            for (x, n) in [(dcq, t * qr), (dckv, t * kvr), (dkr, t * kw)] {
+                self.gpu.dtod(s, g + off, x, n * dm.ts)?;
+                off += (n * dm.ts) as u64;
+            }
+            return Ok(());
+        }
+        self.b_qkv_post(s, st, l, io)
+    }
+
+    /// B, the rest of the attention backward once `[dc_Q; dc_KV; dk^R]` is summed over the
+    /// TP group (`bwd_qkv_post`; with `tp = 1` [`Self::b_qkv`] runs it itself): the latents'
+    /// norms, the down-projections, the attention norm and the residual; the layer input's
+    /// gradient into `dx`.
+    fn b_qkv_post(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, qr, kvr, kw) = (dm.t, dm.d, dm.qr, dm.kvr, dm.kw());
+        let r = &st.stash.layers[l];
+        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let at = |x: Region| self.at(io, x);
+        let (dckv, dkr, dcq, dcq_raw) = (at(r.dckv), at(r.dkr), at(r.dcq), at(r.dcq_raw));
+        if dm.tp > 1 {
+            let g = at(r.tpg);
+            let mut off = 0u64;
+            for (x, n) in [(dcq, t * qr), (dckv, t * kvr), (dkr, t * kw)] {
+                self.gpu.dtod(s, x, g + off, n * dm.ts)?;
+                off += (n * dm.ts) as u64;
+            }
+        }
+        let dckv_raw = at(r.dckv_raw);
+        self.rmsnorm_bwd(
+            s,
+            dckv_raw,
+            dckv,
+            (w("kv_norm")?, at(r.ckv_xhat), at(r.ckv_inv)),
+            0,
+            t,
+            kvr,
         )?;
         self.rmsnorm_bwd(
             s,
@@ -1785,7 +1858,7 @@ impl Model<'_> {
             }
             if mlp {
                 if dm.shared {
-                    let dy = self.dy(st, li, io);
+                    let (dy, f) = (self.dy(st, li, io), dm.fs);
                     self.mm(
                         s,
                         (d, f, t),

@@ -24,7 +24,7 @@ use crate::api::*;
 use crate::pool::{Events, Pool};
 use schedc_program::interp::Ready;
 use schedc_program::model::Scope;
-use schedc_program::{A2a, Buf};
+use schedc_program::{A2a, Buf, Tp};
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
@@ -56,6 +56,8 @@ pub enum CollTag {
     Replica(u32),
     /// The all-reduce of a stage's gradients of one scope.
     AllReduce(u32, Scope),
+    /// A tensor-parallel all-reduce of `(stage, mb, layer, phase)`.
+    Tp(u32, u32, u32, Tp),
 }
 
 /// Exchanges data between ranks (see the module docs). Every method runs on the rank's
@@ -342,6 +344,9 @@ impl Single {
                 format!("the gradients of model stage {ms} from its other copy")
             }
             CollTag::AllReduce(s, scope) => format!("the {scope:?} gradients of stage {s}"),
+            CollTag::Tp(s, m, l, p) => {
+                format!("the {p:?} TP all-reduce of stage {s}, micro-batch {m}, layer {l}")
+            }
         }
     }
 }

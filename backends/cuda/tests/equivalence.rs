@@ -234,3 +234,204 @@ fn the_step_callback_sees_every_step_in_order_with_the_summed_loss() {
         assert!(m.pool_peak_in_use <= m.pool && m.params > 0, "{m:?}");
     }
 }
+
+#[test]
+fn tensor_parallel_pp2_tp2_equals_the_cpu() {
+    // Megatron-LM's split (H/tp heads of MLA's up-projections and W_O, f/tp of the shared
+    // expert per member) with the four TP all-reduces per layer on the `tp` stream, through
+    // the transport's reduction: every loss, every gradient slice and every parameter slice
+    // equal the CPU backend's at tp=2.
+    let cfg = ModelConfig::tiny();
+    assert!(cfg.shared_expert && cfg.heads.is_multiple_of(2));
+    for name in [
+        "1f1b",
+        "zb_h1",
+        "dualpipe",
+        "gpipe",
+        "zbv",
+        "interleaved_1f1b",
+    ] {
+        let d = case(name, 2, 4, "pp=2,tp=2", &cfg, 2);
+        assert!(d.tensors > 0);
+        assert_close(&d);
+    }
+}
+
+#[test]
+fn tensor_parallel_moe_parts_with_ep_and_dp_equal_the_cpu() {
+    // MoE parts (the `ep` and `tp` streams both) at tp=2 with EP, and TP with DP.
+    let cfg = ModelConfig::tiny();
+    assert_close(&case_with("1f1b", 2, 4, "pp=2,tp=2,ep=2", &cfg, 2, true));
+    assert_close(&case("1f1b", 2, 4, "pp=2,tp=2,dp=2", &cfg, 2));
+}
+
+#[test]
+fn sequence_parallel_programs_are_refused_with_a_clear_message() {
+    // Megatron sequence parallelism (all-gathers, reduce-scatters, `shared` kernels) is the
+    // CPU backend's only: the CUDA executor refuses such programs before it runs anything.
+    let cfg = ModelConfig::tiny();
+    let path = format!("{}/../../specs/1f1b.sched", env!("CARGO_MANIFEST_DIR"));
+    let ov = Overrides {
+        pp: Some(2),
+        microbatches: Some(4),
+        ..Default::default()
+    };
+    let src = load_spec(&std::fs::read_to_string(path).unwrap(), &ov)
+        .unwrap()
+        .program;
+    let mesh: Mesh = "pp=2,tp=2".parse().unwrap();
+    let opts = LowerOptions {
+        sequence_parallel: true,
+        ..LowerOptions::default()
+    };
+    let set = ProgramSet::lower(&src, &mesh, &cfg, opts).unwrap();
+    assert!(set.manifest.sequence_parallel);
+    let gpu = HostGpu::new(DType::F32);
+    let err = match execute(&gpu, &set, &Data::builtin(), &ExecOptions::default()) {
+        Ok(_) => panic!("a sequence-parallel program ran on the CUDA executor"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(schedc_cuda::driver::SEQUENCE_PARALLEL_REFUSED),
+        "{err}"
+    );
+}
+
+#[test]
+fn tensor_parallel_in_bf16_is_refused_before_the_device() {
+    // The TP all-reduces sum f32 partials: `run --backend cuda --mesh pp=2,tp=2 --dtype
+    // bf16` is refused as a configuration error (exit 2 in the CLI), before any GPU probe.
+    use schedc_cuda::run::{run, RunConfig, RunError};
+    let path = format!("{}/../../specs/1f1b.sched", env!("CARGO_MANIFEST_DIR"));
+    let ov = Overrides {
+        pp: Some(2),
+        microbatches: Some(4),
+        ..Default::default()
+    };
+    let src = load_spec(&std::fs::read_to_string(path).unwrap(), &ov)
+        .unwrap()
+        .program;
+    let cfg = RunConfig {
+        mesh: Some("pp=2,tp=2".parse().unwrap()),
+        dtype: DType::Bf16,
+        ..RunConfig::default()
+    };
+    match run(&src, &cfg) {
+        Err(RunError::Config(m)) => assert_eq!(
+            m,
+            "tensor parallelism (tp > 1) on the CUDA backend runs in f32: use --dtype f32"
+        ),
+        other => panic!("expected a configuration error, got {:?}", other.err()),
+    }
+}
+
+/// Issue 23, silent failure, on the CUDA driver: a TP member that skips the all-reduce of
+/// `[dc_Q; dc_KV; dk^R]` (its group cut to itself) runs without an error, but the
+/// replicated down-projections' and norms' gradients miss the other heads' shares: the
+/// comparison with the CPU backend catches it, while the same programs with the all-reduce
+/// pass (`tensor_parallel_pp2_tp2_equals_the_cpu`).
+#[test]
+fn silent_failure_tp_input_gradient_all_reduce_is_needed_on_the_shim() {
+    let cfg = ModelConfig::tiny();
+    let set = lower("1f1b", 2, 4, "pp=2,tp=2", &cfg);
+    let data = Data::builtin();
+    let opt = Optimizer::Sgd { lr: 0.2 };
+    let cpu = cpu_execute::<f32>(
+        &set,
+        &data,
+        &CpuOptions {
+            steps: 1,
+            optimizer: opt,
+            record: true,
+            ..CpuOptions::default()
+        },
+    )
+    .unwrap();
+    let mut bad = set.clone();
+    let mut cut = 0;
+    for rp in &mut bad.ranks {
+        let me = rp.rank;
+        for st in &mut rp.streams {
+            for op in &mut st.ops {
+                if let schedc_program::Op::TpCollective { phase, group, .. } = op {
+                    if *phase == schedc_program::Tp::AttnInGrad {
+                        *group = vec![me];
+                        cut += 1;
+                    }
+                }
+            }
+        }
+    }
+    // One per rank, micro-batch and layer of its stage: 4 x 4 x 1 in the tiny model.
+    assert_eq!(cut, 4 * 4 * cfg.layers_per_stage);
+    assert_eq!(cut, 16);
+    let gpu = HostGpu::new(DType::F32);
+    let run = execute(
+        &gpu,
+        &bad,
+        &data,
+        &ExecOptions {
+            steps: 1,
+            optimizer: opt,
+            record: true,
+            ..ExecOptions::default()
+        },
+    )
+    .unwrap();
+    let d = compare(&run, &cpu);
+    println!(
+        "without the attn_in_grad all-reduce: gradients off by {:.3e} (worst {})",
+        d.grad, d.worst
+    );
+    assert!(d.grad > 1e-3, "gradients off by only {:.3e}", d.grad);
+    assert!(d.worst.starts_with("layer"), "{}", d.worst);
+}
+
+/// What `run --backend cuda --mesh pp=2,tp=2 --verify` checks on a GPU, on the host shim:
+/// the driver's TP run against the CPU's sequential f32 reference of the whole model (the
+/// members' slices compared with the reference's slices), two SGD steps.
+#[test]
+fn tensor_parallel_run_equals_the_sequential_reference_as_verify_checks() {
+    use schedc_cpu::exec::{compare as ref_compare, reference};
+    use schedc_program::data::Batching;
+    let cfg = ModelConfig::tiny();
+    for name in ["1f1b", "dualpipe"] {
+        let set = lower(name, 2, 4, "pp=2,tp=2", &cfg);
+        let m = &set.manifest;
+        let data = Data::builtin();
+        let opt = Optimizer::Sgd { lr: 0.2 };
+        let gpu = HostGpu::new(DType::F32);
+        let run = execute(
+            &gpu,
+            &set,
+            &data,
+            &ExecOptions {
+                steps: 2,
+                optimizer: opt,
+                record: true,
+                ..ExecOptions::default()
+            },
+        )
+        .unwrap();
+        let b = Batching {
+            shards: 1,
+            microbatches: (m.microbatches * m.directions) as usize,
+            sp: 1,
+        };
+        let r = reference::<f32>(&cfg, m.model_stages as usize, b, &data, 2, &opt).unwrap();
+        // Every step's loss, counted once (by TP member 0), not twice.
+        assert_eq!(run.losses.len(), 2);
+        for (a, b) in run.losses.iter().zip(&r.losses) {
+            assert!((a - b).abs() <= TOL * b.abs() && *b > 1.0, "{a} vs {b}");
+        }
+        let c = ref_compare(&schedc_cuda::run::as_exec_result(&run), &r).unwrap();
+        println!(
+            "verify {name} pp=2,tp=2: loss {:.3e} (relative), gradients {:.3e} (worst {}), parameters {:.3e}",
+            c.max_rel_loss_err, c.max_rel_grad_err, c.worst_grad, c.max_rel_param_err
+        );
+        assert!(c.max_rel_loss_err <= TOL, "{c:?}");
+        assert!(c.max_rel_grad_err <= TOL, "{c:?}");
+        assert!(c.max_rel_param_err <= TOL, "{c:?}");
+        assert!(c.worst_grad.contains('.'), "{c:?}");
+    }
+}

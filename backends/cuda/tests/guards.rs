@@ -183,8 +183,17 @@ fn kpe_shared_across_heads(bugs: Bugs) -> Result<(), String> {
         expert_hi: cfg.experts as u32,
         replica_peer: None,
     };
-    let st = StageDev::new(&gpu, S, &cfg, &dims, &info, 3, &Optimizer::Sgd { lr: 0.1 })
-        .map_err(String::from)?;
+    let st = StageDev::new(
+        &gpu,
+        S,
+        &cfg,
+        &dims,
+        &info,
+        3,
+        &Optimizer::Sgd { lr: 0.1 },
+        0,
+    )
+    .map_err(String::from)?;
     let wkr = st.layout.get("layer1.wkr")?;
     if wkr.len != d * dr {
         return Err(format!(
@@ -306,8 +315,17 @@ fn bias_ema_before_routing(bugs: Bugs) -> Result<(), String> {
         expert_hi: 4,
         replica_peer: None,
     };
-    let st = StageDev::new(&dv.0, S, &cfg, &dims, &info, 1, &Optimizer::Sgd { lr: 0.1 })
-        .map_err(String::from)?;
+    let st = StageDev::new(
+        &dv.0,
+        S,
+        &cfg,
+        &dims,
+        &info,
+        1,
+        &Optimizer::Sgd { lr: 0.1 },
+        0,
+    )
+    .map_err(String::from)?;
     let ema = dv.get_f(st.ema, 4);
     if ema.iter().any(|x| (x - 0.25).abs() > 1e-7) {
         return Err(format!("the load EMA starts at {ema:?}, not 1/E"));

@@ -200,6 +200,24 @@ fn check_rank(
                         return bad(&format!("{copies} slot copies, expected {want}"));
                     }
                 }
+                Op::TpCollective { group, .. } if nccl => {
+                    // A group-order sum: a send to and a receive from every other member, on
+                    // the tp stream's communicator.
+                    for m in group.iter().filter(|m| **m != r) {
+                        let to = calls
+                            .iter()
+                            .any(|c| matches!(c, Call::Send { comm: k, peer, .. } if *k == comm && peer == m));
+                        let from = calls
+                            .iter()
+                            .any(|c| matches!(c, Call::Recv { comm: k, peer, .. } if *k == comm && peer == m));
+                        if !(to && from) {
+                            return bad("a TP member is missing from the all-reduce");
+                        }
+                    }
+                    if stream.kind != schedc_program::StreamKind::Tp {
+                        return bad("a TP all-reduce off the tp stream");
+                    }
+                }
                 Op::ReplicaSum { peer, .. }
                     if nccl
                         && !calls
@@ -231,13 +249,16 @@ fn nccl_logs(set: &ProgramSet) -> Vec<Vec<(Option<StreamId>, Call)>> {
         .collect()
 }
 
-const CASES: [(&str, u32, u32, &str); 6] = [
+const CASES: [(&str, u32, u32, &str); 8] = [
     ("ref:dualpipe/dualpipe_P4_N8.json", 4, 8, "pp=4"),
     ("1f1b", 4, 8, "pp=4"),
     ("zb_h1", 4, 8, "pp=4"),
     ("dualpipe", 4, 8, "pp=4"),
     ("interleaved_1f1b", 2, 4, "pp=2,ep=2,dp=2"),
     ("dualpipe", 2, 4, "pp=2,sp=2,ep=2"),
+    // Tensor parallelism: the TP all-reduces on the `tp` stream's own communicator.
+    ("1f1b", 2, 4, "pp=2,tp=2"),
+    ("dualpipe", 2, 4, "pp=2,tp=2,ep=2"),
 ];
 
 #[test]

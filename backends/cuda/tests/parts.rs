@@ -100,7 +100,7 @@ fn stage_roundtrip(cfg: &ModelConfig, dt: DType) {
         replica_peer: None,
     };
     let opt = Optimizer::Sgd { lr: 0.1 };
-    let st = StageDev::new(&gpu, S, cfg, &dims, &info, 1, &opt).unwrap();
+    let st = StageDev::new(&gpu, S, cfg, &dims, &info, 1, &opt, 0).unwrap();
     let err = gpu.alloc(4).unwrap();
     gpu.memset(S, err, 4).unwrap();
     let m = Model {
