@@ -52,8 +52,8 @@ pub struct Args {
     pub order_cost: OrderCostArgs,
     /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`); `node=K` adds how
     /// many consecutive ranks share a node (default: all on one), for --a2a and the traffic
-    /// figures. CPU: `tp` splits the attention heads and the shared expert over the TP group
-    /// (Megatron-LM); `sp` splits each sequence (context-parallel style).
+    /// figures. CPU and CUDA (f32): `tp` splits the attention heads and the shared expert
+    /// over the TP group (Megatron-LM); `sp` splits each sequence (context-parallel style).
     #[arg(long)]
     pub mesh: Option<String>,
     /// CPU: how the expert-parallel all-to-alls cross nodes: `flat` (every rank to every
