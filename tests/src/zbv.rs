@@ -316,3 +316,87 @@ pub fn program(mode: Mode, p: u32, m: u32) -> Program {
         .collect();
     Program { pipeline, ranks }
 }
+
+/// The sweep grid's cost sets, as (name, [F, B, W, comm]): the three of
+/// `shared/reference/zb` (`unit`, `profA`, `profB`) and others of the same kind (B/F from 1
+/// to 2, W/F from 0.5 to 1, message latency up to 0.1 F).
+pub const COSTS: [(&str, [f64; 4]); 9] = [
+    ("unit", [1.0, 1.0, 1.0, 0.0]),
+    ("profA", [1.0, 1.1, 0.9, 0.05]),
+    ("profB", [1.0, 2.0, 1.0, 0.0]),
+    ("b15w75", [1.0, 1.5, 0.75, 0.0]),
+    ("b2w5c05", [1.0, 2.0, 0.5, 0.05]),
+    ("b1w5c1", [1.0, 1.0, 0.5, 0.1]),
+    ("b2w1c1", [1.0, 2.0, 1.0, 0.1]),
+    ("b12w8c02", [1.0, 1.2, 0.8, 0.02]),
+    ("b18w6", [1.0, 1.8, 0.6, 0.0]),
+];
+
+/// One point of the sweep: schedc's family against the authors' generator.
+#[derive(Clone, Debug)]
+pub struct Point {
+    /// Ranks, micro-batches, cost set name.
+    pub p: u32,
+    /// Micro-batches.
+    pub m: u32,
+    /// Cost set name.
+    pub cost: &'static str,
+    /// Makespan from t0 (the README's model, [`crate::zb::makespan`]): ours, the authors'.
+    pub makespan: (f64, f64),
+    /// Peak live activations over the ranks (chunk units): ours, the authors'.
+    pub peak: (u64, u64),
+}
+
+impl Point {
+    /// Ours / the authors' makespan.
+    pub fn makespan_ratio(&self) -> f64 {
+        self.makespan.0 / self.makespan.1
+    }
+    /// Ours / the authors' peak.
+    pub fn peak_ratio(&self) -> f64 {
+        self.peak.0 as f64 / self.peak.1 as f64
+    }
+}
+
+/// Compares `spec` (the text of `specs/v_half.sched` or `specs/v_min.sched`) with the
+/// authors' generator in `mode` at every P in `ps`, M in P..=8P (step `mstep`), and every
+/// cost set of `costs`. The authors' orders do not depend on the costs, so they are built
+/// once per (P, M).
+pub fn sweep(
+    spec: &str,
+    mode: Mode,
+    ps: impl IntoIterator<Item = u32>,
+    mstep: u32,
+    costs: &[(&'static str, [f64; 4])],
+) -> Vec<Point> {
+    use schedc::input::{load_spec_with, Overrides};
+    let mut out = Vec::new();
+    for p in ps {
+        let mut m = p;
+        while m <= 8 * p {
+            let theirs = program(mode, p, m);
+            let tpk = crate::zb::peaks(&theirs).into_iter().max().unwrap();
+            for &(name, c) in costs {
+                let ov = Overrides {
+                    pp: Some(p),
+                    microbatches: Some(m),
+                    ..Default::default()
+                };
+                let e = load_spec_with(spec, &ov, &crate::zb::cost_model(c))
+                    .unwrap_or_else(|e| panic!("P{p} M{m} {name}: {e:?}"));
+                let ours = crate::zb::makespan(&e.program, c).expect("our orders run");
+                let tm = crate::zb::makespan(&theirs, c).expect("their orders run");
+                let pk = crate::zb::peaks(&e.program).into_iter().max().unwrap();
+                out.push(Point {
+                    p,
+                    m,
+                    cost: name,
+                    makespan: (ours, tm),
+                    peak: (pk, tpk),
+                });
+            }
+            m += mstep;
+        }
+    }
+    out
+}

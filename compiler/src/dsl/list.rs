@@ -151,11 +151,24 @@ pub fn schedule(
     let pred = inputs(pl, ops);
     let mut best: Option<(Vec<Vec<usize>>, f64)> = None;
     let mut first_err = None;
-    for (backfill_forwards, w_due) in [(true, false), (false, false), (true, true), (false, true)] {
+    // The greedy's own simulation under the real op times, then under unit op times with free
+    // messages (the slot model of the Zero Bubble and Controllable Memory generators): the
+    // orders from either are replayed under the real times.
+    let unit: Vec<f64> = ops
+        .iter()
+        .map(|o| if o.kind == Kind::BW { 2.0 } else { 1.0 })
+        .collect();
+    let sims: [(&[f64], f64); 2] = [(&dur, comm), (&unit, 0.0)];
+    let variants = sims.iter().flat_map(|&(d, c)| {
+        [(true, false), (false, false), (true, true), (false, true)]
+            .into_iter()
+            .map(move |(b, w)| (d, c, b, w))
+    });
+    for (sim_dur, sim_comm, backfill_forwards, w_due) in variants {
         if w_due && !rules.defer_w {
             continue;
         }
-        match run(pl, ops, rules, &dur, comm, backfill_forwards, w_due) {
+        match run(pl, ops, rules, sim_dur, sim_comm, backfill_forwards, w_due) {
             Ok((o, _)) => {
                 let t = replay(&pred, &o, &dur, comm);
                 if best.as_ref().is_none_or(|b| t < b.1 - EPS) {
