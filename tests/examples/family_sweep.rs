@@ -13,7 +13,10 @@ fn main() {
         .skip(1)
         .map(|s| s.parse().expect("a number"))
         .collect();
-    let (lo, hi) = (a.first().copied().unwrap_or(2), a.get(1).copied().unwrap_or(16));
+    let (lo, hi) = (
+        a.first().copied().unwrap_or(2),
+        a.get(1).copied().unwrap_or(16),
+    );
     let step = a.get(2).copied().unwrap_or(1);
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs");
     for (spec, mode) in [("v_half", Mode::Half), ("v_min", Mode::Min)] {
