@@ -22,7 +22,13 @@ fn main() {
     for (spec, mode) in [("v_half", Mode::Half), ("v_min", Mode::Min)] {
         let text = std::fs::read_to_string(root.join(format!("{spec}.sched"))).unwrap();
         let t0 = std::time::Instant::now();
-        let pts = sweep(&text, mode, lo..=hi, step, &COSTS);
+        let pts = sweep(
+            &text,
+            mode,
+            lo..=hi,
+            &|p| (p..=8 * p).step_by(step as usize).collect(),
+            &COSTS,
+        );
         let worse: Vec<_> = pts
             .iter()
             .filter(|x| x.makespan_ratio() > 1.0 + 1e-9 || x.peak_ratio() > 1.0)

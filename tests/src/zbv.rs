@@ -359,21 +359,20 @@ impl Point {
 }
 
 /// Compares `spec` (the text of `specs/v_half.sched` or `specs/v_min.sched`) with the
-/// authors' generator in `mode` at every P in `ps`, M in P..=8P (step `mstep`), and every
-/// cost set of `costs`. The authors' orders do not depend on the costs, so they are built
+/// authors' generator in `mode` at every P in `ps`, every M in `ms(P)`, and every cost set
+/// of `costs`. The authors' orders do not depend on the costs, so they are built
 /// once per (P, M).
 pub fn sweep(
     spec: &str,
     mode: Mode,
     ps: impl IntoIterator<Item = u32>,
-    mstep: u32,
+    ms: &dyn Fn(u32) -> Vec<u32>,
     costs: &[(&'static str, [f64; 4])],
 ) -> Vec<Point> {
     use schedc::input::{load_spec_with, Overrides};
     let mut out = Vec::new();
     for p in ps {
-        let mut m = p;
-        while m <= 8 * p {
+        for m in ms(p) {
             let theirs = program(mode, p, m);
             let tpk = crate::zb::peaks(&theirs).into_iter().max().unwrap();
             for &(name, c) in costs {
@@ -395,7 +394,6 @@ pub fn sweep(
                     peak: (pk, tpk),
                 });
             }
-            m += mstep;
         }
     }
     out
