@@ -49,11 +49,11 @@ pub fn pattern(mode: Mode, p: usize) -> Vec<[i64; 4]> {
     (0..n)
         .map(|i| match mode {
             Mode::Min => {
-                let gap = if p % 3 == 0 { 2 } else { 0 };
+                let gap = if p.is_multiple_of(3) { 2 } else { 0 };
                 [i, 2 * n - i - 1, 2 * n + gap + i, 4 * n + gap - i - 1]
             }
             Mode::Half => {
-                let gap = if p % 2 == 0 { 3 } else { 0 };
+                let gap = if p.is_multiple_of(2) { 3 } else { 0 };
                 [
                     2 * i,
                     3 * n - i - 2,

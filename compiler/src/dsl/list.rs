@@ -133,7 +133,11 @@ fn class(k: Kind) -> usize {
 /// orders are run as they are, from t0 under the same op times and message latency, and the
 /// shortest makespan is kept (on a tie, the earlier variant). Keeping the best of a few
 /// deterministic greedy variants is what the Zero Bubble authors' scheduler does (`zb.py`,
-/// eight variants).
+/// eight variants). Under `memory <=` with `defer W`, two more variants (backfilling any op,
+/// `W` deferred or due) count no release by the backwards ahead in a backfilled forward's
+/// memory look-ahead. Unless the op times are already unit with free messages, every variant
+/// is also simulated under unit op times and free messages (the slot model of the Controllable
+/// Memory authors' generator), its orders again replayed under the real times.
 ///
 /// Errors: [`Stuck`] when no rank can start an op (a memory or in-flight cap that the
 /// priorities cannot meet) in every variant; the first variant's is returned.
@@ -1037,7 +1041,15 @@ mod tests {
             .collect();
         let pred = inputs(&pl, &ops);
         let t = |w_due| {
-            let (o, _) = run(&pl, &ops, &rules, &dur, 0.05, true, w_due).unwrap();
+            let (o, _) = run(
+                &pl,
+                &ops,
+                &rules,
+                &dur,
+                0.05,
+                Variant::new(true, w_due, false),
+            )
+            .unwrap();
             (replay(&pred, &o, &dur, 0.05), o)
         };
         let (deferred, _) = t(false);
