@@ -808,3 +808,5 @@ pub mod zb {
             .collect()
     }
 }
+
+pub mod zbv;

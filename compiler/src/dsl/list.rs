@@ -133,7 +133,11 @@ fn class(k: Kind) -> usize {
 /// orders are run as they are, from t0 under the same op times and message latency, and the
 /// shortest makespan is kept (on a tie, the earlier variant). Keeping the best of a few
 /// deterministic greedy variants is what the Zero Bubble authors' scheduler does (`zb.py`,
-/// eight variants).
+/// eight variants). Under `memory <=` with `defer W`, two more variants (backfilling any op,
+/// `W` deferred or due) count no release by the backwards ahead in a backfilled forward's
+/// memory look-ahead. Unless the op times are already unit with free messages, every variant
+/// is also simulated under unit op times and free messages (the slot model of the Controllable
+/// Memory authors' generator), its orders again replayed under the real times.
 ///
 /// Errors: [`Stuck`] when no rank can start an op (a memory or in-flight cap that the
 /// priorities cannot meet) in every variant; the first variant's is returned.
@@ -146,16 +150,30 @@ pub fn schedule(
     let dur: Vec<f64> = ops.iter().map(|o| cost.op_time(o.kind, o.stage)).collect();
     let comm = cost.message_time();
     if rules.strict {
-        return run(pl, ops, rules, &dur, comm, false, false).map(|r| r.0);
+        return run(pl, ops, rules, &dur, comm, Variant::STRICT).map(|r| r.0);
     }
     let pred = inputs(pl, ops);
     let mut best: Option<(Vec<Vec<usize>>, f64)> = None;
     let mut first_err = None;
-    for (backfill_forwards, w_due) in [(true, false), (false, false), (true, true), (false, true)] {
-        if w_due && !rules.defer_w {
+    // The greedy's own simulation under the real op times, then under unit op times with free
+    // messages (the slot model of the Zero Bubble and Controllable Memory generators): the
+    // orders from either are replayed under the real times.
+    let unit: Vec<f64> = ops
+        .iter()
+        .map(|o| if o.kind == Kind::BW { 2.0 } else { 1.0 })
+        .collect();
+    let sims: [(&[f64], f64); 2] = [(&dur, comm), (&unit, 0.0)];
+    // Under unit times already, the second simulation is the first.
+    let nsims = if comm == 0.0 && dur == unit { 1 } else { 2 };
+    let variants = sims[..nsims]
+        .iter()
+        .flat_map(|&(d, c)| Variant::ALL.into_iter().map(move |v| (d, c, v)));
+    for (sim_dur, sim_comm, v) in variants {
+        if (v.w_due || v.late_release) && !rules.defer_w || v.late_release && rules.memory.is_none()
+        {
             continue;
         }
-        match run(pl, ops, rules, &dur, comm, backfill_forwards, w_due) {
+        match run(pl, ops, rules, sim_dur, sim_comm, v) {
             Ok((o, _)) => {
                 let t = replay(&pred, &o, &dur, comm);
                 if best.as_ref().is_none_or(|b| t < b.1 - EPS) {
@@ -242,19 +260,60 @@ fn replay(pred: &[u32], orders: &[Vec<usize>], dur: &[f64], comm: f64) -> f64 {
     }
 }
 
-/// One greedy run with op times `dur` (seconds, per op) and message latency `comm`;
-/// `backfill_forwards`: whether forwards may run out of order; `w_due`: whether a deferred
-/// `W` whose priority comes before the head runs first while the rank has forwards left.
-/// Returns the orders and the simulated makespan.
+/// The policy of one greedy run.
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    /// Whether forwards may run out of order (backfill).
+    backfill_forwards: bool,
+    /// Whether a deferred `W` whose priority comes before the head runs first while the rank
+    /// has forwards left.
+    w_due: bool,
+    /// Under `memory <= k` with `defer W`: a forward taken out of order must keep every later
+    /// point of the order under `k` counting no release at all by the backwards ahead (their
+    /// deferred `W` may run late), so that it never takes the memory a forward due before it
+    /// needs. Without it the look-ahead counts each backward's `W` as prompt.
+    late_release: bool,
+}
+
+impl Variant {
+    const STRICT: Variant = Variant {
+        backfill_forwards: false,
+        w_due: false,
+        late_release: false,
+    };
+    /// The variants [`schedule`] tries, in order (on a tie the earlier is kept).
+    const ALL: [Variant; 6] = [
+        Variant::new(true, false, false),
+        Variant::new(false, false, false),
+        Variant::new(true, true, false),
+        Variant::new(false, true, false),
+        Variant::new(true, false, true),
+        Variant::new(true, true, true),
+    ];
+    const fn new(backfill_forwards: bool, w_due: bool, late_release: bool) -> Variant {
+        Variant {
+            backfill_forwards,
+            w_due,
+            late_release,
+        }
+    }
+}
+
+/// One greedy run with op times `dur` (seconds, per op), message latency `comm` and policy
+/// `v`. Returns the orders and the simulated makespan.
 fn run(
     pl: &Pipeline,
     ops: &[Op],
     rules: &Rules,
     dur: &[f64],
     comm: f64,
-    backfill_forwards: bool,
-    w_due: bool,
+    v: Variant,
 ) -> Result<(Vec<Vec<usize>>, f64), Stuck> {
+    let Variant {
+        backfill_forwards,
+        w_due,
+        late_release,
+    } = v;
     let np = pl.pp as usize;
     let mbs = pl.microbatches as usize;
     let n = ops.len();
@@ -317,7 +376,7 @@ fn run(
     let mem_delta = |o: &Op| match o.kind {
         Kind::F => 1,
         Kind::W | Kind::BW => -1,
-        Kind::B if rules.defer_w => -1,
+        Kind::B if rules.defer_w && !late_release => -1,
         Kind::B => 0,
     };
     let mut mem_tree: Vec<PrefixMax> = order
@@ -982,7 +1041,15 @@ mod tests {
             .collect();
         let pred = inputs(&pl, &ops);
         let t = |w_due| {
-            let (o, _) = run(&pl, &ops, &rules, &dur, 0.05, true, w_due).unwrap();
+            let (o, _) = run(
+                &pl,
+                &ops,
+                &rules,
+                &dur,
+                0.05,
+                Variant::new(true, w_due, false),
+            )
+            .unwrap();
             (replay(&pred, &o, &dur, 0.05), o)
         };
         let (deferred, _) = t(false);
