@@ -1175,6 +1175,195 @@ def report_loop_amp(tally: Tally, got: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# 7. Tensor parallelism inside a stage (issue 23): a Megatron-style MLP on the runtime's groups
+# ------------------------------------------------------------------------------------------
+
+TP_DIM, TP_HIDDEN, TP_ROWS, TP_MB, TP_STEPS = 8, 16, 8, 4, 2
+# (name, spec, schedc arguments, mesh)
+TP_CONFIGS = [
+    ("tp-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
+    ("tp-zb_h1", "specs/zb_h1.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
+]
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, all-reduce of the gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce forward over the TP group, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def tp_full_params(stage: int) -> dict:
+    """The unsharded parameters of model stage ``stage`` (f64, from the seed)."""
+    g = torch.Generator().manual_seed(SEED + 101 * stage)
+    def r(*shape):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5)
+    return {"w1": r(TP_HIDDEN, TP_DIM), "b1": r(TP_HIDDEN), "w2": r(TP_DIM, TP_HIDDEN), "b2": r(TP_DIM)}
+
+
+class TPMLP(torch.nn.Module):
+    """``x + W2 tanh(W1 x + b1) + b2``: W1 split by rows (column-parallel), W2 by columns
+    (row-parallel) over ``group``'s ``size`` ranks; ``group=None``: the whole block."""
+
+    def __init__(self, stage: int, rank: int = 0, size: int = 1, group=None):
+        super().__init__()
+        full = tp_full_params(stage)
+        h = TP_HIDDEN // size
+        sl = slice(rank * h, (rank + 1) * h)
+        self.group = group
+        self.w1 = torch.nn.Parameter(full["w1"][sl].clone())
+        self.b1 = torch.nn.Parameter(full["b1"][sl].clone())
+        self.w2 = torch.nn.Parameter(full["w2"][:, sl].clone())
+        self.b2 = torch.nn.Parameter(full["b2"].clone())  # replicated over the TP group
+
+    def forward(self, x):
+        y = _CopyToTP.apply(x, self.group) if self.group is not None else x
+        y = torch.tanh(y @ self.w1.T + self.b1) @ self.w2.T
+        if self.group is not None:
+            y = _ReduceFromTP.apply(y, self.group)
+        return x + y + self.b2
+
+
+def tp_batch(step: int):
+    g = torch.Generator().manual_seed(SEED + 7 * step)
+    return (torch.randn(TP_ROWS, TP_DIM, generator=g, dtype=torch.float64),
+            torch.randn(TP_ROWS, TP_DIM, generator=g, dtype=torch.float64))
+
+
+def tp_loss(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
+    try:
+        init(rank, world, port)
+        torch.manual_seed(0)
+        seen = {}
+
+        def make_stage(stage, n_stages, groups):
+            seen.update(stage=stage, n=n_stages, tp=groups.ranks["tp"], sp=groups.ranks["sp"],
+                        ep=groups.ranks["ep"], dp=groups.ranks["dp"])
+            return TPMLP(stage, groups.rank("tp"), groups.size("tp"), groups.tp)
+
+        rt = rtm.load_program(c["dir"], make_stage=make_stage, loss_fn=tp_loss,
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+        out = {"seen": seen, "coords": rt.program.coords, "steps": []}
+        for step in range(TP_STEPS):
+            x, y = tp_batch(step)
+            captured = {}
+
+            def grab(r):
+                for s, st in r.stages.items():
+                    # Plain lists: tensors would travel through shared memory that the
+                    # worker's exit takes away.
+                    captured[s] = {n: p.grad.tolist() for n, p in zip(st.names, st.params)}
+
+            losses = rt.step(x, y, before_optimizer=grab)
+            out["steps"].append({"losses": [float(l) for l in losses], "chunks": list(rt.loss_chunks),
+                                 "grads": {st.info.model_stage: captured[s] for s, st in rt.stages.items()}})
+        results.put((rank, out, None))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, None, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def tp_reference() -> list:
+    """Non-pipelined, non-TP training: per step, the micro-batch losses and the gradients."""
+    stages = [TPMLP(s) for s in range(2)]
+    params = [p for m in stages for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    out = []
+    for step in range(TP_STEPS):
+        x, y = tp_batch(step)
+        opt.zero_grad()
+        losses = []
+        for xc, yc in zip(torch.tensor_split(x, TP_MB), torch.tensor_split(y, TP_MB)):
+            h = xc
+            for m in stages:
+                h = m(h)
+            losses.append(tp_loss(h, yc))
+        (sum(losses) / TP_MB).backward()
+        out.append({"losses": [float(l.detach()) for l in losses],
+                    "grads": {s: {n: p.grad.clone() for n, p in m.named_parameters()} for s, m in enumerate(stages)}})
+        opt.step()
+    return out
+
+
+def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
+    ref = None
+    for name, spec, args, mesh in TP_CONFIGS:
+        if only and name not in only and "tp" not in only:
+            continue
+        d = os.path.join(tmp, name)
+        compile_program(exe, spec, args, mesh, False, d)
+        man = json.load(open(os.path.join(d, "manifest.json")))
+        world = man["world"]
+        got, errors, secs = spawn(world, tp_worker, {"dir": d}, timeout)
+        for e in errors.values():
+            print(e, file=sys.stderr)
+        if errors or len(got) < world:
+            why = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errors.items()))
+            tally.record(f"torch_runtime_tp_mlp_equals_unpipelined ({name})", False,
+                         why or f"results from ranks {sorted(got)} only")
+            continue
+        ref = ref or tp_reference()
+        loss_err, grad_err, n_grads = 0.0, 0.0, 0
+        for step in range(TP_STEPS):
+            r = ref[step]
+            for rank in sorted(got):
+                st = got[rank]["steps"][step]
+                for chunk, l in zip(st["chunks"], st["losses"]):
+                    loss_err = max(loss_err, abs(l - r["losses"][chunk]) / abs(r["losses"][chunk]))
+            for stage in range(2):
+                # The ranks of this model stage, in TP order: their slices, gathered.
+                ranks = sorted((rk for rk in got if stage in got[rk]["steps"][step]["grads"]),
+                               key=lambda rk: got[rk]["coords"]["tp"])
+                gs = [{n: torch.tensor(v, dtype=torch.float64) for n, v in got[rk]["steps"][step]["grads"][stage].items()}
+                      for rk in ranks]
+                full = {"w1": torch.cat([g["w1"] for g in gs], 0), "b1": torch.cat([g["b1"] for g in gs], 0),
+                        "w2": torch.cat([g["w2"] for g in gs], 1)}
+                for n, t in full.items():
+                    grad_err = max(grad_err, rel_err(t, r["grads"][stage][n]))
+                    n_grads += 1
+                for g in gs:  # replicated: every TP rank holds the whole gradient
+                    grad_err = max(grad_err, rel_err(g["b2"], r["grads"][stage]["b2"]))
+                    n_grads += 1
+        seen = [got[rk]["seen"] for rk in sorted(got)]
+        groups_ok = all(s["tp"] == ([0, 1] if rk < 2 else [2, 3]) and s["dp"] == [rk] and s["ep"] == [rk]
+                        and s["sp"] == [rk] and s["n"] == 2 for rk, s in zip(sorted(got), seen))
+        tally.record(f"torch_runtime_tp_mlp_equals_unpipelined ({name})",
+                     loss_err <= 1e-9 and grad_err <= 1e-9 and groups_ok and n_grads == TP_STEPS * 2 * 5,
+                     f"--mesh {mesh}, {world} gloo processes, {TP_STEPS} SGD steps in f64: "
+                     f"{TP_STEPS * TP_MB} losses max rel err {loss_err:.1e}, {n_grads} gradients "
+                     f"(gathered TP slices, replicated biases) max rel err {grad_err:.1e}; TP groups "
+                     f"{[s['tp'] for s in seen]} ({secs:.1f}s)")
+
+
+# ------------------------------------------------------------------------------------------
 
 
 def main() -> int:
@@ -1210,6 +1399,8 @@ def main() -> int:
         check_faults(tally, args.schedc, tmp, only, args.timeout)
         print("== the training loop (issue 25)", flush=True)
         check_loop(tally, args.schedc, tmp, only, args.timeout, not args.no_compile)
+        print("== tensor parallelism inside a stage (issue 23)", flush=True)
+        check_tp(tally, args.schedc, tmp, only, args.timeout)
     print(f"{tally.passed} passed, {len(tally.failed)} failed ({time.time() - t0:.0f}s)"
           + (": " + ", ".join(tally.failed) if tally.failed else ""))
     return 1 if tally.failed else 0
