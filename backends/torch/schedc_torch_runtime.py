@@ -417,9 +417,10 @@ class ProgramRuntime:
             ``before_optimizer``), agrees over every rank whether any is infinite or NaN
             (then every rank skips the step) and updates the scale.
         profile: time every kernel and message (see :meth:`write_profile`).
-        scale_grads: seed each micro-batch's loss with ``1 / (micro-batches x data shards)``
-            so that gradients are those of the mean loss over the global batch (torch's
-            ``scale_grads``); otherwise of the sum.
+        scale_grads: seed each micro-batch's loss with ``1 / (micro-batches x data shards x
+            sp)`` so that gradients are those of the mean loss over the global batch (torch's
+            ``scale_grads``; under the mesh's ``sp`` each rank's loss is that of its sequence
+            shard, and their mean the sequence's); otherwise of the sum.
         static_shapes: message shapes and dtypes are exchanged in the first step only (False:
             every step, for inputs whose shapes vary).
         device: where received tensors go (default: CUDA's current device under NCCL, else CPU).
@@ -484,7 +485,11 @@ class ProgramRuntime:
             if dim in ("dp", "ep"):
                 shards *= n
         self._data_shards = shards
-        self.scale = 1.0 / (program.total_microbatches * shards) if scale_grads else 1.0
+        # The mesh's sp ranks take the same batch, each computing the loss of its sequence
+        # shard, and the program sums the gradients over them (with dp): the mean over sp is
+        # the sequence's loss.
+        sp = dict(m["mesh"]["dims"]).get("sp", 1)
+        self.scale = 1.0 / (program.total_microbatches * shards * sp) if scale_grads else 1.0
         self.n_model_stages: int = m["model_stages"]
         if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
             raise SchedcRuntimeError(

@@ -1178,12 +1178,27 @@ def report_loop_amp(tally: Tally, got: dict) -> None:
 # 7. Tensor parallelism inside a stage (issue 23): a Megatron-style MLP on the runtime's groups
 # ------------------------------------------------------------------------------------------
 
-TP_DIM, TP_HIDDEN, TP_ROWS, TP_MB, TP_STEPS = 8, 16, 8, 4, 2
+TP_DIM, TP_HIDDEN, TP_ROWS, TP_SEQ, TP_MB, TP_STEPS = 8, 16, 8, 4, 4, 2
 # (name, spec, schedc arguments, mesh)
 TP_CONFIGS = [
     ("tp-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
     ("tp-zb_h1", "specs/zb_h1.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
+    # The mesh's sp: each sp rank takes its shard of the sequence (first stage), sends only
+    # that shard down the pipeline, and computes the loss of its shard.
+    ("tp-sp-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,sp=2"),
 ]
+
+
+class SeqShard(torch.nn.Module):
+    """The first stage under the mesh's ``sp``: this rank's slice of the sequence (dim 1)."""
+
+    def __init__(self, inner: torch.nn.Module, rank: int, size: int):
+        super().__init__()
+        self.inner, self.rank, self.size = inner, rank, size
+
+    def forward(self, x):
+        n = x.shape[1] // self.size
+        return self.inner(x[:, self.rank * n:(self.rank + 1) * n])
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -1248,8 +1263,8 @@ class TPMLP(torch.nn.Module):
 
 def tp_batch(step: int):
     g = torch.Generator().manual_seed(SEED + 7 * step)
-    return (torch.randn(TP_ROWS, TP_DIM, generator=g, dtype=torch.float64),
-            torch.randn(TP_ROWS, TP_DIM, generator=g, dtype=torch.float64))
+    return (torch.randn(TP_ROWS, TP_SEQ, TP_DIM, generator=g, dtype=torch.float64),
+            torch.randn(TP_ROWS, TP_SEQ, TP_DIM, generator=g, dtype=torch.float64))
 
 
 def tp_loss(out, y):
@@ -1265,11 +1280,19 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
         def make_stage(stage, n_stages, groups):
             seen.update(stage=stage, n=n_stages, tp=groups.ranks["tp"], sp=groups.ranks["sp"],
                         ep=groups.ranks["ep"], dp=groups.ranks["dp"])
-            return TPMLP(stage, groups.rank("tp"), groups.size("tp"), groups.tp)
+            m = TPMLP(stage, groups.rank("tp"), groups.size("tp"), groups.tp)
+            if stage == 0 and groups.size("sp") > 1:
+                m = SeqShard(m, groups.rank("sp"), groups.size("sp"))
+            return m
 
-        rt = rtm.load_program(c["dir"], make_stage=make_stage, loss_fn=tp_loss,
+        def loss_fn(out, y):  # the loss of this rank's sequence shard
+            n = out.shape[1]
+            sp = rt.groups.rank("sp")  # rt: bound below, before the first step
+            return tp_loss(out, y[:, sp * n:(sp + 1) * n])
+
+        rt = rtm.load_program(c["dir"], make_stage=make_stage, loss_fn=loss_fn,
                               optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
-        out = {"seen": seen, "coords": rt.program.coords, "steps": []}
+        out = {"seen": seen, "coords": rt.program.coords, "steps": [], "act_shapes": []}
         for step in range(TP_STEPS):
             x, y = tp_batch(step)
             captured = {}
@@ -1281,6 +1304,8 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
                     captured[s] = {n: p.grad.tolist() for n, p in zip(st.names, st.params)}
 
             losses = rt.step(x, y, before_optimizer=grab)
+            # What this rank received over the pipeline: the message shapes of the first step.
+            out["act_shapes"] = sorted({str(sh[0][1]) for sh in rt._shapes.values()})
             out["steps"].append({"losses": [float(l) for l in losses], "chunks": list(rt.loss_chunks),
                                  "grads": {st.info.model_stage: captured[s] for s, st in rt.stages.items()}})
         results.put((rank, out, None))
@@ -1332,35 +1357,55 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
             continue
         ref = ref or tp_reference()
         loss_err, grad_err, n_grads = 0.0, 0.0, 0
+        coords = {rk: got[rk]["coords"] for rk in got}
         for step in range(TP_STEPS):
             r = ref[step]
-            for rank in sorted(got):
-                st = got[rank]["steps"][step]
-                for chunk, l in zip(st["chunks"], st["losses"]):
+            # Each TP rank computes the loss; the mean over the sp ranks is the sequence's.
+            for t in sorted({c["tp"] for c in coords.values()}):
+                per: dict = {}
+                for rank in sorted(got):
+                    if coords[rank]["tp"] != t:
+                        continue
+                    st = got[rank]["steps"][step]
+                    for chunk, l in zip(st["chunks"], st["losses"]):
+                        per.setdefault(chunk, []).append(l)
+                for chunk, ls in per.items():
+                    l = sum(ls) / len(ls)
                     loss_err = max(loss_err, abs(l - r["losses"][chunk]) / abs(r["losses"][chunk]))
             for stage in range(2):
-                # The ranks of this model stage, in TP order: their slices, gathered.
-                ranks = sorted((rk for rk in got if stage in got[rk]["steps"][step]["grads"]),
-                               key=lambda rk: got[rk]["coords"]["tp"])
-                gs = [{n: torch.tensor(v, dtype=torch.float64) for n, v in got[rk]["steps"][step]["grads"][stage].items()}
-                      for rk in ranks]
-                full = {"w1": torch.cat([g["w1"] for g in gs], 0), "b1": torch.cat([g["b1"] for g in gs], 0),
-                        "w2": torch.cat([g["w2"] for g in gs], 1)}
-                for n, t in full.items():
-                    grad_err = max(grad_err, rel_err(t, r["grads"][stage][n]))
-                    n_grads += 1
-                for g in gs:  # replicated: every TP rank holds the whole gradient
-                    grad_err = max(grad_err, rel_err(g["b2"], r["grads"][stage]["b2"]))
-                    n_grads += 1
+                for spc in sorted({c["sp"] for c in coords.values()}):
+                    # The ranks of this model stage and sp coordinate, in TP order: their
+                    # slices, gathered.
+                    ranks = sorted((rk for rk in got if stage in got[rk]["steps"][step]["grads"]
+                                    and coords[rk]["sp"] == spc), key=lambda rk: coords[rk]["tp"])
+                    gs = [{n: torch.tensor(v, dtype=torch.float64)
+                           for n, v in got[rk]["steps"][step]["grads"][stage].items()} for rk in ranks]
+                    if stage == 0 and "inner.w1" in gs[0]:
+                        gs = [{n.removeprefix("inner."): v for n, v in g.items()} for g in gs]
+                    full = {"w1": torch.cat([g["w1"] for g in gs], 0), "b1": torch.cat([g["b1"] for g in gs], 0),
+                            "w2": torch.cat([g["w2"] for g in gs], 1)}
+                    for n, t in full.items():
+                        grad_err = max(grad_err, rel_err(t, r["grads"][stage][n]))
+                        n_grads += 1
+                    for g in gs:  # replicated: every TP rank holds the whole gradient
+                        grad_err = max(grad_err, rel_err(g["b2"], r["grads"][stage]["b2"]))
+                        n_grads += 1
         seen = [got[rk]["seen"] for rk in sorted(got)]
-        groups_ok = all(s["tp"] == ([0, 1] if rk < 2 else [2, 3]) and s["dp"] == [rk] and s["ep"] == [rk]
-                        and s["sp"] == [rk] and s["n"] == 2 for rk, s in zip(sorted(got), seen))
+        sp = "sp=2" in mesh
+        line = [[0, 1], [2, 3]]
+        groups_ok = all(s[("sp" if sp else "tp")] == line[rk // 2] and s[("tp" if sp else "sp")] == [rk]
+                        and s["dp"] == [rk] and s["ep"] == [rk] and s["n"] == 2 for rk, s in zip(sorted(got), seen))
+        shapes = sorted({sh for rk in got for sh in got[rk]["act_shapes"]})
+        want_shape = f"({TP_ROWS // TP_MB}, {TP_SEQ // 2 if sp else TP_SEQ}, {TP_DIM})"
+        n_want = TP_STEPS * 2 * (8 if sp else 5)
         tally.record(f"torch_runtime_tp_mlp_equals_unpipelined ({name})",
-                     loss_err <= 1e-9 and grad_err <= 1e-9 and groups_ok and n_grads == TP_STEPS * 2 * 5,
+                     loss_err <= 1e-9 and grad_err <= 1e-9 and groups_ok and n_grads == n_want
+                     and shapes == [want_shape],
                      f"--mesh {mesh}, {world} gloo processes, {TP_STEPS} SGD steps in f64: "
                      f"{TP_STEPS * TP_MB} losses max rel err {loss_err:.1e}, {n_grads} gradients "
-                     f"(gathered TP slices, replicated biases) max rel err {grad_err:.1e}; TP groups "
-                     f"{[s['tp'] for s in seen]} ({secs:.1f}s)")
+                     f"(gathered TP slices, replicated biases) max rel err {grad_err:.1e}; "
+                     f"{'SP' if sp else 'TP'} groups {[s['sp' if sp else 'tp'] for s in seen]}; pipeline "
+                     f"messages {shapes} per micro-batch ({secs:.1f}s)")
 
 
 # ------------------------------------------------------------------------------------------
