@@ -33,6 +33,11 @@ What it checks (one line per check, then ``N passed, M failed``; exit status 1 o
    timeouts, LR schedulers, gradient accumulation, ``clip_grad_norm_`` in ``before_optimizer``,
    checkpoint and resume, bf16 and fp16 AMP, ``torch.compile`` with B/W split
    (``--no-compile`` skips the last, about 50 s).
+7. **tensor parallelism inside a stage** (``--only tp``, issue 23): a Megatron-style MLP
+   (column- then row-parallel, all-reduce over ``groups.tp``) built by
+   ``make_stage(stage, n, groups)`` at ``--mesh pp=2,tp=2`` (1F1B, ZB-H1) and a sequence-sharded
+   one at ``pp=2,sp=2``, 4 gloo processes, f64: losses and gathered gradients against the
+   unpipelined, unsplit model (<= 1e-9), and the pipeline's message shapes.
 """
 
 from __future__ import annotations
@@ -231,6 +236,19 @@ def seq_callback(calls: list):
 
 
 def check_units(tally: Tally, tmp: str, exe: str) -> None:
+    # make_stage's forms, by signature (issue 23: the groups as a third argument).
+    g = rtm.MeshGroups(coords={"tp": 1}, ranks={"tp": [4, 5]})
+    forms = {
+        "one": lambda s: ("one", s),
+        "two": lambda s, n: ("two", s, n),
+        "args": lambda *a: ("args", *a),
+        "three": lambda s, n, groups: ("three", s, n, groups.rank("tp"), groups.size("tp")),
+        "keyword": lambda s, n, *, groups=None: ("keyword", s, n, groups is g),
+    }
+    got = {k: rtm._stage_maker(f, 6, 0, g)(3) for k, f in forms.items()}
+    want = {"one": ("one", 3), "two": ("two", 3, 6), "args": ("args", 3, 6),
+            "three": ("three", 3, 6, 1, 2), "keyword": ("keyword", 3, 6, True)}
+    tally.record("make_stage_gets_groups_by_signature", got == want, f"{got}")
     torch.manual_seed(0)
     cfg = mm.Config()
     st = mm.build(cfg, 3, 5)[1]
