@@ -1204,6 +1204,9 @@ TP_CONFIGS = [
     # The mesh's sp: each sp rank takes its shard of the sequence (first stage), sends only
     # that shard down the pipeline, and computes the loss of its shard.
     ("tp-sp-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,sp=2"),
+    # Negative control: without Megatron's all-reduce of the input gradient (the column-
+    # parallel layer's `f`), the gradients reaching the previous stage are partial sums.
+    ("tp-control-no-backward-all-reduce", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
 ]
 
 
@@ -1260,8 +1263,9 @@ class TPMLP(torch.nn.Module):
     """``x + W2 tanh(W1 x + b1) + b2``: W1 split by rows (column-parallel), W2 by columns
     (row-parallel) over ``group``'s ``size`` ranks; ``group=None``: the whole block."""
 
-    def __init__(self, stage: int, rank: int = 0, size: int = 1, group=None):
+    def __init__(self, stage: int, rank: int = 0, size: int = 1, group=None, control: bool = False):
         super().__init__()
+        self.control = control  # the negative control: no all-reduce of the input gradient
         full = tp_full_params(stage)
         h = TP_HIDDEN // size
         sl = slice(rank * h, (rank + 1) * h)
@@ -1272,7 +1276,7 @@ class TPMLP(torch.nn.Module):
         self.b2 = torch.nn.Parameter(full["b2"].clone())  # replicated over the TP group
 
     def forward(self, x):
-        y = _CopyToTP.apply(x, self.group) if self.group is not None else x
+        y = _CopyToTP.apply(x, self.group) if self.group is not None and not self.control else x
         y = torch.tanh(y @ self.w1.T + self.b1) @ self.w2.T
         if self.group is not None:
             y = _ReduceFromTP.apply(y, self.group)
@@ -1298,7 +1302,7 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
         def make_stage(stage, n_stages, groups):
             seen.update(stage=stage, n=n_stages, tp=groups.ranks["tp"], sp=groups.ranks["sp"],
                         ep=groups.ranks["ep"], dp=groups.ranks["dp"])
-            m = TPMLP(stage, groups.rank("tp"), groups.size("tp"), groups.tp)
+            m = TPMLP(stage, groups.rank("tp"), groups.size("tp"), groups.tp, control=c["control"])
             if stage == 0 and groups.size("sp") > 1:
                 m = SeqShard(m, groups.rank("sp"), groups.size("sp"))
             return m
@@ -1365,7 +1369,8 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
         compile_program(exe, spec, args, mesh, False, d)
         man = json.load(open(os.path.join(d, "manifest.json")))
         world = man["world"]
-        got, errors, secs = spawn(world, tp_worker, {"dir": d}, timeout)
+        control = "control" in name
+        got, errors, secs = spawn(world, tp_worker, {"dir": d, "control": control}, timeout)
         for e in errors.values():
             print(e, file=sys.stderr)
         if errors or len(got) < world:
@@ -1416,6 +1421,11 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
         shapes = sorted({sh for rk in got for sh in got[rk]["act_shapes"]})
         want_shape = f"({TP_ROWS // TP_MB}, {TP_SEQ // 2 if sp else TP_SEQ}, {TP_DIM})"
         n_want = TP_STEPS * 2 * (8 if sp else 5)
+        if control:
+            tally.record("torch_runtime_tp_control_without_backward_all_reduce_is_noticed",
+                         grad_err > 1e-3, f"gradients max rel err {grad_err:.2g} (must exceed 1e-3), "
+                         f"losses {loss_err:.1e} (the second step's, after a wrong update) ({secs:.1f}s)")
+            continue
         tally.record(f"torch_runtime_tp_mlp_equals_unpipelined ({name})",
                      loss_err <= 1e-9 and grad_err <= 1e-9 and groups_ok and n_grads == n_want
                      and shapes == [want_shape],
