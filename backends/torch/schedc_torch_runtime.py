@@ -72,6 +72,8 @@ __all__ = [
     "load_program",
     "ProgramRuntime",
     "MoEParts",
+    "MeshGroups",
+    "MESH_DIMS",
     "FChunk",
     "BChunk",
     "clip_grad_norm_",
@@ -270,21 +272,89 @@ class _Stage:
 # ------------------------------------------------------------------------------------------
 
 
-def _stage_maker(make_stage: Callable, n_model_stages: int, rank: int) -> Callable[[int], torch.nn.Module]:
-    """``make_stage`` as a function of the model stage: ``make_stage(s, n)`` when it takes two
-    positional arguments (or ``*args``), ``make_stage(s)`` when it takes one."""
+def _stage_maker(make_stage: Callable, n_model_stages: int, rank: int,
+                 groups: "MeshGroups") -> Callable[[int], torch.nn.Module]:
+    """``make_stage`` as a function of the model stage, by its signature:
+    ``make_stage(s, n, groups)`` when it takes three positional arguments,
+    ``make_stage(s, n, groups=groups)`` when it has a parameter named ``groups`` after the
+    first two, ``make_stage(s, n)`` when it takes two (or ``*args``), ``make_stage(s)`` when
+    it takes one."""
     try:
         params = list(inspect.signature(make_stage).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: the documented form
         return lambda s: make_stage(s, n_model_stages)
     pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(pos) >= 3:
+        return lambda s: make_stage(s, n_model_stages, groups)
+    if any(p.name == "groups" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        return lambda s: make_stage(s, n_model_stages, groups=groups)
     if any(p.kind == p.VAR_POSITIONAL for p in params) or len(pos) >= 2:
         return lambda s: make_stage(s, n_model_stages)
     if len(pos) == 1:
         return make_stage
     raise SchedcRuntimeError(
         "make_stage must take the model stage and the number of model stages: "
-        "make_stage(model_stage, n_model_stages) -> nn.Module", rank=rank, step=-1)
+        "make_stage(model_stage, n_model_stages[, groups]) -> nn.Module", rank=rank, step=-1)
+
+
+#: The mesh dimensions whose process groups :class:`MeshGroups` holds.
+MESH_DIMS = ("tp", "sp", "ep", "dp")
+
+
+@dataclass
+class MeshGroups:
+    """The process groups of a rank's mesh dimensions, for the user's stage modules (handed
+    to ``make_stage(stage, n, groups)`` and kept as :attr:`ProgramRuntime.groups`).
+
+    ``tp``, ``sp``, ``ep``, ``dp``: the ``torch.distributed`` process group of the ranks that
+    differ from this one only in that coordinate (a group of this rank alone when the
+    dimension has size 1, so that collectives on it are no-ops rather than world-wide);
+    ``ranks[dim]``: their global ranks in coordinate order; ``coords``: this rank's
+    coordinates (``pp``, ``tp``, ``dp``, ``ep``, ``sp``). A Megatron-style column/row parallel
+    layer all-reduces over ``groups.tp`` and takes its slice with ``groups.rank("tp")`` of
+    ``groups.size("tp")``; a DTensor module builds its device mesh from ``groups.ranks``."""
+
+    coords: dict
+    ranks: dict
+    tp: Any = None
+    sp: Any = None
+    ep: Any = None
+    dp: Any = None
+
+    def size(self, dim: str) -> int:
+        """How many ranks the dimension ``dim`` has (1 for a dimension the mesh lacks)."""
+        return len(self.ranks.get(dim, [0]))
+
+    def rank(self, dim: str) -> int:
+        """This rank's coordinate along ``dim`` (0 .. size - 1)."""
+        return int(self.coords.get(dim, 0))
+
+    def group(self, dim: str):
+        """The process group of ``dim`` (``"tp"``, ``"sp"``, ``"ep"`` or ``"dp"``)."""
+        return getattr(self, dim)
+
+
+def _mesh_groups(program: Program, timeout: timedelta) -> MeshGroups:
+    """Every rank's coordinates (gathered: collective over the default group), then one
+    process group per line of each dimension of :data:`MESH_DIMS`, created by every rank in
+    the same order (``new_group`` is collective over the world)."""
+    world = program.world
+    coords: list = [None] * world
+    dist.all_gather_object(coords, dict(program.coords))
+    dims = [d for d, _ in program.manifest["mesh"]["dims"]]
+    out = MeshGroups(coords=dict(program.coords), ranks={})
+    for dim in MESH_DIMS:
+        lines: dict = {}
+        for g in range(world):
+            key = tuple(coords[g].get(d, 0) for d in dims if d != dim)
+            lines.setdefault(key, []).append(g)
+        for key in sorted(lines):
+            members = sorted(lines[key], key=lambda g: coords[g].get(dim, 0))
+            pg = dist.new_group(members, timeout=timeout)
+            if program.rank in members:
+                setattr(out, dim, pg)
+                out.ranks[dim] = members
+    return out
 
 
 def load_program(path_or_dir: str | os.PathLike, rank: int | None = None, **kwargs) -> "ProgramRuntime":
@@ -311,7 +381,10 @@ class ProgramRuntime:
         program: from :func:`read_program`.
         stages: the rank's stage modules by IR stage id (``program.stages``), or
         make_stage: ``make_stage(model_stage, n_model_stages) -> nn.Module`` (or, a callable
-            of one positional parameter, ``make_stage(model_stage)``), called once per local
+            of one positional parameter, ``make_stage(model_stage)``; of three,
+            ``make_stage(model_stage, n_model_stages, groups)``, as with a keyword parameter
+            ``groups``: the rank's :class:`MeshGroups`, the TP, SP, EP and DP process groups
+            for the user's tensor-parallel or sequence-parallel layers), called once per local
             stage; ``n_model_stages`` is the number of model stages the program cuts the model
             into (``program.manifest["model_stages"]``: P, P*V or 2P for a V, by schedule). For
             DualPipe it is called twice per model stage over the mirror pair, once on each of
@@ -344,9 +417,10 @@ class ProgramRuntime:
             ``before_optimizer``), agrees over every rank whether any is infinite or NaN
             (then every rank skips the step) and updates the scale.
         profile: time every kernel and message (see :meth:`write_profile`).
-        scale_grads: seed each micro-batch's loss with ``1 / (micro-batches x data shards)``
-            so that gradients are those of the mean loss over the global batch (torch's
-            ``scale_grads``); otherwise of the sum.
+        scale_grads: seed each micro-batch's loss with ``1 / (micro-batches x data shards x
+            sp)`` so that gradients are those of the mean loss over the global batch (torch's
+            ``scale_grads``; under the mesh's ``sp`` each rank's loss is that of its sequence
+            shard, and their mean the sequence's); otherwise of the sum.
         static_shapes: message shapes and dtypes are exchanged in the first step only (False:
             every step, for inputs whose shapes vary).
         device: where received tensors go (default: CUDA's current device under NCCL, else CPU).
@@ -411,7 +485,11 @@ class ProgramRuntime:
             if dim in ("dp", "ep"):
                 shards *= n
         self._data_shards = shards
-        self.scale = 1.0 / (program.total_microbatches * shards) if scale_grads else 1.0
+        # The mesh's sp ranks take the same batch, each computing the loss of its sequence
+        # shard, and the program sums the gradients over them (with dp): the mean over sp is
+        # the sequence's loss.
+        sp = dict(m["mesh"]["dims"]).get("sp", 1)
+        self.scale = 1.0 / (program.total_microbatches * shards * sp) if scale_grads else 1.0
         self.n_model_stages: int = m["model_stages"]
         if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
             raise SchedcRuntimeError(
@@ -419,7 +497,11 @@ class ProgramRuntime:
                 f"optimizer=lambda params: torch.optim.SGD(params, lr=0.1); got "
                 f"{'an optimizer instance' if isinstance(optimizer, torch.optim.Optimizer) else 'a'} "
                 f"`{type(optimizer).__name__}`", rank=self.rank, step=-1)
-        make = _stage_maker(make_stage, self.n_model_stages, self.rank) if make_stage is not None else None
+        td = timedelta(seconds=max(self.timeout, self.first_step_timeout))
+        # The mesh's TP, SP, EP and DP groups, for the user's stages (before make_stage).
+        self.groups: MeshGroups = _mesh_groups(program, td)
+        make = (_stage_maker(make_stage, self.n_model_stages, self.rank, self.groups)
+                if make_stage is not None else None)
 
         # Stage modules.
         self.stages: dict[int, _Stage] = {}
@@ -464,7 +546,6 @@ class ProgramRuntime:
         # Process groups: one per channel, one per collective group; every rank creates all
         # of them in the manifest's order (new_group is collective over the world).
         world = list(range(program.world))
-        td = timedelta(seconds=max(self.timeout, self.first_step_timeout))
         self._chan_pg = {c: dist.new_group(world, timeout=td) for c in m["channels"]}
         self._pgs = {tuple(g): dist.new_group(list(g), timeout=td) for g in m["groups"]}
         # Every rank: clip_grad_norm_ and the GradScaler's agreement.
@@ -849,7 +930,8 @@ class ProgramRuntime:
         return ""
 
     def _abort_groups(self) -> None:
-        for pg in [*self._chan_pg.values(), *self._pgs.values(), self._world_pg]:
+        mesh = [self.groups.group(d) for d in MESH_DIMS]
+        for pg in [*self._chan_pg.values(), *self._pgs.values(), self._world_pg, *mesh]:
             try:
                 pg.abort()
             except Exception:  # noqa: BLE001 - best effort: the error is already reported

@@ -33,6 +33,11 @@ What it checks (one line per check, then ``N passed, M failed``; exit status 1 o
    timeouts, LR schedulers, gradient accumulation, ``clip_grad_norm_`` in ``before_optimizer``,
    checkpoint and resume, bf16 and fp16 AMP, ``torch.compile`` with B/W split
    (``--no-compile`` skips the last, about 50 s).
+7. **tensor parallelism inside a stage** (``--only tp``, issue 23): a Megatron-style MLP
+   (column- then row-parallel, all-reduce over ``groups.tp``) built by
+   ``make_stage(stage, n, groups)`` at ``--mesh pp=2,tp=2`` (1F1B, ZB-H1) and a sequence-sharded
+   one at ``pp=2,sp=2``, 4 gloo processes, f64: losses and gathered gradients against the
+   unpipelined, unsplit model (<= 1e-9), and the pipeline's message shapes.
 """
 
 from __future__ import annotations
@@ -231,6 +236,19 @@ def seq_callback(calls: list):
 
 
 def check_units(tally: Tally, tmp: str, exe: str) -> None:
+    # make_stage's forms, by signature (issue 23: the groups as a third argument).
+    g = rtm.MeshGroups(coords={"tp": 1}, ranks={"tp": [4, 5]})
+    forms = {
+        "one": lambda s: ("one", s),
+        "two": lambda s, n: ("two", s, n),
+        "args": lambda *a: ("args", *a),
+        "three": lambda s, n, groups: ("three", s, n, groups.rank("tp"), groups.size("tp")),
+        "keyword": lambda s, n, *, groups=None: ("keyword", s, n, groups is g),
+    }
+    got = {k: rtm._stage_maker(f, 6, 0, g)(3) for k, f in forms.items()}
+    want = {"one": ("one", 3), "two": ("two", 3, 6), "args": ("args", 3, 6),
+            "three": ("three", 3, 6, 1, 2), "keyword": ("keyword", 3, 6, True)}
+    tally.record("make_stage_gets_groups_by_signature", got == want, f"{got}")
     torch.manual_seed(0)
     cfg = mm.Config()
     st = mm.build(cfg, 3, 5)[1]
@@ -1175,6 +1193,250 @@ def report_loop_amp(tally: Tally, got: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# 7. Tensor parallelism inside a stage (issue 23): a Megatron-style MLP on the runtime's groups
+# ------------------------------------------------------------------------------------------
+
+TP_DIM, TP_HIDDEN, TP_ROWS, TP_SEQ, TP_MB, TP_STEPS = 8, 16, 8, 4, 4, 2
+# (name, spec, schedc arguments, mesh)
+TP_CONFIGS = [
+    ("tp-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
+    ("tp-zb_h1", "specs/zb_h1.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
+    # The mesh's sp: each sp rank takes its shard of the sequence (first stage), sends only
+    # that shard down the pipeline, and computes the loss of its shard.
+    ("tp-sp-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,sp=2"),
+    # Negative control: without Megatron's all-reduce of the input gradient (the column-
+    # parallel layer's `f`), the gradients reaching the previous stage are partial sums.
+    ("tp-control-no-backward-all-reduce", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
+]
+
+
+class SeqShard(torch.nn.Module):
+    """The first stage under the mesh's ``sp``: this rank's slice of the sequence (dim 1)."""
+
+    def __init__(self, inner: torch.nn.Module, rank: int, size: int):
+        super().__init__()
+        self.inner, self.rank, self.size = inner, rank, size
+
+    def forward(self, x):
+        n = x.shape[1] // self.size
+        return self.inner(x[:, self.rank * n:(self.rank + 1) * n])
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, all-reduce of the gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce forward over the TP group, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def tp_full_params(stage: int) -> dict:
+    """The unsharded parameters of model stage ``stage`` (f64, from the seed)."""
+    g = torch.Generator().manual_seed(SEED + 101 * stage)
+    def r(*shape):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5)
+    return {"w1": r(TP_HIDDEN, TP_DIM), "b1": r(TP_HIDDEN), "w2": r(TP_DIM, TP_HIDDEN), "b2": r(TP_DIM)}
+
+
+class TPMLP(torch.nn.Module):
+    """``x + W2 tanh(W1 x + b1) + b2``: W1 split by rows (column-parallel), W2 by columns
+    (row-parallel) over ``group``'s ``size`` ranks; ``group=None``: the whole block."""
+
+    def __init__(self, stage: int, rank: int = 0, size: int = 1, group=None, control: bool = False):
+        super().__init__()
+        self.control = control  # the negative control: no all-reduce of the input gradient
+        full = tp_full_params(stage)
+        h = TP_HIDDEN // size
+        sl = slice(rank * h, (rank + 1) * h)
+        self.group = group
+        self.w1 = torch.nn.Parameter(full["w1"][sl].clone())
+        self.b1 = torch.nn.Parameter(full["b1"][sl].clone())
+        self.w2 = torch.nn.Parameter(full["w2"][:, sl].clone())
+        self.b2 = torch.nn.Parameter(full["b2"].clone())  # replicated over the TP group
+
+    def forward(self, x):
+        y = _CopyToTP.apply(x, self.group) if self.group is not None and not self.control else x
+        y = torch.tanh(y @ self.w1.T + self.b1) @ self.w2.T
+        if self.group is not None:
+            y = _ReduceFromTP.apply(y, self.group)
+        return x + y + self.b2
+
+
+def tp_batch(step: int):
+    g = torch.Generator().manual_seed(SEED + 7 * step)
+    return (torch.randn(TP_ROWS, TP_SEQ, TP_DIM, generator=g, dtype=torch.float64),
+            torch.randn(TP_ROWS, TP_SEQ, TP_DIM, generator=g, dtype=torch.float64))
+
+
+def tp_loss(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
+    try:
+        init(rank, world, port)
+        torch.manual_seed(0)
+        seen = {}
+
+        def make_stage(stage, n_stages, groups):
+            seen.update(stage=stage, n=n_stages, tp=groups.ranks["tp"], sp=groups.ranks["sp"],
+                        ep=groups.ranks["ep"], dp=groups.ranks["dp"])
+            m = TPMLP(stage, groups.rank("tp"), groups.size("tp"), groups.tp, control=c["control"])
+            if stage == 0 and groups.size("sp") > 1:
+                m = SeqShard(m, groups.rank("sp"), groups.size("sp"))
+            return m
+
+        def loss_fn(out, y):  # the loss of this rank's sequence shard
+            n = out.shape[1]
+            sp = rt.groups.rank("sp")  # rt: bound below, before the first step
+            return tp_loss(out, y[:, sp * n:(sp + 1) * n])
+
+        rt = rtm.load_program(c["dir"], make_stage=make_stage, loss_fn=loss_fn,
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+        out = {"seen": seen, "coords": rt.program.coords, "steps": [], "act_shapes": []}
+        for step in range(TP_STEPS):
+            x, y = tp_batch(step)
+            captured = {}
+
+            def grab(r):
+                for s, st in r.stages.items():
+                    # Plain lists: tensors would travel through shared memory that the
+                    # worker's exit takes away.
+                    captured[s] = {n: p.grad.tolist() for n, p in zip(st.names, st.params)}
+
+            losses = rt.step(x, y, before_optimizer=grab)
+            # What this rank received over the pipeline: the message shapes of the first step.
+            out["act_shapes"] = sorted({str(sh[0][1]) for sh in rt._shapes.values()})
+            out["steps"].append({"losses": [float(l) for l in losses], "chunks": list(rt.loss_chunks),
+                                 "grads": {st.info.model_stage: captured[s] for s, st in rt.stages.items()}})
+        results.put((rank, out, None))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, None, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def tp_reference() -> list:
+    """Non-pipelined, non-TP training: per step, the micro-batch losses and the gradients."""
+    stages = [TPMLP(s) for s in range(2)]
+    params = [p for m in stages for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    out = []
+    for step in range(TP_STEPS):
+        x, y = tp_batch(step)
+        opt.zero_grad()
+        losses = []
+        for xc, yc in zip(torch.tensor_split(x, TP_MB), torch.tensor_split(y, TP_MB)):
+            h = xc
+            for m in stages:
+                h = m(h)
+            losses.append(tp_loss(h, yc))
+        (sum(losses) / TP_MB).backward()
+        out.append({"losses": [float(l.detach()) for l in losses],
+                    "grads": {s: {n: p.grad.clone() for n, p in m.named_parameters()} for s, m in enumerate(stages)}})
+        opt.step()
+    return out
+
+
+def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
+    ref = None
+    for name, spec, args, mesh in TP_CONFIGS:
+        if only and name not in only and "tp" not in only:
+            continue
+        d = os.path.join(tmp, name)
+        compile_program(exe, spec, args, mesh, False, d)
+        man = json.load(open(os.path.join(d, "manifest.json")))
+        world = man["world"]
+        control = "control" in name
+        got, errors, secs = spawn(world, tp_worker, {"dir": d, "control": control}, timeout)
+        for e in errors.values():
+            print(e, file=sys.stderr)
+        if errors or len(got) < world:
+            why = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errors.items()))
+            tally.record(f"torch_runtime_tp_mlp_equals_unpipelined ({name})", False,
+                         why or f"results from ranks {sorted(got)} only")
+            continue
+        ref = ref or tp_reference()
+        loss_err, grad_err, n_grads = 0.0, 0.0, 0
+        coords = {rk: got[rk]["coords"] for rk in got}
+        for step in range(TP_STEPS):
+            r = ref[step]
+            # Each TP rank computes the loss; the mean over the sp ranks is the sequence's.
+            for t in sorted({c["tp"] for c in coords.values()}):
+                per: dict = {}
+                for rank in sorted(got):
+                    if coords[rank]["tp"] != t:
+                        continue
+                    st = got[rank]["steps"][step]
+                    for chunk, l in zip(st["chunks"], st["losses"]):
+                        per.setdefault(chunk, []).append(l)
+                for chunk, ls in per.items():
+                    l = sum(ls) / len(ls)
+                    loss_err = max(loss_err, abs(l - r["losses"][chunk]) / abs(r["losses"][chunk]))
+            for stage in range(2):
+                for spc in sorted({c["sp"] for c in coords.values()}):
+                    # The ranks of this model stage and sp coordinate, in TP order: their
+                    # slices, gathered.
+                    ranks = sorted((rk for rk in got if stage in got[rk]["steps"][step]["grads"]
+                                    and coords[rk]["sp"] == spc), key=lambda rk: coords[rk]["tp"])
+                    gs = [{n: torch.tensor(v, dtype=torch.float64)
+                           for n, v in got[rk]["steps"][step]["grads"][stage].items()} for rk in ranks]
+                    if stage == 0 and "inner.w1" in gs[0]:
+                        gs = [{n.removeprefix("inner."): v for n, v in g.items()} for g in gs]
+                    full = {"w1": torch.cat([g["w1"] for g in gs], 0), "b1": torch.cat([g["b1"] for g in gs], 0),
+                            "w2": torch.cat([g["w2"] for g in gs], 1)}
+                    for n, t in full.items():
+                        grad_err = max(grad_err, rel_err(t, r["grads"][stage][n]))
+                        n_grads += 1
+                    for g in gs:  # replicated: every TP rank holds the whole gradient
+                        grad_err = max(grad_err, rel_err(g["b2"], r["grads"][stage]["b2"]))
+                        n_grads += 1
+        seen = [got[rk]["seen"] for rk in sorted(got)]
+        sp = "sp=2" in mesh
+        line = [[0, 1], [2, 3]]
+        groups_ok = all(s[("sp" if sp else "tp")] == line[rk // 2] and s[("tp" if sp else "sp")] == [rk]
+                        and s["dp"] == [rk] and s["ep"] == [rk] and s["n"] == 2 for rk, s in zip(sorted(got), seen))
+        shapes = sorted({sh for rk in got for sh in got[rk]["act_shapes"]})
+        want_shape = f"({TP_ROWS // TP_MB}, {TP_SEQ // 2 if sp else TP_SEQ}, {TP_DIM})"
+        n_want = TP_STEPS * 2 * (8 if sp else 5)
+        if control:
+            tally.record("torch_runtime_tp_control_without_backward_all_reduce_is_noticed",
+                         grad_err > 1e-3, f"gradients max rel err {grad_err:.2g} (must exceed 1e-3), "
+                         f"losses {loss_err:.1e} (the second step's, after a wrong update) ({secs:.1f}s)")
+            continue
+        tally.record(f"torch_runtime_tp_mlp_equals_unpipelined ({name})",
+                     loss_err <= 1e-9 and grad_err <= 1e-9 and groups_ok and n_grads == n_want
+                     and shapes == [want_shape],
+                     f"--mesh {mesh}, {world} gloo processes, {TP_STEPS} SGD steps in f64: "
+                     f"{TP_STEPS * TP_MB} losses max rel err {loss_err:.1e}, {n_grads} gradients "
+                     f"(gathered TP slices, replicated biases) max rel err {grad_err:.1e}; "
+                     f"{'SP' if sp else 'TP'} groups {[s['sp' if sp else 'tp'] for s in seen]}; pipeline "
+                     f"messages {shapes} per micro-batch ({secs:.1f}s)")
+
+
+# ------------------------------------------------------------------------------------------
 
 
 def main() -> int:
@@ -1210,6 +1472,8 @@ def main() -> int:
         check_faults(tally, args.schedc, tmp, only, args.timeout)
         print("== the training loop (issue 25)", flush=True)
         check_loop(tally, args.schedc, tmp, only, args.timeout, not args.no_compile)
+        print("== tensor parallelism inside a stage (issue 23)", flush=True)
+        check_tp(tally, args.schedc, tmp, only, args.timeout)
     print(f"{tally.passed} passed, {len(tally.failed)} failed ({time.time() - t0:.0f}s)"
           + (": " + ", ".join(tally.failed) if tally.failed else ""))
     return 1 if tally.failed else 0

@@ -70,21 +70,19 @@ impl ProgramSet {
             .ok_or_else(|| ProgramError::Rejected("no checked program".into()))?;
         let pl = &ir.pipeline;
         let fit = if stage {
-            for d in [Dim::Tp, Dim::Sp] {
-                if mesh.size(d) > 1 {
-                    return Err(ProgramError::Unsupported(format!(
-                        "a `{}` dimension at stage granularity: the user's model does its own tensor and sequence parallelism inside a stage; give the mesh pp, dp and ep only",
-                        d.as_str()
-                    )));
-                }
-            }
+            // `tp` and `sp` at stage granularity: the user's stage modules do their own
+            // tensor and sequence parallelism over the groups the runtime hands them; the
+            // program only sends each (tp, sp) rank's activations to the rank of the same
+            // coordinates in the next stage.
+            // The model is the user's: its sizes are checked by its own modules.
+            let inner = mesh.size(Dim::Tp) * mesh.size(Dim::Sp);
             Fit {
                 pp: pl.pp,
                 experts: mesh.size(Dim::Ep),
-                heads: 1,
-                hidden: 1,
-                expert_hidden: 1,
-                seq_len: 1,
+                heads: inner,
+                hidden: inner,
+                expert_hidden: inner,
+                seq_len: inner,
             }
         } else {
             Fit {

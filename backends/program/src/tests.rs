@@ -556,12 +556,34 @@ fn stage_granularity_pairs_parts_channels_and_collectives() {
 }
 
 #[test]
-fn stage_granularity_refuses_tp_and_sp() {
+fn stage_granularity_accepts_tp_and_sp_sending_to_the_same_coordinates() {
+    // issue 23 (3): the user's stages do TP and SP over the runtime's groups; each (tp, sp)
+    // rank of a stage sends its own activations to the rank of the same coordinates in the
+    // next stage, and the program has no TP collective of its own.
     let src = spec("1f1b", 2, 2, None);
-    for m in ["pp=2,tp=2", "pp=2,sp=2"] {
+    for m in ["pp=2,tp=2", "pp=2,sp=2", "pp=2,tp=2,sp=2,dp=2"] {
         let mesh: Mesh = m.parse().unwrap();
-        let e = ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), stage_opts()).unwrap_err();
-        assert!(e.to_string().contains("at stage granularity"), "{m}: {e}");
+        let set = ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), stage_opts())
+            .unwrap_or_else(|e| panic!("{m}: {e}"));
+        assert_eq!(set.ranks.len() as u32, mesh.world(), "{m}");
+        for (g, r) in set.ranks.iter().enumerate() {
+            for s in &r.streams {
+                for op in &s.ops {
+                    let peer = match op {
+                        Op::Send { peer, .. } | Op::Recv { peer, .. } => *peer,
+                        Op::Collective { .. } => panic!("{m}: rank {g} has a collective"),
+                        _ => continue,
+                    };
+                    let (a, b) = (&r.coords, &set.ranks[peer as usize].coords);
+                    assert_eq!(
+                        (a.tp, a.sp, a.dp, a.ep),
+                        (b.tp, b.sp, b.dp, b.ep),
+                        "{m}: rank {g} -> {peer}"
+                    );
+                    assert_ne!(a.pp, b.pp, "{m}: rank {g} -> {peer}");
+                }
+            }
+        }
     }
 }
 
