@@ -87,9 +87,7 @@ impl MemError {
         } else {
             "OFFLOAD needs stashed activations, RELOAD and RECOMPUTE an earlier OFFLOAD".into()
         };
-        Diagnostic::error(Code::Memory, msg)
-            .at(loc)
-            .with_help(help)
+        Diagnostic::error(Code::Memory, msg).at(loc).with_help(help)
     }
 }
 

@@ -298,7 +298,9 @@ pub fn compute_str(c: &Compute) -> String {
 }
 
 /// True if the instruction is a compute, overlap, or other op that runs on the compute
-/// stream (REDUCE_GRAD, WAIT_SEND, WAIT_RECV).
+/// stream (REDUCE_GRAD, WAIT_SEND, WAIT_RECV), or is issued from it in program order (the
+/// memory ops: a RECOMPUTE runs there, an OFFLOAD or RELOAD is launched from it onto the
+/// host-copy stream).
 pub fn on_compute_stream(i: &Instr) -> bool {
     matches!(
         i,
@@ -307,5 +309,6 @@ pub fn on_compute_stream(i: &Instr) -> bool {
             | Instr::ReduceGrad(_)
             | Instr::WaitSend(_)
             | Instr::WaitRecv(_)
+            | Instr::Mem(_)
     )
 }
