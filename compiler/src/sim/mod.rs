@@ -569,9 +569,13 @@ fn run(
                         };
                         let pe = key.map_or(f64::NAN, |k| part_end[k]);
                         let mut pe = if pe.is_nan() { gate } else { pe.max(gate) };
+                        // A backward waits for its activations' reload (or recompute); that
+                        // wait is the host copy's, not exposed communication.
+                        let mut reload = 0.0f64;
                         if has_mem && c.kind != Kind::F {
                             if let Some(k) = act_key(c.stage, c.mb) {
-                                pe = pe.max(back_on[k]);
+                                reload = back_on[k];
+                                pe = pe.max(reload);
                             }
                         }
                         let d = cost.compute_time(c);
@@ -584,7 +588,7 @@ fn run(
                         } else {
                             let base = before.max(data);
                             let start = base.max(pe);
-                            exposed[r] += (start - before.max(producers)).max(0.0);
+                            exposed[r] += (start - before.max(producers).max(reload)).max(0.0);
                             if a2a_part {
                                 // On the compute stream: the stream waits all of it.
                                 exposed[r] += d;
@@ -620,12 +624,14 @@ fn run(
                     Instr::Overlap { fwd, bwd } => {
                         let base = before.max(data);
                         let mut start = base.max(gate);
+                        let mut reload = 0.0f64;
                         if has_mem {
                             if let Some(k) = act_key(bwd.stage, bwd.mb) {
-                                start = start.max(back_on[k]);
+                                reload = back_on[k];
+                                start = start.max(reload);
                             }
                         }
-                        exposed[r] += (start - before.max(producers)).max(0.0);
+                        exposed[r] += (start - before.max(producers).max(reload)).max(0.0);
                         let d = cost.pair_time(fwd, bwd);
                         busy[r] += d;
                         if d > 0.0 && record {
