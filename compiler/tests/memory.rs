@@ -92,3 +92,96 @@ fn check_rejects_a_backward_after_an_offload_without_reload_naming_rank_and_step
     assert_eq!(out.report.ranks[0].peak_activations, 1);
     assert_eq!(out.report.ranks[0].peak_host_activations, 1);
 }
+
+fn elab(src: &str, pp: u32, mb: u32) -> schedc_ir::Program {
+    let f = schedc::dsl::parse_file(src).unwrap();
+    let inst = schedc::dsl::Instance {
+        pp,
+        mb,
+        vpp: None,
+        params: vec![],
+    };
+    schedc::dsl::elaborate(&f, &inst).unwrap().program
+}
+
+#[test]
+fn memory_ops_in_rank_programs_and_literal_blocks_elaborate_and_format() {
+    let src = "rank r {\n    F(0, 0)\n    OFFLOAD(0, 0)\n    F(0, 1)\n    RELOAD(stage r, 0)\n    BW(0, 1)\n    BW(0, 0)\n}\n";
+    let p = elab(src, 1, 2);
+    assert_eq!(
+        schedc_ir::text::print(&p).lines().last().unwrap(),
+        "rank 0: F(0,0) OFFLOAD(0,0) F(0,1) RELOAD(0,0) BW(0,1) BW(0,0)"
+    );
+    // `fmt` keeps the statements as written.
+    let f = schedc::dsl::parse_file(src).unwrap();
+    let out = schedc::dsl::fmt::format_file(&f, src);
+    assert!(
+        out.contains("    OFFLOAD(0, 0)\n    F(0, 1)\n    RELOAD(stage r, 0)\n"),
+        "{out}"
+    );
+    assert_eq!(schedc::dsl::parse_file(&out).unwrap(), f);
+    // A literal block takes the IR text.
+    let lit = "literal {\n  rank 0: F(0,0) OFFLOAD(0,0) F(0,1) BW(0,1) RECOMPUTE(0,0) BW(0,0)\n}\n";
+    let p = elab(lit, 1, 2);
+    assert_eq!(
+        p.ranks[0][4],
+        schedc_ir::Instr::Mem(schedc_ir::MemOp {
+            kind: schedc_ir::MemKind::Recompute,
+            stage: 0,
+            mb: 0
+        })
+    );
+    // A memory op needs the micro-batch.
+    assert!(schedc::dsl::parse_file("rank r {\n    OFFLOAD(0)\n}\n").is_err());
+}
+
+#[test]
+fn offload_1f1b_spec_holds_at_most_two_activations_where_1f1b_holds_p_minus_r() {
+    let off = schedc::specs::get("1f1b_offload").unwrap();
+    let plain = schedc::specs::get("1f1b").unwrap();
+    for pp in 1..=8u32 {
+        for mb in 1..=12u32 {
+            let p = elab(off, pp, mb);
+            let out = check(&p, None, &Options::default());
+            assert!(
+                out.report.diagnostics.iter().all(|d| !d.is_error()),
+                "P={pp} M={mb}: {:?}",
+                out.report.diagnostics
+            );
+            let q = check(&elab(plain, pp, mb), None, &Options::default());
+            for (r, (a, b)) in out.report.ranks.iter().zip(&q.report.ranks).enumerate() {
+                let w = (pp - r as u32).min(mb) as u64;
+                assert_eq!(b.peak_activations, w);
+                assert_eq!(a.peak_activations, w.min(2), "P={pp} M={mb} rank {r}");
+                let host = if w >= 3 { w } else { 0 };
+                assert_eq!(a.peak_host_activations, host, "P={pp} M={mb} rank {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn offload_1f1b_hides_copies_shorter_than_a_backward() {
+    // P = 4, M = 8, F = 1, BW = 2: 1F1B's 33 s; a 1 s copy runs under the 2 s BW before the
+    // backward that needs it, a 2 s one does not (39 s), and peak bytes fall from 4 to 2 units.
+    let off = elab(schedc::specs::get("1f1b_offload").unwrap(), 4, 8);
+    let plain = elab(schedc::specs::get("1f1b").unwrap(), 4, 8);
+    let model = |o: f64| {
+        CostModel::from_toml(&format!(
+            "[memory]\nactivation_bytes = 1.0\noffload = {o}\n"
+        ))
+        .unwrap()
+    };
+    let a = simulate_any(&plain, &model(1.0)).unwrap();
+    let b = simulate_any(&off, &model(1.0)).unwrap();
+    assert_eq!((a.makespan, b.makespan), (33.0, 33.0));
+    let peaks = |r: &schedc::sim::SimResult| {
+        r.ranks
+            .iter()
+            .map(|x| x.peak_activation_bytes)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(peaks(&a), vec![4.0, 3.0, 2.0, 1.0]);
+    assert_eq!(peaks(&b), vec![2.0, 2.0, 2.0, 1.0]);
+    assert_eq!(simulate_any(&off, &model(2.0)).unwrap().makespan, 39.0);
+}
