@@ -185,3 +185,16 @@ fn offload_1f1b_hides_copies_shorter_than_a_backward() {
     assert_eq!(peaks(&b), vec![2.0, 2.0, 2.0, 1.0]);
     assert_eq!(simulate_any(&off, &model(2.0)).unwrap().makespan, 39.0);
 }
+
+#[test]
+fn torch_csv_export_refuses_memory_ops_naming_the_op() {
+    let p = prog(&format!(
+        "{HEAD}rank 0: F(0,0) OFFLOAD(0,0) F(0,1) BW(0,1) RELOAD(0,0) BW(0,0)\n"
+    ));
+    let e = schedc::import::torch::write_csv(&p, schedc::import::torch::TorchFormat::ComputeOnly)
+        .unwrap_err();
+    assert_eq!(
+        e,
+        "rank 0, instruction 1 (`OFFLOAD(0,0)`): torch's schedule CSV has no action for moving or recomputing saved activations (OFFLOAD, RELOAD, RECOMPUTE); the torch format cannot express a schedule that manages memory"
+    );
+}
