@@ -21,6 +21,9 @@
 //! * **Communication** ([`Comm`]): sends and receives of a [`Payload`] (activation or gradient
 //!   of a (stage, micro-batch)) to or from a peer rank; collectives on a named communicator.
 //!   [`Instr::Group`] posts several at once (one NCCL group, torch `batch_isend_irecv`).
+//! * **Memory ops** ([`Instr::Mem`], [`MemKind`]): `OFFLOAD(s,m)` / `RELOAD(s,m)` copy the
+//!   activations saved by `F(s,m)` to host memory and back on a host-copy stream of the rank's
+//!   own; `RECOMPUTE(s,m)` rebuilds them with a second forward before the backward.
 //! * The remaining instructions mirror torch's lowered form (`REDUCE_GRAD`, `UNSHARD`, ...) and
 //!   idle slots ([`Instr::Idle`], torch's empty CSV cell), which carry no semantics for the
 //!   checks but are kept so that a file round-trips exactly.
