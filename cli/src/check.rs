@@ -222,6 +222,19 @@ fn print_human(loaded: &Loaded, rep: &check::Report) -> String {
             r.idle.map_or("-".to_string(), |x| format!("{x}"))
         );
     }
+    // Only a schedule that offloads has host figures (issue 27).
+    if rep.ranks.iter().any(|r| r.peak_host_activations > 0) {
+        let host: Vec<String> = rep
+            .ranks
+            .iter()
+            .map(|r| r.peak_host_activations.to_string())
+            .collect();
+        let _ = writeln!(
+            o,
+            "peak activations offloaded to the host, per rank: {} (peak_act counts the device)",
+            host.join(" ")
+        );
+    }
     let errors = rep.diagnostics.iter().filter(|d| d.is_error()).count();
     let shown = 20;
     if !rep.diagnostics.is_empty() {

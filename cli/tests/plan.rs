@@ -232,3 +232,17 @@ fn compare_with_a_model_derives_each_rows_costs() {
     let o = schedc(&["compare", "--pp", "2", "--mb", "4", "--hardware", "h100"]);
     assert_refused(&o, "--hardware describes the cluster of --model");
 }
+
+/// Issue 27: the derived cost model prices no host copy, so a spec that offloads would look
+/// free; `plan` lists it as skipped instead of recommending it.
+#[test]
+fn plan_skips_offload_specs_whose_copies_it_cannot_price() {
+    let o = schedc(SMALL);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("  1f1b_offload at every mesh: moves activations (OFFLOAD/RELOAD/RECOMPUTE), which `plan`'s cost model does not price yet\n"),
+        "{out}"
+    );
+    assert!(!out.contains("1f1b_offload  "), "{out}");
+}

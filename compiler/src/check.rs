@@ -2,7 +2,7 @@
 
 use crate::diag::{Code, Diagnostic};
 use crate::passes::{
-    deadlock, deps, liveness, lower, makespan, warmup, wellformed, Ctx, OpIndex, Pos,
+    deadlock, deps, liveness, lower, makespan, memory, warmup, wellformed, Ctx, OpIndex, Pos,
 };
 use schedc_ir::text::{SourceMap, Span};
 use schedc_ir::{PlacementKind, Program};
@@ -42,6 +42,11 @@ pub struct RankReport {
     pub peak_activations: u64,
     /// Position where the peak is first reached.
     pub peak_at: Option<usize>,
+    /// Peak activations offloaded to host memory (stage-microbatch units; 0 without
+    /// `OFFLOAD`). `peak_activations` counts device units only. JSON: present only when
+    /// the rank offloads.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub peak_host_activations: u64,
     /// Compute ops on the rank (an overlapped pair counts 2).
     pub ops: u64,
     /// Communication ops on the rank (after lowering, for compute-only input).
@@ -51,6 +56,10 @@ pub struct RankReport {
     /// Warmup of each stage the rank holds. JSON: `[{"stage": s, "warmup": w}, ...]`.
     #[serde(serialize_with = "ser_stage_warmup")]
     pub stage_warmup: Vec<(u32, u64)>,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 fn ser_stage_warmup<S: serde::Serializer>(v: &[(u32, u64)], s: S) -> Result<S::Ok, S::Error> {
@@ -306,6 +315,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
     let wu = warmup::analyze(p);
     let (live, over) = liveness::analyze(p, opts.max_activations);
     diags.extend(over.iter().map(|e| e.to_diagnostic(&cx)));
+    diags.extend(memory::check(p).iter().map(|e| e.to_diagnostic(&cx)));
     // Unit-time figures mean something only for a well-formed schedule that runs to the end
     // (a deadlock leaves no makespan to speak of).
     let deadlocks = diags.iter().any(|d| d.code == Code::Deadlock);
@@ -335,6 +345,7 @@ pub fn check(p: &Program, spans: Option<&SourceMap>, opts: &Options) -> Outcome 
             cooldown: wu[r].phases.cooldown,
             peak_activations: live[r].peak,
             peak_at: live[r].peak_at,
+            peak_host_activations: live[r].host_peak,
             ops: p.ranks[r]
                 .iter()
                 .map(|i| match i {

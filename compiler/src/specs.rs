@@ -9,6 +9,10 @@ pub fn standard_library() -> &'static [(&'static str, &'static str)] {
 
 const STANDARD_LIBRARY: &[(&str, &str)] = &[
     ("1f1b", include_str!("../../specs/1f1b.sched")),
+    (
+        "1f1b_offload",
+        include_str!("../../specs/1f1b_offload.sched"),
+    ),
     ("chimera", include_str!("../../specs/chimera.sched")),
     (
         "chimera_direct",

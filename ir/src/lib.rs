@@ -21,6 +21,9 @@
 //! * **Communication** ([`Comm`]): sends and receives of a [`Payload`] (activation or gradient
 //!   of a (stage, micro-batch)) to or from a peer rank; collectives on a named communicator.
 //!   [`Instr::Group`] posts several at once (one NCCL group, torch `batch_isend_irecv`).
+//! * **Memory ops** ([`Instr::Mem`], [`MemKind`]): `OFFLOAD(s,m)` / `RELOAD(s,m)` copy the
+//!   activations saved by `F(s,m)` to host memory and back on a host-copy stream of the rank's
+//!   own; `RECOMPUTE(s,m)` rebuilds them with a second forward before the backward.
 //! * The remaining instructions mirror torch's lowered form (`REDUCE_GRAD`, `UNSHARD`, ...) and
 //!   idle slots ([`Instr::Idle`], torch's empty CSV cell), which carry no semantics for the
 //!   checks but are kept so that a file round-trips exactly.
@@ -554,8 +557,56 @@ pub enum Instr {
     /// launching one, and a weight gradient can be timed to run under the all-to-all of the
     /// op that payload feeds (`--moe=STAGES:list`). Torch has no such action.
     WaitRecv(Payload),
+    /// A memory op on a forward's saved activations (text `OFFLOAD(s,m)`, `RELOAD(s,m)`,
+    /// `RECOMPUTE(s,m)`); see [`MemOp`].
+    Mem(MemOp),
     /// An idle slot (torch's empty CSV cell); spacing only.
     Idle,
+}
+
+/// What a [`MemOp`] does with the saved activations of forward `F(s,m)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemKind {
+    /// `OFFLOAD(s,m)`: copy the activations `F(s,m)` stashed on the device to host memory and
+    /// free them on the device. The copy runs on the rank's host-copy stream, its own stream
+    /// beside compute and communication; the device memory counts as free once the op is
+    /// issued (one activation unit fewer on the device, one more on the host). Valid only while
+    /// the activations are stashed on the device (after `F(s,m)`, before its `B`/`BW`, not
+    /// already offloaded).
+    Offload,
+    /// `RELOAD(s,m)`: copy the offloaded activations of `F(s,m)` back to the device on the
+    /// host-copy stream. The device holds them again from the moment the op is issued (a unit
+    /// is allocated); the `B`/`BW(s,m)` that reads them waits for the copy to finish. Valid only
+    /// after an `OFFLOAD(s,m)` and before the backward.
+    Reload,
+    /// `RECOMPUTE(s,m)`: run the forward of stage `s` on micro-batch `m` again, on the compute
+    /// stream, to rebuild the saved activations from the stage's input before its `B`/`BW`
+    /// (activation checkpointing). Valid only when the activations are not on the device:
+    /// after an `OFFLOAD(s,m)` that was not reloaded (the host copy is then dropped).
+    Recompute,
+}
+
+/// A memory op: [`MemKind`] applied to the saved activations of forward `F(stage,mb)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MemOp {
+    /// What to do.
+    pub kind: MemKind,
+    /// The forward's stage.
+    pub stage: Stage,
+    /// The forward's micro-batch.
+    pub mb: Mb,
+}
+
+impl MemKind {
+    /// The text name (`OFFLOAD`, `RELOAD`, `RECOMPUTE`).
+    pub fn name(self) -> &'static str {
+        match self {
+            MemKind::Offload => "OFFLOAD",
+            MemKind::Reload => "RELOAD",
+            MemKind::Recompute => "RECOMPUTE",
+        }
+    }
 }
 
 impl Instr {

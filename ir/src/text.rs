@@ -21,7 +21,9 @@
 //! `SA(s,m->r)`, `RA(s,m<-r)`, `SG(s,m->r)`, `RG(s,m<-r)`; a group `{op op ...}`;
 //! `A2A(comm,label)`; `REDUCE_GRAD(s)`, `WAIT_REDUCE_GRAD(s)`, `UNSHARD(s)`, `RESHARD(s)`;
 //! `WAIT_SA(s,m)`, `WAIT_SG(s,m)` (wait for an earlier send), `WAIT_RA(s,m)`, `WAIT_RG(s,m)`
-//! (the compute stream waits for an earlier receive); `_` an idle slot.
+//! (the compute stream waits for an earlier receive); `OFFLOAD(s,m)`, `RELOAD(s,m)`,
+//! `RECOMPUTE(s,m)` (memory ops on forward `F(s,m)`'s saved activations, see
+//! [`MemKind`](crate::MemKind)); `_` an idle slot.
 //!
 //! The same parser reads the `.case` test format of `shared/cases`, whose extra header lines
 //! (`expect ...`, `budget activations N`) are returned in [`Parsed`].
@@ -292,7 +294,7 @@ fn part_from(s: &str) -> Option<Part> {
     })
 }
 
-const OP_NAMES: &str = "F, B, W, BW, SA, RA, SG, RG, A2A, REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD, RESHARD, WAIT_SA, WAIT_SG, WAIT_RA, WAIT_RG, `{`, or `_`";
+const OP_NAMES: &str = "F, B, W, BW, SA, RA, SG, RG, A2A, REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD, RESHARD, WAIT_SA, WAIT_SG, WAIT_RA, WAIT_RG, OFFLOAD, RELOAD, RECOMPUTE, `{`, or `_`";
 
 enum Item {
     Compute(Compute),
@@ -336,6 +338,9 @@ fn parse_one(c: &mut Cur<'_>) -> PResult<Item> {
             | "WAIT_SG"
             | "WAIT_RA"
             | "WAIT_RG"
+            | "OFFLOAD"
+            | "RELOAD"
+            | "RECOMPUTE"
     );
     if !known {
         return Err(bad_name(c));
@@ -429,6 +434,21 @@ fn parse_one(c: &mut Cur<'_>) -> PResult<Item> {
             c.skip_inline_ws();
             c.expect_byte(b')', "`)`")?;
             Item::Comm(Comm::Collective(Box::new(Collective { comm, label })))
+        }
+        "OFFLOAD" | "RELOAD" | "RECOMPUTE" => {
+            let kind = match name {
+                "OFFLOAD" => MemKind::Offload,
+                "RELOAD" => MemKind::Reload,
+                _ => MemKind::Recompute,
+            };
+            let stage = c.uint("a stage number")?;
+            c.skip_inline_ws();
+            c.expect_byte(b',', "`,`")?;
+            c.skip_inline_ws();
+            let mb = c.uint("a micro-batch number")?;
+            c.skip_inline_ws();
+            c.expect_byte(b')', "`)`")?;
+            Item::Other(Instr::Mem(MemOp { kind, stage, mb }))
         }
         "WAIT_SA" | "WAIT_SG" | "WAIT_RA" | "WAIT_RG" => {
             let kind = if name.ends_with('A') {
@@ -1044,6 +1064,9 @@ pub fn write_instr(out: &mut String, i: &Instr) {
             };
             let _ = write!(out, "{k}({},{})", p.stage, p.mb);
         }
+        Instr::Mem(op) => {
+            let _ = write!(out, "{}({},{})", op.kind.name(), op.stage, op.mb);
+        }
         Instr::Idle => out.push('_'),
     }
 }
@@ -1143,6 +1166,31 @@ mod tests {
         assert!(e.message.contains("missing header"));
         let e = parse("pp 1\nrank 0: I(0,0)\n").unwrap_err();
         assert!(e.help.unwrap().contains("torch"));
+    }
+
+    #[test]
+    fn memory_ops_round_trip_exactly() {
+        let src = "pp 1\nstages 1\nmicrobatches 2\nplacement loop\nrank 0: F(0,0) OFFLOAD(0,0) F(0,1) OFFLOAD(0,1) RELOAD(0,0) BW(0,0) RECOMPUTE(0,1) BW(0,1)\n";
+        let p = parse(src).unwrap();
+        assert_eq!(print(&p.program), src);
+        assert_eq!(
+            p.program.ranks[0][1],
+            Instr::Mem(MemOp {
+                kind: MemKind::Offload,
+                stage: 0,
+                mb: 0
+            })
+        );
+        assert_eq!(
+            p.program.ranks[0][6],
+            Instr::Mem(MemOp {
+                kind: MemKind::Recompute,
+                stage: 0,
+                mb: 1
+            })
+        );
+        let e = parse("pp 1\nrank 0: OFFLOAD(0)\n").unwrap_err();
+        assert_eq!((e.line, e.col), (2, 18));
     }
 
     /// Found by `cargo fuzz run ir_text`: an unknown header word whose identifier part stops

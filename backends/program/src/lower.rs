@@ -525,6 +525,13 @@ fn lower_rank(
             | Instr::Reshard(_)
             | Instr::WaitSend(_)
             | Instr::Idle => {}
+            Instr::Mem(_) => {
+                return Err(ProgramError::Rejected(format!(
+                    "rank {r}: `{}`: the executors cannot move or recompute saved activations \
+                     yet (OFFLOAD, RELOAD, RECOMPUTE are checked and simulated only; issue 27)",
+                    schedc_ir::text::instr_to_string(ins)
+                )));
+            }
             Instr::WaitRecv(payload) => {
                 // The compute stream waits for the receive's event (inside a window, before
                 // the window's next item, after the forward tails that receive's sender

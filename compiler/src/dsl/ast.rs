@@ -171,6 +171,19 @@ pub struct OpStmt {
     pub sp: Sp,
 }
 
+/// A memory op statement: `OFFLOAD(c, m)`, `RELOAD(c, m)`, `RECOMPUTE(c, m)` (local chunk
+/// `c`) or `OFFLOAD(stage s, m)` (global stage): the IR's [`schedc_ir::MemOp`] on the saved
+/// activations of that forward.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemStmt {
+    /// Offload, reload or recompute.
+    pub kind: schedc_ir::MemKind,
+    /// The forward named: [`Target::Chunk`] or [`Target::Stage`] (a micro-batch is required).
+    pub target: Target,
+    /// Span.
+    pub sp: Sp,
+}
+
 /// A send or receive statement: `SA(s, m -> peer)` etc. (payload stage, micro-batch, peer).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CommStmt {
@@ -288,6 +301,8 @@ pub enum Stmt {
     Part(OpStmt, schedc_ir::Part, Sp),
     /// `A2A(comm, "label")`: a collective on a declared communicator.
     Collective(CollStmt),
+    /// `OFFLOAD(c, m)`, `RELOAD(c, m)`, `RECOMPUTE(c, m)`: a memory op.
+    Mem(MemStmt),
     /// `NAME(a, b)`: the use of a `def NAME(x, y) { ... }`: its statements, run here with
     /// `x`, `y` bound to the values of `a`, `b` (evaluated once, at the use).
     Call(String, Vec<Expr>, Sp),

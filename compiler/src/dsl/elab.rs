@@ -1118,6 +1118,41 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                 st.out.push(Instr::Idle);
                 st.spans.push(span(*sp));
             }
+            Stmt::Mem(m) => {
+                tick(st, m.sp)?;
+                let (stage, mb) = match &m.target {
+                    Target::Chunk(c, mb) => {
+                        let ci = chunk(st, int(eval(c, env, Some(st))?, c.sp())?, c.sp())?;
+                        let mb = u32_of(
+                            int(eval(mb, env, Some(st))?, mb.sp())?,
+                            mb.sp(),
+                            "micro-batch",
+                        )?;
+                        (st.chunks[ci], mb)
+                    }
+                    Target::Stage(s, mb) => {
+                        let s = u32_of(int(eval(s, env, Some(st))?, s.sp())?, s.sp(), "stage")?;
+                        let mb = u32_of(
+                            int(eval(mb, env, Some(st))?, mb.sp())?,
+                            mb.sp(),
+                            "micro-batch",
+                        )?;
+                        (s, mb)
+                    }
+                    Target::Next(_) => {
+                        return Err(err(
+                            m.sp,
+                            format!("{}(c, m) needs a chunk and a micro-batch", m.kind.name()),
+                        ))
+                    }
+                };
+                st.out.push(Instr::Mem(schedc_ir::MemOp {
+                    kind: m.kind,
+                    stage,
+                    mb,
+                }));
+                st.spans.push(span(m.sp));
+            }
             Stmt::Part(o, part, sp) => {
                 tick(st, *sp)?;
                 if let Some(c) = part_compute(o, *part, *sp, env, st)? {

@@ -206,6 +206,25 @@ fn op_str(o: &OpStmt) -> String {
     s
 }
 
+fn mem_str(m: &MemStmt) -> String {
+    let mut s = format!("{}(", m.kind.name());
+    match &m.target {
+        Target::Stage(st, mb) => {
+            let _ = write!(s, "stage {}, {}", expr_str(st), expr_str(mb));
+        }
+        Target::Chunk(c, mb) => {
+            let _ = write!(s, "{}, {}", expr_str(c), expr_str(mb));
+        }
+        Target::Next(c) => {
+            if let Some(c) = c {
+                s.push_str(&expr_str(c));
+            }
+        }
+    }
+    s.push(')');
+    s
+}
+
 fn comm_str(c: &CommStmt) -> String {
     let arrow = if c.op.starts_with('S') { "->" } else { "<-" };
     format!(
@@ -242,6 +261,7 @@ fn stmt_start(s: &Stmt) -> usize {
         Stmt::Op(o) => o.sp.start,
         Stmt::Overlap(_, _, sp) | Stmt::Group(_, sp) | Stmt::Idle(sp) => sp.start,
         Stmt::Comm(c) => c.sp.start,
+        Stmt::Mem(m) => m.sp.start,
         Stmt::Call(_, _, sp) => sp.start,
     }
 }
@@ -334,6 +354,7 @@ fn is_simple(s: &Stmt) -> bool {
             | Stmt::Group(..)
             | Stmt::Part(..)
             | Stmt::Collective(_)
+            | Stmt::Mem(_)
             | Stmt::Call(..)
     )
 }
@@ -351,6 +372,7 @@ fn simple_str(s: &Stmt) -> String {
             args.iter().map(expr_str).collect::<Vec<_>>().join(", ")
         ),
         Stmt::Comm(c) => comm_str(c),
+        Stmt::Mem(m) => mem_str(m),
         Stmt::Group(v, _) => format!(
             "group {{ {} }}",
             v.iter().map(comm_str).collect::<Vec<_>>().join(" ")
@@ -436,6 +458,7 @@ fn stmt_end(s: &Stmt) -> usize {
         Stmt::Op(o) => o.sp.end,
         Stmt::Overlap(_, _, sp) | Stmt::Group(_, sp) | Stmt::Idle(sp) => sp.end,
         Stmt::Comm(c) => c.sp.end,
+        Stmt::Mem(m) => m.sp.end,
         Stmt::Part(_, _, sp) => sp.end,
         Stmt::Collective(c) => c.sp.end,
         Stmt::Call(_, _, sp) => sp.end,
@@ -600,7 +623,7 @@ fn write_stmt_inner(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
         Stmt::Idle(_) => {
             let _ = writeln!(f.out, "{pad}idle");
         }
-        Stmt::Part(..) | Stmt::Collective(_) | Stmt::Call(..) => {
+        Stmt::Part(..) | Stmt::Collective(_) | Stmt::Call(..) | Stmt::Mem(_) => {
             let _ = writeln!(f.out, "{pad}{}", simple_str(s));
         }
     }

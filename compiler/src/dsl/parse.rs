@@ -484,6 +484,56 @@ fn op_stmt(i: In<'_>) -> R<'_, OpStmt> {
     ))
 }
 
+fn mem_target(i: In<'_>) -> R<'_, Target> {
+    let is_call = i
+        .fragment()
+        .strip_prefix("stage")
+        .is_some_and(|r| r.starts_with('('));
+    let (i, global) = match (is_call, kw("stage").parse(i)) {
+        (false, Ok((i2, _))) => (i2, true),
+        _ => (i, false),
+    };
+    let what = if global {
+        "a stage expression"
+    } else {
+        "a chunk expression or `stage`"
+    };
+    let (i, c) = expect(what, expr).parse(i)?;
+    let (i, _) = expect("`,` and a micro-batch", tok(",")).parse(i)?;
+    let (i, m) = expect("a micro-batch expression", expr).parse(i)?;
+    let (i, _) = expect("`)`", tok(")")).parse(i)?;
+    Ok((
+        i,
+        if global {
+            Target::Stage(c, m)
+        } else {
+            Target::Chunk(c, m)
+        },
+    ))
+}
+
+fn mem_stmt(i: In<'_>) -> R<'_, MemStmt> {
+    let start = i;
+    let (i2, w) = raw_ident(i)?;
+    let kind = match *w.fragment() {
+        "OFFLOAD" => schedc_ir::MemKind::Offload,
+        "RELOAD" => schedc_ir::MemKind::Reload,
+        "RECOMPUTE" => schedc_ir::MemKind::Recompute,
+        _ => return fail(i, "a memory op (OFFLOAD, RELOAD, RECOMPUTE)"),
+    };
+    let (i, _) = ws(i2)?;
+    let (i, _) = expect("`(`", tok("(")).parse(i)?;
+    let (i, target) = cut(mem_target).parse(i)?;
+    Ok((
+        i,
+        MemStmt {
+            kind,
+            target,
+            sp: sp_of(start, i),
+        },
+    ))
+}
+
 fn comm_stmt(i: In<'_>) -> R<'_, CommStmt> {
     let start = i;
     let (i2, w) = raw_ident(i)?;
@@ -687,6 +737,11 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
     }
     if let Ok((i2, c)) = comm_stmt(i) {
         return Ok((i2, Stmt::Comm(c)));
+    }
+    match mem_stmt(i) {
+        Ok((i2, m)) => return Ok((i2, Stmt::Mem(m))),
+        Err(nom::Err::Failure(e)) => return Err(nom::Err::Failure(e)),
+        Err(_) => {}
     }
     match coll_stmt(i) {
         Ok((i2, c)) => return Ok((i2, Stmt::Collective(c))),

@@ -945,6 +945,14 @@ pub fn write_csv(p: &Program, format: TorchFormat) -> Result<String, String> {
                     };
                     let _ = write!(out, "{}WAIT_SEND_{k}{}", pay.stage, pay.mb);
                 }
+                Instr::Mem(_) => {
+                    return Err(format!(
+                        "{}: torch's schedule CSV has no action for moving or recomputing \
+                         saved activations (OFFLOAD, RELOAD, RECOMPUTE); the torch format \
+                         cannot express a schedule that manages memory",
+                        ctx()
+                    ));
+                }
                 Instr::WaitRecv(_) => {
                     return Err(format!(
                         "{}: torch has no action that holds its compute stream back until a \

@@ -8,12 +8,17 @@
 //! `analyze_pipeline_activation_liveness(granularity="stage_microbatch")`, whose `num_slots`
 //! equals this peak (optimal interval colouring).
 //!
+//! Memory ops move activations off and onto the device: `OFFLOAD(s,m)` frees one unit on the
+//! device and holds one on the host from the moment it is issued; `RELOAD(s,m)` and
+//! `RECOMPUTE(s,m)` allocate one on the device again (and drop the host copy). The peak is
+//! that of device units; [`RankLiveness::host_peak`] is the peak of host units.
+//!
 //! `--max-activations N` (a `.case` file's `budget activations N`) rejects a schedule whose
 //! peak exceeds N on any rank, naming the first op that goes over.
 
 use super::{is_first_part, is_last_part, Ctx, Pos};
 use crate::diag::{Code, Diagnostic};
-use schedc_ir::{Compute, Instr, Kind, Program};
+use schedc_ir::{Compute, Instr, Kind, MemKind, Program};
 use serde::Serialize;
 
 /// Liveness figures for one rank.
@@ -23,6 +28,9 @@ pub struct RankLiveness {
     pub peak: u64,
     /// Position of the first instruction at which the peak is reached.
     pub peak_at: Option<usize>,
+    /// Peak activations offloaded to host memory at once (stage-microbatch units; 0 without
+    /// `OFFLOAD`).
+    pub host_peak: u64,
 }
 
 /// Over the activation budget.
@@ -73,6 +81,8 @@ pub fn analyze(p: &Program, budget: Option<u64>) -> (Vec<RankLiveness>, Vec<Over
         let mut peak: u64 = 0;
         let mut peak_at = None;
         let mut over: Option<OverBudget> = None;
+        let mut host: u64 = 0;
+        let mut host_peak: u64 = 0;
         for (i, ins) in instrs.iter().enumerate() {
             let mut alloc = 0u64;
             let mut rel = 0u64;
@@ -89,6 +99,16 @@ pub fn analyze(p: &Program, budget: Option<u64>) -> (Vec<RankLiveness>, Vec<Over
                 Instr::Overlap { fwd, bwd } => {
                     tally(fwd);
                     tally(bwd);
+                }
+                Instr::Mem(op) => {
+                    if op.kind == MemKind::Offload {
+                        live = live.saturating_sub(1);
+                        host += 1;
+                        host_peak = host_peak.max(host);
+                        continue;
+                    }
+                    host = host.saturating_sub(1);
+                    alloc = 1;
                 }
                 _ => continue,
             }
@@ -116,7 +136,35 @@ pub fn analyze(p: &Program, budget: Option<u64>) -> (Vec<RankLiveness>, Vec<Over
             o.peak = peak;
             errs.push(o);
         }
-        out.push(RankLiveness { peak, peak_at });
+        out.push(RankLiveness {
+            peak,
+            peak_at,
+            host_peak,
+        });
     }
     (out, errs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offloaded_activations_count_on_the_host_not_the_device() {
+        // 1F1B-like rank with 3 forwards in flight; two of them offloaded.
+        let src = "pp 1\nstages 1\nmicrobatches 3\nplacement loop\nrank 0: F(0,0) OFFLOAD(0,0) F(0,1) OFFLOAD(0,1) F(0,2) BW(0,2) RELOAD(0,1) BW(0,1) RELOAD(0,0) BW(0,0)\n";
+        let p = schedc_ir::text::parse(src).unwrap().program;
+        let (l, _) = analyze(&p, None);
+        assert_eq!(
+            l,
+            vec![RankLiveness {
+                peak: 1,
+                peak_at: Some(0),
+                host_peak: 2
+            }]
+        );
+        let plain = "pp 1\nstages 1\nmicrobatches 3\nplacement loop\nrank 0: F(0,0) F(0,1) F(0,2) BW(0,2) BW(0,1) BW(0,0)\n";
+        let p = schedc_ir::text::parse(plain).unwrap().program;
+        assert_eq!(analyze(&p, None).0[0].peak, 3);
+    }
 }

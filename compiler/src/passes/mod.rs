@@ -8,6 +8,7 @@
 //! | 4 | [`deadlock`] | FIFO matching with labels compared, collective order, and a stream-level simulation under the stated semantics: no wait-for cycle | `label-mismatch`, `unmatched`, `collective-order`, `deadlock`, `stall` |
 //! | 5 | [`warmup`] | forwards before the first backward, steady and cooldown lengths, per rank and per stage | — |
 //! | 6 | [`liveness`] | peak live (stage, mb) activations per rank and where; the budget | `memory` |
+//! | 6b | [`memory`] | every B/W/BW finds its activations on the device (stashed, reloaded after an OFFLOAD, or recomputed); no OFFLOAD twice, RELOAD without OFFLOAD, or RECOMPUTE of stashed activations | `memory` |
 //! | 7 | [`makespan`] | unit-time makespan and idle per rank (F=B=W=1, BW=2) | — |
 //!
 //! Passes 5-7 return facts, not only errors: these are what reports and back ends consume.
@@ -17,6 +18,7 @@ pub mod deps;
 pub mod liveness;
 pub mod lower;
 pub mod makespan;
+pub mod memory;
 pub mod streams;
 pub mod warmup;
 pub mod wellformed;
@@ -296,7 +298,9 @@ pub fn compute_str(c: &Compute) -> String {
 }
 
 /// True if the instruction is a compute, overlap, or other op that runs on the compute
-/// stream (REDUCE_GRAD, WAIT_SEND, WAIT_RECV).
+/// stream (REDUCE_GRAD, WAIT_SEND, WAIT_RECV), or is issued from it in program order (the
+/// memory ops: a RECOMPUTE runs there, an OFFLOAD or RELOAD is launched from it onto the
+/// host-copy stream).
 pub fn on_compute_stream(i: &Instr) -> bool {
     matches!(
         i,
@@ -305,5 +309,6 @@ pub fn on_compute_stream(i: &Instr) -> bool {
             | Instr::ReduceGrad(_)
             | Instr::WaitSend(_)
             | Instr::WaitRecv(_)
+            | Instr::Mem(_)
     )
 }

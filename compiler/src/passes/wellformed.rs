@@ -363,6 +363,17 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<WfError> {
                 Instr::WaitSend(pl_) | Instr::WaitRecv(pl_) => {
                     errs.extend(range_error(pl, at, pl_.stage, pl_.mb));
                 }
+                Instr::Mem(op) => {
+                    let n = errs.len();
+                    errs.extend(range_error(pl, at, op.stage, op.mb));
+                    if errs.len() == n && pl.rank_of(op.stage) != r32 {
+                        errs.push(WfError::WrongRank {
+                            at,
+                            stage: op.stage,
+                            holder: pl.rank_of(op.stage),
+                        });
+                    }
+                }
                 Instr::Idle => {}
             }
         }

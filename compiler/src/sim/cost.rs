@@ -35,6 +35,10 @@
 //! param_bytes = 0.0           # per stage (a rank holding two stages holds two copies)
 //! grad_bytes = 0.0            # per stage
 //! optimizer_bytes = 0.0       # per stage
+//! offload = 0.0               # seconds per OFFLOAD(s,m) on the host-copy stream
+//! reload = 0.0                # seconds per RELOAD(s,m) (default: equal to offload)
+//! pcie_bandwidth = 0.0        # host-copy bytes per second: a copy whose seconds are 0
+//!                             #   takes activation_bytes / pcie_bandwidth
 //! ```
 //!
 //! Defaults: unit compute (F = B = W = 1), free communication, no memory figures.
@@ -226,6 +230,17 @@ pub struct Memory {
     /// Optimizer-state bytes per stage.
     #[serde(default)]
     pub optimizer_bytes: f64,
+    /// Seconds of one `OFFLOAD(s,m)` (device to host, on the rank's host-copy stream); 0:
+    /// from `pcie_bandwidth`, or free.
+    #[serde(default)]
+    pub offload: f64,
+    /// Seconds of one `RELOAD(s,m)` (host to device); `None`: as `offload`.
+    #[serde(default)]
+    pub reload: Option<f64>,
+    /// Host-copy bandwidth, bytes per second; used for a copy whose seconds are 0:
+    /// `activation_bytes / pcie_bandwidth`. 0: copies are free.
+    #[serde(default)]
+    pub pcie_bandwidth: f64,
     /// Per-stage overrides (`[memory.stage.N]`), keyed by stage id (set by `--model`: the
     /// embedding's and the head's stages differ from the rest).
     #[serde(default)]
@@ -256,6 +271,23 @@ impl Memory {
             .clamp(0.0, 1.0)
     }
 
+    /// Seconds of one host copy (`OFFLOAD` or `RELOAD`; `RECOMPUTE` is a forward, priced by
+    /// the compute costs) of `stage`'s activations: `offload` / `reload` when set, else
+    /// `activation_bytes / pcie_bandwidth`, else 0.
+    pub fn copy_time(&self, kind: schedc_ir::MemKind, stage: u32) -> f64 {
+        let secs = match kind {
+            schedc_ir::MemKind::Reload => self.reload.unwrap_or(self.offload),
+            _ => self.offload,
+        };
+        if secs > 0.0 {
+            secs
+        } else if self.pcie_bandwidth > 0.0 {
+            self.activation_bytes_at(stage) / self.pcie_bandwidth
+        } else {
+            0.0
+        }
+    }
+
     /// Weights, gradients and optimizer state of `stage`, bytes.
     pub fn static_bytes_at(&self, stage: u32) -> f64 {
         let s = self.at(stage);
@@ -278,6 +310,9 @@ impl Default for Memory {
             param_bytes: 0.0,
             grad_bytes: 0.0,
             optimizer_bytes: 0.0,
+            offload: 0.0,
+            reload: None,
+            pcie_bandwidth: 0.0,
             stage: BTreeMap::new(),
         }
     }
@@ -400,6 +435,9 @@ impl CostModel {
             ("memory.param_bytes", mem.param_bytes),
             ("memory.grad_bytes", mem.grad_bytes),
             ("memory.optimizer_bytes", mem.optimizer_bytes),
+            ("memory.offload", mem.offload),
+            ("memory.reload", mem.reload.unwrap_or(0.0)),
+            ("memory.pcie_bandwidth", mem.pcie_bandwidth),
         ] {
             ok(n, v)?;
         }
@@ -493,9 +531,12 @@ impl CostModel {
                 "param_bytes" => self.memory.param_bytes = v,
                 "grad_bytes" => self.memory.grad_bytes = v,
                 "optimizer_bytes" => self.memory.optimizer_bytes = v,
+                "offload" => self.memory.offload = v,
+                "reload" => self.memory.reload = Some(v),
+                "pcie_bandwidth" => self.memory.pcie_bandwidth = v,
                 _ => {
                     return Err(format!(
-                        "unknown cost key `{k}`: expected F, B, W, BW, FB, latency, bandwidth, bytes, dispatch, combine, ep_bandwidth, ep_latency, top_k, attn_share, a2a, activation_bytes, released_at_b, param_bytes, grad_bytes, optimizer_bytes"
+                        "unknown cost key `{k}`: expected F, B, W, BW, FB, latency, bandwidth, bytes, dispatch, combine, ep_bandwidth, ep_latency, top_k, attn_share, a2a, activation_bytes, released_at_b, param_bytes, grad_bytes, optimizer_bytes, offload, reload, pcie_bandwidth"
                     ))
                 }
             }

@@ -55,7 +55,7 @@ pub mod render;
 use crate::passes::{is_first_part, is_last_part};
 use cost::CostModel;
 use schedc_ir::text::instr_to_string;
-use schedc_ir::{Comm, Compute, Instr, Kind, Part, Program};
+use schedc_ir::{Comm, Compute, Instr, Kind, MemKind, MemOp, Part, Program};
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -69,6 +69,8 @@ pub enum StreamKind {
     Comm,
     /// Expert-parallel all-to-alls (MoE dispatch and combine).
     Ep,
+    /// The host-copy stream: `OFFLOAD` and `RELOAD` of saved activations.
+    Host,
 }
 
 /// What an event is, for colours and legends.
@@ -88,6 +90,8 @@ pub enum EventKind {
     A2a,
     /// Sends and receives.
     Comm,
+    /// A host copy (`OFFLOAD`, `RELOAD`) or a recompute (`RECOMPUTE`).
+    Mem,
     /// Anything else (REDUCE_GRAD, waits).
     Other,
 }
@@ -413,6 +417,7 @@ struct Clocks {
     compute: Vec<f64>,
     ep: Vec<f64>,
     comm: Vec<f64>,
+    host: Vec<f64>,
 }
 
 /// What one run of the event loop yields.
@@ -476,7 +481,20 @@ fn run(
         compute: vec![0.0; np],
         ep: vec![0.0; np],
         comm: vec![0.0; ns],
+        host: vec![0.0; np],
     };
+    // The host-copy stream of each rank, and per (stage, mb): the end of its forward (or
+    // recompute), of its offload, and when its activations are back on the device (a
+    // reload's end; a backward waits for it).
+    let mut hfree = init.host.clone();
+    let nk = s_n * m_n;
+    let act_key = |s: u32, m: u32| {
+        (s < pl.stages && m < pl.microbatches).then(|| s as usize * m_n + m as usize)
+    };
+    let has_mem = p.ranks.iter().flatten().any(|i| matches!(i, Instr::Mem(_)));
+    let mut f_end = vec![0f64; if has_mem { nk } else { 0 }];
+    let mut off_end = vec![0f64; if has_mem { nk } else { 0 }];
+    let mut back_on = vec![0f64; if has_mem { nk } else { 0 }];
     let mut makespan = f64::NEG_INFINITY;
     let mut item_end: Vec<Vec<f64>> = items.iter().map(|v| vec![f64::NAN; v.len()]).collect();
     let mut posted = vec![false; ng];
@@ -550,7 +568,16 @@ fn run(
                             part_key(c)
                         };
                         let pe = key.map_or(f64::NAN, |k| part_end[k]);
-                        let pe = if pe.is_nan() { gate } else { pe.max(gate) };
+                        let mut pe = if pe.is_nan() { gate } else { pe.max(gate) };
+                        // A backward waits for its activations' reload (or recompute); that
+                        // wait is the host copy's, not exposed communication.
+                        let mut reload = 0.0f64;
+                        if has_mem && c.kind != Kind::F {
+                            if let Some(k) = act_key(c.stage, c.mb) {
+                                reload = back_on[k];
+                                pe = pe.max(reload);
+                            }
+                        }
                         let d = cost.compute_time(c);
                         let a2a_part = c.part.is_all_to_all();
                         let (s, e, ep) = if a2a_part && cost.moe.overlap {
@@ -561,7 +588,7 @@ fn run(
                         } else {
                             let base = before.max(data);
                             let start = base.max(pe);
-                            exposed[r] += (start - before.max(producers)).max(0.0);
+                            exposed[r] += (start - before.max(producers).max(reload)).max(0.0);
                             if a2a_part {
                                 // On the compute stream: the stream waits all of it.
                                 exposed[r] += d;
@@ -584,6 +611,11 @@ fn run(
                         if let Some(k) = key {
                             part_end[k] = e;
                         }
+                        if has_mem && c.kind == Kind::F && is_last_part(c) {
+                            if let Some(k) = act_key(c.stage, c.mb) {
+                                f_end[k] = e;
+                            }
+                        }
                         if is_last_part(c) {
                             closed[r] = closed[r].max(e);
                         }
@@ -591,8 +623,15 @@ fn run(
                     }
                     Instr::Overlap { fwd, bwd } => {
                         let base = before.max(data);
-                        let start = base.max(gate);
-                        exposed[r] += (start - before.max(producers)).max(0.0);
+                        let mut start = base.max(gate);
+                        let mut reload = 0.0f64;
+                        if has_mem {
+                            if let Some(k) = act_key(bwd.stage, bwd.mb) {
+                                reload = back_on[k];
+                                start = start.max(reload);
+                            }
+                        }
+                        exposed[r] += (start - before.max(producers).max(reload)).max(0.0);
                         let d = cost.pair_time(fwd, bwd);
                         busy[r] += d;
                         if d > 0.0 && record {
@@ -601,7 +640,62 @@ fn run(
                         cfree[r] = start + d;
                         closed[r] = closed[r].max(start + d);
                         used.compute[r] = 1.0;
+                        if has_mem {
+                            if let Some(k) = act_key(fwd.stage, fwd.mb) {
+                                f_end[k] = start + d;
+                            }
+                        }
                         (start, start + d, false)
+                    }
+                    Instr::Mem(op) => {
+                        let k = act_key(op.stage, op.mb).ok_or_else(|| {
+                            format!(
+                                "rank {r}: `{}` names a stage or micro-batch out of range",
+                                instr_to_string(ins)
+                            )
+                        })?;
+                        match op.kind {
+                            // On the host-copy stream, once the compute stream reaches the op
+                            // (the end of the op before it), the stream is free, and the
+                            // forward (offload) or the offload (reload) has finished; the
+                            // compute stream goes on without waiting.
+                            MemKind::Offload | MemKind::Reload => {
+                                let after = if op.kind == MemKind::Offload {
+                                    f_end[k]
+                                } else {
+                                    off_end[k]
+                                };
+                                let start = hfree[r].max(after).max(before);
+                                let d = cost.memory.copy_time(op.kind, op.stage);
+                                hfree[r] = start + d;
+                                used.host[r] = 1.0;
+                                if op.kind == MemKind::Offload {
+                                    off_end[k] = start + d;
+                                } else {
+                                    back_on[k] = start + d;
+                                }
+                                (start, start + d, false)
+                            }
+                            // A forward of the stage again, on the compute stream.
+                            MemKind::Recompute => {
+                                let start = before.max(data).max(gate);
+                                let d = cost.compute_time(&Compute {
+                                    kind: Kind::F,
+                                    stage: op.stage,
+                                    mb: op.mb,
+                                    part: Part::Whole,
+                                });
+                                busy[r] += d;
+                                if d > 0.0 && record {
+                                    comp_iv[r].push((start, start + d));
+                                }
+                                cfree[r] = start + d;
+                                closed[r] = closed[r].max(start + d);
+                                used.compute[r] = 1.0;
+                                back_on[k] = start + d;
+                                (start, start + d, false)
+                            }
+                        }
                     }
                     _ => {
                         let base = before.max(data);
@@ -647,11 +741,30 @@ fn run(
                     if matches!(ins, Instr::Overlap { .. }) {
                         kind = EventKind::Overlap;
                     }
+                    if let Instr::Mem(op) = ins {
+                        kind = EventKind::Mem;
+                        mbv = Some(op.mb);
+                        let act = mem_model.activation_bytes_at(op.stage);
+                        // The device copy is freed when the offload completes, allocated
+                        // again when a reload or recompute starts.
+                        match op.kind {
+                            MemKind::Offload => mem[r].push((end, -act)),
+                            MemKind::Reload | MemKind::Recompute => mem[r].push((start, act)),
+                        }
+                    }
                     if kind != EventKind::Other || end > start {
                         events.push(Event {
                             rank: r as u32,
                             stream: if on_ep {
                                 StreamKind::Ep
+                            } else if matches!(
+                                ins,
+                                Instr::Mem(MemOp {
+                                    kind: MemKind::Offload | MemKind::Reload,
+                                    ..
+                                })
+                            ) {
+                                StreamKind::Host
                             } else {
                                 StreamKind::Compute
                             },
@@ -762,6 +875,7 @@ fn run(
             compute: cfree,
             ep: epfree,
             comm: mfree,
+            host: hfree,
         },
         used,
         events,
@@ -815,6 +929,7 @@ fn shifted_by(a: &Clocks, b: &Clocks, used: &Clocks, t: f64) -> bool {
     same(&a.compute, &b.compute, &used.compute)
         && same(&a.ep, &b.ep, &used.ep)
         && same(&a.comm, &b.comm, &used.comm)
+        && same(&a.host, &b.host, &used.host)
 }
 
 /// What [`simulate_with`] computes.
@@ -853,6 +968,7 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
         compute: vec![0.0; np],
         ep: vec![0.0; np],
         comm: vec![0.0; prep.flat.stream_groups.len()],
+        host: vec![0.0; np],
     };
     let one = run(p, cost, &prep, &zero, true)?;
 

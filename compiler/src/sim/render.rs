@@ -15,6 +15,7 @@ fn letter(k: EventKind) -> char {
         EventKind::Overlap => 'O',
         EventKind::A2a => 'a',
         EventKind::Comm => '~',
+        EventKind::Mem => 'R',
         EventKind::Other => '+',
     }
 }
@@ -119,14 +120,19 @@ pub fn chrome_trace(r: &SimResult, p: &Program) -> String {
     for x in &r.ranks {
         ev.push(json!({"ph": "M", "name": "process_name", "pid": x.rank, "args": {"name": format!("rank {}", x.rank)}}));
         ev.push(json!({"ph": "M", "name": "process_sort_index", "pid": x.rank, "args": {"sort_index": x.rank}}));
-        for (tid, n) in [(0, "compute"), (1, "p2p"), (2, "ep all-to-all")] {
-            // A rank without expert-parallel events has no all-to-all thread to name.
-            if tid == 2
-                && !r
-                    .events
-                    .iter()
-                    .any(|e| e.rank == x.rank && e.stream == StreamKind::Ep)
-            {
+        for (tid, n) in [
+            (0, "compute"),
+            (1, "p2p"),
+            (2, "ep all-to-all"),
+            (3, "host copies"),
+        ] {
+            // A rank without expert-parallel (host-copy) events has no such thread to name.
+            let only = match tid {
+                2 => Some(StreamKind::Ep),
+                3 => Some(StreamKind::Host),
+                _ => None,
+            };
+            if only.is_some_and(|k| !r.events.iter().any(|e| e.rank == x.rank && e.stream == k)) {
                 continue;
             }
             ev.push(json!({"ph": "M", "name": "thread_name", "pid": x.rank, "tid": tid, "args": {"name": n}}));
@@ -136,6 +142,7 @@ pub fn chrome_trace(r: &SimResult, p: &Program) -> String {
         StreamKind::Compute => 0,
         StreamKind::Comm => 1,
         StreamKind::Ep => 2,
+        StreamKind::Host => 3,
     };
     for e in &r.events {
         ev.push(json!({
@@ -177,6 +184,7 @@ fn colour(k: EventKind) -> &'static str {
         EventKind::Overlap => "#b07aa1",
         EventKind::A2a => "#e15759",
         EventKind::Comm => "#bab0ac",
+        EventKind::Mem => "#edc948",
         EventKind::Other => "#79706e",
     }
 }
@@ -190,6 +198,7 @@ fn label(k: EventKind) -> &'static str {
         EventKind::Overlap => "F&B (overlapped pair)",
         EventKind::A2a => "dispatch / combine",
         EventKind::Comm => "send / receive",
+        EventKind::Mem => "offload / reload / recompute",
         EventKind::Other => "other",
     }
 }
@@ -315,6 +324,8 @@ pub fn svg(r: &SimResult, p: &Program, title: &str) -> String {
             StreamKind::Compute => (row_y(e.rank), row_h),
             StreamKind::Ep => (row_y(e.rank) + row_h + 1.0, ep_h - 1.0),
             StreamKind::Comm => (row_y(e.rank) + row_h + ep_h + 1.0, 5.0),
+            // Drawn in the communication band, above the messages.
+            StreamKind::Host => (row_y(e.rank) + row_h + ep_h + 1.0, 2.5),
         };
         let _ = writeln!(
             o,

@@ -1,0 +1,238 @@
+//! Pass 6b: memory ops (`OFFLOAD`, `RELOAD`, `RECOMPUTE`) against the activations' state.
+//!
+//! On each rank, the saved activations of forward `F(s,m)` go through the states
+//! *not yet produced* → (`F`) *on the device* → (`OFFLOAD`) *on the host* → (`RELOAD` or
+//! `RECOMPUTE`) *on the device* → ... → (the releasing `BW`, or `W` of a split backward)
+//! *released*. The pass proves, per rank and in program order:
+//!
+//! * every `B`, `W` and `BW` of `(s,m)` finds the activations on the device: stashed and not
+//!   offloaded, reloaded after their offload, or recomputed;
+//! * `OFFLOAD(s,m)` only while they are on the device (after `F`, not offloaded twice, not
+//!   after their release);
+//! * `RELOAD(s,m)` only while they are on the host (after an `OFFLOAD`);
+//! * `RECOMPUTE(s,m)` only while they are not on the device (after an `OFFLOAD` that was not
+//!   reloaded; the host copy is then dropped): recomputing what is still stashed is an error.
+//!
+//! Memory ops of a stage the rank does not hold, or out of range, are pass 1's errors and are
+//! skipped here. Errors carry the rank and the position (step) of the offending op.
+
+use super::{Ctx, Pos};
+use crate::diag::{Code, Diagnostic};
+use schedc_ir::{Instr, Kind, MemKind, Program};
+
+/// Where a forward's saved activations are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Where {
+    /// No `F` yet.
+    NotYet,
+    /// On the device (stashed, reloaded or recomputed).
+    Device,
+    /// Offloaded to host memory.
+    Host,
+    /// Released by the backward.
+    Released,
+}
+
+impl Where {
+    fn describe(self) -> &'static str {
+        match self {
+            Where::NotYet => "not produced yet (no F before it on this rank)",
+            Where::Device => "already on the device",
+            Where::Host => "offloaded to the host and not reloaded",
+            Where::Released => "already released by the backward",
+        }
+    }
+}
+
+/// A memory-op error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemError {
+    /// The offending op (a memory op, or a B/W/BW that does not find its activations).
+    pub at: Pos,
+    /// The forward's stage.
+    pub stage: u32,
+    /// The forward's micro-batch.
+    pub mb: u32,
+    /// The state of the activations there.
+    pub state: Where,
+    /// For a backward after an offload: the position of that `OFFLOAD`.
+    pub offloaded_at: Option<u32>,
+}
+
+impl MemError {
+    /// Converts to a diagnostic (code `memory`).
+    pub fn to_diagnostic(&self, cx: &Ctx<'_>) -> Diagnostic {
+        let loc = cx.loc(self.at.rank as usize, self.at.pos as usize);
+        let msg = match self.offloaded_at {
+            Some(o) => format!(
+                "rank {} step {}: `{}` reads the activations of F({},{}), offloaded at step {} \
+                 and never reloaded or recomputed",
+                self.at.rank, self.at.pos, loc.op, self.stage, self.mb, o
+            ),
+            None => format!(
+                "rank {} step {}: `{}` is not valid here: the activations of F({},{}) are {}",
+                self.at.rank,
+                self.at.pos,
+                loc.op,
+                self.stage,
+                self.mb,
+                self.state.describe()
+            ),
+        };
+        let help = if self.offloaded_at.is_some() {
+            format!(
+                "put RELOAD({},{}) (or RECOMPUTE({},{})) before the backward",
+                self.stage, self.mb, self.stage, self.mb
+            )
+        } else {
+            "OFFLOAD needs stashed activations, RELOAD and RECOMPUTE an earlier OFFLOAD".into()
+        };
+        Diagnostic::error(Code::Memory, msg).at(loc).with_help(help)
+    }
+}
+
+/// Checks every rank's memory ops; returns all errors, in rank then program order. A program
+/// without memory ops is never rejected here.
+pub fn check(p: &Program) -> Vec<MemError> {
+    let pl = &p.pipeline;
+    let m_n = pl.microbatches as usize;
+    let s_n = pl.stages as usize;
+    let mut errs = Vec::new();
+    if !p.ranks.iter().flatten().any(|i| matches!(i, Instr::Mem(_))) {
+        return errs;
+    }
+    for (r, instrs) in p.ranks.iter().enumerate() {
+        let mut state = vec![Where::NotYet; s_n * m_n];
+        let mut off_at = vec![0u32; s_n * m_n];
+        // Whether (s,m) has a split backward (its W releases it, not its B).
+        let mut split = vec![false; s_n * m_n];
+        for ins in instrs {
+            ins.for_each_compute(|c| {
+                if (c.stage as usize) < s_n && (c.mb as usize) < m_n && c.kind == Kind::W {
+                    split[c.stage as usize * m_n + c.mb as usize] = true;
+                }
+            });
+        }
+        for (i, ins) in instrs.iter().enumerate() {
+            let at = Pos {
+                rank: r as u32,
+                pos: i as u32,
+            };
+            let key = |s: u32, m: u32| -> Option<usize> {
+                ((s as usize) < s_n && (m as usize) < m_n).then(|| s as usize * m_n + m as usize)
+            };
+            match ins {
+                Instr::Mem(op) => {
+                    let Some(k) = key(op.stage, op.mb) else {
+                        continue;
+                    };
+                    if pl.rank_of(op.stage) as usize != r {
+                        continue;
+                    }
+                    let (need, next) = match op.kind {
+                        MemKind::Offload => (Where::Device, Where::Host),
+                        MemKind::Reload | MemKind::Recompute => (Where::Host, Where::Device),
+                    };
+                    if state[k] == need {
+                        state[k] = next;
+                        if op.kind == MemKind::Offload {
+                            off_at[k] = i as u32;
+                        }
+                    } else {
+                        errs.push(MemError {
+                            at,
+                            stage: op.stage,
+                            mb: op.mb,
+                            state: state[k],
+                            offloaded_at: None,
+                        });
+                    }
+                }
+                _ => {
+                    let mut reported = false;
+                    ins.for_each_compute(|c| {
+                        let Some(k) = key(c.stage, c.mb) else {
+                            return;
+                        };
+                        match c.kind {
+                            Kind::F => {
+                                if state[k] == Where::NotYet {
+                                    state[k] = Where::Device;
+                                }
+                            }
+                            Kind::B | Kind::W | Kind::BW => {
+                                if state[k] == Where::Host && !reported {
+                                    reported = true;
+                                    errs.push(MemError {
+                                        at,
+                                        stage: c.stage,
+                                        mb: c.mb,
+                                        state: Where::Host,
+                                        offloaded_at: Some(off_at[k]),
+                                    });
+                                }
+                                let releases = super::is_last_part(c)
+                                    && (c.kind == Kind::BW || (c.kind == Kind::W && split[k]));
+                                if releases {
+                                    state[k] = Where::Released;
+                                }
+                            }
+                        }
+                    });
+                }
+            }
+        }
+    }
+    errs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prog(src: &str) -> Program {
+        schedc_ir::text::parse(src).unwrap().program
+    }
+
+    #[test]
+    fn backward_after_offload_without_reload_is_rejected_with_rank_and_step() {
+        let p = prog("pp 1\nstages 1\nmicrobatches 2\nplacement loop\nrank 0: F(0,0) OFFLOAD(0,0) F(0,1) BW(0,1) BW(0,0)\n");
+        let e = check(&p);
+        assert_eq!(
+            e,
+            vec![MemError {
+                at: Pos { rank: 0, pos: 4 },
+                stage: 0,
+                mb: 0,
+                state: Where::Host,
+                offloaded_at: Some(1),
+            }]
+        );
+        let d = e[0].to_diagnostic(&Ctx::new(&p));
+        assert_eq!(
+            d.message,
+            "rank 0 step 4: `BW(0,0)` reads the activations of F(0,0), offloaded at step 1 and never reloaded or recomputed"
+        );
+    }
+
+    #[test]
+    fn reload_or_recompute_before_the_backward_is_accepted() {
+        let p = prog("pp 1\nstages 1\nmicrobatches 2\nplacement loop\nrank 0: F(0,0) OFFLOAD(0,0) F(0,1) OFFLOAD(0,1) RELOAD(0,0) B(0,0) W(0,0) RECOMPUTE(0,1) BW(0,1)\n");
+        assert_eq!(check(&p), vec![]);
+    }
+
+    #[test]
+    fn double_offload_reload_without_offload_and_recompute_of_stashed_are_rejected() {
+        let p = prog("pp 1\nstages 1\nmicrobatches 3\nplacement loop\nrank 0: F(0,0) OFFLOAD(0,0) OFFLOAD(0,0) RELOAD(0,0) BW(0,0) F(0,1) RELOAD(0,1) BW(0,1) F(0,2) RECOMPUTE(0,2) BW(0,2) OFFLOAD(0,2)\n");
+        let e: Vec<(u32, Where)> = check(&p).iter().map(|e| (e.at.pos, e.state)).collect();
+        assert_eq!(
+            e,
+            vec![
+                (2, Where::Host),
+                (6, Where::Device),
+                (9, Where::Device),
+                (11, Where::Released)
+            ]
+        );
+    }
+}
