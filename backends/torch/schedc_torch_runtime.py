@@ -40,6 +40,7 @@ writes a cost model in schedc's TOML that ``schedc sim --cost FILE`` reads.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import itertools
 import math
@@ -606,7 +607,8 @@ class ProgramRuntime:
     def load_state_dict(self, state: Mapping) -> None:
         """Restores what :meth:`state_dict` returned on the same rank of the same programs
         (module parameters and buffers, optimizer state such as momentum and step counts, the
-        GradScaler's scale): the next step is the one the saved run would have taken.
+        GradScaler's scale): the next step is the one the saved run would have taken. Gradients
+        pending from ``accumulate=True`` steps are dropped.
 
         Raises:
             SchedcRuntimeError: a state of other stages (another rank's, or other programs')."""
@@ -624,9 +626,14 @@ class ProgramRuntime:
                     raise SchedcRuntimeError(
                         f"rank {self.rank}: the state has no optimizer for stage {s}",
                         rank=self.rank, step=self._step)
-                st.optimizer.load_state_dict(opts[s])
+                # A copy: torch's load keeps the given tensors (momentum buffers), which the
+                # next steps would update in place, changing the caller's state.
+                st.optimizer.load_state_dict(copy.deepcopy(opts[s]))
         if self.grad_scaler is not None and state.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
+        # Gradients pending from ``accumulate=True`` steps belong to the state being replaced:
+        # the next step starts from zero, as on a fresh runtime loaded with this state.
+        self._keep_grads = False
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -712,9 +719,9 @@ class ProgramRuntime:
             for key, t in self._samples_step:
                 self.times.setdefault(key, []).append((self._step, t + tail))
         self._join(threads)
-        if self._failure is None and self._deferred is not None and not self._accumulate:
+        if self._failure is None:
             try:
-                self._finish_optimizer(before_optimizer)
+                self._finish_optimizer(before_optimizer if self._deferred is not None and not self._accumulate else None)
             except BaseException as e:  # noqa: BLE001
                 err = e if isinstance(e, SchedcRuntimeError) else SchedcRuntimeError(
                     f"rank {self.rank}, step {self._step}, before the optimizer: "
@@ -784,8 +791,10 @@ class ProgramRuntime:
     def _finish_optimizer(self, hook: Callable | None) -> None:
         """After the streams, when the optimizer steps were deferred (a ``before_optimizer``
         hook or a GradScaler): unscale, the hook, the optimizer steps in program order."""
-        scaler = self.grad_scaler if self._scaling() else None
-        opts = [self.stages[s].optimizer for s in self._deferred if self.stages[s].optimizer is not None]
+        deferred = self._deferred is not None and not self._accumulate
+        scaler = self.grad_scaler if self._scaling() and deferred else None
+        opts = ([self.stages[s].optimizer for s in self._deferred if self.stages[s].optimizer is not None]
+                if deferred else [])
         skip = False
         if scaler is not None:
             inv = 1.0 / float(scaler.get_scale())
@@ -797,13 +806,62 @@ class ProgramRuntime:
             # Every rank skips, or none does: the replicas must stay equal.
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._world_pg)
             skip = bool(bad.item() > 0)
+        hook_err = None
         if hook is not None and not skip:
-            hook(self)
+            try:
+                hook(self)
+            except BaseException as e:  # noqa: BLE001 - reported after the agreement
+                hook_err = SchedcRuntimeError(
+                    f"rank {self.rank}, step {self._step}, before the optimizer: "
+                    f"{type(e).__name__}: {str(e).strip()}", rank=self.rank, step=self._step)
+                hook_err.__cause__ = e
+                self._fail(hook_err)  # published before the agreement: the peers name it
+        # The commit is collective: every rank learns whether every hook succeeded and that
+        # every rank passed the same ``accumulate`` before any optimizer steps.
+        self._agree(hook_err is not None)
+        if hook_err is not None:
+            raise hook_err
         if not skip:
             for o in opts:
                 o.step()
         if scaler is not None:
             _scaler_update(scaler, skip)
+
+    def _agree(self, failed: bool) -> None:
+        """Gathers every rank's (failed, accumulate) over the world group, within the step's
+        timeout. Raises a SchedcRuntimeError on every rank when a rank's hook failed or the
+        ranks passed different ``accumulate`` values."""
+        mine = torch.tensor([float(failed), float(self._accumulate)], dtype=torch.float32, device=self.device)
+        got = [torch.zeros_like(mine) for _ in range(self.program.world)]
+        work = dist.all_gather(got, mine, group=self._world_pg, async_op=True)
+        deadline = time.monotonic() + self._t
+        while not work.is_completed():
+            first = "" if failed else self._origin_text()
+            if first:
+                raise self._peer_failed(first, None)
+            if time.monotonic() > deadline:
+                raise SchedcRuntimeError(
+                    f"rank {self.rank}, step {self._step}: the ranks did not agree on the end of "
+                    f"the step within {self._t:.1f} s (a rank skipped a step?)", rank=self.rank,
+                    step=self._step, origin=False)
+            time.sleep(1e-3)
+        work.wait()
+        flags = [(bool(g[0].item()), bool(g[1].item())) for g in got]
+        if failed:
+            return  # this rank raises its own error
+        bad = [r for r, (f, _) in enumerate(flags) if f]
+        if bad:
+            first = self._origin_text() or f"rank {bad[0]} failed before the optimizer"
+            raise SchedcRuntimeError(
+                f"rank {self.rank}, step {self._step}: no optimizer stepped: the step failed on "
+                f"rank(s) {bad} before the optimizer: {first}", rank=self.rank, step=self._step,
+                origin=False)
+        accs = [a for _, a in flags]
+        if len(set(accs)) > 1:
+            raise SchedcRuntimeError(
+                f"rank {self.rank}, step {self._step}: the ranks passed different accumulate "
+                f"values to step(): {', '.join(f'rank {r}: accumulate={a}' for r, a in enumerate(accs))}; "
+                "every rank must pass the same", rank=self.rank, step=self._step, origin=False)
 
     def _scaling(self) -> bool:
         return self.grad_scaler is not None and self.grad_scaler.is_enabled()
