@@ -279,6 +279,14 @@ def _stage_maker(make_stage: Callable, n_model_stages: int, rank: int) -> Callab
     except (TypeError, ValueError):  # a builtin without a signature: the documented form
         return lambda s: make_stage(s, n_model_stages)
     pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind in (
+        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if len(required) > 2:
+        raise SchedcRuntimeError(
+            f"make_stage has {len(required)} required parameters "
+            f"({', '.join(p.name for p in required)}); the accepted signatures are "
+            "make_stage(model_stage, n_model_stages) and make_stage(model_stage)",
+            rank=rank, step=-1)
     if any(p.kind == p.VAR_POSITIONAL for p in params) or len(pos) >= 2:
         return lambda s: make_stage(s, n_model_stages)
     if len(pos) == 1:
@@ -395,6 +403,19 @@ class ProgramRuntime:
         self.timeout = float(timeout)
         self.first_step_timeout = float(first_step_timeout)
         self._t = self.first_step_timeout  # the current step's timeout
+        if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
+            raise SchedcRuntimeError(
+                f"autocast_dtype must be a torch.dtype (e.g. torch.bfloat16), not the "
+                f"{type(autocast_dtype).__name__} {autocast_dtype!r}: pass torch.{autocast_dtype}"
+                if isinstance(autocast_dtype, str) else
+                f"autocast_dtype must be a torch.dtype (e.g. torch.bfloat16), not a "
+                f"{type(autocast_dtype).__name__}", rank=self.rank, step=-1)
+        if grad_scaler is not None and not all(
+                callable(getattr(grad_scaler, m, None))
+                for m in ("scale", "get_scale", "is_enabled", "state_dict", "load_state_dict")):
+            raise SchedcRuntimeError(
+                f"grad_scaler must be a torch.amp.GradScaler (or None), not a "
+                f"{type(grad_scaler).__name__}", rank=self.rank, step=-1)
         self.autocast_dtype = autocast_dtype
         self.grad_scaler = grad_scaler
         self.profile = profile
@@ -435,6 +456,11 @@ class ProgramRuntime:
                 mod = stages
             elif make is not None:
                 mod = make(info.model_stage)
+                if not isinstance(mod, torch.nn.Module):
+                    raise SchedcRuntimeError(
+                        f"rank {self.rank}: make_stage({info.model_stage}, {self.n_model_stages}) "
+                        f"returned {'None' if mod is None else 'a ' + type(mod).__name__}; return an "
+                        "nn.Module", rank=self.rank, step=-1)
             else:
                 raise SchedcRuntimeError(
                     f"rank {self.rank} holds stages {[s.stage for s in program.stages]}: pass "
@@ -871,7 +897,16 @@ class ProgramRuntime:
             raise SchedcRuntimeError(
                 f"rank {self.rank} holds a {'first' if what == 'inputs' else 'last'} stage: "
                 f"step() needs {what}", rank=self.rank, step=self._step)
-        ts = _tuple(x)
+        if isinstance(x, torch.Tensor):
+            ts = (x,)
+        elif isinstance(x, tuple) and all(isinstance(t, torch.Tensor) for t in x):
+            ts = x
+        else:
+            got = type(x).__name__ if not isinstance(x, tuple) else \
+                "a tuple holding " + ", ".join(sorted({type(t).__name__ for t in x if not isinstance(t, torch.Tensor)}))
+            raise SchedcRuntimeError(
+                f"rank {self.rank}: step() {what} must be tensors (or tuples of tensors); got "
+                f"{got} (convert with torch.as_tensor)", rank=self.rank, step=self._step)
         for t in ts:
             if t.shape[0] < n:
                 raise SchedcRuntimeError(
@@ -1443,12 +1478,15 @@ def clip_grad_norm_(rt: "ProgramRuntime", max_norm: float, norm_type: float = 2.
     copies and data-parallel replicas (:meth:`ProgramRuntime.counted_parameters`); then every
     local gradient (both copies) is multiplied by ``min(1, max_norm / (norm + 1e-6))``.
 
-    Collective over every rank of the programs: call it on every rank, where the gradients
-    are reduced, i.e. in ``step(..., before_optimizer=lambda rt: clip_grad_norm_(rt, 1.0))``.
+    Collective over every rank of the programs (an all-reduce over the world group): call it
+    on every rank, where the gradients are reduced, i.e. in
+    ``step(..., before_optimizer=lambda rt: clip_grad_norm_(rt, 1.0))``; called on some ranks
+    only, it raises on those after ``rt.timeout`` seconds (that step then fails on every rank).
     Returns the total norm (float64, on every rank).
 
     Raises:
-        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite."""
+        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite.
+        SchedcRuntimeError: not every rank called it within ``rt.timeout`` seconds."""
     norm_type = float(norm_type)
     grads = [p.grad for p in rt.counted_parameters() if p.grad is not None]
     if math.isinf(norm_type):
@@ -1459,7 +1497,16 @@ def clip_grad_norm_(rt: "ProgramRuntime", max_norm: float, norm_type: float = 2.
                  if grads else torch.zeros((), dtype=torch.float64))
         op = dist.ReduceOp.SUM
     buf = local.reshape(1).to(rt.device)
-    dist.all_reduce(buf, op=op, group=rt._world_pg)
+    work = dist.all_reduce(buf, op=op, group=rt._world_pg, async_op=True)
+    deadline = time.monotonic() + rt.timeout
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise SchedcRuntimeError(
+                f"rank {rt.rank}, step {rt._step}: clip_grad_norm_ is collective: not every rank "
+                f"called it within {rt.timeout:.1f} s (the runtime's timeout); call it on every "
+                "rank, e.g. in before_optimizer", rank=rt.rank, step=rt._step)
+        time.sleep(1e-3)
+    work.wait()
     total = buf[0] if math.isinf(norm_type) else buf[0].pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}")
