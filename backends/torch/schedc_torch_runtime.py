@@ -685,7 +685,10 @@ class ProgramRuntime:
             before_optimizer: ``fn(runtime)``, called on every rank once the step's gradients
                 are reduced (DualPipe's copies summed, data-parallel replicas all-reduced,
                 GradScaler-unscaled) and before any optimizer step: the place for
-                :func:`clip_grad_norm_`. Not called with ``accumulate=True``.
+                :func:`clip_grad_norm_`. Not called with ``accumulate=True``. The ranks then
+                agree (an all-gather over the world group) before any optimizer steps: if the
+                hook raised on any rank, no rank steps and the step fails on every rank; ranks
+                that passed different ``accumulate`` values fail the same way.
 
         Raises:
             SchedcRuntimeError: a kernel raised, a loss is not a scalar, a message's shape
