@@ -40,6 +40,7 @@ writes a cost model in schedc's TOML that ``schedc sim --cost FILE`` reads.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import itertools
 import math
@@ -284,6 +285,15 @@ def _stage_maker(make_stage: Callable, n_model_stages: int, rank: int,
     except (TypeError, ValueError):  # a builtin without a signature: the documented form
         return lambda s: make_stage(s, n_model_stages)
     pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind in (
+        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if len(required) > 3:
+        raise SchedcRuntimeError(
+            f"make_stage has {len(required)} required parameters "
+            f"({', '.join(p.name for p in required)}); the accepted signatures are "
+            "make_stage(model_stage, n_model_stages, groups), "
+            "make_stage(model_stage, n_model_stages) and make_stage(model_stage)",
+            rank=rank, step=-1)
     if len(pos) >= 3:
         return lambda s: make_stage(s, n_model_stages, groups)
     if any(p.name == "groups" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
@@ -468,6 +478,19 @@ class ProgramRuntime:
         self.timeout = float(timeout)
         self.first_step_timeout = float(first_step_timeout)
         self._t = self.first_step_timeout  # the current step's timeout
+        if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
+            raise SchedcRuntimeError(
+                f"autocast_dtype must be a torch.dtype (e.g. torch.bfloat16), not the "
+                f"{type(autocast_dtype).__name__} {autocast_dtype!r}: pass torch.{autocast_dtype}"
+                if isinstance(autocast_dtype, str) else
+                f"autocast_dtype must be a torch.dtype (e.g. torch.bfloat16), not a "
+                f"{type(autocast_dtype).__name__}", rank=self.rank, step=-1)
+        if grad_scaler is not None and not all(
+                callable(getattr(grad_scaler, m, None))
+                for m in ("scale", "get_scale", "is_enabled", "state_dict", "load_state_dict")):
+            raise SchedcRuntimeError(
+                f"grad_scaler must be a torch.amp.GradScaler (or None), not a "
+                f"{type(grad_scaler).__name__}", rank=self.rank, step=-1)
         self.autocast_dtype = autocast_dtype
         self.grad_scaler = grad_scaler
         self.profile = profile
@@ -516,6 +539,11 @@ class ProgramRuntime:
                 mod = stages
             elif make is not None:
                 mod = make(info.model_stage)
+                if not isinstance(mod, torch.nn.Module):
+                    raise SchedcRuntimeError(
+                        f"rank {self.rank}: make_stage({info.model_stage}, {self.n_model_stages}) "
+                        f"returned {'None' if mod is None else 'a ' + type(mod).__name__}; return an "
+                        "nn.Module", rank=self.rank, step=-1)
             else:
                 raise SchedcRuntimeError(
                     f"rank {self.rank} holds stages {[s.stage for s in program.stages]}: pass "
@@ -687,7 +715,8 @@ class ProgramRuntime:
     def load_state_dict(self, state: Mapping) -> None:
         """Restores what :meth:`state_dict` returned on the same rank of the same programs
         (module parameters and buffers, optimizer state such as momentum and step counts, the
-        GradScaler's scale): the next step is the one the saved run would have taken.
+        GradScaler's scale): the next step is the one the saved run would have taken. Gradients
+        pending from ``accumulate=True`` steps are dropped.
 
         Raises:
             SchedcRuntimeError: a state of other stages (another rank's, or other programs')."""
@@ -705,9 +734,14 @@ class ProgramRuntime:
                     raise SchedcRuntimeError(
                         f"rank {self.rank}: the state has no optimizer for stage {s}",
                         rank=self.rank, step=self._step)
-                st.optimizer.load_state_dict(opts[s])
+                # A copy: torch's load keeps the given tensors (momentum buffers), which the
+                # next steps would update in place, changing the caller's state.
+                st.optimizer.load_state_dict(copy.deepcopy(opts[s]))
         if self.grad_scaler is not None and state.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
+        # Gradients pending from ``accumulate=True`` steps belong to the state being replaced:
+        # the next step starts from zero, as on a fresh runtime loaded with this state.
+        self._keep_grads = False
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -733,7 +767,10 @@ class ProgramRuntime:
             before_optimizer: ``fn(runtime)``, called on every rank once the step's gradients
                 are reduced (DualPipe's copies summed, data-parallel replicas all-reduced,
                 GradScaler-unscaled) and before any optimizer step: the place for
-                :func:`clip_grad_norm_`. Not called with ``accumulate=True``.
+                :func:`clip_grad_norm_`. Not called with ``accumulate=True``. The ranks then
+                agree (an all-gather over the world group) before any optimizer steps: if the
+                hook raised on any rank, no rank steps and the step fails on every rank; ranks
+                that passed different ``accumulate`` values fail the same way.
 
         Raises:
             SchedcRuntimeError: a kernel raised, a loss is not a scalar, a message's shape
@@ -793,9 +830,9 @@ class ProgramRuntime:
             for key, t in self._samples_step:
                 self.times.setdefault(key, []).append((self._step, t + tail))
         self._join(threads)
-        if self._failure is None and self._deferred is not None and not self._accumulate:
+        if self._failure is None:
             try:
-                self._finish_optimizer(before_optimizer)
+                self._finish_optimizer(before_optimizer if self._deferred is not None and not self._accumulate else None)
             except BaseException as e:  # noqa: BLE001
                 err = e if isinstance(e, SchedcRuntimeError) else SchedcRuntimeError(
                     f"rank {self.rank}, step {self._step}, before the optimizer: "
@@ -865,8 +902,10 @@ class ProgramRuntime:
     def _finish_optimizer(self, hook: Callable | None) -> None:
         """After the streams, when the optimizer steps were deferred (a ``before_optimizer``
         hook or a GradScaler): unscale, the hook, the optimizer steps in program order."""
-        scaler = self.grad_scaler if self._scaling() else None
-        opts = [self.stages[s].optimizer for s in self._deferred if self.stages[s].optimizer is not None]
+        deferred = self._deferred is not None and not self._accumulate
+        scaler = self.grad_scaler if self._scaling() and deferred else None
+        opts = ([self.stages[s].optimizer for s in self._deferred if self.stages[s].optimizer is not None]
+                if deferred else [])
         skip = False
         if scaler is not None:
             inv = 1.0 / float(scaler.get_scale())
@@ -878,13 +917,62 @@ class ProgramRuntime:
             # Every rank skips, or none does: the replicas must stay equal.
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._world_pg)
             skip = bool(bad.item() > 0)
+        hook_err = None
         if hook is not None and not skip:
-            hook(self)
+            try:
+                hook(self)
+            except BaseException as e:  # noqa: BLE001 - reported after the agreement
+                hook_err = SchedcRuntimeError(
+                    f"rank {self.rank}, step {self._step}, before the optimizer: "
+                    f"{type(e).__name__}: {str(e).strip()}", rank=self.rank, step=self._step)
+                hook_err.__cause__ = e
+                self._fail(hook_err)  # published before the agreement: the peers name it
+        # The commit is collective: every rank learns whether every hook succeeded and that
+        # every rank passed the same ``accumulate`` before any optimizer steps.
+        self._agree(hook_err is not None)
+        if hook_err is not None:
+            raise hook_err
         if not skip:
             for o in opts:
                 o.step()
         if scaler is not None:
             _scaler_update(scaler, skip)
+
+    def _agree(self, failed: bool) -> None:
+        """Gathers every rank's (failed, accumulate) over the world group, within the step's
+        timeout. Raises a SchedcRuntimeError on every rank when a rank's hook failed or the
+        ranks passed different ``accumulate`` values."""
+        mine = torch.tensor([float(failed), float(self._accumulate)], dtype=torch.float32, device=self.device)
+        got = [torch.zeros_like(mine) for _ in range(self.program.world)]
+        work = dist.all_gather(got, mine, group=self._world_pg, async_op=True)
+        deadline = time.monotonic() + self._t
+        while not work.is_completed():
+            first = "" if failed else self._origin_text()
+            if first:
+                raise self._peer_failed(first, None)
+            if time.monotonic() > deadline:
+                raise SchedcRuntimeError(
+                    f"rank {self.rank}, step {self._step}: the ranks did not agree on the end of "
+                    f"the step within {self._t:.1f} s (a rank skipped a step?)", rank=self.rank,
+                    step=self._step, origin=False)
+            time.sleep(1e-3)
+        work.wait()
+        flags = [(bool(g[0].item()), bool(g[1].item())) for g in got]
+        if failed:
+            return  # this rank raises its own error
+        bad = [r for r, (f, _) in enumerate(flags) if f]
+        if bad:
+            first = self._origin_text() or f"rank {bad[0]} failed before the optimizer"
+            raise SchedcRuntimeError(
+                f"rank {self.rank}, step {self._step}: no optimizer stepped: the step failed on "
+                f"rank(s) {bad} before the optimizer: {first}", rank=self.rank, step=self._step,
+                origin=False)
+        accs = [a for _, a in flags]
+        if len(set(accs)) > 1:
+            raise SchedcRuntimeError(
+                f"rank {self.rank}, step {self._step}: the ranks passed different accumulate "
+                f"values to step(): {', '.join(f'rank {r}: accumulate={a}' for r, a in enumerate(accs))}; "
+                "every rank must pass the same", rank=self.rank, step=self._step, origin=False)
 
     def _scaling(self) -> bool:
         return self.grad_scaler is not None and self.grad_scaler.is_enabled()
@@ -894,7 +982,16 @@ class ProgramRuntime:
             raise SchedcRuntimeError(
                 f"rank {self.rank} holds a {'first' if what == 'inputs' else 'last'} stage: "
                 f"step() needs {what}", rank=self.rank, step=self._step)
-        ts = _tuple(x)
+        if isinstance(x, torch.Tensor):
+            ts = (x,)
+        elif isinstance(x, tuple) and all(isinstance(t, torch.Tensor) for t in x):
+            ts = x
+        else:
+            got = type(x).__name__ if not isinstance(x, tuple) else \
+                "a tuple holding " + ", ".join(sorted({type(t).__name__ for t in x if not isinstance(t, torch.Tensor)}))
+            raise SchedcRuntimeError(
+                f"rank {self.rank}: step() {what} must be tensors (or tuples of tensors); got "
+                f"{got} (convert with torch.as_tensor)", rank=self.rank, step=self._step)
         for t in ts:
             if t.shape[0] < n:
                 raise SchedcRuntimeError(
@@ -1467,12 +1564,15 @@ def clip_grad_norm_(rt: "ProgramRuntime", max_norm: float, norm_type: float = 2.
     copies and data-parallel replicas (:meth:`ProgramRuntime.counted_parameters`); then every
     local gradient (both copies) is multiplied by ``min(1, max_norm / (norm + 1e-6))``.
 
-    Collective over every rank of the programs: call it on every rank, where the gradients
-    are reduced, i.e. in ``step(..., before_optimizer=lambda rt: clip_grad_norm_(rt, 1.0))``.
+    Collective over every rank of the programs (an all-reduce over the world group): call it
+    on every rank, where the gradients are reduced, i.e. in
+    ``step(..., before_optimizer=lambda rt: clip_grad_norm_(rt, 1.0))``; called on some ranks
+    only, it raises on those after ``rt.timeout`` seconds (that step then fails on every rank).
     Returns the total norm (float64, on every rank).
 
     Raises:
-        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite."""
+        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite.
+        SchedcRuntimeError: not every rank called it within ``rt.timeout`` seconds."""
     norm_type = float(norm_type)
     grads = [p.grad for p in rt.counted_parameters() if p.grad is not None]
     if math.isinf(norm_type):
@@ -1483,7 +1583,16 @@ def clip_grad_norm_(rt: "ProgramRuntime", max_norm: float, norm_type: float = 2.
                  if grads else torch.zeros((), dtype=torch.float64))
         op = dist.ReduceOp.SUM
     buf = local.reshape(1).to(rt.device)
-    dist.all_reduce(buf, op=op, group=rt._world_pg)
+    work = dist.all_reduce(buf, op=op, group=rt._world_pg, async_op=True)
+    deadline = time.monotonic() + rt.timeout
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise SchedcRuntimeError(
+                f"rank {rt.rank}, step {rt._step}: clip_grad_norm_ is collective: not every rank "
+                f"called it within {rt.timeout:.1f} s (the runtime's timeout); call it on every "
+                "rank, e.g. in before_optimizer", rank=rt.rank, step=rt._step)
+        time.sleep(1e-3)
+    work.wait()
     total = buf[0] if math.isinf(norm_type) else buf[0].pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}")

@@ -27,7 +27,7 @@ What it checks (one line per check, then ``N passed, M failed``; exit status 1 o
 5. **faults**: a rank killed in the middle of a step, and a message that is never sent: every
    rank ends with a SchedcRuntimeError naming its rank, op and peer, within the timeout.
 6. **the training loop** (``--only loop`` or ``loop-errors``, ``loop-api``, ``loop-dp2``,
-   ``loop-amp``): a non-scalar or tuple loss, a shape change under static shapes (refused by
+   ``loop-amp``, ``loop-commit``): a non-scalar or tuple loss, a shape change under static shapes (refused by
    the sender, every rank names ``static_shapes=False`` within seconds), the runtime after a
    failed step, ``make_stage(stage, n)``, ``data_shards``, an optimizer instance, the default
    timeouts, LR schedulers, gradient accumulation, ``clip_grad_norm_`` in ``before_optimizer``,
@@ -761,7 +761,9 @@ def loop_runtime(c: dict, rank: int, dtype=torch.float64, seed: int = SEED, cfg:
     kw.setdefault("optimizer", lambda ps: torch.optim.SGD(ps, lr=LR))
     kw.setdefault("loss_fn", mm.loss_fn)
     kw.setdefault("make_stage", mm.maker(cfg, n, seed, dtype))
-    return rtm.ProgramRuntime(prog, timeout=20.0, first_step_timeout=60.0, **kw), prog
+    kw.setdefault("timeout", 20.0)
+    kw.setdefault("first_step_timeout", 60.0)
+    return rtm.ProgramRuntime(prog, **kw), prog
 
 
 def ref_backward(ref, batches, n_chunks: int, shards: int, loss_scale: float = 1.0, autocast=None) -> list:
@@ -1040,8 +1042,111 @@ def case_amp(rank: int, world: int, c: dict) -> dict:
     return out
 
 
+def flat_params(rt) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in rt.parameters()])
+
+
+def case_commit(rank: int, world: int, c: dict) -> dict:
+    """1F1B on 2 ranks (breakit 2026-12-04): load_state_dict after accumulate=True, a hook
+    failing on one rank, different accumulate values, early argument errors, clip_grad_norm_
+    on one rank."""
+    torch.set_default_dtype(torch.float64)
+    cfg = mm.Config()
+    out = {}
+    x, y = mm.batch(cfg, 4 * MB_ROWS, SEED)
+    x3, _ = mm.batch(cfg, 4 * MB_ROWS, SEED + 3)
+    opt = lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9)  # noqa: E731
+    # 1. Accumulate, then load a checkpoint: the next step equals a fresh runtime's.
+    rt, _ = loop_runtime(c, rank, optimizer=opt)
+    rt.step(x, y)
+    ck = copy.deepcopy(rt.state_dict())
+    rt.step(x3, y, accumulate=True)
+    rt.load_state_dict(ck)
+    rt.step(x, y)
+    rt2, _ = loop_runtime(c, rank, optimizer=opt)
+    rt2.load_state_dict(ck)
+    rt2.step(x, y)
+    out["loadacc"] = float((flat_params(rt) - flat_params(rt2)).abs().max())
+    # 2. A before_optimizer hook failing on rank 1: every rank raises, no rank steps.
+    rt, _ = loop_runtime(c, rank)
+    before = flat_params(rt).clone()
+
+    def hook(r):
+        if r.rank == 1:
+            raise ValueError("boom in hook")
+    out["hook"] = expect_failure(lambda: rt.step(x, y, before_optimizer=hook))
+    out["hook_changed"] = bool((flat_params(rt) != before).any())
+    # 3. accumulate differs across ranks.
+    rt, _ = loop_runtime(c, rank)
+    out["acc"] = expect_failure(lambda: rt.step(x, y, accumulate=(rank == 0)))
+    # 4. Early errors.
+    rt, _ = loop_runtime(c, rank)
+    out["list_inputs"] = expect_failure(lambda: rt.step(x.tolist(), y.tolist()))
+    out["numpy_inputs"] = expect_failure(lambda: rt.step(x.numpy(), y.numpy()))
+    rt.step(x, y)
+    out["after_refused_inputs"] = True
+    out["grad_scaler"] = expect_failure(lambda: loop_runtime(c, rank, grad_scaler=3))
+    out["autocast_str"] = expect_failure(lambda: loop_runtime(c, rank, autocast_dtype="bfloat16"))
+    out["make_none"] = expect_failure(lambda: loop_runtime(c, rank, make_stage=lambda s, n: None))
+    out["make_3"] = expect_failure(lambda: loop_runtime(c, rank, make_stage=lambda a, b, c_, d: None))
+    # 5. clip_grad_norm_ on rank 0 only, timeout 3 s.
+    rt, _ = loop_runtime(c, rank, timeout=3.0)
+    rt.step(x, y)
+    t0 = time.time()
+
+    def clip0(r):
+        if r.rank == 0:
+            rtm.clip_grad_norm_(r, 1.0)
+    out["clip"] = expect_failure(lambda: rt.step(x, y, before_optimizer=clip0))
+    out["clip_s"] = time.time() - t0
+    return out
+
+
+def report_loop_commit(tally: Tally, got: dict) -> None:
+    ranks = sorted(got)
+    d = max(got[r]["loadacc"] for r in ranks)
+    tally.record("load_state_dict_drops_accumulated_gradients", d == 0.0,
+                 f"accumulate=True, load_state_dict, step against a fresh runtime loaded with the same "
+                 f"state (SGD momentum 0.9): max |a-b| {d:.3e} (must be 0)")
+    hk = [got[r]["hook"] for r in ranks]
+    tally.record("hook_failure_on_one_rank_steps_no_rank",
+                 hk[1].startswith("rank 1, step 0, before the optimizer: ValueError: boom in hook")
+                 and "boom in hook" in hk[0] and hk[0].startswith("rank 0, step 0")
+                 and not any(got[r]["hook_changed"] for r in ranks),
+                 f"rank 0: {hk[0][:160]}; parameters changed: {[got[r]['hook_changed'] for r in ranks]}")
+    ac = [got[r]["acc"] for r in ranks]
+    tally.record("accumulate_mismatch_across_ranks_detected",
+                 all("different accumulate values" in e and "rank 0: accumulate=True, rank 1: accumulate=False" in e
+                     for e in ac), ac[0][:200])
+    li = [got[r]["list_inputs"] for r in ranks]
+    tally.record("step_inputs_must_be_tensors",
+                 "step() inputs must be tensors (or tuples of tensors); got list" in li[0]
+                 and "step() targets must be tensors (or tuples of tensors); got list" in li[1]
+                 and "got ndarray" in got[0]["numpy_inputs"] and all(got[r]["after_refused_inputs"] for r in ranks),
+                 li[0][:160])
+    e = got[0]["grad_scaler"]
+    tally.record("grad_scaler_not_a_gradscaler_refused", "grad_scaler must be a torch.amp.GradScaler" in e
+                 and "not a int" in e, e)
+    e = got[0]["autocast_str"]
+    tally.record("autocast_dtype_string_refused", "pass torch.bfloat16" in e and "'bfloat16'" in e, e)
+    e = got[0]["make_none"]
+    tally.record("make_stage_returning_none_refused",
+                 "make_stage(0, 2) returned None; return an nn.Module" in e, e)
+    e = got[0]["make_3"]
+    tally.record("make_stage_four_parameters_refused",
+                 "4 required parameters" in e
+                 and "make_stage(model_stage, n_model_stages, groups)" in e
+                 and "make_stage(model_stage)" in e, e)
+    e, secs = got[0]["clip"], max(got[r]["clip_s"] for r in ranks)
+    tally.record("clip_grad_norm_on_one_rank_fails_within_timeout",
+                 "clip_grad_norm_ is collective" in e and "3.0 s" in e and secs < 6.0
+                 and all(got[r]["clip"] != "(no error)" for r in ranks),
+                 f"{e[:160]} (slowest rank {secs:.1f} s, timeout 3 s)")
+
+
 LOOP_CASES = {"errors": (case_errors, "1f1b-p4"), "api": (case_api, "interleaved"),
-              "dp2": (case_dp2, "dualpipe-dp2"), "amp": (case_amp, "zb_h1")}
+              "dp2": (case_dp2, "dualpipe-dp2"), "amp": (case_amp, "zb_h1"),
+              "commit": (case_commit, "1f1b-p2")}
 
 
 def loop_worker(rank: int, world: int, port: int, c: dict, results) -> None:
