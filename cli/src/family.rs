@@ -362,11 +362,14 @@ fn spec_text(p: &Program, periods: &[Period], d: u32, dirs: u32) -> String {
         "M".into()
     };
     let step = d * dirs;
-    let cond = if step > 1 {
-        format!("M >= @LO@ && M % {dirs} == 0 && ({m_of} - {n0}) % {d} == 0")
-    } else {
-        "M >= @LO@".into()
-    };
+    // Only the clauses that constrain anything: `M % 1 == 0` is never written.
+    let mut cond = "M >= @LO@".to_string();
+    if dirs > 1 {
+        let _ = write!(cond, " && M % {dirs} == 0");
+    }
+    if d > 1 {
+        let _ = write!(cond, " && ({m_of} - {n0}) % {d} == 0");
+    }
     let _ = writeln!(
         s,
         "require {cond}, \"this family was found for M = {} and checked by schedc check for M = @CHECKED@ in steps of {step}; got M = {{M}}\"",

@@ -526,6 +526,12 @@ fn optimize_to_spec_family_with_a_period_of_several_micro_batches() {
         "{}",
         stdout(&o)
     );
+    // Only the clauses that constrain M (breakit: `M % 1 == 0` was written).
+    let text = std::fs::read_to_string(fam).unwrap();
+    assert!(
+        text.contains("require M >= 8 && (M - 16) % 4 == 0,"),
+        "{text}"
+    );
     for (mb, code) in [("12", 0), ("24", 0), ("18", 1)] {
         let o = schedc(&[
             "check",
