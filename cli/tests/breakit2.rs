@@ -2,39 +2,11 @@
 //! one test per finding, named after its number. Each runs the `schedc` binary as a user
 //! would.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn bin() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_schedc"));
-    c.current_dir(root());
-    c.env_remove("SCHEDC_MEMORY_LIMIT");
-    c.env("RUST_BACKTRACE", "0");
-    c
-}
-
-fn schedc(args: &[&str]) -> Output {
-    bin().args(args).output().expect("runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("schedc-breakit2-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+mod common;
+use common::*;
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

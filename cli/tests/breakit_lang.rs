@@ -1,36 +1,9 @@
 //! The language and `--moe=...:list` findings of the newcomer report of 2026-12-04
 //! (`shared/notes/breakit_2026-12-04.md`), one test per item, run as a user would.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn schedc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedc"))
-        .current_dir(root())
-        .env_remove("SCHEDC_MEMORY_LIMIT")
-        .args(args)
-        .output()
-        .expect("runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("schedc-lang-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use std::process::Output;
+mod common;
+use common::*;
 
 const MOE_COST: &str = "../shared/costs/moe-1to1.toml";
 const PARTS: &str = "tests/data/dualpipev_parts.sched";

@@ -1,26 +1,9 @@
 //! The `schedc` binary end to end: exit statuses, output formats, conversions.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
-fn schedc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedc"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("runs")
-}
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("schedc-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+mod common;
+use common::*;
 
 const ZB: &str = "tests/data/torch/ScheduleInterleavedZeroBubble_P4_M8_V2.compute.csv";
 

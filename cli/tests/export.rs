@@ -1,35 +1,9 @@
 //! `schedc convert --to megatron` and `--to torch-csv --sidecar`: the exports to Megatron-LM
 //! and torchtitan (issue 25, items 4 and 5).
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
-
-fn schedc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedc"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("runs")
-}
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("schedc-export-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use std::process::Output;
+mod common;
+use common::*;
 
 /// The lines of the `SCHEDC_MEGATRON_ARGS=( ... )` array, trimmed.
 fn megatron_args(o: &Output) -> Vec<String> {

@@ -1,24 +1,7 @@
 //! Issue 27: memory ops through the CLI (`check`, `sim`).
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn schedc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedc"))
-        .current_dir(root())
-        .env_remove("SCHEDC_MEMORY_LIMIT")
-        .args(args)
-        .output()
-        .expect("runs")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
+mod common;
+use common::*;
 
 #[test]
 fn check_rejects_a_backward_whose_activations_were_offloaded_and_never_reloaded() {

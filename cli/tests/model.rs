@@ -1,20 +1,9 @@
 //! `schedc sim --model`: op times and memory derived from a model, a GPU and a layout; the
 //! step report; bad input named with its field, option or rank.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
-
-fn schedc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedc"))
-        .args(args)
-        .current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .output()
-        .expect("runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use std::process::Output;
+mod common;
+use common::*;
 
 fn tmp(name: &str, text: &str) -> String {
     let d = std::env::temp_dir().join(format!("schedc-model-{}", std::process::id()));

@@ -2,37 +2,11 @@
 //! written in each form and passes `schedc check` within the cap, `--format json` reports
 //! the from-start makespan and the comparison rows.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-fn schedc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedc"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("runs")
-}
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("schedc-opt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).to_string()
-}
-
-/// The command exited 2 and its standard error contains `says`.
-fn assert_refused(o: &Output, says: &str) {
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(o));
-    assert!(stderr(o).contains(says), "{}", stderr(o));
-}
+mod common;
+use common::*;
 
 #[test]
 fn a_cap_below_the_minimum_exits_2_and_says_the_minimum() {

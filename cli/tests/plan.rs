@@ -1,34 +1,8 @@
 //! Issue 22: `schedc plan` searches meshes and schedules, each priced by the simulator under
 //! the model-level cost model; `schedc compare --model` derives each row's costs.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn schedc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_schedc"))
-        .current_dir(root())
-        .env_remove("SCHEDC_MEMORY_LIMIT")
-        .args(args)
-        .output()
-        .expect("runs")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn assert_refused(o: &Output, says: &str) {
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(o));
-    assert!(stderr(o).contains(says), "{}", stderr(o));
-}
+mod common;
+use common::*;
 
 /// A small plan: Llama-3-8B on 4 H100s, 16 sequences per step.
 const SMALL: &[&str] = &[

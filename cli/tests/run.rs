@@ -1,16 +1,9 @@
 //! `schedc run` and `schedc compile` end to end (the CPU backend linked into `schedc`).
 
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn bin() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_schedc"));
-    c.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
-    c
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+mod common;
+use common::*;
 
 /// Asserts exit status 0, showing standard error otherwise.
 fn assert_ok(out: &Output) {
