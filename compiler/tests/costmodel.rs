@@ -310,7 +310,7 @@ fn moe_routing_fields_are_checked() {
 /// bytes. Within one node the two are the same all-to-all.
 #[test]
 fn flat_all_to_all_crosses_the_network_twice_as_often_for_dsv3_routing() {
-    use schedc::costmodel::{all_to_all_seconds, hardware::Hardware, layout as lay};
+    use schedc::costmodel::{all_to_all_seconds, hardware::Hardware, layout as lay, AllToAll};
     let a = arch::preset("dsv3").unwrap();
     let h = Hardware::preset("h800").unwrap();
     let eff = Efficiency::default();
@@ -322,16 +322,15 @@ fn flat_all_to_all_crosses_the_network_twice_as_often_for_dsv3_routing() {
         cp: 1,
     };
     let at = |ep, a2a| {
-        all_to_all_seconds(
-            &a,
-            &h,
-            &mesh(ep),
-            4096.0,
-            lay::Dtype::Bf16,
-            false,
+        let m = mesh(ep);
+        let q = AllToAll {
+            mesh: &m,
+            tokens: 4096.0,
+            dtype: lay::Dtype::Bf16,
+            combine: false,
             a2a,
-            &eff,
-        )
+        };
+        all_to_all_seconds(&a, &h, &q, &eff)
     };
     let (th, net_h, nvl_h) = at(64, lay::A2a::Hierarchical);
     let (tf, net_f, nvl_f) = at(64, lay::A2a::Flat);

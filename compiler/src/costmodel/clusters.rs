@@ -217,16 +217,14 @@ pub fn deepep_bandwidth(ep: u32, combine: bool) -> f64 {
         ..Efficiency::default()
     };
     let dtype = layout::Dtype::Fp8;
-    let (t, net, nvl) = super::all_to_all_seconds(
-        &a,
-        &h,
-        &m,
-        4096.0,
+    let q = super::AllToAll {
+        mesh: &m,
+        tokens: 4096.0,
         dtype,
         combine,
-        layout::A2a::Hierarchical,
-        &eff,
-    );
+        a2a: layout::A2a::Hierarchical,
+    };
+    let (t, net, nvl) = super::all_to_all_seconds(&a, &h, &q, &eff);
     let bytes = if ep <= 8 { nvl } else { net };
     bytes / t / 1e9
 }

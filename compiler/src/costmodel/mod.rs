@@ -274,20 +274,37 @@ pub fn deepep_nvlink_bandwidth(combine: bool) -> f64 {
 const H800_NVLINK: f64 = 200e9;
 const H800_NETWORK: f64 = 50e9;
 
-/// Seconds of one EP all-to-all (dispatch or combine) of one MoE layer for `tokens` tokens
-/// leaving a GPU, and its bytes `(network, NVLink)`, two-level or flat (`a2a`). See the
-/// module docs.
-#[allow(clippy::too_many_arguments)] // each is one independent figure of the formula
+/// One EP all-to-all to price with [`all_to_all_seconds`]: which layer's exchange, over
+/// which mesh, in which precision and algorithm.
+#[derive(Debug, Clone, Copy)]
+pub struct AllToAll<'a> {
+    /// The parallel layout (the EP group's size and its stride over the nodes).
+    pub mesh: &'a Mesh,
+    /// Tokens leaving one GPU in this exchange (before top-k replication).
+    pub tokens: f64,
+    /// Training precision: fp8 dispatches 1 byte per value plus a 4-byte scale per 128.
+    pub dtype: Dtype,
+    /// `true` for combine (always bf16), `false` for dispatch.
+    pub combine: bool,
+    /// Two-level (DeepSeek's node-limited) or flat.
+    pub a2a: A2a,
+}
+
+/// Seconds of one EP all-to-all (dispatch or combine) of one MoE layer, and its bytes
+/// leaving the GPU `(network, NVLink)`: `(seconds, bytes, bytes)`. See the module docs.
 pub fn all_to_all_seconds(
     arch: &Arch,
     hw: &Hardware,
-    mesh: &Mesh,
-    tokens: f64,
-    dtype: Dtype,
-    combine: bool,
-    a2a: A2a,
+    q: &AllToAll<'_>,
     eff: &Efficiency,
 ) -> (f64, f64, f64) {
+    let AllToAll {
+        mesh,
+        tokens,
+        dtype,
+        combine,
+        a2a,
+    } = *q;
     let Some(moe) = &arch.moe else {
         return (0.0, 0.0, 0.0);
     };
@@ -687,8 +704,15 @@ pub fn derive(
             0.5
         };
         if cc.moe_layers > 0 {
-            let (d, _, _) = all_to_all_seconds(arch, hw, &m, tl, tr.dtype, false, tr.a2a, eff);
-            let (cb, _, _) = all_to_all_seconds(arch, hw, &m, tl, tr.dtype, true, tr.a2a, eff);
+            let q = |combine| AllToAll {
+                mesh: &m,
+                tokens: tl,
+                dtype: tr.dtype,
+                combine,
+                a2a: tr.a2a,
+            };
+            let (d, _, _) = all_to_all_seconds(arch, hw, &q(false), eff);
+            let (cb, _, _) = all_to_all_seconds(arch, hw, &q(true), eff);
             cc.dispatch = d * cc.moe_layers as f64;
             cc.combine = cb * cc.moe_layers as f64;
         }
