@@ -1,37 +1,88 @@
-// B, key and value gradients: for key j,
-//   dkn_j,h = sum_i ds_h,i,j qn_i,h,   dv_j,h = sum_i P_h,i,j dout_i,h   (i in order),
-//   dkp_j = sum over the heads sharing the RoPE key (h in order) of sum_i ds_h,i,j qp_i,h.
-// Columns of key j: [0, heads*dn) content, then heads*dv values, then kp_heads*dr RoPE.
-// Launch: 1-D grid-stride over tk*(heads*dn + heads*dv + kp_heads*dr).
-KERNEL attn_bwd_dkv(T* dkn, int lddkn, T* dkp, int lddkp, T* dvv, int lddv, const float* ds,
-                    const float* probs, const T* qn, int ldqn, const T* qp, int ldqp,
-                    const T* dout, int ldo, int kp_heads, int tq, int tk, int heads, int dn,
-                    int dr, int dv) {
-    long cn = (long)heads * dn, cv = (long)heads * dv, cr = (long)kp_heads * dr;
-    long w = cn + cv + cr;
-    for (long n = gtid(); n < (long)tk * w; n += gsize()) {
-        int j = (int)(n / w);
-        long c = n % w;
-        float acc = 0.0f;
-        if (c < cn) {
-            int h = (int)(c / dn), e = (int)(c % dn);
-            for (int i = 0; i < tq; i++)
-                acc += ds[((long)h * tq + i) * tk + j] * ld(qn[(long)i * ldqn + (long)h * dn + e]);
-            st(&dkn[(long)j * lddkn + c], acc);
-        } else if (c < cn + cv) {
-            long c2 = c - cn;
-            int h = (int)(c2 / dv), e = (int)(c2 % dv);
-            for (int i = 0; i < tq; i++)
-                acc += probs[((long)h * tq + i) * tk + j] * ld(dout[(long)i * ldo + (long)h * dv + e]);
-            st(&dvv[(long)j * lddv + c2], acc);
-        } else {
-            long c3 = c - cn - cv;
-            int kh = (int)(c3 / dr), e = (int)(c3 % dr);
-            int h0 = kp_heads == 1 ? 0 : kh, h1 = kp_heads == 1 ? heads : kh + 1;
-            for (int h = h0; h < h1; h++)
-                for (int i = 0; i < tq; i++)
-                    acc += ds[((long)h * tq + i) * tk + j] * ld(qp[(long)i * ldqp + (long)h * dr + e]);
-            st(&dkp[(long)j * lddkp + c3], acc);
+// B, key and value gradients in tiles (FlashAttention-2's backward, Dao 2023 Algorithm 2,
+// the dK/dV half; no atomics): a block keeps ATT_BK keys of head h (content key, RoPE key,
+// value) and loops over the query tiles from the first that sees one of them (causal),
+// recomputing P and dS as attn_bwd_dq does from q, k, lse and delta:
+//   dv_j += sum_i P_ij dout_i,  dkn_j += sum_i dS_ij qn_i,  dkr_h,j += sum_i dS_ij qp_i.
+// Writes the content key gradient to dkn (row stride lddkn, heads*dn), the value gradient to
+// dvv (lddv, heads*dv), and head h's RoPE key gradient to dkp_part[(h*tk + j)*dr + e] (float;
+// attn_bwd_dkp sums it over the heads that share a RoPE key). Other parameters as attn_fwd's.
+// Launch: grid (ceil(tk / ATT_BK), heads), block ATT_THREADS.
+KERNEL attn_bwd_dkv(T* dkn, int lddkn, float* dkp_part, T* dvv, int lddv, const float* lse,
+                    const float* delta, const T* dout, int ldd, const T* qn, int ldqn,
+                    const T* qp, int ldqp, const T* kn, int ldkn, const T* kp, int ldkp,
+                    int kp_heads, const T* v, int ldv, int tq, int tk, int heads, int dn, int dr,
+                    int dv, int q_offset, float scale) {
+    __shared__ float ks[ATT_BK * ATT_DQK];
+    __shared__ float vs[ATT_BK * ATT_DV];
+    __shared__ float qs[ATT_BQ * ATT_DQK];
+    __shared__ float dos[ATT_BQ * ATT_DV];
+    __shared__ float ps[ATT_BQ * ATT_BK];
+    __shared__ float dss[ATT_BQ * ATT_BK];
+    __shared__ float lrow[ATT_BQ], drow[ATT_BQ];
+    int j0 = blockIdx.x * ATT_BK, h = blockIdx.y;
+    if (j0 >= tk || h >= heads) return;
+    int kh = kp_heads == 1 ? 0 : h, w = dn + dr;
+    int c = threadIdx.x / ATT_TPR, lane = threadIdx.x % ATT_TPR;
+    att_load_qk(ks, kn, ldkn, (long)h * dn, kp, ldkp, (long)kh * dr, j0, tk, ATT_BK, dn, dr);
+    att_load_v(vs, v, ldv, (long)h * dv, j0, tk, ATT_BK, dv);
+    float dk[ATT_DQK / ATT_TPR], dva[ATT_DV / ATT_TPR];
+    for (int k = 0; k < ATT_DQK / ATT_TPR; k++) dk[k] = 0.0f;
+    for (int k = 0; k < ATT_DV / ATT_TPR; k++) dva[k] = 0.0f;
+    // The first query that sees key j0 is i = j0 - q_offset.
+    long first = (long)j0 - q_offset;
+    if (first < 0) first = 0;
+    for (long i0l = first / ATT_BQ * ATT_BQ; i0l < tq; i0l += ATT_BQ) {
+        int i0 = (int)i0l;
+        att_load_qk(qs, qn, ldqn, (long)h * dn, qp, ldqp, (long)h * dr, i0, tq, ATT_BQ, dn, dr);
+        att_load_v(dos, dout, ldd, (long)h * dv, i0, tq, ATT_BQ, dv);
+        if (threadIdx.x < ATT_BQ) {
+            int i = i0 + threadIdx.x;
+            lrow[threadIdx.x] = i < tq ? lse[(long)h * tq + i] : 0.0f;
+            drow[threadIdx.x] = i < tq ? delta[(long)h * tq + i] : 0.0f;
         }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < ATT_BQ * ATT_BK; idx += blockDim.x) {
+            int rr = idx / ATT_BK, cc = idx % ATT_BK;
+            float p = 0.0f, ds = 0.0f;
+            if (att_visible(i0 + rr, tq, j0 + cc, tk, q_offset)) {
+                float s = att_dot(qs + rr * ATT_DQK, ks + cc * ATT_DQK, w) * scale;
+                p = expf(s - lrow[rr]);
+                float dp = att_dot(dos + rr * ATT_DV, vs + cc * ATT_DV, dv);
+                ds = p * (dp - drow[rr]) * scale;
+            }
+            ps[idx] = p;
+            dss[idx] = ds;
+        }
+        __syncthreads();
+        for (int k = 0; k < ATT_DQK / ATT_TPR; k++) {
+            int e = lane + k * ATT_TPR;
+            if (e >= w) break;
+            float s = 0.0f;
+            for (int rr = 0; rr < ATT_BQ; rr++) s += dss[rr * ATT_BK + c] * qs[rr * ATT_DQK + e];
+            dk[k] += s;
+        }
+        for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
+            int e = lane + k * ATT_TPR;
+            if (e >= dv) break;
+            float s = 0.0f;
+            for (int rr = 0; rr < ATT_BQ; rr++) s += ps[rr * ATT_BK + c] * dos[rr * ATT_DV + e];
+            dva[k] += s;
+        }
+        __syncthreads();
+    }
+    int j = j0 + c;
+    if (j >= tk) return;
+    for (int k = 0; k < ATT_DQK / ATT_TPR; k++) {
+        int e = lane + k * ATT_TPR;
+        if (e >= w) break;
+        if (e < dn)
+            st(&dkn[(long)j * lddkn + (long)h * dn + e], dk[k]);
+        else
+            dkp_part[((long)h * tk + j) * dr + (e - dn)] = dk[k];
+    }
+    for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
+        int e = lane + k * ATT_TPR;
+        if (e >= dv) break;
+        st(&dvv[(long)j * lddv + (long)h * dv + e], dva[k]);
     }
 }

@@ -1,56 +1,95 @@
-// F, causal attention (multi-head, or MLA's with content and RoPE parts): for head h, query
-// i (global position q_offset + i) sees keys j <= q_offset + i (j < tk);
-//   score_j = scale (qn_i,h . kn_j,h + qp_i,h . kp_j,h'),  p = softmax(score),  out = p V.
+// F, causal attention in tiles (FlashAttention-2's forward, Dao 2023 Algorithm 1), for
+// multi-head attention or MLA's (content and RoPE parts): for head h, local query i (global
+// position q_offset + i) sees keys j <= q_offset + i (j < tk);
+//   score_j = scale (qn_i,h . kn_j,h + qp_i,h . kp_j,h'),  p = softmax(score),  out = p V,
+// and lse_h,i = log sum_j exp(score_j) (heads x tq floats, -inf for a row that sees no key),
+// which is all the backward keeps: no tq x tk buffer.
 // Query content qn: tq x (heads*dn) (row stride ldqn); query RoPE part qp: heads*dr per row
 // (ldqp); key content kn: tk x heads*dn (ldkn); RoPE keys kp: kp_heads*dr per row (ldkp):
-// one shared by every head (kp_heads = 1, MLA) or one per head; values v: heads*dv per row
-// (ldv); out: heads*dv per row (ldo). dr = 0 means no RoPE part (plain multi-head attention
-// on already rotated q and k). probs: heads x tq x tk (float, masked entries 0).
-// Launch: grid (tq, heads), block a power of two.
-KERNEL attn_fwd(T* out, int ldo, float* probs, const T* qn, int ldqn, const T* qp, int ldqp,
+// one shared by every head (kp_heads = 1, MLA: read from the same rows by every head, never
+// replicated) or one per head; values v: heads*dv per row (ldv); out: heads*dv per row (ldo).
+// dr = 0 means no RoPE part (plain multi-head attention on already rotated q and k).
+// dn + dr <= ATT_DQK, dv <= ATT_DV.
+// A block keeps ATT_BQ query rows in shared memory and loops over the key tiles up to the
+// causal limit with an online softmax: per row the running maximum m and sum l; each tile's
+// p = exp(s - m_new), the row's output accumulator (registers, ATT_TPR threads per row)
+// scaled by exp(m_old - m_new) before p V is added; at the end out = acc / l.
+// Launch: grid (ceil(tq / ATT_BQ), heads), block ATT_THREADS.
+KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp, int ldqp,
                 const T* kn, int ldkn, const T* kp, int ldkp, int kp_heads, const T* v, int ldv,
                 int tq, int tk, int heads, int dn, int dr, int dv, int q_offset, float scale) {
-    __shared__ float sh[SCHEDC_MAX_BLOCK];
-    int i = blockIdx.x, h = blockIdx.y;
-    if (i >= tq || h >= heads) return;
-    int visible = q_offset + i + 1;
-    if (visible > tk) visible = tk;
-    if (visible < 0) visible = 0;
-    float* row = probs + ((long)h * tq + i) * tk;
-    const T* q1 = qn + (long)i * ldqn + (long)h * dn;
-    const T* q2 = qp + (long)i * ldqp + (long)h * dr;
-    int kh = kp_heads == 1 ? 0 : h;
-    float mx = neg_inf();
-    for (int j = threadIdx.x; j < tk; j += blockDim.x) {
-        if (j >= visible) {
-            row[j] = 0.0f;
-            continue;
-        }
-        const T* k1 = kn + (long)j * ldkn + (long)h * dn;
-        float s = 0.0f;
-        for (int e = 0; e < dn; e++) s += ld(q1[e]) * ld(k1[e]);
-        if (dr > 0) {
-            const T* k2 = kp + (long)j * ldkp + (long)kh * dr;
-            for (int e = 0; e < dr; e++) s += ld(q2[e]) * ld(k2[e]);
-        }
-        s = s * scale;
-        row[j] = s;
-        mx = fmaxf(mx, s);
+    __shared__ float qs[ATT_BQ * ATT_DQK];
+    __shared__ float ks[ATT_BK * ATT_DQK];
+    __shared__ float vs[ATT_BK * ATT_DV];
+    __shared__ float ps[ATT_BQ * ATT_BK];
+    __shared__ float mrow[ATT_BQ], lrow[ATT_BQ], crow[ATT_BQ];
+    int i0 = blockIdx.x * ATT_BQ, h = blockIdx.y;
+    if (i0 >= tq || h >= heads) return;
+    int kh = kp_heads == 1 ? 0 : h, w = dn + dr;
+    int r = threadIdx.x / ATT_TPR, lane = threadIdx.x % ATT_TPR;
+    att_load_qk(qs, qn, ldqn, (long)h * dn, qp, ldqp, (long)h * dr, i0, tq, ATT_BQ, dn, dr);
+    if (threadIdx.x < ATT_BQ) {
+        mrow[threadIdx.x] = neg_inf();
+        lrow[threadIdx.x] = 0.0f;
     }
-    mx = block_max(mx, sh);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < visible; j += blockDim.x) {
-        float p = expf(row[j] - mx);
-        row[j] = p;
-        sum += p;
-    }
-    sum = block_sum(sum, sh);
-    for (int j = threadIdx.x; j < visible; j += blockDim.x) row[j] = row[j] / sum;
+    float acc[ATT_DV / ATT_TPR];
+    for (int k = 0; k < ATT_DV / ATT_TPR; k++) acc[k] = 0.0f;
+    // Keys past the last row's causal limit are seen by no row of this tile.
+    long kend = (long)q_offset + (tq < i0 + ATT_BQ ? tq : i0 + ATT_BQ);
+    if (kend > tk) kend = tk;
     __syncthreads();
-    T* o = out + (long)i * ldo + (long)h * dv;
-    for (int e = threadIdx.x; e < dv; e += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < visible; j++) acc += row[j] * ld(v[(long)j * ldv + (long)h * dv + e]);
-        st(&o[e], acc);
+    for (int j0 = 0; j0 < kend; j0 += ATT_BK) {
+        att_load_qk(ks, kn, ldkn, (long)h * dn, kp, ldkp, (long)kh * dr, j0, tk, ATT_BK, dn, dr);
+        att_load_v(vs, v, ldv, (long)h * dv, j0, tk, ATT_BK, dv);
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < ATT_BQ * ATT_BK; idx += blockDim.x) {
+            int rr = idx / ATT_BK, c = idx % ATT_BK;
+            ps[idx] = att_visible(i0 + rr, tq, j0 + c, tk, q_offset)
+                          ? att_dot(qs + rr * ATT_DQK, ks + c * ATT_DQK, w) * scale
+                          : neg_inf();
+        }
+        __syncthreads();
+        if (threadIdx.x < ATT_BQ) {
+            int rr = threadIdx.x;
+            float* pr = ps + rr * ATT_BK;
+            float m = mrow[rr], mx = m, sum = 0.0f, alpha = 1.0f;
+            for (int c = 0; c < ATT_BK; c++) mx = fmaxf(mx, pr[c]);
+            if (mx == neg_inf()) {
+                for (int c = 0; c < ATT_BK; c++) pr[c] = 0.0f;
+            } else {
+                alpha = expf(m - mx);  // 0 while m is still -inf
+                for (int c = 0; c < ATT_BK; c++) {
+                    float p = expf(pr[c] - mx);  // 0 for masked keys
+                    pr[c] = p;
+                    sum += p;
+                }
+            }
+            lrow[rr] = lrow[rr] * alpha + sum;
+            mrow[rr] = mx;
+            crow[rr] = alpha;
+        }
+        __syncthreads();
+        float a = crow[r];
+        const float* pr = ps + r * ATT_BK;
+        for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
+            int e = lane + k * ATT_TPR;
+            if (e >= dv) break;
+            float s = 0.0f;
+            for (int c = 0; c < ATT_BK; c++) s += pr[c] * vs[c * ATT_DV + e];
+            acc[k] = acc[k] * a + s;
+        }
+        __syncthreads();
+    }
+    int i = i0 + r;
+    float l = lrow[r];
+    if (i < tq) {
+        float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        T* o = out + (long)i * ldo + (long)h * dv;
+        for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
+            int e = lane + k * ATT_TPR;
+            if (e >= dv) break;
+            st(&o[e], acc[k] * inv);
+        }
+        if (lane == 0) lse[(long)h * tq + i] = l > 0.0f ? mrow[r] + logf(l) : neg_inf();
     }
 }

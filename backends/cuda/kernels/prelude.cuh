@@ -111,3 +111,55 @@ template <typename U>
 DEV const U* slot_rows_c(const char* base, long slot_bytes, long rows_off, int j) {
     return (const U*)(base + j * slot_bytes + rows_off);
 }
+
+// Attention in tiles (FlashAttention-2: attn_fwd, attn_bwd_dq, attn_bwd_dkv). A block of
+// ATT_THREADS threads works on ATT_BQ query rows and, in turn, tiles of ATT_BK keys, staged
+// in shared memory as float; ATT_TPR threads share one row of a tile (ATT_BQ == ATT_BK, so
+// the same holds for key rows in attn_bwd_dkv). Head dimensions: content + RoPE part at most
+// ATT_DQK, values at most ATT_DV (DeepSeek-V3: 128 + 64 and 128); the host checks them.
+// Shared memory per block: at most 43,136 bytes (attn_bwd_dkv), under the 48 KiB of static
+// shared memory every sm_50+ device has.
+#define ATT_BQ 16
+#define ATT_BK 16
+#define ATT_THREADS 128
+#define ATT_TPR (ATT_THREADS / ATT_BQ)
+#define ATT_DQK 192
+#define ATT_DV 128
+
+// Stages `n` rows (row0.. of `rows`) of a query or key tile into dst (row stride ATT_DQK,
+// float): the content part xn[i*ldn + on + e] (e < dn), then the RoPE part
+// xp[i*ldp + op + e] (e < dr; xp is not read when dr = 0). Rows past `rows` are zeros.
+template <typename U>
+DEV void att_load_qk(float* dst, const U* xn, int ldn, long on, const U* xp, int ldp, long op,
+                     int row0, int rows, int n, int dn, int dr) {
+    int w = dn + dr;
+    for (int idx = threadIdx.x; idx < n * w; idx += blockDim.x) {
+        int r = idx / w, e = idx % w, i = row0 + r;
+        float x = 0.0f;
+        if (i < rows)
+            x = e < dn ? ld(xn[(long)i * ldn + on + e]) : ld(xp[(long)i * ldp + op + (e - dn)]);
+        dst[r * ATT_DQK + e] = x;
+    }
+}
+
+// Stages `n` rows of width w (row0.. of `rows`; x[i*ldx + o + e]) into dst (row stride
+// ATT_DV, float); rows past `rows` are zeros.
+template <typename U>
+DEV void att_load_v(float* dst, const U* x, int ldx, long o, int row0, int rows, int n, int w) {
+    for (int idx = threadIdx.x; idx < n * w; idx += blockDim.x) {
+        int r = idx / w, e = idx % w, i = row0 + r;
+        dst[r * ATT_DV + e] = i < rows ? ld(x[(long)i * ldx + o + e]) : 0.0f;
+    }
+}
+
+// a . b over w elements, in order.
+DEV float att_dot(const float* a, const float* b, int w) {
+    float s = 0.0f;
+    for (int e = 0; e < w; e++) s += a[e] * b[e];
+    return s;
+}
+
+// Whether local query i (global position q_offset + i) sees key j: j <= q_offset + i (causal).
+DEV bool att_visible(int i, int tq, int j, int tk, int q_offset) {
+    return i < tq && j < tk && (long)j <= (long)q_offset + i;
+}

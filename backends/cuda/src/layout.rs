@@ -339,7 +339,7 @@ pub struct LayerRegions {
     pub kpe_all: Region,   // T tk x kw: the gathered RoPE keys
     pub k_nope: Region,    // T tk x H dn: c_KV W_UK
     pub v: Region,         // T tk x H dv: c_KV W_UV
-    pub probs: Region,     // f H x t x tk
+    pub lse: Region,       // f H x t: attention rows' log-sum-exp (no H x t x tk)
     pub o: Region,         // T t x H dv
     pub h1: Region,        // T t x d
     pub xhat2: Region,     // T t x d
@@ -370,7 +370,8 @@ pub struct LayerRegions {
     pub dlr: Region,      // T t x E: router logits' gradient
     pub dh1: Region,      // T t x d
     pub doh: Region,      // T t x H dv
-    pub ds: Region,       // f H x t x tk
+    pub delta: Region,    // f H x t: dout . out per attention row
+    pub dkp_part: Region, // f H x tk x dr: per-head RoPE key gradients
     pub dq_nope: Region,  // T t x H dn
     pub dqr: Region,      // T t x H dr (rotated back)
     pub dk_nope: Region,  // T tk x H dn
@@ -470,7 +471,7 @@ impl StashLayout {
                 kpe_all: a.take(tk * kw * ts),
                 k_nope: a.take(tk * hdn * ts),
                 v: a.take(tk * hdv * ts),
-                probs: a.take(h * t * tk * fs),
+                lse: a.take(h * t * fs),
                 o: a.take(t * hdv * ts),
                 h1: a.take(act),
                 xhat2: a.take(act),
@@ -500,7 +501,8 @@ impl StashLayout {
                 dlr: a.take(t * e * ts),
                 dh1: a.take(act),
                 doh: a.take(t * hdv * ts),
-                ds: a.take(h * t * tk * fs),
+                delta: a.take(h * t * fs),
+                dkp_part: a.take(h * tk * dims.dr * fs),
                 dq_nope: a.take(t * hdn * ts),
                 dqr: a.take(t * hdr * ts),
                 dk_nope: a.take(tk * hdn * ts),

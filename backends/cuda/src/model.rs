@@ -198,6 +198,214 @@ pub struct Model<'a> {
     pub err: DevPtr,
 }
 
+/// Query rows (and key rows) of one attention tile (`ATT_BQ`, `ATT_BK` in
+/// `kernels/prelude.cuh`).
+pub const ATT_TILE: usize = 16;
+/// Threads per block of the attention kernels (`ATT_THREADS`).
+pub const ATT_THREADS: u32 = 128;
+/// The largest `d_h + d_h^R` (content plus RoPE part of a query or key head) the attention
+/// kernels take (`ATT_DQK`).
+pub const ATT_MAX_QK: usize = 192;
+/// The largest value head `d_v` the attention kernels take (`ATT_DV`).
+pub const ATT_MAX_V: usize = 128;
+
+/// The shape of an attention call: `heads` heads whose queries and keys have a content
+/// part of `dn` and a RoPE part of `dr` values (`dr = 0`: none), values of `dv`; `kph`
+/// RoPE keys per token (1: shared by every head, MLA; `heads`: one per head); the softmax
+/// `scale`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnDims {
+    /// Heads (this rank's).
+    pub heads: usize,
+    /// Content dimension per head.
+    pub dn: usize,
+    /// RoPE dimension per head (0: no RoPE part).
+    pub dr: usize,
+    /// Value dimension per head.
+    pub dv: usize,
+    /// RoPE keys per token: 1 or `heads`.
+    pub kph: usize,
+    /// Softmax scale.
+    pub scale: f32,
+}
+
+impl AttnDims {
+    /// Checks the head dimensions against the kernels' tiles. Errors: `dn + dr` over
+    /// [`ATT_MAX_QK`] or `dv` over [`ATT_MAX_V`] (or zero).
+    pub fn check(&self) -> Result<(), GpuError> {
+        if self.dn + self.dr == 0 || self.dn + self.dr > ATT_MAX_QK || self.dv == 0 || self.dv > ATT_MAX_V {
+            return Err(GpuError(format!(
+                "attention head dimensions d_h {} + d_h^R {}, d_v {}: the CUDA attention kernels take d_h + d_h^R from 1 to {ATT_MAX_QK} and d_v from 1 to {ATT_MAX_V}",
+                self.dn, self.dr, self.dv
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn launch(
+    gpu: &dyn Gpu,
+    s: StreamId,
+    kernel: &'static str,
+    grid: [u32; 3],
+    block: u32,
+    args: Vec<Arg>,
+) -> Result<(), GpuError> {
+    gpu.launch(
+        s,
+        &Launch {
+            kernel,
+            grid,
+            block: [block, 1, 1],
+            args,
+        },
+    )
+}
+
+fn tiles(n: usize) -> u32 {
+    n.div_ceil(ATT_TILE).max(1) as u32
+}
+
+fn grid_stride(n: usize) -> [u32; 3] {
+    [n.div_ceil(BLOCK as usize).clamp(1, 4096) as u32, 1, 1]
+}
+
+/// Causal attention in tiles, FlashAttention-2's forward (`attn_fwd`): `out` (`tq x heads
+/// dv`, storage type) and `lse` (`heads x tq` floats, each row's log-sum-exp of its scaled
+/// scores: all that the backward keeps) from the queries' content and RoPE parts (`tq`
+/// rows of `heads dn` and `heads dr`), the keys' content parts (`tk x heads dn`), RoPE keys
+/// (`tk x kph dr`) and values (`tk x heads dv`); query `i` sees the keys
+/// `j <= q_offset + i`. `(tq, tk, q_offset)`. Errors: the shape ([`AttnDims::check`]) or
+/// the launch.
+pub fn attention_fwd(
+    gpu: &dyn Gpu,
+    s: StreamId,
+    a: &AttnDims,
+    (out, lse): (DevPtr, DevPtr),
+    (q_nope, q_pe): (DevPtr, DevPtr),
+    (k_nope, k_pe, v): (DevPtr, DevPtr, DevPtr),
+    (tq, tk, q_offset): (usize, usize, usize),
+) -> Result<(), GpuError> {
+    a.check()?;
+    let (h, dn, dr, dv) = (a.heads, a.dn, a.dr, a.dv);
+    launch(
+        gpu,
+        s,
+        "attn_fwd",
+        [tiles(tq), h as u32, 1],
+        ATT_THREADS,
+        vec![
+            p(out),
+            i(h * dv),
+            p(lse),
+            p(q_nope),
+            i(h * dn),
+            p(q_pe),
+            i(h * dr),
+            p(k_nope),
+            i(h * dn),
+            p(k_pe),
+            i(a.kph * dr),
+            i(a.kph),
+            p(v),
+            i(h * dv),
+            i(tq),
+            i(tk),
+            i(h),
+            i(dn),
+            i(dr),
+            i(dv),
+            i(q_offset),
+            Arg::F32(a.scale),
+        ],
+    )
+}
+
+/// The backward of [`attention_fwd`] in tiles (FlashAttention-2's backward, the
+/// probabilities recomputed from `lse`, no `tq x tk` buffer): `attn_bwd_delta` (`delta_i =
+/// dout_i . out_i`), `attn_bwd_dq` (a block per query tile), `attn_bwd_dkv` (a block per
+/// key tile and head; the RoPE key's gradient per head into `dkp_part`) and `attn_bwd_dkp`
+/// (summed over the heads sharing a RoPE key). `grads`: `(dq_nope, dq_pe, dk_nope, dk_pe,
+/// dv)`, shaped as the inputs; `scratch`: `(delta, dkp_part)` of `heads x tq` and
+/// `heads x tk x dr` floats; `fwd`: `(dout, out, lse)`. Errors: as [`attention_fwd`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd(
+    gpu: &dyn Gpu,
+    s: StreamId,
+    a: &AttnDims,
+    (dq_nope, dq_pe, dk_nope, dk_pe, dv_): (DevPtr, DevPtr, DevPtr, DevPtr, DevPtr),
+    (delta, dkp_part): (DevPtr, DevPtr),
+    (dout, out, lse): (DevPtr, DevPtr, DevPtr),
+    (q_nope, q_pe): (DevPtr, DevPtr),
+    (k_nope, k_pe, v): (DevPtr, DevPtr, DevPtr),
+    (tq, tk, q_offset): (usize, usize, usize),
+) -> Result<(), GpuError> {
+    a.check()?;
+    let (h, dn, dr, dv, kph) = (a.heads, a.dn, a.dr, a.dv, a.kph);
+    let kw = kph * dr;
+    launch(
+        gpu,
+        s,
+        "attn_bwd_delta",
+        grid_stride(tq * h),
+        BLOCK,
+        vec![p(delta), p(dout), i(h * dv), p(out), i(h * dv), i(tq), i(h), i(dv)],
+    )?;
+    let tail = |mut head: Vec<Arg>| {
+        head.extend([
+            p(dout),
+            i(h * dv),
+            p(q_nope),
+            i(h * dn),
+            p(q_pe),
+            i(h * dr),
+            p(k_nope),
+            i(h * dn),
+            p(k_pe),
+            i(kw),
+            i(kph),
+            p(v),
+            i(h * dv),
+            i(tq),
+            i(tk),
+            i(h),
+            i(dn),
+            i(dr),
+            i(dv),
+            i(q_offset),
+            Arg::F32(a.scale),
+        ]);
+        head
+    };
+    launch(
+        gpu,
+        s,
+        "attn_bwd_dq",
+        [tiles(tq), h as u32, 1],
+        ATT_THREADS,
+        tail(vec![p(dq_nope), i(h * dn), p(dq_pe), i(h * dr), p(lse), p(delta)]),
+    )?;
+    launch(
+        gpu,
+        s,
+        "attn_bwd_dkv",
+        [tiles(tk), h as u32, 1],
+        ATT_THREADS,
+        tail(vec![p(dk_nope), i(h * dn), p(dkp_part), p(dv_), i(h * dv), p(lse), p(delta)]),
+    )?;
+    if kw > 0 {
+        launch(
+            gpu,
+            s,
+            "attn_bwd_dkp",
+            grid_stride(tk * kw),
+            BLOCK,
+            vec![p(dk_pe), i(kw), p(dkp_part), i(kph), i(tk), i(h), i(dr)],
+        )?;
+    }
+    Ok(())
+}
+
 impl Model<'_> {
     fn go(
         &self,
@@ -437,140 +645,74 @@ impl Model<'_> {
         (1.0 / ((self.dims.dn + self.dims.dr) as f64).sqrt()) as f32
     }
 
-    /// MLA's attention core (the CPU backend's `attention`): `out` (`tq x H dv`) and
-    /// `probs` from the local queries' content and RoPE parts (`q_nope`, `q_pe`, `tq` rows)
-    /// over the gathered keys' content parts (`k_nope`), RoPE keys (`k_pe`, shared by the
-    /// heads) and values (`v`, `tk` rows), causal at `q_offset`.
+    /// The attention kernels' shape for this model: [`AttnDims`] of the local heads.
+    pub fn attn_dims(&self) -> AttnDims {
+        let dm = self.dims;
+        AttnDims {
+            heads: dm.heads,
+            dn: dm.dn,
+            dr: dm.dr,
+            dv: dm.dv,
+            kph: dm.kph,
+            scale: self.scale(),
+        }
+    }
+
+    /// MLA's attention core (the CPU backend's `attention`), in tiles: `out` (`tq x H dv`)
+    /// and the rows' log-sum-exp `lse` (`H x tq` floats) from the local queries' content
+    /// and RoPE parts (`q_nope`, `q_pe`, `tq` rows) over the gathered keys' content parts
+    /// (`k_nope`), RoPE keys (`k_pe`, shared by the heads) and values (`v`, `tk` rows),
+    /// causal at `q_offset`. See [`attention_fwd`].
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
         s: StreamId,
-        (out, probs): (DevPtr, DevPtr),
-        (q_nope, q_pe): (DevPtr, DevPtr),
-        (k_nope, k_pe, v): (DevPtr, DevPtr, DevPtr),
+        (out, lse): (DevPtr, DevPtr),
+        q: (DevPtr, DevPtr),
+        keys: (DevPtr, DevPtr, DevPtr),
         tq: usize,
         tk: usize,
         q_offset: usize,
     ) -> Result<(), GpuError> {
-        let dm = self.dims;
-        let (h, dn, dr, dv) = (dm.heads, dm.dn, dm.dr, dm.dv);
-        self.go(
+        attention_fwd(
+            self.gpu,
             s,
-            "attn_fwd",
-            [tq as u32, h as u32, 1],
-            row_block(tk),
-            vec![
-                p(out),
-                i(h * dv),
-                p(probs),
-                p(q_nope),
-                i(h * dn),
-                p(q_pe),
-                i(h * dr),
-                p(k_nope),
-                i(h * dn),
-                p(k_pe),
-                i(dm.kw()),
-                i(dm.kph),
-                p(v),
-                i(h * dv),
-                i(tq),
-                i(tk),
-                i(h),
-                i(dn),
-                i(dr),
-                i(dv),
-                i(q_offset),
-                Arg::F32(self.scale()),
-            ],
+            &self.attn_dims(),
+            (out, lse),
+            q,
+            keys,
+            (tq, tk, q_offset),
         )
     }
 
-    /// The attention core's backward (`attention_backward`): the gradients of the queries'
-    /// parts (`tq` rows), of the keys' content parts, the RoPE keys and the values (`tk`
-    /// rows) from `dout`. `ds`: scratch of `H x tq x tk` floats.
+    /// The attention core's backward (`attention_backward`), recomputing the probabilities
+    /// from `lse`: the gradients of the queries' parts (`tq` rows), of the keys' content
+    /// parts, the RoPE keys and the values (`tk` rows) from `dout` and the forward's `out`.
+    /// Scratch: `delta` (`H x tq` floats) and `dkp_part` (`H x tk x dr` floats). See
+    /// [`attention_bwd`].
     #[allow(clippy::too_many_arguments)]
     pub fn attention_bwd(
         &self,
         s: StreamId,
-        (dq_nope, dq_pe, dk_nope, dk_pe, dv_, ds): (DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr),
-        dout: DevPtr,
-        (q_nope, q_pe): (DevPtr, DevPtr),
-        (k_nope, k_pe, v): (DevPtr, DevPtr, DevPtr),
-        probs: DevPtr,
+        grads: (DevPtr, DevPtr, DevPtr, DevPtr, DevPtr),
+        scratch: (DevPtr, DevPtr),
+        fwd: (DevPtr, DevPtr, DevPtr),
+        q: (DevPtr, DevPtr),
+        keys: (DevPtr, DevPtr, DevPtr),
         tq: usize,
         tk: usize,
+        q_offset: usize,
     ) -> Result<(), GpuError> {
-        let dm = self.dims;
-        let (h, dn, dr, dv, kw, kph) = (dm.heads, dm.dn, dm.dr, dm.dv, dm.kw(), dm.kph);
-        self.go(
+        attention_bwd(
+            self.gpu,
             s,
-            "attn_bwd_ds",
-            [tq as u32, h as u32, 1],
-            row_block(tk),
-            vec![
-                p(ds),
-                p(probs),
-                p(dout),
-                i(h * dv),
-                p(v),
-                i(h * dv),
-                i(tq),
-                i(tk),
-                i(h),
-                i(dv),
-                Arg::F32(self.scale()),
-            ],
-        )?;
-        self.ew(
-            s,
-            "attn_bwd_dq",
-            tq * h * (dn + dr),
-            vec![
-                p(dq_nope),
-                i(h * dn),
-                p(dq_pe),
-                i(h * dr),
-                p(ds),
-                p(k_nope),
-                i(h * dn),
-                p(k_pe),
-                i(kw),
-                i(kph),
-                i(tq),
-                i(tk),
-                i(h),
-                i(dn),
-                i(dr),
-            ],
-        )?;
-        self.ew(
-            s,
-            "attn_bwd_dkv",
-            tk * (h * dn + h * dv + kw),
-            vec![
-                p(dk_nope),
-                i(h * dn),
-                p(dk_pe),
-                i(kw),
-                p(dv_),
-                i(h * dv),
-                p(ds),
-                p(probs),
-                p(q_nope),
-                i(h * dn),
-                p(q_pe),
-                i(h * dr),
-                p(dout),
-                i(h * dv),
-                i(kph),
-                i(tq),
-                i(tk),
-                i(h),
-                i(dn),
-                i(dr),
-                i(dv),
-            ],
+            &self.attn_dims(),
+            grads,
+            scratch,
+            fwd,
+            q,
+            keys,
+            (tq, tk, q_offset),
         )
     }
 
@@ -818,7 +960,7 @@ impl Model<'_> {
         let (o, h1) = (at(r.o), at(r.h1));
         self.attention(
             s,
-            (o, at(r.probs)),
+            (o, at(r.lse)),
             (at(r.q_nope), at(r.q_pe)),
             (k_nope, kpe_all, v),
             t,
@@ -1531,13 +1673,14 @@ impl Model<'_> {
         let (dk_nope, dk_pe, dvv) = (at(r.dk_nope), at(r.dk_pe), at(r.dvv));
         self.attention_bwd(
             s,
-            (at(r.dq_nope), at(r.dqr), dk_nope, dk_pe, dvv, at(r.ds)),
-            doh,
+            (at(r.dq_nope), at(r.dqr), dk_nope, dk_pe, dvv),
+            (at(r.delta), at(r.dkp_part)),
+            (doh, at(r.o), at(r.lse)),
             (at(r.q_nope), at(r.q_pe)),
             (at(r.k_nope), at(r.kpe_all), at(r.v)),
-            at(r.probs),
             t,
             tk,
+            self.mask_offset(),
         )?;
         let dckv_all = at(r.dckv_all);
         self.mm(

@@ -138,15 +138,15 @@ fn sp_attention_matches_full(bugs: Bugs, sp: usize) -> Result<(), String> {
             pos0: c * chunk,
             err: dv.i(1),
         };
-        let (out, probs) = (
+        let (out, lse) = (
             dv.f(&vec![0.0; chunk * h * sh.v]),
-            dv.f(&vec![0.0; h * chunk * t]),
+            dv.f(&vec![0.0; h * chunk]),
         );
         let q = (
             dv.f(&rows(&qn, h * sh.nope, c)),
             dv.f(&rows(&qp, h * sh.rope, c)),
         );
-        m.attention(S, (out, probs), q, keys, chunk, t, m.mask_offset())
+        m.attention(S, (out, lse), q, keys, chunk, t, m.mask_offset())
             .map_err(String::from)?;
         let e = rel_err(
             &dv.get_f(out, chunk * h * sh.v),
