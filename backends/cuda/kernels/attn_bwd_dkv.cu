@@ -26,7 +26,9 @@ KERNEL attn_bwd_dkv(T* dkn, int lddkn, float* dkp_part, T* dvv, int lddv, const 
     att_load_qk(ks, kn, ldkn, (long)h * dn, kp, ldkp, (long)kh * dr, j0, tk, ATT_BK, dn, dr);
     att_load_v(vs, v, ldv, (long)h * dv, j0, tk, ATT_BK, dv);
     float dk[ATT_DQK / ATT_TPR], dva[ATT_DV / ATT_TPR];
+    ATT_UNROLL
     for (int k = 0; k < ATT_DQK / ATT_TPR; k++) dk[k] = 0.0f;
+    ATT_UNROLL
     for (int k = 0; k < ATT_DV / ATT_TPR; k++) dva[k] = 0.0f;
     // The first query that sees key j0 is i = j0 - q_offset.
     long first = (long)j0 - q_offset;
@@ -54,16 +56,18 @@ KERNEL attn_bwd_dkv(T* dkn, int lddkn, float* dkp_part, T* dvv, int lddv, const 
             dss[idx] = ds;
         }
         __syncthreads();
+        ATT_UNROLL
         for (int k = 0; k < ATT_DQK / ATT_TPR; k++) {
             int e = lane + k * ATT_TPR;
-            if (e >= w) break;
+            if (e >= w) continue;
             float s = 0.0f;
             for (int rr = 0; rr < ATT_BQ; rr++) s += dss[rr * ATT_BK + c] * qs[rr * ATT_DQK + e];
             dk[k] += s;
         }
+        ATT_UNROLL
         for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
             int e = lane + k * ATT_TPR;
-            if (e >= dv) break;
+            if (e >= dv) continue;
             float s = 0.0f;
             for (int rr = 0; rr < ATT_BQ; rr++) s += ps[rr * ATT_BK + c] * dos[rr * ATT_DV + e];
             dva[k] += s;
@@ -72,17 +76,19 @@ KERNEL attn_bwd_dkv(T* dkn, int lddkn, float* dkp_part, T* dvv, int lddv, const 
     }
     int j = j0 + c;
     if (j >= tk) return;
+    ATT_UNROLL
     for (int k = 0; k < ATT_DQK / ATT_TPR; k++) {
         int e = lane + k * ATT_TPR;
-        if (e >= w) break;
+        if (e >= w) continue;
         if (e < dn)
             st(&dkn[(long)j * lddkn + (long)h * dn + e], dk[k]);
         else
             dkp_part[((long)h * tk + j) * dr + (e - dn)] = dk[k];
     }
+    ATT_UNROLL
     for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
         int e = lane + k * ATT_TPR;
-        if (e >= dv) break;
+        if (e >= dv) continue;
         st(&dvv[(long)j * lddv + (long)h * dv + e], dva[k]);
     }
 }

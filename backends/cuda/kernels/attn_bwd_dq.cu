@@ -31,6 +31,7 @@ KERNEL attn_bwd_dq(T* dqn, int lddqn, T* dqp, int lddqp, const float* lse, const
         drow[threadIdx.x] = i < tq ? delta[(long)h * tq + i] : 0.0f;
     }
     float acc[ATT_DQK / ATT_TPR];
+    ATT_UNROLL
     for (int k = 0; k < ATT_DQK / ATT_TPR; k++) acc[k] = 0.0f;
     long kend = (long)q_offset + (tq < i0 + ATT_BQ ? tq : i0 + ATT_BQ);
     if (kend > tk) kend = tk;
@@ -52,9 +53,10 @@ KERNEL attn_bwd_dq(T* dqn, int lddqn, T* dqp, int lddqp, const float* lse, const
         }
         __syncthreads();
         const float* dr_ = dss + r * ATT_BK;
+        ATT_UNROLL
         for (int k = 0; k < ATT_DQK / ATT_TPR; k++) {
             int e = lane + k * ATT_TPR;
-            if (e >= w) break;
+            if (e >= w) continue;
             float s = 0.0f;
             for (int c = 0; c < ATT_BK; c++) s += dr_[c] * ks[c * ATT_DQK + e];
             acc[k] += s;
@@ -63,9 +65,10 @@ KERNEL attn_bwd_dq(T* dqn, int lddqn, T* dqp, int lddqp, const float* lse, const
     }
     int i = i0 + r;
     if (i >= tq) return;
+    ATT_UNROLL
     for (int k = 0; k < ATT_DQK / ATT_TPR; k++) {
         int e = lane + k * ATT_TPR;
-        if (e >= w) break;
+        if (e >= w) continue;
         if (e < dn)
             st(&dqn[(long)i * lddqn + (long)h * dn + e], acc[k]);
         else

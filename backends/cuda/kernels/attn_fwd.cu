@@ -33,6 +33,7 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
         lrow[threadIdx.x] = 0.0f;
     }
     float acc[ATT_DV / ATT_TPR];
+    ATT_UNROLL
     for (int k = 0; k < ATT_DV / ATT_TPR; k++) acc[k] = 0.0f;
     // Keys past the last row's causal limit are seen by no row of this tile.
     long kend = (long)q_offset + (tq < i0 + ATT_BQ ? tq : i0 + ATT_BQ);
@@ -71,9 +72,10 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
         __syncthreads();
         float a = crow[r];
         const float* pr = ps + r * ATT_BK;
+        ATT_UNROLL
         for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
             int e = lane + k * ATT_TPR;
-            if (e >= dv) break;
+            if (e >= dv) continue;
             float s = 0.0f;
             for (int c = 0; c < ATT_BK; c++) s += pr[c] * vs[c * ATT_DV + e];
             acc[k] = acc[k] * a + s;
@@ -85,9 +87,10 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
     if (i < tq) {
         float inv = l > 0.0f ? 1.0f / l : 0.0f;
         T* o = out + (long)i * ldo + (long)h * dv;
+        ATT_UNROLL
         for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
             int e = lane + k * ATT_TPR;
-            if (e >= dv) break;
+            if (e >= dv) continue;
             st(&o[e], acc[k] * inv);
         }
         if (lane == 0) lse[(long)h * tq + i] = l > 0.0f ? mrow[r] + logf(l) : neg_inf();

@@ -125,6 +125,12 @@ DEV const U* slot_rows_c(const char* base, long slot_bytes, long rows_off, int j
 #define ATT_TPR (ATT_THREADS / ATT_BQ)
 #define ATT_DQK 192
 #define ATT_DV 128
+// Fully unrolled register loops (the accumulators stay in registers, not local memory).
+#ifdef __CUDACC_RTC__
+#define ATT_UNROLL _Pragma("unroll")
+#else
+#define ATT_UNROLL
+#endif
 
 // Stages `n` rows (row0.. of `rows`) of a query or key tile into dst (row stride ATT_DQK,
 // float): the content part xn[i*ldn + on + e] (e < dn), then the RoPE part
