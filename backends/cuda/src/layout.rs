@@ -598,6 +598,48 @@ mod tests {
     }
 
     #[test]
+    fn attention_stash_has_no_heads_by_t_by_t_buffer() {
+        // issue 24: 128 heads of DeepSeek-V3's MLA head dims (d_h 128, d_h^R 64, d_v 128)
+        // at 4096 tokens. The untiled kernels kept f32 probabilities and their gradient,
+        // H x t x t each (8,589,934,592 bytes apiece); the tiled ones keep the rows'
+        // log-sum-exp and, as backward scratch, D (H x t floats each) and the per-head RoPE
+        // key gradients (H x t x d_h^R floats).
+        let cfg = ModelConfig {
+            hidden: 1024,
+            heads: 128,
+            q_lora_rank: 256,
+            kv_lora_rank: 128,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            seq_len: 4096,
+            experts: 8,
+            expert_hidden: 256,
+            ..ModelConfig::tiny()
+        };
+        let d = Dims::new(&cfg, &Mesh::pipeline(1), DType::Bf16).unwrap();
+        let stage = schedc_program::LocalStage {
+            stage: 0,
+            model_stage: 0,
+            direction: 0,
+            first: false,
+            last: false,
+            expert_lo: 0,
+            expert_hi: 8,
+            replica_peer: None,
+        };
+        let st = StashLayout::new(&d, &stage);
+        let l = &st.layers[0];
+        assert_eq!(l.lse.bytes, 2_097_152);
+        assert_eq!(l.delta.bytes, 2_097_152);
+        assert_eq!(l.dkp_part.bytes, 134_217_728);
+        let untiled = 128 * 4096 * 4096 * 4;
+        assert_eq!(untiled, 8_589_934_592usize);
+        // The whole stash of the layer is smaller than one H x t x t buffer.
+        assert!(st.bytes < untiled, "stash of {} bytes", st.bytes);
+    }
+
+    #[test]
     fn params_follow_the_cpu_flattening() {
         let cfg = ModelConfig::tiny();
         let p = StageParams::<f32>::init(&cfg, 0, 2, 0, 4);

@@ -233,7 +233,11 @@ impl AttnDims {
     /// Checks the head dimensions against the kernels' tiles. Errors: `dn + dr` over
     /// [`ATT_MAX_QK`] or `dv` over [`ATT_MAX_V`] (or zero).
     pub fn check(&self) -> Result<(), GpuError> {
-        if self.dn + self.dr == 0 || self.dn + self.dr > ATT_MAX_QK || self.dv == 0 || self.dv > ATT_MAX_V {
+        if self.dn + self.dr == 0
+            || self.dn + self.dr > ATT_MAX_QK
+            || self.dv == 0
+            || self.dv > ATT_MAX_V
+        {
             return Err(GpuError(format!(
                 "attention head dimensions d_h {} + d_h^R {}, d_v {}: the CUDA attention kernels take d_h + d_h^R from 1 to {ATT_MAX_QK} and d_v from 1 to {ATT_MAX_V}",
                 self.dn, self.dr, self.dv
@@ -349,7 +353,16 @@ pub fn attention_bwd(
         "attn_bwd_delta",
         grid_stride(tq * h),
         BLOCK,
-        vec![p(delta), p(dout), i(h * dv), p(out), i(h * dv), i(tq), i(h), i(dv)],
+        vec![
+            p(delta),
+            p(dout),
+            i(h * dv),
+            p(out),
+            i(h * dv),
+            i(tq),
+            i(h),
+            i(dv),
+        ],
     )?;
     let tail = |mut head: Vec<Arg>| {
         head.extend([
@@ -383,7 +396,14 @@ pub fn attention_bwd(
         "attn_bwd_dq",
         [tiles(tq), h as u32, 1],
         ATT_THREADS,
-        tail(vec![p(dq_nope), i(h * dn), p(dq_pe), i(h * dr), p(lse), p(delta)]),
+        tail(vec![
+            p(dq_nope),
+            i(h * dn),
+            p(dq_pe),
+            i(h * dr),
+            p(lse),
+            p(delta),
+        ]),
     )?;
     launch(
         gpu,
@@ -391,7 +411,15 @@ pub fn attention_bwd(
         "attn_bwd_dkv",
         [tiles(tk), h as u32, 1],
         ATT_THREADS,
-        tail(vec![p(dk_nope), i(h * dn), p(dkp_part), p(dv_), i(h * dv), p(lse), p(delta)]),
+        tail(vec![
+            p(dk_nope),
+            i(h * dn),
+            p(dkp_part),
+            p(dv_),
+            i(h * dv),
+            p(lse),
+            p(delta),
+        ]),
     )?;
     if kw > 0 {
         launch(

@@ -86,7 +86,8 @@ fn reference(c: &Case, stored: Option<DType>) -> Out {
                 .map(|j| {
                     let mut d = 0.0;
                     for e in 0..dn {
-                        d += f(&c.qn, i * h * dn + hh * dn + e) * f(&c.kn, j * h * dn + hh * dn + e);
+                        d +=
+                            f(&c.qn, i * h * dn + hh * dn + e) * f(&c.kn, j * h * dn + hh * dn + e);
                     }
                     for e in 0..dr {
                         d += f(&c.qp, i * h * dr + hh * dr + e)
@@ -341,7 +342,10 @@ fn flash_attention_at_deepseek_v3_head_dims_matches_f64() {
     // d_h 128, d_h^R 64, d_v 128: the largest the tiles take (ATT_DQK 192, ATT_DV 128).
     assert_eq!((ATT_MAX_QK, ATT_MAX_V), (192, 128));
     for dt in DTYPES {
-        for (n, &(tq, tk, off)) in [(33usize, 33usize, 0usize), (18, 36, 18)].iter().enumerate() {
+        for (n, &(tq, tk, off)) in [(33usize, 33usize, 0usize), (18, 36, 18)]
+            .iter()
+            .enumerate()
+        {
             let c = case(dt, dims(2, 128, 64, 128, 1), tq, tk, off, 40 + n as u64);
             check(dt, "DeepSeek-V3 head dims", &c);
         }
