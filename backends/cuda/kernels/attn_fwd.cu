@@ -14,6 +14,12 @@
 // causal limit with an online softmax: per row the running maximum m and sum l; each tile's
 // p = exp(s - m_new), the row's output accumulator (registers, ATT_TPR threads per row)
 // scaled by exp(m_old - m_new) before p V is added; at the end out = acc / l.
+// In bf16 on sm_80+ (and on the host shim, emulated) the two tile products run on tensor cores
+// (att_mma: scores Q K^T as two 16 x 8 tiles over k-steps of 16, by warps 0 and 1; P V as
+// 16 x 8 tiles of the output, warp w holding tiles w, w+4, w+8, w+12 in registers, with P split
+// into two bf16 parts P_hi + P_lo, two products, so that P keeps 16 bits of mantissa rather
+// than FlashAttention-2's 8: the gradients' bf16 error stays that of the scalar path); in f32
+// they are scalar f32 sums.
 // Launch: grid (ceil(tq / ATT_BQ), heads), block ATT_THREADS.
 KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp, int ldqp,
                 const T* kn, int ldkn, const T* kp, int ldkp, int kp_heads, const T* v, int ldv,
@@ -27,6 +33,12 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
     if (i0 >= tq || h >= heads) return;
     int kh = kp_heads == 1 ? 0 : h, w = dn + dr;
     int r = threadIdx.x / ATT_TPR, lane = threadIdx.x % ATT_TPR;
+    // Tensor-core fragments: warp, g = lane / 4, q = lane % 4 of the warp's lane.
+    const bool mma = ATT_MMA && att_is_bf16(out);
+    int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q4 = threadIdx.x % 4;
+    float oc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int x = 0; x < 4; x++) oc[j][x] = 0.0f;
     att_load_qk(qs, qn, ldqn, (long)h * dn, qp, ldqp, (long)h * dr, i0, tq, ATT_BQ, dn, dr);
     if (threadIdx.x < ATT_BQ) {
         mrow[threadIdx.x] = neg_inf();
@@ -43,11 +55,32 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
         att_load_qk(ks, kn, ldkn, (long)h * dn, kp, ldkp, (long)kh * dr, j0, tk, ATT_BK, dn, dr);
         att_load_v(vs, v, ldv, (long)h * dv, j0, tk, ATT_BK, dv);
         __syncthreads();
-        for (int idx = threadIdx.x; idx < ATT_BQ * ATT_BK; idx += blockDim.x) {
-            int rr = idx / ATT_BK, c = idx % ATT_BK;
-            ps[idx] = att_visible(i0 + rr, tq, j0 + c, tk, q_offset)
-                          ? att_dot(qs + rr * ATT_DQK, ks + c * ATT_DQK, w) * scale
-                          : neg_inf();
+        if (mma) {
+            // Warps 0 and 1: score columns 0-7 and 8-15 (warps 2 and 3 repeat them).
+            int nt = warp & 1;
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int kc = 0; kc < att_pad16(w); kc += 16) {
+                const float* a0 = qs + g * ATT_DQK + kc + 2 * q4;
+                const float* a1 = a0 + 8 * ATT_DQK;
+                const float* b0 = ks + (nt * 8 + g) * ATT_DQK + kc + 2 * q4;
+                unsigned a[4] = {att_pack(a0[0], a0[1]), att_pack(a1[0], a1[1]),
+                                 att_pack(a0[8], a0[9]), att_pack(a1[8], a1[9])};
+                unsigned b[2] = {att_pack(b0[0], b0[1]), att_pack(b0[8], b0[9])};
+                att_mma(c, a, b);
+            }
+            if (warp < 2)
+                for (int x = 0; x < 4; x++) {
+                    int rr = g + 8 * (x / 2), cc = nt * 8 + 2 * q4 + x % 2;
+                    ps[rr * ATT_BK + cc] =
+                        att_visible(i0 + rr, tq, j0 + cc, tk, q_offset) ? c[x] * scale : neg_inf();
+                }
+        } else {
+            for (int idx = threadIdx.x; idx < ATT_BQ * ATT_BK; idx += blockDim.x) {
+                int rr = idx / ATT_BK, c = idx % ATT_BK;
+                ps[idx] = att_visible(i0 + rr, tq, j0 + c, tk, q_offset)
+                              ? att_dot(qs + rr * ATT_DQK, ks + c * ATT_DQK, w) * scale
+                              : neg_inf();
+            }
         }
         __syncthreads();
         if (threadIdx.x < ATT_BQ) {
@@ -70,17 +103,57 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
             crow[rr] = alpha;
         }
         __syncthreads();
-        float a = crow[r];
-        const float* pr = ps + r * ATT_BK;
-        ATT_UNROLL
-        for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
-            int e = lane + k * ATT_TPR;
-            if (e >= dv) continue;
-            float s = 0.0f;
-            for (int c = 0; c < ATT_BK; c++) s += pr[c] * vs[c * ATT_DV + e];
-            acc[k] = acc[k] * a + s;
+        if (mma) {
+            float ag = crow[g], ag8 = crow[g + 8];
+            const float* p0 = ps + g * ATT_BK + 2 * q4;
+            const float* p1 = p0 + 8 * ATT_BK;
+            // P = P_hi + P_lo, both bf16 (16 bits of P's mantissa instead of 8): two products.
+            float ph[8] = {p0[0], p0[1], p1[0], p1[1], p0[8], p0[9], p1[8], p1[9]}, pl[8];
+            for (int x = 0; x < 8; x++) {
+                bf16 hb;
+                st(&hb, ph[x]);
+                pl[x] = ph[x] - ld(hb);
+                ph[x] = ld(hb);
+            }
+            unsigned a[4] = {att_pack(ph[0], ph[1]), att_pack(ph[2], ph[3]),
+                             att_pack(ph[4], ph[5]), att_pack(ph[6], ph[7])};
+            unsigned al[4] = {att_pack(pl[0], pl[1]), att_pack(pl[2], pl[3]),
+                              att_pack(pl[4], pl[5]), att_pack(pl[6], pl[7])};
+            for (int j = 0; j < 4; j++) {
+                int n = (warp + 4 * j) * 8 + g;
+                const float* v0 = vs + 2 * q4 * ATT_DV + n;
+                unsigned b[2] = {att_pack(v0[0], v0[ATT_DV]),
+                                 att_pack(v0[8 * ATT_DV], v0[9 * ATT_DV])};
+                oc[j][0] *= ag;
+                oc[j][1] *= ag;
+                oc[j][2] *= ag8;
+                oc[j][3] *= ag8;
+                att_mma(oc[j], a, b);
+                att_mma(oc[j], al, b);
+            }
+        } else {
+            float a = crow[r];
+            const float* pr = ps + r * ATT_BK;
+            ATT_UNROLL
+            for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
+                int e = lane + k * ATT_TPR;
+                if (e >= dv) continue;
+                float s = 0.0f;
+                for (int c = 0; c < ATT_BK; c++) s += pr[c] * vs[c * ATT_DV + e];
+                acc[k] = acc[k] * a + s;
+            }
         }
         __syncthreads();
+    }
+    if (mma) {
+        for (int j = 0; j < 4; j++)
+            for (int x = 0; x < 4; x++) {
+                int rr = g + 8 * (x / 2), e = (warp + 4 * j) * 8 + 2 * q4 + x % 2;
+                float lr = lrow[rr];
+                if (i0 + rr < tq && e < dv)
+                    st(&out[(long)(i0 + rr) * ldo + (long)h * dv + e],
+                       lr > 0.0f ? oc[j][x] * (1.0f / lr) : 0.0f);
+            }
     }
     int i = i0 + r;
     float l = lrow[r];
@@ -90,7 +163,7 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
         ATT_UNROLL
         for (int k = 0; k < ATT_DV / ATT_TPR; k++) {
             int e = lane + k * ATT_TPR;
-            if (e >= dv) continue;
+            if (e >= dv || mma) continue;
             st(&o[e], acc[k] * inv);
         }
         if (lane == 0) lse[(long)h * tq + i] = l > 0.0f ? mrow[r] + logf(l) : neg_inf();

@@ -132,29 +132,35 @@ DEV const U* slot_rows_c(const char* base, long slot_bytes, long rows_off, int j
 #define ATT_UNROLL
 #endif
 
+// w rounded up to a multiple of 16 (the k-step of the tensor-core product).
+DEV int att_pad16(int w) { return (w + 15) / 16 * 16; }
+
 // Stages `n` rows (row0.. of `rows`) of a query or key tile into dst (row stride ATT_DQK,
 // float): the content part xn[i*ldn + on + e] (e < dn), then the RoPE part
-// xp[i*ldp + op + e] (e < dr; xp is not read when dr = 0). Rows past `rows` are zeros.
+// xp[i*ldp + op + e] (e < dr; xp is not read when dr = 0). Rows past `rows`, and columns
+// from dn + dr up to the next multiple of 16, are zeros.
 template <typename U>
 DEV void att_load_qk(float* dst, const U* xn, int ldn, long on, const U* xp, int ldp, long op,
                      int row0, int rows, int n, int dn, int dr) {
-    int w = dn + dr;
-    for (int idx = threadIdx.x; idx < n * w; idx += blockDim.x) {
-        int r = idx / w, e = idx % w, i = row0 + r;
+    int w = dn + dr, wp = att_pad16(w);
+    for (int idx = threadIdx.x; idx < n * wp; idx += blockDim.x) {
+        int r = idx / wp, e = idx % wp, i = row0 + r;
         float x = 0.0f;
-        if (i < rows)
+        if (i < rows && e < w)
             x = e < dn ? ld(xn[(long)i * ldn + on + e]) : ld(xp[(long)i * ldp + op + (e - dn)]);
         dst[r * ATT_DQK + e] = x;
     }
 }
 
 // Stages `n` rows of width w (row0.. of `rows`; x[i*ldx + o + e]) into dst (row stride
-// ATT_DV, float); rows past `rows` are zeros.
+// ATT_DV, float); rows past `rows`, and columns from w up to the next multiple of 16, are
+// zeros.
 template <typename U>
 DEV void att_load_v(float* dst, const U* x, int ldx, long o, int row0, int rows, int n, int w) {
-    for (int idx = threadIdx.x; idx < n * w; idx += blockDim.x) {
-        int r = idx / w, e = idx % w, i = row0 + r;
-        dst[r * ATT_DV + e] = i < rows ? ld(x[(long)i * ldx + o + e]) : 0.0f;
+    int wp = att_pad16(w);
+    for (int idx = threadIdx.x; idx < n * wp; idx += blockDim.x) {
+        int r = idx / wp, e = idx % wp, i = row0 + r;
+        dst[r * ATT_DV + e] = i < rows && e < w ? ld(x[(long)i * ldx + o + e]) : 0.0f;
     }
 }
 
@@ -168,4 +174,63 @@ DEV float att_dot(const float* a, const float* b, int w) {
 // Whether local query i (global position q_offset + i) sees key j: j <= q_offset + i (causal).
 DEV bool att_visible(int i, int tq, int j, int tk, int q_offset) {
     return i < tq && j < tk && (long)j <= (long)q_offset + i;
+}
+
+// Tensor cores (attn_fwd in bf16): the tile products as PTX mma.sync.m16n8k16 (bf16 inputs,
+// f32 accumulation) on sm_80 and later; on the host shim an emulation of the same warp-level
+// instruction (below), so that the fragments' indexing is checked on the CPU; elsewhere (an
+// older --arch, or f32) the scalar path.
+#if defined(SCHEDC_SHIM) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+#define ATT_MMA 1
+#else
+#define ATT_MMA 0
+#endif
+DEV bool att_is_bf16(const float*) { return false; }
+DEV bool att_is_bf16(const bf16*) { return true; }
+
+// Two floats as bf16 (rounded to nearest even) in one register, `lo` in the low half.
+DEV unsigned att_pack(float lo, float hi) {
+    bf16 a, b;
+    st(&a, lo);
+    st(&b, hi);
+    return (unsigned)a.bits | ((unsigned)b.bits << 16);
+}
+
+// One warp's c (16 x 8, f32) += A (16 x 16, bf16) B (16 x 8, bf16): the fragments of
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32. Lane l holds, with g = l / 4 and
+// q = l % 4 (two bf16 per register, the lower index in the low half):
+//   a[0] = A[g][2q, 2q+1], a[1] = A[g+8][2q, 2q+1], a[2] = A[g][2q+8, 2q+9],
+//   a[3] = A[g+8][2q+8, 2q+9];  b[0] = B[2q, 2q+1][g], b[1] = B[2q+8, 2q+9][g];
+//   c[0], c[1] = C[g][2q], C[g][2q+1];  c[2], c[3] = C[g+8][2q], C[g+8][2q+1].
+// Every thread of the block calls it equally often (the shim's emulation exchanges the
+// fragments through shared memory between two barriers).
+DEV void att_mma(float* c, const unsigned* a, const unsigned* b) {
+#ifdef SCHEDC_SHIM
+    static unsigned fa[ATT_THREADS][4], fb[ATT_THREADS][2];
+    unsigned t = threadIdx.x, w0 = t / 32 * 32, l = t % 32, g = l / 4, q = l % 4;
+    for (int x = 0; x < 4; x++) fa[t][x] = a[x];
+    fb[t][0] = b[0];
+    fb[t][1] = b[1];
+    __syncthreads();
+    for (int x = 0; x < 4; x++) {
+        unsigned row = g + 8 * (x / 2), col = 2 * q + x % 2;
+        float d = 0.0f;
+        for (unsigned k = 0; k < 16; k++) {
+            unsigned ab = fa[w0 + (row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
+            unsigned bb = fb[w0 + col * 4 + (k % 8) / 2][k >= 8];
+            bf16 av, bv;
+            av.bits = (unsigned short)(ab >> (16 * (k % 2)));
+            bv.bits = (unsigned short)(bb >> (16 * (k % 2)));
+            d += ld(av) * ld(bv);
+        }
+        c[x] += d;
+    }
+    __syncthreads();
+#elif ATT_MMA
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, "
+        "%7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
