@@ -35,7 +35,7 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
     int r = threadIdx.x / ATT_TPR, lane = threadIdx.x % ATT_TPR;
     // Tensor-core fragments: warp, g = lane / 4, q = lane % 4 of the warp's lane.
     const bool mma = ATT_MMA && att_is_bf16(out);
-    int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q4 = threadIdx.x % 4;
+    int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
     float oc[4][4];
     for (int j = 0; j < 4; j++)
         for (int x = 0; x < 4; x++) oc[j][x] = 0.0f;
@@ -59,18 +59,10 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
             // Warps 0 and 1: score columns 0-7 and 8-15 (warps 2 and 3 repeat them).
             int nt = warp & 1;
             float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int kc = 0; kc < att_pad16(w); kc += 16) {
-                const float* a0 = qs + g * ATT_DQK + kc + 2 * q4;
-                const float* a1 = a0 + 8 * ATT_DQK;
-                const float* b0 = ks + (nt * 8 + g) * ATT_DQK + kc + 2 * q4;
-                unsigned a[4] = {att_pack(a0[0], a0[1]), att_pack(a1[0], a1[1]),
-                                 att_pack(a0[8], a0[9]), att_pack(a1[8], a1[9])};
-                unsigned b[2] = {att_pack(b0[0], b0[1]), att_pack(b0[8], b0[9])};
-                att_mma(c, a, b);
-            }
+            att_mma_exact(c, qs, ATT_DQK, ks, ATT_DQK, true, nt * 8, att_pad16(w));
             if (warp < 2)
                 for (int x = 0; x < 4; x++) {
-                    int rr = g + 8 * (x / 2), cc = nt * 8 + 2 * q4 + x % 2;
+                    int rr = att_c_row(x), cc = nt * 8 + att_c_col(x);
                     ps[rr * ATT_BK + cc] =
                         att_visible(i0 + rr, tq, j0 + cc, tk, q_offset) ? c[x] * scale : neg_inf();
                 }
@@ -105,31 +97,12 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
         __syncthreads();
         if (mma) {
             float ag = crow[g], ag8 = crow[g + 8];
-            const float* p0 = ps + g * ATT_BK + 2 * q4;
-            const float* p1 = p0 + 8 * ATT_BK;
-            // P = P_hi + P_lo, both bf16 (16 bits of P's mantissa instead of 8): two products.
-            float ph[8] = {p0[0], p0[1], p1[0], p1[1], p0[8], p0[9], p1[8], p1[9]}, pl[8];
-            for (int x = 0; x < 8; x++) {
-                bf16 hb;
-                st(&hb, ph[x]);
-                pl[x] = ph[x] - ld(hb);
-                ph[x] = ld(hb);
-            }
-            unsigned a[4] = {att_pack(ph[0], ph[1]), att_pack(ph[2], ph[3]),
-                             att_pack(ph[4], ph[5]), att_pack(ph[6], ph[7])};
-            unsigned al[4] = {att_pack(pl[0], pl[1]), att_pack(pl[2], pl[3]),
-                              att_pack(pl[4], pl[5]), att_pack(pl[6], pl[7])};
             for (int j = 0; j < 4; j++) {
-                int n = (warp + 4 * j) * 8 + g;
-                const float* v0 = vs + 2 * q4 * ATT_DV + n;
-                unsigned b[2] = {att_pack(v0[0], v0[ATT_DV]),
-                                 att_pack(v0[8 * ATT_DV], v0[9 * ATT_DV])};
                 oc[j][0] *= ag;
                 oc[j][1] *= ag;
                 oc[j][2] *= ag8;
                 oc[j][3] *= ag8;
-                att_mma(oc[j], a, b);
-                att_mma(oc[j], al, b);
+                att_mma_split(oc[j], ps, ATT_BK, false, vs, ATT_DV, false, (warp + 4 * j) * 8);
             }
         } else {
             float a = crow[r];
@@ -148,7 +121,7 @@ KERNEL attn_fwd(T* out, int ldo, float* lse, const T* qn, int ldqn, const T* qp,
     if (mma) {
         for (int j = 0; j < 4; j++)
             for (int x = 0; x < 4; x++) {
-                int rr = g + 8 * (x / 2), e = (warp + 4 * j) * 8 + 2 * q4 + x % 2;
+                int rr = att_c_row(x), e = (warp + 4 * j) * 8 + att_c_col(x);
                 float lr = lrow[rr];
                 if (i0 + rr < tq && e < dv)
                     st(&out[(long)(i0 + rr) * ldo + (long)h * dv + e],

@@ -234,3 +234,63 @@ DEV void att_mma(float* c, const unsigned* a, const unsigned* b) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #endif
 }
+
+// The position of accumulator element x (0..3) of a 16 x 8 tile in this lane: row, column.
+DEV int att_c_row(int x) { return threadIdx.x % 32 / 4 + 8 * (x / 2); }
+DEV int att_c_col(int x) { return 2 * (threadIdx.x % 4) + x % 2; }
+
+// This lane's A fragment of the 16 x 16 block at columns k0.. of a float matrix in shared
+// memory, A[r][k] = m[r*lm + k] (or m[k*lm + r] when trans), as bf16 (hi) and, when lo is
+// not null, the remainders m - hi as bf16 (lo): hi + lo keeps 16 bits of mantissa.
+DEV void att_frag_a(unsigned* hi, unsigned* lo, const float* m, int lm, bool trans, int k0) {
+    int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+    for (int reg = 0; reg < 4; reg++) {
+        float h[2], l[2];
+        for (int x = 0; x < 2; x++) {
+            int r = g + 8 * (reg & 1), k = k0 + 2 * q + x + 8 * (reg >> 1);
+            float v = trans ? m[k * lm + r] : m[r * lm + k];
+            bf16 b;
+            st(&b, v);
+            h[x] = ld(b);
+            l[x] = v - h[x];
+        }
+        hi[reg] = att_pack(h[0], h[1]);
+        if (lo) lo[reg] = att_pack(l[0], l[1]);
+    }
+}
+
+// This lane's B fragment of the 16 x 8 block B[k][n] (k from k0, n from n0) of a float matrix
+// in shared memory: B[k][n] = m[n*lm + k] when bt (B^T stored, as keys for Q K^T), else
+// m[k*lm + n]; rounded to bf16 (exact for values loaded from bf16 storage).
+DEV void att_frag_b(unsigned* b, const float* m, int lm, bool bt, int k0, int n0) {
+    int n = n0 + threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+    for (int reg = 0; reg < 2; reg++) {
+        int k = k0 + 2 * q + 8 * reg;
+        float x0 = bt ? m[n * lm + k] : m[k * lm + n];
+        float x1 = bt ? m[n * lm + k + 1] : m[(k + 1) * lm + n];
+        b[reg] = att_pack(x0, x1);
+    }
+}
+
+// c (this warp's 16 x 8 tile at columns n0) += A B over k = 0..kdim (a multiple of 16), both
+// operands values of bf16 storage (exact in bf16): A[r][k] = a[r*lda + k], B as att_frag_b.
+DEV void att_mma_exact(float* c, const float* a, int lda, const float* b, int ldb, bool bt, int n0,
+                       int kdim) {
+    for (int k0 = 0; k0 < kdim; k0 += 16) {
+        unsigned fa[4], fb[2];
+        att_frag_a(fa, 0, a, lda, false, k0);
+        att_frag_b(fb, b, ldb, bt, k0, n0);
+        att_mma(c, fa, fb);
+    }
+}
+
+// c (this warp's 16 x 8 tile at columns n0) += A B for one k-step of 16, A an f32 tile
+// (probabilities or their gradient; transposed when trans) split into two bf16 products.
+DEV void att_mma_split(float* c, const float* a, int lda, bool trans, const float* b, int ldb,
+                       bool bt, int n0) {
+    unsigned hi[4], lo[4], fb[2];
+    att_frag_a(hi, lo, a, lda, trans, 0);
+    att_frag_b(fb, b, ldb, bt, 0, n0);
+    att_mma(c, hi, fb);
+    att_mma(c, lo, fb);
+}
