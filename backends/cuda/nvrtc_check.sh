@@ -10,7 +10,10 @@
 # 3. runs `schedc compile ... --backend cuda --ptx DIR` with that NVRTC on LD_LIBRARY_PATH:
 #    every kernel source, for f32 and bf16, compiled for sm_90 by cudarc's NVRTC bindings;
 # 4. checks one non-empty PTX file with its entry point per kernel and element type, and
-#    runs the CLI test that checks the same through `schedc` with NVRTC present.
+#    runs the CLI test that checks the same through `schedc` with NVRTC present;
+# 5. assembles every kernel for the real sm_90 (nvrtc_cubin.py: NVRTC runs ptxas), so that
+#    inline PTX (the attention kernels' tensor-core mma.sync) is checked too, and fails on a
+#    kernel that spills registers to local memory.
 # Prints "NVRTC compiled N kernels"; exits non-zero on any compile error.
 set -euo pipefail
 
@@ -60,4 +63,6 @@ for f in "$OUT"/ptx/*.ptx; do
 done
 LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test -q -p schedc-cli --test run compile_ptx_needs_cuda_and_nvrtc
+LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    python3 backends/cuda/nvrtc_cubin.py "$LIB" sm_90
 echo "NVRTC compiled $files kernels ($sources kernel sources, f32 and bf16, sm_90) in $(( $(date +%s) - start ))s"

@@ -6,6 +6,9 @@
 // Writes the content key gradient to dkn (row stride lddkn, heads*dn), the value gradient to
 // dvv (lddv, heads*dv), and head h's RoPE key gradient to dkp_part[(h*tk + j)*dr + e] (float;
 // attn_bwd_dkp sums it over the heads that share a RoPE key). Other parameters as attn_fwd's.
+// In bf16 on sm_80+ (and on the host shim, emulated) the tile products run on tensor cores
+// (att_mma_s_dp; P^T dout and dS^T q with P and dS split into two bf16 parts, warp w holding
+// the 16 x 8 tiles w, w+4, ... of dk and dv in registers); in f32 they are scalar f32 sums.
 // Launch: grid (ceil(tk / ATT_BK), heads), block ATT_THREADS.
 KERNEL attn_bwd_dkv(T* dkn, int lddkn, float* dkp_part, T* dvv, int lddv, const float* lse,
                     const float* delta, const T* dout, int ldd, const T* qn, int ldqn,
@@ -18,6 +21,7 @@ KERNEL attn_bwd_dkv(T* dkn, int lddkn, float* dkp_part, T* dvv, int lddv, const 
     __shared__ float dos[ATT_BQ * ATT_DV];
     __shared__ float ps[ATT_BQ * ATT_BK];
     __shared__ float dss[ATT_BQ * ATT_BK];
+    __shared__ float sst[ATT_BQ * ATT_BK], dpt[ATT_BQ * ATT_BK];
     __shared__ float lrow[ATT_BQ], drow[ATT_BQ];
     int j0 = blockIdx.x * ATT_BK, h = blockIdx.y;
     if (j0 >= tk || h >= heads) return;
@@ -25,6 +29,13 @@ KERNEL attn_bwd_dkv(T* dkn, int lddkn, float* dkp_part, T* dvv, int lddv, const 
     int c = threadIdx.x / ATT_TPR, lane = threadIdx.x % ATT_TPR;
     att_load_qk(ks, kn, ldkn, (long)h * dn, kp, ldkp, (long)kh * dr, j0, tk, ATT_BK, dn, dr);
     att_load_v(vs, v, ldv, (long)h * dv, j0, tk, ATT_BK, dv);
+    const bool mma = ATT_MMA && att_is_bf16(dkn);
+    int warp = threadIdx.x / 32;
+    float kc6[6][4], vc4[4][4];
+    for (int x = 0; x < 4; x++) {
+        for (int j = 0; j < 6; j++) kc6[j][x] = 0.0f;
+        for (int j = 0; j < 4; j++) vc4[j][x] = 0.0f;
+    }
     float dk[ATT_DQK / ATT_TPR], dva[ATT_DV / ATT_TPR];
     ATT_UNROLL
     for (int k = 0; k < ATT_DQK / ATT_TPR; k++) dk[k] = 0.0f;
@@ -43,19 +54,33 @@ KERNEL attn_bwd_dkv(T* dkn, int lddkn, float* dkp_part, T* dvv, int lddv, const 
             drow[threadIdx.x] = i < tq ? delta[(long)h * tq + i] : 0.0f;
         }
         __syncthreads();
+        if (mma) {
+            att_mma_s_dp(sst, dpt, qs, ks, dos, vs, w, dv);
+            __syncthreads();
+        }
         for (int idx = threadIdx.x; idx < ATT_BQ * ATT_BK; idx += blockDim.x) {
             int rr = idx / ATT_BK, cc = idx % ATT_BK;
             float p = 0.0f, ds = 0.0f;
             if (att_visible(i0 + rr, tq, j0 + cc, tk, q_offset)) {
-                float s = att_dot(qs + rr * ATT_DQK, ks + cc * ATT_DQK, w) * scale;
+                float s =
+                    (mma ? sst[idx] : att_dot(qs + rr * ATT_DQK, ks + cc * ATT_DQK, w)) * scale;
                 p = expf(s - lrow[rr]);
-                float dp = att_dot(dos + rr * ATT_DV, vs + cc * ATT_DV, dv);
+                float dp = mma ? dpt[idx] : att_dot(dos + rr * ATT_DV, vs + cc * ATT_DV, dv);
                 ds = p * (dp - drow[rr]) * scale;
             }
             ps[idx] = p;
             dss[idx] = ds;
         }
         __syncthreads();
+        if (mma) {
+            // Rows of these products are keys: A = P^T, dS^T (transposed tiles).
+            for (int j = 0; j < 4; j++)
+                att_mma_split(vc4[j], ps, ATT_BK, true, dos, ATT_DV, false, (warp + 4 * j) * 8);
+            for (int j = 0; j < 6; j++)
+                att_mma_split(kc6[j], dss, ATT_BK, true, qs, ATT_DQK, false, (warp + 4 * j) * 8);
+            __syncthreads();
+            continue;
+        }
         ATT_UNROLL
         for (int k = 0; k < ATT_DQK / ATT_TPR; k++) {
             int e = lane + k * ATT_TPR;
@@ -73,6 +98,24 @@ KERNEL attn_bwd_dkv(T* dkn, int lddkn, float* dkp_part, T* dvv, int lddv, const 
             dva[k] += s;
         }
         __syncthreads();
+    }
+    if (mma) {
+        for (int x = 0; x < 4; x++) {
+            int j = j0 + att_c_row(x);
+            if (j >= tk) continue;
+            for (int jj = 0; jj < 6; jj++) {
+                int e = (warp + 4 * jj) * 8 + att_c_col(x);
+                if (e < dn)
+                    st(&dkn[(long)j * lddkn + (long)h * dn + e], kc6[jj][x]);
+                else if (e < w)
+                    dkp_part[((long)h * tk + j) * dr + (e - dn)] = kc6[jj][x];
+            }
+            for (int jj = 0; jj < 4; jj++) {
+                int e = (warp + 4 * jj) * 8 + att_c_col(x);
+                if (e < dv) st(&dvv[(long)j * lddv + (long)h * dv + e], vc4[jj][x]);
+            }
+        }
+        return;
     }
     int j = j0 + c;
     if (j >= tk) return;

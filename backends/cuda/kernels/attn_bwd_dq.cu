@@ -7,6 +7,9 @@
 // k_j being the content key and the (shared or per-head) RoPE key of key j. Writes the
 // content part to dqn (row stride lddqn, heads*dn) and the RoPE part to dqp (lddqp,
 // heads*dr; nothing when dr = 0). Other parameters as attn_fwd's.
+// In bf16 on sm_80+ (and on the host shim, emulated) the tile products run on tensor cores
+// (att_mma_s_dp for q k and dout v; dS K with dS split into two bf16 parts, warp w holding
+// the 16 x 8 tiles w, w+4, ..., w+20 of dq in registers); in f32 they are scalar f32 sums.
 // Launch: grid (ceil(tq / ATT_BQ), heads), block ATT_THREADS.
 KERNEL attn_bwd_dq(T* dqn, int lddqn, T* dqp, int lddqp, const float* lse, const float* delta,
                    const T* dout, int ldd, const T* qn, int ldqn, const T* qp, int ldqp,
@@ -18,6 +21,7 @@ KERNEL attn_bwd_dq(T* dqn, int lddqn, T* dqp, int lddqp, const float* lse, const
     __shared__ float ks[ATT_BK * ATT_DQK];
     __shared__ float vs[ATT_BK * ATT_DV];
     __shared__ float dss[ATT_BQ * ATT_BK];
+    __shared__ float sst[ATT_BQ * ATT_BK], dpt[ATT_BQ * ATT_BK];
     __shared__ float lrow[ATT_BQ], drow[ATT_BQ];
     int i0 = blockIdx.x * ATT_BQ, h = blockIdx.y;
     if (i0 >= tq || h >= heads) return;
@@ -30,6 +34,11 @@ KERNEL attn_bwd_dq(T* dqn, int lddqn, T* dqp, int lddqp, const float* lse, const
         lrow[threadIdx.x] = i < tq ? lse[(long)h * tq + i] : 0.0f;
         drow[threadIdx.x] = i < tq ? delta[(long)h * tq + i] : 0.0f;
     }
+    const bool mma = ATT_MMA && att_is_bf16(dqn);
+    int warp = threadIdx.x / 32;
+    float qc[6][4];
+    for (int j = 0; j < 6; j++)
+        for (int x = 0; x < 4; x++) qc[j][x] = 0.0f;
     float acc[ATT_DQK / ATT_TPR];
     ATT_UNROLL
     for (int k = 0; k < ATT_DQK / ATT_TPR; k++) acc[k] = 0.0f;
@@ -40,18 +49,28 @@ KERNEL attn_bwd_dq(T* dqn, int lddqn, T* dqp, int lddqp, const float* lse, const
         att_load_qk(ks, kn, ldkn, (long)h * dn, kp, ldkp, (long)kh * dr, j0, tk, ATT_BK, dn, dr);
         att_load_v(vs, v, ldv, (long)h * dv, j0, tk, ATT_BK, dv);
         __syncthreads();
+        if (mma) {
+            att_mma_s_dp(sst, dpt, qs, ks, dos, vs, w, dv);
+            __syncthreads();
+        }
         for (int idx = threadIdx.x; idx < ATT_BQ * ATT_BK; idx += blockDim.x) {
             int rr = idx / ATT_BK, c = idx % ATT_BK;
             float ds = 0.0f;
             if (att_visible(i0 + rr, tq, j0 + c, tk, q_offset)) {
-                float s = att_dot(qs + rr * ATT_DQK, ks + c * ATT_DQK, w) * scale;
+                float s = (mma ? sst[idx] : att_dot(qs + rr * ATT_DQK, ks + c * ATT_DQK, w)) * scale;
                 float p = expf(s - lrow[rr]);
-                float dp = att_dot(dos + rr * ATT_DV, vs + c * ATT_DV, dv);
+                float dp = mma ? dpt[idx] : att_dot(dos + rr * ATT_DV, vs + c * ATT_DV, dv);
                 ds = p * (dp - drow[rr]) * scale;
             }
             dss[idx] = ds;
         }
         __syncthreads();
+        if (mma) {
+            for (int j = 0; j < 6; j++)
+                att_mma_split(qc[j], dss, ATT_BK, false, ks, ATT_DQK, false, (warp + 4 * j) * 8);
+            __syncthreads();
+            continue;
+        }
         const float* dr_ = dss + r * ATT_BK;
         ATT_UNROLL
         for (int k = 0; k < ATT_DQK / ATT_TPR; k++) {
@@ -62,6 +81,18 @@ KERNEL attn_bwd_dq(T* dqn, int lddqn, T* dqp, int lddqp, const float* lse, const
             acc[k] += s;
         }
         __syncthreads();
+    }
+    if (mma) {
+        for (int j = 0; j < 6; j++)
+            for (int x = 0; x < 4; x++) {
+                int i = i0 + att_c_row(x), e = (warp + 4 * j) * 8 + att_c_col(x);
+                if (i >= tq || e >= w) continue;
+                if (e < dn)
+                    st(&dqn[(long)i * lddqn + (long)h * dn + e], qc[j][x]);
+                else
+                    st(&dqp[(long)i * lddqp + (long)h * dr + (e - dn)], qc[j][x]);
+            }
+        return;
     }
     int i = i0 + r;
     if (i >= tq) return;

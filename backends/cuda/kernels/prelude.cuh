@@ -117,7 +117,7 @@ DEV const U* slot_rows_c(const char* base, long slot_bytes, long rows_off, int j
 // in shared memory as float; ATT_TPR threads share one row of a tile (ATT_BQ == ATT_BK, so
 // the same holds for key rows in attn_bwd_dkv). Head dimensions: content + RoPE part at most
 // ATT_DQK, values at most ATT_DV (DeepSeek-V3: 128 + 64 and 128); the host checks them.
-// Shared memory per block: at most 43,136 bytes (attn_bwd_dkv), under the 48 KiB of static
+// Shared memory per block: at most 45,184 bytes (attn_bwd_dkv in bf16), under the 48 KiB of static
 // shared memory every sm_50+ device has.
 #define ATT_BQ 16
 #define ATT_BK 16
@@ -293,4 +293,22 @@ DEV void att_mma_split(float* c, const float* a, int lda, bool trans, const floa
     att_frag_b(fb, b, ldb, bt, 0, n0);
     att_mma(c, hi, fb);
     att_mma(c, lo, fb);
+}
+
+// The unscaled scores s = q . k and dp = dout . v of a query tile (qs, dos) against a key
+// tile (ks, vs), 16 x 16 each (row: query, column: key), on tensor cores: warps 0 and 1
+// write columns 0-7 and 8-15; warps 2 and 3 compute the same and drop it (every thread
+// takes part in att_mma equally often).
+DEV void att_mma_s_dp(float* s, float* dp, const float* qs, const float* ks, const float* dos,
+                      const float* vs, int w, int dv) {
+    int warp = threadIdx.x / 32, nt = warp & 1;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    att_mma_exact(c, qs, ATT_DQK, ks, ATT_DQK, true, nt * 8, att_pad16(w));
+    att_mma_exact(d, dos, ATT_DV, vs, ATT_DV, true, nt * 8, att_pad16(dv));
+    if (warp < 2)
+        for (int x = 0; x < 4; x++) {
+            int at = att_c_row(x) * ATT_BK + nt * 8 + att_c_col(x);
+            s[at] = c[x];
+            dp[at] = d[x];
+        }
 }
