@@ -88,7 +88,9 @@ pub struct Dims {
 
 impl Dims {
     /// The sizes for `cfg` on `mesh` in `dtype`. Errors: a sequence that the SP group does
-    /// not divide, experts that the EP group does not divide.
+    /// not divide, experts that the EP group does not divide, attention head dimensions over
+    /// the attention kernels' tiles (`d_h + d_h^R` over [`crate::model::ATT_MAX_QK`], `d_v`
+    /// over [`crate::model::ATT_MAX_V`]).
     pub fn new(cfg: &ModelConfig, mesh: &Mesh, dtype: DType) -> Result<Dims, String> {
         cfg.validate()?;
         let ep = mesh.size(Dim::Ep) as usize;
@@ -116,6 +118,16 @@ impl Dims {
             return Err(format!(
                 "the TP group of {tp} does not divide the shared expert's hidden size {}",
                 cfg.expert_hidden
+            ));
+        }
+        let (qk, v) = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim);
+        if qk > crate::model::ATT_MAX_QK || v > crate::model::ATT_MAX_V {
+            return Err(format!(
+                "attention head dimensions qk_nope_head_dim {} + qk_rope_head_dim {} = {qk}, v_head_dim {v}: the CUDA attention kernels take at most {} and {}",
+                cfg.qk_nope_head_dim,
+                cfg.qk_rope_head_dim,
+                crate::model::ATT_MAX_QK,
+                crate::model::ATT_MAX_V
             ));
         }
         let t = cfg.seq_len / sp;
@@ -637,6 +649,33 @@ mod tests {
         assert_eq!(untiled, 8_589_934_592usize);
         // The whole stash of the layer is smaller than one H x t x t buffer.
         assert!(st.bytes < untiled, "stash of {} bytes", st.bytes);
+    }
+
+    #[test]
+    fn head_dims_over_the_attention_tiles_are_refused() {
+        let cfg = ModelConfig {
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            ..ModelConfig::tiny()
+        };
+        assert!(Dims::new(&cfg, &Mesh::pipeline(1), DType::Bf16).is_ok());
+        let wide = ModelConfig {
+            qk_rope_head_dim: 66,
+            ..cfg.clone()
+        };
+        assert_eq!(
+            Dims::new(&wide, &Mesh::pipeline(1), DType::Bf16).unwrap_err(),
+            "attention head dimensions qk_nope_head_dim 128 + qk_rope_head_dim 66 = 194, v_head_dim 128: the CUDA attention kernels take at most 192 and 128"
+        );
+        let wide_v = ModelConfig {
+            v_head_dim: 136,
+            ..cfg.clone()
+        };
+        assert_eq!(
+            Dims::new(&wide_v, &Mesh::pipeline(1), DType::F32).unwrap_err(),
+            "attention head dimensions qk_nope_head_dim 128 + qk_rope_head_dim 64 = 192, v_head_dim 136: the CUDA attention kernels take at most 192 and 128"
+        );
     }
 
     #[test]
