@@ -18,7 +18,8 @@
 #      bf16) and on the CPU (f32): the three loss curves;
 #   3. expert GEMMs at DeepSeek-like shapes against a plain bf16 GEMM of the same run (goal
 #      70%), an overlapped F&B chunk against F then B (all-to-alls as device copies), and
-#      the launch overhead (gpu_bench);
+#      the launch overhead, the tiled attention's kernels against the host shim's on the same
+#      inputs and its speed at 16 heads x 4096 tokens (gpu_bench);
 #   4. the driver's per-instruction overhead (wall time of the training run per instruction);
 #   5. tensor parallelism: 1F1B and DualPipe at --mesh pp=2,tp=2, f32 --verify (goal 1e-4).
 # Outputs: $OUT/log.txt, numerics.json, training.json, bench.json, summary.txt.
@@ -166,6 +167,15 @@ if "overlap" in bench:
 if "launch" in bench:
     l = bench["launch"]
     lines.append(f"launch: {l['host_us_per_launch']:.2f} us host, {l['device_us_per_launch']:.2f} us device per kernel")
+if isinstance(bench.get("attention"), dict):
+    a = bench["attention"]
+    if "error" in a:
+        lines.append(f"attention: error {a['error']}")
+    else:
+        num = lambda x, f: format(x, f) if isinstance(x, (int, float)) else "n/a"
+        errs = a.get("check", {}).get("errors", {})
+        worst = max((v for v in errs.values() if isinstance(v, (int, float))), default=None)
+        lines.append(f"attention: device vs shim worst rel err {num(worst, '.2e')} (bf16, tensor cores); {a.get('heads')} heads x {a.get('tokens')} tokens causal: forward {num(a.get('forward_ms'), '.3f')} ms ({num(a.get('forward_tflops'), '.1f')} TFLOP/s), forward+backward {num(a.get('forward_backward_ms'), '.3f')} ms ({num(a.get('forward_backward_tflops'), '.1f')} TFLOP/s)")
 open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

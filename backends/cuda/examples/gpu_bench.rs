@@ -1,17 +1,23 @@
 //! GPU micro-benchmarks of the CUDA backend, through its own device API (`CudaGpu`): the
 //! expert GEMMs at DeepSeek-like shapes against a plain cuBLAS bf16 GEMM measured in the
 //! same run, an overlapped F&B chunk against F then B with the all-to-alls simulated by
-//! device copies of their size, and the launch overhead. Prints one JSON object.
+//! device copies of their size, the launch overhead, and the tiled attention (its
+//! tensor-core kernels against the host shim's on the same inputs, then its speed at a
+//! DeepSeek-V3-style shape). Prints one JSON object.
 //!
-//! `gpu_bench [--device N] [--what gemm,overlap,launch]`; run by `backends/cuda/gpu-check.sh`.
+//! `gpu_bench [--device N] [--what gemm,overlap,launch,attention]`; run by
+//! `backends/cuda/gpu-check.sh`. The attention section runs last and reports its error in
+//! the JSON instead of failing the rest.
 //! Without a GPU it prints why and exits 1.
 
 use schedc_cuda::api::*;
 use schedc_cuda::cuda::CudaGpu;
+use schedc_cuda::host::HostGpu;
+use schedc_cuda::model::{attention_bwd, attention_fwd, AttnDims};
 use serde_json::json;
 use std::time::Instant;
 
-fn fill(g: &CudaGpu, s: StreamId, p: DevPtr, n: usize, seed: u32) -> Result<(), GpuError> {
+fn fill(g: &dyn Gpu, s: StreamId, p: DevPtr, n: usize, seed: u32) -> Result<(), GpuError> {
     g.launch(
         s,
         &Launch {
@@ -30,7 +36,7 @@ fn fill(g: &CudaGpu, s: StreamId, p: DevPtr, n: usize, seed: u32) -> Result<(), 
 
 /// Milliseconds per run of `f` on stream `s` (3 warm-ups, `reps` timed, events).
 fn time(
-    g: &CudaGpu,
+    g: &dyn Gpu,
     s: StreamId,
     reps: usize,
     mut f: impl FnMut() -> Result<(), GpuError>,
@@ -357,6 +363,186 @@ fn overlap(g: &CudaGpu) -> Result<serde_json::Value, GpuError> {
     }))
 }
 
+/// One attention call's buffers on a device: inputs (`qn, qp, kn, kp, v, dout`), outputs
+/// (`out, lse, dqn, dqp, dkn, dkp, dv`) and scratch (`delta, dkp_part`).
+struct AttnBufs {
+    inputs: [DevPtr; 6],
+    outputs: [DevPtr; 7],
+    scratch: [DevPtr; 2],
+}
+
+/// Sizes in elements of [`AttnBufs`]' inputs, outputs (the same order) and scratch.
+fn attn_sizes(a: &AttnDims, t: usize) -> ([usize; 6], [usize; 7], [usize; 2]) {
+    let (h, dn, dr, dv, kw) = (a.heads, a.dn, a.dr, a.dv, a.kph * a.dr);
+    (
+        [
+            t * h * dn,
+            t * h * dr,
+            t * h * dn,
+            t * kw,
+            t * h * dv,
+            t * h * dv,
+        ],
+        [
+            t * h * dv,
+            h * t,
+            t * h * dn,
+            t * h * dr,
+            t * h * dn,
+            t * kw,
+            t * h * dv,
+        ],
+        [h * t, h * t * dr],
+    )
+}
+
+fn attn_alloc(g: &dyn Gpu, a: &AttnDims, t: usize) -> Result<AttnBufs, GpuError> {
+    let (i, o, sc) = attn_sizes(a, t);
+    let ts = g.dtype().size();
+    let al = |n: usize, size: usize| g.alloc((n * size).max(1));
+    Ok(AttnBufs {
+        inputs: [
+            al(i[0], ts)?,
+            al(i[1], ts)?,
+            al(i[2], ts)?,
+            al(i[3], ts)?,
+            al(i[4], ts)?,
+            al(i[5], ts)?,
+        ],
+        outputs: [
+            al(o[0], ts)?,
+            al(o[1], 4)?,
+            al(o[2], ts)?,
+            al(o[3], ts)?,
+            al(o[4], ts)?,
+            al(o[5], ts)?,
+            al(o[6], ts)?,
+        ],
+        scratch: [al(sc[0], 4)?, al(sc[1], 4)?],
+    })
+}
+
+/// The causal attention forward, then its backward, on `b`.
+fn attn_run(
+    g: &dyn Gpu,
+    s: StreamId,
+    a: &AttnDims,
+    b: &AttnBufs,
+    t: usize,
+    bwd: bool,
+) -> Result<(), GpuError> {
+    let [qn, qp, kn, kp, v, dout] = b.inputs;
+    let [out, lse, dqn, dqp, dkn, dkp, dv] = b.outputs;
+    attention_fwd(g, s, a, (out, lse), (qn, qp), (kn, kp, v), (t, t, 0))?;
+    if bwd {
+        attention_bwd(
+            g,
+            s,
+            a,
+            (dqn, dqp, dkn, dkp, dv),
+            (b.scratch[0], b.scratch[1]),
+            (dout, out, lse),
+            (qn, qp),
+            (kn, kp, v),
+            (t, t, 0),
+        )?;
+    }
+    Ok(())
+}
+
+fn attn_free(g: &dyn Gpu, b: &AttnBufs) -> Result<(), GpuError> {
+    for p in b.inputs.iter().chain(&b.outputs).chain(&b.scratch) {
+        g.free(*p)?;
+    }
+    Ok(())
+}
+
+/// The tiled attention: (1) check: the device's bf16 kernels (tensor cores on sm_80+) against
+/// the host shim's (the same kernels, `mma` emulated) on the same inputs, MLA with
+/// DeepSeek-V3's head dims, 3 heads, 100 tokens, relative error per output (both round to
+/// bf16 and sum in different orders: expect about 1e-2 at most; a wrong fragment layout
+/// gives errors near 1); (2) speed: forward and forward+backward at `heads` heads and `t`
+/// tokens (causal; 16 and 4096 on a GPU), with FLOPs counted as FlashAttention-2 does for a causal mask (forward
+/// `H t^2 (d_qk + d_v)`, backward `H t^2 (3 d_qk + 2 d_v)` multiply-adds times 2, halved).
+fn attention(
+    g: &dyn Gpu,
+    s: StreamId,
+    (heads, t): (usize, usize),
+    host_only: bool,
+) -> Result<serde_json::Value, GpuError> {
+    let dims = |heads| AttnDims {
+        heads,
+        dn: 128,
+        dr: 64,
+        dv: 128,
+        kph: 1,
+        scale: (1.0 / 192f64.sqrt()) as f32,
+    };
+    // (1) check against the shim.
+    let (a, tc) = (dims(3), 100);
+    let host = HostGpu::new(DType::Bf16);
+    let (isz, osz, _) = attn_sizes(&a, tc);
+    let mut rng = schedc_cpu::tensor::Rng::new(11);
+    let inputs: Vec<Vec<u8>> = isz
+        .iter()
+        .map(|&n| {
+            let xs: Vec<f32> = (0..n).map(|_| (2.0 * rng.uniform() - 1.0) as f32).collect();
+            encode(DType::Bf16, &xs)
+        })
+        .collect();
+    let hs = StreamId(0);
+    let (bd, bh) = (attn_alloc(g, &a, tc)?, attn_alloc(&host, &a, tc)?);
+    for (k, x) in inputs.iter().enumerate() {
+        g.htod(s, bd.inputs[k], x)?;
+        host.htod(hs, bh.inputs[k], x)?;
+    }
+    attn_run(g, s, &a, &bd, tc, true)?;
+    attn_run(&host, hs, &a, &bh, tc, true)?;
+    let names = ["out", "lse", "dq_nope", "dq_pe", "dk_nope", "dk_pe", "dv"];
+    let mut check = serde_json::Map::new();
+    for (k, name) in names.iter().enumerate() {
+        let dt = if k == 1 { DType::F32 } else { DType::Bf16 };
+        let mut bytes = vec![0u8; osz[k] * dt.size()];
+        g.dtoh(s, bd.outputs[k], &mut bytes)?;
+        let dev = decode(dt, &bytes);
+        host.dtoh(hs, bh.outputs[k], &mut bytes)?;
+        let shim = decode(dt, &bytes);
+        let e = schedc_cpu::tensor::rel_err(&dev, &shim, 1e-30);
+        check.insert(format!("{name}_rel_err_vs_shim"), json!(e));
+    }
+    attn_free(g, &bd)?;
+    attn_free(&host, &bh)?;
+    // (2) speed.
+    let a = dims(heads);
+    let b = attn_alloc(g, &a, t)?;
+    let (isz, _, _) = attn_sizes(&a, t);
+    for (k, n) in isz.iter().enumerate() {
+        fill(g, s, b.inputs[k], *n, 100 + k as u32)?;
+    }
+    // The host shim has no timing events: it runs each once, untimed (NaN).
+    let timed = !host_only;
+    let (fwd, both) = if timed {
+        (
+            time(g, s, 5, || attn_run(g, s, &a, &b, t, false))?,
+            time(g, s, 5, || attn_run(g, s, &a, &b, t, true))?,
+        )
+    } else {
+        attn_run(g, s, &a, &b, t, true)?;
+        (f64::NAN, f64::NAN)
+    };
+    attn_free(g, &b)?;
+    let (h, tt, qk, v) = (heads as f64, t as f64, 192.0, 128.0);
+    let f_flops = 2.0 * h * tt * tt * (qk + v) / 2.0;
+    let b_flops = 2.0 * h * tt * tt * (3.0 * qk + 2.0 * v) / 2.0;
+    Ok(json!({
+        "check": {"heads": 3, "tokens": 100, "d_qk": 192, "d_v": 128, "errors": check},
+        "heads": heads, "tokens": t, "d_qk": 192, "d_v": 128, "causal": true,
+        "forward_ms": fwd, "forward_backward_ms": both,
+        "forward_tflops": f_flops / fwd / 1e9,
+        "forward_backward_tflops": (f_flops + b_flops) / both / 1e9,
+    }))
+}
+
 /// Launch overhead: 20000 one-element `add` launches on one stream.
 fn launch(g: &CudaGpu, s: StreamId) -> Result<serde_json::Value, GpuError> {
     let p = g.alloc(4096)?;
@@ -396,7 +582,20 @@ fn main() {
             .cloned()
     };
     let device: usize = opt("--device").and_then(|v| v.parse().ok()).unwrap_or(0);
-    let what = opt("--what").unwrap_or_else(|| "gemm,overlap,launch".into());
+    if args.iter().any(|a| a == "--host-attention") {
+        // The attention section on the host shim against itself (2 heads, 64 tokens): checks
+        // the benchmark's own code without a GPU (errors 0; times are the shim's).
+        let h = HostGpu::new(DType::Bf16);
+        match attention(&h, StreamId(0), (2, 64), true) {
+            Ok(v) => println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default()),
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
+    let what = opt("--what").unwrap_or_else(|| "gemm,overlap,launch,attention".into());
     let g = match CudaGpu::new(device, DType::Bf16, None) {
         Ok(g) => g,
         Err(e) => {
@@ -425,6 +624,10 @@ fn main() {
         }
         if what.contains("launch") {
             out["launch"] = launch(&g, s)?;
+        }
+        if what.contains("attention") {
+            out["attention"] = attention(&g, s, (16, 4096), false)
+                .unwrap_or_else(|e| json!({"error": e.to_string()}));
         }
         Ok(out)
     };
