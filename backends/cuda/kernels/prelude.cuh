@@ -12,7 +12,9 @@
 //     kernel sources concatenate into one translation unit.
 //   * Block reductions use `__shared__` arrays of SCHEDC_MAX_BLOCK floats and a fixed tree,
 //     so results do not depend on timing; block sizes are powers of two <= SCHEDC_MAX_BLOCK.
-//   * No warp shuffles, no atomics: every sum has a fixed order.
+//   * No warp shuffles, no atomics: every sum has a fixed order. (The attention kernels' bf16
+//     tile products use tensor cores, mma.sync, whose order of accumulation is the
+//     hardware's: fixed, so runs stay deterministic, but not the shim's.)
 #pragma once
 
 #define SCHEDC_MAX_BLOCK 256
@@ -207,6 +209,10 @@ DEV unsigned att_pack(float lo, float hi) {
 DEV void att_mma(float* c, const unsigned* a, const unsigned* b) {
 #ifdef SCHEDC_SHIM
     static unsigned fa[ATT_THREADS][4], fb[ATT_THREADS][2];
+    if (blockDim.x != ATT_THREADS) {
+        schedc_shim_fail("att_mma: the block is not ATT_THREADS threads");
+        return;
+    }
     unsigned t = threadIdx.x, w0 = t / 32 * 32, l = t % 32, g = l / 4, q = l % 4;
     for (int x = 0; x < 4; x++) fa[t][x] = a[x];
     fb[t][0] = b[0];
