@@ -234,6 +234,11 @@ pub trait Gpu: Send + Sync {
     fn describe(&self) -> String;
     /// The storage type the kernels were compiled for.
     fn dtype(&self) -> DType;
+    /// Device memory free now, bytes; `None` where the device cannot say (the memory check
+    /// before a run is then skipped). Errors: the device's.
+    fn memory_free(&self) -> Result<Option<usize>, GpuError> {
+        Ok(None)
+    }
     /// Allocates `bytes` of device memory (synchronous).
     fn alloc(&self, bytes: usize) -> Result<DevPtr, GpuError>;
     /// Releases memory from [`Gpu::alloc`] (synchronous: call it only when no stream uses

@@ -223,6 +223,13 @@ impl Gpu for CudaGpu {
     fn dtype(&self) -> DType {
         self.dtype
     }
+    fn memory_free(&self) -> Result<Option<usize>, GpuError> {
+        self.call("cuMemGetInfo", || {
+            drv::mem_get_info()
+                .map(|(free, _total)| Some(free))
+                .map_err(derr("cuMemGetInfo"))
+        })
+    }
     fn alloc(&self, bytes: usize) -> Result<DevPtr, GpuError> {
         // SAFETY: a plain allocation.
         self.call("cuMemAlloc", || {

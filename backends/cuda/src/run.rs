@@ -67,6 +67,9 @@ pub struct RunConfig {
     pub arch: Option<String>,
     /// NCCL mode: this process's rank and the rendezvous.
     pub nccl: Option<NcclRank>,
+    /// `--memory-limit`: the device memory the ranks of this process may take together;
+    /// `None`: the device's free memory.
+    pub memory_limit: Option<u64>,
 }
 
 impl Default for RunConfig {
@@ -85,6 +88,7 @@ impl Default for RunConfig {
             device: 0,
             arch: None,
             nccl: None,
+            memory_limit: None,
         }
     }
 }
@@ -206,6 +210,9 @@ pub enum RunError {
     /// A rank failed.
     #[error(transparent)]
     Failed(Box<RunFailure>),
+    /// The model does not fit in the device's memory (checked before any allocation).
+    #[error("{0}")]
+    TooLarge(String),
 }
 
 /// `schedc run INPUT ... --backend cuda` (see the module docs). Errors: [`RunError`]; on a
@@ -256,6 +263,14 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
         record: cfg.verify,
         on_step: cfg.on_step.clone(),
     };
+    // The ranks of this process share its device: all of them in single mode, one in NCCL
+    // mode. Checked before any of the model is allocated (issue 24, item 1).
+    let here: Vec<u32> = match (&cfg.mode, &cfg.nccl) {
+        (Mode::Nccl, Some(nr)) => vec![nr.rank],
+        _ => (0..set.manifest.world).collect(),
+    };
+    crate::driver::check_memory(&gpu, &set, &here, &cfg.optimizer, cfg.memory_limit)
+        .map_err(RunError::TooLarge)?;
     let res = match cfg.mode {
         Mode::Single => execute(&gpu, &set, &data, &opts),
         Mode::Nccl => {
