@@ -163,7 +163,9 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "single")]
     pub mode: Mode,
     /// CUDA NCCL mode: this process's global rank (with --rendezvous; one process per GPU,
-    /// started by a cluster launcher).
+    /// started by a cluster launcher). Default: torchrun's RANK (with LOCAL_RANK as the GPU
+    /// and tcp://MASTER_ADDR:MASTER_PORT+1 as the rendezvous) or SLURM's SLURM_PROCID (with
+    /// SLURM_LOCALID); the flags override the environment.
     #[arg(long)]
     pub rank: Option<u32>,
     /// CUDA NCCL mode: where the ranks meet, `tcp://HOST:PORT` (rank 0 listens) or
@@ -599,19 +601,43 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
             return usage("the CUDA backend computes in f32 or bf16 (f32 accumulation), not f64")
         }
     };
-    let nccl = match (args.mode, args.rank, &args.rendezvous) {
-        (Mode::Single, None, None) => None,
-        (Mode::Single, _, _) => return usage("--rank and --rendezvous are for --mode nccl"),
-        (Mode::Nccl, Some(rank), Some(r)) => match r.parse() {
-            Ok(rendezvous) => Some(cu::NcclRank { rank, rendezvous }),
-            Err(e) => return usage(&format!("--rendezvous: {e}")),
-        },
-        (Mode::Nccl, Some(_), None) => return usage("--rank needs --rendezvous"),
-        (Mode::Nccl, None, _) => {
-            let world = mesh.as_ref().map_or(program.pipeline.pp, |m| m.world());
-            return launch_local(world);
+    let world = mesh.as_ref().map_or(program.pipeline.pp, |m| m.world());
+    let placed = match args.mode {
+        Mode::Single => {
+            if args.rank.is_some() || args.rendezvous.is_some() {
+                return usage("--rank and --rendezvous are for --mode nccl");
+            }
+            None
+        }
+        Mode::Nccl => {
+            let flags = schedc_cuda::rendezvous::PlacementFlags {
+                rank: args.rank,
+                rendezvous: args.rendezvous.clone(),
+                device: args.device,
+            };
+            match schedc_cuda::rendezvous::placement(&flags, &|k| std::env::var(k).ok(), world)
+            {
+                Ok(Some(p)) => {
+                    for n in &p.notes {
+                        eprintln!("note: {n}");
+                    }
+                    Some(p)
+                }
+                // No rank from the flags or a launcher: start one process per rank here.
+                Ok(None) => return launch_local(world),
+                Err(e) => return usage(&e),
+            }
         }
     };
+    let device = placed
+        .as_ref()
+        .map(|p| p.device)
+        .or(args.device)
+        .unwrap_or(0);
+    let nccl = placed.map(|p| cu::NcclRank {
+        rank: p.rank,
+        rendezvous: p.rendezvous,
+    });
     let (model, notes) = match args.model.config(program.pipeline.stages_per_direction()) {
         Ok(m) => m,
         Err(e) => return fail(args.format, &e, 2),
@@ -624,10 +650,6 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
         Err(e) => return fail(args.format, &e, 2),
     };
     let bar = (args.format == OutFormat::Human).then(|| progress(args.steps));
-    let device = args
-        .device
-        .or_else(|| nccl.as_ref().map(|n| n.rank as usize))
-        .unwrap_or(0);
     let cfg = cu::RunConfig {
         mesh,
         dtype,
