@@ -412,10 +412,7 @@ pub fn run(args: Args) -> ExitCode {
     };
     let mut cfg = cfg;
     if args.model.model.is_some() || args.model.seq.is_some() {
-        match args
-            .model
-            .config(program.pipeline.stages_per_direction())
-        {
+        match args.model.config(program.pipeline.stages_per_direction()) {
             Ok((m, notes)) => {
                 for n in notes {
                     eprintln!("note: --model: {n}");
@@ -615,8 +612,7 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
                 rendezvous: args.rendezvous.clone(),
                 device: args.device,
             };
-            match schedc_cuda::rendezvous::placement(&flags, &|k| std::env::var(k).ok(), world)
-            {
+            match schedc_cuda::rendezvous::placement(&flags, &|k| std::env::var(k).ok(), world) {
                 Ok(Some(p)) => {
                     for n in &p.notes {
                         eprintln!("note: {n}");

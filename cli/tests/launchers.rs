@@ -33,7 +33,15 @@ fn run(env: &[(&str, &str)], extra: &[&str]) -> (Option<i32>, String) {
 
 #[test]
 fn a_launchers_world_size_other_than_the_meshs_is_refused() {
-    let (code, e) = run(&[("RANK", "1"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1234")], &[]);
+    let (code, e) = run(
+        &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "8"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1234"),
+        ],
+        &[],
+    );
     assert_eq!(code, Some(2), "{e}");
     assert!(
         e.contains("error: torchrun started 8 processes (WORLD_SIZE=8), but the schedule on its mesh has 2 ranks: start one process per rank"),
@@ -41,17 +49,28 @@ fn a_launchers_world_size_other_than_the_meshs_is_refused() {
     );
     let (code, e) = run(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "3")], &[]);
     assert_eq!(code, Some(2), "{e}");
-    assert!(e.contains("error: SLURM started 3 processes (SLURM_NTASKS=3)"), "{e}");
+    assert!(
+        e.contains("error: SLURM started 3 processes (SLURM_NTASKS=3)"),
+        "{e}"
+    );
 }
 
 #[test]
 fn a_slurm_rank_without_a_rendezvous_is_refused_and_flags_override_the_environment() {
     let (code, e) = run(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2")], &[]);
     assert_eq!(code, Some(2), "{e}");
-    assert!(e.contains("SLURM gives this process SLURM_PROCID=1, but no rendezvous"), "{e}");
+    assert!(
+        e.contains("SLURM gives this process SLURM_PROCID=1, but no rendezvous"),
+        "{e}"
+    );
     // --rank overrides RANK: the note, then (no GPU here) the environment's error, exit 2.
     let (code, e) = run(
-        &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")],
+        &[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "1"),
+        ],
         &["--rank", "1"],
     );
     assert_eq!(code, Some(2), "{e}");

@@ -39,8 +39,19 @@ fn run_model_config_json_trains_and_verifies_on_the_cpu() {
     let dir = tmp("run");
     let model = small_json(&dir);
     let out = bin()
-        .args(["run", "specs/1f1b.sched", "--pp", "2", "--mb", "2", "--model", &model])
-        .args(["--seq", "256", "--dtype", "f32", "--verify", "--format", "json"])
+        .args([
+            "run",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "2",
+            "--model",
+            &model,
+        ])
+        .args([
+            "--seq", "256", "--dtype", "f32", "--verify", "--format", "json",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
@@ -57,7 +68,16 @@ fn run_model_config_json_trains_and_verifies_on_the_cpu() {
 fn run_dsv3_on_the_cpu_is_refused_by_the_memory_check_with_the_figures() {
     let t0 = std::time::Instant::now();
     let out = bin()
-        .args(["run", "specs/1f1b.sched", "--pp", "4", "--mb", "8", "--model", "dsv3"])
+        .args([
+            "run",
+            "specs/1f1b.sched",
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--model",
+            "dsv3",
+        ])
         .args(["--memory-limit", "64G"])
         .output()
         .unwrap();
@@ -87,13 +107,25 @@ fn model_flags_that_cannot_be_used_are_refused() {
         stderr(&out)
     };
     let e = run(&["--model", "llama3-8b"]);
-    assert!(e.contains("error: --model: `llama3-8b` (model_type `llama`) has grouped-query attention"), "{e}");
+    assert!(
+        e.contains("error: --model: `llama3-8b` (model_type `llama`) has grouped-query attention"),
+        "{e}"
+    );
     let e = run(&["--model", "no-such-model"]);
-    assert!(e.contains("error: --model: unknown model `no-such-model`"), "{e}");
+    assert!(
+        e.contains("error: --model: unknown model `no-such-model`"),
+        "{e}"
+    );
     let e = run(&["--model", "dsv3", "--experts", "8"]);
-    assert!(e.contains("--experts and --top-k change the small model"), "{e}");
+    assert!(
+        e.contains("--experts and --top-k change the small model"),
+        "{e}"
+    );
     let e = run(&["--micro-batch-size", "2"]);
-    assert!(e.contains("--micro-batch-size 2: the executors run one sequence per micro-batch"), "{e}");
+    assert!(
+        e.contains("--micro-batch-size 2: the executors run one sequence per micro-batch"),
+        "{e}"
+    );
     let e = run(&["--seq", "0"]);
     assert!(e.contains("--seq must be at least 1"), "{e}");
     let e = run(&["--memory-limit", "lots"]);
@@ -109,7 +141,16 @@ fn compile_model_writes_the_model_into_the_manifest() {
     let model = small_json(&dir);
     let out_dir = dir.join("progs");
     let out = bin()
-        .args(["compile", "specs/1f1b.sched", "--pp", "2", "--mb", "2", "--model", &model])
+        .args([
+            "compile",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "2",
+            "--model",
+            &model,
+        ])
         .args(["--seq", "256", "-o"])
         .arg(&out_dir)
         .output()

@@ -593,8 +593,11 @@ pub fn check_model_memory(
         DType::F64 => 8,
     };
     let needs = schedc_program::memory::cpu_needs(set, &verified.peak_stash, elem, cfg.verify);
-    schedc_program::memory::check_fit(&needs, limit, &name, true)
-        .map_err(|e| RunError::TooLarge(format!("{e}: give a smaller --model, --seq or mesh, or raise --memory-limit")))
+    schedc_program::memory::check_fit(&needs, limit, &name, true).map_err(|e| {
+        RunError::TooLarge(format!(
+            "{e}: give a smaller --model, --seq or mesh, or raise --memory-limit"
+        ))
+    })
 }
 
 fn run_typed<T: Real>(

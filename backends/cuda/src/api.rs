@@ -310,6 +310,10 @@ pub trait Collectives: Send + Sync {
         ptr: DevPtr,
         count: usize,
     ) -> Result<(), GpuError>;
+    /// `ncclCommAbort` of every communicator, on an error path: what is in flight is
+    /// dropped and nothing waits for the peers (`ncclCommDestroy` could wait forever for a
+    /// peer that died). The communicators are unusable afterwards.
+    fn abort(&self) {}
 }
 
 /// `bf16` bits of `x`, rounded to nearest even (the kernels' `st`).

@@ -1034,10 +1034,7 @@ pub fn check_memory(
     let (limit, name) = match limit {
         Some(l) => (l, "--memory-limit".to_string()),
         None => match gpu.memory_free().map_err(|e| e.0)? {
-            Some(f) => (
-                f as u64,
-                format!("the memory free on {}", gpu.describe()),
-            ),
+            Some(f) => (f as u64, format!("the memory free on {}", gpu.describe())),
             None => return Ok(()),
         },
     };
@@ -1191,6 +1188,10 @@ pub fn execute_rank(
             Some((coll, ctrl)),
         )
         .map_err(failed)?;
+        if let Err(e) = preconnect(gpu, coll, set, prog, dev.streams[0], opts.timeout) {
+            let _ = dev.release();
+            return Err(failed(e));
+        }
         dev.set_progress(&progress);
         let iopts = InterpOptions {
             steps: opts.steps,
@@ -1218,7 +1219,96 @@ pub fn execute_rank(
         out.instructions = n;
         Ok(())
     });
+    if stop.is_some() {
+        // The peers may be blocked in a message to or from this rank: abort the
+        // communicators (issue 24, item 5) rather than leave them to a destroy that waits.
+        coll.abort();
+    }
     abort.outcome(stop.into_iter().collect())?;
     out.seconds = start.elapsed().as_secs_f64();
     Ok(out)
+}
+
+/// The point-to-point peers of rank `prog` on each communicator of [`stream_kinds`]:
+/// `(communicator, peers in increasing order)`, for the sends, receives, all-to-alls,
+/// TP collectives, replica sums and all-reduces of its program (the NCCL transport carries
+/// each as sends and receives between the members). Symmetric across ranks: `q` is a peer
+/// of `r` on a communicator exactly when `r` is one of `q`.
+pub fn p2p_peers(set: &ProgramSet, prog: &RankProgram) -> Vec<(usize, Vec<u32>)> {
+    let kinds = stream_kinds(set);
+    let mut per: std::collections::BTreeMap<usize, std::collections::BTreeSet<u32>> =
+        std::collections::BTreeMap::new();
+    for st in &prog.streams {
+        let comm = kinds.iter().position(|k| *k == st.kind).unwrap_or(0);
+        for op in &st.ops {
+            let peers: Vec<u32> = match op {
+                Op::Send { peer, .. } | Op::Recv { peer, .. } | Op::ReplicaSum { peer, .. } => {
+                    vec![*peer]
+                }
+                Op::AllToAll { group, .. }
+                | Op::TpCollective { group, .. }
+                | Op::TpGradAllReduce { group, .. }
+                | Op::AllReduce { group, .. } => group.clone(),
+                _ => Vec::new(),
+            };
+            for p in peers.into_iter().filter(|&p| p != prog.rank) {
+                per.entry(comm).or_default().insert(p);
+            }
+        }
+    }
+    per.into_iter()
+        .map(|(c, s)| (c, s.into_iter().collect()))
+        .collect()
+}
+
+/// NCCL mode, before the first step: connects rank `prog` to every peer of
+/// [`p2p_peers`] in one grouped exchange (a byte each way per peer and communicator, on
+/// stream `s`), then waits for it. NCCL connects a pair lazily at its first message; made
+/// here, every connection exists before the schedule's first group, so that no step's
+/// group waits on a connection that its peer makes in another order, and a missing peer
+/// shows at once, named. Errors: NCCL's, or the wait's timeout.
+pub fn preconnect(
+    gpu: &dyn Gpu,
+    coll: &dyn Collectives,
+    set: &ProgramSet,
+    prog: &RankProgram,
+    s: StreamId,
+    timeout: Duration,
+) -> Result<(), String> {
+    let peers = p2p_peers(set, prog);
+    let n: usize = peers.iter().map(|(_, p)| p.len()).sum();
+    if n == 0 {
+        return Ok(());
+    }
+    let buf = gpu.alloc(n + 1).map_err(issue)?;
+    gpu.memset(s, buf, n + 1).map_err(issue)?;
+    coll.group_start().map_err(issue)?;
+    let mut i = 0u64;
+    let posted = (|| -> Result<(), GpuError> {
+        for (comm, ps) in &peers {
+            for &p in ps {
+                coll.send(*comm, s, buf, 1, p)?;
+                coll.recv(*comm, s, buf + 1 + i, 1, p)?;
+                i += 1;
+            }
+        }
+        Ok(())
+    })();
+    let end = coll.group_end();
+    let r = posted
+        .and(end)
+        .map_err(|e| format!("connecting rank {} to its peers: {}", prog.rank, e.0))
+        .and_then(|_| {
+            gpu.sync(s, timeout).map_err(|e| {
+                format!(
+                    "connecting rank {} to its peers {:?}: {}",
+                    prog.rank, peers, e.0
+                )
+            })
+        });
+    if r.is_ok() {
+        // After a failure the stream may still hold the buffer: it is left to the context.
+        gpu.free(buf).map_err(issue)?;
+    }
+    r
 }

@@ -415,7 +415,9 @@ mod placement_tests {
             ("MASTER_ADDR", "node0"),
             ("MASTER_PORT", "29500"),
         ]);
-        let p = placement(&PlacementFlags::default(), &e, 8).unwrap().unwrap();
+        let p = placement(&PlacementFlags::default(), &e, 8)
+            .unwrap()
+            .unwrap();
         assert_eq!(
             p,
             Placement {
@@ -434,7 +436,10 @@ mod placement_tests {
         assert_eq!(p.rendezvous, Rendezvous::File("/shared/x".into()));
         assert_eq!(
             p.notes,
-            vec!["--rank 4 overrides RANK=5", "--device 0 overrides LOCAL_RANK=1"]
+            vec![
+                "--rank 4 overrides RANK=5",
+                "--device 0 overrides LOCAL_RANK=1"
+            ]
         );
     }
 
@@ -462,7 +467,9 @@ mod placement_tests {
             ("MASTER_ADDR", "10.0.0.1"),
             ("MASTER_PORT", "6000"),
         ]);
-        let p = placement(&PlacementFlags::default(), &e, 4).unwrap().unwrap();
+        let p = placement(&PlacementFlags::default(), &e, 4)
+            .unwrap()
+            .unwrap();
         assert_eq!((p.rank, p.device), (2, 0));
         assert_eq!(p.rendezvous, Rendezvous::Tcp("10.0.0.1:6001".into()));
     }
@@ -479,7 +486,9 @@ mod placement_tests {
             ("MASTER_ADDR", "n0"),
             ("MASTER_PORT", "29500"),
         ]);
-        let p = placement(&PlacementFlags::default(), &e, 8).unwrap().unwrap();
+        let p = placement(&PlacementFlags::default(), &e, 8)
+            .unwrap()
+            .unwrap();
         assert_eq!((p.rank, p.device), (6, 2));
     }
 
@@ -514,11 +523,18 @@ mod placement_tests {
             placement(&flags(Some(1), Some("udp://x"), None), &env(&[]), 4).unwrap_err(),
             "--rendezvous: rendezvous `udp://x`: expected tcp://HOST:PORT or file:PATH"
         );
-        let e = env(&[("RANK", "0"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "65535")]);
+        let e = env(&[
+            ("RANK", "0"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "65535"),
+        ]);
         assert!(placement(&PlacementFlags::default(), &e, 4)
             .unwrap_err()
             .starts_with("MASTER_PORT=65535: "));
         // No rank anywhere: the local launcher.
-        assert_eq!(placement(&PlacementFlags::default(), &env(&[]), 4), Ok(None));
+        assert_eq!(
+            placement(&PlacementFlags::default(), &env(&[]), 4),
+            Ok(None)
+        );
     }
 }

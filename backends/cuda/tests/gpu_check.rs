@@ -101,22 +101,49 @@ fn gpu_check_writes_every_step_and_a_summary_that_survives_nan_and_failures() {
         "train_cuda_bf16",
         "bench",
     ] {
-        assert!(out.join("steps").join(format!("{step}.json")).exists(), "{step}");
-        assert!(status(&out, step).starts_with("exit "), "{step}: {}", status(&out, step));
+        assert!(
+            out.join("steps").join(format!("{step}.json")).exists(),
+            "{step}"
+        );
+        assert!(
+            status(&out, step).starts_with("exit "),
+            "{step}: {}",
+            status(&out, step)
+        );
     }
     assert!(status(&out, "f32_dualpipe").starts_with("exit 137 after "));
     assert!(status(&out, "f32_dualpipe").ends_with("(timed out at 35 s)"));
     let l = line(&s, "f32_1f1b: ");
-    assert!(l.starts_with("f32_1f1b: --verify PASS (exit 0 after "), "{l}");
-    assert!(l.ends_with("worst gradient 9.500e-07 at layer0.wo at step 0 on rank 1, loss 1.000e-07"), "{l}");
+    assert!(
+        l.starts_with("f32_1f1b: --verify PASS (exit 0 after "),
+        "{l}"
+    );
+    assert!(
+        l.ends_with("worst gradient 9.500e-07 at layer0.wo at step 0 on rank 1, loss 1.000e-07"),
+        "{l}"
+    );
     let l = line(&s, "f32_zb_h1: ");
-    assert!(l.starts_with("f32_zb_h1: --verify FAIL (exit 1 after "), "{l}");
-    assert!(l.ends_with("worst gradient nan at head at step 0 on rank 3, loss n/a"), "{l}");
+    assert!(
+        l.starts_with("f32_zb_h1: --verify FAIL (exit 1 after "),
+        "{l}"
+    );
+    assert!(
+        l.ends_with("worst gradient nan at head at step 0 on rank 3, loss n/a"),
+        "{l}"
+    );
     let l = line(&s, "f32_dualpipe: ");
-    assert!(l.starts_with("f32_dualpipe: --verify FAIL (exit 137 after "), "{l}");
+    assert!(
+        l.starts_with("f32_dualpipe: --verify FAIL (exit 137 after "),
+        "{l}"
+    );
     assert!(l.ends_with("worst gradient n/a at n/a, loss n/a"), "{l}");
     let l = line(&s, "bf16_dualpipe: ");
-    assert!(l.starts_with("bf16_dualpipe: loss 5.81580 against the CPU's f32 5.80000: 2.724e-03 (goal 1e-2) PASS"), "{l}");
+    assert!(
+        l.starts_with(
+            "bf16_dualpipe: loss 5.81580 against the CPU's f32 5.80000: 2.724e-03 (goal 1e-2) PASS"
+        ),
+        "{l}"
+    );
     let l = line(&s, "realsize: ");
     assert!(
         l.starts_with("realsize: 7447 tokens/s (median of steps 2..; steps 30.000, 2.000, 2.200 s), MFU 2.3% (goal 40%)"),
@@ -149,9 +176,15 @@ fn gpu_check_stops_after_a_failed_smoke_step() {
         "error: no CUDA driver\n"
     );
     for step in ["f32_1f1b", "realsize", "bench"] {
-        assert_eq!(status(&out, step), "skipped: smoke failed (steps/smoke.log)");
+        assert_eq!(
+            status(&out, step),
+            "skipped: smoke failed (steps/smoke.log)"
+        );
     }
-    assert_eq!(line(&s, "realsize: "), "realsize: skipped: smoke failed (steps/smoke.log)");
+    assert_eq!(
+        line(&s, "realsize: "),
+        "realsize: skipped: smoke failed (steps/smoke.log)"
+    );
     assert!(!s.contains("summary failed"), "{s}");
     let _ = std::fs::remove_dir_all(gpu.parent().unwrap());
 }
@@ -168,12 +201,17 @@ fn gpu_check_skips_the_steps_the_deadline_leaves_no_time_for() {
     );
     assert!(status(&out, "smoke").starts_with("exit 0 after "));
     for step in ["f32_1f1b", "f32_zb_h1", "tp_dualpipe", "train_cuda_bf16"] {
-        assert!(status(&out, step).starts_with("exit "), "{step}: {}", status(&out, step));
+        assert!(
+            status(&out, step).starts_with("exit "),
+            "{step}: {}",
+            status(&out, step)
+        );
     }
     for (step, limit) in [("realsize", 90), ("train_cuda_f32", 45), ("bench", 45)] {
         let st = status(&out, step);
         assert!(
-            st.starts_with("skipped: deadline (") && st.ends_with(&format!("s left, the step's limit is {limit} s)")),
+            st.starts_with("skipped: deadline (")
+                && st.ends_with(&format!("s left, the step's limit is {limit} s)")),
             "{step}: {st}"
         );
         assert!(!out.join("steps").join(format!("{step}.json")).exists());

@@ -57,17 +57,24 @@ fn a_config_json_maps_to_the_executors_model() {
     assert_eq!((m.seq_len, m.layers_per_stage, m.vocab), (256, 1, 256));
     assert!(m.shared_expert);
     // dsv3 over 4 stages: 61 layers become 16 per stage, with the notes saying so.
-    let f = ModelConfig::from_arch(&schedc::costmodel::arch::preset("dsv3").unwrap(), 4096, 4)
-        .unwrap();
+    let f =
+        ModelConfig::from_arch(&schedc::costmodel::arch::preset("dsv3").unwrap(), 4096, 4).unwrap();
     assert_eq!(f.model.layers_per_stage, 16);
     assert_eq!(f.model.hidden, 7168);
     assert_eq!(f.model.experts, 256);
     assert_eq!(f.model.vocab, 129280);
     assert_eq!(f.notes.len(), 2, "{:?}", f.notes);
     // Not MLA: refused, naming the family.
-    let e = ModelConfig::from_arch(&schedc::costmodel::arch::preset("llama3-8b").unwrap(), 4096, 4)
-        .unwrap_err();
-    assert!(e.contains("model_type `llama`") && e.contains("grouped-query"), "{e}");
+    let e = ModelConfig::from_arch(
+        &schedc::costmodel::arch::preset("llama3-8b").unwrap(),
+        4096,
+        4,
+    )
+    .unwrap_err();
+    assert!(
+        e.contains("model_type `llama`") && e.contains("grouped-query"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -163,14 +170,19 @@ fn the_shim_runs_a_config_json_model_equal_to_the_cpu() {
     for (n, m) in needs.iter().zip(&run.memory) {
         assert_eq!(n.rank, m.rank);
         assert_eq!(n.params, m.params as u64, "rank {}", m.rank);
-        assert_eq!(n.activations, m.planned as u64 + 4 * 2 + 4, "rank {}", m.rank);
+        assert_eq!(
+            n.activations,
+            m.planned as u64 + 4 * 2 + 4,
+            "rank {}",
+            m.rank
+        );
     }
 }
 
 #[test]
 fn dsv3_is_refused_on_the_shim_before_any_allocation() {
-    let f = ModelConfig::from_arch(&schedc::costmodel::arch::preset("dsv3").unwrap(), 4096, 4)
-        .unwrap();
+    let f =
+        ModelConfig::from_arch(&schedc::costmodel::arch::preset("dsv3").unwrap(), 4096, 4).unwrap();
     let set = lower("1f1b", 4, 8, "pp=4", &f.model);
     let gpu = HostGpu::new(DType::Bf16).with_memory(140 << 30);
     let t0 = std::time::Instant::now();
@@ -181,7 +193,10 @@ fn dsv3_is_refused_on_the_shim_before_any_allocation() {
         e.starts_with("the model does not fit: the 1 rank(s) run here need "),
         "{e}"
     );
-    assert!(e.contains("more than the memory free on host shim (bf16"), "{e}");
+    assert!(
+        e.contains("more than the memory free on host shim (bf16"),
+        "{e}"
+    );
     assert!(e.contains("(140.0 GiB); the largest, rank 0 needs "), "{e}");
     // --memory-limit replaces the device's figure.
     let e = check_memory(&gpu, &set, &[0], &Optimizer::adam(1e-3), Some(1 << 40)).unwrap_err();

@@ -357,7 +357,13 @@ impl ModelConfig {
         let kpe = u(self.rope_keys_per_token()) * dr;
         let split = qr * h * dn + qr * h * dr + kvr * h * dn + kvr * h * dv + h * dv * d;
         let shared = if self.shared_expert { 3 * d * f } else { 0 };
-        let layer = 2 * d + d * qr + qr + d * kvr + kvr + d * kpe + d * e
+        let layer = 2 * d
+            + d * qr
+            + qr
+            + d * kvr
+            + kvr
+            + d * kpe
+            + d * e
             + (split + shared) / tp
             + u(local_experts) * 3 * d * f;
         let mut n = u(self.layers_per_stage) * layer;
