@@ -49,7 +49,7 @@ pub fn check_fit(
     let Some(worst) = needs.iter().max_by_key(|n| (n.total(), u32::MAX - n.rank)) else {
         return Ok(());
     };
-    if together {
+    if together && needs.len() > 1 {
         let sum = needs.iter().fold(0u64, |a, n| a.saturating_add(n.total()));
         if sum > limit {
             return Err(format!(
