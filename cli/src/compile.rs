@@ -22,6 +22,8 @@ pub struct Args {
     pub input: InputArgs,
     #[command(flatten)]
     pub order_cost: OrderCostArgs,
+    #[command(flatten)]
+    pub model: crate::run::ModelArgs,
     /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`).
     #[arg(long)]
     pub mesh: Option<String>,
@@ -212,6 +214,10 @@ pub fn run(args: Args) -> ExitCode {
         Ok(m) => m,
         Err(c) => return c,
     };
+    if let Err(e) = args.model.check() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let model = schedc_program::ModelConfig::small();
     // Refuse what cannot fit before the spec is elaborated.
     if let Err(c) = pre_check(&args.input, "compiling", mesh.as_ref(), |size| {
@@ -227,6 +233,18 @@ pub fn run(args: Args) -> ExitCode {
     let program = match load_for_under(&args.input, None, order_model.as_ref()) {
         Ok(l) => l.program,
         Err(f) => return f.code(),
+    };
+    let model = match args.model.config(program.pipeline.stages_per_direction()) {
+        Ok((m, notes)) => {
+            for n in notes {
+                eprintln!("note: --model: {n}");
+            }
+            m
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
     };
     let world = mesh
         .as_ref()

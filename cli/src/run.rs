@@ -43,6 +43,74 @@ pub enum A2a {
     Hierarchical,
 }
 
+/// The model the executors build: `--model`, `--seq`, `--micro-batch-size` (`run`,
+/// `compile`).
+#[derive(clap::Args, Default)]
+pub struct ModelArgs {
+    /// The model to train: a Hugging Face config.json of a DeepSeek-V3-style model (MLA with
+    /// query compression and routed experts: model_type deepseek_v2 or deepseek_v3) or the
+    /// preset dsv3, as `sim --model` reads it. Its layers are spread evenly over the
+    /// schedule's stages (rounded up); every layer runs as MLA + MoE with one shared expert.
+    /// Default: schedc's small model (hidden 32, 4 experts, sequence 32).
+    #[arg(long, value_name = "CONFIG.json|PRESET")]
+    pub model: Option<String>,
+    /// Tokens per sequence (default: 4096 with --model, else the small model's 32).
+    #[arg(long)]
+    pub seq: Option<u64>,
+    /// Sequences per micro-batch (the executors run one; only 1 is accepted).
+    #[arg(long)]
+    pub micro_batch_size: Option<u64>,
+}
+
+impl ModelArgs {
+    /// Resolves `--model` early (before the schedule is loaded), so that a bad file or name
+    /// is refused first. Errors: the message (exit 2).
+    pub fn check(&self) -> Result<(), String> {
+        if let Some(m) = &self.model {
+            schedc::costmodel::arch::resolve(m).map_err(|e| format!("--model: {e}"))?;
+        }
+        if self.seq == Some(0) {
+            return Err("--seq must be at least 1".into());
+        }
+        match self.micro_batch_size {
+            None | Some(1) => Ok(()),
+            Some(0) => Err("--micro-batch-size must be at least 1".into()),
+            Some(b) => Err(format!(
+                "--micro-batch-size {b}: the executors run one sequence per micro-batch; give --micro-batch-size 1 (or leave it out) and more micro-batches (--mb) or a longer --seq"
+            )),
+        }
+    }
+
+    /// The executors' model for a schedule of `model_stages` stages per direction, with
+    /// notes on what runs differently from the config. Errors: the message (exit 2).
+    pub fn config(
+        &self,
+        model_stages: u32,
+    ) -> Result<(schedc_program::ModelConfig, Vec<String>), String> {
+        self.check()?;
+        match &self.model {
+            None => {
+                let mut m = schedc_program::ModelConfig::small();
+                if let Some(t) = self.seq {
+                    m.seq_len = t as usize;
+                }
+                Ok((m, Vec::new()))
+            }
+            Some(name) => {
+                let arch =
+                    schedc::costmodel::arch::resolve(name).map_err(|e| format!("--model: {e}"))?;
+                let f = schedc_program::ModelConfig::from_arch(
+                    &arch,
+                    self.seq.unwrap_or(4096) as usize,
+                    model_stages as usize,
+                )
+                .map_err(|e| format!("--model: {e}"))?;
+                Ok((f.model, f.notes))
+            }
+        }
+    }
+}
+
 /// `schedc run`'s arguments.
 #[derive(clap::Args)]
 pub struct Args {
@@ -50,6 +118,15 @@ pub struct Args {
     pub input: InputArgs,
     #[command(flatten)]
     pub order_cost: OrderCostArgs,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The memory the model may take, e.g. 64G or 512M: CPU, every rank's parameters,
+    /// gradients, optimizer state and activations together (default: the host's available
+    /// memory); CUDA, the ranks of this process on its GPU (default: the GPU's free
+    /// memory). Checked before anything is allocated; a model over it is refused (exit 2)
+    /// with the rank that needs the most.
+    #[arg(long, value_name = "BYTES")]
+    pub memory_limit: Option<String>,
     /// The device mesh, e.g. `pp=4,dp=2,ep=2,tp=1,sp=1` (default: `pp=P`); `node=K` adds how
     /// many consecutive ranks share a node (default: all on one), for --a2a and the traffic
     /// figures. CPU and CUDA (f32): `tp` splits the attention heads and the shared expert
@@ -86,7 +163,9 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "single")]
     pub mode: Mode,
     /// CUDA NCCL mode: this process's global rank (with --rendezvous; one process per GPU,
-    /// started by a cluster launcher).
+    /// started by a cluster launcher). Default: torchrun's RANK (with LOCAL_RANK as the GPU
+    /// and tcp://MASTER_ADDR:MASTER_PORT+1 as the rendezvous) or SLURM's SLURM_PROCID (with
+    /// SLURM_LOCALID); the flags override the environment.
     #[arg(long)]
     pub rank: Option<u32>,
     /// CUDA NCCL mode: where the ranks meet, `tcp://HOST:PORT` (rank 0 listens) or
@@ -158,6 +237,13 @@ fn fail(format: OutFormat, message: &str, code: u8) -> ExitCode {
     ExitCode::from(code)
 }
 
+/// Parses `--memory-limit` (`64G`, `512M`, bytes). Errors: the message.
+fn memory_limit(s: &Option<String>) -> Result<Option<u64>, String> {
+    s.as_deref()
+        .map(|s| schedc::limits::parse_size(s).map_err(|e| format!("--memory-limit: {e}")))
+        .transpose()
+}
+
 fn usage(msg: &str) -> ExitCode {
     eprintln!("error: {msg}");
     ExitCode::from(2)
@@ -213,6 +299,12 @@ pub fn run(args: Args) -> ExitCode {
                 return fail(format, &e, 2);
             }
         }
+        if let Err(e) = args.model.check() {
+            return fail(format, &e, 2);
+        }
+        if let Err(e) = memory_limit(&args.memory_limit) {
+            return fail(format, &e, 2);
+        }
         let program = match load_program(&args.input, &args.order_cost, format) {
             Ok(p) => p,
             Err(c) => return c,
@@ -265,6 +357,20 @@ pub fn run(args: Args) -> ExitCode {
         Ok(t) => t,
         Err(e) => return fail(format, &e, 2),
     };
+    if let Err(e) = args.model.check() {
+        return fail(format, &e, 2);
+    }
+    if args.model.model.is_some() && (args.experts.is_some() || args.top_k.is_some()) {
+        return fail(
+            format,
+            "--experts and --top-k change the small model; with --model the config.json says them",
+            2,
+        );
+    }
+    let memory_limit = match memory_limit(&args.memory_limit) {
+        Ok(l) => l,
+        Err(e) => return fail(format, &e, 2),
+    };
     let mut model = RunConfig::default().model;
     if let Some(e) = args.experts {
         model.experts = e;
@@ -290,6 +396,7 @@ pub fn run(args: Args) -> ExitCode {
         progress: format == OutFormat::Human,
         trace: trace.is_some(),
         trace_sink: trace.as_ref().map(|t| t.sink()),
+        memory_limit,
         ..RunConfig::default()
     };
     // Refuse what cannot fit before the spec is elaborated.
@@ -303,6 +410,22 @@ pub fn run(args: Args) -> ExitCode {
         Ok(p) => p,
         Err(c) => return c,
     };
+    let mut cfg = cfg;
+    if args.model.model.is_some() || args.model.seq.is_some() {
+        match args.model.config(program.pipeline.stages_per_direction()) {
+            Ok((m, notes)) => {
+                for n in notes {
+                    eprintln!("note: --model: {n}");
+                }
+                let (e, k) = (cfg.model.experts, cfg.model.top_k);
+                cfg.model = m;
+                if args.model.model.is_none() {
+                    (cfg.model.experts, cfg.model.top_k) = (e, k);
+                }
+            }
+            Err(e) => return fail(format, &e, 2),
+        }
+    }
     match schedc_cpu::run(&program, &cfg) {
         Ok(r) => {
             // Whole or absent: the temporary file is renamed into place. If that fails, the
@@ -475,24 +598,54 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
             return usage("the CUDA backend computes in f32 or bf16 (f32 accumulation), not f64")
         }
     };
-    let nccl = match (args.mode, args.rank, &args.rendezvous) {
-        (Mode::Single, None, None) => None,
-        (Mode::Single, _, _) => return usage("--rank and --rendezvous are for --mode nccl"),
-        (Mode::Nccl, Some(rank), Some(r)) => match r.parse() {
-            Ok(rendezvous) => Some(cu::NcclRank { rank, rendezvous }),
-            Err(e) => return usage(&format!("--rendezvous: {e}")),
-        },
-        (Mode::Nccl, Some(_), None) => return usage("--rank needs --rendezvous"),
-        (Mode::Nccl, None, _) => {
-            let world = mesh.as_ref().map_or(program.pipeline.pp, |m| m.world());
-            return launch_local(world);
+    let world = mesh.as_ref().map_or(program.pipeline.pp, |m| m.world());
+    let placed = match args.mode {
+        Mode::Single => {
+            if args.rank.is_some() || args.rendezvous.is_some() {
+                return usage("--rank and --rendezvous are for --mode nccl");
+            }
+            None
+        }
+        Mode::Nccl => {
+            let flags = schedc_cuda::rendezvous::PlacementFlags {
+                rank: args.rank,
+                rendezvous: args.rendezvous.clone(),
+                device: args.device,
+            };
+            match schedc_cuda::rendezvous::placement(&flags, &|k| std::env::var(k).ok(), world) {
+                Ok(Some(p)) => {
+                    for n in &p.notes {
+                        eprintln!("note: {n}");
+                    }
+                    Some(p)
+                }
+                // No rank from the flags or a launcher: start one process per rank here.
+                Ok(None) => return launch_local(world),
+                Err(e) => return usage(&e),
+            }
         }
     };
-    let bar = (args.format == OutFormat::Human).then(|| progress(args.steps));
-    let device = args
-        .device
-        .or_else(|| nccl.as_ref().map(|n| n.rank as usize))
+    let device = placed
+        .as_ref()
+        .map(|p| p.device)
+        .or(args.device)
         .unwrap_or(0);
+    let nccl = placed.map(|p| cu::NcclRank {
+        rank: p.rank,
+        rendezvous: p.rendezvous,
+    });
+    let (model, notes) = match args.model.config(program.pipeline.stages_per_direction()) {
+        Ok(m) => m,
+        Err(e) => return fail(args.format, &e, 2),
+    };
+    for n in notes {
+        eprintln!("note: --model: {n}");
+    }
+    let memory_limit = match memory_limit(&args.memory_limit) {
+        Ok(l) => l,
+        Err(e) => return fail(args.format, &e, 2),
+    };
+    let bar = (args.format == OutFormat::Human).then(|| progress(args.steps));
     let cfg = cu::RunConfig {
         mesh,
         dtype,
@@ -507,6 +660,8 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
         device,
         arch: args.arch,
         nccl,
+        model,
+        memory_limit,
         ..cu::RunConfig::default()
     };
     let r = cu::run(&program, &cfg);
@@ -530,7 +685,7 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
             // No driver, no GPU, NVRTC missing: the environment cannot run it (2).
             let code = match &e {
                 cu::RunError::Program(p) => program_error_code(p),
-                cu::RunError::Config(_) | cu::RunError::Device(_) => 2,
+                cu::RunError::Config(_) | cu::RunError::Device(_) | cu::RunError::TooLarge(_) => 2,
                 cu::RunError::Failed(_) => 1,
             };
             fail(args.format, &e.to_string(), code)

@@ -70,6 +70,9 @@ pub struct RunConfig {
     /// `--sequence-parallel`: Megatron-LM's sequence parallelism inside the TP group
     /// (needs `tp > 1`).
     pub sequence_parallel: bool,
+    /// `--memory-limit`: the bytes the model (every rank's parameters, optimizer state and
+    /// activations) may take; `None`: the host's available memory.
+    pub memory_limit: Option<u64>,
 }
 
 impl Default for RunConfig {
@@ -88,6 +91,7 @@ impl Default for RunConfig {
             trace_sink: None,
             a2a: A2aMode::Flat,
             sequence_parallel: false,
+            memory_limit: None,
         }
     }
 }
@@ -542,6 +546,13 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
         estimate_memory(source, world, cfg),
     )
     .map_err(RunError::TooLarge)?;
+    let opts = LowerOptions {
+        sequence_parallel: cfg.sequence_parallel,
+        ..LowerOptions::default()
+    };
+    let (set, verified) = lower_verified_with(source, cfg.mesh.as_ref(), &cfg.model, opts)?;
+    // The model's memory, before any of it is allocated (issue 24, item 1).
+    check_model_memory(&set, &verified, cfg)?;
     let data = match &cfg.data {
         Some(p) => Data::from_file(p).map_err(RunError::Config)?,
         None => Data::builtin(),
@@ -555,15 +566,38 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
     }
     data.sequence(0, cfg.model.seq_len)
         .map_err(RunError::Config)?;
-    let opts = LowerOptions {
-        sequence_parallel: cfg.sequence_parallel,
-        ..LowerOptions::default()
-    };
-    let (set, verified) = lower_verified_with(source, cfg.mesh.as_ref(), &cfg.model, opts)?;
     match cfg.dtype {
         DType::F32 => run_typed::<f32>(&set, verified, &data, cfg),
         DType::F64 => run_typed::<f64>(&set, verified, &data, cfg),
     }
+}
+
+/// Checks that every rank's parameters, optimizer state and peak activations
+/// ([`schedc_program::memory::cpu_needs`]) fit together in [`RunConfig::memory_limit`], or
+/// else in the host's available memory. Errors: [`RunError::TooLarge`] naming the rank,
+/// its need and the limit.
+pub fn check_model_memory(
+    set: &ProgramSet,
+    verified: &VerifyReport,
+    cfg: &RunConfig,
+) -> Result<(), RunError> {
+    let (limit, name) = match cfg.memory_limit {
+        Some(l) => (l, "--memory-limit".to_string()),
+        None => match schedc_program::memory::available_ram() {
+            Some(a) => (a, "the memory available on this host".to_string()),
+            None => return Ok(()),
+        },
+    };
+    let elem = match cfg.dtype {
+        DType::F32 => 4,
+        DType::F64 => 8,
+    };
+    let needs = schedc_program::memory::cpu_needs(set, &verified.peak_stash, elem, cfg.verify);
+    schedc_program::memory::check_fit(&needs, limit, &name, true).map_err(|e| {
+        RunError::TooLarge(format!(
+            "{e}: give a smaller --model, --seq or mesh, or raise --memory-limit"
+        ))
+    })
 }
 
 fn run_typed<T: Real>(

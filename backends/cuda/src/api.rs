@@ -234,6 +234,11 @@ pub trait Gpu: Send + Sync {
     fn describe(&self) -> String;
     /// The storage type the kernels were compiled for.
     fn dtype(&self) -> DType;
+    /// Device memory free now, bytes; `None` where the device cannot say (the memory check
+    /// before a run is then skipped). Errors: the device's.
+    fn memory_free(&self) -> Result<Option<usize>, GpuError> {
+        Ok(None)
+    }
     /// Allocates `bytes` of device memory (synchronous).
     fn alloc(&self, bytes: usize) -> Result<DevPtr, GpuError>;
     /// Releases memory from [`Gpu::alloc`] (synchronous: call it only when no stream uses
@@ -305,6 +310,10 @@ pub trait Collectives: Send + Sync {
         ptr: DevPtr,
         count: usize,
     ) -> Result<(), GpuError>;
+    /// `ncclCommAbort` of every communicator, on an error path: what is in flight is
+    /// dropped and nothing waits for the peers (`ncclCommDestroy` could wait forever for a
+    /// peer that died). The communicators are unusable afterwards.
+    fn abort(&self) {}
 }
 
 /// `bf16` bits of `x`, rounded to nearest even (the kernels' `st`).

@@ -223,6 +223,13 @@ impl Gpu for CudaGpu {
     fn dtype(&self) -> DType {
         self.dtype
     }
+    fn memory_free(&self) -> Result<Option<usize>, GpuError> {
+        self.call("cuMemGetInfo", || {
+            drv::mem_get_info()
+                .map(|(free, _total)| Some(free))
+                .map_err(derr("cuMemGetInfo"))
+        })
+    }
     fn alloc(&self, bytes: usize) -> Result<DevPtr, GpuError> {
         // SAFETY: a plain allocation.
         self.call("cuMemAlloc", || {
@@ -437,6 +444,7 @@ pub struct CudaNccl<'a> {
     gpu: &'a CudaGpu,
     rank: u32,
     comms: Vec<nccl_sys::ncclComm_t>,
+    aborted: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: communicators are used from the rank's one thread at a time.
@@ -462,7 +470,7 @@ impl<'a> CudaNccl<'a> {
     /// joined). Errors: NCCL missing, or its error.
     pub fn new(gpu: &'a CudaGpu, rank: u32, world: u32, ids: &[[u8; 128]]) -> Result<Self, String> {
         present("nccl", cudarc::nccl::sys::is_culib_present)?;
-        let mut comms = Vec::new();
+        let mut comms: Vec<nccl_sys::ncclComm_t> = Vec::new();
         for (i, id) in ids.iter().enumerate() {
             let c = guard("ncclCommInitRank", || {
                 gpu.bind().map_err(String::from)?;
@@ -475,10 +483,23 @@ impl<'a> CudaNccl<'a> {
                 unsafe { nccl::comm_init_rank(&mut comm, world as i32, uid, rank as i32) }
                     .map_err(|e| format!("communicator {i}: {e:?}"))?;
                 Ok(comm)
-            })?;
-            comms.push(c);
+            });
+            match c {
+                Ok(c) => comms.push(c),
+                Err(e) => {
+                    // The ones made so far are aborted, not destroyed: a peer that did
+                    // not join would make ncclCommDestroy wait.
+                    abort_all(&comms);
+                    return Err(e);
+                }
+            }
         }
-        Ok(CudaNccl { gpu, rank, comms })
+        Ok(CudaNccl {
+            gpu,
+            rank,
+            comms,
+            aborted: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
     fn comm(&self, i: usize) -> Result<nccl_sys::ncclComm_t, GpuError> {
@@ -493,8 +514,20 @@ impl<'a> CudaNccl<'a> {
     }
 }
 
+fn abort_all(comms: &[nccl_sys::ncclComm_t]) {
+    for &c in comms {
+        // SAFETY: a communicator made by `ncclCommInitRank`, aborted once; errors ignored.
+        let _ = guard("ncclCommAbort", || {
+            Ok(unsafe { nccl::comm_abort(c) }.is_ok())
+        });
+    }
+}
+
 impl Drop for CudaNccl<'_> {
     fn drop(&mut self) {
+        if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
         for c in self.comms.drain(..) {
             // SAFETY: communicators created by `new`, destroyed once; errors ignored.
             let _ = guard("ncclCommDestroy", || {
@@ -511,6 +544,11 @@ fn nerr(call: &str) -> impl Fn(nccl::NcclError) -> GpuError + '_ {
 impl Collectives for CudaNccl<'_> {
     fn rank(&self) -> u32 {
         self.rank
+    }
+    fn abort(&self) {
+        if !self.aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            abort_all(&self.comms);
+        }
     }
     fn group_start(&self) -> Result<(), GpuError> {
         self.run("ncclGroupStart", || {

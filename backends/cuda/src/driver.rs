@@ -888,17 +888,48 @@ pub fn plan_rank(
     dims: &Dims,
     stages: &[StageDev],
 ) -> Result<Vec<(usize, usize)>, String> {
+    let _ = set;
+    let sizes: Vec<StageSizes> = stages
+        .iter()
+        .map(|s| StageSizes {
+            stage: s.info.stage,
+            stash: s.stash.bytes,
+            grads: s.layout.grads() * 4,
+        })
+        .collect();
+    plan_rank_sizes(prog, dims, &sizes)
+}
+
+/// The byte sizes of one stage copy's buffers, for [`plan_rank_sizes`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageSizes {
+    /// IR stage id.
+    pub stage: u32,
+    /// Bytes of one stash (a micro-batch's activations).
+    pub stash: usize,
+    /// Bytes of the weight-gradient accumulator (f32 gradients and load counts).
+    pub grads: usize,
+}
+
+/// [`plan_rank`] from the stages' buffer sizes alone (nothing allocated): the pool's
+/// `(block bytes, count)` at the rank's peak. Errors: a stage the rank does not hold, a
+/// program the planner cannot run.
+pub fn plan_rank_sizes(
+    prog: &RankProgram,
+    dims: &Dims,
+    stages: &[StageSizes],
+) -> Result<Vec<(usize, usize)>, String> {
     let ix = |s: u32| {
         stages
             .iter()
-            .position(|x| x.info.stage == s)
+            .position(|x| x.stage == s)
             .ok_or(format!("stage {s} is not held"))
     };
     let sizes = |b: Buf| -> Result<usize, String> {
         Ok(match b {
             Buf::Act { .. } | Buf::Grad { .. } => dims.act_bytes(),
-            Buf::Stash { stage, .. } => stages[ix(stage)?].stash.bytes,
-            Buf::WeightGrad { stage } => stages[ix(stage)?].layout.grads() * 4,
+            Buf::Stash { stage, .. } => stages[ix(stage)?].stash,
+            Buf::WeightGrad { stage } => stages[ix(stage)?].grads,
         })
     };
     let mut p = Planner {
@@ -907,7 +938,6 @@ pub fn plan_rank(
         peak: HashMap::new(),
         bufs: HashMap::new(),
     };
-    let _ = set;
     interp::run_rank(
         prog,
         &mut p,
@@ -922,6 +952,94 @@ pub fn plan_rank(
     let mut v: Vec<(usize, usize)> = p.peak.into_iter().collect();
     v.sort();
     Ok(v)
+}
+
+/// What each of `ranks` of `set` takes from the device in `dtype` under `optimizer`,
+/// computed from the model's sizes and the programs alone, before anything is allocated:
+/// per stage copy the `f32` master parameters, the compute copy (bf16), Adam's moments and
+/// the balancing state ([`RankNeed::params`]); the pool the liveness plan reserves
+/// ([`plan_rank_sizes`]) and the losses ([`RankNeed::activations`]). It equals what
+/// [`RankMemory`] reports after the run (`params`, `planned` + the losses).
+///
+/// Errors: programs without schedc's model, sizes [`Dims::new`] refuses, a rank outside
+/// the world.
+pub fn rank_needs(
+    set: &ProgramSet,
+    ranks: &[u32],
+    dtype: DType,
+    optimizer: &Optimizer,
+) -> Result<Vec<schedc_program::memory::RankNeed>, String> {
+    let m = &set.manifest;
+    let Some(cfg) = &m.model else {
+        return Err("the programs have no model (stage granularity)".into());
+    };
+    let dims = Dims::new(cfg, &m.mesh, dtype)?;
+    let adam = matches!(optimizer, Optimizer::Adam { .. });
+    let mt = (m.microbatches * m.directions) as usize;
+    ranks
+        .iter()
+        .map(|&r| {
+            let prog = set
+                .ranks
+                .get(r as usize)
+                .ok_or_else(|| format!("rank {r} is outside the world of {}", set.ranks.len()))?;
+            let mut params = 0usize;
+            let mut sizes = Vec::new();
+            for info in &prog.stages {
+                let n = cfg.stage_params(
+                    info.first,
+                    info.last,
+                    (info.expert_hi - info.expert_lo) as usize,
+                    dims.tp,
+                ) as usize;
+                let le = dims.layers * dims.e;
+                params += n * 4 + 3 * le * 4;
+                if dtype != DType::F32 {
+                    params += n * dims.ts;
+                }
+                if adam {
+                    params += 2 * n * 4;
+                }
+                sizes.push(StageSizes {
+                    stage: info.stage,
+                    stash: crate::layout::StashLayout::new(&dims, info).bytes,
+                    grads: (n + le) * 4,
+                });
+            }
+            let pool: usize = plan_rank_sizes(prog, &dims, &sizes)?
+                .iter()
+                .map(|(b, c)| b * c)
+                .sum();
+            let losses = (prog.stages.len() * mt).max(1) * 4 + 4;
+            Ok(schedc_program::memory::RankNeed {
+                rank: r,
+                params: params as u64,
+                activations: (pool + losses) as u64,
+            })
+        })
+        .collect()
+}
+
+/// Refuses, before anything is allocated, ranks `ranks` of `set` that do not fit on `gpu`
+/// together (they share it): against `limit` if given, else the device's free memory
+/// ([`Gpu::memory_free`]); a device that cannot say is not checked. Errors: the message of
+/// [`schedc_program::memory::check_fit`], naming the rank, its need and the limit.
+pub fn check_memory(
+    gpu: &dyn Gpu,
+    set: &ProgramSet,
+    ranks: &[u32],
+    optimizer: &Optimizer,
+    limit: Option<u64>,
+) -> Result<(), String> {
+    let (limit, name) = match limit {
+        Some(l) => (l, "--memory-limit".to_string()),
+        None => match gpu.memory_free().map_err(|e| e.0)? {
+            Some(f) => (f as u64, format!("the memory free on {}", gpu.describe())),
+            None => return Ok(()),
+        },
+    };
+    let needs = rank_needs(set, ranks, gpu.dtype(), optimizer)?;
+    schedc_program::memory::check_fit(&needs, limit, &name, true)
 }
 
 /// Runs `opts.steps` steps of every rank of `set` in this process on one device (single
@@ -1070,6 +1188,10 @@ pub fn execute_rank(
             Some((coll, ctrl)),
         )
         .map_err(failed)?;
+        if let Err(e) = preconnect(gpu, coll, set, prog, dev.streams[0], opts.timeout) {
+            let _ = dev.release();
+            return Err(failed(e));
+        }
         dev.set_progress(&progress);
         let iopts = InterpOptions {
             steps: opts.steps,
@@ -1097,7 +1219,96 @@ pub fn execute_rank(
         out.instructions = n;
         Ok(())
     });
+    if stop.is_some() {
+        // The peers may be blocked in a message to or from this rank: abort the
+        // communicators (issue 24, item 5) rather than leave them to a destroy that waits.
+        coll.abort();
+    }
     abort.outcome(stop.into_iter().collect())?;
     out.seconds = start.elapsed().as_secs_f64();
     Ok(out)
+}
+
+/// The point-to-point peers of rank `prog` on each communicator of [`stream_kinds`]:
+/// `(communicator, peers in increasing order)`, for the sends, receives, all-to-alls,
+/// TP collectives, replica sums and all-reduces of its program (the NCCL transport carries
+/// each as sends and receives between the members). Symmetric across ranks: `q` is a peer
+/// of `r` on a communicator exactly when `r` is one of `q`.
+pub fn p2p_peers(set: &ProgramSet, prog: &RankProgram) -> Vec<(usize, Vec<u32>)> {
+    let kinds = stream_kinds(set);
+    let mut per: std::collections::BTreeMap<usize, std::collections::BTreeSet<u32>> =
+        std::collections::BTreeMap::new();
+    for st in &prog.streams {
+        let comm = kinds.iter().position(|k| *k == st.kind).unwrap_or(0);
+        for op in &st.ops {
+            let peers: Vec<u32> = match op {
+                Op::Send { peer, .. } | Op::Recv { peer, .. } | Op::ReplicaSum { peer, .. } => {
+                    vec![*peer]
+                }
+                Op::AllToAll { group, .. }
+                | Op::TpCollective { group, .. }
+                | Op::TpGradAllReduce { group, .. }
+                | Op::AllReduce { group, .. } => group.clone(),
+                _ => Vec::new(),
+            };
+            for p in peers.into_iter().filter(|&p| p != prog.rank) {
+                per.entry(comm).or_default().insert(p);
+            }
+        }
+    }
+    per.into_iter()
+        .map(|(c, s)| (c, s.into_iter().collect()))
+        .collect()
+}
+
+/// NCCL mode, before the first step: connects rank `prog` to every peer of
+/// [`p2p_peers`] in one grouped exchange (a byte each way per peer and communicator, on
+/// stream `s`), then waits for it. NCCL connects a pair lazily at its first message; made
+/// here, every connection exists before the schedule's first group, so that no step's
+/// group waits on a connection that its peer makes in another order, and a missing peer
+/// shows at once, named. Errors: NCCL's, or the wait's timeout.
+pub fn preconnect(
+    gpu: &dyn Gpu,
+    coll: &dyn Collectives,
+    set: &ProgramSet,
+    prog: &RankProgram,
+    s: StreamId,
+    timeout: Duration,
+) -> Result<(), String> {
+    let peers = p2p_peers(set, prog);
+    let n: usize = peers.iter().map(|(_, p)| p.len()).sum();
+    if n == 0 {
+        return Ok(());
+    }
+    let buf = gpu.alloc(n + 1).map_err(issue)?;
+    gpu.memset(s, buf, n + 1).map_err(issue)?;
+    coll.group_start().map_err(issue)?;
+    let mut i = 0u64;
+    let posted = (|| -> Result<(), GpuError> {
+        for (comm, ps) in &peers {
+            for &p in ps {
+                coll.send(*comm, s, buf, 1, p)?;
+                coll.recv(*comm, s, buf + 1 + i, 1, p)?;
+                i += 1;
+            }
+        }
+        Ok(())
+    })();
+    let end = coll.group_end();
+    let r = posted
+        .and(end)
+        .map_err(|e| format!("connecting rank {} to its peers: {}", prog.rank, e.0))
+        .and_then(|_| {
+            gpu.sync(s, timeout).map_err(|e| {
+                format!(
+                    "connecting rank {} to its peers {:?}: {}",
+                    prog.rank, peers, e.0
+                )
+            })
+        });
+    if r.is_ok() {
+        // After a failure the stream may still hold the buffer: it is left to the context.
+        gpu.free(buf).map_err(issue)?;
+    }
+    r
 }

@@ -50,6 +50,8 @@ pub struct HostGpu {
     dtype: DType,
     allocs: Mutex<HashMap<DevPtr, Layout>>,
     next: AtomicU32,
+    memory: Option<usize>,
+    allocations: std::sync::atomic::AtomicUsize,
 }
 
 impl HostGpu {
@@ -59,7 +61,22 @@ impl HostGpu {
             dtype,
             allocs: Mutex::new(HashMap::new()),
             next: AtomicU32::new(0),
+            memory: None,
+            allocations: std::sync::atomic::AtomicUsize::new(0),
         }
+    }
+
+    /// The same device reporting `bytes` free ([`Gpu::memory_free`]), so that the memory
+    /// check before a run can be tested on the host (the shim allocates host memory and
+    /// does not enforce it).
+    pub fn with_memory(mut self, bytes: usize) -> Self {
+        self.memory = Some(bytes);
+        self
+    }
+
+    /// Allocations made so far ([`Gpu::alloc`] calls that succeeded).
+    pub fn allocations(&self) -> usize {
+        self.allocations.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn check(&self, ptr: DevPtr, bytes: usize, what: &str) -> Result<(), GpuError> {
@@ -131,7 +148,12 @@ impl Gpu for HostGpu {
     fn dtype(&self) -> DType {
         self.dtype
     }
+    fn memory_free(&self) -> Result<Option<usize>, GpuError> {
+        Ok(self.memory)
+    }
     fn alloc(&self, bytes: usize) -> Result<DevPtr, GpuError> {
+        self.allocations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let l = Layout::from_size_align(bytes.max(1), ALIGN)
             .map_err(|e| GpuError(format!("alloc of {bytes} bytes: {e}")))?;
         // SAFETY: the layout has a non-zero size.

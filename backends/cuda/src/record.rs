@@ -64,6 +64,8 @@ pub enum Call {
         /// Floats.
         count: usize,
     },
+    /// `ncclCommAbort` of every communicator (no stream).
+    Abort,
 }
 
 /// The recording fake (module docs).
@@ -74,6 +76,8 @@ pub struct Recorder {
     streams: AtomicU32,
     events: AtomicU32,
     next: AtomicU64,
+    fail_send: Option<usize>,
+    sends: AtomicU64,
 }
 
 impl Recorder {
@@ -86,7 +90,16 @@ impl Recorder {
             streams: AtomicU32::new(0),
             events: AtomicU32::new(0),
             next: AtomicU64::new(0x1000),
+            fail_send: None,
+            sends: AtomicU64::new(0),
         }
+    }
+
+    /// The same fake whose `n`-th `ncclSend` (from 0) fails, as a peer's death would make
+    /// it: for the error paths.
+    pub fn failing_send(mut self, n: usize) -> Self {
+        self.fail_send = Some(n);
+        self
     }
 
     fn push(&self, s: Option<StreamId>, c: Call) {
@@ -189,6 +202,12 @@ impl Collectives for Recorder {
         bytes: usize,
         peer: u32,
     ) -> Result<(), GpuError> {
+        let n = self.sends.fetch_add(1, Ordering::Relaxed) as usize;
+        if self.fail_send == Some(n) {
+            return Err(GpuError(format!(
+                "ncclSend: remote process exited or there was a network error (send {n} to rank {peer}, injected)"
+            )));
+        }
         self.push(Some(s), Call::Send { comm, peer, bytes });
         Ok(())
     }
@@ -212,5 +231,8 @@ impl Collectives for Recorder {
     ) -> Result<(), GpuError> {
         self.push(Some(s), Call::AllReduce { comm, count });
         Ok(())
+    }
+    fn abort(&self) {
+        self.push(None, Call::Abort);
     }
 }

@@ -67,6 +67,9 @@ pub struct RunConfig {
     pub arch: Option<String>,
     /// NCCL mode: this process's rank and the rendezvous.
     pub nccl: Option<NcclRank>,
+    /// `--memory-limit`: the device memory the ranks of this process may take together;
+    /// `None`: the device's free memory.
+    pub memory_limit: Option<u64>,
 }
 
 impl Default for RunConfig {
@@ -85,6 +88,7 @@ impl Default for RunConfig {
             device: 0,
             arch: None,
             nccl: None,
+            memory_limit: None,
         }
     }
 }
@@ -131,6 +135,10 @@ pub struct RunReport {
     pub peak_device_memory: usize,
     /// Wall seconds of the run (kernel compilation excluded).
     pub seconds: f64,
+    /// Wall seconds of each step, from the previous step's end (the first from the start
+    /// of the run, so with the setup: parameters initialized and uploaded, the pool
+    /// reserved): the later steps give the throughput (`gpu-check.sh`'s tokens/s).
+    pub step_seconds: Vec<f64>,
 }
 
 impl RunReport {
@@ -206,6 +214,9 @@ pub enum RunError {
     /// A rank failed.
     #[error(transparent)]
     Failed(Box<RunFailure>),
+    /// The model does not fit in the device's memory (checked before any allocation).
+    #[error("{0}")]
+    TooLarge(String),
 }
 
 /// `schedc run INPUT ... --backend cuda` (see the module docs). Errors: [`RunError`]; on a
@@ -249,13 +260,34 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
     let (set, verified) = lower_verified(source, cfg.mesh.as_ref(), &cfg.model)?;
     cuda::probe(cfg.mode == Mode::Nccl).map_err(RunError::Device)?;
     let gpu = CudaGpu::new(cfg.device, cfg.dtype, cfg.arch.as_deref()).map_err(RunError::Device)?;
+    // Each step's end, for `step_seconds`.
+    let marks = std::sync::Arc::new(std::sync::Mutex::new(Vec::with_capacity(cfg.steps)));
+    let user = cfg.on_step.clone();
+    let mk = marks.clone();
+    let on_step: crate::driver::OnStep = std::sync::Arc::new(move |step: usize, loss: f64| {
+        mk.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(std::time::Instant::now());
+        if let Some(f) = &user {
+            f(step, loss);
+        }
+    });
     let opts = ExecOptions {
         steps: cfg.steps,
         optimizer: cfg.optimizer,
         timeout: cfg.timeout,
         record: cfg.verify,
-        on_step: cfg.on_step.clone(),
+        on_step: Some(on_step),
     };
+    // The ranks of this process share its device: all of them in single mode, one in NCCL
+    // mode. Checked before any of the model is allocated (issue 24, item 1).
+    let here: Vec<u32> = match (&cfg.mode, &cfg.nccl) {
+        (Mode::Nccl, Some(nr)) => vec![nr.rank],
+        _ => (0..set.manifest.world).collect(),
+    };
+    crate::driver::check_memory(&gpu, &set, &here, &cfg.optimizer, cfg.memory_limit)
+        .map_err(RunError::TooLarge)?;
+    let started = std::time::Instant::now();
     let res = match cfg.mode {
         Mode::Single => execute(&gpu, &set, &data, &opts),
         Mode::Nccl => {
@@ -283,7 +315,9 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
         }
     };
     let res = res.map_err(|e| RunError::Failed(Box::new(e)))?;
-    report(
+    let marks = marks.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let step_seconds = step_seconds(started, &marks);
+    let mut r = report(
         &set.manifest,
         &set,
         verified,
@@ -291,7 +325,21 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
         cfg,
         gpu.describe(),
         &data,
-    )
+    )?;
+    r.step_seconds = step_seconds;
+    Ok(r)
+}
+
+/// Seconds between consecutive step ends, the first from `start`.
+fn step_seconds(start: std::time::Instant, ends: &[std::time::Instant]) -> Vec<f64> {
+    let mut prev = start;
+    ends.iter()
+        .map(|&t| {
+            let d = t.saturating_duration_since(prev).as_secs_f64();
+            prev = t;
+            d
+        })
+        .collect()
 }
 
 fn report(
@@ -327,6 +375,7 @@ fn report(
         memory: res.memory.clone(),
         peak_device_memory: res.memory.iter().map(|x| x.total()).max().unwrap_or(0),
         seconds: res.seconds,
+        step_seconds: Vec::new(),
     };
     if cfg.verify {
         let r = reference::<f32>(
@@ -404,7 +453,16 @@ mod tests {
             memory: Vec::new(),
             peak_device_memory: 0,
             seconds: 0.5,
+            step_seconds: Vec::new(),
         }
+    }
+
+    #[test]
+    fn step_seconds_are_the_gaps_between_step_ends() {
+        let t0 = std::time::Instant::now();
+        let ms = std::time::Duration::from_millis;
+        let ends = [t0 + ms(1500), t0 + ms(1750), t0 + ms(2000)];
+        assert_eq!(super::step_seconds(t0, &ends), vec![1.5, 0.25, 0.25]);
     }
 
     fn reference() -> schedc_cpu::exec::Reference {

@@ -589,3 +589,81 @@ fn stage_granularity_programs_are_refused() {
         "{msg}"
     );
 }
+
+// Issue 24, item 5: every peer pair is connected in one grouped exchange before the first
+// step, and the whole run (that exchange included) completes under NCCL's rendezvous
+// semantics: no pair of ranks can block.
+#[test]
+fn nccl_mode_preconnects_every_peer_pair_in_one_group_first() {
+    for (name, pp, mb, mesh) in [
+        ("dualpipe", 4, 8, "pp=4"),
+        ("dualpipe", 2, 4, "pp=2,tp=2,ep=2"),
+        ("1f1b", 2, 4, "pp=2,ep=2,dp=2"),
+    ] {
+        let set = lower(name, pp, mb, mesh);
+        let logs = nccl_logs(&set);
+        for (prog, log) in set.ranks.iter().zip(&logs) {
+            let gs = groups(log);
+            let first = &gs[0];
+            let peers = schedc_cuda::driver::p2p_peers(&set, prog);
+            let mut want: Vec<(bool, usize, u32, usize)> = Vec::new();
+            for (comm, ps) in &peers {
+                for &p in ps {
+                    want.push((true, *comm, p, 1));
+                    want.push((false, *comm, p, 1));
+                }
+            }
+            assert_eq!(first, &want, "{name} {mesh} rank {}", prog.rank);
+            assert!(!want.is_empty());
+            // Every later message goes to a peer connected here.
+            for g in &gs[1..] {
+                for &(_, comm, peer, _) in g {
+                    assert!(
+                        want.contains(&(true, comm, peer, 1)),
+                        "{name} {mesh} rank {}: a message to {peer} on communicator {comm} was not pre-connected",
+                        prog.rank
+                    );
+                }
+            }
+        }
+        // DualPipe P=4: rank 0 talks to rank 1 (its pipeline neighbour) and rank 3 (the
+        // other copy of its stages, ReplicaSum) on their communicators.
+        if mesh == "pp=4" {
+            let all: Vec<u32> = schedc_cuda::driver::p2p_peers(&set, &set.ranks[0])
+                .into_iter()
+                .flat_map(|(_, p)| p)
+                .collect::<std::collections::BTreeSet<u32>>()
+                .into_iter()
+                .collect();
+            assert_eq!(all, vec![1, 3]);
+        }
+        let units = rendezvous(&logs).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        check_symmetric(&logs).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        println!("order {name} mesh {mesh}: pre-connected first, {units} NCCL units complete");
+    }
+}
+
+#[test]
+fn a_failed_nccl_rank_aborts_its_communicators() {
+    let set = lower("dualpipe", 4, 8, "pp=4");
+    let opts = ExecOptions {
+        steps: 1,
+        timeout: std::time::Duration::from_secs(5),
+        ..ExecOptions::default()
+    };
+    // The third send fails (after the pre-connect group), as a dead peer would make it.
+    let rec = Recorder::new(1, DType::F32).failing_send(3);
+    let e = execute_rank(&rec, &rec, &set, 1, &Data::builtin(), &opts).unwrap_err();
+    assert!(e.to_string().contains("remote process exited"), "{e}");
+    let log = rec.log();
+    assert_eq!(
+        log.last(),
+        Some(&(None, Call::Abort)),
+        "the last call is the abort"
+    );
+    assert_eq!(log.iter().filter(|c| c.1 == Call::Abort).count(), 1);
+    // A rank that succeeds does not abort.
+    let ok = Recorder::new(1, DType::F32);
+    execute_rank(&ok, &ok, &set, 1, &Data::builtin(), &opts).unwrap();
+    assert!(!ok.log().iter().any(|c| c.1 == Call::Abort));
+}

@@ -27,6 +27,7 @@ pub mod data;
 pub mod format;
 pub mod interp;
 pub mod lower;
+pub mod memory;
 pub mod mesh;
 pub mod model;
 pub mod verify;

@@ -231,3 +231,181 @@ pub enum Scope {
     /// Routed experts' parameters.
     Expert,
 }
+
+/// The DeepSeek-V3-style model `schedc run --model` trains, from a model architecture (a
+/// Hugging Face `config.json` or a preset, read by [`schedc::costmodel::arch::resolve`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FromArch {
+    /// The executors' model.
+    pub model: ModelConfig,
+    /// What the executors run differently from the config (dense layers run as MoE layers,
+    /// layers rounded up to a multiple of the stages, several shared experts as one), one
+    /// sentence each, for the user.
+    pub notes: Vec<String>,
+}
+
+impl ModelConfig {
+    /// The executors' model for `arch` at `seq_len` tokens per sequence, with its layers
+    /// spread over `model_stages` stages (each gets `ceil(layers / model_stages)`; the
+    /// executors give every stage the same number). Everything `arch` does not say (the
+    /// capacity factor, RoPE base, norm epsilon, balancing rates, seed) is
+    /// [`ModelConfig::small`]'s.
+    ///
+    /// Errors: an architecture the executors do not build: not MLA (Llama, Qwen, Mixtral),
+    /// MLA without query compression (`q_lora_rank` absent, DeepSeek-V2-Lite), no routed
+    /// experts; a zero `seq_len` or `model_stages`; an odd `qk_rope_head_dim`.
+    pub fn from_arch(
+        arch: &schedc::costmodel::arch::Arch,
+        seq_len: usize,
+        model_stages: usize,
+    ) -> Result<FromArch, String> {
+        use schedc::costmodel::arch::Attention;
+        let name = &arch.name;
+        let Attention::Mla {
+            heads,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+        } = arch.attention
+        else {
+            return Err(format!(
+                "`{name}` (model_type `{}`) has grouped-query attention: the executors train DeepSeek-V3-style models (multi-head latent attention and routed experts); give a deepseek_v2/deepseek_v3 config.json or the preset dsv3",
+                arch.family
+            ));
+        };
+        let Some(q_lora_rank) = q_lora_rank else {
+            return Err(format!(
+                "`{name}` has no `q_lora_rank` (a full query projection, as DeepSeek-V2-Lite): the executors' MLA compresses the queries; give the config a `q_lora_rank`"
+            ));
+        };
+        let Some(moe) = &arch.moe else {
+            return Err(format!(
+                "`{name}` has no routed experts (`n_routed_experts`): the executors train MoE models"
+            ));
+        };
+        if seq_len == 0 {
+            return Err("--seq must be at least 1".into());
+        }
+        if model_stages == 0 {
+            return Err("the schedule has no stage".into());
+        }
+        let layers = arch.layers() as usize;
+        let per = layers.div_ceil(model_stages);
+        let mut notes = Vec::new();
+        if per * model_stages != layers {
+            notes.push(format!(
+                "`{name}` has {layers} layers; the executors give each of the {model_stages} stages {per} ({} in all)",
+                per * model_stages
+            ));
+        }
+        let dense = arch.moe_layers.iter().filter(|m| !**m).count();
+        if dense > 0 {
+            notes.push(format!(
+                "its {dense} dense layer(s) (`first_k_dense_replace`, `moe_layer_freq`) run as MoE layers: every executor layer is MLA + routed experts"
+            ));
+        }
+        if moe.shared_ffn > moe.expert_ffn {
+            notes.push(format!(
+                "its shared experts ({} units in all) run as one shared expert of {} units",
+                moe.shared_ffn, moe.expert_ffn
+            ));
+        }
+        let u = |x: u64| x as usize;
+        let model = ModelConfig {
+            vocab: u(arch.vocab),
+            hidden: u(arch.hidden),
+            heads: u(heads),
+            q_lora_rank: u(q_lora_rank),
+            kv_lora_rank: u(kv_lora_rank),
+            qk_nope_head_dim: u(qk_nope_head_dim),
+            qk_rope_head_dim: u(qk_rope_head_dim),
+            v_head_dim: u(v_head_dim),
+            seq_len,
+            layers_per_stage: per,
+            experts: u(moe.experts),
+            top_k: u(moe.top_k),
+            expert_hidden: u(moe.expert_ffn),
+            shared_expert: moe.shared_ffn > 0,
+            ..ModelConfig::small()
+        };
+        model.validate().map_err(|e| format!("`{name}`: {e}"))?;
+        Ok(FromArch { model, notes })
+    }
+
+    /// Parameters of one stage copy, elements: the stage's layers with `local_experts`
+    /// routed experts each, the embedding if `first`, the final norm and the head if
+    /// `last`, on one member of a TP group of `tp` (which holds `1/tp` of the heads' up- and
+    /// output projections and of the shared expert). Equals the length of the executors'
+    /// flattened parameters.
+    pub fn stage_params(&self, first: bool, last: bool, local_experts: usize, tp: usize) -> u64 {
+        let tp = tp.max(1) as u64;
+        let u = |x: usize| x as u64;
+        let (d, v, e, f) = (
+            u(self.hidden),
+            u(self.vocab),
+            u(self.experts),
+            u(self.expert_hidden),
+        );
+        let (qr, kvr, h) = (u(self.q_lora_rank), u(self.kv_lora_rank), u(self.heads));
+        let (dn, dr, dv) = (
+            u(self.qk_nope_head_dim),
+            u(self.qk_rope_head_dim),
+            u(self.v_head_dim),
+        );
+        let kpe = u(self.rope_keys_per_token()) * dr;
+        let split = qr * h * dn + qr * h * dr + kvr * h * dn + kvr * h * dv + h * dv * d;
+        let shared = if self.shared_expert { 3 * d * f } else { 0 };
+        let layer = 2 * d
+            + d * qr
+            + qr
+            + d * kvr
+            + kvr
+            + d * kpe
+            + d * e
+            + (split + shared) / tp
+            + u(local_experts) * 3 * d * f;
+        let mut n = u(self.layers_per_stage) * layer;
+        if first {
+            n += v * d;
+        }
+        if last {
+            n += d + d * v;
+        }
+        n
+    }
+
+    /// Elements one layer keeps per token of a micro-batch from its forward to its
+    /// backward on the CPU backend, an upper estimate: the layer's inputs and norms, the
+    /// compressed and up-projected queries, keys and values (keys and values over `tk`
+    /// gathered positions), the attention probabilities (`H/tp x tk` per query: the CPU
+    /// backend materializes them), the router's scores, and each of the `k` selected
+    /// experts' input, three hidden rows and output, and the shared expert's.
+    pub fn stash_elems_per_token(&self, tk: usize, tp: usize) -> u64 {
+        let u = |x: usize| x as u64;
+        let (d, f, e, k) = (
+            u(self.hidden),
+            u(self.expert_hidden),
+            u(self.experts),
+            u(self.top_k),
+        );
+        let h = u(self.heads / tp.max(1)).max(1);
+        let (dn, dr, dv) = (
+            u(self.qk_nope_head_dim),
+            u(self.qk_rope_head_dim),
+            u(self.v_head_dim),
+        );
+        let qk = h * (dn + dr);
+        6 * d
+            + 2 * u(self.q_lora_rank)
+            + 2 * u(self.kv_lora_rank)
+            + dr
+            + 2 * qk
+            + 2 * h * dv
+            + h * u(tk)
+            + 2 * e
+            + k * (2 * d + 3 * f)
+            + 3 * f
+    }
+}
