@@ -194,7 +194,7 @@ fn dsv3_is_refused_on_the_shim_before_any_allocation() {
     // 16 layers at 4096 tokens (the untiled attention keeps heads x t x t scores).
     assert_eq!(
         e,
-        "the model does not fit: rank 0 needs 4.4 TiB (2.4 TiB of parameters, gradients and optimizer state, 2.0 TiB of activations and buffers), more than the memory free on host shim (bf16, kernels run as C++ on the CPU) (140.0 GiB)"
+        "the model does not fit: rank 0 needs 3.4 TiB (2.4 TiB of parameters, gradients and optimizer state, 1.0 TiB of activations and buffers), more than the memory free on host shim (bf16, kernels run as C++ on the CPU) (140.0 GiB)"
     );
     // --memory-limit replaces the device's figure.
     let e = check_memory(&gpu, &set, &[0], &Optimizer::adam(1e-3), Some(1 << 40)).unwrap_err();
@@ -235,6 +235,6 @@ fn the_real_size_model_of_gpu_check_fits_an_h200_by_the_check() {
     println!("{e}");
     assert_eq!(
         e,
-        "the model does not fit: rank 0 needs 53.1 GiB (30.1 GiB of parameters, gradients and optimizer state, 22.9 GiB of activations and buffers), more than the memory free on host shim (bf16, kernels run as C++ on the CPU) (40.0 GiB)"
+        "the model does not fit: rank 0 needs 45.2 GiB (30.1 GiB of parameters, gradients and optimizer state, 15.0 GiB of activations and buffers), more than the memory free on host shim (bf16, kernels run as C++ on the CPU) (40.0 GiB)"
     );
 }
