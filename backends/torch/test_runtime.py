@@ -38,6 +38,12 @@ What it checks (one line per check, then ``N passed, M failed``; exit status 1 o
    ``make_stage(stage, n, groups)`` at ``--mesh pp=2,tp=2`` (1F1B, ZB-H1) and a sequence-sharded
    one at ``pp=2,sp=2``, 4 gloo processes, f64: losses and gathered gradients against the
    unpipelined, unsplit model (<= 1e-9), and the pipeline's message shapes.
+8. **expert parallelism over nodes** (``--only a2a``, issue 23): a stage of ``moe_model``
+   whose experts are spread over the EP group and whose ``dispatch``/``combine`` are
+   ``groups.all_to_all``, at ``--mesh pp=2,ep=4,node=2`` in MoE parts (8 gloo processes,
+   f64): flat against the unpipelined model (<= 1e-9), hierarchical against flat (every loss
+   and gradient bit for bit), the inter-node messages and bytes of both, and a negative
+   control (wrong token ids) that the comparison notices.
 """
 
 from __future__ import annotations
@@ -249,6 +255,25 @@ def check_units(tally: Tally, tmp: str, exe: str) -> None:
     want = {"one": ("one", 3), "two": ("two", 3, 6), "args": ("args", 3, 6),
             "three": ("three", 3, 6, 1, 2), "keyword": ("keyword", 3, 6, True)}
     tally.record("make_stage_gets_groups_by_signature", got == want, f"{got}")
+    # all_to_all's argument errors, before any communication.
+    ge = rtm.MeshGroups(coords={"ep": 0}, ranks={"ep": [0, 1]}, ep=object())
+    rows = torch.zeros(3, 2)
+    errs = {}
+    for case, kw in {"mode": {"splits": [1, 2], "mode": "tree"},
+                     "phase": {"splits": [1, 2], "phase": "gather"},
+                     "splits": {"splits": [1, 1]},
+                     "token": {"splits": [1, 2], "token": torch.zeros(3)}}.items():
+        try:
+            ge.all_to_all(rows, **kw)
+            errs[case] = "no error"
+        except ValueError as e:
+            errs[case] = str(e)
+    want_errs = {"mode": "mode must be one of ('flat', 'hierarchical'), not 'tree'",
+                 "phase": "phase must be 'dispatch' or 'combine', not 'gather'",
+                 "splits": "splits [1, 1] must be 2 non-negative row counts (one per EP member) summing to the 3 rows",
+                 "token": "token must be (n,) integers for the 3 rows, got (3,) torch.float32"}
+    tally.record("all_to_all_bad_arguments_are_refused",
+                 all(want_errs[k] in errs[k] for k in want_errs), f"{errs}")
     torch.manual_seed(0)
     cfg = mm.Config()
     st = mm.build(cfg, 3, 5)[1]
@@ -1548,12 +1573,222 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# 8. Expert parallelism over nodes (issue 23): the hierarchical all-to-all of MoE parts
+# ------------------------------------------------------------------------------------------
+
+A2A_CFG = mm.Config(vocab=32, dim=8, heads=2, seq=4, experts=8, top_k=4, expert_dim=8)
+A2A_STEPS = 2
+# (name, spec, schedc arguments, mesh): every spec split into MoE parts (--moe), ep spanning
+# two nodes of two ranks.
+A2A_CONFIGS = [
+    ("a2a-zb_h1", "specs/zb_h1.sched", ["--pp", "2", "--mb", "2"], "pp=2,ep=4,node=2"),
+]
+
+
+class EPStage(torch.nn.Module):
+    """``moe_model``'s stage with its experts spread over the EP group: this rank keeps
+    ``experts / ep`` of them, ``dispatch`` and ``combine`` are ``groups.all_to_all`` (token
+    rows to the ranks of their experts, with the token ids that let the hierarchical dispatch
+    send a row across nodes once per node; the outputs back)."""
+
+    def __init__(self, full: mm.Stage, groups: rtm.MeshGroups, mode: str | None = None,
+                 wrong_tokens: bool = False):
+        super().__init__()
+        ep, e = groups.size("ep"), groups.rank("ep")
+        self.per = full.cfg.experts // ep
+        self.lo = e * self.per
+        full.experts = torch.nn.ModuleList(list(full.experts)[self.lo:self.lo + self.per])
+        self.inner, self.groups, self.mode = full, groups, mode
+        self.wrong_tokens = wrong_tokens  # the negative control: copies of different tokens merged
+
+    def attn(self, x):
+        return self.inner.attn(x)
+
+    def dispatch(self, x1, h, weights, chosen):
+        k = chosen.shape[-1]
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the copies, grouped by expert (so by rank)
+        token = order // k
+        splits = torch.bincount(flat // self.per, minlength=self.groups.size("ep"))
+        hf = h.reshape(-1, h.shape[-1])
+        tag = token // 2 if self.wrong_tokens else token
+        rows, recv = self.groups.all_to_all(hf[token], splits, token=tag, mode=self.mode)
+        eids, _ = self.groups.all_to_all(flat[order].unsqueeze(1), splits, mode=self.mode)
+        return x1, rows, weights, order, eids.squeeze(1), torch.tensor(recv)
+
+    def mlp(self, x1, rows, weights, order, eids, recv):
+        local = eids - self.lo
+        o = torch.argsort(local, stable=True)
+        counts = torch.bincount(local, minlength=self.per).tolist()
+        out = torch.cat([e(p) for e, p in zip(self.inner.experts, rows[o].split(counts))])
+        return x1, torch.empty_like(out).index_copy(0, o, out), weights, order, recv
+
+    def combine(self, x1, out, weights, order, recv):
+        back, _ = self.groups.all_to_all(out, recv, phase="combine", mode=self.mode)
+        return self.inner.combine(x1, back, weights, order)
+
+    def forward(self, x):
+        return self.combine(*self.mlp(*self.dispatch(*self.attn(x))))
+
+
+def a2a_worker(rank: int, world: int, port: int, c: dict, results) -> None:
+    try:
+        init(rank, world, port)
+        torch.set_default_dtype(torch.float64)
+        prog = rtm.read_program(c["dir"], rank)
+        n_model = prog.manifest["model_stages"]
+        out = {"coords": prog.coords, "runs": {}}
+        for run in ("flat", "hierarchical", "control"):
+            full = mm.build(A2A_CFG, n_model, SEED)
+            rt = rtm.ProgramRuntime(
+                prog, make_stage=lambda s, n, groups: EPStage(
+                    copy.deepcopy(full[s]), groups, wrong_tokens=run == "control"),
+                loss_fn=mm.loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+                moe_parts=rtm.MoEParts.methods(), is_expert=lambda n, p: ".experts." in n,
+                a2a="flat" if run == "flat" else "hierarchical", timeout=60.0)
+            steps = []
+            for step in range(A2A_STEPS):
+                x, y = shard_batch(A2A_CFG, step, rt.data_shard, prog.total_microbatches)
+                grads = {}
+
+                def grab(r):
+                    for s, st in r.stages.items():
+                        grads[st.info.model_stage] = {n: p.grad.tolist() for n, p in zip(st.names, st.params)}
+
+                losses = rt.step(x, y, before_optimizer=grab)
+                steps.append({"losses": [float(l) for l in losses], "chunks": list(rt.loss_chunks),
+                              "grads": grads})
+            out["runs"][run] = {"steps": steps, "traffic": dict(rt.groups.a2a_traffic),
+                                "ep": rt.groups.ranks["ep"], "ep_node": rt.groups.ranks["ep_node"],
+                                "ep_cross": rt.groups.ranks["ep_cross"], "lo": rt.stages[next(iter(rt.stages))].module.lo}
+            dist.barrier()
+        results.put((rank, out, None))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, None, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def a2a_reference(n_model: int, chunks: int, shards: int) -> list:
+    """Unpipelined training of the whole model (every expert) on every shard's batch: per
+    step, the losses by (shard, chunk) and the gradients by model stage."""
+    torch.set_default_dtype(torch.float64)
+    ref = mm.build(A2A_CFG, n_model, SEED)
+    opt = torch.optim.SGD([p for s in ref for p in s.parameters()], lr=LR)
+    out = []
+    for step in range(A2A_STEPS):
+        opt.zero_grad()
+        losses = {}
+        for sh in range(shards):
+            x, y = shard_batch(A2A_CFG, step, sh, chunks)
+            for i, (xm, ym) in enumerate(zip(x.tensor_split(chunks), y.tensor_split(chunks))):
+                h = xm
+                for s in ref:
+                    h = s(h)
+                loss = mm.loss_fn(h, ym)
+                (loss / (chunks * shards)).backward()
+                losses[(sh, i)] = float(loss.detach())
+        out.append({"losses": losses, "grads": [{n: p.grad.clone() for n, p in s.named_parameters()} for s in ref]})
+        opt.step()
+    return out
+
+
+def check_a2a(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
+    for name, spec, args, mesh in A2A_CONFIGS:
+        if only and name not in only and "a2a" not in only:
+            continue
+        d = os.path.join(tmp, name)
+        compile_program(exe, spec, args, mesh, True, d)
+        man = json.load(open(os.path.join(d, "manifest.json")))
+        world = man["world"]
+        got, errors, secs = spawn(world, a2a_worker, {"dir": d}, timeout)
+        for e in errors.values():
+            print(e, file=sys.stderr)
+        if errors or len(got) < world:
+            why = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errors.items()))
+            tally.record(f"torch_runtime_hierarchical_a2a_equals_flat ({name})", False,
+                         why or f"results from ranks {sorted(got)} only")
+            continue
+        shards = 1
+        for dim, n in man["mesh"]["dims"]:
+            if dim in ("dp", "ep"):
+                shards *= n
+        chunks = man["microbatches"]
+        ref = a2a_reference(man["model_stages"], chunks, shards)
+        data_shard = {rk: json.load(open(os.path.join(d, f"rank{rk}.json")))["data_shard"] for rk in got}
+
+        def compare(run: str, other: str | None):
+            """Largest relative error of `run` against the reference (other None) or, exactly
+            (count of unequal values), against run `other`."""
+            err, n, unequal = 0.0, 0, 0
+            for rk in sorted(got):
+                a = got[rk]["runs"][run]
+                for step, st in enumerate(a["steps"]):
+                    if other is not None:
+                        b = got[rk]["runs"][other]["steps"][step]
+                        unequal += sum(x != y for x, y in zip(st["losses"], b["losses"]))
+                        for ms, g in st["grads"].items():
+                            for pn, v in g.items():
+                                t, u = torch.tensor(v), torch.tensor(b["grads"][ms][pn])
+                                unequal += int((t != u).sum())
+                                n += 1
+                        continue
+                    r = ref[step]
+                    for chunk, l in zip(st["chunks"], st["losses"]):
+                        want = r["losses"][(data_shard[rk], chunk)]
+                        err = max(err, abs(l - want) / abs(want))
+                    for ms, g in st["grads"].items():
+                        for pn, v in g.items():
+                            rn = pn.removeprefix("inner.")
+                            if rn.startswith("experts."):
+                                i, rest = rn.split(".", 2)[1:]
+                                rn = f"experts.{int(i) + a['lo']}.{rest}"
+                            err = max(err, rel_err(torch.tensor(v), r["grads"][int(ms)][rn]))
+                            n += 1
+            return err, n, unequal
+
+        ref_err, n_ref, _ = compare("flat", None)
+        _, n_eq, unequal = compare("hierarchical", "flat")
+        _, _, unequal_control = compare("control", "flat")
+        tr = {run: {k: sum(got[rk]["runs"][run]["traffic"][k] for rk in got)
+                    for k in got[0]["runs"][run]["traffic"]} for run in ("flat", "hierarchical")}
+        g0 = got[0]["runs"]["hierarchical"]
+        groups_ok = (g0["ep"] == [0, 1, 2, 3] and g0["ep_node"] == [0, 1] and g0["ep_cross"] == [0, 2]
+                     and got[5]["runs"]["flat"]["ep_node"] == [4, 5] and got[5]["runs"]["flat"]["ep_cross"] == [5, 7])
+        f, h = tr["flat"], tr["hierarchical"]
+        tally.record(
+            f"torch_runtime_hierarchical_a2a_equals_flat ({name})",
+            ref_err <= 1e-9 and unequal == 0 and n_eq == n_ref and groups_ok
+            and h["inter_messages"] * 2 == f["inter_messages"]
+            and h["dispatch_inter_bytes"] < f["dispatch_inter_bytes"],
+            f"--mesh {mesh}, {world} gloo processes, MoE parts, {A2A_CFG.experts} experts top-"
+            f"{A2A_CFG.top_k}, {A2A_STEPS} SGD steps in f64: flat against the unpipelined model "
+            f"max rel err {ref_err:.1e} ({n_ref} gradients and the losses); hierarchical against "
+            f"flat: {unequal} unequal values in the losses and {n_eq} gradients; groups "
+            f"ep_node {g0['ep_node']} ep_cross {g0['ep_cross']} on rank 0 ({secs:.1f}s)")
+        tally.record(
+            f"torch_runtime_hierarchical_a2a_crosses_nodes_less ({name})",
+            h["inter_messages"] * 2 == f["inter_messages"] and h["dispatch_inter_bytes"] < f["dispatch_inter_bytes"],
+            f"inter-node messages flat {f['inter_messages']} / hierarchical {h['inter_messages']} "
+            f"({f['inter_messages'] / max(h['inter_messages'], 1):.2f}x), dispatch inter-node bytes "
+            f"{f['dispatch_inter_bytes']} / {h['dispatch_inter_bytes']} "
+            f"({f['dispatch_inter_bytes'] / max(h['dispatch_inter_bytes'], 1):.2f}x), all inter-node "
+            f"bytes {f['inter_bytes']} / {h['inter_bytes']}, intra-node bytes {f['intra_bytes']} / "
+            f"{h['intra_bytes']}, intra-node messages {f['intra_messages']} / {h['intra_messages']}")
+        tally.record(
+            "torch_runtime_hierarchical_a2a_control_wrong_token_ids_is_noticed", unequal_control > 0,
+            f"hierarchical dispatch told that copies of different tokens are one token: "
+            f"{unequal_control} values differ from flat (must be > 0)")
+
+
+# ------------------------------------------------------------------------------------------
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedc", default=os.path.join(ROOT, "target", "debug", "schedc"))
-    ap.add_argument("--only", action="append", help="a configuration name, torch-NAME, calibration-NAME, faults, units, loop, loop-NAME")
+    ap.add_argument("--only", action="append", help="a configuration name, torch-NAME, calibration-NAME, faults, units, loop, loop-NAME, tp, a2a")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     ap.add_argument("--torch-steps", type=int, default=12, help="steps per runtime in the torch comparison")
     ap.add_argument("--keep", help="write the programs here and keep them")
@@ -1585,6 +1820,8 @@ def main() -> int:
         check_loop(tally, args.schedc, tmp, only, args.timeout, not args.no_compile)
         print("== tensor parallelism inside a stage (issue 23)", flush=True)
         check_tp(tally, args.schedc, tmp, only, args.timeout)
+        print("== expert parallelism over nodes: the hierarchical all-to-all (issue 23)", flush=True)
+        check_a2a(tally, args.schedc, tmp, only, args.timeout)
     print(f"{tally.passed} passed, {len(tally.failed)} failed ({time.time() - t0:.0f}s)"
           + (": " + ", ".join(tally.failed) if tally.failed else ""))
     return 1 if tally.failed else 0
