@@ -35,9 +35,12 @@ What it checks (one line per check, then ``N passed, M failed``; exit status 1 o
    (``--no-compile`` skips the last, about 50 s).
 7. **tensor parallelism inside a stage** (``--only tp``, issue 23): a Megatron-style MLP
    (column- then row-parallel, all-reduce over ``groups.tp``) built by
-   ``make_stage(stage, n, groups)`` at ``--mesh pp=2,tp=2`` (1F1B, ZB-H1) and a sequence-sharded
-   one at ``pp=2,sp=2``, 4 gloo processes, f64: losses and gathered gradients against the
-   unpipelined, unsplit model (<= 1e-9), and the pipeline's message shapes.
+   ``make_stage(stage, n, groups)`` at ``--mesh pp=2,tp=2`` (1F1B, ZB-H1), a sequence-sharded
+   one at ``pp=2,sp=2``, Megatron's sequence parallelism inside the TP group (``TPSPMLP``) at
+   ``pp=2,tp=2``, and TP with data parallelism (``pp=2,tp=2,dp=2``) and with the mesh's ``ep``
+   (``pp=2,tp=2,ep=2``, ZB-H1), 4 or 8 gloo processes, f64: losses and gathered gradients
+   against the unpipelined, unsplit model on every data shard (<= 1e-9), every rank's groups,
+   and the pipeline's message shapes.
 8. **expert parallelism over nodes** (``--only a2a``, issue 23): a stage of ``moe_model``
    whose experts are spread over the EP group and whose ``dispatch``/``combine`` are
    ``groups.all_to_all``, at ``--mesh pp=2,ep=4,node=2`` in MoE parts (8 gloo processes,
@@ -1340,6 +1343,12 @@ TP_CONFIGS = [
     # The mesh's sp: each sp rank takes its shard of the sequence (first stage), sends only
     # that shard down the pipeline, and computes the loss of its shard.
     ("tp-sp-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,sp=2"),
+    # Megatron's sequence parallelism inside the TP group (the module's, `TPSPMLP`): between
+    # blocks each TP rank holds its shard of the sequence, and sends only that.
+    ("tp-seqpar-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
+    # TP with data parallelism, and with the mesh's ep (data shards for a dense model).
+    ("tp-dp-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2,dp=2"),
+    ("tp-ep-zb_h1", "specs/zb_h1.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2,ep=2"),
     # Negative control: without Megatron's all-reduce of the input gradient (the column-
     # parallel layer's `f`), the gradients reaching the previous stage are partial sums.
     ("tp-control-no-backward-all-reduce", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
@@ -1387,6 +1396,47 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
+class _GatherSeq(torch.autograd.Function):
+    """Megatron-SP's all-gather of the sequence (dim 1) over the TP group before the
+    column-parallel layer; backward: the reduce-scatter of the partial gradients (an
+    all-reduce, then this rank's slice: gloo has no reduce-scatter). ``replicated=True``: the
+    gather before a loss every TP rank computes whole, whose backward is the slice alone."""
+
+    @staticmethod
+    def forward(ctx, x, group, replicated=False):
+        ctx.group, ctx.replicated = group, replicated
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.replicated:
+            g = g.clone()
+            dist.all_reduce(g, group=ctx.group)
+        return g.chunk(ctx.size, 1)[ctx.rank].contiguous(), None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Megatron-SP's reduce-scatter along the sequence after the row-parallel layer (an
+    all-reduce, then this rank's slice); backward: the all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x.chunk(ctx.size, 1)[ctx.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = [torch.empty_like(g) for _ in range(ctx.size)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.group)
+        return torch.cat(parts, 1), None
+
+
 def tp_full_params(stage: int) -> dict:
     """The unsharded parameters of model stage ``stage`` (f64, from the seed)."""
     g = torch.Generator().manual_seed(SEED + 101 * stage)
@@ -1419,8 +1469,26 @@ class TPMLP(torch.nn.Module):
         return x + y + self.b2
 
 
-def tp_batch(step: int):
-    g = torch.Generator().manual_seed(SEED + 7 * step)
+class TPSPMLP(TPMLP):
+    """:class:`TPMLP` with Megatron's sequence parallelism over the same TP group: its input
+    and output are this rank's shard of the sequence; all-gather before the column-parallel
+    layer, reduce-scatter after the row-parallel one, the residual and ``b2`` on the shard
+    (``b2``'s gradient is the shard's: summed over the TP group before the optimizer). The
+    last stage gathers the sequence back, so every TP rank computes the whole loss."""
+
+    def __init__(self, stage: int, rank: int, size: int, group, last: bool):
+        super().__init__(stage, rank, size, group)
+        self.last = last
+
+    def forward(self, x):
+        y = _GatherSeq.apply(x, self.group)
+        y = torch.tanh(y @ self.w1.T + self.b1) @ self.w2.T
+        out = x + _ScatterSeq.apply(y, self.group) + self.b2
+        return _GatherSeq.apply(out, self.group, True) if self.last else out
+
+
+def tp_batch(step: int, shard: int = 0):
+    g = torch.Generator().manual_seed(SEED + 7 * step + 1000 * shard)
     return (torch.randn(TP_ROWS, TP_SEQ, TP_DIM, generator=g, dtype=torch.float64),
             torch.randn(TP_ROWS, TP_SEQ, TP_DIM, generator=g, dtype=torch.float64))
 
@@ -1438,6 +1506,9 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
         def make_stage(stage, n_stages, groups):
             seen.update(stage=stage, n=n_stages, tp=groups.ranks["tp"], sp=groups.ranks["sp"],
                         ep=groups.ranks["ep"], dp=groups.ranks["dp"])
+            if c["seqpar"]:
+                m = TPSPMLP(stage, groups.rank("tp"), groups.size("tp"), groups.tp, stage == n_stages - 1)
+                return SeqShard(m, groups.rank("tp"), groups.size("tp")) if stage == 0 else m
             m = TPMLP(stage, groups.rank("tp"), groups.size("tp"), groups.tp, control=c["control"])
             if stage == 0 and groups.size("sp") > 1:
                 m = SeqShard(m, groups.rank("sp"), groups.size("sp"))
@@ -1452,11 +1523,15 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
                               optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         out = {"seen": seen, "coords": rt.program.coords, "steps": [], "act_shapes": []}
         for step in range(TP_STEPS):
-            x, y = tp_batch(step)
+            x, y = tp_batch(step, rt.data_shard)
             captured = {}
 
             def grab(r):
                 for s, st in r.stages.items():
+                    if c["seqpar"]:  # Megatron-SP: the shard-replicated bias's gradient, summed
+                        for n, p in zip(st.names, st.params):
+                            if n.endswith("b2"):
+                                dist.all_reduce(p.grad, group=r.groups.tp)
                     # Plain lists: tensors would travel through shared memory that the
                     # worker's exit takes away.
                     captured[s] = {n: p.grad.tolist() for n, p in zip(st.names, st.params)}
@@ -1464,6 +1539,7 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
             losses = rt.step(x, y, before_optimizer=grab)
             # What this rank received over the pipeline: the message shapes of the first step.
             out["act_shapes"] = sorted({str(sh[0][1]) for sh in rt._shapes.values()})
+            out["data_shard"] = rt.data_shard
             out["steps"].append({"losses": [float(l) for l in losses], "chunks": list(rt.loss_chunks),
                                  "grads": {st.info.model_stage: captured[s] for s, st in rt.stages.items()}})
         results.put((rank, out, None))
@@ -1474,30 +1550,32 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
     os._exit(0)
 
 
-def tp_reference() -> list:
-    """Non-pipelined, non-TP training: per step, the micro-batch losses and the gradients."""
+def tp_reference(shards: int = 1) -> list:
+    """Non-pipelined, non-TP training on ``shards`` data shards: per step, the micro-batch
+    losses by (shard, chunk) and the gradients of the mean loss."""
     stages = [TPMLP(s) for s in range(2)]
     params = [p for m in stages for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
     out = []
     for step in range(TP_STEPS):
-        x, y = tp_batch(step)
         opt.zero_grad()
-        losses = []
-        for xc, yc in zip(torch.tensor_split(x, TP_MB), torch.tensor_split(y, TP_MB)):
-            h = xc
-            for m in stages:
-                h = m(h)
-            losses.append(tp_loss(h, yc))
-        (sum(losses) / TP_MB).backward()
-        out.append({"losses": [float(l.detach()) for l in losses],
+        losses = {}
+        for sh in range(shards):
+            x, y = tp_batch(step, sh)
+            for i, (xc, yc) in enumerate(zip(torch.tensor_split(x, TP_MB), torch.tensor_split(y, TP_MB))):
+                h = xc
+                for m in stages:
+                    h = m(h)
+                losses[(sh, i)] = tp_loss(h, yc)
+        (sum(losses.values()) / (TP_MB * shards)).backward()
+        out.append({"losses": {k: float(l.detach()) for k, l in losses.items()},
                     "grads": {s: {n: p.grad.clone() for n, p in m.named_parameters()} for s, m in enumerate(stages)}})
         opt.step()
     return out
 
 
 def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
-    ref = None
+    refs: dict = {}
     for name, spec, args, mesh in TP_CONFIGS:
         if only and name not in only and "tp" not in only:
             continue
@@ -1505,8 +1583,11 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
         compile_program(exe, spec, args, mesh, False, d)
         man = json.load(open(os.path.join(d, "manifest.json")))
         world = man["world"]
+        dims = dict(man["mesh"]["dims"])
+        shards = dims.get("dp", 1) * dims.get("ep", 1)
         control = "control" in name
-        got, errors, secs = spawn(world, tp_worker, {"dir": d, "control": control}, timeout)
+        seqpar = "seqpar" in name
+        got, errors, secs = spawn(world, tp_worker, {"dir": d, "control": control, "seqpar": seqpar}, timeout)
         for e in errors.values():
             print(e, file=sys.stderr)
         if errors or len(got) < world:
@@ -1514,29 +1595,35 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
             tally.record(f"torch_runtime_tp_mlp_equals_unpipelined ({name})", False,
                          why or f"results from ranks {sorted(got)} only")
             continue
-        ref = ref or tp_reference()
+        if shards not in refs:
+            refs[shards] = tp_reference(shards)
+        ref = refs[shards]
         loss_err, grad_err, n_grads = 0.0, 0.0, 0
         coords = {rk: got[rk]["coords"] for rk in got}
         for step in range(TP_STEPS):
             r = ref[step]
-            # Each TP rank computes the loss; the mean over the sp ranks is the sequence's.
-            for t in sorted({c["tp"] for c in coords.values()}):
-                per: dict = {}
-                for rank in sorted(got):
-                    if coords[rank]["tp"] != t:
-                        continue
-                    st = got[rank]["steps"][step]
-                    for chunk, l in zip(st["chunks"], st["losses"]):
-                        per.setdefault(chunk, []).append(l)
-                for chunk, ls in per.items():
-                    l = sum(ls) / len(ls)
-                    loss_err = max(loss_err, abs(l - r["losses"][chunk]) / abs(r["losses"][chunk]))
+            # Each TP rank computes the loss of its data shard's chunk; the mean over the sp
+            # ranks is the sequence's.
+            per: dict = {}
+            for rank in sorted(got):
+                st = got[rank]["steps"][step]
+                for chunk, l in zip(st["chunks"], st["losses"]):
+                    per.setdefault((coords[rank]["tp"], got[rank]["data_shard"], chunk), []).append(l)
+            for (_, sh, chunk), ls in per.items():
+                l = sum(ls) / len(ls)
+                want = r["losses"][(sh, chunk)]
+                loss_err = max(loss_err, abs(l - want) / abs(want))
             for stage in range(2):
-                for spc in sorted({c["sp"] for c in coords.values()}):
-                    # The ranks of this model stage and sp coordinate, in TP order: their
-                    # slices, gathered.
-                    ranks = sorted((rk for rk in got if stage in got[rk]["steps"][step]["grads"]
-                                    and coords[rk]["sp"] == spc), key=lambda rk: coords[rk]["tp"])
+                lines: dict = {}
+                for rk in got:
+                    if stage in got[rk]["steps"][step]["grads"]:
+                        c = coords[rk]
+                        lines.setdefault((c["sp"], c["dp"], c["ep"]), []).append(rk)
+                for key in sorted(lines):
+                    # The ranks of this model stage and (sp, dp, ep) coordinates, in TP order:
+                    # their slices, gathered (after the data-parallel all-reduce every replica
+                    # holds the gradient of the whole batch).
+                    ranks = sorted(lines[key], key=lambda rk: coords[rk]["tp"])
                     gs = [{n: torch.tensor(v, dtype=torch.float64)
                            for n, v in got[rk]["steps"][step]["grads"][stage].items()} for rk in ranks]
                     if stage == 0 and "inner.w1" in gs[0]:
@@ -1549,27 +1636,33 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
                     for g in gs:  # replicated: every TP rank holds the whole gradient
                         grad_err = max(grad_err, rel_err(g["b2"], r["grads"][stage]["b2"]))
                         n_grads += 1
-        seen = [got[rk]["seen"] for rk in sorted(got)]
-        sp = "sp=2" in mesh
-        line = [[0, 1], [2, 3]]
-        groups_ok = all(s[("sp" if sp else "tp")] == line[rk // 2] and s[("tp" if sp else "sp")] == [rk]
-                        and s["dp"] == [rk] and s["ep"] == [rk] and s["n"] == 2 for rk, s in zip(sorted(got), seen))
+        seen = {rk: got[rk]["seen"] for rk in got}
+        # Each dimension's group: the ranks that differ from this one only in that coordinate.
+        groups_ok = all(
+            seen[rk][dim] == sorted((o for o in got if all(coords[o][k] == coords[rk][k]
+                                                         for k in coords[rk] if k != dim)),
+                                    key=lambda o: coords[o][dim])
+            and seen[rk]["n"] == 2 for rk in got for dim in ("tp", "sp", "dp", "ep"))
         shapes = sorted({sh for rk in got for sh in got[rk]["act_shapes"]})
-        want_shape = f"({TP_ROWS // TP_MB}, {TP_SEQ // 2 if sp else TP_SEQ}, {TP_DIM})"
-        n_want = TP_STEPS * 2 * (8 if sp else 5)
+        sharded = dims.get("sp", 1) > 1 or seqpar
+        want_shape = f"({TP_ROWS // TP_MB}, {TP_SEQ // 2 if sharded else TP_SEQ}, {TP_DIM})"
+        tp = dims.get("tp", 1)
+        n_want = TP_STEPS * 2 * (world // (2 * tp)) * (3 + tp)
         if control:
             tally.record("torch_runtime_tp_control_without_backward_all_reduce_is_noticed",
                          grad_err > 1e-3, f"gradients max rel err {grad_err:.2g} (must exceed 1e-3), "
                          f"losses {loss_err:.1e} (the second step's, after a wrong update) ({secs:.1f}s)")
             continue
+        dim = "sp" if dims.get("sp", 1) > 1 else "tp"
         tally.record(f"torch_runtime_tp_mlp_equals_unpipelined ({name})",
                      loss_err <= 1e-9 and grad_err <= 1e-9 and groups_ok and n_grads == n_want
                      and shapes == [want_shape],
-                     f"--mesh {mesh}, {world} gloo processes, {TP_STEPS} SGD steps in f64: "
-                     f"{TP_STEPS * TP_MB} losses max rel err {loss_err:.1e}, {n_grads} gradients "
-                     f"(gathered TP slices, replicated biases) max rel err {grad_err:.1e}; "
-                     f"{'SP' if sp else 'TP'} groups {[s['sp' if sp else 'tp'] for s in seen]}; pipeline "
-                     f"messages {shapes} per micro-batch ({secs:.1f}s)")
+                     f"--mesh {mesh}{' with Megatron-SP in the module' if seqpar else ''}, {world} gloo "
+                     f"processes, {TP_STEPS} SGD steps in f64: {TP_STEPS * TP_MB * shards} losses max rel err "
+                     f"{loss_err:.1e}, {n_grads} gradients (gathered TP slices, replicated biases) max rel "
+                     f"err {grad_err:.1e}; {dim.upper()} groups {[seen[rk][dim] for rk in sorted(got)]}; "
+                     f"groups {'ok' if groups_ok else 'WRONG'}; pipeline messages {shapes} per "
+                     f"micro-batch ({secs:.1f}s)")
 
 
 # ------------------------------------------------------------------------------------------
