@@ -20,7 +20,8 @@
 #      70%), an overlapped F&B chunk against F then B (all-to-alls as device copies), and
 #      the launch overhead (gpu_bench);
 #   4. the driver's per-instruction overhead (wall time of the training run per instruction);
-#   5. tensor parallelism: 1F1B and DualPipe at --mesh pp=2,tp=2, f32 --verify (goal 1e-4).
+#   5. tensor parallelism: 1F1B and DualPipe at --mesh pp=2,tp=2, f32 --verify (goal 1e-4);
+#      1F1B at pp=2,tp=2 in bf16, its loss against the CPU backend's f32 loss (goal 1e-2).
 # Outputs: $OUT/log.txt, numerics.json, training.json, bench.json, summary.txt.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -102,6 +103,9 @@ run() {
     for spec in 1f1b dualpipe; do
         step "tp_$spec" 120 "$S" run "specs/$spec.sched" --pp 2 --mb 4 --mesh pp=2,tp=2 --backend cuda --dtype f32 --verify --format json
     done
+    # TP in bf16 (the TP all-reduces sum bf16 activations): its loss against the CPU's f32.
+    step tp_bf16_1f1b 120 "$S" run specs/1f1b.sched --pp 2 --mb 4 --mesh pp=2,tp=2 --backend cuda --dtype bf16 --format json
+    step tp_cpu_1f1b 60 "$S" run specs/1f1b.sched --pp 2 --mb 4 --mesh pp=2,tp=2 --backend cpu --dtype f32 --format json
     local train=(run specs/dualpipe.sched --pp 4 --mb 8 --data "$GPU/tinyshakespeare.txt" --steps 200 --format json)
     step train_cuda_f32 240 "$S" "${train[@]}" --backend cuda --dtype f32
     step train_cuda_bf16 240 "$S" "${train[@]}" --backend cuda --dtype bf16
@@ -139,6 +143,14 @@ for spec in ["1f1b", "dualpipe"]:
     r["f32_pass"] = f.get("max_rel_grad_err", 1) <= 1e-4 and r.get("f32_rel_loss_err", 1) <= 1e-4
     num["tp_" + spec] = r
     lines.append(f"numerics {spec} pp=2,tp=2: f32 grad {f.get('max_rel_grad_err')} loss {r.get('f32_rel_loss_err')} (goal 1e-4) {'PASS' if r['f32_pass'] else 'FAIL'}")
+b, c = load("tp_bf16_1f1b"), load("tp_cpu_1f1b")
+r = {"error": b.get("error") or c.get("error")}
+if "loss" in b and "loss" in c:
+    r = {"bf16_loss": b["loss"][0], "cpu_f32_loss": c["loss"][0],
+         "bf16_rel_loss_err": abs(b["loss"][0] - c["loss"][0]) / abs(c["loss"][0])}
+r["bf16_pass"] = r.get("bf16_rel_loss_err", 1) <= 1e-2
+num["tp_bf16_1f1b"] = r
+lines.append(f"numerics 1f1b pp=2,tp=2 bf16: loss {r.get('bf16_rel_loss_err')} (goal 1e-2) {'PASS' if r['bf16_pass'] else 'FAIL'}")
 json.dump(num, open(os.path.join(out, "numerics.json"), "w"), indent=1)
 tr = {k: load("train_" + k) for k in ["cuda_f32", "cuda_bf16", "cpu_f32"]}
 curves = {k: v.get("loss", v.get("error")) for k, v in tr.items()}

@@ -737,7 +737,9 @@ impl Device for RankDev<'_> {
                     Tp::AttnInGrad => (r.tpg, t * (dm.qr + dm.kvr + dm.kw())),
                     _ => return Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
                 };
-                if region.bytes < count * 4 {
+                // The regions hold the storage type (bf16 in a bf16 run).
+                let dtype = dm.dtype;
+                if region.bytes < count * dtype.size() {
                     return Err(format!(
                         "`{op}`: {count} values do not fit the stash region of {} bytes",
                         region.bytes
@@ -750,6 +752,7 @@ impl Device for RankDev<'_> {
                     group,
                     stash + region.off as u64,
                     count,
+                    dtype,
                     issued,
                 )
             }
@@ -814,6 +817,7 @@ impl Device for RankDev<'_> {
                     &group,
                     g,
                     n,
+                    DType::F32,
                     issued,
                 )
             }
@@ -836,6 +840,7 @@ impl Device for RankDev<'_> {
                     group,
                     g + (off * 4) as u64,
                     n,
+                    DType::F32,
                     issued,
                 )
             }
