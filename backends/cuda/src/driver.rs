@@ -253,6 +253,9 @@ impl<'a> RankDev<'a> {
         if m.sequence_parallel {
             return Err(SEQUENCE_PARALLEL_REFUSED.into());
         }
+        if cfg.group_limit.is_some() {
+            return Err("the CUDA backend's router has no group-limited (node-limited) routing: run it on the CPU backend (--backend cpu)".into());
+        }
         let dims = Dims::new(cfg, &m.mesh, gpu.dtype())?;
         let streams = prog
             .streams
