@@ -46,7 +46,8 @@ What it checks (one line per check, then ``N passed, M failed``; exit status 1 o
    ``groups.all_to_all``, at ``--mesh pp=2,ep=4,node=2`` in MoE parts (8 gloo processes,
    f64): flat against the unpipelined model (<= 1e-9), hierarchical against flat (every loss
    and gradient bit for bit), the inter-node messages and bytes of both, and a negative
-   control (wrong token ids) that the comparison notices.
+   control (wrong token ids) that the comparison notices; and ``groups.all_to_all`` alone over
+   ``ep=8`` on two nodes of 4 with top-4 routing (``--only a2a-ep8``).
 """
 
 from __future__ import annotations
@@ -1787,7 +1788,79 @@ def a2a_reference(n_model: int, chunks: int, shards: int) -> list:
     return out
 
 
+def a2a_ep8_worker(rank: int, world: int, port: int, c: dict, results) -> None:
+    """The EP group of all 8 ranks on 2 nodes of 4 (node=4), outside a pipeline: 32 tokens
+    per rank routed top-4 over 8 experts (one per rank), dispatch, an expert, combine, a
+    loss and its backward, flat then hierarchical."""
+    try:
+        init(rank, world, port)
+        members = list(range(world))
+        g = rtm.MeshGroups(coords={"ep": rank}, ranks={"ep": members},
+                           ep=dist.new_group(members), node_size=4)
+
+        class _Prog:
+            pass
+        prog = _Prog()
+        prog.rank = rank
+        rtm._node_groups(g, prog, members, timedelta(seconds=60))
+        gen = torch.Generator().manual_seed(SEED + rank)
+        t, k, d = 32, 4, 16
+        h0 = torch.randn(t, d, dtype=torch.float64, generator=gen)
+        chosen = torch.stack([torch.randperm(world, generator=gen)[:k] for _ in range(t)])
+        w = torch.randn(d, d, dtype=torch.float64, generator=gen)
+        out = {}
+        for mode in ("flat", "hierarchical"):
+            h = h0.clone().requires_grad_()
+            flat = chosen.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            token = order // k
+            splits = torch.bincount(flat, minlength=world)
+            rows, recv = g.all_to_all(h[token], splits, token=token, mode=mode)
+            y = torch.tanh(rows @ w)
+            back, _ = g.all_to_all(y, recv, phase="combine", mode=mode)
+            per_token = torch.empty_like(back).index_copy(0, order, back).reshape(t, k, d).sum(1)
+            loss = (per_token * torch.linspace(-1, 1, d, dtype=torch.float64)).sum()
+            loss.backward()
+            out[mode] = {"loss": float(loss.detach()), "grad": h.grad.tolist(), "traffic": g.reset_traffic()}
+        results.put((rank, out, None))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, None, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def check_a2a_ep8(tally: Tally, timeout: float) -> None:
+    got, errors, secs = spawn(8, a2a_ep8_worker, {}, timeout)
+    for e in errors.values():
+        print(e, file=sys.stderr)
+    name = "torch_runtime_all_to_all_ep8_node4_top4"
+    if errors or len(got) < 8:
+        tally.record(name, False, "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}"
+                                            for r, e in sorted(errors.items())) or "missing ranks")
+        return
+    unequal = sum((got[r]["flat"]["loss"] != got[r]["hierarchical"]["loss"])
+                  + int((torch.tensor(got[r]["flat"]["grad"]) != torch.tensor(got[r]["hierarchical"]["grad"])).sum())
+                  for r in got)
+    tr = {m: {k: sum(got[r][m]["traffic"][k] for r in got) for k in got[0][m]["traffic"]}
+          for m in ("flat", "hierarchical")}
+    f, h = tr["flat"], tr["hierarchical"]
+    tally.record(
+        name, unequal == 0 and f["inter_messages"] == 4 * h["inter_messages"]
+        and h["dispatch_inter_bytes"] < f["dispatch_inter_bytes"],
+        f"groups.all_to_all over ep=8 on 2 nodes of 4, 32 tokens per rank top-4 of 8 experts, "
+        f"dispatch + combine and their backward, f64: {unequal} unequal values (losses and input "
+        f"gradients) between flat and hierarchical; inter-node messages {f['inter_messages']} / "
+        f"{h['inter_messages']} ({f['inter_messages'] / max(h['inter_messages'], 1):.1f}x), dispatch "
+        f"inter-node bytes {f['dispatch_inter_bytes']} / {h['dispatch_inter_bytes']} "
+        f"({f['dispatch_inter_bytes'] / max(h['dispatch_inter_bytes'], 1):.2f}x), all inter-node bytes "
+        f"{f['inter_bytes']} / {h['inter_bytes']}, intra-node bytes {f['intra_bytes']} / "
+        f"{h['intra_bytes']} ({secs:.1f}s)")
+
+
 def check_a2a(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
+    if not only or "a2a" in only or "a2a-ep8" in only:
+        check_a2a_ep8(tally, timeout)
     for name, spec, args, mesh in A2A_CONFIGS:
         if only and name not in only and "a2a" not in only:
             continue
