@@ -901,6 +901,9 @@ def case_api(rank: int, world: int, c: dict) -> dict:
     out["one_arg"] = len(rt1.stages)
     inst = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     out["instance"] = expect_failure(lambda: loop_runtime(c, rank, optimizer=inst))
+    # The all-to-all mode (issue 23): flat by default; an unknown one refused before any
+    # process group is created.
+    out["a2a"] = (rt1.groups.a2a, expect_failure(lambda: loop_runtime(c, rank, a2a="tree")))
     out["timeouts"] = (rt1.timeout, rt1.first_step_timeout)
     # LR schedulers on the runtime's optimizers.
     rt, prog = loop_runtime(c, rank)
@@ -1259,6 +1262,10 @@ def report_loop_api(tally: Tally, got: dict) -> None:
     e = got[0]["instance"]
     tally.record("optimizer_instance_says_pass_a_factory",
                  "takes a factory" in e and "lambda params" in e and "`SGD`" in e, e)
+    mode, err = got[0]["a2a"]
+    tally.record("runtime_a2a_mode_is_checked",
+                 mode == "flat" and "a2a must be one of flat, hierarchical, not 'tree'" in err,
+                 f"default {mode!r}; a2a='tree': {err}")
     tally.record("default_timeout_60s_first_step_300s", got[0]["timeouts"] == (20.0, 60.0)
                  and rtm.ProgramRuntime.__init__.__kwdefaults__["timeout"] == 60.0
                  and rtm.ProgramRuntime.__init__.__kwdefaults__["first_step_timeout"] == 300.0,
