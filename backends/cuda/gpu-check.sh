@@ -28,6 +28,8 @@
 #   bf16_dualpipe  DualPipe P=4 M=8 in bf16: its loss against the CPU backend's f32 loss
 #                  (ref/cpu_dualpipe.json, from prepare), goal 1e-2 relative
 #   tp_dualpipe    DualPipe at --mesh pp=2,tp=2, f32 --verify
+#   tp_bf16_1f1b   1F1B at --mesh pp=2,tp=2 in bf16 (the TP all-reduces sum bf16): its loss
+#                  against the CPU backend's f32 loss (ref/cpu_tp_1f1b.json), goal 1e-2
 #   realsize       the issue-24 model (realsize.json: hidden 2048, MLA, 64 experts top-6, four
 #                  layers) at sequence 4096 on one stage (P=1, M=4), bf16, 3 steps: tokens/s
 #                  from the later steps, MFU with the FLOPs the simulator counts
@@ -46,8 +48,8 @@ BUDGET="${GPU_CHECK_BUDGET:-420}"
 
 # NAME:LIMIT in order; the limits add up to 420 s. A step added here takes its time from
 # another (or the deadline skips the last ones).
-STEPS=(smoke:40 f32_1f1b:35 f32_zb_h1:35 f32_dualpipe:35 bf16_dualpipe:30 tp_dualpipe:35
-    realsize:90 train_cuda_f32:45 train_cuda_bf16:30 bench:45)
+STEPS=(smoke:35 f32_1f1b:35 f32_zb_h1:30 f32_dualpipe:35 bf16_dualpipe:30 tp_dualpipe:35
+    tp_bf16_1f1b:30 realsize:75 train_cuda_f32:45 train_cuda_bf16:30 bench:40)
 
 prepare() {
     cd "$ROOT" || exit 1
@@ -66,6 +68,7 @@ prepare() {
     for spec in 1f1b zb_h1 dualpipe; do
         "$S" run "specs/$spec.sched" --pp 4 --mb 8 --backend cpu --dtype f32 --format json >"$GPU/ref/cpu_$spec.json" || exit 1
     done
+    "$S" run specs/1f1b.sched --pp 2 --mb 4 --mesh pp=2,tp=2 --backend cpu --dtype f32 --format json >"$GPU/ref/cpu_tp_1f1b.json" || exit 1
     "$S" run specs/dualpipe.sched --pp 4 --mb 8 --data "$GPU/tinyshakespeare.txt" --steps 200 --backend cpu --dtype f32 --format json >"$GPU/ref/train_cpu_f32.json" || exit 1
     "$S" sim specs/1f1b.sched --pp 1 --mb 4 --model "$GPU/realsize.json" --seq 4096 --hardware h200 --format json >"$GPU/ref/realsize_sim.json" || exit 1
     du -sh "$GPU"
@@ -171,6 +174,8 @@ run() {
     # Tensor parallelism (issue 23): pp=2,tp=2 in single-GPU mode (four ranks on the one GPU,
     # the TP all-reduces through the transport on each rank's tp stream), f32 --verify.
     step tp_dualpipe "$S" run specs/dualpipe.sched --pp 2 --mb 4 --mesh pp=2,tp=2 --backend cuda --dtype f32 --verify --format json
+    # TP in bf16 (the TP all-reduces sum bf16 activations): its loss against the CPU's f32.
+    step tp_bf16_1f1b "$S" run specs/1f1b.sched --pp 2 --mb 4 --mesh pp=2,tp=2 --backend cuda --dtype bf16 --format json
     # Issue 24: the real-size model on one stage, 3 steps (the first with the setup).
     step realsize "$S" run specs/1f1b.sched --pp 1 --mb 4 --model "$GPU/realsize.json" --seq 4096 --data "$GPU/tinyshakespeare.txt" --steps 3 --backend cuda --dtype bf16 --format json
     local train=(run specs/dualpipe.sched --pp 4 --mb 8 --data "$GPU/tinyshakespeare.txt" --steps 200 --format json)
@@ -239,9 +244,8 @@ def f32(n):
                   "max_abs_loss_err": r.get("max_abs_loss_err"), "worst_grad": worst.get("grad")}
     lines.append(f"{n}: --verify {'PASS' if passed else 'FAIL'} ({st}); worst gradient {fmt(r.get('max_rel_grad_err'))} at {worst.get('grad', 'n/a')}, loss {fmt(r.get('max_abs_loss_err'))}")
 
-def bf16():
-    n = "bf16_dualpipe"
-    r, c, st = res(n), load(os.path.join(ref, "cpu_dualpipe.json")), status(n)
+def bf16(n="bf16_dualpipe", cpu="cpu_dualpipe.json"):
+    r, c, st = res(n), load(os.path.join(ref, cpu)), status(n)
     if not st.startswith("exit"):
         lines.append(f"{n}: {st}"); return
     a, b = num((r.get("loss") or [None])[0]), num((c.get("loss") or [None])[0])
@@ -317,6 +321,7 @@ section("smoke", lambda: lines.append(f"smoke: {status('smoke')}"))
 for n in ["f32_1f1b", "f32_zb_h1", "f32_dualpipe", "tp_dualpipe"]:
     section(n, lambda n=n: f32(n))
 section("bf16_dualpipe", bf16)
+section("tp_bf16_1f1b", lambda: bf16("tp_bf16_1f1b", "cpu_tp_1f1b.json"))
 section("realsize", realsize)
 section("training", training)
 section("bench", bench)

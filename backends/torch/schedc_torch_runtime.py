@@ -75,6 +75,7 @@ __all__ = [
     "MoEParts",
     "MeshGroups",
     "MESH_DIMS",
+    "A2A_MODES",
     "FChunk",
     "BChunk",
     "clip_grad_norm_",
@@ -310,6 +311,14 @@ def _stage_maker(make_stage: Callable, n_model_stages: int, rank: int,
 #: The mesh dimensions whose process groups :class:`MeshGroups` holds.
 MESH_DIMS = ("tp", "sp", "ep", "dp")
 
+#: The all-to-all modes of :meth:`MeshGroups.all_to_all` (``run --a2a`` of the CPU backend).
+A2A_MODES = ("flat", "hierarchical")
+
+
+def _new_traffic() -> dict:
+    return {"intra_bytes": 0, "inter_bytes": 0, "intra_messages": 0, "inter_messages": 0,
+            "dispatch_inter_bytes": 0}
+
 
 @dataclass
 class MeshGroups:
@@ -322,7 +331,15 @@ class MeshGroups:
     ``ranks[dim]``: their global ranks in coordinate order; ``coords``: this rank's
     coordinates (``pp``, ``tp``, ``dp``, ``ep``, ``sp``). A Megatron-style column/row parallel
     layer all-reduces over ``groups.tp`` and takes its slice with ``groups.rank("tp")`` of
-    ``groups.size("tp")``; a DTensor module builds its device mesh from ``groups.ranks``."""
+    ``groups.size("tp")``; a DTensor module builds its device mesh from ``groups.ranks``.
+
+    The nodes of the mesh (``--mesh ...,node=K``: every ``K`` consecutive global ranks share
+    a node; ``node_size`` is ``K``, or the world when the mesh does not say): ``ep_node``, the
+    members of this rank's EP group on its own node (``ranks["ep_node"]``), and ``ep_cross``,
+    the members of its EP group on every node that have the same index among their node's
+    members as this rank (``ranks["ep_cross"]``, one per node). :meth:`all_to_all` runs the
+    EP all-to-all flat or, DeepSeek-V3's way, over these two; ``a2a`` is its default mode
+    (the runtime's ``a2a=`` argument) and ``a2a_traffic`` what this rank's all-to-alls sent."""
 
     coords: dict
     ranks: dict
@@ -330,6 +347,11 @@ class MeshGroups:
     sp: Any = None
     ep: Any = None
     dp: Any = None
+    ep_node: Any = None
+    ep_cross: Any = None
+    node_size: int = 0
+    a2a: str = "flat"
+    a2a_traffic: dict = field(default_factory=_new_traffic)
 
     def size(self, dim: str) -> int:
         """How many ranks the dimension ``dim`` has (1 for a dimension the mesh lacks)."""
@@ -340,8 +362,247 @@ class MeshGroups:
         return int(self.coords.get(dim, 0))
 
     def group(self, dim: str):
-        """The process group of ``dim`` (``"tp"``, ``"sp"``, ``"ep"`` or ``"dp"``)."""
+        """The process group of ``dim`` (``"tp"``, ``"sp"``, ``"ep"``, ``"dp"``, ``"ep_node"``
+        or ``"ep_cross"``)."""
         return getattr(self, dim)
+
+    def node_of(self, global_rank: int) -> int:
+        """The node of a global rank (``global_rank // node_size``; 0 without nodes)."""
+        return global_rank // self.node_size if self.node_size > 0 else 0
+
+    def ep_spans_nodes(self) -> bool:
+        """Whether this rank's EP group has members on more than one node (only then does a
+        hierarchical all-to-all differ from a flat one)."""
+        return len({self.node_of(r) for r in self.ranks.get("ep", [])}) > 1
+
+    def reset_traffic(self) -> dict:
+        """Returns :attr:`a2a_traffic` and starts counting from zero."""
+        out, self.a2a_traffic = self.a2a_traffic, _new_traffic()
+        return out
+
+    def all_to_all(self, x: torch.Tensor, splits: Sequence[int] | torch.Tensor, *,
+                   token: torch.Tensor | None = None, phase: str = "dispatch",
+                   mode: str | None = None) -> tuple[torch.Tensor, list[int]]:
+        """The expert-parallel all-to-all, for the user's ``dispatch`` and ``combine`` pieces:
+        differentiable (its backward is the reverse all-to-all), collective over the EP group
+        (every member calls it, in the same order).
+
+        Args:
+            x: the rows to send, ``(n, ...)``, grouped by destination: the first ``splits[0]``
+                rows go to EP member 0 (``ranks["ep"][0]``), the next ``splits[1]`` to member
+                1, and so on (a member may be this rank). Any dtype; integer rows (expert ids)
+                carry no gradient.
+            splits: rows per EP member (``size("ep")`` non-negative integers summing to ``n``).
+            token: optional ``(n,)`` integers: rows with the same ``token`` are copies of one
+                token (equal values, e.g. ``h[token]`` for a token's top-k experts). The
+                hierarchical dispatch sends such rows across nodes once per destination node.
+            phase: ``"dispatch"`` (token rows to their experts: across nodes first, then
+                scattered inside the destination node) or ``"combine"`` (expert outputs back:
+                gathered inside the source node first, then across nodes). The backward of
+                each takes the other's path.
+            mode: ``"flat"`` (one ``all_to_all_single`` over ``ep``) or ``"hierarchical"``
+                (DeepSeek-V3's two levels over ``ep_node`` and ``ep_cross``: a row crosses the
+                network only between members with the same index in their nodes, and every
+                member sends one message per other node); default :attr:`a2a`. Hierarchical
+                on an EP group inside one node is the flat all-to-all.
+
+        Returns:
+            ``(y, recv_splits)``: the rows this rank receives, grouped by source member in EP
+            order (``recv_splits[j]`` rows from member ``j``, in the order member ``j`` sent
+            them). Both modes return the same tensor bit for bit, and their gradients are
+            equal bit for bit too: rows are only copied, never summed.
+
+        Raises:
+            ValueError: a bad mode, phase, ``splits`` or ``token``.
+
+        Traffic: every call adds what this rank sent to :attr:`a2a_traffic` (``intra_bytes``
+        / ``inter_bytes``: rows, and the hierarchical dispatch's int32 row indices, to ranks
+        of its own / other nodes; ``*_messages``: sends of a non-empty payload to another
+        rank; ``dispatch_inter_bytes``: the forward dispatches' share). The row counts the
+        members exchange ahead of the rows (int64, one per peer and level) are not counted."""
+        mode = self.a2a if mode is None else mode
+        if mode not in A2A_MODES:
+            raise ValueError(f"all_to_all mode must be one of {A2A_MODES}, not {mode!r}")
+        if phase not in ("dispatch", "combine"):
+            raise ValueError(f"all_to_all phase must be 'dispatch' or 'combine', not {phase!r}")
+        members = self.ranks.get("ep", [])
+        if self.ep is None or not members:
+            raise ValueError("all_to_all needs the runtime's EP group (MeshGroups from the runtime)")
+        splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        if len(splits) != len(members) or any(s < 0 for s in splits) or sum(splits) != x.shape[0]:
+            raise ValueError(
+                f"all_to_all splits {splits} must be {len(members)} non-negative row counts (one per "
+                f"EP member) summing to the {x.shape[0]} rows of x")
+        if token is not None and (token.dim() != 1 or token.shape[0] != x.shape[0]
+                                  or token.is_floating_point()):
+            raise ValueError(f"all_to_all token must be (n,) integers for the {x.shape[0]} rows, "
+                             f"got {tuple(token.shape)} {token.dtype}")
+        if mode == "hierarchical" and not self.ep_spans_nodes():
+            mode = "flat"
+        fwd = "flat" if mode == "flat" else ("inter" if phase == "dispatch" else "intra")
+        bwd = "flat" if mode == "flat" else ("intra" if phase == "dispatch" else "inter")
+        box: list = []
+        y = _AllToAll.apply(x, self, splits, token, fwd, bwd, phase, box)
+        return y, box[0]
+
+    # -- the routes ------------------------------------------------------------------------
+
+    def _count(self, to: int, nbytes: int, phase: str) -> None:
+        me = self.ranks["ep"][self.rank("ep")]
+        if to == me or nbytes == 0:
+            return
+        t = self.a2a_traffic
+        if self.node_of(to) == self.node_of(me):
+            t["intra_bytes"] += nbytes
+            t["intra_messages"] += 1
+        else:
+            t["inter_bytes"] += nbytes
+            t["inter_messages"] += 1
+            if phase == "dispatch":
+                t["dispatch_inter_bytes"] += nbytes
+
+    @staticmethod
+    def _exchange(counts: list[list[int]], group) -> list[list[int]]:
+        """Each peer ``j`` of ``group`` gets ``counts[j]`` (equal lengths); returns what each
+        peer sent this rank."""
+        n, w = len(counts), len(counts[0]) if counts else 0
+        send = torch.tensor([c for row in counts for c in row], dtype=torch.int64)
+        recv = torch.empty(n * w, dtype=torch.int64)
+        if w:
+            dist.all_to_all_single(recv, send, group=group)
+        r = recv.tolist()
+        return [r[j * w:(j + 1) * w] for j in range(n)]
+
+    @staticmethod
+    def _a2a(rows: list[torch.Tensor], recv_rows: list[int], like: torch.Tensor, group) -> list[torch.Tensor]:
+        """``all_to_all_single`` of row blocks: ``rows[j]`` to peer ``j``; returns the blocks
+        received (``recv_rows[j]`` rows from peer ``j``)."""
+        tail = tuple(like.shape[1:])
+        send = torch.cat(rows) if rows else like.new_empty((0, *tail))
+        recv = like.new_empty((sum(recv_rows), *tail))
+        # Every member calls it, with or without rows: a collective.
+        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_rows,
+                               input_split_sizes=[r.shape[0] for r in rows], group=group)
+        return list(recv.split(recv_rows))
+
+    def _route(self, x: torch.Tensor, splits: list[int], token, how: str, phase: str):
+        members = self.ranks["ep"]
+        blocks = list(x.split(splits))
+        row_bytes = x.element_size() * math.prod(x.shape[1:])
+        if how == "flat":
+            got = self._exchange([[s] for s in splits], self.ep)
+            recv_splits = [g[0] for g in got]
+            for to, s in zip(members, splits):
+                self._count(to, s * row_bytes, phase)
+            out = self._a2a(blocks, recv_splits, x, self.ep)
+            return torch.cat(out) if out else x[:0], recv_splits
+        local, cross = self.ranks["ep_node"], self.ranks["ep_cross"]
+        nodes = [self.node_of(c) for c in cross]  # node order = position in ep_cross
+        me = members[self.rank("ep")]
+        li = local.index(me)
+        node_members = {n: [m for m in members if self.node_of(m) == n] for n in nodes}
+        pos = {m: i for i, m in enumerate(members)}
+        if how == "inter":
+            # 1. Across nodes, to the peer with my index there: the rows for that node's
+            # members, each distinct token once, and per member its rows' indices.
+            tok = token if token is not None else torch.arange(x.shape[0])
+            bundles, idx_lists, heads = [], [], []
+            for n, peer in zip(nodes, cross):
+                if peer == me:
+                    bundles.append(x[:0]), idx_lists.append(torch.zeros(0, dtype=torch.int32))
+                    heads.append([0] * (1 + len(local)))
+                    continue
+                dests = [pos[m] for m in node_members[n]]
+                rows_of = [torch.arange(sum(splits[:d]), sum(splits[:d + 1])) for d in dests]
+                allrows = torch.cat(rows_of)
+                uniq, inv = torch.unique(tok[allrows], return_inverse=True)
+                first = torch.full((uniq.shape[0],), allrows.shape[0], dtype=torch.int64)
+                first.scatter_reduce_(0, inv, torch.arange(allrows.shape[0]), reduce="amin")
+                bundles.append(x[allrows[first]])
+                idx_lists.append(inv.to(torch.int32))
+                heads.append([int(uniq.shape[0])] + [r.shape[0] for r in rows_of])
+                self._count(peer, int(uniq.shape[0]) * row_bytes + 4 * int(inv.shape[0]), phase)
+            got = self._exchange(heads, self.ep_cross)
+            idx_in = self._a2a([i.unsqueeze(1) for i in idx_lists], [sum(g[1:]) for g in got],
+                               torch.zeros((0, 1), dtype=torch.int32), self.ep_cross)
+            rows_in = self._a2a(bundles, [g[0] for g in got], x, self.ep_cross)
+            # 2. Inside the node: to each member, per source relayed here (one per node, in
+            # node order; this rank's own rows for its node), that source's rows for it.
+            per_member: list[list[torch.Tensor]] = [[] for _ in local]
+            for k, (n, src) in enumerate(zip(nodes, cross)):
+                if src == me:
+                    for j, m in enumerate(local):
+                        per_member[j].append(blocks[pos[m]])
+                    continue
+                idx, at = idx_in[k].squeeze(1).to(torch.int64), 0
+                for j, c in enumerate(got[k][1:]):
+                    per_member[j].append(rows_in[k][idx[at:at + c]])
+                    at += c
+            heads2 = [[b.shape[0] for b in pm] for pm in per_member]
+            for m, pm in zip(local, per_member):
+                self._count(m, sum(b.shape[0] for b in pm) * row_bytes, phase)
+            got2 = self._exchange(heads2, self.ep_node)
+            data = self._a2a([torch.cat(pm) for pm in per_member], [sum(g) for g in got2], x, self.ep_node)
+            # From relay j (index j in my node): the sources of index j, one per node.
+            by_src = {}
+            for j, relay in enumerate(local):
+                parts = data[j].split(got2[j])
+                for k, n in enumerate(nodes):
+                    by_src[node_members[n][j]] = parts[k]
+        else:  # "intra": inside the source's node first, then across nodes
+            # 1. To the member of my node with index j: my rows for the members of index j on
+            # every node (in node order).
+            per_member = [[blocks[pos[node_members[n][j]]] for n in nodes] for j in range(len(local))]
+            heads = [[b.shape[0] for b in pm] for pm in per_member]
+            for m, pm in zip(local, per_member):
+                self._count(m, sum(b.shape[0] for b in pm) * row_bytes, phase)
+            got = self._exchange(heads, self.ep_node)
+            data = self._a2a([torch.cat(pm) for pm in per_member], [sum(g) for g in got], x, self.ep_node)
+            # 2. Across nodes, to my peer there (index li): what my node's members sent for it.
+            gathered = [data[j].split(got[j]) for j in range(len(local))]  # [source j][node k]
+            out_rows, heads2 = [], []
+            for k, (n, peer) in enumerate(zip(nodes, cross)):
+                if peer == me:
+                    out_rows.append(x[:0]), heads2.append([0] * len(local))
+                    continue
+                blk = [gathered[j][k] for j in range(len(local))]
+                out_rows.append(torch.cat(blk))
+                heads2.append([b.shape[0] for b in blk])
+                self._count(peer, out_rows[-1].shape[0] * row_bytes, phase)
+            got2 = self._exchange(heads2, self.ep_cross)
+            inc = self._a2a(out_rows, [sum(g) for g in got2], x, self.ep_cross)
+            by_src = {}
+            mynode = nodes[cross.index(me)]
+            for k, (n, peer) in enumerate(zip(nodes, cross)):
+                if peer == me:
+                    for j, m in enumerate(local):
+                        by_src[m] = gathered[j][k]
+                else:
+                    for j, part in enumerate(inc[k].split(got2[k])):
+                        by_src[node_members[n][j]] = part
+            assert mynode == self.node_of(me)
+        out = [by_src[m] for m in members]
+        return torch.cat(out), [b.shape[0] for b in out]
+
+
+class _AllToAll(torch.autograd.Function):
+    """:meth:`MeshGroups.all_to_all`: forward by one route, backward the reverse all-to-all
+    by the other."""
+
+    @staticmethod
+    def forward(ctx, x, groups, splits, token, fwd, bwd, phase, box):
+        y, recv = groups._route(x, splits, token, fwd, phase)
+        box.append(recv)
+        ctx.groups, ctx.recv, ctx.bwd, ctx.phase = groups, recv, bwd, phase
+        if not x.is_floating_point():
+            ctx.mark_non_differentiable(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        gx, _ = ctx.groups._route(gy.contiguous(), ctx.recv, None, ctx.bwd,
+                                  "backward")
+        return gx, None, None, None, None, None, None, None
 
 
 def _mesh_groups(program: Program, timeout: timedelta) -> MeshGroups:
@@ -352,7 +613,8 @@ def _mesh_groups(program: Program, timeout: timedelta) -> MeshGroups:
     coords: list = [None] * world
     dist.all_gather_object(coords, dict(program.coords))
     dims = [d for d, _ in program.manifest["mesh"]["dims"]]
-    out = MeshGroups(coords=dict(program.coords), ranks={})
+    out = MeshGroups(coords=dict(program.coords), ranks={},
+                     node_size=int(program.manifest["mesh"].get("node") or world))
     for dim in MESH_DIMS:
         lines: dict = {}
         for g in range(world):
@@ -364,7 +626,39 @@ def _mesh_groups(program: Program, timeout: timedelta) -> MeshGroups:
             if program.rank in members:
                 setattr(out, dim, pg)
                 out.ranks[dim] = members
+            if dim == "ep":
+                _node_groups(out, program, members, timeout)
     return out
+
+
+def _node_groups(out: MeshGroups, program: Program, members: list, timeout: timedelta) -> None:
+    """The EP line ``members``' groups by node (every rank runs this for every line, in the
+    same order): one per node, then one per index in a node (the members with that index on
+    every node). A line inside one node creates none: its ``ep_node`` is the EP group."""
+    mine = program.rank in members
+    nodes: dict = {}
+    for m in members:
+        nodes.setdefault(out.node_of(m), []).append(m)
+    if len(nodes) == 1:
+        if mine:
+            out.ep_node, out.ranks["ep_node"] = out.ep, list(members)
+            out.ep_cross, out.ranks["ep_cross"] = None, [program.rank]
+        return
+    sizes = {len(v) for v in nodes.values()}
+    if len(sizes) != 1:
+        raise SchedcRuntimeError(
+            f"the EP group {members} has {sorted(len(v) for v in nodes.values())} members on its "
+            f"nodes (node={out.node_size}); the hierarchical all-to-all needs as many on each",
+            rank=program.rank, step=-1)
+    for n in sorted(nodes):
+        pg = dist.new_group(nodes[n], timeout=timeout)
+        if program.rank in nodes[n]:
+            out.ep_node, out.ranks["ep_node"] = pg, list(nodes[n])
+    for j in range(sizes.pop()):
+        cross = [nodes[n][j] for n in sorted(nodes)]
+        pg = dist.new_group(cross, timeout=timeout)
+        if program.rank in cross:
+            out.ep_cross, out.ranks["ep_cross"] = pg, cross
 
 
 def load_program(path_or_dir: str | os.PathLike, rank: int | None = None, **kwargs) -> "ProgramRuntime":
@@ -434,6 +728,10 @@ class ProgramRuntime:
         static_shapes: message shapes and dtypes are exchanged in the first step only (False:
             every step, for inputs whose shapes vary).
         device: where received tensors go (default: CUDA's current device under NCCL, else CPU).
+        a2a: ``"flat"`` or ``"hierarchical"``: the default mode of the user's expert-parallel
+            all-to-alls through :meth:`MeshGroups.all_to_all` (``self.groups.a2a``), as
+            ``schedc run --a2a``; hierarchical runs in two levels where the EP group spans
+            several nodes of the program's mesh (``--mesh ...,node=K``), and is flat elsewhere.
     """
 
     def __init__(
@@ -457,6 +755,7 @@ class ProgramRuntime:
         static_shapes: bool = True,
         sync_replicas: bool = True,
         device: torch.device | str | None = None,
+        a2a: str = "flat",
         _faults: dict | None = None,
     ):
         if not dist.is_initialized():
@@ -520,9 +819,13 @@ class ProgramRuntime:
                 f"optimizer=lambda params: torch.optim.SGD(params, lr=0.1); got "
                 f"{'an optimizer instance' if isinstance(optimizer, torch.optim.Optimizer) else 'a'} "
                 f"`{type(optimizer).__name__}`", rank=self.rank, step=-1)
+        if a2a not in A2A_MODES:
+            raise SchedcRuntimeError(f"a2a must be one of {', '.join(A2A_MODES)}, not {a2a!r}",
+                                     rank=self.rank, step=-1)
         td = timedelta(seconds=max(self.timeout, self.first_step_timeout))
         # The mesh's TP, SP, EP and DP groups, for the user's stages (before make_stage).
         self.groups: MeshGroups = _mesh_groups(program, td)
+        self.groups.a2a = a2a
         make = (_stage_maker(make_stage, self.n_model_stages, self.rank, self.groups)
                 if make_stage is not None else None)
 

@@ -35,9 +35,19 @@ What it checks (one line per check, then ``N passed, M failed``; exit status 1 o
    (``--no-compile`` skips the last, about 50 s).
 7. **tensor parallelism inside a stage** (``--only tp``, issue 23): a Megatron-style MLP
    (column- then row-parallel, all-reduce over ``groups.tp``) built by
-   ``make_stage(stage, n, groups)`` at ``--mesh pp=2,tp=2`` (1F1B, ZB-H1) and a sequence-sharded
-   one at ``pp=2,sp=2``, 4 gloo processes, f64: losses and gathered gradients against the
-   unpipelined, unsplit model (<= 1e-9), and the pipeline's message shapes.
+   ``make_stage(stage, n, groups)`` at ``--mesh pp=2,tp=2`` (1F1B, ZB-H1), a sequence-sharded
+   one at ``pp=2,sp=2``, Megatron's sequence parallelism inside the TP group (``TPSPMLP``) at
+   ``pp=2,tp=2``, and TP with data parallelism (``pp=2,tp=2,dp=2``) and with the mesh's ``ep``
+   (``pp=2,tp=2,ep=2``, ZB-H1), 4 or 8 gloo processes, f64: losses and gathered gradients
+   against the unpipelined, unsplit model on every data shard (<= 1e-9), every rank's groups,
+   and the pipeline's message shapes.
+8. **expert parallelism over nodes** (``--only a2a``, issue 23): a stage of ``moe_model``
+   whose experts are spread over the EP group and whose ``dispatch``/``combine`` are
+   ``groups.all_to_all``, at ``--mesh pp=2,ep=4,node=2`` in MoE parts (8 gloo processes,
+   f64): flat against the unpipelined model (<= 1e-9), hierarchical against flat (every loss
+   and gradient bit for bit), the inter-node messages and bytes of both, and a negative
+   control (wrong token ids) that the comparison notices; and ``groups.all_to_all`` alone over
+   ``ep=8`` on two nodes of 4 with top-4 routing (``--only a2a-ep8``).
 """
 
 from __future__ import annotations
@@ -249,6 +259,25 @@ def check_units(tally: Tally, tmp: str, exe: str) -> None:
     want = {"one": ("one", 3), "two": ("two", 3, 6), "args": ("args", 3, 6),
             "three": ("three", 3, 6, 1, 2), "keyword": ("keyword", 3, 6, True)}
     tally.record("make_stage_gets_groups_by_signature", got == want, f"{got}")
+    # all_to_all's argument errors, before any communication.
+    ge = rtm.MeshGroups(coords={"ep": 0}, ranks={"ep": [0, 1]}, ep=object())
+    rows = torch.zeros(3, 2)
+    errs = {}
+    for case, kw in {"mode": {"splits": [1, 2], "mode": "tree"},
+                     "phase": {"splits": [1, 2], "phase": "gather"},
+                     "splits": {"splits": [1, 1]},
+                     "token": {"splits": [1, 2], "token": torch.zeros(3)}}.items():
+        try:
+            ge.all_to_all(rows, **kw)
+            errs[case] = "no error"
+        except ValueError as e:
+            errs[case] = str(e)
+    want_errs = {"mode": "mode must be one of ('flat', 'hierarchical'), not 'tree'",
+                 "phase": "phase must be 'dispatch' or 'combine', not 'gather'",
+                 "splits": "splits [1, 1] must be 2 non-negative row counts (one per EP member) summing to the 3 rows",
+                 "token": "token must be (n,) integers for the 3 rows, got (3,) torch.float32"}
+    tally.record("all_to_all_bad_arguments_are_refused",
+                 all(want_errs[k] in errs[k] for k in want_errs), f"{errs}")
     torch.manual_seed(0)
     cfg = mm.Config()
     st = mm.build(cfg, 3, 5)[1]
@@ -872,6 +901,9 @@ def case_api(rank: int, world: int, c: dict) -> dict:
     out["one_arg"] = len(rt1.stages)
     inst = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     out["instance"] = expect_failure(lambda: loop_runtime(c, rank, optimizer=inst))
+    # The all-to-all mode (issue 23): flat by default; an unknown one refused before any
+    # process group is created.
+    out["a2a"] = (rt1.groups.a2a, expect_failure(lambda: loop_runtime(c, rank, a2a="tree")))
     out["timeouts"] = (rt1.timeout, rt1.first_step_timeout)
     # LR schedulers on the runtime's optimizers.
     rt, prog = loop_runtime(c, rank)
@@ -1230,6 +1262,10 @@ def report_loop_api(tally: Tally, got: dict) -> None:
     e = got[0]["instance"]
     tally.record("optimizer_instance_says_pass_a_factory",
                  "takes a factory" in e and "lambda params" in e and "`SGD`" in e, e)
+    mode, err = got[0]["a2a"]
+    tally.record("runtime_a2a_mode_is_checked",
+                 mode == "flat" and "a2a must be one of flat, hierarchical, not 'tree'" in err,
+                 f"default {mode!r}; a2a='tree': {err}")
     tally.record("default_timeout_60s_first_step_300s", got[0]["timeouts"] == (20.0, 60.0)
                  and rtm.ProgramRuntime.__init__.__kwdefaults__["timeout"] == 60.0
                  and rtm.ProgramRuntime.__init__.__kwdefaults__["first_step_timeout"] == 300.0,
@@ -1315,6 +1351,12 @@ TP_CONFIGS = [
     # The mesh's sp: each sp rank takes its shard of the sequence (first stage), sends only
     # that shard down the pipeline, and computes the loss of its shard.
     ("tp-sp-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,sp=2"),
+    # Megatron's sequence parallelism inside the TP group (the module's, `TPSPMLP`): between
+    # blocks each TP rank holds its shard of the sequence, and sends only that.
+    ("tp-seqpar-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
+    # TP with data parallelism, and with the mesh's ep (data shards for a dense model).
+    ("tp-dp-1f1b", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2,dp=2"),
+    ("tp-ep-zb_h1", "specs/zb_h1.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2,ep=2"),
     # Negative control: without Megatron's all-reduce of the input gradient (the column-
     # parallel layer's `f`), the gradients reaching the previous stage are partial sums.
     ("tp-control-no-backward-all-reduce", "specs/1f1b.sched", ["--pp", "2", "--mb", str(TP_MB)], "pp=2,tp=2"),
@@ -1362,6 +1404,47 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
+class _GatherSeq(torch.autograd.Function):
+    """Megatron-SP's all-gather of the sequence (dim 1) over the TP group before the
+    column-parallel layer; backward: the reduce-scatter of the partial gradients (an
+    all-reduce, then this rank's slice: gloo has no reduce-scatter). ``replicated=True``: the
+    gather before a loss every TP rank computes whole, whose backward is the slice alone."""
+
+    @staticmethod
+    def forward(ctx, x, group, replicated=False):
+        ctx.group, ctx.replicated = group, replicated
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.replicated:
+            g = g.clone()
+            dist.all_reduce(g, group=ctx.group)
+        return g.chunk(ctx.size, 1)[ctx.rank].contiguous(), None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Megatron-SP's reduce-scatter along the sequence after the row-parallel layer (an
+    all-reduce, then this rank's slice); backward: the all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x.chunk(ctx.size, 1)[ctx.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = [torch.empty_like(g) for _ in range(ctx.size)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.group)
+        return torch.cat(parts, 1), None
+
+
 def tp_full_params(stage: int) -> dict:
     """The unsharded parameters of model stage ``stage`` (f64, from the seed)."""
     g = torch.Generator().manual_seed(SEED + 101 * stage)
@@ -1394,8 +1477,26 @@ class TPMLP(torch.nn.Module):
         return x + y + self.b2
 
 
-def tp_batch(step: int):
-    g = torch.Generator().manual_seed(SEED + 7 * step)
+class TPSPMLP(TPMLP):
+    """:class:`TPMLP` with Megatron's sequence parallelism over the same TP group: its input
+    and output are this rank's shard of the sequence; all-gather before the column-parallel
+    layer, reduce-scatter after the row-parallel one, the residual and ``b2`` on the shard
+    (``b2``'s gradient is the shard's: summed over the TP group before the optimizer). The
+    last stage gathers the sequence back, so every TP rank computes the whole loss."""
+
+    def __init__(self, stage: int, rank: int, size: int, group, last: bool):
+        super().__init__(stage, rank, size, group)
+        self.last = last
+
+    def forward(self, x):
+        y = _GatherSeq.apply(x, self.group)
+        y = torch.tanh(y @ self.w1.T + self.b1) @ self.w2.T
+        out = x + _ScatterSeq.apply(y, self.group) + self.b2
+        return _GatherSeq.apply(out, self.group, True) if self.last else out
+
+
+def tp_batch(step: int, shard: int = 0):
+    g = torch.Generator().manual_seed(SEED + 7 * step + 1000 * shard)
     return (torch.randn(TP_ROWS, TP_SEQ, TP_DIM, generator=g, dtype=torch.float64),
             torch.randn(TP_ROWS, TP_SEQ, TP_DIM, generator=g, dtype=torch.float64))
 
@@ -1413,6 +1514,9 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
         def make_stage(stage, n_stages, groups):
             seen.update(stage=stage, n=n_stages, tp=groups.ranks["tp"], sp=groups.ranks["sp"],
                         ep=groups.ranks["ep"], dp=groups.ranks["dp"])
+            if c["seqpar"]:
+                m = TPSPMLP(stage, groups.rank("tp"), groups.size("tp"), groups.tp, stage == n_stages - 1)
+                return SeqShard(m, groups.rank("tp"), groups.size("tp")) if stage == 0 else m
             m = TPMLP(stage, groups.rank("tp"), groups.size("tp"), groups.tp, control=c["control"])
             if stage == 0 and groups.size("sp") > 1:
                 m = SeqShard(m, groups.rank("sp"), groups.size("sp"))
@@ -1427,11 +1531,15 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
                               optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         out = {"seen": seen, "coords": rt.program.coords, "steps": [], "act_shapes": []}
         for step in range(TP_STEPS):
-            x, y = tp_batch(step)
+            x, y = tp_batch(step, rt.data_shard)
             captured = {}
 
             def grab(r):
                 for s, st in r.stages.items():
+                    if c["seqpar"]:  # Megatron-SP: the shard-replicated bias's gradient, summed
+                        for n, p in zip(st.names, st.params):
+                            if n.endswith("b2"):
+                                dist.all_reduce(p.grad, group=r.groups.tp)
                     # Plain lists: tensors would travel through shared memory that the
                     # worker's exit takes away.
                     captured[s] = {n: p.grad.tolist() for n, p in zip(st.names, st.params)}
@@ -1439,6 +1547,7 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
             losses = rt.step(x, y, before_optimizer=grab)
             # What this rank received over the pipeline: the message shapes of the first step.
             out["act_shapes"] = sorted({str(sh[0][1]) for sh in rt._shapes.values()})
+            out["data_shard"] = rt.data_shard
             out["steps"].append({"losses": [float(l) for l in losses], "chunks": list(rt.loss_chunks),
                                  "grads": {st.info.model_stage: captured[s] for s, st in rt.stages.items()}})
         results.put((rank, out, None))
@@ -1449,30 +1558,32 @@ def tp_worker(rank: int, world: int, port: int, c: dict, results) -> None:
     os._exit(0)
 
 
-def tp_reference() -> list:
-    """Non-pipelined, non-TP training: per step, the micro-batch losses and the gradients."""
+def tp_reference(shards: int = 1) -> list:
+    """Non-pipelined, non-TP training on ``shards`` data shards: per step, the micro-batch
+    losses by (shard, chunk) and the gradients of the mean loss."""
     stages = [TPMLP(s) for s in range(2)]
     params = [p for m in stages for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
     out = []
     for step in range(TP_STEPS):
-        x, y = tp_batch(step)
         opt.zero_grad()
-        losses = []
-        for xc, yc in zip(torch.tensor_split(x, TP_MB), torch.tensor_split(y, TP_MB)):
-            h = xc
-            for m in stages:
-                h = m(h)
-            losses.append(tp_loss(h, yc))
-        (sum(losses) / TP_MB).backward()
-        out.append({"losses": [float(l.detach()) for l in losses],
+        losses = {}
+        for sh in range(shards):
+            x, y = tp_batch(step, sh)
+            for i, (xc, yc) in enumerate(zip(torch.tensor_split(x, TP_MB), torch.tensor_split(y, TP_MB))):
+                h = xc
+                for m in stages:
+                    h = m(h)
+                losses[(sh, i)] = tp_loss(h, yc)
+        (sum(losses.values()) / (TP_MB * shards)).backward()
+        out.append({"losses": {k: float(l.detach()) for k, l in losses.items()},
                     "grads": {s: {n: p.grad.clone() for n, p in m.named_parameters()} for s, m in enumerate(stages)}})
         opt.step()
     return out
 
 
 def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
-    ref = None
+    refs: dict = {}
     for name, spec, args, mesh in TP_CONFIGS:
         if only and name not in only and "tp" not in only:
             continue
@@ -1480,8 +1591,11 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
         compile_program(exe, spec, args, mesh, False, d)
         man = json.load(open(os.path.join(d, "manifest.json")))
         world = man["world"]
+        dims = dict(man["mesh"]["dims"])
+        shards = dims.get("dp", 1) * dims.get("ep", 1)
         control = "control" in name
-        got, errors, secs = spawn(world, tp_worker, {"dir": d, "control": control}, timeout)
+        seqpar = "seqpar" in name
+        got, errors, secs = spawn(world, tp_worker, {"dir": d, "control": control, "seqpar": seqpar}, timeout)
         for e in errors.values():
             print(e, file=sys.stderr)
         if errors or len(got) < world:
@@ -1489,29 +1603,35 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
             tally.record(f"torch_runtime_tp_mlp_equals_unpipelined ({name})", False,
                          why or f"results from ranks {sorted(got)} only")
             continue
-        ref = ref or tp_reference()
+        if shards not in refs:
+            refs[shards] = tp_reference(shards)
+        ref = refs[shards]
         loss_err, grad_err, n_grads = 0.0, 0.0, 0
         coords = {rk: got[rk]["coords"] for rk in got}
         for step in range(TP_STEPS):
             r = ref[step]
-            # Each TP rank computes the loss; the mean over the sp ranks is the sequence's.
-            for t in sorted({c["tp"] for c in coords.values()}):
-                per: dict = {}
-                for rank in sorted(got):
-                    if coords[rank]["tp"] != t:
-                        continue
-                    st = got[rank]["steps"][step]
-                    for chunk, l in zip(st["chunks"], st["losses"]):
-                        per.setdefault(chunk, []).append(l)
-                for chunk, ls in per.items():
-                    l = sum(ls) / len(ls)
-                    loss_err = max(loss_err, abs(l - r["losses"][chunk]) / abs(r["losses"][chunk]))
+            # Each TP rank computes the loss of its data shard's chunk; the mean over the sp
+            # ranks is the sequence's.
+            per: dict = {}
+            for rank in sorted(got):
+                st = got[rank]["steps"][step]
+                for chunk, l in zip(st["chunks"], st["losses"]):
+                    per.setdefault((coords[rank]["tp"], got[rank]["data_shard"], chunk), []).append(l)
+            for (_, sh, chunk), ls in per.items():
+                l = sum(ls) / len(ls)
+                want = r["losses"][(sh, chunk)]
+                loss_err = max(loss_err, abs(l - want) / abs(want))
             for stage in range(2):
-                for spc in sorted({c["sp"] for c in coords.values()}):
-                    # The ranks of this model stage and sp coordinate, in TP order: their
-                    # slices, gathered.
-                    ranks = sorted((rk for rk in got if stage in got[rk]["steps"][step]["grads"]
-                                    and coords[rk]["sp"] == spc), key=lambda rk: coords[rk]["tp"])
+                lines: dict = {}
+                for rk in got:
+                    if stage in got[rk]["steps"][step]["grads"]:
+                        c = coords[rk]
+                        lines.setdefault((c["sp"], c["dp"], c["ep"]), []).append(rk)
+                for key in sorted(lines):
+                    # The ranks of this model stage and (sp, dp, ep) coordinates, in TP order:
+                    # their slices, gathered (after the data-parallel all-reduce every replica
+                    # holds the gradient of the whole batch).
+                    ranks = sorted(lines[key], key=lambda rk: coords[rk]["tp"])
                     gs = [{n: torch.tensor(v, dtype=torch.float64)
                            for n, v in got[rk]["steps"][step]["grads"][stage].items()} for rk in ranks]
                     if stage == 0 and "inner.w1" in gs[0]:
@@ -1524,27 +1644,315 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
                     for g in gs:  # replicated: every TP rank holds the whole gradient
                         grad_err = max(grad_err, rel_err(g["b2"], r["grads"][stage]["b2"]))
                         n_grads += 1
-        seen = [got[rk]["seen"] for rk in sorted(got)]
-        sp = "sp=2" in mesh
-        line = [[0, 1], [2, 3]]
-        groups_ok = all(s[("sp" if sp else "tp")] == line[rk // 2] and s[("tp" if sp else "sp")] == [rk]
-                        and s["dp"] == [rk] and s["ep"] == [rk] and s["n"] == 2 for rk, s in zip(sorted(got), seen))
+        seen = {rk: got[rk]["seen"] for rk in got}
+        # Each dimension's group: the ranks that differ from this one only in that coordinate.
+        groups_ok = all(
+            seen[rk][dim] == sorted((o for o in got if all(coords[o][k] == coords[rk][k]
+                                                         for k in coords[rk] if k != dim)),
+                                    key=lambda o: coords[o][dim])
+            and seen[rk]["n"] == 2 for rk in got for dim in ("tp", "sp", "dp", "ep"))
         shapes = sorted({sh for rk in got for sh in got[rk]["act_shapes"]})
-        want_shape = f"({TP_ROWS // TP_MB}, {TP_SEQ // 2 if sp else TP_SEQ}, {TP_DIM})"
-        n_want = TP_STEPS * 2 * (8 if sp else 5)
+        sharded = dims.get("sp", 1) > 1 or seqpar
+        want_shape = f"({TP_ROWS // TP_MB}, {TP_SEQ // 2 if sharded else TP_SEQ}, {TP_DIM})"
+        tp = dims.get("tp", 1)
+        n_want = TP_STEPS * 2 * (world // (2 * tp)) * (3 + tp)
         if control:
             tally.record("torch_runtime_tp_control_without_backward_all_reduce_is_noticed",
                          grad_err > 1e-3, f"gradients max rel err {grad_err:.2g} (must exceed 1e-3), "
                          f"losses {loss_err:.1e} (the second step's, after a wrong update) ({secs:.1f}s)")
             continue
+        dim = "sp" if dims.get("sp", 1) > 1 else "tp"
         tally.record(f"torch_runtime_tp_mlp_equals_unpipelined ({name})",
                      loss_err <= 1e-9 and grad_err <= 1e-9 and groups_ok and n_grads == n_want
                      and shapes == [want_shape],
-                     f"--mesh {mesh}, {world} gloo processes, {TP_STEPS} SGD steps in f64: "
-                     f"{TP_STEPS * TP_MB} losses max rel err {loss_err:.1e}, {n_grads} gradients "
-                     f"(gathered TP slices, replicated biases) max rel err {grad_err:.1e}; "
-                     f"{'SP' if sp else 'TP'} groups {[s['sp' if sp else 'tp'] for s in seen]}; pipeline "
-                     f"messages {shapes} per micro-batch ({secs:.1f}s)")
+                     f"--mesh {mesh}{' with Megatron-SP in the module' if seqpar else ''}, {world} gloo "
+                     f"processes, {TP_STEPS} SGD steps in f64: {TP_STEPS * TP_MB * shards} losses max rel err "
+                     f"{loss_err:.1e}, {n_grads} gradients (gathered TP slices, replicated biases) max rel "
+                     f"err {grad_err:.1e}; {dim.upper()} groups {[seen[rk][dim] for rk in sorted(got)]}; "
+                     f"groups {'ok' if groups_ok else 'WRONG'}; pipeline messages {shapes} per "
+                     f"micro-batch ({secs:.1f}s)")
+
+
+# ------------------------------------------------------------------------------------------
+# 8. Expert parallelism over nodes (issue 23): the hierarchical all-to-all of MoE parts
+# ------------------------------------------------------------------------------------------
+
+A2A_CFG = mm.Config(vocab=32, dim=8, heads=2, seq=4, experts=8, top_k=4, expert_dim=8)
+A2A_STEPS = 2
+# (name, spec, schedc arguments, mesh): every spec split into MoE parts (--moe), ep spanning
+# two nodes of two ranks.
+A2A_CONFIGS = [
+    ("a2a-zb_h1", "specs/zb_h1.sched", ["--pp", "2", "--mb", "2"], "pp=2,ep=4,node=2"),
+]
+
+
+class EPStage(torch.nn.Module):
+    """``moe_model``'s stage with its experts spread over the EP group: this rank keeps
+    ``experts / ep`` of them, ``dispatch`` and ``combine`` are ``groups.all_to_all`` (token
+    rows to the ranks of their experts, with the token ids that let the hierarchical dispatch
+    send a row across nodes once per node; the outputs back)."""
+
+    def __init__(self, full: mm.Stage, groups: rtm.MeshGroups, mode: str | None = None,
+                 wrong_tokens: bool = False):
+        super().__init__()
+        ep, e = groups.size("ep"), groups.rank("ep")
+        self.per = full.cfg.experts // ep
+        self.lo = e * self.per
+        full.experts = torch.nn.ModuleList(list(full.experts)[self.lo:self.lo + self.per])
+        self.inner, self.groups, self.mode = full, groups, mode
+        self.wrong_tokens = wrong_tokens  # the negative control: copies of different tokens merged
+
+    def attn(self, x):
+        return self.inner.attn(x)
+
+    def dispatch(self, x1, h, weights, chosen):
+        k = chosen.shape[-1]
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the copies, grouped by expert (so by rank)
+        token = order // k
+        splits = torch.bincount(flat // self.per, minlength=self.groups.size("ep"))
+        hf = h.reshape(-1, h.shape[-1])
+        tag = token // 2 if self.wrong_tokens else token
+        rows, recv = self.groups.all_to_all(hf[token], splits, token=tag, mode=self.mode)
+        eids, _ = self.groups.all_to_all(flat[order].unsqueeze(1), splits, mode=self.mode)
+        return x1, rows, weights, order, eids.squeeze(1), torch.tensor(recv)
+
+    def mlp(self, x1, rows, weights, order, eids, recv):
+        local = eids - self.lo
+        o = torch.argsort(local, stable=True)
+        counts = torch.bincount(local, minlength=self.per).tolist()
+        out = torch.cat([e(p) for e, p in zip(self.inner.experts, rows[o].split(counts))])
+        return x1, torch.empty_like(out).index_copy(0, o, out), weights, order, recv
+
+    def combine(self, x1, out, weights, order, recv):
+        back, _ = self.groups.all_to_all(out, recv, phase="combine", mode=self.mode)
+        return self.inner.combine(x1, back, weights, order)
+
+    def forward(self, x):
+        return self.combine(*self.mlp(*self.dispatch(*self.attn(x))))
+
+
+def a2a_worker(rank: int, world: int, port: int, c: dict, results) -> None:
+    try:
+        init(rank, world, port)
+        torch.set_default_dtype(torch.float64)
+        prog = rtm.read_program(c["dir"], rank)
+        n_model = prog.manifest["model_stages"]
+        out = {"coords": prog.coords, "runs": {}}
+        for run in ("flat", "hierarchical", "control"):
+            full = mm.build(A2A_CFG, n_model, SEED)
+            rt = rtm.ProgramRuntime(
+                prog, make_stage=lambda s, n, groups: EPStage(
+                    copy.deepcopy(full[s]), groups, wrong_tokens=run == "control"),
+                loss_fn=mm.loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+                moe_parts=rtm.MoEParts.methods(), is_expert=lambda n, p: ".experts." in n,
+                a2a="flat" if run == "flat" else "hierarchical", timeout=60.0)
+            steps = []
+            for step in range(A2A_STEPS):
+                x, y = shard_batch(A2A_CFG, step, rt.data_shard, prog.total_microbatches)
+                grads = {}
+
+                def grab(r):
+                    for s, st in r.stages.items():
+                        grads[st.info.model_stage] = {n: p.grad.tolist() for n, p in zip(st.names, st.params)}
+
+                losses = rt.step(x, y, before_optimizer=grab)
+                steps.append({"losses": [float(l) for l in losses], "chunks": list(rt.loss_chunks),
+                              "grads": grads})
+            out["runs"][run] = {"steps": steps, "traffic": dict(rt.groups.a2a_traffic),
+                                "ep": rt.groups.ranks["ep"], "ep_node": rt.groups.ranks["ep_node"],
+                                "ep_cross": rt.groups.ranks["ep_cross"], "lo": rt.stages[next(iter(rt.stages))].module.lo}
+            dist.barrier()
+        results.put((rank, out, None))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, None, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def a2a_reference(n_model: int, chunks: int, shards: int) -> list:
+    """Unpipelined training of the whole model (every expert) on every shard's batch: per
+    step, the losses by (shard, chunk) and the gradients by model stage."""
+    torch.set_default_dtype(torch.float64)
+    ref = mm.build(A2A_CFG, n_model, SEED)
+    opt = torch.optim.SGD([p for s in ref for p in s.parameters()], lr=LR)
+    out = []
+    for step in range(A2A_STEPS):
+        opt.zero_grad()
+        losses = {}
+        for sh in range(shards):
+            x, y = shard_batch(A2A_CFG, step, sh, chunks)
+            for i, (xm, ym) in enumerate(zip(x.tensor_split(chunks), y.tensor_split(chunks))):
+                h = xm
+                for s in ref:
+                    h = s(h)
+                loss = mm.loss_fn(h, ym)
+                (loss / (chunks * shards)).backward()
+                losses[(sh, i)] = float(loss.detach())
+        out.append({"losses": losses, "grads": [{n: p.grad.clone() for n, p in s.named_parameters()} for s in ref]})
+        opt.step()
+    return out
+
+
+def a2a_ep8_worker(rank: int, world: int, port: int, c: dict, results) -> None:
+    """The EP group of all 8 ranks on 2 nodes of 4 (node=4), outside a pipeline: 32 tokens
+    per rank routed top-4 over 8 experts (one per rank), dispatch, an expert, combine, a
+    loss and its backward, flat then hierarchical."""
+    try:
+        init(rank, world, port)
+        members = list(range(world))
+        g = rtm.MeshGroups(coords={"ep": rank}, ranks={"ep": members},
+                           ep=dist.new_group(members), node_size=4)
+
+        class _Prog:
+            pass
+        prog = _Prog()
+        prog.rank = rank
+        rtm._node_groups(g, prog, members, timedelta(seconds=60))
+        gen = torch.Generator().manual_seed(SEED + rank)
+        t, k, d = 32, 4, 16
+        h0 = torch.randn(t, d, dtype=torch.float64, generator=gen)
+        chosen = torch.stack([torch.randperm(world, generator=gen)[:k] for _ in range(t)])
+        w = torch.randn(d, d, dtype=torch.float64, generator=gen)
+        out = {}
+        for mode in ("flat", "hierarchical"):
+            h = h0.clone().requires_grad_()
+            flat = chosen.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            token = order // k
+            splits = torch.bincount(flat, minlength=world)
+            rows, recv = g.all_to_all(h[token], splits, token=token, mode=mode)
+            y = torch.tanh(rows @ w)
+            back, _ = g.all_to_all(y, recv, phase="combine", mode=mode)
+            per_token = torch.empty_like(back).index_copy(0, order, back).reshape(t, k, d).sum(1)
+            loss = (per_token * torch.linspace(-1, 1, d, dtype=torch.float64)).sum()
+            loss.backward()
+            out[mode] = {"loss": float(loss.detach()), "grad": h.grad.tolist(), "traffic": g.reset_traffic()}
+        results.put((rank, out, None))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, None, traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def check_a2a_ep8(tally: Tally, timeout: float) -> None:
+    got, errors, secs = spawn(8, a2a_ep8_worker, {}, timeout)
+    for e in errors.values():
+        print(e, file=sys.stderr)
+    name = "torch_runtime_all_to_all_ep8_node4_top4"
+    if errors or len(got) < 8:
+        tally.record(name, False, "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}"
+                                            for r, e in sorted(errors.items())) or "missing ranks")
+        return
+    unequal = sum((got[r]["flat"]["loss"] != got[r]["hierarchical"]["loss"])
+                  + int((torch.tensor(got[r]["flat"]["grad"]) != torch.tensor(got[r]["hierarchical"]["grad"])).sum())
+                  for r in got)
+    tr = {m: {k: sum(got[r][m]["traffic"][k] for r in got) for k in got[0][m]["traffic"]}
+          for m in ("flat", "hierarchical")}
+    f, h = tr["flat"], tr["hierarchical"]
+    tally.record(
+        name, unequal == 0 and f["inter_messages"] == 4 * h["inter_messages"]
+        and h["dispatch_inter_bytes"] < f["dispatch_inter_bytes"],
+        f"groups.all_to_all over ep=8 on 2 nodes of 4, 32 tokens per rank top-4 of 8 experts, "
+        f"dispatch + combine and their backward, f64: {unequal} unequal values (losses and input "
+        f"gradients) between flat and hierarchical; inter-node messages {f['inter_messages']} / "
+        f"{h['inter_messages']} ({f['inter_messages'] / max(h['inter_messages'], 1):.1f}x), dispatch "
+        f"inter-node bytes {f['dispatch_inter_bytes']} / {h['dispatch_inter_bytes']} "
+        f"({f['dispatch_inter_bytes'] / max(h['dispatch_inter_bytes'], 1):.2f}x), all inter-node bytes "
+        f"{f['inter_bytes']} / {h['inter_bytes']}, intra-node bytes {f['intra_bytes']} / "
+        f"{h['intra_bytes']} ({secs:.1f}s)")
+
+
+def check_a2a(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
+    if not only or "a2a" in only or "a2a-ep8" in only:
+        check_a2a_ep8(tally, timeout)
+    for name, spec, args, mesh in A2A_CONFIGS:
+        if only and name not in only and "a2a" not in only:
+            continue
+        d = os.path.join(tmp, name)
+        compile_program(exe, spec, args, mesh, True, d)
+        man = json.load(open(os.path.join(d, "manifest.json")))
+        world = man["world"]
+        got, errors, secs = spawn(world, a2a_worker, {"dir": d}, timeout)
+        for e in errors.values():
+            print(e, file=sys.stderr)
+        if errors or len(got) < world:
+            why = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errors.items()))
+            tally.record(f"torch_runtime_hierarchical_a2a_equals_flat ({name})", False,
+                         why or f"results from ranks {sorted(got)} only")
+            continue
+        shards = 1
+        for dim, n in man["mesh"]["dims"]:
+            if dim in ("dp", "ep"):
+                shards *= n
+        chunks = man["microbatches"]
+        ref = a2a_reference(man["model_stages"], chunks, shards)
+        data_shard = {rk: json.load(open(os.path.join(d, f"rank{rk}.json")))["data_shard"] for rk in got}
+
+        def compare(run: str, other: str | None):
+            """Largest relative error of `run` against the reference (other None) or, exactly
+            (count of unequal values), against run `other`."""
+            err, n, unequal = 0.0, 0, 0
+            for rk in sorted(got):
+                a = got[rk]["runs"][run]
+                for step, st in enumerate(a["steps"]):
+                    if other is not None:
+                        b = got[rk]["runs"][other]["steps"][step]
+                        unequal += sum(x != y for x, y in zip(st["losses"], b["losses"]))
+                        for ms, g in st["grads"].items():
+                            for pn, v in g.items():
+                                t, u = torch.tensor(v), torch.tensor(b["grads"][ms][pn])
+                                unequal += int((t != u).sum())
+                                n += 1
+                        continue
+                    r = ref[step]
+                    for chunk, l in zip(st["chunks"], st["losses"]):
+                        want = r["losses"][(data_shard[rk], chunk)]
+                        err = max(err, abs(l - want) / abs(want))
+                    for ms, g in st["grads"].items():
+                        for pn, v in g.items():
+                            rn = pn.removeprefix("inner.")
+                            if rn.startswith("experts."):
+                                i, rest = rn.split(".", 2)[1:]
+                                rn = f"experts.{int(i) + a['lo']}.{rest}"
+                            err = max(err, rel_err(torch.tensor(v), r["grads"][int(ms)][rn]))
+                            n += 1
+            return err, n, unequal
+
+        ref_err, n_ref, _ = compare("flat", None)
+        _, n_eq, unequal = compare("hierarchical", "flat")
+        _, _, unequal_control = compare("control", "flat")
+        tr = {run: {k: sum(got[rk]["runs"][run]["traffic"][k] for rk in got)
+                    for k in got[0]["runs"][run]["traffic"]} for run in ("flat", "hierarchical")}
+        g0 = got[0]["runs"]["hierarchical"]
+        groups_ok = (g0["ep"] == [0, 1, 2, 3] and g0["ep_node"] == [0, 1] and g0["ep_cross"] == [0, 2]
+                     and got[5]["runs"]["flat"]["ep_node"] == [4, 5] and got[5]["runs"]["flat"]["ep_cross"] == [5, 7])
+        f, h = tr["flat"], tr["hierarchical"]
+        tally.record(
+            f"torch_runtime_hierarchical_a2a_equals_flat ({name})",
+            ref_err <= 1e-9 and unequal == 0 and n_eq == n_ref and groups_ok
+            and h["inter_messages"] * 2 == f["inter_messages"]
+            and h["dispatch_inter_bytes"] < f["dispatch_inter_bytes"],
+            f"--mesh {mesh}, {world} gloo processes, MoE parts, {A2A_CFG.experts} experts top-"
+            f"{A2A_CFG.top_k}, {A2A_STEPS} SGD steps in f64: flat against the unpipelined model "
+            f"max rel err {ref_err:.1e} ({n_ref} gradients and the losses); hierarchical against "
+            f"flat: {unequal} unequal values in the losses and {n_eq} gradients; groups "
+            f"ep_node {g0['ep_node']} ep_cross {g0['ep_cross']} on rank 0 ({secs:.1f}s)")
+        tally.record(
+            f"torch_runtime_hierarchical_a2a_crosses_nodes_less ({name})",
+            h["inter_messages"] * 2 == f["inter_messages"] and h["dispatch_inter_bytes"] < f["dispatch_inter_bytes"],
+            f"inter-node messages flat {f['inter_messages']} / hierarchical {h['inter_messages']} "
+            f"({f['inter_messages'] / max(h['inter_messages'], 1):.2f}x), dispatch inter-node bytes "
+            f"{f['dispatch_inter_bytes']} / {h['dispatch_inter_bytes']} "
+            f"({f['dispatch_inter_bytes'] / max(h['dispatch_inter_bytes'], 1):.2f}x), all inter-node "
+            f"bytes {f['inter_bytes']} / {h['inter_bytes']}, intra-node bytes {f['intra_bytes']} / "
+            f"{h['intra_bytes']}, intra-node messages {f['intra_messages']} / {h['intra_messages']}")
+        tally.record(
+            "torch_runtime_hierarchical_a2a_control_wrong_token_ids_is_noticed", unequal_control > 0,
+            f"hierarchical dispatch told that copies of different tokens are one token: "
+            f"{unequal_control} values differ from flat (must be > 0)")
 
 
 # ------------------------------------------------------------------------------------------
@@ -1553,7 +1961,7 @@ def check_tp(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedc", default=os.path.join(ROOT, "target", "debug", "schedc"))
-    ap.add_argument("--only", action="append", help="a configuration name, torch-NAME, calibration-NAME, faults, units, loop, loop-NAME")
+    ap.add_argument("--only", action="append", help="a configuration name, torch-NAME, calibration-NAME, faults, units, loop, loop-NAME, tp, a2a")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     ap.add_argument("--torch-steps", type=int, default=12, help="steps per runtime in the torch comparison")
     ap.add_argument("--keep", help="write the programs here and keep them")
@@ -1585,6 +1993,8 @@ def main() -> int:
         check_loop(tally, args.schedc, tmp, only, args.timeout, not args.no_compile)
         print("== tensor parallelism inside a stage (issue 23)", flush=True)
         check_tp(tally, args.schedc, tmp, only, args.timeout)
+        print("== expert parallelism over nodes: the hierarchical all-to-all (issue 23)", flush=True)
+        check_a2a(tally, args.schedc, tmp, only, args.timeout)
     print(f"{tally.passed} passed, {len(tally.failed)} failed ({time.time() - t0:.0f}s)"
           + (": " + ", ".join(tally.failed) if tally.failed else ""))
     return 1 if tally.failed else 0

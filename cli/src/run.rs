@@ -151,6 +151,11 @@ pub struct Args {
     /// CPU: experts each token is routed to (default: 2).
     #[arg(long)]
     pub top_k: Option<usize>,
+    /// CPU: node-limited routing (DeepSeek-V3): each token's experts on at most M of the
+    /// nodes its EP group spans (`--mesh ...,node=K`); the experts of each node form one
+    /// routing group, and a token picks the M groups whose best top_k/M scores sum highest.
+    #[arg(long, value_name = "M")]
+    pub node_limit: Option<usize>,
     /// The backend.
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: Backend,
@@ -287,10 +292,11 @@ pub fn run(args: Args) -> ExitCode {
         if args.a2a != A2a::Flat
             || args.experts.is_some()
             || args.top_k.is_some()
+            || args.node_limit.is_some()
             || args.sequence_parallel
         {
             return usage(
-                "--a2a, --experts, --top-k and --sequence-parallel are for --backend cpu",
+                "--a2a, --experts, --top-k, --node-limit and --sequence-parallel are for --backend cpu",
             );
         }
         // Before the schedule is loaded and before NVRTC is.
@@ -380,6 +386,28 @@ pub fn run(args: Args) -> ExitCode {
     }
     if let Err(e) = model.validate() {
         return fail(format, &format!("--experts/--top-k: {e}"), 2);
+    }
+    if let Some(max) = args.node_limit {
+        // One routing group per node of the EP group (rank 0's; every EP group spans as
+        // many nodes, the mesh's node size dividing ep or being a multiple of it).
+        let groups = match &mesh {
+            Some(m) => {
+                let ep = m.ep_group(0).unwrap_or_default();
+                let mut nodes: Vec<u32> = ep.iter().map(|r| m.node_of(*r)).collect();
+                nodes.sort_unstable();
+                nodes.dedup();
+                nodes.len().max(1)
+            }
+            None => 1,
+        };
+        model.group_limit = Some(schedc_program::model::GroupLimit { groups, max });
+        if let Err(e) = model.validate() {
+            return fail(
+                format,
+                &format!("--node-limit: the EP group spans {groups} node(s): {e}"),
+                2,
+            );
+        }
     }
     let cfg = RunConfig {
         mesh,

@@ -155,6 +155,7 @@ fn flags(cmd: &str) -> Vec<Flag> {
             ("--a2a", Some(&["flat", "hierarchical", "x"][..])),
             ("--experts", Some(&["8", "3", "0", "x"][..])),
             ("--top-k", Some(&["1", "4", "9", "0"][..])),
+            ("--node-limit", Some(&["1", "2", "0", "x"][..])),
             ("--dtype", Some(&["f32", "f64", "f16"][..])),
             ("--steps", Some(&["0", "1", "2", "-1", "x"][..])),
             (

@@ -607,3 +607,74 @@ fn run_sequence_parallel_in_the_tp_group() {
         stderr(&out)
     );
 }
+
+/// Issue 23: `run --node-limit M` (DeepSeek-V3's node-limited routing: each token's experts
+/// on at most M of the nodes its EP group spans) at `--mesh pp=2,ep=8,node=4`, top-4 of 8:
+/// `--verify` passes (the sequential reference routes under the same limit), hierarchical
+/// equals flat, and the hierarchical dispatch crosses nodes less than without the limit. A
+/// limit beyond the nodes, and the flag on the CUDA backend, are refused (exit 2).
+#[test]
+fn run_node_limited_routing() {
+    let run = |extra: &[&str]| {
+        let mut c = bin();
+        c.args([
+            "run",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "2",
+            "--experts",
+            "8",
+            "--top-k",
+            "4",
+            "--format",
+            "json",
+            "--mesh",
+            "pp=2,ep=8,node=4",
+        ]);
+        c.args(extra).output().unwrap()
+    };
+    let json = |out: &Output| -> serde_json::Value {
+        assert_ok(out);
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let f = json(&run(&["--node-limit", "1", "--a2a", "flat", "--verify"]));
+    let h = json(&run(&["--node-limit", "1", "--a2a", "hierarchical"]));
+    let free = json(&run(&["--a2a", "hierarchical"]));
+    assert!(f["max_rel_grad_err"].as_f64().unwrap() < 1e-10, "{f}");
+    assert_eq!(f["loss"], h["loss"]);
+    assert_ne!(h["loss"], free["loss"]);
+    let d = |v: &serde_json::Value| v["dispatch_inter_node_bytes"].as_u64().unwrap();
+    assert!(d(&h) < d(&free), "{} {}", d(&h), d(&free));
+    let bad = run(&["--node-limit", "3"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+    assert!(
+        stderr(&bad).contains(
+            "--node-limit: the EP group spans 2 node(s): model: a token's experts must come from 1 to 2 groups, got 3"
+        ),
+        "{}",
+        stderr(&bad)
+    );
+    let cuda = bin()
+        .args([
+            "run",
+            "specs/1f1b.sched",
+            "--pp",
+            "2",
+            "--mb",
+            "2",
+            "--backend",
+            "cuda",
+            "--node-limit",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(cuda.status.code(), Some(2), "{}", stderr(&cuda));
+    assert!(
+        stderr(&cuda).contains("--node-limit and --sequence-parallel are for --backend cpu"),
+        "{}",
+        stderr(&cuda)
+    );
+}

@@ -973,14 +973,21 @@ pub fn route<T: Real>(cfg: &ModelConfig, logits: &[T], s: &[T], bias: &[T]) -> R
     let (e, k) = (cfg.experts, cfg.top_k);
     let t = s.len() / e;
     let cap = cfg.capacity(t);
-    // Preference order per token on s + bias (ties to the lower id).
+    // Preference order per token on s + bias (ties to the lower id); under a group limit
+    // the experts of the token's groups first.
     let prefs: Vec<Vec<usize>> = (0..t)
         .map(|i| {
+            let score: Vec<T> = (0..e).map(|x| s[i * e + x] + bias[x]).collect();
+            let allowed = cfg.allowed_experts(&score);
             let mut ids: Vec<usize> = (0..e).collect();
             ids.sort_by(|&a, &b| {
-                let (sa, sb) = (s[i * e + a] + bias[a], s[i * e + b] + bias[b]);
-                sb.partial_cmp(&sa)
-                    .unwrap_or(std::cmp::Ordering::Equal)
+                allowed[b]
+                    .cmp(&allowed[a])
+                    .then(
+                        score[b]
+                            .partial_cmp(&score[a])
+                            .unwrap_or(std::cmp::Ordering::Equal),
+                    )
                     .then(a.cmp(&b))
             });
             ids
@@ -2983,6 +2990,51 @@ mod tests {
         let mut cfg = ModelConfig::tiny();
         cfg.bugs.per_head_kpe = true;
         check_stage(&cfg, 1, 3);
+    }
+
+    #[test]
+    fn node_limited_routing_keeps_each_token_on_its_best_groups() {
+        // 8 experts in 2 groups (nodes), top-4, at most 1 group per token, no capacity:
+        // every token's 4 experts are the 4 of one group, the group whose best 4 scores sum
+        // highest; without the limit some token spans both groups.
+        use schedc_program::model::GroupLimit;
+        let mut cfg = ModelConfig::tiny();
+        cfg.experts = 8;
+        cfg.top_k = 4;
+        cfg.capacity_factor = None;
+        let t = 16;
+        let mut rng = crate::tensor::Rng::new(7);
+        let logits: Vec<f64> = (0..t * 8).map(|_| 2.0 * rng.uniform()).collect();
+        let s: Vec<f64> = logits.iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect();
+        let bias = vec![0.0; 8];
+        let free = route(&cfg, &logits, &s, &bias);
+        let spans = |r: &Routing<f64>, i: usize| {
+            let mut g: Vec<usize> = r.experts[i * 4..i * 4 + 4].iter().map(|x| x / 4).collect();
+            g.sort();
+            g.dedup();
+            g
+        };
+        assert!((0..t).any(|i| spans(&free, i).len() == 2));
+        cfg.group_limit = Some(GroupLimit { groups: 2, max: 1 });
+        cfg.validate().unwrap();
+        let lim = route(&cfg, &logits, &s, &bias);
+        for i in 0..t {
+            let row = &s[i * 8..i * 8 + 8];
+            let best = |g: usize| row[g * 4..g * 4 + 4].iter().sum::<f64>();
+            let want = if best(1) > best(0) { 1 } else { 0 };
+            assert_eq!(spans(&lim, i), vec![want], "token {i}");
+            assert_eq!(lim.desired[i * 4..i * 4 + 4], lim.experts[i * 4..i * 4 + 4]);
+        }
+        // Refusals: groups that do not divide E, a limit out of range, too few experts.
+        for (g, m, want) in [
+            (3, 1, "do not split into 3 equal routing groups"),
+            (2, 3, "must come from 1 to 2 groups, got 3"),
+            (4, 1, "1 group(s) of 2 experts hold fewer than top_k = 4"),
+        ] {
+            cfg.group_limit = Some(GroupLimit { groups: g, max: m });
+            let e = cfg.validate().unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
     }
 
     #[test]

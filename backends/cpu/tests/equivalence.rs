@@ -1197,3 +1197,91 @@ fn hierarchical_all_to_all_equals_flat_exactly_and_crosses_nodes_less() {
         assert!(h.a2a_intra_bytes > f.a2a_intra_bytes, "{name}");
     }
 }
+
+/// Node-limited routing (DeepSeek-V3: each token's experts on at most `M` nodes) at
+/// `pp=2,ep=8,node=4` (the EP group on 2 nodes, 4 experts each), `M = 1`, top-4 of 8,
+/// without capacity (so that the limit always holds): pipelined equals sequential under the
+/// same routing, hierarchical equals flat exactly, and the hierarchical dispatch crosses
+/// nodes less than without the limit (a token's 4 rows go to one node: its own, or the
+/// other one in a single row).
+#[test]
+fn node_limited_routing_equals_sequential_and_hierarchical_equals_flat() {
+    use schedc_program::model::GroupLimit;
+    let cfg = ModelConfig {
+        experts: 8,
+        top_k: 4,
+        capacity_factor: None,
+        group_limit: Some(GroupLimit { groups: 2, max: 1 }),
+        ..ModelConfig::tiny()
+    };
+    let free = ModelConfig {
+        group_limit: None,
+        ..cfg.clone()
+    };
+    let mesh_s = "pp=2,ep=8,node=4";
+    let src = spec("1f1b", 2, 4, None).unwrap();
+    let c = run_program(
+        &cfg,
+        &src,
+        mesh_s,
+        2,
+        Optimizer::Sgd { lr: 0.2 },
+        LowerOptions::default(),
+    );
+    println!(
+        "node-limited 1f1b {mesh_s}: grad {:.2e} loss {:.2e} params {:.2e}",
+        c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+    );
+    assert!(
+        c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+        "{c:?}"
+    );
+    let mesh: Mesh = mesh_s.parse().unwrap();
+    let data = Data::builtin();
+    let run = |cfg: &ModelConfig, a2a| {
+        let set = ProgramSet::lower(&src, &mesh, cfg, LowerOptions::default()).unwrap();
+        let opts = ExecOptions {
+            steps: 2,
+            optimizer: Optimizer::Sgd { lr: 0.2 },
+            record: true,
+            a2a,
+            ..ExecOptions::default()
+        };
+        execute::<f64>(&set, &data, &opts).unwrap()
+    };
+    let flat = run(&cfg, A2aMode::Flat);
+    let hier = run(&cfg, A2aMode::Hierarchical);
+    assert_eq!(flat.losses, hier.losses);
+    assert_eq!(flat.grads, hier.grads);
+    assert_eq!(flat.params, hier.params);
+    let free_hier = run(&free, A2aMode::Hierarchical);
+    let free_flat = run(&free, A2aMode::Flat);
+    assert_ne!(
+        free_hier.losses, hier.losses,
+        "the limit changed no routing"
+    );
+    let (f, h, ff, fh) = (
+        flat.traffic,
+        hier.traffic,
+        free_flat.traffic,
+        free_hier.traffic,
+    );
+    println!(
+        "dispatch inter-node bytes: node-limited flat {} hierarchical {}; unlimited flat {} hierarchical {}",
+        f.dispatch_inter_bytes, h.dispatch_inter_bytes, ff.dispatch_inter_bytes, fh.dispatch_inter_bytes
+    );
+    println!(
+        "all inter-node bytes: node-limited flat {} hierarchical {}; unlimited flat {} hierarchical {}",
+        f.a2a_inter_bytes, h.a2a_inter_bytes, ff.a2a_inter_bytes, fh.a2a_inter_bytes
+    );
+    assert!(
+        h.dispatch_inter_bytes < fh.dispatch_inter_bytes,
+        "{h:?} {fh:?}"
+    );
+    // Under the limit a remote token's 4 rows all go to the other node: hierarchical sends
+    // one row for four (plus the indices).
+    assert!(
+        h.dispatch_inter_bytes * 3 < f.dispatch_inter_bytes,
+        "{h:?} {f:?}"
+    );
+}

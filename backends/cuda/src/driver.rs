@@ -253,6 +253,9 @@ impl<'a> RankDev<'a> {
         if m.sequence_parallel {
             return Err(SEQUENCE_PARALLEL_REFUSED.into());
         }
+        if cfg.group_limit.is_some() {
+            return Err("the CUDA backend's router has no group-limited (node-limited) routing: run it on the CPU backend (--backend cpu)".into());
+        }
         let dims = Dims::new(cfg, &m.mesh, gpu.dtype())?;
         let streams = prog
             .streams
@@ -737,7 +740,9 @@ impl Device for RankDev<'_> {
                     Tp::AttnInGrad => (r.tpg, t * (dm.qr + dm.kvr + dm.kw())),
                     _ => return Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
                 };
-                if region.bytes < count * 4 {
+                // The regions hold the storage type (bf16 in a bf16 run).
+                let dtype = dm.dtype;
+                if region.bytes < count * dtype.size() {
                     return Err(format!(
                         "`{op}`: {count} values do not fit the stash region of {} bytes",
                         region.bytes
@@ -750,6 +755,7 @@ impl Device for RankDev<'_> {
                     group,
                     stash + region.off as u64,
                     count,
+                    dtype,
                     issued,
                 )
             }
@@ -814,6 +820,7 @@ impl Device for RankDev<'_> {
                     &group,
                     g,
                     n,
+                    DType::F32,
                     issued,
                 )
             }
@@ -836,6 +843,7 @@ impl Device for RankDev<'_> {
                     group,
                     g + (off * 4) as u64,
                     n,
+                    DType::F32,
                     issued,
                 )
             }

@@ -397,7 +397,7 @@ pub struct LayerRegions {
     pub dcq_raw: Region,  // T t x qr
     pub da: Region,       // T t x d
     pub dx: Region,       // T t x d: the layer input's gradient
-    pub tpg: Region,      // f t x (qr + kvr + kw): TP, `[dc_Q; dc_KV; dk^R]` to all-reduce
+    pub tpg: Region,      // T t x (qr + kvr + kw): TP, `[dc_Q; dc_KV; dk^R]` to all-reduce
     // The expert side (rows received from the EP group).
     pub perm: Region,      // i ep x rmax
     pub ecount: Region,    // i per
@@ -529,7 +529,7 @@ impl StashLayout {
                 da: a.take(act),
                 dx: a.take(act),
                 tpg: a.take(if dims.tp > 1 {
-                    t * (qr + kvr + kw) * fs
+                    t * (qr + kvr + kw) * ts
                 } else {
                     0
                 }),

@@ -222,15 +222,6 @@ pub enum RunError {
 /// `schedc run INPUT ... --backend cuda` (see the module docs). Errors: [`RunError`]; on a
 /// machine without a GPU, [`RunError::Device`] starting "no CUDA driver" with the cause.
 pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
-    if let Some(m) = &cfg.mesh {
-        // The TP all-reduces sum f32 partials in place in the stash.
-        if m.size(Dim::Tp) > 1 && cfg.dtype != DType::F32 {
-            return Err(RunError::Config(
-                "tensor parallelism (tp > 1) on the CUDA backend runs in f32: use --dtype f32"
-                    .into(),
-            ));
-        }
-    }
     if cfg.steps == 0 {
         return Err(RunError::Config("--steps must be at least 1".into()));
     }

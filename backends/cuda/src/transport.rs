@@ -94,8 +94,11 @@ pub trait Transport: Send + Sync {
         slot_bytes: usize,
         issued: &mut bool,
     ) -> Result<Ready, String>;
-    /// Every member's `count` floats at `ptr` replaced by their sum over `group`, added in
-    /// group order.
+    /// Every member's `count` values at `ptr` replaced by their sum over `group`, added in
+    /// group order. `dtype`: the values' type, [`DType::F32`] (gradients, f32 in every run)
+    /// or the device's storage type (the TP all-reduces of activations and their gradients,
+    /// bf16 in a bf16 run: each addition in f32, rounded to bf16, as the `add` kernel does).
+    #[allow(clippy::too_many_arguments)]
     fn reduce(
         &self,
         cx: &mut Cx,
@@ -103,6 +106,7 @@ pub trait Transport: Send + Sync {
         group: &[u32],
         ptr: DevPtr,
         count: usize,
+        dtype: DType,
         issued: &mut bool,
     ) -> Result<Ready, String>;
     /// Blocks until another rank may have made progress, at most `at_most`.
@@ -123,19 +127,25 @@ pub trait Transport: Send + Sync {
     }
 }
 
-/// `y = a + b` over `n` floats, on `s`.
-fn add_f32(
+/// `y = a + b` over `n` values of `dtype` (`add_f32` for f32, else the storage type's
+/// `add`), on `s`.
+fn add_n(
     gpu: &dyn Gpu,
     s: StreamId,
     y: DevPtr,
     a: DevPtr,
     b: DevPtr,
     n: usize,
+    dtype: DType,
 ) -> Result<(), GpuError> {
     gpu.launch(
         s,
         &Launch {
-            kernel: "add_f32",
+            kernel: if dtype == DType::F32 {
+                "add_f32"
+            } else {
+                "add"
+            },
             grid: [n.div_ceil(256).clamp(1, 4096) as u32, 1, 1],
             block: [256, 1, 1],
             args: vec![Arg::Ptr(y), Arg::Ptr(a), Arg::Ptr(b), Arg::I64(n as i64)],
@@ -143,21 +153,22 @@ fn add_f32(
     )
 }
 
-/// The sum of `srcs` (each `n` floats) in order into `acc`, on `s`.
+/// The sum of `srcs` (each `n` values of `dtype`) in order into `acc`, on `s`.
 fn sum_in_order(
     gpu: &dyn Gpu,
     s: StreamId,
     acc: DevPtr,
     srcs: &[DevPtr],
     n: usize,
+    dtype: DType,
 ) -> Result<(), GpuError> {
     match srcs {
         [] => Ok(()),
-        [one] => gpu.dtod(s, acc, *one, n * 4),
+        [one] => gpu.dtod(s, acc, *one, n * dtype.size()),
         [a, b, rest @ ..] => {
-            add_f32(gpu, s, acc, *a, *b, n)?;
+            add_n(gpu, s, acc, *a, *b, n, dtype)?;
             for r in rest {
-                add_f32(gpu, s, acc, acc, *r, n)?;
+                add_n(gpu, s, acc, acc, *r, n, dtype)?;
             }
             Ok(())
         }
@@ -449,17 +460,19 @@ impl Transport for Single {
         group: &[u32],
         ptr: DevPtr,
         count: usize,
+        dtype: DType,
         issued: &mut bool,
     ) -> Result<Ready, String> {
         let mi = member(group, cx.rank)?;
+        let bytes = count * dtype.size();
         let key = (cx.step, tag, group.to_vec());
         if let Some(srcs) = match self.join(cx, &key, mi, ptr, issued)? {
             Joined::Blocked(r) => return Ok(r),
             Joined::Pull(srcs) => Some(srcs),
             Joined::Pulled => None,
         } {
-            let acc = cx.pool.take(cx.gpu, cx.events, cx.s, count * 4)?;
-            sum_in_order(cx.gpu, cx.s, acc, &srcs, count)?;
+            let acc = cx.pool.take(cx.gpu, cx.events, cx.s, bytes)?;
+            sum_in_order(cx.gpu, cx.s, acc, &srcs, count, dtype)?;
             let e = cx.events.take(cx.gpu)?;
             cx.gpu.record(cx.s, e)?;
             let mut st = self.lock();
@@ -491,8 +504,8 @@ impl Transport for Single {
         for e in others {
             cx.gpu.wait(cx.s, e)?;
         }
-        cx.gpu.dtod(cx.s, ptr, acc, count * 4)?;
-        cx.pool.give(cx.gpu, cx.events, cx.s, acc, count * 4)?;
+        cx.gpu.dtod(cx.s, ptr, acc, bytes)?;
+        cx.pool.give(cx.gpu, cx.events, cx.s, acc, bytes)?;
         self.finish(cx, &key, mi)?;
         Ok(Ready::Done)
     }
@@ -583,11 +596,12 @@ impl Transport for Nccl<'_> {
         group: &[u32],
         ptr: DevPtr,
         count: usize,
+        dtype: DType,
         _issued: &mut bool,
     ) -> Result<Ready, String> {
         let mi = member(group, cx.rank)?;
         let n = group.len();
-        let bytes = count * 4;
+        let bytes = count * dtype.size();
         // Slots 0..n: every member's gradients (this member's copied in), slot n: the sum.
         let tmp = cx.pool.take(cx.gpu, cx.events, cx.s, (n + 1) * bytes)?;
         let slot = |j: usize| tmp + (j * bytes) as u64;
@@ -603,7 +617,7 @@ impl Transport for Nccl<'_> {
             Ok(())
         })?;
         let srcs: Vec<DevPtr> = (0..n).map(slot).collect();
-        sum_in_order(cx.gpu, cx.s, slot(n), &srcs, count)?;
+        sum_in_order(cx.gpu, cx.s, slot(n), &srcs, count, dtype)?;
         cx.gpu.dtod(cx.s, ptr, slot(n), bytes)?;
         cx.pool
             .give(cx.gpu, cx.events, cx.s, tmp, (n + 1) * bytes)?;

@@ -298,9 +298,50 @@ fn sequence_parallel_programs_are_refused_with_a_clear_message() {
 }
 
 #[test]
-fn tensor_parallel_in_bf16_is_refused_before_the_device() {
-    // The TP all-reduces sum f32 partials: `run --backend cuda --mesh pp=2,tp=2 --dtype
-    // bf16` is refused as a configuration error (exit 2 in the CLI), before any GPU probe.
+fn tensor_parallel_in_bf16_is_within_a_percent_of_the_cpu() {
+    // The TP all-reduces of activations and their gradients (`o W_O`, the shared expert's
+    // output and input gradient, `[dc_Q; dc_KV; dk^R]`) sum the storage type: bf16 in a bf16
+    // run (each addition in f32, rounded, as the `add` kernel does). The loss of a bf16 run
+    // at tp=2 is within the tolerance of the tp=1 bf16 check of the f32 CPU backend's.
+    let cfg = ModelConfig::tiny();
+    let data = Data::builtin();
+    for (name, mesh, moe) in [
+        ("1f1b", "pp=2,tp=2", false),
+        ("zb_h1", "pp=2,tp=2", false),
+        ("1f1b", "pp=2,tp=2,ep=2", true),
+    ] {
+        let set = lower_with(name, 2, 4, mesh, &cfg, moe);
+        let opts = ExecOptions {
+            steps: 2,
+            ..ExecOptions::default()
+        };
+        let run = execute(&HostGpu::new(DType::Bf16), &set, &data, &opts).unwrap();
+        let cpu = cpu_execute::<f32>(
+            &set,
+            &data,
+            &CpuOptions {
+                steps: 2,
+                ..CpuOptions::default()
+            },
+        )
+        .unwrap();
+        for (step, (g, c)) in run.losses.iter().zip(&cpu.losses).enumerate() {
+            let e = (g - c).abs() / c;
+            println!("equivalence {name} {mesh} bf16 step {step}: loss {g} against {c} (relative {e:.2e})");
+            assert!(
+                e < 1e-2,
+                "{name} {mesh} bf16 step {step}: loss off by {e:.3e}"
+            );
+        }
+        assert_eq!(run.losses.len(), 2);
+    }
+}
+
+#[test]
+fn tensor_parallel_in_bf16_is_not_refused_by_run() {
+    // `run --backend cuda --mesh pp=2,tp=2 --dtype bf16` used to be refused as a
+    // configuration error ("runs in f32"); it now goes on to the device (here, without a
+    // GPU, the device error; on a GPU machine, the run).
     use schedc_cuda::run::{run, RunConfig, RunError};
     let path = format!("{}/../../specs/1f1b.sched", env!("CARGO_MANIFEST_DIR"));
     let ov = Overrides {
@@ -316,12 +357,8 @@ fn tensor_parallel_in_bf16_is_refused_before_the_device() {
         dtype: DType::Bf16,
         ..RunConfig::default()
     };
-    match run(&src, &cfg) {
-        Err(RunError::Config(m)) => assert_eq!(
-            m,
-            "tensor parallelism (tp > 1) on the CUDA backend runs in f32: use --dtype f32"
-        ),
-        other => panic!("expected a configuration error, got {:?}", other.err()),
+    if let Err(RunError::Config(m)) = run(&src, &cfg) {
+        panic!("bf16 at tp=2 refused as a configuration: {m}");
     }
 }
 

@@ -43,6 +43,20 @@ impl Bugs {
     }
 }
 
+/// Group-limited routing (DeepSeek-V3's node-limited routing, arXiv 2412.19437 §2.1.2
+/// and §3.2.2): the `E` routed experts form `groups` equal contiguous groups (expert `x` is
+/// in group `x / (E / groups)`; with the groups placed one per node, each token's experts
+/// sit on at most `max` nodes), and each token first picks the `max` groups whose best
+/// `max(1, k / max)` selection scores (`s + bias`) sum highest (ties to the lower group),
+/// then its top-k among their experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupLimit {
+    /// Expert groups `G` (the nodes the EP group spans, for node-limited routing).
+    pub groups: usize,
+    /// Groups a token's experts may come from, `M` (`1..=G`).
+    pub max: usize,
+}
+
 /// The model's sizes and hyper-parameters.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
@@ -89,6 +103,12 @@ pub struct ModelConfig {
     pub ema_decay: f64,
     /// Seed of the weight initialization.
     pub seed: u64,
+    /// Group-limited (node-limited) routing; `None`: every token may pick any expert.
+    /// Under a capacity factor an assignment that finds every expert of its groups full is
+    /// re-routed to the best expert with room outside them (never dropped), so capacity can
+    /// break the limit; without one it always holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_limit: Option<GroupLimit>,
     /// Injected bugs (tests only).
     #[serde(default, skip_serializing_if = "Bugs::none")]
     pub bugs: Bugs,
@@ -120,6 +140,7 @@ impl ModelConfig {
             bias_rate: 1e-3,
             ema_decay: 0.9,
             seed: 1234,
+            group_limit: None,
             bugs: Bugs::default(),
         }
     }
@@ -201,7 +222,61 @@ impl ModelConfig {
                 return Err(format!("model: capacity factor must be positive, got {cf}"));
             }
         }
+        if let Some(GroupLimit { groups, max }) = self.group_limit {
+            if groups == 0 || !self.experts.is_multiple_of(groups) {
+                return Err(format!(
+                    "model: the {} experts do not split into {groups} equal routing groups",
+                    self.experts
+                ));
+            }
+            if max == 0 || max > groups {
+                return Err(format!(
+                    "model: a token's experts must come from 1 to {groups} groups, got {max}"
+                ));
+            }
+            if max * (self.experts / groups) < self.top_k {
+                return Err(format!(
+                    "model: {max} group(s) of {} experts hold fewer than top_k = {} experts",
+                    self.experts / groups,
+                    self.top_k
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The expert groups token `scores` (`s + bias`, one per expert) may route to under
+    /// [`ModelConfig::group_limit`], as a mask over the experts (all true without one).
+    pub fn allowed_experts<T: Copy + PartialOrd + std::ops::Add<Output = T>>(
+        &self,
+        scores: &[T],
+    ) -> Vec<bool> {
+        let e = self.experts;
+        let Some(GroupLimit { groups, max }) = self.group_limit else {
+            return vec![true; e];
+        };
+        let per = e / groups;
+        let best = (self.top_k / max).clamp(1, per);
+        let desc = |a: &T, b: &T| b.partial_cmp(a).unwrap_or(std::cmp::Ordering::Equal);
+        // Per group, the sum of its `best` highest scores.
+        let sums: Vec<T> = (0..groups)
+            .map(|g| {
+                let mut v = scores[g * per..(g + 1) * per].to_vec();
+                v.sort_by(desc);
+                let mut acc = v[0];
+                for x in &v[1..best] {
+                    acc = acc + *x;
+                }
+                acc
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..groups).collect();
+        order.sort_by(|&a, &b| desc(&sums[a], &sums[b]).then(a.cmp(&b)));
+        let mut mask = vec![false; e];
+        for &g in &order[..max] {
+            mask[g * per..(g + 1) * per].fill(true);
+        }
+        mask
     }
 
     /// The capacity of one expert for a routing group of `t` tokens (see the module docs);
