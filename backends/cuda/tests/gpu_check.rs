@@ -192,22 +192,28 @@ fn gpu_check_stops_after_a_failed_smoke_step() {
 #[test]
 fn gpu_check_skips_the_steps_the_deadline_leaves_no_time_for() {
     let (gpu, out) = setup("deadline");
-    // A budget of 45 s: at the start every step but realsize (90 s) would fit; the smoke
-    // step takes 6 s, after which the 45 s steps no longer do, the 35 s ones still do.
+    // A budget of 45 s: at the start every step but realsize (75 s) would fit; the smoke
+    // step takes 6 s, after which the 40 and 45 s steps no longer do, the 35 s ones still do.
     let s = run(
         &gpu,
         &out,
         &[("GPU_CHECK_BUDGET", "45"), ("SLEEP_SMOKE", "6")],
     );
     assert!(status(&out, "smoke").starts_with("exit 0 after "));
-    for step in ["f32_1f1b", "f32_zb_h1", "tp_dualpipe", "train_cuda_bf16"] {
+    for step in [
+        "f32_1f1b",
+        "f32_zb_h1",
+        "tp_dualpipe",
+        "tp_bf16_1f1b",
+        "train_cuda_bf16",
+    ] {
         assert!(
             status(&out, step).starts_with("exit "),
             "{step}: {}",
             status(&out, step)
         );
     }
-    for (step, limit) in [("realsize", 90), ("train_cuda_f32", 45), ("bench", 45)] {
+    for (step, limit) in [("realsize", 75), ("train_cuda_f32", 45), ("bench", 40)] {
         let st = status(&out, step);
         assert!(
             st.starts_with("skipped: deadline (")
