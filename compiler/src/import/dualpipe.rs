@@ -513,6 +513,7 @@ fn comm_entry(ctx: &Ctx, r: u32, e: &str, whole: &str) -> Result<Comm, OpErr> {
         (true, _) => Some(stage),
         (false, PayloadKind::Act) => pl.prev_stage(stage),
         (false, PayloadKind::Grad) => pl.next_stage(stage),
+        (false, PayloadKind::Lend | PayloadKind::Return) => Some(stage),
     };
     let Some(producer) = producer else {
         let (what, end) = if kind == PayloadKind::Act {
