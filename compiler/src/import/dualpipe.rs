@@ -822,7 +822,7 @@ mod tests {
                         assert_eq!(pl.rank_of(payload.stage) as usize, a, "{name}");
                         let consumer = match payload.kind {
                             PayloadKind::Act => pl.next_stage(payload.stage),
-                            PayloadKind::Grad => pl.prev_stage(payload.stage),
+                            _ => pl.prev_stage(payload.stage),
                         }
                         .unwrap();
                         assert_eq!(pl.rank_of(consumer), *peer, "{name}");
