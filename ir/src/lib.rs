@@ -700,9 +700,7 @@ impl Program {
     pub fn has_p2p(&self) -> bool {
         self.ranks.iter().flatten().any(|i| {
             i.comms().iter().any(|c| match c {
-                Comm::Send { payload, .. } | Comm::Recv { payload, .. } => {
-                    !payload.kind.is_stash()
-                }
+                Comm::Send { payload, .. } | Comm::Recv { payload, .. } => !payload.kind.is_stash(),
                 Comm::Collective(_) => false,
             })
         })
@@ -712,9 +710,7 @@ impl Program {
     pub fn has_lending(&self) -> bool {
         self.ranks.iter().flatten().any(|i| {
             i.comms().iter().any(|c| match c {
-                Comm::Send { payload, .. } | Comm::Recv { payload, .. } => {
-                    payload.kind.is_stash()
-                }
+                Comm::Send { payload, .. } | Comm::Recv { payload, .. } => payload.kind.is_stash(),
                 Comm::Collective(_) => false,
             })
         })

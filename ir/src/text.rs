@@ -1242,7 +1242,11 @@ mod tests {
         assert!(p.program.has_lending());
         let e = parse("pp 2\nrank 0: LEND(0,0 1)\n").unwrap_err();
         assert_eq!((e.line, e.col), (2, 18));
-        assert!(e.message.contains("`->` and the rank the stash goes to"), "{}", e.message);
+        assert!(
+            e.message.contains("`->` and the rank the stash goes to"),
+            "{}",
+            e.message
+        );
     }
 
     /// Found by `cargo fuzz run ir_text`: an unknown header word whose identifier part stops

@@ -314,6 +314,15 @@ fn lower_rank(
     let mut comm_pos: HashMap<Buf, usize> = HashMap::new();
     for (i, ins) in ir.ranks[r as usize].iter().enumerate() {
         for c in ins.comms() {
+            if let Comm::Send { payload, .. } | Comm::Recv { payload, .. } = c {
+                if payload.kind.is_stash() {
+                    return Err(ProgramError::Rejected(format!(
+                        "rank {r}: `{}`: the executors cannot lend saved activations to another \
+                         rank yet (LEND and RETURN are checked and simulated only; issue 27)",
+                        schedc_ir::text::instr_to_string(ins)
+                    )));
+                }
+            }
             match c {
                 Comm::Send { payload, .. } => {
                     let e = b.event();

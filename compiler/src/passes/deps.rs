@@ -382,8 +382,12 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                     let (ir, torch, what) = match pl_.kind {
                         schedc_ir::PayloadKind::Act => ("SA", "SEND_F", "activation"),
                         schedc_ir::PayloadKind::Grad => ("SG", "SEND_B", "gradient"),
-                        schedc_ir::PayloadKind::Lend => ("LEND", "(no torch action) ", "lent stash"),
-                        schedc_ir::PayloadKind::Return => ("RETURN", "(no torch action) ", "returned stash"),
+                        schedc_ir::PayloadKind::Lend => {
+                            ("LEND", "(no torch action) ", "lent stash")
+                        }
+                        schedc_ir::PayloadKind::Return => {
+                            ("RETURN", "(no torch action) ", "returned stash")
+                        }
                     };
                     let to = match pl_.kind {
                         schedc_ir::PayloadKind::Act => pl.next_stage(pl_.stage),

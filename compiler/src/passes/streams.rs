@@ -185,8 +185,8 @@ pub fn flatten(p: &Program) -> Streams<'_> {
                 }
                 // A backward of a stash that was lent waits for it to come back.
                 if c.kind != Kind::F && is_first_part(c) {
-                    if let Some(v) = pk(PayloadKind::Return, c.stage, c.mb)
-                        .and_then(|k| returns.get(&k))
+                    if let Some(v) =
+                        pk(PayloadKind::Return, c.stage, c.mb).and_then(|k| returns.get(&k))
                     {
                         if let Some(&(_, id)) = v.iter().rev().find(|(p, _)| *p < i as u32) {
                             st.waits.push(id);
