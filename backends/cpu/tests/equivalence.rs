@@ -169,10 +169,16 @@ fn the_sweep_covers_every_spec() {
 
 /// Standard specs the executors cannot run yet, with the reason; the lowering must refuse
 /// them with that reason (tested below), never run them wrongly.
-const NOT_EXECUTABLE_YET: &[(&str, &str)] = &[(
-    "1f1b_offload",
-    "the executors cannot move or recompute saved activations yet",
-)];
+const NOT_EXECUTABLE_YET: &[(&str, &str)] = &[
+    (
+        "1f1b_offload",
+        "the executors cannot move or recompute saved activations yet",
+    ),
+    (
+        "bpipe",
+        "the executors cannot lend saved activations to another rank yet",
+    ),
+];
 
 #[test]
 fn specs_the_executors_cannot_run_yet_are_refused_by_the_lowering() {

@@ -241,6 +241,23 @@ pub fn flatten(p: &Program) -> Streams<'_> {
                     }
                 }
             }
+            // A LEND/RETURN group is issued when the program reaches it: after the compute
+            // item before it in program order (a stash moves when the schedule says, not as
+            // early as the stream allows).
+            let stash = (a..b).any(|id| match st.comm[id as usize] {
+                Comm::Send { payload, .. } | Comm::Recv { payload, .. } => payload.kind.is_stash(),
+                Comm::Collective(_) => false,
+            });
+            if stash {
+                let at = st.g_pos[g];
+                let k = its.partition_point(|&(pos, _)| pos < at);
+                if k > 0 {
+                    let it = (k - 1) as u32;
+                    if need == NONE || it > need {
+                        need = it;
+                    }
+                }
+            }
             st.g_producer[g] = need;
         }
         for k in touched {

@@ -576,7 +576,7 @@ fn check_stash(
         errs.push(WfError::WrongPeer {
             at,
             expected: None,
-            why,
+            why: format!("rank {} step {}: {why}", at.rank, at.pos),
         });
     }
 }
@@ -599,7 +599,9 @@ fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
                         at,
                         expected: None,
                         why: format!(
-                            "{op}({},{}): rank {} {dir} rank {peer}, which does not exist (the pipeline has ranks 0..{})",
+                            "rank {} step {}: {op}({},{}): rank {} {dir} rank {peer}, which does not exist (the pipeline has ranks 0..{})",
+                            at.rank,
+                            at.pos,
                             payload.stage,
                             payload.mb,
                             at.rank,

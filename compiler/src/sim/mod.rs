@@ -17,8 +17,10 @@
 //!
 //! A lent stash (BPipe's `LEND`/`RETURN` messages) is a point-to-point message priced at
 //! `p2p.latency + activation_bytes / p2p.bandwidth` ([`cost::CostModel::stash_message_time`]);
-//! its bytes leave the sender's device when the message completes and count on the
-//! receiver's from when it posts the receive. The owner's backward waits for the `RETURN`.
+//! it is posted once the rank's compute stream has run the op before it in program order
+//! (the schedule decides when a stash moves), and its bytes leave the sender's device and
+//! count on the receiver's when the message completes. The owner's backward waits for the
+//! `RETURN`.
 //!
 //! ## MoE parts
 //!
@@ -836,19 +838,15 @@ fn run(
                         used.comm[k] = 1.0;
                         makespan = makespan.max(t);
                         if record {
-                            // A lent stash: the sender's device frees it once the message
-                            // completes, the receiver's holds it from when it posts the
-                            // receive.
+                            // A lent stash moves when its message completes: the sender's
+                            // device frees it, the receiver's holds it.
                             let (a, b) = flat.g_ops[g];
                             for id in a..b {
                                 match flat.comm[id as usize] {
                                     Comm::Send { payload, .. } if payload.kind.is_stash() => mem[r]
                                         .push((t, -mem_model.activation_bytes_at(payload.stage))),
                                     Comm::Recv { payload, .. } if payload.kind.is_stash() => mem[r]
-                                        .push((
-                                            post_time[g],
-                                            mem_model.activation_bytes_at(payload.stage),
-                                        )),
+                                        .push((t, mem_model.activation_bytes_at(payload.stage))),
                                     _ => {}
                                 }
                             }
