@@ -82,3 +82,152 @@ fn sim_of_1f1b_offload_with_a_memory_cost() {
         .collect();
     assert_eq!(peaks, vec![3.0, 3.0, 2.0, 1.0]);
 }
+
+/// Writes `text` to a fresh file in a temporary directory and returns its path.
+fn spec_file(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("schedc-lend27-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join(name);
+    std::fs::write(&f, text).unwrap();
+    f
+}
+
+/// The first diagnostic of `check FILE --pp 2 --mb 1 --format json`, with the exit code.
+fn first_diagnostic(f: &std::path::Path) -> (Option<i32>, serde_json::Value) {
+    let o = schedc(&[
+        "check",
+        f.to_str().unwrap(),
+        "--pp",
+        "2",
+        "--mb",
+        "1",
+        "--format",
+        "json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    (o.status.code(), v["diagnostics"][0].clone())
+}
+
+#[test]
+fn check_rejects_a_return_without_lend_naming_the_spec_line_rank_and_step() {
+    let f = spec_file(
+        "nolend.sched",
+        "schedule \"bad\"\nvpp 1\nplacement loop\nrank r {\n    F(0, 0)\n    if r == 0 {\n        RETURN(0, 0) from 1 @ 1\n    } else {\n        RETURN(stage 0, 0) to 0 @ 1\n    }\n    BW(0, 0)\n}\n",
+    );
+    let (code, d) = first_diagnostic(&f);
+    assert_eq!(code, Some(1));
+    assert_eq!(d["code"], "memory");
+    assert_eq!(
+        d["message"],
+        "rank 0 step 1: `RETURN(0,0<-1@1)` is not valid here: the activations of F(0,0) are already on the device"
+    );
+    assert!(
+        d["location"]
+            .as_str()
+            .unwrap()
+            .ends_with("nolend.sched:7:9"),
+        "{d}"
+    );
+    assert_eq!(
+        (d["rank"].as_u64(), d["position"].as_u64()),
+        (Some(0), Some(1))
+    );
+}
+
+#[test]
+fn check_rejects_a_lend_to_a_rank_that_does_not_exist_and_to_itself() {
+    for (name, peer, message) in [
+        (
+            "far.sched",
+            9,
+            "rank 0 step 1: LEND(0,0): rank 0 lends the stash to rank 9, which does not exist (the pipeline has ranks 0..1)",
+        ),
+        (
+            "self.sched",
+            0,
+            "rank 0 step 1: LEND(0,0->0): rank 0 lends the stash of F(0,0) to itself; lend it to another rank (BPipe pairs rank r with rank P-1-r)",
+        ),
+    ] {
+        let f = spec_file(
+            name,
+            &format!("schedule \"bad\"\nvpp 1\nplacement loop\nrank r {{\n    F(0, 0)\n    if r == 0 {{ LEND(0, 0) to {peer} @ 1 }}\n    BW(0, 0)\n}}\n"),
+        );
+        let (code, d) = first_diagnostic(&f);
+        assert_eq!(code, Some(1), "{name}");
+        assert_eq!(d["message"], message);
+        assert!(
+            d["location"].as_str().unwrap().ends_with(&format!("{name}:6:17")),
+            "{d}"
+        );
+        // `sim` refuses it too, without a panic.
+        let o = schedc(&["sim", f.to_str().unwrap(), "--pp", "2", "--mb", "1"]);
+        assert_eq!(o.status.code(), Some(1), "{name}");
+    }
+}
+
+#[test]
+fn bpipe_passes_check_over_the_grid_with_its_expectations() {
+    let o = schedc(&[
+        "check",
+        "specs/bpipe.sched",
+        "--pp",
+        "1..=8",
+        "--mb",
+        "1..=16",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("specs/bpipe.sched: 128 instances: 128 passed, 0 failed"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn sim_of_bpipe_moves_peak_bytes_from_the_first_ranks_to_their_partners() {
+    let peaks = |spec: &str| -> (f64, Vec<f64>) {
+        let o = schedc(&[
+            "sim",
+            spec,
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--set",
+            "activation_bytes=1e9",
+            "--format",
+            "json",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        let p = v["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["peak_activation_bytes"].as_f64().unwrap() / 1e9)
+            .collect();
+        (v["makespan"].as_f64().unwrap(), p)
+    };
+    assert_eq!(peaks("specs/1f1b.sched"), (33.0, vec![4.0, 3.0, 2.0, 1.0]));
+    assert_eq!(peaks("specs/bpipe.sched"), (33.0, vec![3.0, 3.0, 2.0, 2.0]));
+}
+
+#[test]
+fn the_cpu_backend_refuses_lend_and_return_with_the_reason() {
+    let o = schedc(&[
+        "run",
+        "specs/bpipe.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--backend",
+        "cpu",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the executors cannot lend saved activations to another rank yet (LEND and RETURN are checked and simulated only; issue 27)"),
+        "{err}"
+    );
+}

@@ -221,7 +221,12 @@ fn lend_and_return_before_the_backward_is_accepted_and_moves_the_peak() {
     ));
     let out = check(&p, None, &Options::default());
     assert_eq!(errors(&p), Vec::<String>::new());
-    let peaks: Vec<u64> = out.report.ranks.iter().map(|r| r.peak_activations).collect();
+    let peaks: Vec<u64> = out
+        .report
+        .ranks
+        .iter()
+        .map(|r| r.peak_activations)
+        .collect();
     assert_eq!(peaks, vec![1, 2]);
 }
 
@@ -356,7 +361,12 @@ fn bpipe_balances_peak_activations_across_each_pair() {
                 out.report.diagnostics
             );
             let q = check(&elab(plain, pp, mb), None, &Options::default());
-            let a: Vec<u64> = out.report.ranks.iter().map(|r| r.peak_activations).collect();
+            let a: Vec<u64> = out
+                .report
+                .ranks
+                .iter()
+                .map(|r| r.peak_activations)
+                .collect();
             let b: Vec<u64> = q.report.ranks.iter().map(|r| r.peak_activations).collect();
             // Never above 1F1B's heaviest rank; every pair's peaks within one of each other
             // when lending is worth it; same unit-time makespan as 1F1B.
@@ -413,7 +423,10 @@ fn lend_statements_elaborate_and_format() {
     );
     // The direction is required.
     let e = schedc::dsl::parse_file("rank r {\n    LEND(0, 0) 1\n}\n").unwrap_err();
-    assert!(format!("{e:?}").contains("`to` and the rank the stash goes to"), "{e:?}");
+    assert!(
+        format!("{e:?}").contains("`to` and the rank the stash goes to"),
+        "{e:?}"
+    );
 }
 
 #[test]
