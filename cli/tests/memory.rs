@@ -213,7 +213,7 @@ fn sim_of_bpipe_moves_peak_bytes_from_the_first_ranks_to_their_partners() {
 }
 
 #[test]
-fn the_cpu_backend_refuses_lend_and_return_with_the_reason() {
+fn the_cpu_backend_runs_bpipe_equal_to_sequential_and_the_stage_runtime_refuses_it() {
     let o = schedc(&[
         "run",
         "specs/bpipe.sched",
@@ -223,11 +223,38 @@ fn the_cpu_backend_refuses_lend_and_return_with_the_reason() {
         "8",
         "--backend",
         "cpu",
+        "--verify",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        stdout(&o)
+            .contains("every gradient, loss and parameter equals sequential training's exactly"),
+        "{}",
+        stdout(&o)
+    );
+    // A runtime of the user's own stages (the torch runtime) keeps the stash in autograd.
+    let dir = std::env::temp_dir().join(format!("schedc-lend27-stage-{}", std::process::id()));
+    let o = schedc(&[
+        "compile",
+        "specs/bpipe.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--granularity",
+        "stage",
+        "-o",
+        dir.to_str().unwrap(),
     ]);
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("the executors cannot lend saved activations to another rank yet (LEND and RETURN are checked and simulated only; issue 27)"),
+        err.contains("rank 0: `LEND(0,2->3@1)`: a runtime of the user's stage modules (stage granularity: the torch runtime) cannot lend saved activations to another rank yet (LEND/RETURN run on the CPU backend; issue 27)"),
         "{err}"
     );
 }

@@ -253,6 +253,25 @@ impl<'a> RankDev<'a> {
         if m.sequence_parallel {
             return Err(SEQUENCE_PARALLEL_REFUSED.into());
         }
+        // BPipe's lent stashes (LEND/RETURN, issue 27) move schedc's saved tensors between
+        // ranks; the CUDA backend keeps a stash in its own pool layout and cannot send it.
+        if let Some(op) = prog.streams.iter().flat_map(|s| &s.ops).find(|o| {
+            matches!(
+                o,
+                Op::Send {
+                    buf: Buf::Stash { .. },
+                    ..
+                } | Op::Recv {
+                    buf: Buf::Stash { .. },
+                    ..
+                }
+            )
+        }) {
+            return Err(format!(
+                "rank {}: `{op}`: the CUDA backend cannot lend saved activations to another rank yet (LEND/RETURN run on the CPU backend; issue 27)",
+                prog.rank
+            ));
+        }
         let dims = Dims::new(cfg, &m.mesh, gpu.dtype())?;
         let streams = prog
             .streams
