@@ -389,8 +389,8 @@ fn bpipe_balances_peak_activations_across_each_pair() {
             .map(|r| r.peak_activations)
             .collect()
     };
-    assert_eq!(peaks(4, 8), vec![3, 3, 2, 2]);
-    assert_eq!(peaks(8, 16), vec![5, 5, 5, 5, 4, 4, 4, 4]);
+    assert_eq!(peaks(4, 8), vec![2, 2, 3, 3]);
+    assert_eq!(peaks(8, 16), vec![4, 4, 4, 4, 5, 5, 5, 5]);
 }
 
 #[test]
