@@ -425,12 +425,24 @@ fn lowered_spans(orig: &Program, spans: &SourceMap, lowered: &Program) -> Source
         let mut v = Vec::with_capacity(instrs.len());
         for ins in instrs {
             let sp = match ins {
-                Instr::Comm(Comm::Send { .. }) => last,
+                Instr::Comm(Comm::Send { payload, .. }) if !payload.kind.is_stash() => last,
                 Instr::Comm(Comm::Recv { payload, .. }) => {
                     let consumer = match payload.kind {
                         PayloadKind::Act => pl.next_stage(payload.stage).map(|s| (false, s)),
                         PayloadKind::Grad => pl.prev_stage(payload.stage).map(|s| (true, s)),
+                        // A stash the schedule wrote itself: a kept instruction.
+                        PayloadKind::Lend | PayloadKind::Return => None,
                     };
+                    if payload.kind.is_stash() {
+                        let sp = src
+                            .get(next)
+                            .and_then(|&(pos, _)| spans.get(r, pos))
+                            .unwrap_or(last);
+                        next += 1;
+                        last = sp;
+                        v.push(sp);
+                        continue;
+                    }
                     consumer
                         .and_then(|(b, s)| first.get(&(b, s, payload.mb)))
                         .and_then(|&pos| spans.get(r, pos))

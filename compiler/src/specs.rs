@@ -13,6 +13,7 @@ const STANDARD_LIBRARY: &[(&str, &str)] = &[
         "1f1b_offload",
         include_str!("../../specs/1f1b_offload.sched"),
     ),
+    ("bpipe", include_str!("../../specs/bpipe.sched")),
     ("chimera", include_str!("../../specs/chimera.sched")),
     (
         "chimera_direct",

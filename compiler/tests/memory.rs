@@ -198,3 +198,246 @@ fn torch_csv_export_refuses_memory_ops_naming_the_op() {
         "rank 0, instruction 1 (`OFFLOAD(0,0)`): torch's schedule CSV has no action for moving or recomputing saved activations (OFFLOAD, RELOAD, RECOMPUTE); the torch format cannot express a schedule that manages memory"
     );
 }
+
+// ---- BPipe's activation hand-off: LEND / RETURN ----
+
+fn errors(p: &schedc_ir::Program) -> Vec<String> {
+    check(p, None, &Options::default())
+        .report
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error())
+        .map(|d| d.message.clone())
+        .collect()
+}
+
+const PAIR: &str = "pp 2\nstages 2\nmicrobatches 1\nplacement loop\n";
+
+#[test]
+fn lend_and_return_before_the_backward_is_accepted_and_moves_the_peak() {
+    // Rank 0 lends F(0,0)'s stash to rank 1 on channel 1 and gets it back before BW(0,0).
+    let p = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) LEND(0,0->1@1) RG(1,0<-1) RETURN(0,0<-1@1) BW(0,0)\nrank 1: RA(0,0<-0) LEND(0,0<-0@1) F(1,0) BW(1,0) SG(1,0->0) RETURN(0,0->0@1)\n"
+    ));
+    let out = check(&p, None, &Options::default());
+    assert_eq!(errors(&p), Vec::<String>::new());
+    let peaks: Vec<u64> = out
+        .report
+        .ranks
+        .iter()
+        .map(|r| r.peak_activations)
+        .collect();
+    assert_eq!(peaks, vec![1, 2]);
+}
+
+#[test]
+fn backward_of_a_lent_stash_that_was_not_returned_is_rejected_with_rank_and_step() {
+    let p = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) LEND(0,0->1@1) RG(1,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) LEND(0,0<-0@1) F(1,0) BW(1,0) SG(1,0->0)\n"
+    ));
+    assert_eq!(
+        errors(&p),
+        vec!["rank 0 step 4: `BW(0,0)` needs the activations of F(0,0) on this device, but they were lent to rank 1 at step 2 and not returned"]
+    );
+}
+
+#[test]
+fn return_without_lend_is_rejected_on_both_ends() {
+    let p = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) RG(1,0<-1) RETURN(0,0<-1@1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0) RETURN(0,0->0@1)\n"
+    ));
+    assert_eq!(
+        errors(&p),
+        vec![
+            "rank 0 step 3: `RETURN(0,0<-1@1)` is not valid here: the activations of F(0,0) are already on the device",
+            "rank 1 step 4: `RETURN(0,0->0@1)` is not valid here: the activations of F(0,0) are not held by this rank: no LEND of them was received before it (RETURN without LEND)",
+        ]
+    );
+}
+
+#[test]
+fn lend_to_a_rank_that_does_not_exist_or_to_itself_is_rejected() {
+    let far = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) LEND(0,0->5@1) RG(1,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n"
+    ));
+    assert_eq!(
+        errors(&far)[0],
+        "rank 0 step 2: LEND(0,0): rank 0 lends the stash to rank 5, which does not exist (the pipeline has ranks 0..1)"
+    );
+    let me = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) LEND(0,0->0@1) RG(1,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n"
+    ));
+    assert_eq!(
+        errors(&me)[0],
+        "rank 0 step 2: LEND(0,0->0): rank 0 lends the stash of F(0,0) to itself; lend it to another rank (BPipe pairs rank r with rank P-1-r)"
+    );
+    // A LEND sent by a rank that does not hold the stage.
+    let wrong = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) RG(1,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) LEND(0,0->0@1) BW(1,0) SG(1,0->0)\n"
+    ));
+    assert_eq!(
+        errors(&wrong)[0],
+        "rank 1 step 2: LEND(0,0) sends on rank 1, but the stash of F(0,0) belongs to rank 0, which holds stage 0"
+    );
+}
+
+#[test]
+fn deadlock_through_a_lending_message_is_found() {
+    // On channel 0, rank 0 lends before receiving its gradient while rank 1 sends the
+    // gradient before receiving the lend: both rendezvous sends wait for each other.
+    let p = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) LEND(0,0->1) RG(1,0<-1) RETURN(0,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0) LEND(0,0<-0) RETURN(0,0->0)\n"
+    ));
+    let out = check(&p, None, &Options::default());
+    let codes: Vec<String> = out
+        .report
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error())
+        .map(|d| format!("{:?}", d.code))
+        .collect();
+    assert_eq!(codes, vec!["Deadlock"], "{:?}", out.report.diagnostics);
+    // On a channel of their own, the same order runs.
+    let ok = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) LEND(0,0->1@1) RG(1,0<-1) RETURN(0,0<-1@1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0) LEND(0,0<-0@1) RETURN(0,0->0@1)\n"
+    ));
+    assert_eq!(errors(&ok), Vec::<String>::new());
+}
+
+#[test]
+fn sim_prices_a_lent_stash_as_a_point_to_point_message() {
+    // F = 1, BW = 2; p2p latency 0.5 s, bandwidth 1 B/s; activation messages 1 B (1.5 s),
+    // a stash of activation_bytes = 4 B: 4.5 s.
+    let c = CostModel::from_toml(
+        "[compute]\nF = 1.0\nB = 1.0\nW = 1.0\n[p2p]\nlatency = 0.5\nbandwidth = 1.0\nbytes = 1.0\n[memory]\nactivation_bytes = 4.0\n",
+    )
+    .unwrap();
+    assert_eq!(c.stash_message_time(0), 4.5);
+    let plain = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) RG(1,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0)\n"
+    ));
+    // F(0,0) [0,1], SA [1,2.5], F(1,0) [2.5,3.5], BW(1,0) [3.5,5.5], SG [5.5,7], BW(0,0) [7,9].
+    assert_eq!(simulate_any(&plain, &c).unwrap().makespan, 9.0);
+    // The lend [1,5.5] on channel 1 runs under the pipeline; the return, issued by rank 1
+    // after BW(1,0) ends (5.5) and posted by rank 0 once the lend is done: [5.5,10];
+    // BW(0,0) waits for it (not for RG, at 7): [10,12].
+    let lent = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) LEND(0,0->1@1) RG(1,0<-1) RETURN(0,0<-1@1) BW(0,0)\nrank 1: RA(0,0<-0) LEND(0,0<-0@1) F(1,0) BW(1,0) SG(1,0->0) RETURN(0,0->0@1)\n"
+    ));
+    let r = simulate_any(&lent, &c).unwrap();
+    assert_eq!(r.makespan, 12.0);
+    // The stash reaches rank 1 at 5.5, as BW(1,0) frees rank 1's own 4 B, and leaves rank 0
+    // then until 10: neither holds more than 4 B (check's units, in program order, count 2
+    // on rank 1).
+    let peaks: Vec<f64> = r.ranks.iter().map(|x| x.peak_activation_bytes).collect();
+    assert_eq!(peaks, vec![4.0, 4.0]);
+    let ev: Vec<(u32, f64, f64)> = r
+        .events
+        .iter()
+        .filter(|e| {
+            e.stream == StreamKind::Comm && matches!((e.rank, e.pos), (0, 2 | 4) | (1, 1 | 5))
+        })
+        .map(|e| (e.rank, e.start, e.end))
+        .collect();
+    // (rank, posted, completed), in the order they complete: the LEND's receive and send,
+    // then the RETURN's receive and send.
+    assert_eq!(
+        ev,
+        vec![(1, 0.0, 5.5), (0, 1.0, 5.5), (0, 5.5, 10.0), (1, 5.5, 10.0)]
+    );
+}
+
+#[test]
+fn bpipe_balances_peak_activations_across_each_pair() {
+    let bp = schedc::specs::get("bpipe").unwrap();
+    let plain = schedc::specs::get("1f1b").unwrap();
+    for pp in 1..=8u32 {
+        for mb in 1..=16u32 {
+            let p = elab(bp, pp, mb);
+            let out = check(&p, None, &Options::default());
+            assert!(
+                out.report.diagnostics.iter().all(|d| !d.is_error()),
+                "P={pp} M={mb}: {:?}",
+                out.report.diagnostics
+            );
+            let q = check(&elab(plain, pp, mb), None, &Options::default());
+            let a: Vec<u64> = out
+                .report
+                .ranks
+                .iter()
+                .map(|r| r.peak_activations)
+                .collect();
+            let b: Vec<u64> = q.report.ranks.iter().map(|r| r.peak_activations).collect();
+            // Never above 1F1B's heaviest rank; every pair's peaks within one of each other
+            // when lending is worth it; same unit-time makespan as 1F1B.
+            assert!(a.iter().max() <= b.iter().max(), "P={pp} M={mb}: {a:?}");
+            if mb >= pp {
+                assert_eq!(
+                    *a.iter().max().unwrap(),
+                    (pp as u64 + 2) / 2,
+                    "P={pp} M={mb}: {a:?}"
+                );
+            }
+            assert_eq!(out.report.makespan, q.report.makespan, "P={pp} M={mb}");
+        }
+    }
+    let peaks = |pp, mb| -> Vec<u64> {
+        check(&elab(bp, pp, mb), None, &Options::default())
+            .report
+            .ranks
+            .iter()
+            .map(|r| r.peak_activations)
+            .collect()
+    };
+    assert_eq!(peaks(4, 8), vec![2, 2, 3, 3]);
+    assert_eq!(peaks(8, 16), vec![4, 4, 4, 4, 5, 5, 5, 5]);
+}
+
+#[test]
+fn lend_statements_elaborate_and_format() {
+    let src = "rank r {\n    F(0, 0)\n    if r == 0 {\n        LEND(0, 0) to 1 @ 1\n        RETURN(0, 0) from 1 @ 1\n    } else {\n        LEND(stage 0, 0) from 0 @ 1\n        RETURN(stage 0, 0) to 0\n    }\n    BW(0, 0)\n}\n";
+    let p = elab(src, 2, 1);
+    let text = schedc_ir::text::print(&p);
+    let lines: Vec<&str> = text.lines().rev().take(2).collect();
+    assert_eq!(
+        lines,
+        vec![
+            "rank 1: F(1,0) LEND(0,0<-0@1) RETURN(0,0->0) BW(1,0)",
+            "rank 0: F(0,0) LEND(0,0->1@1) RETURN(0,0<-1@1) BW(0,0)",
+        ]
+    );
+    let f = schedc::dsl::parse_file(src).unwrap();
+    let out = schedc::dsl::fmt::format_file(&f, src);
+    assert!(
+        out.contains("        LEND(0, 0) to 1 @ 1\n        RETURN(0, 0) from 1 @ 1\n"),
+        "{out}"
+    );
+    assert!(out.contains("        RETURN(stage 0, 0) to 0\n"), "{out}");
+    assert_eq!(schedc::dsl::parse_file(&out).unwrap(), f);
+    // A literal block takes the IR text.
+    let lit = "literal {\n  rank 0: F(0,0) LEND(0,0->1@1) RETURN(0,0<-1@1) BW(0,0)\n  rank 1: LEND(0,0<-0@1) RETURN(0,0->0@1)\n}\n";
+    let p = elab(lit, 2, 1);
+    assert_eq!(
+        schedc_ir::text::instr_to_string(&p.ranks[1][0]),
+        "LEND(0,0<-0@1)"
+    );
+    // The direction is required.
+    let e = schedc::dsl::parse_file("rank r {\n    LEND(0, 0) 1\n}\n").unwrap_err();
+    assert!(
+        format!("{e:?}").contains("`to` and the rank the stash goes to"),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn torch_csv_export_refuses_lend_and_return() {
+    let p = prog(&format!(
+        "{PAIR}rank 0: F(0,0) SA(0,0->1) LEND(0,0->1) RG(1,0<-1) RETURN(0,0<-1) BW(0,0)\nrank 1: RA(0,0<-0) LEND(0,0<-0) F(1,0) BW(1,0) SG(1,0->0) RETURN(0,0->0)\n"
+    ));
+    let e = schedc::import::torch::write_csv(&p, schedc::import::torch::TorchFormat::ComputeComms)
+        .unwrap_err();
+    assert!(
+        e.contains("torch's schedule format has no action that lends a stage's saved activations to another rank (BPipe's LEND/RETURN)"),
+        "{e}"
+    );
+}

@@ -24,6 +24,11 @@
 //! * **Memory ops** ([`Instr::Mem`], [`MemKind`]): `OFFLOAD(s,m)` / `RELOAD(s,m)` copy the
 //!   activations saved by `F(s,m)` to host memory and back on a host-copy stream of the rank's
 //!   own; `RECOMPUTE(s,m)` rebuilds them with a second forward before the backward.
+//! * **Lending** (BPipe): `LEND(s,m->r)` sends the stash of `F(s,m)` from its owner to rank
+//!   `r`, which receives it with `LEND(s,m<-o)` and holds it on its device; `RETURN(s,m->o)`
+//!   sends it back, received by the owner with `RETURN(s,m<-h)` before the backward. They are
+//!   point-to-point messages ([`PayloadKind::Lend`], [`PayloadKind::Return`]) that match and
+//!   deadlock like the others; a schedule writes both ends (the lowering adds none).
 //! * The remaining instructions mirror torch's lowered form (`REDUCE_GRAD`, `UNSHARD`, ...) and
 //!   idle slots ([`Instr::Idle`], torch's empty CSV cell), which carry no semantics for the
 //!   checks but are kept so that a file round-trips exactly.
@@ -435,6 +440,34 @@ pub enum PayloadKind {
     /// The input gradient produced by the backward of `(stage, mb)`, consumed by the previous
     /// stage's backward.
     Grad,
+    /// The saved activations (the stash) of `F(stage, mb)` lent by the rank that holds the
+    /// stage (the *owner*) to another rank (the *holder*), BPipe's hand-off: text
+    /// `LEND(s,m->r)` on the owner, `LEND(s,m<-o)` on the holder. The owner's device no
+    /// longer holds the stash once the send is issued; the holder's holds it from its receive.
+    /// Valid only while the stash is on the owner's device (after `F`, before the backward).
+    Lend,
+    /// The stash of `F(stage, mb)` sent back by its holder to the owner before the backward
+    /// that reads it: text `RETURN(s,m->o)` on the holder, `RETURN(s,m<-h)` on the owner. The
+    /// holder frees it once the send is issued; the owner's `B`/`W`/`BW` of `(stage, mb)`
+    /// waits for the receive.
+    Return,
+}
+
+impl PayloadKind {
+    /// True for [`PayloadKind::Lend`] and [`PayloadKind::Return`]: the messages that move a
+    /// forward's stash between ranks (they carry no data to another stage).
+    pub fn is_stash(self) -> bool {
+        matches!(self, PayloadKind::Lend | PayloadKind::Return)
+    }
+    /// The letter used in `WAIT_S?`/`WAIT_R?` text: `A`, `G`, `L` (lend), `T` (return).
+    pub fn letter(self) -> char {
+        match self {
+            PayloadKind::Act => 'A',
+            PayloadKind::Grad => 'G',
+            PayloadKind::Lend => 'L',
+            PayloadKind::Return => 'T',
+        }
+    }
 }
 
 /// A message label: the producer's (kind, stage, mb).
@@ -660,14 +693,26 @@ impl Program {
         })
     }
 
-    /// True if some rank has a send or a receive (collectives alone do not count: a program
-    /// whose only communication is collectives still needs its point-to-point messages
-    /// inserted by the lowering pass).
+    /// True if some rank sends or receives an activation or a gradient (collectives alone
+    /// do not count, nor do the `LEND`/`RETURN` messages of a stash, which a schedule writes
+    /// itself: a program whose only communication is those still needs its point-to-point
+    /// messages inserted by the lowering pass).
     pub fn has_p2p(&self) -> bool {
         self.ranks.iter().flatten().any(|i| {
-            i.comms()
-                .iter()
-                .any(|c| matches!(c, Comm::Send { .. } | Comm::Recv { .. }))
+            i.comms().iter().any(|c| match c {
+                Comm::Send { payload, .. } | Comm::Recv { payload, .. } => !payload.kind.is_stash(),
+                Comm::Collective(_) => false,
+            })
+        })
+    }
+
+    /// True if some rank lends a stash (`LEND`/`RETURN` messages, see [`PayloadKind::Lend`]).
+    pub fn has_lending(&self) -> bool {
+        self.ranks.iter().flatten().any(|i| {
+            i.comms().iter().any(|c| match c {
+                Comm::Send { payload, .. } | Comm::Recv { payload, .. } => payload.kind.is_stash(),
+                Comm::Collective(_) => false,
+            })
         })
     }
 

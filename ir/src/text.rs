@@ -23,7 +23,11 @@
 //! `WAIT_SA(s,m)`, `WAIT_SG(s,m)` (wait for an earlier send), `WAIT_RA(s,m)`, `WAIT_RG(s,m)`
 //! (the compute stream waits for an earlier receive); `OFFLOAD(s,m)`, `RELOAD(s,m)`,
 //! `RECOMPUTE(s,m)` (memory ops on forward `F(s,m)`'s saved activations, see
-//! [`MemKind`](crate::MemKind)); `_` an idle slot.
+//! [`MemKind`](crate::MemKind)); `LEND(s,m->r)` / `LEND(s,m<-o)` (the owner of stage `s`
+//! lends the stash of `F(s,m)` to rank `r`, which receives it from owner `o`) and
+//! `RETURN(s,m->o)` / `RETURN(s,m<-h)` (the holder sends it back, the owner receives it from
+//! holder `h`), see [`PayloadKind::Lend`](crate::PayloadKind::Lend); `WAIT_SL`, `WAIT_RL`,
+//! `WAIT_ST`, `WAIT_RT` wait for them like `WAIT_SA`; `_` an idle slot.
 //!
 //! The same parser reads the `.case` test format of `shared/cases`, whose extra header lines
 //! (`expect ...`, `budget activations N`) are returned in [`Parsed`].
@@ -294,7 +298,7 @@ fn part_from(s: &str) -> Option<Part> {
     })
 }
 
-const OP_NAMES: &str = "F, B, W, BW, SA, RA, SG, RG, A2A, REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD, RESHARD, WAIT_SA, WAIT_SG, WAIT_RA, WAIT_RG, OFFLOAD, RELOAD, RECOMPUTE, `{`, or `_`";
+const OP_NAMES: &str = "F, B, W, BW, SA, RA, SG, RG, A2A, REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD, RESHARD, WAIT_SA, WAIT_SG, WAIT_RA, WAIT_RG, OFFLOAD, RELOAD, RECOMPUTE, LEND, RETURN, `{`, or `_`";
 
 enum Item {
     Compute(Compute),
@@ -341,6 +345,12 @@ fn parse_one(c: &mut Cur<'_>) -> PResult<Item> {
             | "OFFLOAD"
             | "RELOAD"
             | "RECOMPUTE"
+            | "LEND"
+            | "RETURN"
+            | "WAIT_SL"
+            | "WAIT_RL"
+            | "WAIT_ST"
+            | "WAIT_RT"
     );
     if !known {
         return Err(bad_name(c));
@@ -382,19 +392,34 @@ fn parse_one(c: &mut Cur<'_>) -> PResult<Item> {
                 part,
             })
         }
-        "SA" | "SG" | "RA" | "RG" => {
-            let kind = if name.ends_with('A') {
-                PayloadKind::Act
-            } else {
-                PayloadKind::Grad
+        "SA" | "SG" | "RA" | "RG" | "LEND" | "RETURN" => {
+            let stash = name.len() > 2;
+            let kind = match name {
+                "LEND" => PayloadKind::Lend,
+                "RETURN" => PayloadKind::Return,
+                _ if name.ends_with('A') => PayloadKind::Act,
+                _ => PayloadKind::Grad,
             };
-            let send = name.starts_with('S');
             let stage = c.uint("a stage number")?;
             c.skip_inline_ws();
             c.expect_byte(b',', "`,`")?;
             c.skip_inline_ws();
             let mb = c.uint("a micro-batch number")?;
             c.skip_inline_ws();
+            // SA/SG send, RA/RG receive; LEND and RETURN send with `->` and receive with `<-`.
+            let send = if stash {
+                if c.src[c.pos..].starts_with("->") {
+                    true
+                } else if c.src[c.pos..].starts_with("<-") {
+                    false
+                } else {
+                    return Err(c.err_here(&format!(
+                        "`->` and the rank the stash goes to (`{name}(s,m->r)` sends it) or `<-` and the rank it comes from (`{name}(s,m<-r)` receives it)"
+                    )));
+                }
+            } else {
+                name.starts_with('S')
+            };
             let arrow = if send { "->" } else { "<-" };
             if c.src[c.pos..].starts_with(arrow) {
                 c.pos += 2;
@@ -450,11 +475,13 @@ fn parse_one(c: &mut Cur<'_>) -> PResult<Item> {
             c.expect_byte(b')', "`)`")?;
             Item::Other(Instr::Mem(MemOp { kind, stage, mb }))
         }
-        "WAIT_SA" | "WAIT_SG" | "WAIT_RA" | "WAIT_RG" => {
-            let kind = if name.ends_with('A') {
-                PayloadKind::Act
-            } else {
-                PayloadKind::Grad
+        "WAIT_SA" | "WAIT_SG" | "WAIT_RA" | "WAIT_RG" | "WAIT_SL" | "WAIT_RL" | "WAIT_ST"
+        | "WAIT_RT" => {
+            let kind = match name.as_bytes()[6] {
+                b'A' => PayloadKind::Act,
+                b'G' => PayloadKind::Grad,
+                b'L' => PayloadKind::Lend,
+                _ => PayloadKind::Return,
             };
             let stage = c.uint("a stage number")?;
             c.skip_inline_ws();
@@ -982,10 +1009,11 @@ pub fn write_comm(out: &mut String, m: &Comm) {
             peer,
             channel,
         } => {
-            let k = if payload.kind == PayloadKind::Act {
-                "SA"
-            } else {
-                "SG"
+            let k = match payload.kind {
+                PayloadKind::Act => "SA",
+                PayloadKind::Grad => "SG",
+                PayloadKind::Lend => "LEND",
+                PayloadKind::Return => "RETURN",
             };
             let _ = write!(out, "{k}({},{}->{peer}", payload.stage, payload.mb);
             write_channel(out, *channel);
@@ -995,10 +1023,11 @@ pub fn write_comm(out: &mut String, m: &Comm) {
             peer,
             channel,
         } => {
-            let k = if payload.kind == PayloadKind::Act {
-                "RA"
-            } else {
-                "RG"
+            let k = match payload.kind {
+                PayloadKind::Act => "RA",
+                PayloadKind::Grad => "RG",
+                PayloadKind::Lend => "LEND",
+                PayloadKind::Return => "RETURN",
             };
             let _ = write!(out, "{k}({},{}<-{peer}", payload.stage, payload.mb);
             write_channel(out, *channel);
@@ -1049,20 +1078,10 @@ pub fn write_instr(out: &mut String, i: &Instr) {
             let _ = write!(out, "RESHARD({s})");
         }
         Instr::WaitSend(p) => {
-            let k = if p.kind == PayloadKind::Act {
-                "WAIT_SA"
-            } else {
-                "WAIT_SG"
-            };
-            let _ = write!(out, "{k}({},{})", p.stage, p.mb);
+            let _ = write!(out, "WAIT_S{}({},{})", p.kind.letter(), p.stage, p.mb);
         }
         Instr::WaitRecv(p) => {
-            let k = if p.kind == PayloadKind::Act {
-                "WAIT_RA"
-            } else {
-                "WAIT_RG"
-            };
-            let _ = write!(out, "{k}({},{})", p.stage, p.mb);
+            let _ = write!(out, "WAIT_R{}({},{})", p.kind.letter(), p.stage, p.mb);
         }
         Instr::Mem(op) => {
             let _ = write!(out, "{}({},{})", op.kind.name(), op.stage, op.mb);
@@ -1191,6 +1210,43 @@ mod tests {
         );
         let e = parse("pp 1\nrank 0: OFFLOAD(0)\n").unwrap_err();
         assert_eq!((e.line, e.col), (2, 18));
+    }
+
+    #[test]
+    fn lend_and_return_round_trip_exactly() {
+        let src = "pp 2\nstages 2\nmicrobatches 1\nplacement loop\nrank 0: F(0,0) SA(0,0->1) LEND(0,0->1@1) RG(1,0<-1) RETURN(0,0<-1@1) WAIT_RT(0,0) BW(0,0)\nrank 1: RA(0,0<-0) LEND(0,0<-0@1) F(1,0) BW(1,0) {SG(1,0->0) RETURN(0,0->0)} WAIT_SL(0,0) WAIT_RL(0,0) WAIT_ST(0,0)\n";
+        let p = parse(src).unwrap();
+        assert_eq!(print(&p.program), src);
+        let lend = Payload {
+            kind: PayloadKind::Lend,
+            stage: 0,
+            mb: 0,
+        };
+        assert_eq!(
+            p.program.ranks[0][2],
+            Instr::Comm(Comm::Send {
+                payload: lend,
+                peer: 1,
+                channel: 1
+            })
+        );
+        assert_eq!(
+            p.program.ranks[1][1],
+            Instr::Comm(Comm::Recv {
+                payload: lend,
+                peer: 0,
+                channel: 1
+            })
+        );
+        assert_eq!(p.program.ranks[0][4].comms()[0].peer(), Some(1));
+        assert!(p.program.has_lending());
+        let e = parse("pp 2\nrank 0: LEND(0,0 1)\n").unwrap_err();
+        assert_eq!((e.line, e.col), (2, 18));
+        assert!(
+            e.message.contains("`->` and the rank the stash goes to"),
+            "{}",
+            e.message
+        );
     }
 
     /// Found by `cargo fuzz run ir_text`: an unknown header word whose identifier part stops

@@ -123,6 +123,15 @@ fn one_f_one_b_sweep() {
     assert!(ok > 1000);
 }
 
+/// Issue 27: BPipe (1F1B with lent stashes) passes `check` with its expectations (peak
+/// activations per pair, 1F1B's idle) for P up to 16 and M up to 8P.
+#[test]
+fn bpipe_sweep() {
+    let (ok, refused) = sweep("bpipe", 2..=16, None);
+    assert_eq!(refused, 0, "bpipe accepts every P, M");
+    assert!(ok > 1000);
+}
+
 torch_conformance!(
     interleaved_1f1b_matches_torch,
     "interleaved_1f1b",

@@ -433,6 +433,8 @@ enum Tag {
 
 enum Body<T> {
     Tensor(Vec<T>),
+    /// A forward's saved tensors lent to another rank and back (LEND/RETURN).
+    Stash(Box<Stash<T>>),
     Packet(Packet<T>),
     Bundle(Bundle<T>),
 }
@@ -795,6 +797,15 @@ impl<'a, T: Real> Rank<'a, T> {
                 ))
             }
             Op::Kernel(k) => self.kernel(k)?,
+            Op::Send {
+                buf: buf @ Buf::Stash { .. },
+                peer,
+            } => {
+                // BPipe's hand-off: the stash leaves this rank whole (the `free` after the
+                // send drops the emptied slot).
+                let st = self.take_stash(*buf)?;
+                self.send(*peer, Tag::P2p(*buf), Body::Stash(st));
+            }
             Op::Send { buf, peer } => {
                 let t = self.tensor(buf)?;
                 self.send(*peer, Tag::P2p(*buf), Body::Tensor(t));
@@ -806,6 +817,7 @@ impl<'a, T: Real> Rank<'a, T> {
                 }
                 match self.take(*peer, &tag) {
                     Some(Body::Tensor(t)) => self.put(*buf, Value::Tensor(t))?,
+                    Some(Body::Stash(st)) => self.put(*buf, Value::Stash(st))?,
                     Some(Body::Packet(_) | Body::Bundle(_)) => {
                         return Err(format!("{buf} arrived as a packet"))
                     }

@@ -127,9 +127,12 @@ fn run_program(
 const TOL: f64 = 1e-10;
 
 /// Every spec in specs/, with the `--vpp` each needs (a test below checks none is missing).
-const SPECS: [(&str, Option<u32>); 16] = [
+const SPECS: [(&str, Option<u32>); 17] = [
     ("gpipe", None),
     ("1f1b", None),
+    // 1F1B with BPipe's lent stashes (LEND/RETURN move the saved tensors to the partner rank
+    // and back).
+    ("bpipe", None),
     ("interleaved_1f1b", Some(2)),
     ("interleaved_1f1b_a2a", Some(2)),
     ("looped_bfs", Some(2)),
@@ -503,6 +506,85 @@ fn several_steps_keep_parameters_equal_sgd_and_adam() {
             assert!(c.max_rel_param_err < TOL, "{name} {opt:?}: {c:?}");
         }
     }
+}
+
+/// Issue 27: BPipe's hand-off on the CPU backend. The lending ranks' stashes travel to their
+/// partners and back (a RETURN that brought back nothing, or another forward's tensors,
+/// would fail the backward or the comparison): f64 equals sequential training at P = 4 and
+/// P = 8, M = 2P, with expert and data parallelism, and split into MoE parts.
+#[test]
+fn bpipe_lends_stashes_and_equals_sequential() {
+    for (pp, mb, mesh) in [
+        (4, 8, "pp=4"),
+        (8, 16, "pp=8"),
+        (4, 8, "pp=4,dp=2,ep=2"),
+        (4, 5, "pp=4,tp=2"),
+    ] {
+        let c = run_case(
+            "bpipe",
+            pp,
+            mb,
+            None,
+            mesh,
+            2,
+            Optimizer::Sgd { lr: 0.2 },
+            LowerOptions::default(),
+        )
+        .unwrap();
+        println!(
+            "bpipe P={pp} M={mb} {mesh}: grad {:.2e} loss {:.2e} params {:.2e}",
+            c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+        );
+        assert!(
+            c.max_rel_grad_err <= 1e-9 && c.max_abs_loss_err <= 1e-9 && c.max_rel_param_err <= 1e-9,
+            "bpipe P={pp} M={mb} {mesh}: {c:?}"
+        );
+        assert!(c.tensors_compared > 0);
+    }
+    // The lowering moves stashes: ranks 0 and 1 of P=4 M=8 lend forwards 1..=6 to ranks 3
+    // and 2 and get them back.
+    let src = spec("bpipe", 4, 8, None).unwrap();
+    let mesh: Mesh = "pp=4".parse().unwrap();
+    let set =
+        ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), LowerOptions::default()).unwrap();
+    let stash_ops = |g: usize, send: bool| -> Vec<u32> {
+        set.ranks[g]
+            .streams
+            .iter()
+            .flat_map(|s| &s.ops)
+            .filter_map(|op| match op {
+                schedc_program::Op::Send {
+                    buf: schedc_program::Buf::Stash { mb, .. },
+                    ..
+                } if send => Some(*mb),
+                schedc_program::Op::Recv {
+                    buf: schedc_program::Buf::Stash { mb, .. },
+                    ..
+                } if !send => Some(*mb),
+                _ => None,
+            })
+            .collect()
+    };
+    let lent: Vec<u32> = (1..=6).collect();
+    assert_eq!(stash_ops(0, true), lent);
+    assert_eq!(stash_ops(0, false), lent);
+    assert_eq!(stash_ops(3, false), lent);
+    assert_eq!(stash_ops(1, true), lent);
+    assert_eq!(stash_ops(2, true), lent);
+    // With MoE parts (EP stream, windows) too.
+    let moe = moe_spec("bpipe", 4, 8, None, "all").unwrap();
+    let c = run_program(
+        &ModelConfig::tiny(),
+        &moe,
+        "pp=4,ep=2",
+        2,
+        Optimizer::Sgd { lr: 0.2 },
+        LowerOptions::default(),
+    );
+    assert!(
+        c.max_rel_grad_err <= MOE_TOL && c.max_abs_loss_err <= MOE_TOL,
+        "bpipe --moe: {c:?}"
+    );
 }
 
 #[test]

@@ -256,6 +256,25 @@ impl<'a> RankDev<'a> {
         if cfg.group_limit.is_some() {
             return Err("the CUDA backend's router has no group-limited (node-limited) routing: run it on the CPU backend (--backend cpu)".into());
         }
+        // BPipe's lent stashes (LEND/RETURN, issue 27) move schedc's saved tensors between
+        // ranks; the CUDA backend keeps a stash in its own pool layout and cannot send it.
+        if let Some(op) = prog.streams.iter().flat_map(|s| &s.ops).find(|o| {
+            matches!(
+                o,
+                Op::Send {
+                    buf: Buf::Stash { .. },
+                    ..
+                } | Op::Recv {
+                    buf: Buf::Stash { .. },
+                    ..
+                }
+            )
+        }) {
+            return Err(format!(
+                "rank {}: `{op}`: the CUDA backend cannot lend saved activations to another rank yet (LEND/RETURN run on the CPU backend; issue 27)",
+                prog.rank
+            ));
+        }
         let dims = Dims::new(cfg, &m.mesh, gpu.dtype())?;
         let streams = prog
             .streams

@@ -265,6 +265,22 @@ fn tensor_parallel_moe_parts_with_ep_and_dp_equal_the_cpu() {
     assert_close(&case("1f1b", 2, 4, "pp=2,tp=2,dp=2", &cfg, 2));
 }
 
+/// Issue 27: BPipe's lent stashes run on the CPU backend only; the CUDA executor refuses a
+/// program that sends one, naming the op, before it runs anything.
+#[test]
+fn lent_stashes_are_refused_with_a_clear_message() {
+    let set = lower("bpipe", 4, 8, "pp=4", &ModelConfig::tiny());
+    let gpu = HostGpu::new(DType::F32);
+    let err = match execute(&gpu, &set, &Data::builtin(), &ExecOptions::default()) {
+        Ok(_) => panic!("a program with LEND/RETURN ran on the CUDA executor"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("the CUDA backend cannot lend saved activations to another rank yet (LEND/RETURN run on the CPU backend; issue 27)"),
+        "{err}"
+    );
+}
+
 #[test]
 fn sequence_parallel_programs_are_refused_with_a_clear_message() {
     // Megatron sequence parallelism (all-gathers, reduce-scatters, `shared` kernels) is the

@@ -203,6 +203,11 @@ impl Buf {
                 stage: p.stage,
                 mb: p.mb,
             },
+            // BPipe's lent stash: the saved activations of F(stage, mb) themselves.
+            PayloadKind::Lend | PayloadKind::Return => Buf::Stash {
+                stage: p.stage,
+                mb: p.mb,
+            },
         }
     }
     /// What a message carrying this buffer is, in words.

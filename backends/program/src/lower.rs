@@ -312,8 +312,35 @@ fn lower_rank(
     // The instruction index of each message: a stream posts its messages in this order
     // (sends before receives within one instruction).
     let mut comm_pos: HashMap<Buf, usize> = HashMap::new();
+    // BPipe's lent stashes (LEND/RETURN): at model granularity the stash is schedc's own
+    // saved tensors, moved whole to the holder and back; a runtime of the user's stages
+    // (stage granularity) keeps them in autograd, which cannot move them.
+    let mut lent_seen: std::collections::HashSet<(bool, Buf)> = Default::default();
     for (i, ins) in ir.ranks[r as usize].iter().enumerate() {
         for c in ins.comms() {
+            if let Comm::Send { payload, .. } | Comm::Recv { payload, .. } = c {
+                if payload.kind.is_stash() {
+                    if stage_gran {
+                        return Err(ProgramError::Rejected(format!(
+                            "rank {r}: `{}`: a runtime of the user's stage modules (stage \
+                             granularity: the torch runtime) cannot lend saved activations to \
+                             another rank yet (LEND/RETURN run on the CPU backend; issue 27)",
+                            schedc_ir::text::instr_to_string(ins)
+                        )));
+                    }
+                    let send = matches!(c, Comm::Send { .. });
+                    if !lent_seen.insert((send, Buf::of_payload(payload))) {
+                        return Err(ProgramError::Rejected(format!(
+                            "rank {r}: `{}`: the stash of F({},{}) is {} twice by this rank; the \
+                             executors move a stash to its holder and back once per step",
+                            schedc_ir::text::instr_to_string(ins),
+                            payload.stage,
+                            payload.mb,
+                            if send { "sent" } else { "received" }
+                        )));
+                    }
+                }
+            }
             match c {
                 Comm::Send { payload, .. } => {
                     let e = b.event();
@@ -350,7 +377,23 @@ fn lower_rank(
         comm_pos: &comm_pos,
     };
     let mut win = Window::default();
+    // Stashes lent and not back yet: (stage, mb) -> the event of their RETURN's receive,
+    // which the compute stream waits for before the first backward of that (stage, mb).
+    let mut returning: HashMap<(u32, u32), u32> = HashMap::new();
     for ins in &ir.ranks[r as usize] {
+        if !returning.is_empty() {
+            let mut waits = Vec::new();
+            ins.for_each_compute(|c| {
+                if c.kind != Kind::F {
+                    if let Some(e) = returning.remove(&(c.stage, c.mb)) {
+                        waits.push(e);
+                    }
+                }
+            });
+            for event in waits {
+                b.compute.push(Op::Wait { event });
+            }
+        }
         match ins {
             Instr::Compute(c) if stage_gran => {
                 let (pre, k, post) = stage_op(pl, &held(c.stage)?, c, &recv_ev, &send_ev);
@@ -423,6 +466,32 @@ fn lower_rank(
                 // rank's receives, and a backend posts the run of sends, collectives and
                 // receives at once.
                 let comms = ins.comms();
+                // A lent stash moves when the program reaches it: the compute stream records
+                // the send's event here (after the forward that wrote the stash, or, on the
+                // holder, after the LEND's receive it returns), and the owner's backward waits
+                // for the RETURN's receive.
+                for c in comms {
+                    match c {
+                        Comm::Send { payload, .. } if payload.kind.is_stash() => {
+                            let buf = Buf::of_payload(payload);
+                            if payload.kind == schedc_ir::PayloadKind::Return {
+                                if let Some(&event) = recv_ev.get(&buf) {
+                                    b.compute.push(Op::Wait { event });
+                                }
+                            }
+                            b.compute.push(Op::Record {
+                                event: send_ev[&buf],
+                            });
+                        }
+                        Comm::Recv { payload, .. }
+                            if payload.kind == schedc_ir::PayloadKind::Return =>
+                        {
+                            let buf = Buf::of_payload(payload);
+                            returning.insert((payload.stage, payload.mb), recv_ev[&buf]);
+                        }
+                        _ => {}
+                    }
+                }
                 let mut channels: Vec<u32> = Vec::new();
                 for c in comms {
                     let ch = match c {
@@ -486,7 +555,15 @@ fn lower_rank(
                             event: send_ev[buf],
                         });
                     }
+                    // The owner of a lent stash keeps its slot (empty while lent: the CPU
+                    // backend moves the tensors out): no allocation for the RETURN's receive,
+                    // no release after the LEND's send; its forward allocates the slot and
+                    // its backward releases it, as for a stash never lent.
+                    let own = |buf: &Buf| matches!(buf, Buf::Stash { stage, .. } if pl.rank_of(*stage) == r);
                     for (buf, _) in &recvs {
+                        if own(buf) {
+                            continue;
+                        }
                         ops.push(Op::Alloc {
                             buf: *buf,
                             zero: false,
@@ -508,6 +585,9 @@ fn lower_rank(
                         });
                     }
                     for (buf, _) in &sends {
+                        if own(buf) {
+                            continue;
+                        }
                         ops.push(Op::Free { buf: *buf });
                     }
                     for (buf, _) in &recvs {

@@ -210,6 +210,11 @@ pub struct Derived {
     pub p2p_bytes: f64,
     /// Seconds of one PP message.
     pub p2p_seconds: f64,
+    /// The PP link's latency (seconds) and bandwidth (bytes per second) that
+    /// [`Derived::p2p_seconds`] is made of, so that a message of another size (a lent stash,
+    /// BPipe's `LEND`/`RETURN`) is priced on the same link.
+    #[serde(skip)]
+    pub p2p_link: (f64, f64),
     /// GPUs.
     pub gpus: u64,
     /// Tokens per step over all GPUs.
@@ -763,6 +768,7 @@ pub fn derive(
         chunks: out,
         p2p_bytes,
         p2p_seconds,
+        p2p_link: (eff.latency, p2p_bw),
         gpus,
         tokens_per_step: seqs * tr.seq as f64,
         model_flops_per_step,
@@ -783,8 +789,16 @@ impl Derived {
             op_scale: Some(1.0),
             ..CostModel::default()
         };
-        cm.p2p.latency = self.p2p_seconds;
-        cm.p2p.bandwidth = 0.0;
+        // latency + bytes / bandwidth is `p2p_seconds` for an activation message; a lent
+        // stash's message is priced on the same link with its own bytes.
+        let (latency, bandwidth) = self.p2p_link;
+        if bandwidth > 0.0 {
+            cm.p2p.latency = latency;
+            cm.p2p.bandwidth = bandwidth;
+        } else {
+            cm.p2p.latency = self.p2p_seconds;
+            cm.p2p.bandwidth = 0.0;
+        }
         cm.p2p.bytes = Some(self.p2p_bytes);
         let any_moe = self.chunks.iter().any(|c| c.moe_layers > 0);
         cm.moe = Moe {

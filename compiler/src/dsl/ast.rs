@@ -184,6 +184,28 @@ pub struct MemStmt {
     pub sp: Sp,
 }
 
+/// A lending statement (BPipe's hand-off of a forward's stash, the IR's `LEND`/`RETURN`
+/// messages): `LEND(c, m) to r` (the owner lends the stash of its chunk `c`'s forward `m` to
+/// rank `r`), `LEND(stage s, m) from o` (rank `r` receives it from the owner `o`),
+/// `RETURN(stage s, m) to o` (the holder sends it back), `RETURN(c, m) from r` (the owner
+/// receives it back before the backward); `@ ch` after the peer puts the message on
+/// channel `ch` (default 0).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LendStmt {
+    /// `LEND` ([`schedc_ir::PayloadKind::Lend`]) or `RETURN` ([`schedc_ir::PayloadKind::Return`]).
+    pub kind: schedc_ir::PayloadKind,
+    /// The forward named: [`Target::Chunk`] or [`Target::Stage`] (a micro-batch is required).
+    pub target: Target,
+    /// True for `to` (a send), false for `from` (a receive).
+    pub send: bool,
+    /// The peer rank.
+    pub peer: Expr,
+    /// The channel (`@ ch`), if given.
+    pub channel: Option<Expr>,
+    /// Span.
+    pub sp: Sp,
+}
+
 /// A send or receive statement: `SA(s, m -> peer)` etc. (payload stage, micro-batch, peer).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CommStmt {
@@ -303,6 +325,8 @@ pub enum Stmt {
     Collective(CollStmt),
     /// `OFFLOAD(c, m)`, `RELOAD(c, m)`, `RECOMPUTE(c, m)`: a memory op.
     Mem(MemStmt),
+    /// `LEND(c, m) to r`, `RETURN(stage s, m) to o`, ...: a lending message.
+    Lend(LendStmt),
     /// `NAME(a, b)`: the use of a `def NAME(x, y) { ... }`: its statements, run here with
     /// `x`, `y` bound to the values of `a`, `b` (evaluated once, at the use).
     Call(String, Vec<Expr>, Sp),

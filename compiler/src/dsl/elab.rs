@@ -1153,6 +1153,68 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                 }));
                 st.spans.push(span(m.sp));
             }
+            Stmt::Lend(m) => {
+                tick(st, m.sp)?;
+                let name = if m.kind == PayloadKind::Lend {
+                    "LEND"
+                } else {
+                    "RETURN"
+                };
+                let (stage, mb) = match &m.target {
+                    Target::Chunk(c, mb) => {
+                        let ci = chunk(st, int(eval(c, env, Some(st))?, c.sp())?, c.sp())?;
+                        let mb = u32_of(
+                            int(eval(mb, env, Some(st))?, mb.sp())?,
+                            mb.sp(),
+                            "micro-batch",
+                        )?;
+                        (st.chunks[ci], mb)
+                    }
+                    Target::Stage(s, mb) => {
+                        let s = u32_of(int(eval(s, env, Some(st))?, s.sp())?, s.sp(), "stage")?;
+                        let mb = u32_of(
+                            int(eval(mb, env, Some(st))?, mb.sp())?,
+                            mb.sp(),
+                            "micro-batch",
+                        )?;
+                        (s, mb)
+                    }
+                    Target::Next(_) => {
+                        return Err(err(
+                            m.sp,
+                            format!("{name}(c, m) needs a chunk and a micro-batch"),
+                        ))
+                    }
+                };
+                let peer = u32_of(
+                    int(eval(&m.peer, env, Some(st))?, m.peer.sp())?,
+                    m.peer.sp(),
+                    "peer rank",
+                )?;
+                let channel = match &m.channel {
+                    Some(c) => u32_of(int(eval(c, env, Some(st))?, c.sp())?, c.sp(), "channel")?,
+                    None => 0,
+                };
+                let payload = Payload {
+                    kind: m.kind,
+                    stage,
+                    mb,
+                };
+                st.out.push(Instr::Comm(if m.send {
+                    Comm::Send {
+                        payload,
+                        peer,
+                        channel,
+                    }
+                } else {
+                    Comm::Recv {
+                        payload,
+                        peer,
+                        channel,
+                    }
+                }));
+                st.spans.push(span(m.sp));
+            }
             Stmt::Part(o, part, sp) => {
                 tick(st, *sp)?;
                 if let Some(c) = part_compute(o, *part, *sp, env, st)? {

@@ -206,6 +206,33 @@ fn op_str(o: &OpStmt) -> String {
     s
 }
 
+fn lend_str(m: &LendStmt) -> String {
+    let mut s = String::from(if m.kind == schedc_ir::PayloadKind::Lend {
+        "LEND("
+    } else {
+        "RETURN("
+    });
+    match &m.target {
+        Target::Stage(st, mb) => {
+            let _ = write!(s, "stage {}, {}", expr_str(st), expr_str(mb));
+        }
+        Target::Chunk(c, mb) => {
+            let _ = write!(s, "{}, {}", expr_str(c), expr_str(mb));
+        }
+        Target::Next(_) => {}
+    }
+    let _ = write!(
+        s,
+        ") {} {}",
+        if m.send { "to" } else { "from" },
+        expr_str(&m.peer)
+    );
+    if let Some(c) = &m.channel {
+        let _ = write!(s, " @ {}", expr_str(c));
+    }
+    s
+}
+
 fn mem_str(m: &MemStmt) -> String {
     let mut s = format!("{}(", m.kind.name());
     match &m.target {
@@ -262,6 +289,7 @@ fn stmt_start(s: &Stmt) -> usize {
         Stmt::Overlap(_, _, sp) | Stmt::Group(_, sp) | Stmt::Idle(sp) => sp.start,
         Stmt::Comm(c) => c.sp.start,
         Stmt::Mem(m) => m.sp.start,
+        Stmt::Lend(m) => m.sp.start,
         Stmt::Call(_, _, sp) => sp.start,
     }
 }
@@ -355,6 +383,7 @@ fn is_simple(s: &Stmt) -> bool {
             | Stmt::Part(..)
             | Stmt::Collective(_)
             | Stmt::Mem(_)
+            | Stmt::Lend(_)
             | Stmt::Call(..)
     )
 }
@@ -373,6 +402,7 @@ fn simple_str(s: &Stmt) -> String {
         ),
         Stmt::Comm(c) => comm_str(c),
         Stmt::Mem(m) => mem_str(m),
+        Stmt::Lend(m) => lend_str(m),
         Stmt::Group(v, _) => format!(
             "group {{ {} }}",
             v.iter().map(comm_str).collect::<Vec<_>>().join(" ")
@@ -459,6 +489,7 @@ fn stmt_end(s: &Stmt) -> usize {
         Stmt::Overlap(_, _, sp) | Stmt::Group(_, sp) | Stmt::Idle(sp) => sp.end,
         Stmt::Comm(c) => c.sp.end,
         Stmt::Mem(m) => m.sp.end,
+        Stmt::Lend(m) => m.sp.end,
         Stmt::Part(_, _, sp) => sp.end,
         Stmt::Collective(c) => c.sp.end,
         Stmt::Call(_, _, sp) => sp.end,
@@ -623,7 +654,7 @@ fn write_stmt_inner(f: &mut Fmt<'_>, s: &Stmt, indent: usize) {
         Stmt::Idle(_) => {
             let _ = writeln!(f.out, "{pad}idle");
         }
-        Stmt::Part(..) | Stmt::Collective(_) | Stmt::Call(..) | Stmt::Mem(_) => {
+        Stmt::Part(..) | Stmt::Collective(_) | Stmt::Call(..) | Stmt::Mem(_) | Stmt::Lend(_) => {
             let _ = writeln!(f.out, "{pad}{}", simple_str(s));
         }
     }

@@ -534,6 +534,56 @@ fn mem_stmt(i: In<'_>) -> R<'_, MemStmt> {
     ))
 }
 
+/// `LEND(c, m) to r`, `LEND(stage s, m) from o`, `RETURN(stage s, m) to o`,
+/// `RETURN(c, m) from r`, each with an optional `@ channel`.
+fn lend_stmt(i: In<'_>) -> R<'_, LendStmt> {
+    let start = i;
+    let (i2, w) = raw_ident(i)?;
+    let kind = match *w.fragment() {
+        "LEND" => schedc_ir::PayloadKind::Lend,
+        "RETURN" => schedc_ir::PayloadKind::Return,
+        _ => return fail(i, "LEND or RETURN"),
+    };
+    let (i, _) = ws(i2)?;
+    let (i, _) = expect("`(`", tok("(")).parse(i)?;
+    let (i, (target, send, peer, channel)) =
+        cut(|i| -> R<'_, (Target, bool, Expr, Option<Expr>)> {
+            let (i, target) = mem_target(i)?;
+            let (i, send) = match kw("to").parse(i) {
+                Ok((i2, _)) => (i2, true),
+                Err(_) => {
+                    let (i2, _) = expect(
+                        "`to` and the rank the stash goes to, or `from` and the rank it comes from",
+                        kw("from"),
+                    )
+                    .parse(i)?;
+                    (i2, false)
+                }
+            };
+            let (i, peer) = expect("the peer rank", expr).parse(i)?;
+            let (i, channel) = match tok("@").parse(i) {
+                Ok((i2, _)) => {
+                    let (i3, c) = expect("a channel expression after `@`", expr).parse(i2)?;
+                    (i3, Some(c))
+                }
+                Err(_) => (i, None),
+            };
+            Ok((i, (target, send, peer, channel)))
+        })
+        .parse(i)?;
+    Ok((
+        i,
+        LendStmt {
+            kind,
+            target,
+            send,
+            peer,
+            channel,
+            sp: sp_of(start, i),
+        },
+    ))
+}
+
 fn comm_stmt(i: In<'_>) -> R<'_, CommStmt> {
     let start = i;
     let (i2, w) = raw_ident(i)?;
@@ -740,6 +790,11 @@ fn stmt(i: In<'_>) -> R<'_, Stmt> {
     }
     match mem_stmt(i) {
         Ok((i2, m)) => return Ok((i2, Stmt::Mem(m))),
+        Err(nom::Err::Failure(e)) => return Err(nom::Err::Failure(e)),
+        Err(_) => {}
+    }
+    match lend_stmt(i) {
+        Ok((i2, m)) => return Ok((i2, Stmt::Lend(m))),
         Err(nom::Err::Failure(e)) => return Err(nom::Err::Failure(e)),
         Err(_) => {}
     }

@@ -513,6 +513,7 @@ fn comm_entry(ctx: &Ctx, r: u32, e: &str, whole: &str) -> Result<Comm, OpErr> {
         (true, _) => Some(stage),
         (false, PayloadKind::Act) => pl.prev_stage(stage),
         (false, PayloadKind::Grad) => pl.next_stage(stage),
+        (false, PayloadKind::Lend | PayloadKind::Return) => Some(stage),
     };
     let Some(producer) = producer else {
         let (what, end) = if kind == PayloadKind::Act {
@@ -821,7 +822,7 @@ mod tests {
                         assert_eq!(pl.rank_of(payload.stage) as usize, a, "{name}");
                         let consumer = match payload.kind {
                             PayloadKind::Act => pl.next_stage(payload.stage),
-                            PayloadKind::Grad => pl.prev_stage(payload.stage),
+                            _ => pl.prev_stage(payload.stage),
                         }
                         .unwrap();
                         assert_eq!(pl.rank_of(consumer), *peer, "{name}");

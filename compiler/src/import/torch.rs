@@ -1030,6 +1030,13 @@ fn write_comm(
             ))
         }
     };
+    if payload.kind.is_stash() {
+        return Err(format!(
+            "{}: torch's schedule format has no action that lends a stage's saved \
+             activations to another rank (BPipe's LEND/RETURN); export a schedule without them",
+            ctx()
+        ));
+    }
     let s = payload.stage;
     let act = payload.kind == PayloadKind::Act;
     // The payload goes from its producer `s` to its consumer (the next stage for an

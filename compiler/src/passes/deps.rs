@@ -100,8 +100,8 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
     let lowered = p.has_p2p();
     let n = s_n as usize * m_n as usize;
     // Receive and send positions by payload (first occurrence).
-    let mut recv_at = [vec![Pos::NONE; n], vec![Pos::NONE; n]];
-    let mut send_at = [vec![Pos::NONE; n], vec![Pos::NONE; n]];
+    let mut recv_at: [Vec<Pos>; 4] = std::array::from_fn(|_| vec![Pos::NONE; n]);
+    let mut send_at: [Vec<Pos>; 4] = std::array::from_fn(|_| vec![Pos::NONE; n]);
     if lowered {
         for (r, instrs) in p.ranks.iter().enumerate() {
             for (i, ins) in instrs.iter().enumerate() {
@@ -314,6 +314,13 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                                 PayloadKind::Grad => {
                                     idx.backward_input(payload.stage, payload.mb).copied()
                                 }
+                                // A lent stash exists once its forward has run on the owner
+                                // (pass 6b checks the rest); a returned one comes from the
+                                // holder's receive.
+                                PayloadKind::Lend => {
+                                    idx.get(Kind::F, payload.stage, payload.mb).copied()
+                                }
+                                PayloadKind::Return => None,
                             };
                             if let Some(pr) = prod {
                                 if pr.present() && pr.last.rank == at.rank && !before(pr.last, at) {
@@ -322,7 +329,7 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                                         dep: pr.last,
                                         why: format!(
                                             "this send runs before the op that produces its payload ({} of stage {}, micro-batch {})",
-                                            if payload.kind == PayloadKind::Act { "activation" } else { "input gradient" },
+                                            match payload.kind { PayloadKind::Grad => "input gradient", PayloadKind::Act => "activation", _ => "stash" },
                                             payload.stage,
                                             payload.mb
                                         ),
@@ -355,6 +362,8 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                     let (ir, what) = match pl_.kind {
                         schedc_ir::PayloadKind::Act => ("RA", "activation"),
                         schedc_ir::PayloadKind::Grad => ("RG", "gradient"),
+                        schedc_ir::PayloadKind::Lend => ("LEND", "lent stash"),
+                        schedc_ir::PayloadKind::Return => ("RETURN", "returned stash"),
                     };
                     let from = pl.rank_of(pl_.stage);
                     errs.push(DepError::Wait {
@@ -363,7 +372,7 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                             "this waits for the receive of the {what} of stage {}, micro-batch {} (`{ir}({},{}<-…)`), but rank {} posts no such receive before it: the receive is missing or comes after the wait",
                             pl_.stage, pl_.mb, pl_.stage, pl_.mb, at.rank
                         ),
-                        help: (!lowered).then(|| written_by_lowering(
+                        help: (!lowered && !pl_.kind.is_stash()).then(|| written_by_lowering(
                             "receives",
                             &format!("`{ir}({},{}<-{from})`", pl_.stage, pl_.mb),
                         )),
@@ -373,10 +382,17 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                     let (ir, torch, what) = match pl_.kind {
                         schedc_ir::PayloadKind::Act => ("SA", "SEND_F", "activation"),
                         schedc_ir::PayloadKind::Grad => ("SG", "SEND_B", "gradient"),
+                        schedc_ir::PayloadKind::Lend => {
+                            ("LEND", "(no torch action) ", "lent stash")
+                        }
+                        schedc_ir::PayloadKind::Return => {
+                            ("RETURN", "(no torch action) ", "returned stash")
+                        }
                     };
                     let to = match pl_.kind {
                         schedc_ir::PayloadKind::Act => pl.next_stage(pl_.stage),
                         schedc_ir::PayloadKind::Grad => pl.prev_stage(pl_.stage),
+                        _ => None,
                     }
                     .map_or("…".to_string(), |s| pl.rank_of(s).to_string());
                     errs.push(DepError::Wait {
@@ -385,7 +401,7 @@ pub fn check(p: &Program, idx: &OpIndex) -> Vec<DepError> {
                             "this waits for the send of the {what} of stage {}, micro-batch {} (`{ir}({},{}->…)`, torch's `{}{torch}{}`), but rank {} issues no such send before it: the send is missing or comes after the wait",
                             pl_.stage, pl_.mb, pl_.stage, pl_.mb, pl_.stage, pl_.mb, at.rank
                         ),
-                        help: (!lowered).then(|| written_by_lowering(
+                        help: (!lowered && !pl_.kind.is_stash()).then(|| written_by_lowering(
                             "sends",
                             &format!("`{ir}({},{}->{to})`", pl_.stage, pl_.mb),
                         )),

@@ -13,12 +13,16 @@
 //! `RECOMPUTE(s,m)` allocate one on the device again (and drop the host copy). The peak is
 //! that of device units; [`RankLiveness::host_peak`] is the peak of host units.
 //!
+//! A lent stash (BPipe's `LEND`/`RETURN` messages) counts on the device of the rank that
+//! holds it: the sender frees one unit when it issues the send, the receiver allocates one
+//! at its receive, so the owner's peak moves to its holder.
+//!
 //! `--max-activations N` (a `.case` file's `budget activations N`) rejects a schedule whose
 //! peak exceeds N on any rank, naming the first op that goes over.
 
 use super::{is_first_part, is_last_part, Ctx, Pos};
 use crate::diag::{Code, Diagnostic};
-use schedc_ir::{Compute, Instr, Kind, MemKind, Program};
+use schedc_ir::{Comm, Compute, Instr, Kind, MemKind, Program};
 use serde::Serialize;
 
 /// Liveness figures for one rank.
@@ -110,6 +114,22 @@ pub fn analyze(p: &Program, budget: Option<u64>) -> (Vec<RankLiveness>, Vec<Over
                     host = host.saturating_sub(1);
                     alloc = 1;
                 }
+                Instr::Comm(_) | Instr::Group(_) => {
+                    // A lent stash moves between devices: the sender frees it when the send
+                    // is issued, the receiver holds it from its receive.
+                    for m in ins.comms() {
+                        match m {
+                            Comm::Send { payload, .. } if payload.kind.is_stash() => {
+                                live = live.saturating_sub(1);
+                            }
+                            Comm::Recv { payload, .. } if payload.kind.is_stash() => alloc += 1,
+                            _ => {}
+                        }
+                    }
+                    if alloc == 0 {
+                        continue;
+                    }
+                }
                 _ => continue,
             }
             live += alloc;
@@ -166,5 +186,21 @@ mod tests {
         let plain = "pp 1\nstages 1\nmicrobatches 3\nplacement loop\nrank 0: F(0,0) F(0,1) F(0,2) BW(0,2) BW(0,1) BW(0,0)\n";
         let p = schedc_ir::text::parse(plain).unwrap().program;
         assert_eq!(analyze(&p, None).0[0].peak, 3);
+    }
+
+    #[test]
+    fn a_lent_stash_counts_on_the_holder_not_the_owner() {
+        // Rank 0 lends F(0,1) to rank 1 (which holds one of its own) and gets it back.
+        let src = "pp 2\nstages 2\nmicrobatches 2\nplacement loop\nrank 0: F(0,0) SA(0,0->1) F(0,1) SA(0,1->1) LEND(0,1->1@1) RG(1,0<-1) BW(0,0) RETURN(0,1<-1@1) RG(1,1<-1) BW(0,1)\nrank 1: RA(0,0<-0) F(1,0) LEND(0,1<-0@1) RA(0,1<-0) F(1,1) BW(1,0) SG(1,0->0) RETURN(0,1->0@1) BW(1,1) SG(1,1->0)\n";
+        let p = schedc_ir::text::parse(src).unwrap().program;
+        let peaks: Vec<u64> = analyze(&p, None).0.iter().map(|l| l.peak).collect();
+        // Without the lend: 2 and 2. With it, rank 1 holds three at once (its two and the
+        // lent one); rank 0 still reaches 2 at F(0,1), before the lend is issued.
+        assert_eq!(peaks, vec![2, 3]);
+        assert_eq!(
+            analyze(&p, None).0[0].peak_at,
+            Some(2),
+            "rank 0's peak is at F(0,1)"
+        );
     }
 }

@@ -203,6 +203,8 @@ pub fn lower_timed(p: &Program, keys: Option<&[Vec<f64>]>) -> Result<Program, Lo
                 let dst_stage = match k {
                     PayloadKind::Act => pl.next_stage(c.stage),
                     PayloadKind::Grad => pl.prev_stage(c.stage),
+                    // Never produced here: a schedule writes its LEND/RETURN messages itself.
+                    PayloadKind::Lend | PayloadKind::Return => None,
                 };
                 if let Some(ds) = dst_stage {
                     let dst = pl.rank_of(ds) as usize;
@@ -256,6 +258,7 @@ pub fn lower_timed(p: &Program, keys: Option<&[Vec<f64>]>) -> Result<Program, Lo
             let needs = match kind {
                 PayloadKind::Act => compute_str(&Compute::new(Kind::F, s, m)),
                 PayloadKind::Grad => format!("the backward of stage {s}, micro-batch {m}"),
+                PayloadKind::Lend | PayloadKind::Return => format!("the stash of F({s},{m})"),
             };
             // Does the producer rank still have that op ahead of it?
             let has_ahead = producer_rank < np

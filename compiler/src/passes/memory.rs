@@ -13,12 +13,17 @@
 //! * `RECOMPUTE(s,m)` only while they are not on the device (after an `OFFLOAD` that was not
 //!   reloaded; the host copy is then dropped): recomputing what is still stashed is an error.
 //!
+//! Lending (BPipe, `LEND`/`RETURN` messages): on the owner, `LEND(s,m->r)` moves the stash
+//! from *on the device* to *lent*, and `RETURN(s,m<-h)` back; a backward that finds it lent,
+//! a second `LEND` of it, or a `RETURN` receive of a stash that was not lent is an error. On
+//! the holder, `RETURN(s,m->o)` needs an earlier `LEND(s,m<-o)` (a RETURN without LEND).
+//!
 //! Memory ops of a stage the rank does not hold, or out of range, are pass 1's errors and are
 //! skipped here. Errors carry the rank and the position (step) of the offending op.
 
 use super::{Ctx, Pos};
 use crate::diag::{Code, Diagnostic};
-use schedc_ir::{Instr, Kind, MemKind, Program};
+use schedc_ir::{Comm, Instr, Kind, MemKind, PayloadKind, Program};
 
 /// Where a forward's saved activations are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +36,11 @@ pub enum Where {
     Host,
     /// Released by the backward.
     Released,
+    /// Lent to another rank (`LEND(s,m->r)`) and not returned yet.
+    Lent,
+    /// On a rank that does not own the stage: no stash of it held (no `LEND(s,m<-o)`
+    /// received, or already returned).
+    NotHeld,
 }
 
 impl Where {
@@ -40,6 +50,8 @@ impl Where {
             Where::Device => "already on the device",
             Where::Host => "offloaded to the host and not reloaded",
             Where::Released => "already released by the backward",
+            Where::Lent => "lent to another rank and not returned",
+            Where::NotHeld => "not held by this rank: no LEND of them was received before it (RETURN without LEND)",
         }
     }
 }
@@ -57,12 +69,28 @@ pub struct MemError {
     pub state: Where,
     /// For a backward after an offload: the position of that `OFFLOAD`.
     pub offloaded_at: Option<u32>,
+    /// For a backward (or a memory op) after a `LEND`: (its position, the holder rank).
+    pub lent_at: Option<(u32, u32)>,
 }
 
 impl MemError {
     /// Converts to a diagnostic (code `memory`).
     pub fn to_diagnostic(&self, cx: &Ctx<'_>) -> Diagnostic {
         let loc = cx.loc(self.at.rank as usize, self.at.pos as usize);
+        if let Some((o, h)) = self.lent_at {
+            return Diagnostic::error(
+                Code::Memory,
+                format!(
+                    "rank {} step {}: `{}` needs the activations of F({},{}) on this device, but they were lent to rank {h} at step {o} and not returned",
+                    self.at.rank, self.at.pos, loc.op, self.stage, self.mb
+                ),
+            )
+            .at(loc)
+            .with_help(format!(
+                "have rank {h} send them back (`RETURN({},{}->{})`) and receive them here (`RETURN({},{}<-{h})`) before it",
+                self.stage, self.mb, self.at.rank, self.stage, self.mb
+            ));
+        }
         let msg = match self.offloaded_at {
             Some(o) => format!(
                 "rank {} step {}: `{}` reads the activations of F({},{}), offloaded at step {} \
@@ -84,8 +112,20 @@ impl MemError {
                 "put RELOAD({},{}) (or RECOMPUTE({},{})) before the backward",
                 self.stage, self.mb, self.stage, self.mb
             )
+        } else if self.state == Where::NotHeld {
+            format!(
+                "a rank returns only a stash it was lent: receive it first with `LEND({},{}<-{})`",
+                self.stage,
+                self.mb,
+                cx.program.pipeline.rank_of(self.stage)
+            )
+        } else if loc.op.starts_with("RETURN") {
+            format!(
+                "RETURN({},{}) without LEND: the owner receives back only a stash it lent with `LEND({},{}->r)`",
+                self.stage, self.mb, self.stage, self.mb
+            )
         } else {
-            "OFFLOAD needs stashed activations, RELOAD and RECOMPUTE an earlier OFFLOAD".into()
+            "OFFLOAD and LEND need stashed activations, RELOAD and RECOMPUTE an earlier OFFLOAD, RETURN an earlier LEND".into()
         };
         Diagnostic::error(Code::Memory, msg).at(loc).with_help(help)
     }
@@ -98,12 +138,15 @@ pub fn check(p: &Program) -> Vec<MemError> {
     let m_n = pl.microbatches as usize;
     let s_n = pl.stages as usize;
     let mut errs = Vec::new();
-    if !p.ranks.iter().flatten().any(|i| matches!(i, Instr::Mem(_))) {
+    if !p.ranks.iter().flatten().any(|i| matches!(i, Instr::Mem(_))) && !p.has_lending() {
         return errs;
     }
     for (r, instrs) in p.ranks.iter().enumerate() {
         let mut state = vec![Where::NotYet; s_n * m_n];
         let mut off_at = vec![0u32; s_n * m_n];
+        // Lent stashes: (position of the LEND, holder); on a holder, whether it holds (s,m).
+        let mut lent = vec![(0u32, 0u32); s_n * m_n];
+        let mut held = vec![false; s_n * m_n];
         // Whether (s,m) has a split backward (its W releases it, not its B).
         let mut split = vec![false; s_n * m_n];
         for ins in instrs {
@@ -145,7 +188,72 @@ pub fn check(p: &Program) -> Vec<MemError> {
                             mb: op.mb,
                             state: state[k],
                             offloaded_at: None,
+                            lent_at: (state[k] == Where::Lent).then_some(lent[k]),
                         });
+                    }
+                }
+                Instr::Comm(_) | Instr::Group(_) => {
+                    for m in ins.comms() {
+                        let (payload, peer, send) = match m {
+                            Comm::Send { payload, peer, .. } => (payload, *peer, true),
+                            Comm::Recv { payload, peer, .. } => (payload, *peer, false),
+                            Comm::Collective(_) => continue,
+                        };
+                        if !payload.kind.is_stash() || peer as usize >= p.ranks.len() {
+                            continue;
+                        }
+                        let Some(k) = key(payload.stage, payload.mb) else {
+                            continue;
+                        };
+                        let owner = pl.rank_of(payload.stage) as usize;
+                        let lend = payload.kind == PayloadKind::Lend;
+                        // Pass 1 reports an end on the wrong rank.
+                        if (lend == send) != (owner == r) {
+                            continue;
+                        }
+                        let bad = |state: Where| MemError {
+                            at,
+                            stage: payload.stage,
+                            mb: payload.mb,
+                            state,
+                            offloaded_at: None,
+                            lent_at: None,
+                        };
+                        match (lend, send) {
+                            // Owner lends: the stash must be on its device.
+                            (true, true) => {
+                                if state[k] == Where::Device {
+                                    state[k] = Where::Lent;
+                                    lent[k] = (i as u32, peer);
+                                } else {
+                                    let mut e = bad(state[k]);
+                                    e.lent_at = (state[k] == Where::Lent).then_some(lent[k]);
+                                    errs.push(e);
+                                }
+                            }
+                            // Owner receives it back: it must have lent it.
+                            (false, false) => {
+                                if state[k] == Where::Lent {
+                                    state[k] = Where::Device;
+                                } else {
+                                    errs.push(bad(state[k]));
+                                }
+                            }
+                            // Holder receives: it must not hold it already.
+                            (true, false) => {
+                                if held[k] {
+                                    errs.push(bad(Where::Device));
+                                }
+                                held[k] = true;
+                            }
+                            // Holder returns: it must hold it.
+                            (false, true) => {
+                                if !held[k] {
+                                    errs.push(bad(Where::NotHeld));
+                                }
+                                held[k] = false;
+                            }
+                        }
                     }
                 }
                 _ => {
@@ -169,6 +277,18 @@ pub fn check(p: &Program) -> Vec<MemError> {
                                         mb: c.mb,
                                         state: Where::Host,
                                         offloaded_at: Some(off_at[k]),
+                                        lent_at: None,
+                                    });
+                                }
+                                if state[k] == Where::Lent && !reported {
+                                    reported = true;
+                                    errs.push(MemError {
+                                        at,
+                                        stage: c.stage,
+                                        mb: c.mb,
+                                        state: Where::Lent,
+                                        offloaded_at: None,
+                                        lent_at: Some(lent[k]),
                                     });
                                 }
                                 let releases = super::is_last_part(c)
@@ -206,6 +326,7 @@ mod tests {
                 mb: 0,
                 state: Where::Host,
                 offloaded_at: Some(1),
+                lent_at: None,
             }]
         );
         let d = e[0].to_diagnostic(&Ctx::new(&p));

@@ -3,7 +3,7 @@
 //! communication stream (one per rank and channel) they run on; each rank's compute-stream
 //! items with the communication ops they wait for.
 
-use super::{is_last_part, on_compute_stream};
+use super::{is_first_part, is_last_part, on_compute_stream};
 use schedc_ir::{Comm, Instr, Kind, PayloadKind, Program};
 
 /// "None" in the index arrays.
@@ -100,9 +100,12 @@ pub fn flatten(p: &Program) -> Streams<'_> {
     let mut stream_of: super::PackedMap<(u32, u32), usize> = super::PackedMap::default();
     // Per-rank scratch, indexed by payload: the first receive and send of it, the item that
     // produces it. Reset after each rank.
-    let mut prod_item = vec![NONE; 2 * n];
-    let mut recv_op = vec![NONE; 2 * n];
-    let mut send_op = vec![NONE; 2 * n];
+    let mut prod_item = vec![NONE; 4 * n];
+    let mut recv_op = vec![NONE; 4 * n];
+    let mut send_op = vec![NONE; 4 * n];
+    // The `RETURN` receives of this rank, by stash: (position, op), in program order (a stash
+    // may be lent and returned more than once; a backward waits for the latest before it).
+    let mut returns: std::collections::HashMap<usize, Vec<(u32, u32)>> = Default::default();
     for (r, instrs) in p.ranks.iter().enumerate() {
         let g0 = st.g_rank.len();
         let mut touched = Vec::new();
@@ -134,6 +137,13 @@ pub fn flatten(p: &Program) -> Streams<'_> {
                     Comm::Send { payload, .. } => Some((&mut send_op, payload)),
                     Comm::Collective(_) => None,
                 };
+                if let Comm::Recv { payload, .. } = m {
+                    if payload.kind == PayloadKind::Return {
+                        if let Some(k) = pk(PayloadKind::Return, payload.stage, payload.mb) {
+                            returns.entry(k).or_default().push((i as u32, id));
+                        }
+                    }
+                }
                 if let Some((t, payload)) = table {
                     if let Some(k) = pk(payload.kind, payload.stage, payload.mb) {
                         if t[k] == NONE {
@@ -171,6 +181,23 @@ pub fn flatten(p: &Program) -> Streams<'_> {
                                 st.waits.push(recv_op[kk]);
                             }
                         }
+                    }
+                }
+                // A backward of a stash that was lent waits for it to come back.
+                if c.kind != Kind::F && is_first_part(c) {
+                    if let Some(v) =
+                        pk(PayloadKind::Return, c.stage, c.mb).and_then(|k| returns.get(&k))
+                    {
+                        if let Some(&(_, id)) = v.iter().rev().find(|(p, _)| *p < i as u32) {
+                            st.waits.push(id);
+                        }
+                    }
+                }
+                // The stash a LEND sends exists once the forward has run.
+                if c.kind == Kind::F && is_last_part(c) {
+                    if let Some(kk) = pk(PayloadKind::Lend, c.stage, c.mb) {
+                        prod_item[kk] = item;
+                        touched.push(kk);
                     }
                 }
                 if is_last_part(c) {
@@ -214,6 +241,23 @@ pub fn flatten(p: &Program) -> Streams<'_> {
                     }
                 }
             }
+            // A LEND/RETURN group is issued when the program reaches it: after the compute
+            // item before it in program order (a stash moves when the schedule says, not as
+            // early as the stream allows).
+            let stash = (a..b).any(|id| match st.comm[id as usize] {
+                Comm::Send { payload, .. } | Comm::Recv { payload, .. } => payload.kind.is_stash(),
+                Comm::Collective(_) => false,
+            });
+            if stash {
+                let at = st.g_pos[g];
+                let k = its.partition_point(|&(pos, _)| pos < at);
+                if k > 0 {
+                    let it = (k - 1) as u32;
+                    if need == NONE || it > need {
+                        need = it;
+                    }
+                }
+            }
             st.g_producer[g] = need;
         }
         for k in touched {
@@ -221,6 +265,7 @@ pub fn flatten(p: &Program) -> Streams<'_> {
             recv_op[k] = NONE;
             send_op[k] = NONE;
         }
+        returns.clear();
         st.items.push(its);
     }
     st

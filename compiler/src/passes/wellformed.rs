@@ -534,6 +534,53 @@ fn range_error(pl: &Pipeline, at: Pos, stage: u32, mb: u32) -> Option<WfError> {
     })
 }
 
+/// The ends of a `LEND`/`RETURN` message: the owner of stage `s` (the rank that holds it)
+/// sends `LEND` and receives `RETURN`; another rank, the holder, receives `LEND` and sends
+/// `RETURN`, each naming the owner as its peer.
+fn check_stash(
+    p: &Program,
+    at: Pos,
+    send: bool,
+    payload: &schedc_ir::Payload,
+    peer: u32,
+    errs: &mut Vec<WfError>,
+) {
+    let (s, m) = (payload.stage, payload.mb);
+    let owner = p.pipeline.rank_of(s);
+    let lend = payload.kind == PayloadKind::Lend;
+    let op = if lend { "LEND" } else { "RETURN" };
+    // Does this end belong on the owner?
+    let on_owner = lend == send;
+    let why = if peer == at.rank {
+        Some(if lend && send {
+            format!("LEND({s},{m}->{peer}): rank {peer} lends the stash of F({s},{m}) to itself; lend it to another rank (BPipe pairs rank r with rank P-1-r)")
+        } else {
+            format!("{op}({s},{m}): rank {peer} sends the stash of F({s},{m}) to itself")
+        })
+    } else if on_owner && at.rank != owner {
+        Some(format!(
+            "{op}({s},{m}) {} on rank {}, but the stash of F({s},{m}) belongs to rank {owner}, which holds stage {s}",
+            if send { "sends" } else { "receives" },
+            at.rank
+        ))
+    } else if !on_owner && peer != owner {
+        Some(format!(
+            "{op}({s},{m}) on rank {} names rank {peer}, but the stash of F({s},{m}) {} rank {owner}, which holds stage {s}",
+            at.rank,
+            if send { "goes back to" } else { "comes from" }
+        ))
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        errs.push(WfError::WrongPeer {
+            at,
+            expected: None,
+            why: format!("rank {} step {}: {why}", at.rank, at.pos),
+        });
+    }
+}
+
 fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
     let pl = &p.pipeline;
     let pp = pl.pp;
@@ -541,6 +588,28 @@ fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
         Comm::Send { payload, peer, .. } | Comm::Recv { payload, peer, .. } => {
             let send = matches!(m, Comm::Send { .. });
             if *peer >= pp {
+                if payload.kind.is_stash() {
+                    let (op, dir) = match (payload.kind, send) {
+                        (schedc_ir::PayloadKind::Lend, true) => ("LEND", "lends the stash to"),
+                        (schedc_ir::PayloadKind::Lend, false) => ("LEND", "receives the stash from"),
+                        (_, true) => ("RETURN", "returns the stash to"),
+                        (_, false) => ("RETURN", "receives the stash back from"),
+                    };
+                    errs.push(WfError::WrongPeer {
+                        at,
+                        expected: None,
+                        why: format!(
+                            "rank {} step {}: {op}({},{}): rank {} {dir} rank {peer}, which does not exist (the pipeline has ranks 0..{})",
+                            at.rank,
+                            at.pos,
+                            payload.stage,
+                            payload.mb,
+                            at.rank,
+                            pp.saturating_sub(1)
+                        ),
+                    });
+                    return;
+                }
                 errs.push(WfError::Range {
                     at,
                     what: "peer rank",
@@ -551,6 +620,10 @@ fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
             }
             if let Some(e) = range_error(pl, at, payload.stage, payload.mb) {
                 errs.push(e);
+                return;
+            }
+            if payload.kind.is_stash() {
+                check_stash(p, at, send, payload, *peer, errs);
                 return;
             }
             if *peer == at.rank {
@@ -565,11 +638,11 @@ fn check_comm(p: &Program, at: Pos, m: &Comm, errs: &mut Vec<WfError>) {
             let producer = pl.rank_of(s);
             let consumer_stage = match payload.kind {
                 PayloadKind::Act => pl.next_stage(s),
-                PayloadKind::Grad => pl.prev_stage(s),
+                _ => pl.prev_stage(s),
             };
             let what = match payload.kind {
                 PayloadKind::Act => "activation",
-                PayloadKind::Grad => "input gradient",
+                _ => "input gradient",
             };
             let Some(cs) = consumer_stage else {
                 errs.push(WfError::WrongPeer {

@@ -710,6 +710,21 @@ impl CostModel {
         c
     }
 
+    /// Seconds of one `LEND`/`RETURN` message of `stage`'s stash (BPipe's hand-off), priced
+    /// as a point-to-point message: `p2p.latency + bytes / p2p.bandwidth`, where the bytes
+    /// are the stash's, `[memory] activation_bytes` of the stage, or, when that is 0, those
+    /// of an activation message ([`CostModel::message_bytes`]).
+    pub fn stash_message_time(&self, stage: u32) -> f64 {
+        let act = self.memory.activation_bytes_at(stage);
+        let bytes = if act > 0.0 { act } else { self.message_bytes() };
+        let xfer = if self.p2p.bandwidth > 0.0 {
+            bytes / self.p2p.bandwidth
+        } else {
+            0.0
+        };
+        self.p2p.latency + xfer
+    }
+
     /// Seconds of one P2P message.
     pub fn message_time(&self) -> f64 {
         let bytes = self.message_bytes();

@@ -15,6 +15,13 @@
 //! alone would cause), exposed all-to-all (the MoE dispatch and combine time during which the
 //! rank computes nothing), peak memory.
 //!
+//! A lent stash (BPipe's `LEND`/`RETURN` messages) is a point-to-point message priced at
+//! `p2p.latency + activation_bytes / p2p.bandwidth` ([`cost::CostModel::stash_message_time`]);
+//! it is posted once the rank's compute stream has run the op before it in program order
+//! (the schedule decides when a stash moves), and its bytes leave the sender's device and
+//! count on the receiver's when the message completes. The owner's backward waits for the
+//! `RETURN`.
+//!
 //! ## MoE parts
 //!
 //! A dispatch or combine part runs on the rank's EP stream (`[moe] overlap = true`), after the
@@ -378,6 +385,11 @@ fn prepare<'p>(p: &'p Program, cost: &CostModel) -> Prepared<'p> {
         for id in a..b {
             let d = match op_comm[id as usize] {
                 Comm::Collective(_) => cost.moe.a2a,
+                Comm::Send { payload, .. } | Comm::Recv { payload, .. }
+                    if payload.kind.is_stash() =>
+                {
+                    cost.stash_message_time(payload.stage)
+                }
                 _ => msg_time,
             };
             comp_dur[root as usize] = comp_dur[root as usize].max(d);
@@ -826,6 +838,18 @@ fn run(
                         used.comm[k] = 1.0;
                         makespan = makespan.max(t);
                         if record {
+                            // A lent stash moves when its message completes: the sender's
+                            // device frees it, the receiver's holds it.
+                            let (a, b) = flat.g_ops[g];
+                            for id in a..b {
+                                match flat.comm[id as usize] {
+                                    Comm::Send { payload, .. } if payload.kind.is_stash() => mem[r]
+                                        .push((t, -mem_model.activation_bytes_at(payload.stage))),
+                                    Comm::Recv { payload, .. } if payload.kind.is_stash() => mem[r]
+                                        .push((t, mem_model.activation_bytes_at(payload.stage))),
+                                    _ => {}
+                                }
+                            }
                             g_event[g] = events.len();
                             events.push(Event {
                                 rank: r as u32,
