@@ -375,15 +375,10 @@ pub fn pre_check(
 }
 
 /// Loads the input for `work`, refusing an instance whose estimated memory exceeds the limit
-/// ([`schedc::limits`]). Errors: [`LoadFailure`] (1 for an instance outside a spec's family
-/// or a spec that does not elaborate, 2 for unreadable input, bad usage or an instance over
-/// the limit), after printing why.
-pub fn load_for(args: &InputArgs, work: Option<Work>) -> Result<Loaded, LoadFailure> {
-    load_for_under(args, work, None)
-}
-
-/// [`load_for`], a spec's `list` block scheduled under `cost` (`sim --cost`, `check
-/// --cost`); without one, under unit times.
+/// ([`schedc::limits`]), a spec's `list` block scheduled under `cost` (`sim --cost`, `check
+/// --cost`; without one, under unit times). Errors: [`LoadFailure`] (1 for an instance
+/// outside a spec's family or a spec that does not elaborate, 2 for unreadable input, bad
+/// usage or an instance over the limit), after printing why.
 pub fn load_for_under(
     args: &InputArgs,
     work: Option<Work>,
@@ -432,11 +427,6 @@ pub fn load_for_under(
         .map_err(LoadFailure::usage)?;
     }
     Ok(loaded)
-}
-
-/// [`load_for`], keeping only the exit status.
-pub fn load(args: &InputArgs, work: Option<Work>) -> Result<Loaded, ExitCode> {
-    load_for(args, work).map_err(|f| f.code())
 }
 
 /// One JSON object on standard output for every error of a `--format json` command
