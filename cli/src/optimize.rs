@@ -352,7 +352,7 @@ pub fn run(a: Args) -> ExitCode {
             };
             // A spec's `list` block ordered under the cost, as `schedc sim --cost` orders it.
             let list_cost = (!a.cluster.given()).then_some(&cost);
-            let loaded = match load_for_under(&args, Some(Work::Check), list_cost) {
+            let loaded = match load_keeping_parts(&args, Some(Work::Check), list_cost) {
                 Ok(l) => l,
                 Err(f) => return f.code(),
             };
