@@ -357,9 +357,23 @@ pub fn run(a: Args) -> ExitCode {
                 Err(f) => return f.code(),
             };
             if loaded.moe.is_some() {
-                // No `--moe` here: the spec's own `parts` item split its MoE stages.
+                // Loaded without `--moe`: the spec's own `parts` item split its MoE stages.
+                let item = loaded
+                    .parts_item
+                    .clone()
+                    .unwrap_or_else(|| format!("{input}: its `parts` item"));
                 return fail(format!(
-                    "{input}: its `parts` item splits the MoE stages into parts, and the search orders whole ops: give the spec without the `parts` item, with --moe for the parts"
+                    "{item}: the spec's `parts` item splits its MoE stages into parts, and the search orders whole ops{}: give the spec without the item{}",
+                    if a.moe.is_some() {
+                        " (the item is the spec's part order; --moe does not replace it here)"
+                    } else {
+                        ""
+                    },
+                    if a.moe.is_some() {
+                        ", keeping --moe (the search scores the parts with it)"
+                    } else {
+                        " (add --moe[=STAGES] to score with the MoE parts)"
+                    }
                 ));
             }
             let p: Program = loaded.program;

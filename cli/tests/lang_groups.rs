@@ -390,7 +390,7 @@ fn parts_item_window_adjacent_precedence_fmt_and_errors() {
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(
-        stderr(&o).contains("its `parts` item splits the MoE stages into parts"),
+        stderr(&o).contains("`parts list 3`: the spec's `parts` item splits its MoE stages into parts, and the search orders whole ops: give the spec without the item"),
         "{}",
         stderr(&o)
     );
@@ -402,6 +402,110 @@ fn parts_item_window_adjacent_precedence_fmt_and_errors() {
         "{}",
         stderr(&o)
     );
+}
+
+/// The `LINE:COL` of the line `line` in `text` (column 1).
+fn line_of(text: &str, line: &str) -> String {
+    let n = text.lines().position(|l| l == line).expect("the line") + 1;
+    format!("{n}:1")
+}
+
+/// Issue 26 (d): `--moe=all:list` under a cost model without all-to-all times is refused
+/// (they would take no time), and a spec's `parts list` item, which splits the parts the
+/// same way, was timed with all-to-alls at zero. Now every command that is given (or, as
+/// `sim` and `compare`, always has) a cost model refuses the item as it refuses the flag,
+/// naming the item's location; without a cost model (`check`, `convert`) both pass.
+#[test]
+fn parts_item_without_all_to_all_times_is_refused_as_moe_list_is() {
+    let d = tmpdir("parts_costs");
+    let text = with_lines("specs/dualpipev.sched", "moe all\nparts list\n");
+    let with = write(&d, "with.sched", &text);
+    let at = format!("{with}:{}: `parts list` (the spec's MoE stages split into parts, as by --moe=auto:list) with the cost model `unit`, which has no [moe] section", line_of(&text, "parts list"));
+    let flag = "--moe with the cost model `unit`, which has no [moe] section";
+    let size = ["--pp", "2", "--mb", "4"];
+    let run = |args: &[&str]| {
+        let mut a = args.to_vec();
+        a.extend(size);
+        schedc(&a)
+    };
+    for cmd in [
+        vec!["sim"],
+        vec!["sim", "--cost", "unit"],
+        vec!["check", "--cost", "unit"],
+        vec!["show", "--cost", "unit"],
+        vec!["convert", "--to", "ir-text", "--cost", "unit"],
+    ] {
+        let mut a = vec![cmd[0], with.as_str()];
+        a.extend(&cmd[1..]);
+        let o = run(&a);
+        assert_refused(&o, &at);
+        let mut a = vec![cmd[0], "specs/dualpipev.sched", "--moe=all:list"];
+        a.extend(&cmd[1..]);
+        assert_refused(&run(&a), flag);
+    }
+    // A check sweep under --cost refuses it before sweeping.
+    let o = schedc(&[
+        "check", &with, "--pp", "2..=3", "--mb", "4", "--cost", "unit",
+    ]);
+    assert_refused(&o, &at);
+    // Without a cost model nothing is timed: both pass.
+    for extra in [vec!["check"], vec!["convert", "--to", "ir-text"]] {
+        let mut a = vec![extra[0], with.as_str()];
+        a.extend(&extra[1..]);
+        let o = run(&a);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    }
+    // With all-to-all times it runs (the item is the flag: the same report).
+    let o = run(&["sim", &with, "--cost", MOE_COST]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // compare: the spec's row fails with the reason, the others are compared.
+    let o = schedc(&[
+        "compare",
+        "--pp",
+        "2",
+        "--mb",
+        "4",
+        "--specs",
+        d.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains(&format!("with: {at}")),
+        "{}",
+        stdout(&o)
+    );
+}
+
+/// Issue 26 (f): `optimize` on a spec with a `parts` item said "give the spec ... with
+/// --moe" when no --moe was given: the refusal names the item (its location) as the cause,
+/// and says what --moe does with or without it.
+#[test]
+fn optimize_refusal_of_a_parts_item_names_the_item() {
+    let d = tmpdir("parts_optimize");
+    let text = with_lines("specs/dualpipev.sched", "moe all\nparts list\n");
+    let with = write(&d, "with.sched", &text);
+    let at = format!("{with}:{}: `parts list`: the spec's `parts` item splits its MoE stages into parts, and the search orders whole ops", line_of(&text, "parts list"));
+    let base = [
+        "optimize",
+        with.as_str(),
+        "--pp",
+        "2",
+        "--mb",
+        "4",
+        "--max-activations",
+        "5",
+    ];
+    let o = schedc(&base);
+    assert_refused(
+        &o,
+        &format!(
+            "{at}: give the spec without the item (add --moe[=STAGES] to score with the MoE parts)"
+        ),
+    );
+    let mut a = base.to_vec();
+    a.extend(["--moe", "--cost", MOE_COST]);
+    let o = schedc(&a);
+    assert_refused(&o, &format!("{at} (the item is the spec's part order; --moe does not replace it here): give the spec without the item, keeping --moe"));
 }
 
 /// Runs `schedc optimize INPUT --pp P --mb M --max-activations CAP --to FORM -o OUT`.
