@@ -644,3 +644,54 @@ fn optimize_to_spec_says_not_periodic_and_writes_one_instance() {
     assert!(text.contains("require M == 2,"), "{text}");
     assert!(text.contains("literal {"), "{text}");
 }
+
+/// Issue 26 (e): `optimize --to spec` at a large M searched the family's smallest M only
+/// 11 periods below the optimized M: at M = 300 it wrote `require M >= 289` for a family
+/// that holds from M = 4. The smallest M is now found from the fewest periods upward (small
+/// instances check fast), with M at doubling distances checked up to the optimized M.
+#[test]
+fn optimize_family_at_a_large_m_holds_down_to_its_smallest_m() {
+    let d = tmpdir("family_large");
+    let fam = d.join("fam.sched");
+    let fam = fam.to_str().unwrap();
+    let o = schedc(&[
+        "optimize",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "300",
+        "--max-activations",
+        "4",
+        "--heuristic",
+        "--to",
+        "spec",
+        "-o",
+        fam,
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("periodic: wrote a family in M (P fixed), M = 4..=8, 12, 20, 36, 68, 132, 260, 300..=304 step 1 checked by `schedc check`, the M between them by the period"),
+        "{}",
+        stdout(&o)
+    );
+    let text = std::fs::read_to_string(fam).unwrap();
+    assert!(text.contains("require M >= 4,"), "{text}");
+    // Every M of the family passes `check` under the cap; below it `require` refuses.
+    let o = schedc(&[
+        "check",
+        fam,
+        "--pp",
+        "4",
+        "--mb",
+        "3..=310",
+        "--max-activations",
+        "4",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("308 instances: 307 passed, 0 failed, 1 outside the family"),
+        "{}",
+        stdout(&o)
+    );
+}
