@@ -571,6 +571,8 @@ pub fn elab_diag(e: &crate::dsl::ElabError) -> crate::diag::Diagnostic {
         Code::Refused
     } else if e.usage {
         Code::Usage
+    } else if e.malformed {
+        Code::Syntax
     } else {
         Code::Elaboration
     };
