@@ -72,11 +72,16 @@ pub fn run(args: Args) -> ExitCode {
             max_activations,
             format,
             &model,
-            cost.is_some(),
+            cost.as_ref().map(|c| c.to_string_lossy().into_owned()),
         );
     }
     // With --cost, a spec's `list` block is scheduled under that model (as `sim --cost`).
-    let loaded = match load_for_under(&input, Some(Work::Check), cost.as_ref().map(|_| &model)) {
+    let cost_name = cost.as_ref().map(|n| n.to_string_lossy().into_owned());
+    let loaded = match load_for_under(
+        &input,
+        Some(Work::Check),
+        cost_name.as_deref().map(|n| (&model, n)),
+    ) {
         Ok(l) => l,
         Err(f) => {
             // With --format json, standard output still carries one object, with the message.
@@ -291,8 +296,9 @@ fn sweep(
     max_act: Option<u64>,
     format: OutFormat,
     model: &schedc::sim::cost::CostModel,
-    list_under_model: bool,
+    cost_name: Option<String>,
 ) -> ExitCode {
+    let list_under_model = cost_name.is_some();
     use indicatif::{ProgressBar, ProgressStyle};
     use rayon::prelude::*;
     let name = input.name();
@@ -353,6 +359,17 @@ fn sweep(
         Ok(t) => t,
         Err(e) => return refuse(e),
     };
+    // A `parts` item under --cost needs all-to-all times, as --moe does (one instance:
+    // `schedc::input::require_part_costs`).
+    if let (None, Some(cn), Some(item)) = (
+        &input.moe,
+        &cost_name,
+        schedc::input::parts_item(&name, &text),
+    ) {
+        if let Err(e) = schedc::input::require_parts_item_costs(&item, model, cn) {
+            return refuse(e);
+        }
+    }
     let vpps: Vec<Option<u32>> = match &input.vpp {
         None => vec![None],
         Some(r) => r.iter().map(Some).collect(),

@@ -375,16 +375,30 @@ pub fn pre_check(
 }
 
 /// Loads the input for `work`, refusing an instance whose estimated memory exceeds the limit
-/// ([`schedc::limits`]). Errors: [`LoadFailure`] (1 for an instance outside a spec's family
-/// or a spec that does not elaborate, 2 for unreadable input, bad usage or an instance over
-/// the limit), after printing why.
-pub fn load_for(args: &InputArgs, work: Option<Work>) -> Result<Loaded, LoadFailure> {
-    load_for_under(args, work, None)
+/// ([`schedc::limits`]), a spec's `list` block scheduled under `cost` (the model and its
+/// name: `sim --cost`, `check --cost`; without one, under unit times). A spec whose `parts`
+/// item splits the MoE stages (no `--moe` given) needs all-to-all times from `cost` when
+/// one is given, as `--moe` does ([`schedc::input::require_part_costs`]). Errors:
+/// [`LoadFailure`] (1 for an instance outside a spec's family or a spec that does not
+/// elaborate, 2 for unreadable input, bad usage, an instance over the limit or a `parts`
+/// item under a cost model without all-to-all times), after printing why.
+pub fn load_for_under(
+    args: &InputArgs,
+    work: Option<Work>,
+    cost: Option<(&schedc::sim::cost::CostModel, &str)>,
+) -> Result<Loaded, LoadFailure> {
+    let loaded = load_keeping_parts(args, work, cost.map(|(m, _)| m))?;
+    if let Some((model, name)) = cost {
+        schedc::input::require_part_costs(&loaded, model, name).map_err(LoadFailure::usage)?;
+    }
+    Ok(loaded)
 }
 
-/// [`load_for`], a spec's `list` block scheduled under `cost` (`sim --cost`, `check
-/// --cost`); without one, under unit times.
-pub fn load_for_under(
+/// [`load_for_under`] with the list cost only, not asking a `parts` item for all-to-all
+/// times (`optimize`, which refuses such a spec with its own reason).
+///
+/// Errors: as [`load_for_under`], but for the `parts` item.
+pub fn load_keeping_parts(
     args: &InputArgs,
     work: Option<Work>,
     cost: Option<&schedc::sim::cost::CostModel>,
@@ -432,11 +446,6 @@ pub fn load_for_under(
         .map_err(LoadFailure::usage)?;
     }
     Ok(loaded)
-}
-
-/// [`load_for`], keeping only the exit status.
-pub fn load(args: &InputArgs, work: Option<Work>) -> Result<Loaded, ExitCode> {
-    load_for(args, work).map_err(|f| f.code())
 }
 
 /// One JSON object on standard output for every error of a `--format json` command
@@ -1024,6 +1033,14 @@ pub struct OrderCostArgs {
 }
 
 impl OrderCostArgs {
+    /// The cost model's name as given (`unit` without --cost), for messages.
+    pub fn name(&self) -> String {
+        self.cost
+            .as_ref()
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "unit".into())
+    }
+
     /// The model, or `None` when neither flag is given (unit op times). With `--moe` the model
     /// must time the all-to-alls ([`require_moe_costs`]). Errors: exit status 2 after printing
     /// why.

@@ -230,7 +230,12 @@ pub fn run(args: Args) -> ExitCode {
         Ok(m) => m,
         Err(c) => return c,
     };
-    let program = match load_for_under(&args.input, None, order_model.as_ref()) {
+    let order_name = args.order_cost.name();
+    let program = match load_for_under(
+        &args.input,
+        None,
+        order_model.as_ref().map(|m| (m, order_name.as_str())),
+    ) {
         Ok(l) => l.program,
         Err(f) => return f.code(),
     };

@@ -169,7 +169,12 @@ pub fn run(args: Args) -> ExitCode {
         Ok(m) => m,
         Err(c) => return c,
     };
-    let mut loaded = match load_for_under(&input, Some(work), model.as_ref()) {
+    let cost_name = order_cost.name();
+    let mut loaded = match load_for_under(
+        &input,
+        Some(work),
+        model.as_ref().map(|m| (m, cost_name.as_str())),
+    ) {
         Ok(l) => l,
         Err(f) => return f.code(),
     };

@@ -28,10 +28,11 @@ pub struct Family {
     pub text: String,
     /// The micro-batch shift per period (the family's M steps by it, times the directions).
     pub step: u32,
-    /// The smallest M of the family (`require M >= lo`).
-    pub lo: u32,
-    /// The largest M checked.
-    pub hi: u32,
+    /// The M checked, as ranges (`first..=last`, in steps of `step`), ascending: all from
+    /// `lo` to `hi` when they are few; at a large M the smallest instances up to four
+    /// periods above the smallest (`require M >= ` it), M at doubling distances from it, and the optimized M up to four
+    /// periods above it (the M between hold by the period, as those above `hi` do).
+    pub checked: Vec<(u32, u32)>,
     /// The period of each rank (instructions).
     pub periods: Vec<usize>,
 }
@@ -40,14 +41,32 @@ impl Family {
     /// The report's line.
     pub fn note(&self) -> String {
         format!(
-            "periodic: wrote a family in M (P fixed), M = {}..{} step {} checked by `schedc check` (periods of {} instructions per rank, {} micro-batch(es) per period)",
-            self.lo,
-            if self.hi == self.lo { String::new() } else { format!("={}", self.hi) },
+            "periodic: wrote a family in M (P fixed), M = {} step {} checked by `schedc check`{} (periods of {} instructions per rank, {} micro-batch(es) per period)",
+            ranges_text(&self.checked),
             self.step,
+            if self.checked.len() > 1 {
+                ", the M between them by the period"
+            } else {
+                ""
+            },
             summarize(&self.periods),
             self.step
         )
     }
+}
+
+/// `4..=8, 12, 2000..=2004`: each range as `first..=last`, or `first` alone.
+fn ranges_text(r: &[(u32, u32)]) -> String {
+    r.iter()
+        .map(|&(a, b)| {
+            if a == b {
+                a.to_string()
+            } else {
+                format!("{a}..={b}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn summarize(v: &[usize]) -> String {
@@ -306,13 +325,10 @@ pub fn family(
     if got.ranks != p.ranks {
         return Err("the family's instance at the optimized M differs from the found order".into());
     }
-    // Check it from the fewest periods any rank can have (none) up to four periods more.
+    // Check it up to four periods above the optimized M, and find the smallest M from
+    // which it holds, down to the fewest periods any rank can have (none).
     let min_count = periods.iter().map(|q| q.count as u32).min().unwrap_or(0);
-    let mut lo_try = n0.saturating_sub(d.saturating_mul(min_count)).max(1);
-    while (n0 - lo_try) / d > 11 {
-        lo_try += d;
-    }
-    lo_try = n0 - (n0 - lo_try) / d * d;
+    let lo_min = n0 - (n0 - n0.saturating_sub(d.saturating_mul(min_count)).max(1)) / d * d;
     let hi = n0 + 4 * d;
     for n in (n0 + d..=hi).step_by(d as usize) {
         valid(&at(n0), n * dirs).map_err(|e| {
@@ -322,17 +338,72 @@ pub fn family(
             )
         })?;
     }
-    let mut lo = n0;
-    while lo >= lo_try + d && valid(&at(lo - d), (lo - d) * dirs).is_ok() {
-        lo -= d;
+    let (lo, mut checked) = lowest_m(lo_min, n0, d, &|m| valid(&at(lo_min), m * dirs).is_ok());
+    checked.push((n0, hi));
+    // Ranges that meet (`..=7`, `8..=`) are one.
+    let mut merged: Vec<(u32, u32)> = Vec::new();
+    for (a, b) in checked {
+        match merged.last_mut() {
+            Some(last) if a <= last.1 + d => last.1 = last.1.max(b),
+            _ => merged.push((a, b)),
+        }
     }
+    let checked: Vec<(u32, u32)> = merged.iter().map(|&(a, b)| (a * dirs, b * dirs)).collect();
     Ok(Family {
-        text: at(lo).replace("@CHECKED@", &format!("{}..={}", lo * dirs, hi * dirs)),
+        text: at(lo).replace("@CHECKED@", &ranges_text(&checked)),
         step: d * dirs,
-        lo: lo * dirs,
-        hi: hi * dirs,
+        checked,
         periods: periods.iter().map(|q| q.len).collect(),
     })
+}
+
+/// Periods above the smallest valid M that [`lowest_m`] checks one by one before it
+/// trusts the period for the M above them (as for those above the optimized M).
+const RUN: u32 = 4;
+
+/// The smallest M (of `lo_min`, `lo_min + d`, ..., `n0`, which `ok` accepts) from which
+/// every M up to `n0` holds, and the ranges of M checked below `n0` to say so. The M are
+/// scanned upward from `lo_min` (small instances check fast) until `RUN + 1` in a row
+/// pass; when that run ends below `n0`, M at doubling distances from its start (`lo + 8d`,
+/// `lo + 16d`, ...) are checked too, and a failure there starts the scan again above it.
+/// With few periods below `n0` every M between is checked. `ok(n0)` is known to hold.
+fn lowest_m(lo_min: u32, n0: u32, d: u32, ok: &dyn Fn(u32) -> bool) -> (u32, Vec<(u32, u32)>) {
+    let mut from = lo_min;
+    'scan: loop {
+        // Upward from `from`: the first run of RUN + 1 valid M (or every M up to n0).
+        let mut start = None;
+        let mut m = from;
+        while m < n0 {
+            if ok(m) {
+                let s = *start.get_or_insert(m);
+                if m >= s + RUN * d {
+                    break;
+                }
+            } else {
+                start = None;
+            }
+            m += d;
+        }
+        let Some(lo) = start else {
+            return (n0, Vec::new());
+        };
+        if m >= n0 {
+            // Every M from lo to n0 checked.
+            return (lo, vec![(lo, n0 - d)]);
+        }
+        let mut checked = vec![(lo, m)];
+        let mut gap = 8 * d;
+        while lo.saturating_add(gap) < n0 {
+            let g = lo + gap;
+            if !ok(g) {
+                from = g + d;
+                continue 'scan;
+            }
+            checked.push((g, g));
+            gap = gap.saturating_mul(2);
+        }
+        return (lo, checked);
+    }
 }
 
 /// The family's text; `@LO@` stands for its smallest M, `@CHECKED@` for the range of M
@@ -477,5 +548,29 @@ mod tests {
         let ops2: Vec<Vec<u32>> = tpl2.iter().map(|&o| vec![o]).collect();
         assert_eq!(find_period(&tpl2, &mb2, &ops2, None), None);
         assert_eq!(offset("n_mb", -3), "n_mb - 3");
+    }
+}
+
+#[cfg(test)]
+mod lowest_m_tests {
+    use super::lowest_m;
+
+    /// Issue 26 (e): the smallest M is found from the fewest periods upward, and a failure
+    /// at a doubling distance starts the scan again above it.
+    #[test]
+    fn lowest_m_scans_up_and_restarts_above_a_failure() {
+        let ok = |m: u32| m >= 10 && m != 26;
+        let (lo, checked) = lowest_m(1, 200, 1, &ok);
+        assert_eq!(lo, 27);
+        assert_eq!(
+            checked,
+            vec![(27, 31), (35, 35), (43, 43), (59, 59), (91, 91), (155, 155)]
+        );
+        // Few periods below the optimized M: every M between is checked.
+        assert_eq!(lowest_m(4, 8, 1, &|m| m >= 5), (5, vec![(5, 7)]));
+        // None below it holds.
+        assert_eq!(lowest_m(4, 8, 1, &|_| false), (8, vec![]));
+        // Steps of d.
+        assert_eq!(lowest_m(8, 16, 4, &|_| true), (8, vec![(8, 12)]));
     }
 }

@@ -6,9 +6,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use schedc::input::PlacementArg;
 use schedc::sim::cost::CostModel;
 use schedc_ir::{Pipeline, PlacementKind, Program};
-use schedc_optimize::report::{
-    cap_for, evaluate_moe, load_specs_noting, scale_of, scaled_cost, Row,
-};
+use schedc_optimize::report::{cap_for, evaluate_timed, load_specs_noting, scale_of, Row};
 use schedc_optimize::search::{optimize_placements, Options, Outcome};
 use schedc_optimize::{verify, Instance, Sched};
 use std::io::IsTerminal;
@@ -78,8 +76,9 @@ pub struct Args {
     #[arg(long, value_name = "PLACEMENT")]
     pub placement: Option<PlacementArg>,
     /// Cost model: a preset (unit, dualpipe-readme, dsv3-h800), a TOML file, or inline
-    /// overrides such as F=1,B=1.1,W=0.9,latency=0.05. Times are per stage of the input
-    /// (one stage per rank without input).
+    /// overrides such as F=1,B=1.1,W=0.9,latency=0.05. Times are for a stage of 1/P of the
+    /// model, as `schedc sim` charges them: a stage of a V-way split takes 1/V of them (the
+    /// message latency is per message), so every figure reported is what `schedc sim` gives.
     #[arg(long, value_name = "FILE|PRESET|K=V,...", default_value = "unit")]
     pub cost: String,
     /// Further inline overrides applied on top of --cost.
@@ -336,8 +335,10 @@ pub fn run(a: Args) -> ExitCode {
         }
     }
 
-    // The pipelines to search and their starting schedules.
+    // The pipelines to search and their starting schedules; the input's own program (its
+    // messages as written), for its row.
     let mut start: Option<(Pipeline, Sched)> = None;
+    let mut input_program: Option<Program> = None;
     let (ref_stages, pipelines, pp, mb): (u32, Vec<Pipeline>, u32, u32) = match &a.input {
         Some(input) => {
             let args = InputArgs {
@@ -349,14 +350,30 @@ pub fn run(a: Args) -> ExitCode {
                 placement: a.placement.clone(),
                 moe: None,
             };
-            let loaded = match load(&args, Some(Work::Check)) {
+            // A spec's `list` block ordered under the cost, as `schedc sim --cost` orders it.
+            let list_cost = (!a.cluster.given()).then_some(&cost);
+            let loaded = match load_keeping_parts(&args, Some(Work::Check), list_cost) {
                 Ok(l) => l,
-                Err(c) => return c,
+                Err(f) => return f.code(),
             };
             if loaded.moe.is_some() {
-                // No `--moe` here: the spec's own `parts` item split its MoE stages.
+                // Loaded without `--moe`: the spec's own `parts` item split its MoE stages.
+                let item = loaded
+                    .parts_item
+                    .clone()
+                    .unwrap_or_else(|| format!("{input}: its `parts` item"));
                 return fail(format!(
-                    "{input}: its `parts` item splits the MoE stages into parts, and the search orders whole ops: give the spec without the `parts` item, with --moe for the parts"
+                    "{item}: the spec's `parts` item splits its MoE stages into parts, and the search orders whole ops{}: give the spec without the item{}",
+                    if a.moe.is_some() {
+                        " (the item is the spec's part order; --moe does not replace it here)"
+                    } else {
+                        ""
+                    },
+                    if a.moe.is_some() {
+                        ", keeping --moe (the search scores the parts with it)"
+                    } else {
+                        " (add --moe[=STAGES] to score with the MoE parts)"
+                    }
                 ));
             }
             let p: Program = loaded.program;
@@ -366,6 +383,7 @@ pub fn run(a: Args) -> ExitCode {
             };
             let pl = p.pipeline.clone();
             start = Some((pl.clone(), sc));
+            input_program = Some(p);
             (
                 pl.stages_per_direction(),
                 vec![pl.clone()],
@@ -502,14 +520,11 @@ pub fn run(a: Args) -> ExitCode {
     // The smallest minimum cap (user units) among placements skipped for a cap below it.
     let mut below: Option<(u64, String)> = None;
     for pl in &pipelines {
-        let real_cost = scaled_cost(&cost, ref_stages, pl);
+        // Times as `schedc sim` charges the file written: a stage of a V-way split 1/V.
+        let real_cost = cost.for_pipeline(pl);
         let c = match &a.moe {
             Some(sel) => match sel.resolve(pl) {
-                Ok(st) => scaled_cost(
-                    &schedc_optimize::report::moe_proxy(&cost, &st),
-                    ref_stages,
-                    pl,
-                ),
+                Ok(st) => schedc_optimize::report::moe_proxy(&cost, &st).for_pipeline(pl),
                 Err(e) => return fail(e),
             },
             None => real_cost.clone(),
@@ -723,34 +738,35 @@ pub fn run(a: Args) -> ExitCode {
     let past = || deadline.is_some_and(|d| Instant::now() >= d);
     let mut not_simulated: Vec<String> = Vec::new();
     let mut rows: Vec<Row> = vec![opt_row.clone()];
-    if let Some((spl, sc)) = &start {
-        match evaluate_moe(
-            "start (the input)",
-            spl,
-            sc,
-            &cost,
-            ref_stages,
-            cap,
-            a.moe.as_ref(),
-        ) {
-            Ok((r, _)) => rows.push(r),
+    if let Some(p) = &input_program {
+        // The input as `schedc sim` gives it under the same flags: its own program, messages
+        // as written (not the search's re-lowering of its op order).
+        match simulate_as_sim(p, &cost, a.moe.as_ref()) {
+            Ok((sim, peak)) => rows.push(schedc_optimize::report::row_of_sim(
+                "start (the input)",
+                &p.pipeline,
+                &sim,
+                peak,
+                scale_of(ref_stages, &p.pipeline),
+                cap,
+            )),
             Err(e) => eprintln!("note: the input does not simulate: {e}"),
         }
     }
     let greedy_pl = Pipeline::new(pp, pp, mb, PlacementKind::Loop).ok();
     let mut greedy_row = None;
     if let Some(gpl) = greedy_pl.as_ref().filter(|g| model_shape(g)) {
-        let c = scaled_cost(&cost, ref_stages, gpl);
+        let c = cost.for_pipeline(gpl);
         if past() {
             not_simulated.push("greedy".into());
         } else if let Ok(gi) = Instance::new(gpl, &c, Some(cap_for(cap, ref_stages, gpl))) {
             if let Ok(g) = schedc_optimize::greedy::zero_bubble_greedy(&gi) {
-                if let Ok((r, _)) = evaluate_moe(
+                if let Ok((r, _)) = evaluate_timed(
                     "greedy (Zero Bubble, best of 8)",
                     gpl,
                     &g.sched,
-                    &cost,
-                    ref_stages,
+                    &c,
+                    scale_of(ref_stages, gpl),
                     cap,
                     a.moe.as_ref(),
                 ) {
@@ -771,12 +787,12 @@ pub fn run(a: Args) -> ExitCode {
             not_simulated.push(format!("spec {}", s.name));
             continue;
         }
-        if let Ok((r, _)) = evaluate_moe(
+        if let Ok((r, _)) = evaluate_timed(
             &format!("spec {}", s.name),
             &s.pipeline,
             &s.sched,
-            &cost,
-            ref_stages,
+            &cost.for_pipeline(&s.pipeline),
+            scale_of(ref_stages, &s.pipeline),
             cap,
             a.moe.as_ref(),
         ) {
@@ -861,46 +877,27 @@ pub fn run(a: Args) -> ExitCode {
             }
         }
     };
-    // The table's units against the file's: the cost is for one stage of the reference
-    // pipeline (`cand.scale`), and `schedc sim` charges a stage of a V-way split 1/V of it.
-    let file_scale = cost
-        .for_pipeline(&ver.program.pipeline)
-        .op_scale
-        .unwrap_or(1.0);
-    let same_units = (cand.scale - 1.0).abs() < 1e-12 && (file_scale - 1.0).abs() < 1e-12;
+    // The times are `schedc sim`'s on the file (`CostModel::for_pipeline`); the activations
+    // count in stages of the input (one stage per rank without input), the file's in its
+    // own: the same units when `cand.scale` is 1.
+    let same_units = (cand.scale - 1.0).abs() < 1e-12;
     let figs = if figures_form == OutKind::IrText {
-        // The IR text is the verified program itself (printing and parsing it is exact):
-        // its simulation under the cost as given, without checking it a second time (a
-        // check and a simulation take seconds at P = 20000).
-        let sim = if same_units {
-            Ok(ver_sim.clone())
-        } else {
-            // As `schedc sim` times the file: a stage of a V-way split charged 1/V.
-            let file_cost = cost.for_pipeline(&ver.program.pipeline);
-            match &a.moe {
-                Some(sel) => schedc_optimize::report::simulate_moe(&ver, &file_cost, sel),
-                None => schedc::sim::simulate(&ver.program, &file_cost),
-            }
-        };
-        match sim {
-            Ok(sim) => Figures {
-                makespan: sim.makespan,
-                steady_step: sim.steady_step,
-                peak: ver
-                    .report
-                    .ranks
-                    .iter()
-                    .map(|r| r.peak_activations)
-                    .max()
-                    .unwrap_or(0),
-                cap: cand.inst.cap,
-                pp: file_pl.pp,
-                mb: file_pl.total_microbatches(),
-            },
-            Err(e) => {
-                eprintln!("error: the schedule as written does not simulate: {e}");
-                return ExitCode::from(1);
-            }
+        // The IR text is the verified program itself (printing and parsing it is exact), and
+        // the optimized row its simulation under `schedc sim`'s times: no second check and
+        // simulation (they take seconds at P = 20000).
+        Figures {
+            makespan: ver_sim.makespan,
+            steady_step: ver_sim.steady_step,
+            peak: ver
+                .report
+                .ranks
+                .iter()
+                .map(|r| r.peak_activations)
+                .max()
+                .unwrap_or(0),
+            cap: cand.inst.cap,
+            pp: file_pl.pp,
+            mb: file_pl.total_microbatches(),
         }
     } else {
         match simulate_written(
@@ -1218,7 +1215,7 @@ impl Figures {
 
 /// Loads `text` as `schedc sim` loads a file of `form` (with `--pp`/`--mb` for a spec and
 /// `--moe` as given), checks it with `--max-activations cap` and simulates it under `cost`
-/// as given (not scaled: the file's ops each take the cost's stage time).
+/// as `schedc sim` charges it (`CostModel::for_pipeline`: a stage of a V-way split 1/V).
 ///
 /// Errors: the text does not load, `check` rejects it, or the simulation fails.
 fn simulate_written(
@@ -1319,7 +1316,7 @@ fn written_line(
     );
     if !same_units {
         s.push_str(&format!(
-            "\n  (in the file's own units: its {} stages count one activation each, where the table counts {} of one; `schedc sim` times them as the table does, a stage of a V-way split taking 1/V of the cost's stage time)",
+            "\n  (activations in the file's own units: its {} stages count one activation each, where the table counts {} of one; the times are the table's, `schedc sim` charging a stage of a V-way split 1/V of the cost's stage time as the table does)",
             pl.stages,
             if pl.stages_per_direction() == 2 * pl.pp { "half" } else { "a fraction" }
         ));
@@ -1328,7 +1325,7 @@ fn written_line(
         let differs = (f.makespan - row_makespan).abs() > 1e-9 * row_makespan.abs().max(1.0);
         s.push_str(&format!(
             "\n  (a compute-only CSV carries the ops' order, not the messages': `schedc sim` re-inserts the sends and receives in its own order{}; write --to ir-text or --to spec to keep the searched order; a CSV has no header to say so)",
-            if same_units && differs {
+            if differs {
                 format!(
                     ", which gives {} rather than the optimized row's {}",
                     secs(f.makespan),
@@ -1463,4 +1460,46 @@ fn spec_with_header(body: &str, a: &Args, out: &Outcome, f: &Figures, path: &str
         Ok(parsed) => schedc::dsl::fmt::format_file(&parsed, &text),
         Err(_) => text,
     }
+}
+
+/// Simulates `p` (a loaded input, its messages as written) as `schedc sim` does under `cost`
+/// and `--moe` as given: the MoE stages split (a `:list` ordered under `cost`), `check`'s
+/// lowering, and `cost` for the pipeline (a stage of a V-way split charged 1/V). Returns the
+/// simulation and `check`'s peak live activations on the worst rank, in `p`'s stages.
+///
+/// Errors: the selection does not fit, `check` rejects the program, or the simulation fails.
+fn simulate_as_sim(
+    p: &Program,
+    cost: &CostModel,
+    moe: Option<&schedc::moe::MoeStages>,
+) -> Result<(schedc::sim::SimResult, u64), String> {
+    let split;
+    let p = match moe {
+        Some(sel) => {
+            split = schedc::input::apply_moe_under(p, None, sel, Some(cost))?.0;
+            &split
+        }
+        None => p,
+    };
+    let checked = schedc::check::check(p, None, &Default::default());
+    if checked.report.verdict != schedc::check::Verdict::Accepted {
+        let first = checked
+            .report
+            .diagnostics
+            .iter()
+            .find(|d| d.severity == schedc::diag::Severity::Error)
+            .map(|d| d.message.clone())
+            .unwrap_or_default();
+        return Err(format!("schedc check rejects it: {first}"));
+    }
+    let peak = checked
+        .report
+        .ranks
+        .iter()
+        .map(|r| r.peak_activations)
+        .max()
+        .unwrap_or(0);
+    let prog = checked.checked.ok_or("no checked program")?;
+    let sim = schedc::sim::simulate(&prog, &cost.for_pipeline(&prog.pipeline))?;
+    Ok((sim, peak))
 }

@@ -601,7 +601,8 @@ fn load_program(
     let model = order_cost
         .model_or_message(input)
         .map_err(|e| fail(format, &e, 2))?;
-    match load_for_under(input, None, model.as_ref()) {
+    let cost_name = order_cost.name();
+    match load_for_under(input, None, model.as_ref().map(|m| (m, cost_name.as_str()))) {
         Ok(l) => Ok(l.program),
         Err(f) => {
             if format == OutFormat::Json {

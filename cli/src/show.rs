@@ -24,7 +24,12 @@ pub fn run(args: Args) -> ExitCode {
         Ok(m) => m,
         Err(c) => return c,
     };
-    let loaded = match load_for_under(&input, Some(Work::Check), model.as_ref()) {
+    let cost_name = order.name();
+    let loaded = match load_for_under(
+        &input,
+        Some(Work::Check),
+        model.as_ref().map(|m| (m, cost_name.as_str())),
+    ) {
         Ok(l) => l,
         Err(f) => return f.code(),
     };

@@ -117,7 +117,7 @@ pub fn run(args: Args) -> ExitCode {
         }
     }
     // A spec's `list` block is scheduled under the same cost model.
-    let loaded = match load_for_under(&input, Some(Work::Sim), Some(&model)) {
+    let loaded = match load_for_under(&input, Some(Work::Sim), Some((&model, &cost_name))) {
         Ok(l) => l,
         Err(f) => return f.code(),
     };

@@ -162,7 +162,7 @@ fn def_recursion_is_refused() {
         "vpp 1\ndef loop_(c) {\n    F(c)\n    loop_(c)\n}\nrank r { loop_(0) }\n",
     );
     let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let e = stderr(&o);
     assert!(
         e.contains("`def loop_` uses itself: a def cannot be recursive"),
@@ -176,7 +176,7 @@ fn def_recursion_is_refused() {
         "vpp 1\ndef a(c) { b(c) }\ndef b(c) { a(c) }\nrank r { a(0) }\n",
     );
     let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let e = stderr(&o);
     assert!(
         e.contains("`def a` uses `b`, which is defined below it"),
@@ -196,7 +196,7 @@ fn def_arity_and_unknown_name() {
         "vpp 1\ndef pair(c, k) {\n    F(c)\n    BW(k)\n}\nrank r { repeat M { pair(0) } }\n",
     );
     let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let e = stderr(&o);
     assert!(
         e.contains("`pair` takes 2 argument(s) (c, k), given 1"),
@@ -209,7 +209,8 @@ fn def_arity_and_unknown_name() {
         "u.sched",
         "vpp 1\ndef pair(c) {\n    F(c)\n    BW(c)\n}\nrank r { repeat M { piar(0) } }\n",
     );
-    // An unknown statement is a syntax error (exit 2), found before elaboration.
+    // An unknown statement is a syntax error (exit 2), found before elaboration; the
+    // misuses above are input errors too (issue 26 g).
     let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let e = stderr(&o);
@@ -226,7 +227,7 @@ fn def_arity_and_unknown_name() {
         "vpp 1\ndef BW(c) { F(c) }\nrank r { F(0) BW(0) }\n",
     );
     let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(
         stderr(&o).contains("`BW` is an op of the language"),
         "{}",
@@ -266,6 +267,109 @@ fn with_lines(src: &str, lines: &str) -> String {
     let at = text.find("\nplacement ").expect("a placement line") + 1;
     let eol = at + text[at..].find('\n').unwrap() + 1;
     format!("{}{lines}{}", &text[..eol], &text[eol..])
+}
+
+/// Issue 26 (g): a `def` used with the wrong arity, recursive, using one defined below it,
+/// named as an op, defined twice or with a parameter twice exited 1 (a rejected instance),
+/// while a use of no `def` exited 2: all are input errors, whatever the instance, so all
+/// exit 2 (`syntax`; JSON verdict `unreadable`), in one instance and in a sweep.
+#[test]
+fn def_misuse_exits_2_like_an_unknown_def() {
+    let d = tmpdir("def_exit");
+    for (name, text, says) in [
+        (
+            "rec.sched",
+            "vpp 1\ndef a(c) {\n    F(c)\n    a(c)\n}\nrank r { a(0) }\n",
+            "`def a` uses itself: a def cannot be recursive",
+        ),
+        (
+            "below.sched",
+            "vpp 1\ndef a(c) { b(c) }\ndef b(c) { F(c) BW(c) }\nrank r { a(0) }\n",
+            "`def a` uses `b`, which is defined below it",
+        ),
+        (
+            "arity.sched",
+            "vpp 1\ndef a(c, k) { F(c) BW(k) }\nrank r { a(0) }\n",
+            "`a` takes 2 argument(s) (c, k), given 1",
+        ),
+        (
+            "op.sched",
+            "vpp 1\ndef F(c) { BW(c) }\nrank r { F(0) BW(0) }\n",
+            "`F` is an op of the language",
+        ),
+        (
+            "twice.sched",
+            "vpp 1\ndef a(c) { F(c) BW(c) }\ndef a(c) { F(c) BW(c) }\nrank r { a(0) }\n",
+            "`def a` is defined twice",
+        ),
+        (
+            "param.sched",
+            "vpp 1\ndef a(c, c) { F(c) BW(c) }\nrank r { a(0, 0) }\n",
+            "`def a` names the parameter `c` twice",
+        ),
+        (
+            "unknown.sched",
+            "vpp 1\ndef a(c) { F(c) BW(c) }\nrank r { b(0) }\n",
+            "no `def b` in this file",
+        ),
+    ] {
+        let spec = write(&d, name, text);
+        let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
+        assert_refused(&o, says);
+        let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1", "--format", "json"]);
+        assert_eq!(o.status.code(), Some(2), "{name}: {}", stdout(&o));
+        assert!(
+            stdout(&o).contains("\"unreadable\""),
+            "{name}: {}",
+            stdout(&o)
+        );
+        let o = schedc(&["sim", &spec, "--pp", "1", "--mb", "1"]);
+        assert_refused(&o, says);
+        let o = schedc(&["check", &spec, "--pp", "1..=2", "--mb", "1"]);
+        assert_eq!(o.status.code(), Some(2), "{name}: {}", stdout(&o));
+        assert!(
+            stdout(&o).contains("ERROR --pp 2 --mb 1: "),
+            "{name}: {}",
+            stdout(&o)
+        );
+    }
+}
+
+/// Issue 26 (h): `fn a` and `def a` could share a name (one used in expressions, the other
+/// as a statement). Refused (exit 2) in either order, naming both definitions.
+#[test]
+fn fn_and_def_of_one_name_are_refused_naming_both() {
+    let d = tmpdir("fn_def");
+    for (name, text, first, second) in [
+        (
+            "fd.sched",
+            "vpp 1\nfn a(x) = x + 1\ndef a(c) {\n    F(c)\n    BW(c)\n}\nrank r { repeat M { a(0) } }\n",
+            "fd.sched:2:1]",
+            "fd.sched:3:1]",
+        ),
+        (
+            "df.sched",
+            "vpp 1\ndef a(c) {\n    F(c)\n    BW(c)\n}\nfn a(x) = x + 1\nrank r { repeat M { a(0) } }\n",
+            "df.sched:2:1]",
+            "df.sched:6:1]",
+        ),
+    ] {
+        let spec = write(&d, name, text);
+        let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
+        assert_refused(&o, "`a` is both a `fn` and a `def`");
+        let e = stderr(&o);
+        assert!(e.contains(first) || e.contains(second), "{e}");
+        assert!(e.contains("`fn a` is here") || e.contains("`def a` is here"), "{e}");
+        let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1", "--format", "json"]);
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let text = j.to_string();
+        let (l1, l2) = (
+            first.trim_end_matches(']').rsplit_once('/').map_or(first, |x| x.1),
+            second.trim_end_matches(']'),
+        );
+        assert!(text.contains(l1.trim_end_matches(']')), "{text}");
+        assert!(text.contains(l2), "{text}");
+    }
 }
 
 /// A spec's `parts list` item gives exactly what `--moe=all:list` gives for the same spec
@@ -390,7 +494,7 @@ fn parts_item_window_adjacent_precedence_fmt_and_errors() {
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(
-        stderr(&o).contains("its `parts` item splits the MoE stages into parts"),
+        stderr(&o).contains("`parts list 3`: the spec's `parts` item splits its MoE stages into parts, and the search orders whole ops: give the spec without the item"),
         "{}",
         stderr(&o)
     );
@@ -402,6 +506,110 @@ fn parts_item_window_adjacent_precedence_fmt_and_errors() {
         "{}",
         stderr(&o)
     );
+}
+
+/// The `LINE:COL` of the line `line` in `text` (column 1).
+fn line_of(text: &str, line: &str) -> String {
+    let n = text.lines().position(|l| l == line).expect("the line") + 1;
+    format!("{n}:1")
+}
+
+/// Issue 26 (d): `--moe=all:list` under a cost model without all-to-all times is refused
+/// (they would take no time), and a spec's `parts list` item, which splits the parts the
+/// same way, was timed with all-to-alls at zero. Now every command that is given (or, as
+/// `sim` and `compare`, always has) a cost model refuses the item as it refuses the flag,
+/// naming the item's location; without a cost model (`check`, `convert`) both pass.
+#[test]
+fn parts_item_without_all_to_all_times_is_refused_as_moe_list_is() {
+    let d = tmpdir("parts_costs");
+    let text = with_lines("specs/dualpipev.sched", "moe all\nparts list\n");
+    let with = write(&d, "with.sched", &text);
+    let at = format!("{with}:{}: `parts list` (the spec's MoE stages split into parts, as by --moe=auto:list) with the cost model `unit`, which has no [moe] section", line_of(&text, "parts list"));
+    let flag = "--moe with the cost model `unit`, which has no [moe] section";
+    let size = ["--pp", "2", "--mb", "4"];
+    let run = |args: &[&str]| {
+        let mut a = args.to_vec();
+        a.extend(size);
+        schedc(&a)
+    };
+    for cmd in [
+        vec!["sim"],
+        vec!["sim", "--cost", "unit"],
+        vec!["check", "--cost", "unit"],
+        vec!["show", "--cost", "unit"],
+        vec!["convert", "--to", "ir-text", "--cost", "unit"],
+    ] {
+        let mut a = vec![cmd[0], with.as_str()];
+        a.extend(&cmd[1..]);
+        let o = run(&a);
+        assert_refused(&o, &at);
+        let mut a = vec![cmd[0], "specs/dualpipev.sched", "--moe=all:list"];
+        a.extend(&cmd[1..]);
+        assert_refused(&run(&a), flag);
+    }
+    // A check sweep under --cost refuses it before sweeping.
+    let o = schedc(&[
+        "check", &with, "--pp", "2..=3", "--mb", "4", "--cost", "unit",
+    ]);
+    assert_refused(&o, &at);
+    // Without a cost model nothing is timed: both pass.
+    for extra in [vec!["check"], vec!["convert", "--to", "ir-text"]] {
+        let mut a = vec![extra[0], with.as_str()];
+        a.extend(&extra[1..]);
+        let o = run(&a);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    }
+    // With all-to-all times it runs (the item is the flag: the same report).
+    let o = run(&["sim", &with, "--cost", MOE_COST]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // compare: the spec's row fails with the reason, the others are compared.
+    let o = schedc(&[
+        "compare",
+        "--pp",
+        "2",
+        "--mb",
+        "4",
+        "--specs",
+        d.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains(&format!("with: {at}")),
+        "{}",
+        stdout(&o)
+    );
+}
+
+/// Issue 26 (f): `optimize` on a spec with a `parts` item said "give the spec ... with
+/// --moe" when no --moe was given: the refusal names the item (its location) as the cause,
+/// and says what --moe does with or without it.
+#[test]
+fn optimize_refusal_of_a_parts_item_names_the_item() {
+    let d = tmpdir("parts_optimize");
+    let text = with_lines("specs/dualpipev.sched", "moe all\nparts list\n");
+    let with = write(&d, "with.sched", &text);
+    let at = format!("{with}:{}: `parts list`: the spec's `parts` item splits its MoE stages into parts, and the search orders whole ops", line_of(&text, "parts list"));
+    let base = [
+        "optimize",
+        with.as_str(),
+        "--pp",
+        "2",
+        "--mb",
+        "4",
+        "--max-activations",
+        "5",
+    ];
+    let o = schedc(&base);
+    assert_refused(
+        &o,
+        &format!(
+            "{at}: give the spec without the item (add --moe[=STAGES] to score with the MoE parts)"
+        ),
+    );
+    let mut a = base.to_vec();
+    a.extend(["--moe", "--cost", MOE_COST]);
+    let o = schedc(&a);
+    assert_refused(&o, &format!("{at} (the item is the spec's part order; --moe does not replace it here): give the spec without the item, keeping --moe"));
 }
 
 /// Runs `schedc optimize INPUT --pp P --mb M --max-activations CAP --to FORM -o OUT`.
@@ -539,4 +747,55 @@ fn optimize_to_spec_says_not_periodic_and_writes_one_instance() {
     let text = std::fs::read_to_string(out).unwrap();
     assert!(text.contains("require M == 2,"), "{text}");
     assert!(text.contains("literal {"), "{text}");
+}
+
+/// Issue 26 (e): `optimize --to spec` at a large M searched the family's smallest M only
+/// 11 periods below the optimized M: at M = 300 it wrote `require M >= 289` for a family
+/// that holds from M = 4. The smallest M is now found from the fewest periods upward (small
+/// instances check fast), with M at doubling distances checked up to the optimized M.
+#[test]
+fn optimize_family_at_a_large_m_holds_down_to_its_smallest_m() {
+    let d = tmpdir("family_large");
+    let fam = d.join("fam.sched");
+    let fam = fam.to_str().unwrap();
+    let o = schedc(&[
+        "optimize",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "300",
+        "--max-activations",
+        "4",
+        "--heuristic",
+        "--to",
+        "spec",
+        "-o",
+        fam,
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("periodic: wrote a family in M (P fixed), M = 4..=8, 12, 20, 36, 68, 132, 260, 300..=304 step 1 checked by `schedc check`, the M between them by the period"),
+        "{}",
+        stdout(&o)
+    );
+    let text = std::fs::read_to_string(fam).unwrap();
+    assert!(text.contains("require M >= 4,"), "{text}");
+    // Every M of the family passes `check` under the cap; below it `require` refuses.
+    let o = schedc(&[
+        "check",
+        fam,
+        "--pp",
+        "4",
+        "--mb",
+        "3..=310",
+        "--max-activations",
+        "4",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("308 instances: 307 passed, 0 failed, 1 outside the family"),
+        "{}",
+        stdout(&o)
+    );
 }

@@ -465,6 +465,12 @@ fn one(f: &Source, declared: &[String], fixed_v: bool, opts: &Options) -> Row {
             return row(None, Status::Error { message: m })
         }
     };
+    // A spec's `parts` item splits its MoE stages as `--moe` does: it needs all-to-all times
+    // from the cost model, as the flag does (the row says why where they are missing).
+    let cost = derived.as_ref().map_or(&opts.cost, |d| &d.1);
+    if let Err(message) = input::require_part_costs(&loaded, cost, &opts.cost_name) {
+        return row(None, Status::Error { message });
+    }
     Row {
         notes: loaded.notes.clone(),
         ..judge(&loaded, opts, derived.as_ref(), &row)

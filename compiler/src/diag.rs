@@ -44,7 +44,8 @@ pub enum Code {
     CollectiveOrder,
     /// An `expect` line of a spec or case that does not hold.
     Expectation,
-    /// Input that does not parse (exit status 2, not a verdict).
+    /// Input that does not parse, or a spec malformed whatever the instance (a `def` misused,
+    /// a name both `fn` and `def`: `ElabError::malformed`); exit status 2, not a verdict.
     Syntax,
     /// A spec's `require` refuses the instance (exit status 1).
     Refused,

@@ -100,6 +100,54 @@ pub struct Loaded {
     /// The MoE part selection applied: `--moe`'s, else a spec's `parts` item's
     /// ([`crate::dsl::Elaborated::parts`]); `None` when the ops were not split.
     pub moe: Option<crate::moe::MoeStages>,
+    /// Where a spec's `parts` item split the parts (no `--moe` given): `NAME:LINE:COL:
+    /// \`parts list\`` ([`parts_item`]); `None` otherwise.
+    pub parts_item: Option<String>,
+}
+
+/// The `parts` item of the spec `text` read as `name`, as `NAME:LINE:COL: \`parts list\``
+/// (the item as written); `None` when the text does not parse or has none.
+pub fn parts_item(name: &str, text: &str) -> Option<String> {
+    let file = crate::dsl::parse_file(text).ok()?;
+    file.items.iter().find_map(|i| match i {
+        crate::dsl::ast::Item::Parts(_, sp) => {
+            let (l, c) = text::line_col(text, sp.start);
+            let item = text.get(sp.start..sp.end).unwrap_or("parts").trim();
+            Some(format!("{name}:{l}:{c}: `{item}`"))
+        }
+        _ => None,
+    })
+}
+
+/// A spec's `parts` item splits the MoE stages into parts as `--moe=auto:list` does, so it
+/// needs what the flag needs from a cost model that times the program: all-to-all times
+/// ([`crate::moe::require_moe_costs`]). `Ok` when `loaded` was not split by such an item.
+///
+/// Errors: the item's location and why, when `cost` gives the all-to-alls no time.
+pub fn require_part_costs(
+    loaded: &Loaded,
+    cost: &crate::sim::cost::CostModel,
+    cost_name: &str,
+) -> Result<(), String> {
+    match &loaded.parts_item {
+        Some(item) => require_parts_item_costs(item, cost, cost_name),
+        None => Ok(()),
+    }
+}
+
+/// [`require_part_costs`] for the item `item` ([`parts_item`]'s text).
+///
+/// Errors: as [`require_part_costs`].
+pub fn require_parts_item_costs(
+    item: &str,
+    cost: &crate::sim::cost::CostModel,
+    cost_name: &str,
+) -> Result<(), String> {
+    crate::moe::require_moe_costs_for(
+        cost,
+        cost_name,
+        &format!("{item} (the spec's MoE stages split into parts, as by --moe=auto:list)"),
+    )
 }
 
 /// A load failure: unreadable file, or a syntax error with its location.
@@ -353,6 +401,10 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
     }
     // A spec's `parts` item stands for `--moe=auto:list` (or `:adjacent`) where the command
     // line gives no `--moe`.
+    let parts_item = match (&ov.moe, &spec_parts) {
+        (None, Some(_)) => parts_item(name, &text),
+        _ => None,
+    };
     let moe = ov.moe.clone().or(spec_parts);
     if let Some(sel) = &moe {
         // `:list` and `:adjacent` reorder the parts of a compute-only program; an input with
@@ -401,6 +453,7 @@ pub fn load_str(name: &str, text: String, ov: &Overrides) -> Result<Loaded, Load
         notes,
         expect_program,
         moe,
+        parts_item,
     })
 }
 
@@ -518,6 +571,8 @@ pub fn elab_diag(e: &crate::dsl::ElabError) -> crate::diag::Diagnostic {
         Code::Refused
     } else if e.usage {
         Code::Usage
+    } else if e.malformed {
+        Code::Syntax
     } else {
         Code::Elaboration
     };

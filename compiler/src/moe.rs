@@ -267,6 +267,18 @@ impl MoeStages {
 ///
 /// [`CostModel::a2a_time`]: crate::sim::cost::CostModel::a2a_time
 pub fn require_moe_costs(cost: &crate::sim::cost::CostModel, name: &str) -> Result<(), String> {
+    require_moe_costs_for(cost, name, "--moe")
+}
+
+/// [`require_moe_costs`] for what splits the parts: `what` opens the message (`--moe`, or a
+/// spec's `parts` item with its location, which splits them as `--moe=auto:list` does).
+///
+/// Errors: as [`require_moe_costs`].
+pub fn require_moe_costs_for(
+    cost: &crate::sim::cost::CostModel,
+    name: &str,
+    what: &str,
+) -> Result<(), String> {
     if cost.moe.present {
         if cost.a2a_time(Part::Dispatch) > 0.0
             || cost.a2a_time(Part::Combine) > 0.0
@@ -279,11 +291,11 @@ pub fn require_moe_costs(cost: &crate::sim::cost::CostModel, name: &str) -> Resu
             return Ok(());
         }
         return Err(format!(
-            "--moe with the cost model `{name}`, whose [moe] section gives the all-to-alls no time (dispatch = combine = 0 s, and no EP bandwidth with [model] sizes to derive them): every schedule would look as good as DualPipe. Give their times ([moe] dispatch = S, combine = S, or [moe] bandwidth = BYTES_PER_S with [model]), e.g. --cost ../shared/costs/moe-1to1.toml"
+            "{what} with the cost model `{name}`, whose [moe] section gives the all-to-alls no time (dispatch = combine = 0 s, and no EP bandwidth with [model] sizes to derive them): every schedule would look as good as DualPipe. Give their times ([moe] dispatch = S, combine = S, or [moe] bandwidth = BYTES_PER_S with [model]), e.g. --cost ../shared/costs/moe-1to1.toml"
         ));
     }
     Err(format!(
-        "--moe with the cost model `{name}`, which has no [moe] section: its dispatch and combine all-to-alls would take no time. Give their times ([moe] dispatch = S, combine = S, or an EP bandwidth: [moe] bandwidth = BYTES_PER_S with [model]), e.g. --cost ../shared/costs/moe-1to1.toml, or --set dispatch=S,combine=S"
+        "{what} with the cost model `{name}`, which has no [moe] section: its dispatch and combine all-to-alls would take no time. Give their times ([moe] dispatch = S, combine = S, or an EP bandwidth: [moe] bandwidth = BYTES_PER_S with [model]), e.g. --cost ../shared/costs/moe-1to1.toml, or --set dispatch=S,combine=S"
     ))
 }
 

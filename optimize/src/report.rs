@@ -2,12 +2,15 @@
 //! the standard library that fits the cap, and the Zero Bubble greedy, each checked and
 //! simulated under the same cost model.
 //!
-//! **Units across placements.** Times in the cost model are for one stage of the
-//! *reference* pipeline (the input's, or one stage per rank when there is no input). A
+//! **Units across placements.** [`scaled_cost`] and [`evaluate`] take times in the cost
+//! model for one stage of a *reference* pipeline of `ref_stages` stages per direction: a
 //! schedule whose pipeline splits the model into more stages runs each op for
 //! `reference stages / its stages` of that time (`CostModel::op_scale`, as `schedc compare`
 //! does), and its live activations are counted in reference stages the same way, so a ZB-V
-//! peak of 16 half-stage activations is 8. The cap is in those units too.
+//! peak of 16 half-stage activations is 8. The cap is in those units too. With one stage
+//! per rank as the reference these are `schedc sim`'s times; [`evaluate_timed`] takes a
+//! cost already timed for the pipeline (`schedc optimize` gives `CostModel::for_pipeline`'s,
+//! the times `schedc sim` charges the file it writes) and counts activations apart.
 
 use crate::instance::{Instance, ProblemError};
 use crate::sched::Sched;
@@ -83,15 +86,27 @@ pub fn row(name: &str, v: &Verified, scale: f64, cap_ref: u64) -> Row {
 /// The row of a verified schedule with its times from `sim` (the `--moe` simulation of
 /// [`simulate_moe`], or `v.sim`); the peak activations come from `check`'s report.
 pub fn row_with(name: &str, v: &Verified, sim: &SimResult, scale: f64, cap_ref: u64) -> Row {
-    let pl = &v.program.pipeline;
     let peak = v
         .report
         .ranks
         .iter()
         .map(|r| r.peak_activations)
         .max()
-        .unwrap_or(0) as f64
-        * scale;
+        .unwrap_or(0);
+    row_of_sim(name, &v.program.pipeline, sim, peak, scale, cap_ref)
+}
+
+/// The row of a schedule on `pl` simulated as `sim`, whose worst rank holds `peak` live
+/// activations in `pl`'s own stages (`check`'s figure), each `scale` of a reference stage.
+pub fn row_of_sim(
+    name: &str,
+    pl: &Pipeline,
+    sim: &SimResult,
+    peak: u64,
+    scale: f64,
+    cap_ref: u64,
+) -> Row {
+    let peak = peak as f64 * scale;
     Row {
         name: name.to_string(),
         placement: placement_label(pl),
@@ -165,11 +180,27 @@ pub fn evaluate_moe(
     moe: Option<&MoeStages>,
 ) -> Result<(Row, Verified), String> {
     let c = scaled_cost(cost, ref_stages, pl);
-    let inst = Instance::new(pl, &c, None).map_err(|e: ProblemError| e.to_string())?;
-    let v = verify(&inst, &c, sc)?;
-    let scale = scale_of(ref_stages, pl);
+    evaluate_timed(name, pl, sc, &c, scale_of(ref_stages, pl), cap_ref, moe)
+}
+
+/// [`evaluate_moe`] under `cost` as given, already the times of `pl`'s ops (such as
+/// `CostModel::for_pipeline`'s, as `schedc sim` times a file), with the row's activations
+/// counted `scale` reference stages each.
+///
+/// Errors: those of [`evaluate_moe`].
+pub fn evaluate_timed(
+    name: &str,
+    pl: &Pipeline,
+    sc: &Sched,
+    cost: &CostModel,
+    scale: f64,
+    cap_ref: u64,
+    moe: Option<&MoeStages>,
+) -> Result<(Row, Verified), String> {
+    let inst = Instance::new(pl, cost, None).map_err(|e: ProblemError| e.to_string())?;
+    let v = verify(&inst, cost, sc)?;
     let r = match moe {
-        Some(sel) => row_with(name, &v, &simulate_moe(&v, &c, sel)?, scale, cap_ref),
+        Some(sel) => row_with(name, &v, &simulate_moe(&v, cost, sel)?, scale, cap_ref),
         None => row(name, &v, scale, cap_ref),
     };
     Ok((r, v))

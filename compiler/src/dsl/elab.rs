@@ -37,6 +37,11 @@ pub struct ElabError {
     /// True for bad usage of the command line: an unknown `--param`, or a parameter without
     /// a default that was not given (exit 2, like any other bad usage).
     pub usage: bool,
+    /// True for a spec that is malformed whatever the instance: a `def` used with the wrong
+    /// number of arguments, recursive, using one defined below it, named as an op, defined
+    /// twice or with a parameter twice, or a name that is both a `fn` and a `def` (exit 2,
+    /// as for a syntax error or a use of no `def`, which the parser finds).
+    pub malformed: bool,
     /// Where in the program it happened, innermost first: the loop iterations
     /// (`` in iteration `i = 3` of the `for` loop ``).
     pub context: Vec<String>,
@@ -300,6 +305,7 @@ fn err(sp: Sp, message: impl Into<String>) -> ElabError {
         rank: None,
         refused: false,
         usage: false,
+        malformed: false,
         context: Vec::new(),
         expansions: Box::default(),
     }
@@ -883,6 +889,7 @@ fn expand(
     let defs = env.defs.clone();
     let Some(d) = defs.iter().rev().find(|d| d.name == n) else {
         let mut e = err(sp, format!("unknown statement `{n}(..)`: no `def {n}`"));
+        e.malformed = true;
         let best = super::parse::closest(n, defs.iter().map(|d| d.name.as_str()));
         e.help = Some(match best {
             Some(name) => format!("did you mean `{name}`?"),
@@ -910,6 +917,7 @@ fn expand(
             ),
         );
         e.expansions.push((d.sp, format!("`def {n}` is here")));
+        e.malformed = true;
         return Err(e);
     }
     let mut vals = Vec::with_capacity(args.len());
@@ -1473,6 +1481,9 @@ pub fn elaborate_with(
                         format!("`{n}` is a built-in function; pick another name"),
                     )]);
                 }
+                if env.defs.iter().any(|d| d.name == *n) {
+                    return Err(vec![fn_and_def(file, n, *sp)]);
+                }
                 let mut fns: Vec<FnDef> = env
                     .fns
                     .iter()
@@ -1772,6 +1783,7 @@ pub fn elaborate_with(
                 rank: None,
                 refused: false,
                 usage: false,
+                malformed: false,
                 context: Vec::new(),
                 expansions: Box::default(),
             }]
@@ -1987,12 +1999,30 @@ fn def_item(
     sp: Sp,
     env: &mut Env,
 ) -> Result<(), ElabError> {
+    def_item_checked(file, n, params, body, sp, env).map_err(|mut e| {
+        e.malformed = true;
+        e
+    })
+}
+
+/// [`def_item`]'s work; its errors are marked malformed there.
+fn def_item_checked(
+    file: &File,
+    n: &str,
+    params: &[String],
+    body: &[Stmt],
+    sp: Sp,
+    env: &mut Env,
+) -> Result<(), ElabError> {
     const TAKEN: [&str; 9] = ["F", "B", "W", "BW", "SA", "RA", "SG", "RG", "A2A"];
     if TAKEN.contains(&n) {
         return Err(err(
             sp,
             format!("`{n}` is an op of the language; a `def` needs another name"),
         ));
+    }
+    if env.fns.iter().any(|f| f.name == n) {
+        return Err(fn_and_def(file, n, sp));
     }
     if let Some(prev) = env.defs.iter().find(|d| d.name == n) {
         let mut e = err(sp, format!("`def {n}` is defined twice"));
@@ -2053,6 +2083,30 @@ fn def_item(
     });
     env.defs = std::rc::Rc::new(defs);
     Ok(())
+}
+
+/// The error for a name that is both a `fn` and a `def`, at `sp` (the second of the two):
+/// it names both locations.
+fn fn_and_def(file: &File, n: &str, sp: Sp) -> ElabError {
+    let fn_sp = file.items.iter().find_map(|it| match it {
+        Item::Fn(m, _, _, s) if m == n => Some(*s),
+        _ => None,
+    });
+    let def_sp = file.items.iter().find_map(|it| match it {
+        Item::Def(m, _, _, s) if m == n => Some(*s),
+        _ => None,
+    });
+    let mut e = err(sp, format!("`{n}` is both a `fn` and a `def`"));
+    e.help = Some(
+        "a `fn` computes a value in expressions and a `def` expands to statements; one name for both reads as either: rename one".into(),
+    );
+    for (s, what) in [(fn_sp, "fn"), (def_sp, "def")] {
+        if let Some(s) = s.filter(|s| s.start != sp.start) {
+            e.expansions.push((s, format!("`{what} {n}` is here")));
+        }
+    }
+    e.malformed = true;
+    e
 }
 
 impl DefDef {
