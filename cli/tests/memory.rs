@@ -67,7 +67,7 @@ fn sim_of_1f1b_offload_with_a_memory_cost() {
 }
 
 /// Writes `text` to a fresh file in a temporary directory and returns its path.
-fn spec_file(name: &str, text: &str) -> PathBuf {
+fn spec_file(name: &str, text: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("schedc-lend27-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join(name);
