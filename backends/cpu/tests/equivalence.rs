@@ -127,7 +127,7 @@ fn run_program(
 const TOL: f64 = 1e-10;
 
 /// Every spec in specs/, with the `--vpp` each needs (a test below checks none is missing).
-const SPECS: [(&str, Option<u32>); 16] = [
+const SPECS: [(&str, Option<u32>); 17] = [
     ("gpipe", None),
     ("1f1b", None),
     ("interleaved_1f1b", Some(2)),
@@ -145,6 +145,8 @@ const SPECS: [(&str, Option<u32>); 16] = [
     ("chimera", None),
     ("chimera_direct", None),
     ("hanayo", None),
+    // Issue 27: offloads and reloads on the copy stream.
+    ("1f1b_offload", None),
 ];
 
 #[test]
@@ -169,10 +171,7 @@ fn the_sweep_covers_every_spec() {
 
 /// Standard specs the executors cannot run yet, with the reason; the lowering must refuse
 /// them with that reason (tested below), never run them wrongly.
-const NOT_EXECUTABLE_YET: &[(&str, &str)] = &[(
-    "1f1b_offload",
-    "the executors cannot move or recompute saved activations yet",
-)];
+const NOT_EXECUTABLE_YET: &[(&str, &str)] = &[];
 
 #[test]
 fn specs_the_executors_cannot_run_yet_are_refused_by_the_lowering() {
@@ -1196,4 +1195,74 @@ fn hierarchical_all_to_all_equals_flat_exactly_and_crosses_nodes_less() {
         // Relaying inside the destination node adds intra-node traffic.
         assert!(h.a2a_intra_bytes > f.a2a_intra_bytes, "{name}");
     }
+}
+
+/// An IR program in text (compute ops and memory ops; the checker adds the messages).
+fn ir(text: &str) -> schedc_ir::Program {
+    schedc_ir::text::parse(text).unwrap().program
+}
+
+/// Issue 27: `RECOMPUTE` after an `OFFLOAD` reruns the stage's forward from its kept input
+/// (the data on the first stage, the received activation on the second) and the backward
+/// finds the same saved tensors: pipelined equals sequential, f64, 3 Adam steps.
+#[test]
+fn recompute_after_offload_equals_sequential() {
+    let src = ir("pp 2\nstages 2\nmicrobatches 2\nplacement loop\n\
+         rank 0: F(0,0) OFFLOAD(0,0) F(0,1) RECOMPUTE(0,0) BW(0,0) OFFLOAD(0,1) RECOMPUTE(0,1) BW(0,1)\n\
+         rank 1: F(1,0) OFFLOAD(1,0) RECOMPUTE(1,0) BW(1,0) F(1,1) OFFLOAD(1,1) RELOAD(1,1) BW(1,1)\n");
+    let c = run_program(
+        &ModelConfig::tiny(),
+        &src,
+        "pp=2",
+        3,
+        Optimizer::adam(1e-2),
+        LowerOptions::default(),
+    );
+    assert!(
+        c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+        "{c:?}"
+    );
+    assert!(c.tensors_compared > 0);
+}
+
+/// Issue 27: a recompute on a mesh with expert parallelism is refused by the lowering (its
+/// all-to-alls would have no partner), naming the rank and the dimension.
+#[test]
+fn recompute_with_expert_parallelism_is_refused_by_the_lowering() {
+    let src = ir("pp 1\nstages 1\nmicrobatches 1\nplacement loop\n\
+         rank 0: F(0,0) OFFLOAD(0,0) RECOMPUTE(0,0) BW(0,0)\n");
+    let mesh: Mesh = "pp=1,ep=2".parse().unwrap();
+    let e = ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), LowerOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("unsupported: rank 0: RECOMPUTE on a mesh with ep=2"),
+        "{e}"
+    );
+}
+
+/// Issue 27: an offload moves the saved tensors to the host pool; the device no longer
+/// holds them, so a backward whose reload was taken out of the program fails loudly
+/// (rather than reading stale data), naming the stash.
+#[test]
+fn backward_without_its_reload_fails_loudly_on_the_cpu_backend() {
+    let src = ir("pp 1\nstages 1\nmicrobatches 2\nplacement loop\n\
+         rank 0: F(0,0) OFFLOAD(0,0) F(0,1) RELOAD(0,0) BW(0,0) BW(0,1)\n");
+    let mesh: Mesh = "pp=1".parse().unwrap();
+    let mut set =
+        ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), LowerOptions::default()).unwrap();
+    let copy = set.ranks[0]
+        .streams
+        .iter_mut()
+        .find(|s| s.kind == schedc_program::StreamKind::Copy)
+        .expect("a copy stream");
+    let before = copy.ops.len();
+    copy.ops
+        .retain(|op| !matches!(op, schedc_program::Op::Reload { .. }));
+    assert_eq!(copy.ops.len(), before - 1);
+    let e = execute::<f64>(&set, &Data::builtin(), &ExecOptions::default())
+        .err()
+        .expect("ran without the reload")
+        .to_string();
+    assert!(e.contains("stash(0,0) holds no stash"), "{e}");
 }

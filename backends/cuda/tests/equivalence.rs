@@ -435,3 +435,21 @@ fn tensor_parallel_run_equals_the_sequential_reference_as_verify_checks() {
         assert!(c.worst_grad.contains('.'), "{c:?}");
     }
 }
+
+/// Issue 27: the CUDA executor refuses a program with memory ops (here 1F1B with offload,
+/// whose programs have a copy stream) before it runs anything, saying which ops and why.
+#[test]
+fn memory_ops_are_refused_by_the_cuda_executor_with_the_reason() {
+    let cfg = ModelConfig::tiny();
+    let set = lower("1f1b_offload", 4, 8, "pp=4", &cfg);
+    let gpu = HostGpu::new(DType::F32);
+    let err = match execute(&gpu, &set, &Data::builtin(), &ExecOptions::default()) {
+        Ok(_) => panic!("a program with offloads ran on the CUDA executor"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(schedc_cuda::driver::MEMORY_OPS_REFUSED),
+        "{err}"
+    );
+    assert!(err.contains("OFFLOAD, RELOAD, RECOMPUTE"), "{err}");
+}
