@@ -127,7 +127,7 @@ fn run_program(
 const TOL: f64 = 1e-10;
 
 /// Every spec in specs/, with the `--vpp` each needs (a test below checks none is missing).
-const SPECS: [(&str, Option<u32>); 17] = [
+const SPECS: [(&str, Option<u32>); 19] = [
     ("gpipe", None),
     ("1f1b", None),
     ("interleaved_1f1b", Some(2)),
@@ -147,6 +147,9 @@ const SPECS: [(&str, Option<u32>); 17] = [
     ("hanayo", None),
     // Issue 27: offloads and reloads on the copy stream.
     ("1f1b_offload", None),
+    // Issue 27: checkpointed forwards (`F(0)!`) and their recomputes.
+    ("1f1b_recompute", None),
+    ("zb_offload", None),
 ];
 
 #[test]
@@ -1225,20 +1228,37 @@ fn recompute_after_offload_equals_sequential() {
     assert!(c.tensors_compared > 0);
 }
 
-/// Issue 27: a recompute on a mesh with expert parallelism is refused by the lowering (its
-/// all-to-alls would have no partner), naming the rank and the dimension.
+/// Issue 27: a recomputed forward runs its all-to-alls and tensor-parallel collectives
+/// again, and so does every member of the group (they run the same rank program), so
+/// recompute and offload compose with expert, sequence, tensor and data parallelism.
 #[test]
-fn recompute_with_expert_parallelism_is_refused_by_the_lowering() {
-    let src = ir("pp 1\nstages 1\nmicrobatches 1\nplacement loop\n\
-         rank 0: F(0,0) OFFLOAD(0,0) RECOMPUTE(0,0) BW(0,0)\n");
-    let mesh: Mesh = "pp=1,ep=2".parse().unwrap();
-    let e = ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), LowerOptions::default())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.starts_with("unsupported: rank 0: RECOMPUTE on a mesh with ep=2"),
-        "{e}"
-    );
+fn recompute_and_offload_with_ep_sp_tp_dp_equal_sequential() {
+    for (name, mesh) in [
+        ("1f1b_recompute", "pp=4,tp=2"),
+        ("1f1b_recompute", "pp=4,sp=2,ep=2"),
+        ("zb_offload", "pp=4,tp=2,dp=2"),
+        ("1f1b_recompute", "pp=4,dp=2,ep=2"),
+    ] {
+        let c = run_case(
+            name,
+            4,
+            8,
+            None,
+            mesh,
+            2,
+            Optimizer::adam(1e-2),
+            LowerOptions::default(),
+        )
+        .unwrap();
+        println!(
+            "{name} {mesh}: grad {:.2e} loss {:.2e} params {:.2e}",
+            c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+        );
+        assert!(
+            c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+            "{name} {mesh}: {c:?}"
+        );
+    }
 }
 
 /// Issue 27: an offload moves the saved tensors to the host pool; the device no longer

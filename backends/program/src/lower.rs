@@ -363,18 +363,6 @@ fn lower_rank(
             "rank {r} has memory ops (OFFLOAD, RELOAD, RECOMPUTE) and ops split into MoE parts: the executors move and recompute the saved activations of whole ops only"
         )));
     }
-    if has_mem && !stage_gran && !keep_input.is_empty() {
-        let groups = [
-            ("ep", ep_group.len()),
-            ("sp", sp_group.len()),
-            ("tp", tp_group.len()),
-        ];
-        if let Some((name, n)) = groups.iter().find(|(_, n)| *n > 1) {
-            return Err(ProgramError::Unsupported(format!(
-                "rank {r}: RECOMPUTE on a mesh with {name}={n}: the recomputed forward would run its all-to-alls and tensor-parallel collectives again, which the other members of the group do not post; the CPU backend recomputes on a pipeline-only mesh (ep = sp = tp = 1)"
-            )));
-        }
-    }
     // Per (stage, mb): the event the copy stream records after an offload (the stash is
     // released) and after a reload (the stash holds the saved tensors again).
     let mut offloaded: HashMap<(u32, u32), u32> = HashMap::new();
@@ -408,6 +396,16 @@ fn lower_rank(
                 }
             }
         }
+        // `F(s,m)!`: its saved tensors go when it ends (its input stays for the recompute).
+        let mut dropped = Vec::new();
+        ins.for_each_compute(|c| {
+            if c.checkpoint {
+                dropped.push(Buf::Stash {
+                    stage: c.stage,
+                    mb: c.mb,
+                });
+            }
+        });
         match ins {
             Instr::Compute(c) if stage_gran => {
                 let keep = keep_input.contains(&(c.stage, c.mb));
@@ -619,6 +617,9 @@ fn lower_rank(
                     win.waits.push((win.items.len(), buf, event));
                 }
             }
+        }
+        for buf in dropped {
+            b.compute.push(Op::Free { buf });
         }
     }
     if !win.items.is_empty() {

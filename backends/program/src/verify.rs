@@ -419,7 +419,30 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
     let mut recorded: Vec<HashSet<u32>> = vec![HashSet::new(); n];
     let mut sent: HashMap<(u32, u32, Buf), u32> = HashMap::new();
     let mut received: HashMap<(u32, u32, Buf), u32> = HashMap::new();
-    let mut arrived: HashMap<CollKey, HashSet<u32>> = HashMap::new();
+    // Keyed by the collective and how many identical ones the rank ran before it (a
+    // recomputed forward runs its layer's all-to-alls a second time, as every member does).
+    let mut arrived: HashMap<(CollKey, u32), HashSet<u32>> = HashMap::new();
+    let repeat: Vec<HashMap<(usize, usize), u32>> = set
+        .ranks
+        .iter()
+        .map(|rp| {
+            let mut seen: HashMap<CollKey, u32> = HashMap::new();
+            let mut out = HashMap::new();
+            for (s, st) in rp.streams.iter().enumerate() {
+                for (i, op) in st.ops.iter().enumerate() {
+                    if matches!(op, Op::Collective { .. }) {
+                        continue;
+                    }
+                    if let Some((k, _)) = coll_key(rp.rank, op, 0) {
+                        let n = seen.entry(k).or_default();
+                        out.insert((s, i), *n);
+                        *n += 1;
+                    }
+                }
+            }
+            out
+        })
+        .collect();
     let mut messages = 0usize;
     // occurrence[g][(s, i)]: the k of the collective at stream s, op i of rank g.
     let occurrence: Vec<HashMap<(usize, usize), u32>> = set
@@ -485,7 +508,8 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
                                         "the rank is not in the collective's group".into(),
                                     ));
                                 }
-                                let a = arrived.entry(key).or_default();
+                                let nth = repeat[g].get(&(s, ptr[g][s])).copied().unwrap_or(0);
+                                let a = arrived.entry((key, nth)).or_default();
                                 let first_visit = a.insert(g as u32);
                                 let all = group.iter().all(|m| a.contains(m));
                                 if all && first_visit {
