@@ -103,10 +103,16 @@ CONFIGS = [
     # The cost-aware part order: split weight gradients (W.mlp, W.attn) and WAIT_RA/RG waits.
     ("dualpipe-moe-list", "specs/dualpipe.sched", ["--pp", "4", "--mb", "8", "--moe=all:list"], None, False, False),
     ("dualpipev-moe-list", "specs/dualpipev.sched", ["--pp", "2", "--mb", "4", "--moe=all:list"], None, False, False),
+    # Issue 27: offloads and reloads on the copy stream, checkpointed forwards recomputed.
+    ("1f1b_offload", "specs/1f1b_offload.sched", ["--pp", "4", "--mb", "8"], None, False, False),
+    ("zb_offload", "specs/zb_offload.sched", ["--pp", "4", "--mb", "8"], None, False, False),
+    ("1f1b_recompute", "specs/1f1b_recompute.sched", ["--pp", "4", "--mb", "8"], None, False, False),
     ("channels", "tests/cases/channels-separate-streams.case", [], None, False, False),
     ("collectives", "tests/cases/a2a-order-agrees.case", [], None, False, False),
 ]
 # Every spec of specs/ must be in CONFIGS (checked).
+# The configurations with a copy stream (OFFLOAD/RELOAD).
+OFFLOADING = {"1f1b_offload", "zb_offload"}
 # Negative controls: a runtime fault that must make the gradient comparison fail.
 CONTROLS = [
     ("control-no-replica-sum", "specs/dualpipe.sched", ["--pp", "2", "--mb", "4"], None, False, False),
@@ -423,14 +429,8 @@ def run_equivalence(rank: int, c: dict) -> dict:
     return out
 
 
-NOT_EXECUTABLE_YET = {"1f1b_offload"}
-
-
 def check_equivalence(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
     names = {os.path.splitext(f)[0] for f in os.listdir(os.path.join(ROOT, "specs")) if f.endswith(".sched")}
-    # Specs whose memory ops (OFFLOAD/RELOAD/RECOMPUTE) the executors refuse for now (issue 27;
-    # the CPU backend's equivalence test checks the refusal).
-    names -= NOT_EXECUTABLE_YET
     covered = {os.path.splitext(os.path.basename(c[1]))[0] for c in CONFIGS if c[1].startswith("specs/")}
     tally.record("every spec in specs/ is tested", names <= covered,
                  f"missing {sorted(names - covered)}" if names - covered else f"{len(names)} specs")
@@ -495,8 +495,15 @@ def report_equivalence(tally: Tally, c: dict, world: int, got: dict, errors: dic
             f"max rel err loss {le:.1e}, {ng} gradients max rel err {ge:.1e} (tolerance {tol:.0e})")
     have = [got[r]["peak"] for r in range(world)]
     leaks = sum(r["leaks"] for r in got.values())
-    tally.record(f"{name} memory", have == c["peaks"] and leaks == 0,
-                 f"peak live stashes per rank {have}, verifier {c['peaks']}; {leaks} stashes alive after their free")
+    # Issue 27: the verifier counts an offload's release where the compute stream issues it;
+    # the runtime releases the stash when the copy stream has run the copy, so one more
+    # stash may be live for a while on a rank with a copy stream.
+    copy = c["name"] in OFFLOADING
+    ok = all(h == p or (copy and h == p + 1) for h, p in zip(have, c["peaks"]))
+    tally.record(f"{name} memory", ok and leaks == 0,
+                 f"peak live stashes per rank {have}, verifier {c['peaks']}"
+                 + (" (+1 allowed: copies in flight)" if copy else "")
+                 + f"; {leaks} stashes alive after their free")
     if c["callback"]:
         calls = sum(r["calls"] for r in got.values())
         tally.record(f"{name} overlap callback", calls > 0, f"overlapped_forward_backward called {calls} times")
