@@ -16,6 +16,14 @@
 //!   ([`Op::ReplicaSum`] for DualPipe's two copies of a stage, [`Op::AllReduce`] over the
 //!   data-parallel groups).
 //!
+//! * `copy` (issue 27, only when the schedule moves activations; the last stream): the
+//!   [`Op::Offload`]s and [`Op::Reload`]s of the IR's `OFFLOAD(s,m)` and `RELOAD(s,m)`, each
+//!   after a wait for the event the compute stream records where the IR issues it; a backward
+//!   waits for its reload's event. `RECOMPUTE(s,m)` is the forward's kernels again as
+//!   [`Pass::Recompute`] on the compute stream, reading the forward's input (kept allocated
+//!   for it); a checkpointed `F(s,m)!` releases its stash after its kernels. A stash thus
+//!   may live more than once (see the verifier).
+//!
 //! Streams synchronize only through **events**: [`Op::Record`] marks a point of one stream,
 //! [`Op::Wait`] holds the other until that point has run (CUDA's `cudaEventRecord` /
 //! `cudaStreamWaitEvent`). A send waits for the event recorded after the kernel that produces
@@ -90,8 +98,10 @@
 //! ## Verification ([`verify`](crate::verify()))
 //!
 //! * every `wait` has exactly one `record` of its event on the rank;
-//! * per rank, under happens-before (stream order plus record→wait edges): every buffer is
-//!   allocated once before any use and freed once after every use, every read has a write
+//! * per rank, under happens-before (stream order plus record→wait edges): every buffer's
+//!   allocations and releases alternate (alloc, free, alloc, free, ...: a stash offloaded and
+//!   reloaded, or dropped by `F(s,m)!` and recomputed, lives twice), every use falls inside
+//!   one lifetime, every read has a write
 //!   before it, and no two accesses of which one writes are unordered (no race between
 //!   streams);
 //! * all ranks together run to completion (sends eager, receives and collectives
