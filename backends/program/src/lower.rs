@@ -399,7 +399,7 @@ fn lower_rank(
         // `F(s,m)!`: its saved tensors go when it ends (its input stays for the recompute).
         let mut dropped = Vec::new();
         ins.for_each_compute(|c| {
-            if c.checkpoint {
+            if c.checkpoint && c.kind == Kind::F {
                 dropped.push(Buf::Stash {
                     stage: c.stage,
                     mb: c.mb,
