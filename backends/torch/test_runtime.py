@@ -56,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import traceback
 from datetime import timedelta
 
@@ -339,6 +340,32 @@ def check_units(tally: Tally, tmp: str, exe: str) -> None:
                  kernels[:4] == ["F(0,0).attn", "F(0,0).dispatch", "F(0,0).mlp", "F(0,0).combine"]
                  and not any(t.startswith("W(") and "." in t for t in kernels),
                  f"rank 0 compute stream kernels start {kernels[:4]}")
+
+    # Issue 27: an offloaded stash's saved tensors are unreachable until its reload: a
+    # backward without RELOAD fails naming the forward; after it, the gradients are exact.
+    rt = object.__new__(rtm.ProgramRuntime)
+    rt._offloaded, rt._param_ptrs, rt._cuda = {(0, 0)}, None, False
+    rt.stages = {0: types.SimpleNamespace(params=params)}
+    rt._bufs, rt._host = {}, {}
+    stash = rtm._Stash()
+    xl = x.clone().requires_grad_()
+    with rt._saving(stash, (0, 0)):
+        y = st(xl)
+    rt._bufs[("stash", 0, 0)] = stash
+    rt._offload(1, 0, 0)
+    try:
+        torch.autograd.grad(y, [xl, *params], g, allow_unused=True, retain_graph=True)
+        why = "the backward ran with its saved tensors offloaded"
+    except RuntimeError as e:
+        why = str(e)
+    tally.record("torch_runtime_backward_without_reload_fails_naming_the_forward",
+                 "RELOAD(0,0)" in why and len(stash.saved.items) > 0, why)
+    rt._reload(1, 0, 0)
+    got = torch.autograd.grad(y, [xl, *params], g, allow_unused=True)
+    want = fused()
+    err = max(rel_err(a, b) for a, b in zip(got, want) if b is not None)
+    tally.record("units offloaded then reloaded saved tensors give the same gradients",
+                 err == 0 and rt._bufs[("stash", 0, 0)] is stash, f"max rel err {err:.1e}")
 
 
 # ------------------------------------------------------------------------------------------
