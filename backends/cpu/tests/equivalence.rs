@@ -12,7 +12,17 @@ use schedc_cpu::model::ModelConfig;
 use schedc_program::mesh::{Dim, Mesh};
 use schedc_program::{LowerOptions, ProgramSet};
 
-/// `specs/NAME.sched` at (P, M, V), split into MoE parts with `--moe=SEL`.
+/// Whether a program has memory ops or checkpointed forwards (issue 27).
+fn moves_activations(p: &schedc_ir::Program) -> bool {
+    p.ranks.iter().flatten().any(|i| {
+        let mut ck = false;
+        i.for_each_compute(|c| ck |= c.checkpoint);
+        ck || matches!(i, schedc_ir::Instr::Mem(_))
+    })
+}
+
+/// `specs/NAME.sched` at (P, M, V), split into MoE parts with `--moe=SEL` (`None` also for
+/// an instance that moves activations).
 fn moe_spec(
     name: &str,
     pp: u32,
@@ -21,6 +31,11 @@ fn moe_spec(
     sel: &str,
 ) -> Option<schedc_ir::Program> {
     let p = spec(name, pp, mb, vpp)?;
+    // The executors move and recompute the saved activations of whole ops only (tested
+    // below: `memory_ops_with_moe_parts_are_refused_by_the_lowering`).
+    if moves_activations(&p) {
+        return None;
+    }
     let stages = sel
         .parse::<schedc::moe::MoeStages>()
         .unwrap()
@@ -1285,4 +1300,26 @@ fn backward_without_its_reload_fails_loudly_on_the_cpu_backend() {
         Err(e) => e.to_string(),
     };
     assert!(e.contains("stash(0,0) holds no stash"), "{e}");
+}
+
+/// Issue 27: memory ops on a rank whose ops are split into MoE parts are refused by the
+/// lowering (the executors move and recompute the saved activations of whole ops only).
+#[test]
+fn memory_ops_with_moe_parts_are_refused_by_the_lowering() {
+    let p = spec("1f1b_offload", 4, 8, None).unwrap();
+    assert!(moves_activations(&p));
+    let stages = "all"
+        .parse::<schedc::moe::MoeStages>()
+        .unwrap()
+        .resolve(&p.pipeline)
+        .unwrap();
+    let src = schedc::moe::split(&p, None, &stages).0;
+    let mesh: Mesh = "pp=4,ep=2".parse().unwrap();
+    let e = ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), LowerOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "unsupported: rank 0 has memory ops (OFFLOAD, RELOAD, RECOMPUTE) and ops split into MoE parts: the executors move and recompute the saved activations of whole ops only"
+    );
 }
