@@ -43,6 +43,8 @@ class ProgramFormatError(ValueError):
 
 # Op codes of the parsed streams.
 ALLOC, FREE, RECORD, WAIT, KERNEL, SEND, RECV, OVERLAP, COLLECTIVE, REPLICA, ALLREDUCE, OPT = range(12)
+# Issue 27: the copy stream's offload and reload of a (stage, micro-batch)'s saved tensors.
+OFFLOAD, RELOAD = 12, 13
 
 
 def _buf(d: dict) -> tuple:
@@ -60,7 +62,8 @@ def buf_text(key: tuple) -> str:
 
 @dataclass(frozen=True)
 class Kernel:
-    """One stage-granularity kernel: ``pass_`` (F, B, W, BW) on (``stage``, ``mb``), the whole
+    """One stage-granularity kernel: ``pass_`` (F, B, W, BW, or ``Recompute``: the forward
+    run again to rebuild the stash before its backward) on (``stage``, ``mb``), the whole
     stage (``part`` None) or one MoE part (``attn``, ``dispatch``, ``mlp``, ``combine``)."""
 
     pass_: str
@@ -113,6 +116,10 @@ def _parse_op(d: dict, where: str) -> tuple:
         return (ALLREDUCE, d["stage"], d["scope"], tuple(d["group"]))
     if op == "optimizer_step":
         return (OPT, d["stage"])
+    if op == "offload":
+        return (OFFLOAD, d["stage"], d["mb"])
+    if op == "reload":
+        return (RELOAD, d["stage"], d["mb"])
     raise ProgramFormatError(
         f"{where}: op `{op}` is not run by this runtime (all-to-alls belong to schedc's own "
         "model; compile with `--granularity stage`)"
@@ -146,6 +153,10 @@ def op_text(op: tuple) -> str:
         return f"all_reduce {op[2]} weight_grad({op[1]}) over {list(op[3])}"
     if c == OPT:
         return f"optimizer_step stage {op[1]}"
+    if c == OFFLOAD:
+        return f"offload stash({op[1]},{op[2]}) to host"
+    if c == RELOAD:
+        return f"reload stash({op[1]},{op[2]}) from host"
     return repr(op)
 
 
@@ -256,7 +267,7 @@ def read_program(path_or_dir: str | os.PathLike, rank: int) -> Program:
     streams = []
     for s in r["streams"]:
         kind = s["kind"]
-        name = "compute" if kind == "compute" else (
+        name = kind if kind in ("compute", "copy") else (
             "comm" if kind["comm"]["channel"] == 0 else f"comm@{kind['comm']['channel']}")
         ops = [_parse_op(o, f"{rpath}: {name} op #{i}") for i, o in enumerate(s["ops"])]
         streams.append((name, ops))

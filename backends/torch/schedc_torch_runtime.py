@@ -59,8 +59,8 @@ import torch.distributed as dist
 
 import schedc_autograd as _ag
 from schedc_program import (  # noqa: F401 - re-exported
-    ALLOC, ALLREDUCE, COLLECTIVE, FORMAT_VERSION, FREE, KERNEL, OPT, OVERLAP, RECORD, RECV,
-    REPLICA, SEND, WAIT, Kernel, LocalStage, Program, ProgramFormatError, _peer_of, buf_text,
+    ALLOC, ALLREDUCE, COLLECTIVE, FORMAT_VERSION, FREE, KERNEL, OFFLOAD, OPT, OVERLAP, RECORD,
+    RECV, RELOAD, REPLICA, SEND, WAIT, Kernel, LocalStage, Program, ProgramFormatError, _peer_of, buf_text,
     op_text, read_program,
 )
 
@@ -251,12 +251,29 @@ class _Seg:
 class _Stash:
     """Everything a (stage, micro-batch)'s backward needs from its forward."""
 
-    __slots__ = ("segs", "loss", "pending", "__weakref__")
+    __slots__ = ("segs", "loss", "pending", "saved", "__weakref__")
 
     def __init__(self):
         self.segs: list[_Seg] = []
         self.loss = None
         self.pending = None  # gradients for the last segment's outputs (between parts)
+        self.saved = None  # _Saved: the autograd-saved tensors of a forward that is offloaded
+
+
+class _Saved:
+    """Issue 27: the tensors autograd saved for the backward of a forward that the program
+    offloads (caught by ``torch.autograd.graph.saved_tensors_hooks``; the stage's parameters
+    are left where they are). ``where`` is ``device`` or ``host``: an OFFLOAD copies the
+    tensors to host memory (pinned, on the copy stream, with CUDA) and drops the device
+    copies; a RELOAD brings them back; a backward that unpacks them while they are on the
+    host fails, naming the forward."""
+
+    __slots__ = ("key", "items", "where")
+
+    def __init__(self, key: tuple):
+        self.key = key
+        self.items: list = []
+        self.where = "device"
 
 
 @dataclass
@@ -888,7 +905,7 @@ class ProgramRuntime:
             self._store = None
         self._stream_pg = []
         for name, _ in program.streams:
-            ch = 0 if name in ("compute", "comm") else int(name.split("@")[1])
+            ch = 0 if name in ("compute", "comm", "copy") else int(name.split("@")[1])
             self._stream_pg.append(self._chan_pg[ch])
         if sync_replicas:
             self._sync_replicas()
@@ -910,6 +927,15 @@ class ProgramRuntime:
         self._keep_grads = False  # the previous step accumulated: do not zero the gradients
         self.peak_stash = 0
         self.leaked_stashes = 0
+        # Issue 27: the forwards whose saved tensors the copy stream moves, the ones that are
+        # recomputed (their RNG state is kept, as torch.utils.checkpoint does), the host pool.
+        self._offloaded = {(op[1], op[2]) for _, ops in program.streams for op in ops
+                           if op[0] == OFFLOAD}
+        self._recomputed = {(op[1].stage, op[1].mb) for _, ops in program.streams for op in ops
+                            if op[0] == KERNEL and op[1].pass_ == "Recompute"}
+        self._host: dict = {}
+        self._rng: dict = {}
+        self._param_ptrs = None
         self.times: dict[tuple, list] = {}  # profile: (pass, stage, part) -> [(step, seconds)]
         self.msg_times: list[tuple] = []  # profile: (step, seconds, bytes) per receive
         self.step_times: list[float] = []
@@ -1481,6 +1507,10 @@ class ProgramRuntime:
             self._reduce(self.stages[op[1]], op[3], op[2], si, i, op)
         elif c == COLLECTIVE:
             self._collective(op, si, i)
+        elif c == OFFLOAD:
+            self._offload(si, op[1], op[2])
+        elif c == RELOAD:
+            self._reload(si, op[1], op[2])
         elif c == OPT:
             st = self.stages[op[1]]
             if self._accumulate:
@@ -1517,6 +1547,99 @@ class ProgramRuntime:
                 del v, outs
                 if any(r() is not None for r in refs):
                     self.leaked_stashes += 1
+
+    # -- memory ops (issue 27) ---------------------------------------------------------------
+
+    def _offload(self, si: int, s: int, m: int) -> None:
+        """OFFLOAD(s,m) on the copy stream: the stash goes to the host pool (the program then
+        releases its device buffer), its saved tensors copied to (pinned) host memory."""
+        stash: _Stash = self._bufs[("stash", s, m)]
+        self._bufs[("stash", s, m)] = None
+        sv = stash.saved
+        if sv is not None:
+            if self._cuda:
+                cs = torch.cuda.current_stream()
+                moved = []
+                for t in sv.items:
+                    h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                    h.copy_(t, non_blocking=True)
+                    t.record_stream(cs)  # the device block outlives the copy
+                    moved.append(h)
+                sv.items = moved
+            sv.where = "host"
+        self._host[(s, m)] = stash
+
+    def _reload(self, si: int, s: int, m: int) -> None:
+        """RELOAD(s,m) on the copy stream: the stash comes back from the host pool; the
+        compute stream waits for the event recorded after this before the backward."""
+        stash = self._host.pop((s, m), None)
+        if stash is None:
+            raise RuntimeError(f"RELOAD({s},{m}): nothing of F({s},{m}) is on the host")
+        sv = stash.saved
+        if sv is not None:
+            if self._cuda:
+                back = []
+                for h in sv.items:
+                    t = h.to(self.device, non_blocking=True)
+                    t.record_stream(self._cuda_streams[0])
+                    back.append(t)
+                sv.items = back
+            sv.where = "device"
+        self._bufs[("stash", s, m)] = stash
+
+    def _is_param(self, t: torch.Tensor) -> bool:
+        if self._param_ptrs is None:
+            self._param_ptrs = {p.untyped_storage().data_ptr()
+                                for st in self.stages.values() for p in st.params}
+        try:
+            return t.untyped_storage().data_ptr() in self._param_ptrs
+        except (RuntimeError, NotImplementedError):
+            return False
+
+    def _saving(self, stash: _Stash, key: tuple):
+        """The forward of an offloaded (stage, micro-batch): its saved tensors go into
+        ``stash.saved``, where the copy stream can move them."""
+        if key not in self._offloaded:
+            return contextlib.nullcontext()
+        sv = stash.saved = stash.saved or _Saved(key)
+
+        def pack(t):
+            if self._is_param(t):
+                return ("param", t)
+            sv.items.append(t)
+            return ("saved", sv, len(sv.items) - 1)
+
+        def unpack(h):
+            if h[0] == "param":
+                return h[1]
+            if h[1].where != "device":
+                s, m = h[1].key
+                raise RuntimeError(
+                    f"the saved tensors of F({s},{m}) are on the host: the program offloaded "
+                    f"them and its backward runs without RELOAD({s},{m})")
+            return h[1].items[h[2]]
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _recompute(self, st: _Stage, k: Kernel, stash: _Stash) -> None:
+        """RECOMPUTE(s,m): the stage's forward again from its kept input, with the RNG state
+        of the first run, rebuilding the autograd graph the backward needs; the loss of a last
+        stage is recomputed for the backward's root but not reported again."""
+        x = self._stage_input(st, k.mb)
+        state = self._rng.pop((k.stage, k.mb), None)
+        devs = [self.device] if self._cuda else []
+        with torch.random.fork_rng(devices=devs, enabled=state is not None):
+            if state is not None:
+                torch.set_rng_state(state[0])
+                if self._cuda and state[1] is not None:
+                    torch.cuda.set_rng_state(state[1], self.device)
+            with self._autocast(), self._saving(stash, (k.stage, k.mb)):
+                out = st.module(*x)
+        stash.segs.append(_Seg(None, x, _tuple(out)))
+        if st.info.last:
+            with self._autocast():
+                stash.loss = self.loss_fn(out, self._target(st, k.mb))
+            _check_loss(stash.loss)
 
     # -- kernels ----------------------------------------------------------------------------
 
@@ -1577,13 +1700,19 @@ class ProgramRuntime:
             else:
                 x = _leaves(stash.segs[-1].outputs, True)
             fn = st.module if k.part is None else (lambda *a: self.moe_parts.get(k.part)(st.module, *a))
-            with self._autocast():
+            if (k.stage, k.mb) in self._recomputed:
+                self._rng[(k.stage, k.mb)] = (
+                    torch.get_rng_state(),
+                    torch.cuda.get_rng_state(self.device) if self._cuda else None)
+            with self._autocast(), self._saving(stash, (k.stage, k.mb)):
                 out = fn(*x)
             stash.segs.append(_Seg(k.part, x, _tuple(out)))
             if k.part in (None, "combine"):
                 self._finish_forward(st, k, stash, out)
         elif p in ("B", "BW"):
             self._backward(st, k, stash, fused=(p == "BW"))
+        elif p == "Recompute":
+            self._recompute(st, k, stash)
         elif p == "W":
             # Whole, or split by `--moe=STAGES:list` into ``mlp`` (the weights behind the MLP
             # piece's input backward) then ``attn`` (every weight gradient still owed).

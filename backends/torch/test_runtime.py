@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import traceback
 from datetime import timedelta
 
@@ -113,10 +114,16 @@ CONFIGS = [
     # The cost-aware part order: split weight gradients (W.mlp, W.attn) and WAIT_RA/RG waits.
     ("dualpipe-moe-list", "specs/dualpipe.sched", ["--pp", "4", "--mb", "8", "--moe=all:list"], None, False, False),
     ("dualpipev-moe-list", "specs/dualpipev.sched", ["--pp", "2", "--mb", "4", "--moe=all:list"], None, False, False),
+    # Issue 27: offloads and reloads on the copy stream, checkpointed forwards recomputed.
+    ("1f1b_offload", "specs/1f1b_offload.sched", ["--pp", "4", "--mb", "8"], None, False, False),
+    ("zb_offload", "specs/zb_offload.sched", ["--pp", "4", "--mb", "8"], None, False, False),
+    ("1f1b_recompute", "specs/1f1b_recompute.sched", ["--pp", "4", "--mb", "8"], None, False, False),
     ("channels", "tests/cases/channels-separate-streams.case", [], None, False, False),
     ("collectives", "tests/cases/a2a-order-agrees.case", [], None, False, False),
 ]
 # Every spec of specs/ must be in CONFIGS (checked).
+# The configurations with a copy stream (OFFLOAD/RELOAD).
+OFFLOADING = {"1f1b_offload", "zb_offload"}
 # Negative controls: a runtime fault that must make the gradient comparison fail.
 CONTROLS = [
     ("control-no-replica-sum", "specs/dualpipe.sched", ["--pp", "2", "--mb", "4"], None, False, False),
@@ -363,6 +370,32 @@ def check_units(tally: Tally, tmp: str, exe: str) -> None:
                  and not any(t.startswith("W(") and "." in t for t in kernels),
                  f"rank 0 compute stream kernels start {kernels[:4]}")
 
+    # Issue 27: an offloaded stash's saved tensors are unreachable until its reload: a
+    # backward without RELOAD fails naming the forward; after it, the gradients are exact.
+    rt = object.__new__(rtm.ProgramRuntime)
+    rt._offloaded, rt._param_ptrs, rt._cuda = {(0, 0)}, None, False
+    rt.stages = {0: types.SimpleNamespace(params=params)}
+    rt._bufs, rt._host = {}, {}
+    stash = rtm._Stash()
+    xl = x.clone().requires_grad_()
+    with rt._saving(stash, (0, 0)):
+        y = st(xl)
+    rt._bufs[("stash", 0, 0)] = stash
+    rt._offload(1, 0, 0)
+    try:
+        torch.autograd.grad(y, [xl, *params], g, allow_unused=True, retain_graph=True)
+        why = "the backward ran with its saved tensors offloaded"
+    except RuntimeError as e:
+        why = str(e)
+    tally.record("torch_runtime_backward_without_reload_fails_naming_the_forward",
+                 "RELOAD(0,0)" in why and len(stash.saved.items) > 0, why)
+    rt._reload(1, 0, 0)
+    got = torch.autograd.grad(y, [xl, *params], g, allow_unused=True)
+    want = fused()
+    err = max(rel_err(a, b) for a, b in zip(got, want) if b is not None)
+    tally.record("units offloaded then reloaded saved tensors give the same gradients",
+                 err == 0 and rt._bufs[("stash", 0, 0)] is stash, f"max rel err {err:.1e}")
+
 
 # ------------------------------------------------------------------------------------------
 # 2. Equivalence with non-pipelined training
@@ -452,13 +485,13 @@ def run_equivalence(rank: int, c: dict) -> dict:
     return out
 
 
-NOT_EXECUTABLE_YET = {"1f1b_offload", "bpipe"}
+NOT_EXECUTABLE_YET = {"bpipe"}
 
 
 def check_equivalence(tally: Tally, exe: str, tmp: str, only, timeout: float) -> None:
     names = {os.path.splitext(f)[0] for f in os.listdir(os.path.join(ROOT, "specs")) if f.endswith(".sched")}
-    # Specs whose memory ops (OFFLOAD/RELOAD/RECOMPUTE, LEND/RETURN) the executors refuse for now (issue 27;
-    # the CPU backend's equivalence test checks the refusal).
+    # Specs whose lent stashes (LEND/RETURN) the runtime refuses for now (issue 27; the CPU
+    # backend runs them, and the CLI test checks the stage runtime's refusal).
     names -= NOT_EXECUTABLE_YET
     covered = {os.path.splitext(os.path.basename(c[1]))[0] for c in CONFIGS if c[1].startswith("specs/")}
     tally.record("every spec in specs/ is tested", names <= covered,
@@ -524,8 +557,15 @@ def report_equivalence(tally: Tally, c: dict, world: int, got: dict, errors: dic
             f"max rel err loss {le:.1e}, {ng} gradients max rel err {ge:.1e} (tolerance {tol:.0e})")
     have = [got[r]["peak"] for r in range(world)]
     leaks = sum(r["leaks"] for r in got.values())
-    tally.record(f"{name} memory", have == c["peaks"] and leaks == 0,
-                 f"peak live stashes per rank {have}, verifier {c['peaks']}; {leaks} stashes alive after their free")
+    # Issue 27: the verifier counts an offload's release where the compute stream issues it;
+    # the runtime releases the stash when the copy stream has run the copy, so one more
+    # stash may be live for a while on a rank with a copy stream.
+    copy = c["name"] in OFFLOADING
+    ok = all(h == p or (copy and h == p + 1) for h, p in zip(have, c["peaks"]))
+    tally.record(f"{name} memory", ok and leaks == 0,
+                 f"peak live stashes per rank {have}, verifier {c['peaks']}"
+                 + (" (+1 allowed: copies in flight)" if copy else "")
+                 + f"; {leaks} stashes alive after their free")
     if c["callback"]:
         calls = sum(r["calls"] for r in got.values())
         tally.record(f"{name} overlap callback", calls > 0, f"overlapped_forward_backward called {calls} times")

@@ -282,3 +282,56 @@ fn model_level_sim_prices_a_lent_stash_with_its_bytes() {
     assert_eq!(pb, vec![11.25, 8.44, 8.44, 8.72]);
     assert_eq!(((t1 * 1e4).round(), (tb * 1e4).round()), (18292.0, 18316.0));
 }
+
+/// Issue 27: a checkpointed forward `F(0)!` whose backward has no `RECOMPUTE` before it is
+/// rejected by `check` (exit 1), at the backward's line of the spec, saying what to add.
+#[test]
+fn check_rejects_a_checkpointed_forward_never_recomputed_at_its_spec_line() {
+    let dir = std::env::temp_dir().join(format!("schedc-ckpt27-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("bad.sched");
+    std::fs::write(
+        &f,
+        "schedule \"ckpt\"\nvpp 1\nplacement loop\nrank r {\n    F(0, 0)!\n    F(0, 1)!\n    RECOMPUTE(0, 1)\n    BW(0, 1)\n    BW(0, 0)\n}\n",
+    )
+    .unwrap();
+    let o = schedc(&[
+        "check",
+        f.to_str().unwrap(),
+        "--pp",
+        "1",
+        "--mb",
+        "2",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let d = &v["diagnostics"][0];
+    assert_eq!(d["code"], "memory");
+    assert_eq!(
+        d["message"],
+        "rank 0 step 4: `BW(0,0)` reads the activations of F(0,0), checkpointed at step 0 (`F(0,0)!` saves only its input) and never recomputed"
+    );
+    assert!(
+        d["location"].as_str().unwrap().ends_with("bad.sched:9:5"),
+        "{d}"
+    );
+    // The IR text round-trips the mark.
+    let o = schedc(&[
+        "convert",
+        "specs/1f1b_recompute.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "4",
+        "--to",
+        "ir-text",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("F(0,0)! F(0,1)! F(0,2)! F(0,3)! RECOMPUTE(0,0)"),
+        "{}",
+        stdout(&o)
+    );
+}

@@ -13,6 +13,10 @@ const STANDARD_LIBRARY: &[(&str, &str)] = &[
         "1f1b_offload",
         include_str!("../../specs/1f1b_offload.sched"),
     ),
+    (
+        "1f1b_recompute",
+        include_str!("../../specs/1f1b_recompute.sched"),
+    ),
     ("bpipe", include_str!("../../specs/bpipe.sched")),
     ("chimera", include_str!("../../specs/chimera.sched")),
     (
@@ -40,6 +44,7 @@ const STANDARD_LIBRARY: &[(&str, &str)] = &[
     ("v_min", include_str!("../../specs/v_min.sched")),
     ("zb_h1", include_str!("../../specs/zb_h1.sched")),
     ("zb_h2", include_str!("../../specs/zb_h2.sched")),
+    ("zb_offload", include_str!("../../specs/zb_offload.sched")),
     ("zbv", include_str!("../../specs/zbv.sched")),
 ];
 

@@ -399,7 +399,10 @@ impl Part {
 }
 
 /// One compute op: `kind` on (`stage`, `mb`), possibly one MoE [`Part`] of it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+///
+/// Equality and hashing ignore [`Compute::checkpoint`]: `F(s,m)!` is the same op as
+/// `F(s,m)` for every pass that matches ops (messages, dependencies, positions).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub struct Compute {
     /// F, B, W or BW.
     pub kind: Kind,
@@ -410,6 +413,25 @@ pub struct Compute {
     /// `Whole` unless the op is one part of an MoE stage.
     #[serde(default, skip_serializing_if = "is_whole")]
     pub part: Part,
+    /// `F(s,m)!` (activation checkpointing): the forward saves nothing but its input; its
+    /// saved tensors are dropped when it ends, and its backward must be preceded by a
+    /// `RECOMPUTE(s,m)` on the rank (pass 6b rejects it otherwise). Whole forwards only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub checkpoint: bool,
+}
+
+impl PartialEq for Compute {
+    fn eq(&self, o: &Self) -> bool {
+        (self.kind, self.stage, self.mb, self.part) == (o.kind, o.stage, o.mb, o.part)
+    }
+}
+
+impl Eq for Compute {}
+
+impl std::hash::Hash for Compute {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        (self.kind, self.stage, self.mb, self.part).hash(h)
+    }
 }
 
 fn is_zero(c: &u32) -> bool {
@@ -428,6 +450,15 @@ impl Compute {
             stage,
             mb,
             part: Part::Whole,
+            checkpoint: false,
+        }
+    }
+
+    /// A checkpointed forward `F(stage,mb)!` (see [`Compute::checkpoint`]).
+    pub fn checkpointed(stage: Stage, mb: Mb) -> Self {
+        Compute {
+            checkpoint: true,
+            ..Compute::new(Kind::F, stage, mb)
         }
     }
 }

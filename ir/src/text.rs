@@ -385,11 +385,24 @@ fn parse_one(c: &mut Cur<'_>) -> PResult<Item> {
                     )
                 })?;
             }
+            let mut checkpoint = false;
+            if c.peek() == Some(b'!') {
+                if kind != Kind::F || part != Part::Whole {
+                    return Err(c.err(
+                        c.pos,
+                        1,
+                        "only a whole forward can be checkpointed (`F(s,m)!`)".to_string(),
+                    ));
+                }
+                c.pos += 1;
+                checkpoint = true;
+            }
             Item::Compute(Compute {
                 kind,
                 stage,
                 mb,
                 part,
+                checkpoint,
             })
         }
         "SA" | "SG" | "RA" | "RG" | "LEND" | "RETURN" => {
@@ -998,6 +1011,9 @@ pub fn write_compute(out: &mut String, c: &Compute) {
     if c.part != Part::Whole {
         out.push('.');
         out.push_str(c.part.as_str());
+    }
+    if c.checkpoint {
+        out.push('!');
     }
 }
 

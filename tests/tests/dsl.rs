@@ -86,11 +86,15 @@ fn op() -> impl Strategy<Value = OpStmt> {
         (expr(), expr()).prop_map(|(a, b)| Target::Chunk(a, b)),
         (expr(), expr()).prop_map(|(a, b)| Target::Stage(a, b)),
     ];
-    (kind, any::<bool>(), target).prop_map(|(kind, optional, target)| OpStmt {
-        kind,
-        optional,
-        target,
-        sp: sp(),
+    (kind, any::<bool>(), target, any::<bool>()).prop_map(|(kind, optional, target, ck)| {
+        OpStmt {
+            kind,
+            optional,
+            target,
+            // `!` marks whole forwards only.
+            checkpoint: ck && kind == schedc_ir::Kind::F,
+            sp: sp(),
+        }
     })
 }
 
@@ -1284,4 +1288,14 @@ fn list_scheduled_orders_are_unchanged_by_the_incremental_bounds() {
     }
     let want: Vec<u64> = cases.iter().map(|c| c.5).collect();
     assert_eq!(got, want, "{got:#x?}");
+}
+
+/// Issue 27: `schedc fmt` keeps the checkpoint mark of `F(c)!` (it dropped it, turning a
+/// recomputed forward into a stored one).
+#[test]
+fn fmt_keeps_the_checkpoint_mark_of_a_forward() {
+    let text = "schedule \"c\"\nvpp 1\nplacement loop\n\nrank r {\n    F(0, 0)!\n    RECOMPUTE(0, 0)\n    BW(0, 0)\n}\n";
+    let f = parse_file(text).unwrap();
+    let out = format_file(&f, text);
+    assert!(out.contains("    F(0, 0)!\n"), "{out}");
 }

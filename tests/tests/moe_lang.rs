@@ -347,6 +347,7 @@ fn part_stmt() -> impl Strategy<Value = Stmt> {
                 kind,
                 optional,
                 target,
+                checkpoint: false,
                 sp: sp()
             },
             p,

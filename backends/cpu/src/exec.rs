@@ -341,6 +341,9 @@ fn span_of(op: &Op) -> (&'static str, Option<String>) {
             ("tp", Some(format!("{pass}({stage},{mb})")))
         }
         Op::Send { .. } | Op::Recv { .. } => ("p2p", None),
+        Op::Offload { stage, mb } | Op::Reload { stage, mb } => {
+            ("copy", Some(format!("F({stage},{mb})")))
+        }
         Op::ReplicaSum { .. } | Op::AllReduce { .. } | Op::TpGradAllReduce { .. } => {
             ("reduce", None)
         }
@@ -504,6 +507,10 @@ struct Rank<'a, T> {
     seq_par: bool,
     stages: Vec<StageState<T>>,
     bufs: HashMap<Buf, Value<T>>,
+    /// The host pool: the saved tensors an `offload` moved off the device, by their
+    /// `host(s,m)` buffer, until a `reload` moves them back (the device-side `bufs` then no
+    /// longer hold them: a backward that runs without the reload finds an empty stash).
+    host: HashMap<Buf, Box<Stash<T>>>,
     mailbox: HashMap<Key, VecDeque<Body<T>>>,
     rx: Receiver<Msg<T>>,
     sent_to: HashMap<u32, usize>,
@@ -676,7 +683,11 @@ impl<'a, T: Real> Rank<'a, T> {
         };
         let cfg = self.cfg;
         // The stash: created by the first forward kernel.
-        let mut st = match (k.pass, k.part) {
+        // A recompute runs the forward's kernels with no side effect but the stash: its
+        // router loads go to a scratch accumulator, its loss and output are dropped.
+        let recompute = k.pass == Pass::Recompute;
+        let fwd = if recompute { Pass::F } else { k.pass };
+        let mut st = match (fwd, k.part) {
             (Pass::F, Part::Embed) => Box::new(self.new_stash(si, k.mb)?),
             (Pass::F, Part::Qkv { layer: 0 }) if !self.stages[si].info.first => {
                 let input = k
@@ -709,23 +720,32 @@ impl<'a, T: Real> Rank<'a, T> {
             sequence_parallel: self.seq_par,
         };
         let mut out: Option<(Buf, Vec<T>)> = None;
-        match (k.pass, k.part) {
+        let mut scratch = vec![T::zero(); cfg.experts];
+        match (fwd, k.part) {
             (Pass::F, Part::Embed) => kern.fwd_embed(&mut st)?,
             (Pass::F, Part::Attn { layer }) => {
-                let g = match self.bufs.get_mut(&Buf::WeightGrad { stage: k.stage }) {
-                    Some(Value::Grads(g)) => g,
-                    _ => return Err(format!("weight_grad({}) is not allocated", k.stage)),
-                };
                 let l = layer as usize;
-                kern.fwd_attn(l, &mut st, &stage.routers[l], &mut g.loads[l])?;
+                let loads = if recompute {
+                    &mut scratch[..]
+                } else {
+                    match self.bufs.get_mut(&Buf::WeightGrad { stage: k.stage }) {
+                        Some(Value::Grads(g)) => &mut g.loads[l][..],
+                        _ => return Err(format!("weight_grad({}) is not allocated", k.stage)),
+                    }
+                };
+                kern.fwd_attn(l, &mut st, &stage.routers[l], loads)?;
             }
             (Pass::F, Part::AttnPost { layer }) => {
-                let g = match self.bufs.get_mut(&Buf::WeightGrad { stage: k.stage }) {
-                    Some(Value::Grads(g)) => g,
-                    _ => return Err(format!("weight_grad({}) is not allocated", k.stage)),
-                };
                 let l = layer as usize;
-                kern.fwd_attn_post(l, &mut st, &stage.routers[l], &mut g.loads[l])?;
+                let loads = if recompute {
+                    &mut scratch[..]
+                } else {
+                    match self.bufs.get_mut(&Buf::WeightGrad { stage: k.stage }) {
+                        Some(Value::Grads(g)) => &mut g.loads[l][..],
+                        _ => return Err(format!("weight_grad({}) is not allocated", k.stage)),
+                    }
+                };
+                kern.fwd_attn_post(l, &mut st, &stage.routers[l], loads)?;
             }
             (Pass::F, Part::Qkv { layer }) => kern.fwd_qkv(layer as usize, &mut st),
             (Pass::F, Part::QkvPost { layer }) => kern.fwd_qkv_post(layer as usize, &mut st)?,
@@ -743,7 +763,10 @@ impl<'a, T: Real> Rank<'a, T> {
                 }
             }
             (Pass::F, Part::Head) => {
-                self.loss += kern.fwd_head(&mut st)?;
+                let loss = kern.fwd_head(&mut st)?;
+                if !recompute {
+                    self.loss += loss;
+                }
             }
             (Pass::B, Part::Head) => kern.bwd_head(&mut st)?,
             (Pass::B, Part::Combine { layer }) => {
@@ -805,6 +828,38 @@ impl<'a, T: Real> Rank<'a, T> {
                 // send drops the emptied slot).
                 let st = self.take_stash(*buf)?;
                 self.send(*peer, Tag::P2p(*buf), Body::Stash(st));
+            }
+            Op::Offload { stage, mb } => {
+                let (sb, hb) = (
+                    Buf::Stash {
+                        stage: *stage,
+                        mb: *mb,
+                    },
+                    Buf::Host {
+                        stage: *stage,
+                        mb: *mb,
+                    },
+                );
+                // The device keeps an empty slot until the release that follows.
+                let st = self.take_stash(sb)?;
+                self.host.insert(hb, st);
+            }
+            Op::Reload { stage, mb } => {
+                let (sb, hb) = (
+                    Buf::Stash {
+                        stage: *stage,
+                        mb: *mb,
+                    },
+                    Buf::Host {
+                        stage: *stage,
+                        mb: *mb,
+                    },
+                );
+                let st = self
+                    .host
+                    .remove(&hb)
+                    .ok_or_else(|| format!("{hb} holds nothing (no offload before the reload)"))?;
+                self.put(sb, Value::Stash(st))?;
             }
             Op::Send { buf, peer } => {
                 let t = self.tensor(buf)?;
@@ -1392,6 +1447,10 @@ impl<T: Real> Device for Rank<'_, T> {
     }
 
     fn alloc(&mut self, buf: Buf, zero: bool) -> Result<(), String> {
+        if let Buf::Host { .. } = buf {
+            // The host pool fills at the offload.
+            return Ok(());
+        }
         let v = match (buf, zero) {
             (Buf::WeightGrad { stage }, true) => {
                 let si = self.stage_ix(stage)?;
@@ -1404,6 +1463,10 @@ impl<T: Real> Device for Rank<'_, T> {
     }
 
     fn free(&mut self, buf: Buf) -> Result<(), String> {
+        if let Buf::Host { .. } = buf {
+            self.host.remove(&buf);
+            return Ok(());
+        }
         self.bufs.remove(&buf);
         Ok(())
     }
@@ -1500,6 +1563,7 @@ fn run_rank<T: Real>(
         seq_par: sh.set.manifest.sequence_parallel,
         stages,
         bufs: HashMap::new(),
+        host: HashMap::new(),
         mailbox: HashMap::new(),
         rx,
         sent_to: HashMap::new(),

@@ -12,7 +12,17 @@ use schedc_cpu::model::ModelConfig;
 use schedc_program::mesh::{Dim, Mesh};
 use schedc_program::{LowerOptions, ProgramSet};
 
-/// `specs/NAME.sched` at (P, M, V), split into MoE parts with `--moe=SEL`.
+/// Whether a program has memory ops or checkpointed forwards (issue 27).
+fn moves_activations(p: &schedc_ir::Program) -> bool {
+    p.ranks.iter().flatten().any(|i| {
+        let mut ck = false;
+        i.for_each_compute(|c| ck |= c.checkpoint);
+        ck || matches!(i, schedc_ir::Instr::Mem(_))
+    })
+}
+
+/// `specs/NAME.sched` at (P, M, V), split into MoE parts with `--moe=SEL` (`None` also for
+/// an instance that moves activations).
 fn moe_spec(
     name: &str,
     pp: u32,
@@ -21,6 +31,11 @@ fn moe_spec(
     sel: &str,
 ) -> Option<schedc_ir::Program> {
     let p = spec(name, pp, mb, vpp)?;
+    // The executors move and recompute the saved activations of whole ops only (tested
+    // below: `memory_ops_with_moe_parts_are_refused_by_the_lowering`).
+    if moves_activations(&p) {
+        return None;
+    }
     let stages = sel
         .parse::<schedc::moe::MoeStages>()
         .unwrap()
@@ -127,7 +142,7 @@ fn run_program(
 const TOL: f64 = 1e-10;
 
 /// Every spec in specs/, with the `--vpp` each needs (a test below checks none is missing).
-const SPECS: [(&str, Option<u32>); 17] = [
+const SPECS: [(&str, Option<u32>); 20] = [
     ("gpipe", None),
     ("1f1b", None),
     // 1F1B with BPipe's lent stashes (LEND/RETURN move the saved tensors to the partner rank
@@ -148,6 +163,11 @@ const SPECS: [(&str, Option<u32>); 17] = [
     ("chimera", None),
     ("chimera_direct", None),
     ("hanayo", None),
+    // Issue 27: offloads and reloads on the copy stream.
+    ("1f1b_offload", None),
+    // Issue 27: checkpointed forwards (`F(0)!`) and their recomputes.
+    ("1f1b_recompute", None),
+    ("zb_offload", None),
 ];
 
 #[test]
@@ -172,10 +192,7 @@ fn the_sweep_covers_every_spec() {
 
 /// Standard specs the executors cannot run yet, with the reason; the lowering must refuse
 /// them with that reason (tested below), never run them wrongly.
-const NOT_EXECUTABLE_YET: &[(&str, &str)] = &[(
-    "1f1b_offload",
-    "the executors cannot move or recompute saved activations yet",
-)];
+const NOT_EXECUTABLE_YET: &[(&str, &str)] = &[];
 
 #[test]
 fn specs_the_executors_cannot_run_yet_are_refused_by_the_lowering() {
@@ -1365,5 +1382,114 @@ fn node_limited_routing_equals_sequential_and_hierarchical_equals_flat() {
     assert!(
         h.dispatch_inter_bytes * 3 < f.dispatch_inter_bytes,
         "{h:?} {f:?}"
+    );
+}
+
+/// An IR program in text (compute ops and memory ops; the checker adds the messages).
+fn ir(text: &str) -> schedc_ir::Program {
+    schedc_ir::text::parse(text).unwrap().program
+}
+
+/// Issue 27: `RECOMPUTE` after an `OFFLOAD` reruns the stage's forward from its kept input
+/// (the data on the first stage, the received activation on the second) and the backward
+/// finds the same saved tensors: pipelined equals sequential, f64, 3 Adam steps.
+#[test]
+fn recompute_after_offload_equals_sequential() {
+    let src = ir("pp 2\nstages 2\nmicrobatches 2\nplacement loop\n\
+         rank 0: F(0,0) OFFLOAD(0,0) F(0,1) RECOMPUTE(0,0) BW(0,0) OFFLOAD(0,1) RECOMPUTE(0,1) BW(0,1)\n\
+         rank 1: F(1,0) OFFLOAD(1,0) RECOMPUTE(1,0) BW(1,0) F(1,1) OFFLOAD(1,1) RELOAD(1,1) BW(1,1)\n");
+    let c = run_program(
+        &ModelConfig::tiny(),
+        &src,
+        "pp=2",
+        3,
+        Optimizer::adam(1e-2),
+        LowerOptions::default(),
+    );
+    assert!(
+        c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+        "{c:?}"
+    );
+    assert!(c.tensors_compared > 0);
+}
+
+/// Issue 27: a recomputed forward runs its all-to-alls and tensor-parallel collectives
+/// again, and so does every member of the group (they run the same rank program), so
+/// recompute and offload compose with expert, sequence, tensor and data parallelism.
+#[test]
+fn recompute_and_offload_with_ep_sp_tp_dp_equal_sequential() {
+    for (name, mesh) in [
+        ("1f1b_recompute", "pp=4,tp=2"),
+        ("1f1b_recompute", "pp=4,sp=2,ep=2"),
+        ("zb_offload", "pp=4,tp=2,dp=2"),
+        ("1f1b_recompute", "pp=4,dp=2,ep=2"),
+    ] {
+        let c = run_case(
+            name,
+            4,
+            8,
+            None,
+            mesh,
+            2,
+            Optimizer::adam(1e-2),
+            LowerOptions::default(),
+        )
+        .unwrap();
+        println!(
+            "{name} {mesh}: grad {:.2e} loss {:.2e} params {:.2e}",
+            c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+        );
+        assert!(
+            c.max_rel_grad_err < TOL && c.max_abs_loss_err < TOL && c.max_rel_param_err < TOL,
+            "{name} {mesh}: {c:?}"
+        );
+    }
+}
+
+/// Issue 27: an offload moves the saved tensors to the host pool; the device no longer
+/// holds them, so a backward whose reload was taken out of the program fails loudly
+/// (rather than reading stale data), naming the stash.
+#[test]
+fn backward_without_its_reload_fails_loudly_on_the_cpu_backend() {
+    let src = ir("pp 1\nstages 1\nmicrobatches 2\nplacement loop\n\
+         rank 0: F(0,0) OFFLOAD(0,0) F(0,1) RELOAD(0,0) BW(0,0) BW(0,1)\n");
+    let mesh: Mesh = "pp=1".parse().unwrap();
+    let mut set =
+        ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), LowerOptions::default()).unwrap();
+    let copy = set.ranks[0]
+        .streams
+        .iter_mut()
+        .find(|s| s.kind == schedc_program::StreamKind::Copy)
+        .expect("a copy stream");
+    let before = copy.ops.len();
+    copy.ops
+        .retain(|op| !matches!(op, schedc_program::Op::Reload { .. }));
+    assert_eq!(copy.ops.len(), before - 1);
+    let e = match execute::<f64>(&set, &Data::builtin(), &ExecOptions::default()) {
+        Ok(_) => panic!("ran without the reload"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("stash(0,0) holds no stash"), "{e}");
+}
+
+/// Issue 27: memory ops on a rank whose ops are split into MoE parts are refused by the
+/// lowering (the executors move and recompute the saved activations of whole ops only).
+#[test]
+fn memory_ops_with_moe_parts_are_refused_by_the_lowering() {
+    let p = spec("1f1b_offload", 4, 8, None).unwrap();
+    assert!(moves_activations(&p));
+    let stages = "all"
+        .parse::<schedc::moe::MoeStages>()
+        .unwrap()
+        .resolve(&p.pipeline)
+        .unwrap();
+    let src = schedc::moe::split(&p, None, &stages).0;
+    let mesh: Mesh = "pp=4,ep=2".parse().unwrap();
+    let e = ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), LowerOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "unsupported: rank 0 has memory ops (OFFLOAD, RELOAD, RECOMPUTE) and ops split into MoE parts: the executors move and recompute the saved activations of whole ops only"
     );
 }

@@ -118,7 +118,7 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
         .flat_map(|r| &r.streams)
         .filter_map(|s| match s.kind {
             StreamKind::Comm { channel } => Some(channel),
-            StreamKind::Compute | StreamKind::Ep | StreamKind::Tp => None,
+            StreamKind::Compute | StreamKind::Ep | StreamKind::Tp | StreamKind::Copy => None,
         })
         .collect();
     chans.sort();
@@ -151,6 +151,12 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
 /// (`--sequence-parallel`): its all-gathers, reduce-scatters and `shared` kernels are the
 /// CPU backend's only.
 pub const SEQUENCE_PARALLEL_REFUSED: &str = "the CUDA backend runs tensor parallelism without Megatron sequence parallelism: drop --sequence-parallel, or run it on the CPU backend (--backend cpu)";
+
+/// Why the CUDA backend refuses programs with the IR's memory ops (`OFFLOAD`, `RELOAD`,
+/// `RECOMPUTE`, a checkpointed `F(s,m)!`): the host shim has no pinned host pool and no
+/// copy stream to run an offload's device-to-host copy on, and its forward kernels write
+/// the router loads and the loss, which a recompute must not add twice.
+pub const MEMORY_OPS_REFUSED: &str = "the CUDA backend does not run memory ops (OFFLOAD, RELOAD, RECOMPUTE, F(s,m)!) yet: its host shim has no pinned host pool or copy stream for the offloads, and its forward kernels add the router loads and the loss, which a recompute would count twice; run the schedule on the CPU backend (--backend cpu) or the torch runtime";
 
 /// Step losses of a run's ranks as each finishes a step: calls the run's `on_step` with a
 /// step's loss (the sum over the ranks) once every rank has reported it, in step order.
@@ -275,6 +281,15 @@ impl<'a> RankDev<'a> {
                 prog.rank
             ));
         }
+        let memory_op = prog.streams.iter().any(|s| {
+            s.kind == StreamKind::Copy
+                || s.ops
+                    .iter()
+                    .any(|op| matches!(op, Op::Kernel(k) if k.pass == Pass::Recompute))
+        });
+        if memory_op {
+            return Err(MEMORY_OPS_REFUSED.into());
+        }
         let dims = Dims::new(cfg, &m.mesh, gpu.dtype())?;
         let streams = prog
             .streams
@@ -372,6 +387,7 @@ impl<'a> RankDev<'a> {
             Buf::Act { .. } | Buf::Grad { .. } => self.dims.act_bytes(),
             Buf::Stash { stage, .. } => self.stages[self.stage_ix(stage)?].stash.bytes,
             Buf::WeightGrad { stage } => self.stages[self.stage_ix(stage)?].layout.grads() * 4,
+            Buf::Host { .. } => return Err(MEMORY_OPS_REFUSED.into()),
         })
     }
 
@@ -730,6 +746,7 @@ impl Device for RankDev<'_> {
                 "`{op}` is a stage-granularity op; the CUDA backend runs schedc's model"
             )),
             Op::TpGradAllReduce { .. } => Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
+            Op::Offload { .. } | Op::Reload { .. } => Err(format!("`{op}`: {MEMORY_OPS_REFUSED}")),
             Op::TpCollective {
                 stage,
                 mb,
@@ -957,6 +974,7 @@ pub fn plan_rank_sizes(
             Buf::Act { .. } | Buf::Grad { .. } => dims.act_bytes(),
             Buf::Stash { stage, .. } => stages[ix(stage)?].stash,
             Buf::WeightGrad { stage } => stages[ix(stage)?].grads,
+            Buf::Host { .. } => return Err(MEMORY_OPS_REFUSED.into()),
         })
     };
     let mut p = Planner {

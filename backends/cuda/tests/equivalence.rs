@@ -510,3 +510,21 @@ fn hidden_256_seq_256_with_tiled_attention_equals_the_cpu() {
     };
     assert_close(&case("1f1b", 2, 2, "pp=2,sp=2", &cfg, 1));
 }
+
+/// Issue 27: the CUDA executor refuses a program with memory ops (here 1F1B with offload,
+/// whose programs have a copy stream) before it runs anything, saying which ops and why.
+#[test]
+fn memory_ops_are_refused_by_the_cuda_executor_with_the_reason() {
+    let cfg = ModelConfig::tiny();
+    let set = lower("1f1b_offload", 4, 8, "pp=4", &cfg);
+    let gpu = HostGpu::new(DType::F32);
+    let err = match execute(&gpu, &set, &Data::builtin(), &ExecOptions::default()) {
+        Ok(_) => panic!("a program with offloads ran on the CUDA executor"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(schedc_cuda::driver::MEMORY_OPS_REFUSED),
+        "{err}"
+    );
+    assert!(err.contains("OFFLOAD, RELOAD, RECOMPUTE"), "{err}");
+}

@@ -16,6 +16,14 @@
 //!   ([`Op::ReplicaSum`] for DualPipe's two copies of a stage, [`Op::AllReduce`] over the
 //!   data-parallel groups).
 //!
+//! * `copy` (issue 27, only when the schedule moves activations; the last stream): the
+//!   [`Op::Offload`]s and [`Op::Reload`]s of the IR's `OFFLOAD(s,m)` and `RELOAD(s,m)`, each
+//!   after a wait for the event the compute stream records where the IR issues it; a backward
+//!   waits for its reload's event. `RECOMPUTE(s,m)` is the forward's kernels again as
+//!   [`Pass::Recompute`] on the compute stream, reading the forward's input (kept allocated
+//!   for it); a checkpointed `F(s,m)!` releases its stash after its kernels. A stash thus
+//!   may live more than once (see the verifier).
+//!
 //! Streams synchronize only through **events**: [`Op::Record`] marks a point of one stream,
 //! [`Op::Wait`] holds the other until that point has run (CUDA's `cudaEventRecord` /
 //! `cudaStreamWaitEvent`). A send waits for the event recorded after the kernel that produces
@@ -90,8 +98,10 @@
 //! ## Verification ([`verify`](crate::verify()))
 //!
 //! * every `wait` has exactly one `record` of its event on the rank;
-//! * per rank, under happens-before (stream order plus record→wait edges): every buffer is
-//!   allocated once before any use and freed once after every use, every read has a write
+//! * per rank, under happens-before (stream order plus record→wait edges): every buffer's
+//!   allocations and releases alternate (alloc, free, alloc, free, ...: a stash offloaded and
+//!   reloaded, or dropped by `F(s,m)!` and recomputed, lives twice), every use falls inside
+//!   one lifetime, every read has a write
 //!   before it, and no two accesses of which one writes are unordered (no race between
 //!   streams);
 //! * all ranks together run to completion (sends eager, receives and collectives
@@ -179,6 +189,15 @@ pub enum Buf {
         /// Stage.
         stage: u32,
     },
+    /// The host-memory copy of `stash(stage, mb)` made by an [`Op::Offload`] (the IR's
+    /// `OFFLOAD(s,m)`), live from the offload until the [`Op::Reload`] that brings it back
+    /// (or the `RECOMPUTE` that drops it). On the copy stream only.
+    Host {
+        /// Stage.
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+    },
 }
 
 impl fmt::Display for Buf {
@@ -188,6 +207,7 @@ impl fmt::Display for Buf {
             Buf::Grad { stage, mb } => write!(f, "grad({stage},{mb})"),
             Buf::Stash { stage, mb } => write!(f, "stash({stage},{mb})"),
             Buf::WeightGrad { stage } => write!(f, "weight_grad({stage})"),
+            Buf::Host { stage, mb } => write!(f, "host({stage},{mb})"),
         }
     }
 }
@@ -241,8 +261,14 @@ pub enum StreamKind {
     /// bracketed by events (the compute stream records after the kernel that produced the
     /// partial sums and waits before the kernel that reads the reduced ones), so that a
     /// schedule may run other compute while one is in flight. Present only when `tp > 1`;
-    /// always the last stream.
+    /// always the last stream but for the copy stream.
     Tp,
+    /// The host-copy stream: the [`Op::Offload`]s and [`Op::Reload`]s of the IR's memory ops
+    /// (`OFFLOAD(s,m)`, `RELOAD(s,m)`), each started by a wait for the event the compute
+    /// stream records where the IR issues the op, so that a copy runs under the compute
+    /// that follows it. Present only when the schedule moves activations; always the last
+    /// stream.
+    Copy,
 }
 
 impl fmt::Display for StreamKind {
@@ -253,6 +279,7 @@ impl fmt::Display for StreamKind {
             StreamKind::Comm { channel } => write!(f, "comm@{channel}"),
             StreamKind::Ep => f.write_str("ep"),
             StreamKind::Tp => f.write_str("tp"),
+            StreamKind::Copy => f.write_str("copy"),
         }
     }
 }
@@ -269,6 +296,12 @@ pub enum Pass {
     /// Input and weight gradients in one kernel (torch's `B`); stage granularity only (the
     /// model granularity lowers a `BW` into its `B` kernels and a `W` kernel).
     BW,
+    /// The forward run again to rebuild `stash(s,m)` before its backward (the IR's
+    /// `RECOMPUTE(s,m)`, activation checkpointing): the same kernels as [`Pass::F`], from the
+    /// stage's input (the received `act` buffer, kept alive for it, or the data on the first
+    /// stage), with no side effect but the stash: no loss, no router loads, no output
+    /// activation.
+    Recompute,
 }
 
 /// Which piece of a stage a kernel runs.
@@ -582,6 +615,26 @@ pub enum Op {
         /// The backward kernel (`B` or `BW`).
         bwd: Kernel,
     },
+    /// The IR's `OFFLOAD(s,m)`, on the [`StreamKind::Copy`] stream: copies `stash(stage, mb)`
+    /// into `host(stage, mb)` (allocated just before it); the stash is released after it, so
+    /// that nothing on the device holds the saved tensors until a [`Op::Reload`] or a
+    /// `RECOMPUTE` rebuilds them.
+    Offload {
+        /// Stage.
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+    },
+    /// The IR's `RELOAD(s,m)`, on the [`StreamKind::Copy`] stream: copies `host(stage, mb)`
+    /// back into `stash(stage, mb)` (allocated again just before it) and releases the host
+    /// copy; the compute stream waits for the event recorded after it before the first
+    /// kernel of the backward that reads the stash.
+    Reload {
+        /// Stage.
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+    },
     /// Stage granularity: one of the schedule's own collectives (`A2A(comm, label)`) on
     /// communicator `comm`; every member issues the same sequence. Carries no buffer: a
     /// runtime synchronizes the group (or calls the user's hook for it).
@@ -691,6 +744,8 @@ impl fmt::Display for Op {
             Op::Collective { comm, label, group } => {
                 write!(f, "collective {comm}:{label} over {group:?}")
             }
+            Op::Offload { stage, mb } => write!(f, "offload stash({stage},{mb}) to host"),
+            Op::Reload { stage, mb } => write!(f, "reload stash({stage},{mb}) from host"),
         }
     }
 }
@@ -716,6 +771,26 @@ impl Op {
                 (vec![b], vec![b])
             }
             Op::OptimizerStep { stage } => (vec![Buf::WeightGrad { stage: *stage }], vec![]),
+            Op::Offload { stage, mb } => (
+                vec![Buf::Stash {
+                    stage: *stage,
+                    mb: *mb,
+                }],
+                vec![Buf::Host {
+                    stage: *stage,
+                    mb: *mb,
+                }],
+            ),
+            Op::Reload { stage, mb } => (
+                vec![Buf::Host {
+                    stage: *stage,
+                    mb: *mb,
+                }],
+                vec![Buf::Stash {
+                    stage: *stage,
+                    mb: *mb,
+                }],
+            ),
             Op::Overlap { fwd, bwd } => {
                 let mut r = fwd.reads.clone();
                 r.extend(&bwd.reads);
@@ -779,7 +854,8 @@ pub struct RankProgram {
     /// The stages it holds, in reduction order (model stage, then direction).
     pub stages: Vec<LocalStage>,
     /// `compute`, then `comm` (channel 0), then the other channels' comm streams in
-    /// increasing channel order, then (for MoE parts only) the `ep` stream.
+    /// increasing channel order, then (for MoE parts only) the `ep` stream, then (`tp > 1`)
+    /// the `tp` stream, then (memory ops only) the `copy` stream.
     pub streams: Vec<Stream>,
     /// Number of events (ids `0..events`).
     pub events: u32,

@@ -4,8 +4,8 @@
 use crate::format::*;
 use crate::mesh::{Dim, Fit, Mesh, MeshError};
 use crate::model::{ModelConfig, Scope};
-use schedc_ir::{Comm, Instr, Kind, Part as IrPart, PlacementKind, Program};
-use std::collections::HashMap;
+use schedc_ir::{Comm, Instr, Kind, MemKind, Part as IrPart, PlacementKind, Program};
+use std::collections::{HashMap, HashSet};
 
 /// Lowering switches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -199,6 +199,8 @@ struct Builder {
     ep: Vec<Op>,
     /// The tensor-parallel stream (`tp > 1`).
     tp: Vec<Op>,
+    /// The host-copy stream (offloads and reloads).
+    copy: Vec<Op>,
     channels: std::collections::BTreeMap<u32, Vec<Op>>,
     events: u32,
 }
@@ -302,6 +304,7 @@ fn lower_rank(
         comm: Vec::new(),
         ep: Vec::new(),
         tp: Vec::new(),
+        copy: Vec::new(),
         channels: Default::default(),
         events: 0,
     };
@@ -365,7 +368,34 @@ fn lower_rank(
     let held = |s: u32| {
         info(s).ok_or_else(|| ProgramError::Rejected(format!("stage {s} is not held by rank {r}")))
     };
+    // The forwards this rank recomputes keep their input (the received activation) until
+    // the recompute has read it.
+    let keep_input: HashSet<(u32, u32)> = ir.ranks[r as usize]
+        .iter()
+        .filter_map(|i| match i {
+            Instr::Mem(m) if m.kind == MemKind::Recompute => Some((m.stage, m.mb)),
+            _ => None,
+        })
+        .collect();
+    let has_mem = ir.ranks[r as usize]
+        .iter()
+        .any(|i| matches!(i, Instr::Mem(_)));
+    let parts = ir.ranks[r as usize].iter().any(|i| {
+        let mut p = false;
+        i.for_each_compute(|c| p |= c.part != IrPart::Whole);
+        p
+    });
+    if has_mem && parts {
+        return Err(ProgramError::Unsupported(format!(
+            "rank {r} has memory ops (OFFLOAD, RELOAD, RECOMPUTE) and ops split into MoE parts: the executors move and recompute the saved activations of whole ops only"
+        )));
+    }
+    // Per (stage, mb): the event the copy stream records after an offload (the stash is
+    // released) and after a reload (the stash holds the saved tensors again).
+    let mut offloaded: HashMap<(u32, u32), u32> = HashMap::new();
+    let mut reloaded: HashMap<(u32, u32), u32> = HashMap::new();
     let cx = PartCtx {
+        keep_input: &keep_input,
         pl,
         layers: lps,
         ep_group: &ep_group,
@@ -394,16 +424,43 @@ fn lower_rank(
                 b.compute.push(Op::Wait { event });
             }
         }
+        if ins.is_compute() {
+            // The first op of a (stage, mb) after its RELOAD waits for the copy.
+            let mut keys = Vec::new();
+            ins.for_each_compute(|c| keys.push((c.stage, c.mb)));
+            for k in keys {
+                if let Some(e) = reloaded.remove(&k) {
+                    if !win.items.is_empty() {
+                        return Err(ProgramError::Unsupported(format!(
+                            "rank {r}: a RELOAD before an op split into MoE parts: the executors move saved activations of whole ops only"
+                        )));
+                    }
+                    b.compute.push(Op::Wait { event: e });
+                }
+            }
+        }
+        // `F(s,m)!`: its saved tensors go when it ends (its input stays for the recompute).
+        let mut dropped = Vec::new();
+        ins.for_each_compute(|c| {
+            if c.checkpoint && c.kind == Kind::F {
+                dropped.push(Buf::Stash {
+                    stage: c.stage,
+                    mb: c.mb,
+                });
+            }
+        });
         match ins {
             Instr::Compute(c) if stage_gran => {
-                let (pre, k, post) = stage_op(pl, &held(c.stage)?, c, &recv_ev, &send_ev);
+                let keep = keep_input.contains(&(c.stage, c.mb));
+                let (pre, k, post) = stage_op(pl, &held(c.stage)?, c, &recv_ev, &send_ev, keep);
                 b.compute.extend(pre);
                 b.compute.push(Op::Kernel(k));
                 b.compute.extend(post);
             }
             Instr::Overlap { fwd, bwd } if stage_gran => {
-                let (pf, kf, qf) = stage_op(pl, &held(fwd.stage)?, fwd, &recv_ev, &send_ev);
-                let (pb, kb, qb) = stage_op(pl, &held(bwd.stage)?, bwd, &recv_ev, &send_ev);
+                let keep = keep_input.contains(&(fwd.stage, fwd.mb));
+                let (pf, kf, qf) = stage_op(pl, &held(fwd.stage)?, fwd, &recv_ev, &send_ev, keep);
+                let (pb, kb, qb) = stage_op(pl, &held(bwd.stage)?, bwd, &recv_ev, &send_ev, false);
                 let pair = fwd.part == IrPart::Whole
                     && bwd.part == IrPart::Whole
                     && (fwd.stage, fwd.mb) != (bwd.stage, bwd.mb);
@@ -605,12 +662,23 @@ fn lower_rank(
             | Instr::Reshard(_)
             | Instr::WaitSend(_)
             | Instr::Idle => {}
-            Instr::Mem(_) => {
-                return Err(ProgramError::Rejected(format!(
-                    "rank {r}: `{}`: the executors cannot move or recompute saved activations \
-                     yet (OFFLOAD, RELOAD, RECOMPUTE are checked and simulated only; issue 27)",
-                    schedc_ir::text::instr_to_string(ins)
-                )));
+            Instr::Mem(m) => {
+                if !win.items.is_empty() {
+                    return Err(ProgramError::Unsupported(format!(
+                        "rank {r}: `{}` inside ops split into MoE parts: the executors move saved activations of whole ops only",
+                        schedc_ir::text::instr_to_string(ins)
+                    )));
+                }
+                let st = held(m.stage)?;
+                emit_mem(
+                    &mut b,
+                    &cx,
+                    &st,
+                    m,
+                    &mut offloaded,
+                    &mut reloaded,
+                    stage_gran,
+                );
             }
             Instr::WaitRecv(payload) => {
                 // The compute stream waits for the receive's event (inside a window, before
@@ -629,6 +697,9 @@ fn lower_rank(
                     win.waits.push((win.items.len(), buf, event));
                 }
             }
+        }
+        for buf in dropped {
+            b.compute.push(Op::Free { buf });
         }
     }
     if !win.items.is_empty() {
@@ -708,6 +779,12 @@ fn lower_rank(
             ops: b.tp,
         });
     }
+    if !b.copy.is_empty() {
+        streams.push(Stream {
+            kind: StreamKind::Copy,
+            ops: b.copy,
+        });
+    }
     Ok(RankProgram {
         rank: g,
         coords,
@@ -721,6 +798,19 @@ fn lower_rank(
 /// A whole op of `st` (with `tp > 1`, each layer adds the TP all-reduces and the `attn_post`
 /// and `qkv_post` kernels after them; see [`crate::format`]).
 fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, mb: u32) {
+    emit_compute_as(b, cx, st, kind, mb, false)
+}
+
+/// [`emit_compute`]; `recompute` (with `kind` F): the forward's kernels as
+/// [`Pass::Recompute`], which rebuild the stash from the kept input and write nothing else.
+fn emit_compute_as(
+    b: &mut Builder,
+    cx: &PartCtx<'_>,
+    st: &LocalStage,
+    kind: Kind,
+    mb: u32,
+    recompute: bool,
+) {
     let (pl, layers, ep_group, sp_group, tp_group) =
         (cx.pl, cx.layers, cx.ep_group, cx.sp_group, cx.tp_group);
     let (recv_ev, send_ev) = (cx.recv_ev, cx.send_ev);
@@ -752,8 +842,18 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
     match kind {
         Kind::F => {
             let input = pl.prev_stage(s).map(|p| Buf::Act { stage: p, mb });
-            let output = pl.next_stage(s).map(|_| Buf::Act { stage: s, mb });
-            if let Some(e) = input.and_then(|i| recv_ev.get(&i)) {
+            let output = pl
+                .next_stage(s)
+                .filter(|_| !recompute)
+                .map(|_| Buf::Act { stage: s, mb });
+            let fpass = if recompute { Pass::Recompute } else { Pass::F };
+            // A recompute leaves the gradient accumulator (the router loads) alone.
+            let stash_wg = if recompute {
+                vec![stash]
+            } else {
+                vec![stash, wg]
+            };
+            if let Some(e) = input.filter(|_| !recompute).and_then(|i| recv_ev.get(&i)) {
                 b.compute.push(Op::Wait { event: *e });
             }
             b.compute.push(Op::Alloc {
@@ -768,7 +868,7 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
             }
             if st.first {
                 b.compute
-                    .push(kernel(Pass::F, Part::Embed, vec![], vec![stash]));
+                    .push(kernel(fpass, Part::Embed, vec![], vec![stash]));
             }
             for l in 0..layers {
                 let mut reads = if l == 0 && !st.first {
@@ -778,8 +878,8 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
                 };
                 reads.sort();
                 b.compute
-                    .push(kernel(Pass::F, Part::Qkv { layer: l }, reads, vec![stash]));
-                if l == 0 && !st.first {
+                    .push(kernel(fpass, Part::Qkv { layer: l }, reads, vec![stash]));
+                if l == 0 && !st.first && (recompute || !cx.keep_input.contains(&(s, mb))) {
                     b.compute.push(Op::Free {
                         buf: input.expect("checked"),
                     });
@@ -787,7 +887,7 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
                 if cx.seq_par {
                     b.tp_collective(tp_group, s, mb, l, Tp::LatentGather);
                     b.compute.push(kernel(
-                        Pass::F,
+                        fpass,
                         Part::QkvPost { layer: l },
                         vec![stash],
                         vec![stash],
@@ -795,22 +895,22 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
                 }
                 b.compute.push(a2a(l, A2a::GatherKv));
                 b.compute.push(kernel(
-                    Pass::F,
+                    fpass,
                     Part::Attn { layer: l },
                     vec![stash],
-                    vec![stash, wg],
+                    stash_wg.clone(),
                 ));
                 if cx.seq_par {
                     b.tp_collective(tp_group, s, mb, l, Tp::AttnOutScatter);
                     b.compute.push(kernel(
-                        Pass::F,
+                        fpass,
                         Part::AttnPost { layer: l },
                         vec![stash],
-                        vec![stash, wg],
+                        stash_wg.clone(),
                     ));
                     b.tp_collective(tp_group, s, mb, l, Tp::MlpInGather);
                     b.compute.push(kernel(
-                        Pass::F,
+                        fpass,
                         Part::Shared { layer: l },
                         vec![stash],
                         vec![stash],
@@ -819,16 +919,16 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
                 } else if tp {
                     b.tp_collective(tp_group, s, mb, l, Tp::AttnOut);
                     b.compute.push(kernel(
-                        Pass::F,
+                        fpass,
                         Part::AttnPost { layer: l },
                         vec![stash],
-                        vec![stash, wg],
+                        stash_wg.clone(),
                     ));
                     b.tp_collective(tp_group, s, mb, l, Tp::MlpOut);
                 }
                 b.compute.push(a2a(l, A2a::Dispatch));
                 b.compute.push(kernel(
-                    Pass::F,
+                    fpass,
                     Part::Experts { layer: l },
                     vec![stash],
                     vec![stash],
@@ -839,7 +939,7 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
                     writes.extend(output);
                 }
                 b.compute.push(kernel(
-                    Pass::F,
+                    fpass,
                     Part::Combine { layer: l },
                     vec![stash],
                     writes,
@@ -847,7 +947,7 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
             }
             if st.last {
                 b.compute
-                    .push(kernel(Pass::F, Part::Head, vec![stash], vec![stash]));
+                    .push(kernel(fpass, Part::Head, vec![stash], vec![stash]));
             }
             if let Some(e) = output.and_then(|o| send_ev.get(&o)) {
                 b.compute.push(Op::Record { event: *e });
@@ -960,6 +1060,92 @@ fn emit_compute(b: &mut Builder, cx: &PartCtx<'_>, st: &LocalStage, kind: Kind, 
     }
 }
 
+/// A memory op of the IR (`OFFLOAD`, `RELOAD`, `RECOMPUTE` of `F(st.stage, m.mb)`), where
+/// the IR issues it:
+///
+/// * `OFFLOAD`: the compute stream records an event; the copy stream waits for it,
+///   allocates `host(s,m)`, runs [`Op::Offload`], releases `stash(s,m)` and records the
+///   event a later `RECOMPUTE` waits for;
+/// * `RELOAD`: the compute stream records an event; the copy stream waits for it,
+///   allocates `stash(s,m)`, runs [`Op::Reload`], releases `host(s,m)` and records the
+///   event that the next compute op of `(s,m)` (its backward) waits for;
+/// * `RECOMPUTE`: after an offload, the copy stream drops the host copy and the compute
+///   stream waits until the offload has released the stash; then the forward's kernels as
+///   [`Pass::Recompute`] (one [`Part::Stage`] kernel at stage granularity), which read the
+///   kept input and release it.
+fn emit_mem(
+    b: &mut Builder,
+    cx: &PartCtx<'_>,
+    st: &LocalStage,
+    m: &schedc_ir::MemOp,
+    offloaded: &mut HashMap<(u32, u32), u32>,
+    reloaded: &mut HashMap<(u32, u32), u32>,
+    stage_gran: bool,
+) {
+    let (s, mb) = (st.stage, m.mb);
+    let stash = Buf::Stash { stage: s, mb };
+    let host = Buf::Host { stage: s, mb };
+    // The copy stream starts where the IR issues the op.
+    let issue = |b: &mut Builder| {
+        let e = b.event();
+        b.compute.push(Op::Record { event: e });
+        b.copy.push(Op::Wait { event: e });
+    };
+    match m.kind {
+        MemKind::Offload => {
+            issue(b);
+            b.copy.push(Op::Alloc {
+                buf: host,
+                zero: false,
+            });
+            b.copy.push(Op::Offload { stage: s, mb });
+            b.copy.push(Op::Free { buf: stash });
+            let done = b.event();
+            b.copy.push(Op::Record { event: done });
+            offloaded.insert((s, mb), done);
+        }
+        MemKind::Reload => {
+            issue(b);
+            b.copy.push(Op::Alloc {
+                buf: stash,
+                zero: false,
+            });
+            b.copy.push(Op::Reload { stage: s, mb });
+            b.copy.push(Op::Free { buf: host });
+            let done = b.event();
+            b.copy.push(Op::Record { event: done });
+            reloaded.insert((s, mb), done);
+        }
+        MemKind::Recompute => {
+            if let Some(done) = offloaded.remove(&(s, mb)) {
+                issue(b);
+                b.copy.push(Op::Free { buf: host });
+                b.compute.push(Op::Wait { event: done });
+            }
+            if stage_gran {
+                let input = cx.pl.prev_stage(s).map(|p| Buf::Act { stage: p, mb });
+                b.compute.push(Op::Alloc {
+                    buf: stash,
+                    zero: false,
+                });
+                b.compute.push(kernel_op(
+                    Pass::Recompute,
+                    s,
+                    mb,
+                    Part::Stage { moe: IrPart::Whole },
+                    input.into_iter().collect(),
+                    vec![stash],
+                ));
+                if let Some(i) = input {
+                    b.compute.push(Op::Free { buf: i });
+                }
+            } else {
+                emit_compute_as(b, cx, st, Kind::F, mb, true);
+            }
+        }
+    }
+}
+
 /// One part of a split weight gradient: `W.mlp` (the expert weights, `Part::WeightsMlp`),
 /// then `W.attn` (every other weight of the stage, `Part::WeightsAttn`), which releases the
 /// stash; `Whole` is [`emit_weights`].
@@ -1015,6 +1201,7 @@ fn stage_op(
     c: &schedc_ir::Compute,
     recv_ev: &HashMap<Buf, u32>,
     send_ev: &HashMap<Buf, u32>,
+    keep_input: bool,
 ) -> (Vec<Op>, Kernel, Vec<Op>) {
     let s = st.stage;
     let mb = c.mb;
@@ -1044,7 +1231,7 @@ fn stage_op(
                     zero: false,
                 });
                 reads.extend(input);
-                if let Some(i) = input {
+                if let Some(i) = input.filter(|_| !keep_input) {
                     post.push(Op::Free { buf: i });
                 }
             } else {
@@ -1130,6 +1317,8 @@ fn stage_op(
 
 /// What the parts of one rank need besides the builder.
 struct PartCtx<'a> {
+    /// The forwards whose input stays allocated until their `RECOMPUTE`.
+    keep_input: &'a HashSet<(u32, u32)>,
     pl: &'a schedc_ir::Pipeline,
     layers: u32,
     ep_group: &'a [u32],

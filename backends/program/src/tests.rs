@@ -36,6 +36,7 @@ fn lowers_and_verifies_every_spec() {
         ("zb_h2", 2, 3, None),
         ("looped_bfs", 2, 2, Some(2)),
         ("interleaved_zb", 2, 4, Some(2)),
+        ("1f1b_offload", 4, 8, None),
     ] {
         let src = spec(name, pp, mb, vpp);
         for mesh in [
@@ -330,6 +331,7 @@ fn stage_granularity_lowers_and_verifies_every_spec() {
         ("zb_h2", 2, 3, None),
         ("looped_bfs", 2, 2, Some(2)),
         ("interleaved_zb", 2, 4, Some(2)),
+        ("1f1b_offload", 4, 8, None),
     ] {
         let src = spec(name, pp, mb, vpp);
         for mesh in [format!("pp={pp}"), format!("pp={pp},dp=2")] {
@@ -873,4 +875,70 @@ fn sequence_parallel_lowers_gathers_and_scatters() {
     let parts = moe(&spec("dualpipev", 2, 4, None));
     let set = ProgramSet::lower(&parts, &"pp=2,tp=2,ep=2".parse().unwrap(), &cfg, opts).unwrap();
     verify(&set, &parts).unwrap();
+}
+
+/// Issue 27: memory ops at both granularities: the offloads and reloads on the copy stream
+/// (each started by the compute stream's event where the IR issues it), the stash living
+/// twice (freed by the offload, allocated again by the reload), the backward waiting for its
+/// reload, and the stash peak counted where the copies are issued (the IR's peak).
+#[test]
+fn offload_reload_lower_to_the_copy_stream_and_verify() {
+    let src = schedc_ir::text::parse(
+        "pp 1\nstages 1\nmicrobatches 2\nplacement loop\nrank 0: F(0,0) OFFLOAD(0,0) F(0,1) RELOAD(0,0) BW(0,0) BW(0,1)\n",
+    )
+    .unwrap()
+    .program;
+    for opts in [LowerOptions::default(), stage_opts()] {
+        let set = ProgramSet::lower(&src, &Mesh::pipeline(1), &ModelConfig::tiny(), opts).unwrap();
+        let rep = verify(&set, &src).unwrap();
+        assert_eq!(rep.peak_stash, vec![2]);
+        let copy = set.ranks[0].streams.last().unwrap();
+        assert_eq!(copy.kind, StreamKind::Copy);
+        let text: Vec<String> = copy.ops.iter().map(|o| o.to_string()).collect();
+        assert_eq!(
+            text,
+            [
+                "wait e0",
+                "alloc host(0,0)",
+                "offload stash(0,0) to host",
+                "free stash(0,0)",
+                "record e1",
+                "wait e2",
+                "alloc stash(0,0)",
+                "reload stash(0,0) from host",
+                "free host(0,0)",
+                "record e3",
+            ]
+        );
+        // The backward of (0,0) waits for the reload.
+        let compute = &set.ranks[0].streams[0].ops;
+        let w = compute
+            .iter()
+            .position(|o| *o == Op::Wait { event: 3 })
+            .unwrap();
+        assert!(
+            matches!(&compute[w + 1..].iter().find(|o| matches!(o, Op::Kernel(_))), Some(Op::Kernel(k)) if k.mb == 0 && k.pass != Pass::F)
+        );
+    }
+}
+
+/// Issue 27: a reload moved before its offload on the copy stream breaks the stash's
+/// lifetimes, and the verifier says so.
+#[test]
+fn a_reload_before_its_offload_is_refused_by_the_verifier() {
+    let src = schedc_ir::text::parse(
+        "pp 1\nstages 1\nmicrobatches 1\nplacement loop\nrank 0: F(0,0) OFFLOAD(0,0) RELOAD(0,0) BW(0,0)\n",
+    )
+    .unwrap()
+    .program;
+    let mut set =
+        ProgramSet::lower(&src, &Mesh::pipeline(1), &ModelConfig::tiny(), stage_opts()).unwrap();
+    let copy = set.ranks[0].streams.last_mut().unwrap();
+    // Swap the two blocks (5 ops each).
+    copy.ops.rotate_left(5);
+    let e = verify(&set, &src).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "rank 0: stash(0,0) is allocated again at copy op #1 `alloc stash(0,0)` before (or unordered with) its release at compute op #7 `free stash(0,0)`"
+    );
 }

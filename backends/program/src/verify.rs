@@ -64,6 +64,9 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
     let mut last_channel = 0;
     // The EP stream, when there is one, comes after the comm streams, then the TP stream.
     let mut comm_end = kinds.len();
+    if comm_end > 0 && kinds[comm_end - 1] == StreamKind::Copy {
+        comm_end -= 1;
+    }
     if comm_end > 0 && kinds[comm_end - 1] == StreamKind::Tp {
         comm_end -= 1;
     }
@@ -84,7 +87,7 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
         return Err(ProgramError::Buffer {
             rank: rp.rank,
             why: format!(
-                "a rank program has a compute stream, a comm stream for channel 0, then one per other channel in increasing order, then optionally the ep stream, then optionally the tp stream; got {kinds:?}"
+                "a rank program has a compute stream, a comm stream for channel 0, then one per other channel in increasing order, then optionally the ep stream, then optionally the tp stream, then optionally the copy stream; got {kinds:?}"
             ),
         });
     }
@@ -199,50 +202,83 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
     };
     for buf in bufs {
         let list = &acc[buf];
-        let allocs: Vec<_> = list
+        // Lifetimes: the allocations and releases alternate under happens-before,
+        // alloc_1 < free_1 < alloc_2 < ... (a stash offloaded and reloaded, or recomputed,
+        // lives twice); every use falls inside one lifetime.
+        let mut allocs: Vec<(bool, (usize, usize))> = list
             .iter()
-            .filter(|(a, _)| matches!(a, Acc::Alloc(_)))
+            .filter_map(|&(a, p)| match a {
+                Acc::Alloc(z) => Some((z, p)),
+                _ => None,
+            })
             .collect();
-        let frees: Vec<_> = list.iter().filter(|(a, _)| *a == Acc::Free).collect();
-        if allocs.len() != 1 {
-            return Err(err(format!("{buf} is allocated {} times", allocs.len())));
+        let mut frees: Vec<(usize, usize)> = list
+            .iter()
+            .filter(|(a, _)| *a == Acc::Free)
+            .map(|&(_, p)| p)
+            .collect();
+        if allocs.is_empty() {
+            return Err(err(format!("{buf} is allocated 0 times")));
         }
-        if frees.len() != 1 {
-            return Err(err(format!("{buf} is freed {} times", frees.len())));
+        if frees.len() != allocs.len() {
+            return Err(err(format!(
+                "{buf} is allocated {} times and freed {} times",
+                allocs.len(),
+                frees.len()
+            )));
         }
-        let (Acc::Alloc(zero), ap) = *allocs[0] else {
-            unreachable!()
-        };
-        let fp = frees[0].1;
+        // A total order that extends happens-before (a strictly earlier op knows strictly
+        // fewer ops in all); the chain is checked below.
+        let weight = |p: (usize, usize)| -> u64 { vc[p.0][p.1].iter().map(|&c| c as u64).sum() };
+        allocs.sort_by_key(|a| (weight(a.1), a.1));
+        frees.sort_by_key(|&f| (weight(f), f));
+        for (k, (&(_, ap), &fp)) in allocs.iter().zip(&frees).enumerate() {
+            if !hb(ap, fp) {
+                return Err(err(format!(
+                    "{buf} is freed at {} before its allocation",
+                    loc(fp)
+                )));
+            }
+            if let Some(&(_, next)) = allocs.get(k + 1) {
+                if !hb(fp, next) {
+                    return Err(err(format!(
+                        "{buf} is allocated again at {} before (or unordered with) its release at {}",
+                        loc(next),
+                        loc(fp)
+                    )));
+                }
+            }
+        }
         let uses: Vec<(Acc, (usize, usize))> = list
             .iter()
             .filter(|(a, _)| matches!(a, Acc::Read | Acc::Write))
             .copied()
             .collect();
-        if !hb(ap, fp) {
-            return Err(err(format!(
-                "{buf} is freed at {} before its allocation",
-                loc(fp)
-            )));
-        }
-        for &(a, p) in &uses {
-            if !hb(ap, p) {
+        // The lifetime of each use.
+        let mut life = Vec::with_capacity(uses.len());
+        for &(_, p) in &uses {
+            let k = allocs.iter().rposition(|&(_, ap)| hb(ap, p));
+            let Some(k) = k else {
                 return Err(err(format!(
                     "{buf} is used at {} before its allocation",
                     loc(p)
                 )));
-            }
-            if !hb(p, fp) {
+            };
+            if !hb(p, frees[k]) {
                 return Err(err(format!(
                     "{buf} is used at {} after (or unordered with) its release at {}",
                     loc(p),
-                    loc(fp)
+                    loc(frees[k])
                 )));
             }
-            if a == Acc::Read && !zero {
+            life.push(k);
+        }
+        for (x, &(a, p)) in uses.iter().enumerate() {
+            if a == Acc::Read && !allocs[life[x]].0 {
                 let written = uses
                     .iter()
-                    .any(|&(b, q)| b == Acc::Write && q != p && hb(q, p));
+                    .zip(&life)
+                    .any(|(&(b, q), &l)| l == life[x] && b == Acc::Write && q != p && hb(q, p));
                 if !written {
                     return Err(err(format!("{buf} is read at {} before any write", loc(p))));
                 }
@@ -260,24 +296,49 @@ fn verify_rank(rp: &RankProgram) -> Result<u32, ProgramError> {
             }
         }
     }
-    // Stash peak in compute-stream order.
-    let (mut live, mut peak) = (0u32, 0u32);
+    // Stash peak in compute-stream order; the copy stream's allocations and releases count
+    // where the compute stream issues them (its record of the event that copy block waits
+    // for), as the IR counts an offload's memory free once the op is issued.
+    let mut issued: HashMap<u32, Vec<i32>> = HashMap::new();
+    if let Some(copy) = rp.streams.iter().find(|s| s.kind == StreamKind::Copy) {
+        let mut cur: Option<u32> = None;
+        for op in &copy.ops {
+            match op {
+                Op::Wait { event } => cur = Some(*event),
+                Op::Alloc {
+                    buf: Buf::Stash { .. },
+                    ..
+                } => issued.entry(cur.unwrap_or(u32::MAX)).or_default().push(1),
+                Op::Free {
+                    buf: Buf::Stash { .. },
+                } => issued.entry(cur.unwrap_or(u32::MAX)).or_default().push(-1),
+                _ => {}
+            }
+        }
+    }
+    let (mut live, mut peak) = (0i64, 0i64);
+    let step = |d: i32, live: &mut i64, peak: &mut i64| {
+        *live += d as i64;
+        *peak = (*peak).max(*live);
+    };
     for op in &rp.streams[0].ops {
         match op {
             Op::Alloc {
                 buf: Buf::Stash { .. },
                 ..
-            } => {
-                live += 1;
-                peak = peak.max(live);
-            }
+            } => step(1, &mut live, &mut peak),
             Op::Free {
                 buf: Buf::Stash { .. },
-            } => live -= 1,
+            } => step(-1, &mut live, &mut peak),
+            Op::Record { event } => {
+                for d in issued.remove(event).unwrap_or_default() {
+                    step(d, &mut live, &mut peak);
+                }
+            }
             _ => {}
         }
     }
-    Ok(peak)
+    Ok(peak.max(0) as u32)
 }
 
 /// Key of a collective instance.
@@ -358,7 +419,30 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
     let mut recorded: Vec<HashSet<u32>> = vec![HashSet::new(); n];
     let mut sent: HashMap<(u32, u32, Buf), u32> = HashMap::new();
     let mut received: HashMap<(u32, u32, Buf), u32> = HashMap::new();
-    let mut arrived: HashMap<CollKey, HashSet<u32>> = HashMap::new();
+    // Keyed by the collective and how many identical ones the rank ran before it (a
+    // recomputed forward runs its layer's all-to-alls a second time, as every member does).
+    let mut arrived: HashMap<(CollKey, u32), HashSet<u32>> = HashMap::new();
+    let repeat: Vec<HashMap<(usize, usize), u32>> = set
+        .ranks
+        .iter()
+        .map(|rp| {
+            let mut seen: HashMap<CollKey, u32> = HashMap::new();
+            let mut out = HashMap::new();
+            for (s, st) in rp.streams.iter().enumerate() {
+                for (i, op) in st.ops.iter().enumerate() {
+                    if matches!(op, Op::Collective { .. }) {
+                        continue;
+                    }
+                    if let Some((k, _)) = coll_key(rp.rank, op, 0) {
+                        let n = seen.entry(k).or_default();
+                        out.insert((s, i), *n);
+                        *n += 1;
+                    }
+                }
+            }
+            out
+        })
+        .collect();
     let mut messages = 0usize;
     // occurrence[g][(s, i)]: the k of the collective at stream s, op i of rank g.
     let occurrence: Vec<HashMap<(usize, usize), u32>> = set
@@ -424,7 +508,8 @@ fn simulate(set: &ProgramSet) -> Result<(usize, usize), ProgramError> {
                                         "the rank is not in the collective's group".into(),
                                     ));
                                 }
-                                let a = arrived.entry(key).or_default();
+                                let nth = repeat[g].get(&(s, ptr[g][s])).copied().unwrap_or(0);
+                                let a = arrived.entry((key, nth)).or_default();
                                 let first_visit = a.insert(g as u32);
                                 let all = group.iter().all(|m| a.contains(m));
                                 if all && first_visit {

@@ -167,6 +167,8 @@ pub struct OpStmt {
     pub optional: bool,
     /// What it names.
     pub target: Target,
+    /// `F(c)!`: a checkpointed forward ([`schedc_ir::Compute::checkpoint`]); forwards only.
+    pub checkpoint: bool,
     /// Span.
     pub sp: Sp,
 }

@@ -726,7 +726,10 @@ fn op_compute(o: &OpStmt, env: &Env, st: &mut RankState<'_>) -> Result<Option<Co
             st.ran[usize::from(kind != Kind::F)][c].insert(mb);
         }
     }
-    Ok(Some(Compute::new(kind, stage, mb)))
+    Ok(Some(Compute {
+        checkpoint: o.checkpoint,
+        ..Compute::new(kind, stage, mb)
+    }))
 }
 
 fn part_bit(p: Part) -> u8 {
@@ -800,11 +803,18 @@ fn part_compute(
             c.mb
         }
     };
+    if o.checkpoint {
+        return Err(err(
+            sp,
+            "only a whole forward can be checkpointed: `F(c)!` has no MoE parts",
+        ));
+    }
     Ok(Some(Compute {
         kind: o.kind,
         stage,
         mb,
         part,
+        checkpoint: false,
     }))
 }
 

@@ -203,6 +203,9 @@ fn op_str(o: &OpStmt) -> String {
         }
     }
     s.push(')');
+    if o.checkpoint {
+        s.push('!');
+    }
     s
 }
 

@@ -473,12 +473,19 @@ fn op_stmt(i: In<'_>) -> R<'_, OpStmt> {
         Ok((i3, Target::Next(Some(c))))
     })
     .parse(i)?;
+    // `F(c)!`: a checkpointed forward (saves only its input).
+    let (i, bang) = if kind == schedc_ir::Kind::F {
+        opt(tok("!")).parse(i)?
+    } else {
+        (i, None)
+    };
     Ok((
         i,
         OpStmt {
             kind,
             optional: q.is_some(),
             target,
+            checkpoint: bang.is_some(),
             sp: sp_of(start, i),
         },
     ))

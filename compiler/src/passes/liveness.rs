@@ -87,12 +87,19 @@ pub fn analyze(p: &Program, budget: Option<u64>) -> (Vec<RankLiveness>, Vec<Over
         let mut over: Option<OverBudget> = None;
         let mut host: u64 = 0;
         let mut host_peak: u64 = 0;
+        let mut on_host = std::collections::HashSet::new();
         for (i, ins) in instrs.iter().enumerate() {
             let mut alloc = 0u64;
             let mut rel = 0u64;
             let mut tally = |c: &Compute| {
                 if allocates(c) {
                     alloc += 1;
+                    // `F(s,m)!` holds its saved tensors only while it runs (its kept input
+                    // is not counted: one tensor of the stage's input, against a stage's
+                    // saved tensors); its RECOMPUTE allocates the unit again.
+                    if c.checkpoint {
+                        rel += 1;
+                    }
                 }
                 if releases(c, true) {
                     rel += 1;
@@ -109,9 +116,13 @@ pub fn analyze(p: &Program, budget: Option<u64>) -> (Vec<RankLiveness>, Vec<Over
                         live = live.saturating_sub(1);
                         host += 1;
                         host_peak = host_peak.max(host);
+                        on_host.insert((op.stage, op.mb));
                         continue;
                     }
-                    host = host.saturating_sub(1);
+                    // A recompute after `F(s,m)!` has no host copy to drop.
+                    if on_host.remove(&(op.stage, op.mb)) {
+                        host = host.saturating_sub(1);
+                    }
                     alloc = 1;
                 }
                 Instr::Comm(_) | Instr::Group(_) => {
@@ -201,6 +212,28 @@ mod tests {
             analyze(&p, None).0[0].peak_at,
             Some(2),
             "rank 0's peak is at F(0,1)"
+        );
+    }
+}
+
+#[cfg(test)]
+mod checkpoint_tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpointed_forward_holds_a_unit_only_while_it_runs_and_its_recompute_holds_one() {
+        // Three forwards in flight, all checkpointed: the peak is the one recomputed
+        // activation plus the forward running, 1 (plain 1F1B-like order: 3).
+        let src = "pp 1\nstages 1\nmicrobatches 3\nplacement loop\nrank 0: F(0,0)! F(0,1)! F(0,2)! RECOMPUTE(0,2) BW(0,2) RECOMPUTE(0,1) BW(0,1) RECOMPUTE(0,0) BW(0,0)\n";
+        let p = schedc_ir::text::parse(src).unwrap().program;
+        let (l, _) = analyze(&p, None);
+        assert_eq!(
+            l,
+            vec![RankLiveness {
+                peak: 1,
+                peak_at: Some(0),
+                host_peak: 0
+            }]
         );
     }
 }

@@ -11,7 +11,10 @@
 //!   after their release);
 //! * `RELOAD(s,m)` only while they are on the host (after an `OFFLOAD`);
 //! * `RECOMPUTE(s,m)` only while they are not on the device (after an `OFFLOAD` that was not
-//!   reloaded; the host copy is then dropped): recomputing what is still stashed is an error.
+//!   reloaded, the host copy is then dropped; or after a checkpointed `F(s,m)!`, which keeps
+//!   only its input): recomputing what is still stashed is an error;
+//! * the backward of a checkpointed `F(s,m)!` comes after a `RECOMPUTE(s,m)`, and such a
+//!   forward is never offloaded or reloaded (it has nothing saved to move).
 //!
 //! Lending (BPipe, `LEND`/`RETURN` messages): on the owner, `LEND(s,m->r)` moves the stash
 //! from *on the device* to *lent*, and `RETURN(s,m<-h)` back; a backward that finds it lent,
@@ -34,6 +37,8 @@ pub enum Where {
     Device,
     /// Offloaded to host memory.
     Host,
+    /// Dropped after a checkpointed forward `F(s,m)!`: only its input is kept.
+    Input,
     /// Released by the backward.
     Released,
     /// Lent to another rank (`LEND(s,m->r)`) and not returned yet.
@@ -49,6 +54,9 @@ impl Where {
             Where::NotYet => "not produced yet (no F before it on this rank)",
             Where::Device => "already on the device",
             Where::Host => "offloaded to the host and not reloaded",
+            Where::Input => {
+                "not saved: F(s,m)! kept only its input, and no RECOMPUTE rebuilt them yet"
+            }
             Where::Released => "already released by the backward",
             Where::Lent => "lent to another rank and not returned",
             Where::NotHeld => "not held by this rank: no LEND of them was received before it (RETURN without LEND)",
@@ -67,7 +75,8 @@ pub struct MemError {
     pub mb: u32,
     /// The state of the activations there.
     pub state: Where,
-    /// For a backward after an offload: the position of that `OFFLOAD`.
+    /// For a backward after an offload: the position of that `OFFLOAD`; after a
+    /// checkpointed forward: the position of that `F(s,m)!`.
     pub offloaded_at: Option<u32>,
     /// For a backward (or a memory op) after a `LEND`: (its position, the holder rank).
     pub lent_at: Option<(u32, u32)>,
@@ -92,6 +101,11 @@ impl MemError {
             ));
         }
         let msg = match self.offloaded_at {
+            Some(o) if self.state == Where::Input => format!(
+                "rank {} step {}: `{}` reads the activations of F({},{}), checkpointed at step {} \
+                 (`F({},{})!` saves only its input) and never recomputed",
+                self.at.rank, self.at.pos, loc.op, self.stage, self.mb, o, self.stage, self.mb
+            ),
             Some(o) => format!(
                 "rank {} step {}: `{}` reads the activations of F({},{}), offloaded at step {} \
                  and never reloaded or recomputed",
@@ -107,7 +121,12 @@ impl MemError {
                 self.state.describe()
             ),
         };
-        let help = if self.offloaded_at.is_some() {
+        let help = if self.state == Where::Input && self.offloaded_at.is_some() {
+            format!(
+                "put RECOMPUTE({},{}) before the backward on this rank",
+                self.stage, self.mb
+            )
+        } else if self.offloaded_at.is_some() {
             format!(
                 "put RELOAD({},{}) (or RECOMPUTE({},{})) before the backward",
                 self.stage, self.mb, self.stage, self.mb
@@ -138,7 +157,18 @@ pub fn check(p: &Program) -> Vec<MemError> {
     let m_n = pl.microbatches as usize;
     let s_n = pl.stages as usize;
     let mut errs = Vec::new();
-    if !p.ranks.iter().flatten().any(|i| matches!(i, Instr::Mem(_))) && !p.has_lending() {
+    let checkpointed = |i: &Instr| {
+        let mut c = false;
+        i.for_each_compute(|x| c |= x.checkpoint);
+        c
+    };
+    if !p
+        .ranks
+        .iter()
+        .flatten()
+        .any(|i| matches!(i, Instr::Mem(_)) || checkpointed(i))
+        && !p.has_lending()
+    {
         return errs;
     }
     for (r, instrs) in p.ranks.iter().enumerate() {
@@ -174,7 +204,11 @@ pub fn check(p: &Program) -> Vec<MemError> {
                     }
                     let (need, next) = match op.kind {
                         MemKind::Offload => (Where::Device, Where::Host),
-                        MemKind::Reload | MemKind::Recompute => (Where::Host, Where::Device),
+                        MemKind::Reload => (Where::Host, Where::Device),
+                        MemKind::Recompute if state[k] == Where::Input => {
+                            (Where::Input, Where::Device)
+                        }
+                        MemKind::Recompute => (Where::Host, Where::Device),
                     };
                     if state[k] == need {
                         state[k] = next;
@@ -265,17 +299,23 @@ pub fn check(p: &Program) -> Vec<MemError> {
                         match c.kind {
                             Kind::F => {
                                 if state[k] == Where::NotYet {
-                                    state[k] = Where::Device;
+                                    if c.checkpoint {
+                                        state[k] = Where::Input;
+                                        off_at[k] = i as u32;
+                                    } else {
+                                        state[k] = Where::Device;
+                                    }
                                 }
                             }
                             Kind::B | Kind::W | Kind::BW => {
-                                if state[k] == Where::Host && !reported {
+                                let gone = matches!(state[k], Where::Host | Where::Input);
+                                if gone && !reported {
                                     reported = true;
                                     errs.push(MemError {
                                         at,
                                         stage: c.stage,
                                         mb: c.mb,
-                                        state: Where::Host,
+                                        state: state[k],
                                         offloaded_at: Some(off_at[k]),
                                         lent_at: None,
                                     });
@@ -355,5 +395,49 @@ mod tests {
                 (11, Where::Released)
             ]
         );
+    }
+}
+
+#[cfg(test)]
+mod checkpoint_tests {
+    use super::*;
+
+    fn prog(src: &str) -> Program {
+        schedc_ir::text::parse(src).unwrap().program
+    }
+
+    #[test]
+    fn checkpointed_forward_without_recompute_is_rejected_naming_the_forward() {
+        let p = prog("pp 1\nstages 1\nmicrobatches 2\nplacement loop\nrank 0: F(0,0)! F(0,1) BW(0,1) BW(0,0)\n");
+        let e = check(&p);
+        assert_eq!(
+            e,
+            vec![MemError {
+                at: Pos { rank: 0, pos: 3 },
+                stage: 0,
+                mb: 0,
+                state: Where::Input,
+                offloaded_at: Some(0),
+                lent_at: None,
+            }]
+        );
+        let d = e[0].to_diagnostic(&Ctx::new(&p));
+        assert_eq!(
+            d.message,
+            "rank 0 step 3: `BW(0,0)` reads the activations of F(0,0), checkpointed at step 0 (`F(0,0)!` saves only its input) and never recomputed"
+        );
+        assert_eq!(
+            d.help.as_deref(),
+            Some("put RECOMPUTE(0,0) before the backward on this rank")
+        );
+    }
+
+    #[test]
+    fn checkpointed_forward_with_recompute_is_accepted_and_cannot_be_offloaded() {
+        let ok = prog("pp 1\nstages 1\nmicrobatches 2\nplacement loop\nrank 0: F(0,0)! F(0,1)! RECOMPUTE(0,1) BW(0,1) RECOMPUTE(0,0) B(0,0) W(0,0)\n");
+        assert_eq!(check(&ok), vec![]);
+        let bad = prog("pp 1\nstages 1\nmicrobatches 1\nplacement loop\nrank 0: F(0,0)! OFFLOAD(0,0) RECOMPUTE(0,0) BW(0,0)\n");
+        let e: Vec<(u32, Where)> = check(&bad).iter().map(|e| (e.at.pos, e.state)).collect();
+        assert_eq!(e, vec![(1, Where::Input)]);
     }
 }

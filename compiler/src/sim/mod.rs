@@ -696,6 +696,7 @@ fn run(
                                     stage: op.stage,
                                     mb: op.mb,
                                     part: Part::Whole,
+                                    checkpoint: false,
                                 });
                                 busy[r] += d;
                                 if d > 0.0 && record {
@@ -746,6 +747,8 @@ fn run(
                                 Kind::B => mem[r].push((end, -act * rel_b)),
                                 Kind::W => mem[r].push((end, -act * (1.0 - rel_b))),
                                 Kind::BW => mem[r].push((end, -act)),
+                                // `F(s,m)!` drops its saved tensors when it ends.
+                                Kind::F if c.checkpoint => mem[r].push((end, -act)),
                                 Kind::F => {}
                             }
                         }
