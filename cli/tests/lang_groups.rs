@@ -298,6 +298,18 @@ fn def_misuse_exits_2_like_an_unknown_def() {
             "`F` is an op of the language",
         ),
         (
+            // Newcomer round 3: the memory ops' names were free for a def, whose use then
+            // failed to parse as the op.
+            "lend.sched",
+            "vpp 1\ndef LEND(c) { F(c) BW(c) }\nrank r { F(0) BW(0) }\n",
+            "`LEND` is an op of the language",
+        ),
+        (
+            "recompute.sched",
+            "vpp 1\ndef RECOMPUTE(c) { F(c) BW(c) }\nrank r { F(0) BW(0) }\n",
+            "`RECOMPUTE` is an op of the language",
+        ),
+        (
             "twice.sched",
             "vpp 1\ndef a(c) { F(c) BW(c) }\ndef a(c) { F(c) BW(c) }\nrank r { a(0) }\n",
             "`def a` is defined twice",

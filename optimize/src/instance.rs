@@ -18,7 +18,7 @@ pub enum ProblemError {
         rank: u32,
     },
     /// The cost model gives no compute times.
-    #[error("the cost model gives no op times: set [compute] F, B and W (seconds per op) or use a preset such as `unit`")]
+    #[error("the cost model gives no op times: set [compute] F, B and W (seconds per op; inline: F=1,B=1,W=1,...) or use a preset such as `unit` (`schedc sim` falls back to unit op times; `optimize` asks for them, so that a model of messages or memory alone is not optimized in unit times by mistake)")]
     NoTimes,
     /// An op takes no time or a negative or non-finite time.
     #[error("the cost model gives {what} = {value} on stage {stage}: every op must take a positive, finite time")]

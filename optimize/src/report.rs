@@ -267,6 +267,31 @@ pub struct SpecInstance {
     pub sched: Sched,
     /// Its pipeline.
     pub pipeline: Pipeline,
+    /// The spec's text and the instance's overrides, to elaborate it again as `schedc sim`
+    /// does ([`SpecInstance::program_under`]).
+    text: String,
+    overrides: Overrides,
+}
+
+impl SpecInstance {
+    /// The spec's program at this instance with a `list` block scheduled under `cost` (as
+    /// `schedc sim --cost` schedules it), or under unit op times with `None`.
+    ///
+    /// Errors: the spec does not elaborate under that cost (its message).
+    pub fn program_under(&self, cost: Option<&CostModel>) -> Result<schedc_ir::Program, String> {
+        let unit = CostModel::default();
+        schedc::input::load_spec_with(&self.text, &self.overrides, cost.unwrap_or(&unit))
+            .map(|e| e.program)
+            .map_err(|e| match e {
+                LoadError::Spec { diags, .. } => diags
+                    .into_iter()
+                    .next()
+                    .map(|d| d.message)
+                    .unwrap_or_default(),
+                LoadError::Parse(p) => p.message,
+                LoadError::Io(m) | LoadError::Usage(m) => m,
+            })
+    }
 }
 
 /// Every spec in `dir` that accepts P and M (specs whose V is free get `vpp`), sorted by
@@ -328,6 +353,8 @@ fn load_one(f: &Path, pp: u32, mb: u32, vpp: u32) -> Result<Option<SpecInstance>
             name,
             sched: sc,
             pipeline: e.program.pipeline,
+            text,
+            overrides: ov,
         })),
         Err(LoadError::Spec { refused: true, .. }) => Ok(None),
         Err(LoadError::Spec { diags, text, .. }) => {

@@ -2024,7 +2024,22 @@ fn def_item_checked(
     sp: Sp,
     env: &mut Env,
 ) -> Result<(), ElabError> {
-    const TAKEN: [&str; 9] = ["F", "B", "W", "BW", "SA", "RA", "SG", "RG", "A2A"];
+    const TAKEN: [&str; 14] = [
+        "F",
+        "B",
+        "W",
+        "BW",
+        "SA",
+        "RA",
+        "SG",
+        "RG",
+        "A2A",
+        "OFFLOAD",
+        "RELOAD",
+        "RECOMPUTE",
+        "LEND",
+        "RETURN",
+    ];
     if TAKEN.contains(&n) {
         return Err(err(
             sp,
