@@ -455,7 +455,13 @@ pub fn run(a: Args) -> ExitCode {
                     let kind = pl
                         .clone()
                         .unwrap_or(PlacementArg::Kind(PlacementKind::Loop));
-                    match make(&kind, vpp.unwrap_or(1)) {
+                    // The V placement is two stages per rank (one down, one back); V = 1
+                    // would be the loop placement under another name.
+                    let v_default = match kind {
+                        PlacementArg::Kind(PlacementKind::V) => 2,
+                        _ => 1,
+                    };
+                    match make(&kind, vpp.unwrap_or(v_default)) {
                         Ok(p) => v.push(p),
                         Err(e) => return fail(e),
                     }

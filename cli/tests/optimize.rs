@@ -1335,3 +1335,29 @@ fn optimize_rows_of_specs_that_move_activations_use_checks_peak_and_withdraw_opt
     assert_eq!(v["optimal"], false);
     assert_eq!(v["optimal_on_placements_searched"], false);
 }
+
+/// Newcomer round 3, finding 5: `--placement v` without `--vpp` searched "v V=1" (one stage
+/// per rank: the loop placement), while the help says the V placement has two stages per
+/// rank.
+#[test]
+fn placement_v_without_vpp_searches_two_stages_per_rank() {
+    let o = schedc(&[
+        "optimize",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-activations",
+        "4",
+        "--placement",
+        "v",
+        "--heuristic",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        out.contains("optimized: makespan") && out.contains("(v V=2;"),
+        "{out}"
+    );
+    assert!(!out.contains("v V=1"), "{out}");
+}
