@@ -811,3 +811,17 @@ fn optimize_family_at_a_large_m_holds_down_to_its_smallest_m() {
         stdout(&o)
     );
 }
+
+/// Newcomer round 3, finding 8: `fn min(a, b) = a` (a built-in function's name) exited 1, a
+/// rejected instance, where every other malformed definition exits 2.
+#[test]
+fn fn_named_like_a_builtin_exits_2() {
+    let d = tmpdir("fn_builtin");
+    let spec = write(
+        &d,
+        "fn_min.sched",
+        "fn min(a, b) = a\nrank r { F(0) BW(0) }\n",
+    );
+    let o = schedc(&["check", &spec, "--pp", "1", "--mb", "1"]);
+    assert_refused(&o, "`min` is a built-in function; pick another name");
+}

@@ -1486,10 +1486,14 @@ pub fn elaborate_with(
                     "min", "max", "abs", "done", "left", "pending", "stage", "chunks", "fn",
                 ];
                 if BUILTINS.contains(&n.as_str()) {
-                    return Err(vec![err(
+                    // Malformed whatever the instance: an input error (exit 2), as a `def`
+                    // named like an op is.
+                    let mut e = err(
                         *sp,
                         format!("`{n}` is a built-in function; pick another name"),
-                    )]);
+                    );
+                    e.malformed = true;
+                    return Err(vec![e]);
                 }
                 if env.defs.iter().any(|d| d.name == *n) {
                     return Err(vec![fn_and_def(file, n, *sp)]);
