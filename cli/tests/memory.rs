@@ -506,3 +506,47 @@ fn host_budget_rejects_the_offload_that_goes_over_it_at_its_spec_line() {
         assert!(v.get("errors").is_none());
     }
 }
+
+#[test]
+fn max_memory_applies_to_model_derived_sizes_and_host_budget_to_a_sweep() {
+    // --model derives the sizes: llama3-8b under 1F1B at P = 4, M = 8 peaks at 59.1 GB on
+    // rank 0; a 50 GiB cap rejects rank 0 only.
+    let (code, v) = json(&[
+        "sim",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--model",
+        "llama3-8b",
+        "--max-memory",
+        "50GiB",
+    ]);
+    assert_eq!(code, Some(1));
+    let errs = v["errors"].as_array().unwrap();
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(
+        errs[0]["message"],
+        "rank 0 needs 59.1 GB of device memory at its peak (59134574592 bytes), over the --max-memory cap of 53.7 GB (53687091200 bytes)"
+    );
+    // A sweep checks the host budget on every instance.
+    let o = schedc(&[
+        "check",
+        "specs/1f1b_offload.sched",
+        "--pp",
+        "3..=4",
+        "--mb",
+        "8",
+        "--cost",
+        "activation_bytes=1e9",
+        "--set",
+        "host_bytes=2.5e9",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stdout(&o),
+        "FAIL --pp 4 --mb 8: [memory] rank 0 step 5: OFFLOAD(0,2) needs 1.0 GB of host memory, 2.0 GB already offloaded, over the host budget of 2.5 GB\n\
+         specs/1f1b_offload.sched: 2 instances: 1 passed, 1 failed, 0 outside the family (refused by `require`)\n"
+    );
+}
