@@ -19,6 +19,11 @@ pub struct Args {
     /// Reject a rank whose peak live activations exceed N.
     #[arg(long, value_name = "N")]
     pub max_activations: Option<u64>,
+    /// Reject a rank whose peak device memory, as `schedc sim` computes it under --cost
+    /// (`[memory]` sizes, required), exceeds BYTES (a number, or with K, M, G, T: binary,
+    /// 80G = 80GiB = 80 x 2^30).
+    #[arg(long, value_name = "BYTES", value_parser = parse_max_memory)]
+    pub max_memory: Option<u64>,
     /// K buffer slots per rank pair: a send completes once the receive K messages
     /// earlier is posted (relaxes rendezvous).
     #[arg(long, value_name = "K")]
@@ -45,6 +50,7 @@ pub fn run(args: Args) -> ExitCode {
         input,
         format,
         max_activations,
+        max_memory,
         buffer_slots,
         eager_sends,
         per_op_groups,
@@ -63,6 +69,16 @@ pub fn run(args: Args) -> ExitCode {
             return c;
         }
     }
+    if max_memory.is_some() {
+        if let Err(e) = require_memory_sizes(&model) {
+            eprintln!("error: {e}");
+            if format == OutFormat::Json {
+                let v = serde_json::json!({"input": input.name(), "error": format!("error: {e}\n"), "exit": 2});
+                return emit_then(&format!("{v}\n"), ExitCode::from(2));
+            }
+            return ExitCode::from(2);
+        }
+    }
     if input.is_sweep() {
         return sweep(
             &input,
@@ -70,6 +86,7 @@ pub fn run(args: Args) -> ExitCode {
             per_op_groups,
             buffer_slots,
             max_activations,
+            max_memory,
             format,
             &model,
             cost.as_ref().map(|c| c.to_string_lossy().into_owned()),
@@ -109,6 +126,13 @@ pub fn run(args: Args) -> ExitCode {
     let mut out = check::check(&loaded.program, loaded.spans.as_ref(), &opts);
     // Timing expectations under `sim`'s convention: a stage of a V-way split takes 1/V.
     let model = model.for_pipeline(&loaded.program.pipeline);
+    memory_budgets(
+        &mut out,
+        &loaded.program,
+        loaded.spans.as_ref(),
+        &model,
+        max_memory,
+    );
     // Under a part reordering, the expectations describe the spec's own order: checked there.
     if loaded.expect_program.is_some() {
         eprintln!("note: {}: {}", loaded.name, schedc::input::REORDER_NOTE);
@@ -153,6 +177,44 @@ pub fn run(args: Args) -> ExitCode {
             code,
         ),
         OutFormat::Human => emit_then(&print_human(&loaded, rep), code),
+    }
+}
+
+/// `--max-memory` and `[memory] host_bytes` (issue 27): an accepted schedule is simulated
+/// under `model` and rejected where a rank's peak device memory or host memory is over its
+/// budget. Nothing to do without either budget, or for a rejected schedule.
+fn memory_budgets(
+    out: &mut check::Outcome,
+    program: &schedc_ir::Program,
+    spans: Option<&schedc_ir::text::SourceMap>,
+    model: &schedc::sim::cost::CostModel,
+    max_memory: Option<u64>,
+) {
+    if max_memory.is_none() && model.memory.host_bytes <= 0.0 {
+        return;
+    }
+    let Some(sim_prog) = out.checked.as_ref() else {
+        return;
+    };
+    if out.report.verdict != Verdict::Accepted {
+        return;
+    }
+    let diags = match schedc::sim::simulate_with(
+        sim_prog,
+        model,
+        schedc::sim::SimOptions {
+            steady_state: false,
+        },
+    ) {
+        Ok(res) => check::memory_budget_diagnostics(program, spans, sim_prog, &res, max_memory),
+        Err(e) => vec![schedc::diag::Diagnostic::error(
+            diag::Code::Memory,
+            format!("the memory budgets cannot be checked: {e}"),
+        )],
+    };
+    if !diags.is_empty() {
+        out.report.verdict = Verdict::Rejected;
+        out.report.diagnostics.extend(diags);
     }
 }
 
@@ -294,6 +356,7 @@ fn sweep(
     per_op: bool,
     slots: Option<u32>,
     max_act: Option<u64>,
+    max_memory: Option<u64>,
     format: OutFormat,
     model: &schedc::sim::cost::CostModel,
     cost_name: Option<String>,
@@ -460,6 +523,7 @@ fn sweep(
                         Ok(((prog, spans), before)) => {
                             let mut out = check::check(&prog, Some(&spans), &opts);
                             let model = &model.for_pipeline(&prog.pipeline);
+                            memory_budgets(&mut out, &prog, Some(&spans), model, max_memory);
                             match &before {
                                 Some(b) if out.report.verdict == Verdict::Accepted => {
                                     check::check_expectations_on(

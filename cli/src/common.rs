@@ -1094,3 +1094,36 @@ pub fn placement_name(k: schedc_ir::PlacementKind) -> &'static str {
         schedc_ir::PlacementKind::Explicit => "explicit",
     }
 }
+
+/// `--max-memory BYTES` of `check` and `sim`: a number of bytes, or with a suffix K, M, G, T
+/// (binary: `80G`, `80GB` and `80GiB` are all 80 x 2^30 bytes).
+pub fn parse_max_memory(s: &str) -> Result<u64, String> {
+    schedc::limits::parse_size(s)
+}
+
+/// Refuses `--max-memory` under a cost model with no memory sizes (`[memory]` activation,
+/// parameter, gradient and optimizer bytes all 0, also per stage), where every peak would be
+/// 0 and the cap would hold vacuously. Errors: the message (exit status 2).
+pub fn require_memory_sizes(model: &schedc::sim::cost::CostModel) -> Result<(), String> {
+    let m = &model.memory;
+    let sized = m.activation_bytes > 0.0
+        || m.param_bytes > 0.0
+        || m.grad_bytes > 0.0
+        || m.optimizer_bytes > 0.0
+        || m.stage.values().any(|s| {
+            [
+                s.activation_bytes,
+                s.param_bytes,
+                s.grad_bytes,
+                s.optimizer_bytes,
+            ]
+            .into_iter()
+            .flatten()
+            .any(|b| b > 0.0)
+        });
+    if sized {
+        Ok(())
+    } else {
+        Err("--max-memory needs memory sizes, but the cost model has none ([memory] activation_bytes, param_bytes, grad_bytes and optimizer_bytes are all 0): give them with --cost FILE or --set activation_bytes=BYTES (or derive them with `sim --model`)".into())
+    }
+}

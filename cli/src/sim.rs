@@ -21,6 +21,11 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     pub format: OutFormat,
+    /// Reject (exit 1, after the report) a rank whose peak device memory
+    /// (`peak_memory_bytes`, from the cost model's `[memory]` sizes, required, or from
+    /// --model) exceeds BYTES (a number, or with K, M, G, T: binary, 80G = 80GiB = 80 x 2^30).
+    #[arg(long, value_name = "BYTES", value_parser = parse_max_memory)]
+    pub max_memory: Option<u64>,
     /// Write a Chrome trace (open in Perfetto or chrome://tracing); `-` is standard output
     /// (instead of the report).
     #[arg(long, value_name = "FILE")]
@@ -42,6 +47,7 @@ pub fn run(args: Args) -> ExitCode {
         cost,
         set,
         format,
+        max_memory,
         trace,
         svg,
         force,
@@ -73,6 +79,12 @@ pub fn run(args: Args) -> ExitCode {
                 eprintln!("error: {e}");
                 return ExitCode::from(2);
             }
+        }
+    }
+    if max_memory.is_some() && !cluster.given() {
+        if let Err(e) = require_memory_sizes(&model) {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
         }
     }
     let cost_name = match &cluster.model {
@@ -206,13 +218,23 @@ pub fn run(args: Args) -> ExitCode {
             &model,
         );
     }
+    // Memory budgets (issue 27): --max-memory and [memory] host_bytes.
+    let budget_errors = check::memory_budget_diagnostics(
+        &loaded.program,
+        loaded.spans.as_ref(),
+        &prog,
+        &res,
+        max_memory,
+    );
+    let n_budget = budget_errors.len();
+    checked.report.diagnostics.extend(budget_errors);
     let failed: Vec<_> = checked
         .report
         .diagnostics
         .iter_mut()
         .filter(|d| d.is_error())
         .collect();
-    let n_failed = failed.len();
+    let n_failed = failed.len() - n_budget;
     for d in failed {
         d.locate(&loaded.name, &loaded.text);
         eprint!(
@@ -224,12 +246,23 @@ pub fn run(args: Args) -> ExitCode {
             )
         );
     }
-    let code = if n_failed > 0 {
+    if n_failed > 0 {
         eprintln!("error: {n_failed} expectation(s) of the spec do not hold under this cost model");
+    }
+    if n_budget > 0 {
+        eprintln!("error: the schedule does not fit its memory budget(s) under this cost model");
+    }
+    let code = if n_failed + n_budget > 0 {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
     };
+    let errors: Vec<&diag::Diagnostic> = checked
+        .report
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error())
+        .collect();
     let exposed: f64 = res.ranks.iter().map(|r| r.exposed_comm).sum();
     // Only without all-to-all time: with it, a rank also waits for a peer held up by its
     // all-to-alls, which is not the message order's doing.
@@ -265,6 +298,12 @@ pub fn run(args: Args) -> ExitCode {
         match format {
             OutFormat::Json => {
                 let mut v = serde_json::to_value(&res).expect("json");
+                if let (false, Some(obj)) = (errors.is_empty(), v.as_object_mut()) {
+                    obj.insert(
+                        "errors".into(),
+                        serde_json::to_value(&errors).expect("json"),
+                    );
+                }
                 if let (Some(st), Some(obj)) = (&step, v.as_object_mut()) {
                     if let serde_json::Value::Object(extra) =
                         serde_json::to_value(st).expect("json")

@@ -335,3 +335,218 @@ fn check_rejects_a_checkpointed_forward_never_recomputed_at_its_spec_line() {
         stdout(&o)
     );
 }
+
+/// `ARGS --format json`: the exit code and the parsed standard output.
+fn json(args: &[&str]) -> (Option<i32>, serde_json::Value) {
+    let mut a = args.to_vec();
+    a.extend(["--format", "json"]);
+    let o = schedc(&a);
+    let v = serde_json::from_str(&stdout(&o))
+        .unwrap_or_else(|e| panic!("{e}: {} {}", stdout(&o), stderr(&o)));
+    (o.status.code(), v)
+}
+
+const ONE_F_ONE_B: [&str; 6] = ["specs/1f1b.sched", "--pp", "4", "--mb", "8", "--cost"];
+
+#[test]
+fn max_memory_rejects_the_rank_over_the_cap_naming_its_peak_and_the_cap() {
+    // 1F1B at P = 4, M = 8 holds 4, 3, 2, 1 activations of 1 GB: rank 0 peaks at 4 GB.
+    let msg = "rank 0 needs 4.0 GB of device memory at its peak (4000000000 bytes), over the --max-memory cap of 3.8 GB (3758096384 bytes)";
+    let mut check = vec!["check"];
+    check.extend(ONE_F_ONE_B);
+    check.extend(["activation_bytes=1e9", "--max-memory", "3.5G"]);
+    let (code, v) = json(&check);
+    assert_eq!(code, Some(1));
+    assert_eq!(v["verdict"], "rejected");
+    let d = &v["diagnostics"].as_array().unwrap();
+    assert_eq!(d.len(), 1, "only rank 0 is over: {d:?}");
+    assert_eq!(
+        (d[0]["code"].as_str(), d[0]["rank"].as_u64()),
+        (Some("memory"), Some(0))
+    );
+    assert_eq!(d[0]["message"], msg);
+    // Human output says the same.
+    let o = schedc(&check);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stdout(&o).contains("rank 0 needs 4.0 GB of device memory"),
+        "{}",
+        stdout(&o)
+    );
+    // `sim` rejects it after the report (exit 1), in its JSON and on standard error.
+    let mut sim = check.clone();
+    sim[0] = "sim";
+    let (code, v) = json(&sim);
+    assert_eq!(code, Some(1));
+    assert_eq!(v["errors"][0]["message"], msg);
+    assert_eq!(v["ranks"][0]["peak_memory_bytes"], 4e9);
+    let o = schedc(&sim);
+    assert_eq!(o.status.code(), Some(1));
+    // (The rendering wraps the message.)
+    for part in [
+        "rank 0 needs 4.0 GB of device memory",
+        "cap",
+        "(3758096384 bytes)",
+    ] {
+        assert!(stderr(&o).contains(part), "{}", stderr(&o));
+    }
+    assert!(
+        stdout(&o).contains("makespan 33.000000 s"),
+        "the report comes first"
+    );
+    // A cap equal to the peak holds (4e9 bytes), and 80G, 80GB, 80GiB are the same cap.
+    for cap in ["4000000000", "80G", "80GB", "80GiB"] {
+        let mut ok = check.clone();
+        *ok.last_mut().unwrap() = cap;
+        assert_eq!(schedc(&ok).status.code(), Some(0), "--max-memory {cap}");
+    }
+    let mut big = vec!["check"];
+    big.extend(ONE_F_ONE_B);
+    big.extend(["activation_bytes=1e11", "--max-memory", "80GiB"]);
+    let (code, v) = json(&big);
+    assert_eq!(code, Some(1));
+    assert_eq!(
+        v["diagnostics"][0]["message"],
+        "rank 0 needs 400.0 GB of device memory at its peak (400000000000 bytes), over the --max-memory cap of 85.9 GB (85899345920 bytes)"
+    );
+}
+
+#[test]
+fn max_memory_without_memory_sizes_is_refused() {
+    let says = "--max-memory needs memory sizes, but the cost model has none";
+    for cmd in ["check", "sim"] {
+        let o = schedc(&[
+            cmd,
+            "specs/1f1b.sched",
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--max-memory",
+            "80G",
+        ]);
+        assert_refused(&o, says);
+    }
+    let o = schedc(&[
+        "check",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-memory",
+        "8X",
+    ]);
+    assert_refused(&o, "invalid size `8X`");
+}
+
+#[test]
+fn host_budget_rejects_the_offload_that_goes_over_it_at_its_spec_line() {
+    let msg = "rank 0 step 5: OFFLOAD(0,2) needs 1.0 GB of host memory, 2.0 GB already offloaded, over the host budget of 2.5 GB";
+    let base = ["specs/1f1b_offload.sched", "--pp", "4", "--mb", "8"];
+    let mut check = vec!["check"];
+    check.extend(base);
+    check.extend([
+        "--cost",
+        "activation_bytes=1e9",
+        "--set",
+        "host_bytes=2.5e9",
+    ]);
+    let (code, v) = json(&check);
+    assert_eq!(code, Some(1));
+    let d = v["diagnostics"].as_array().unwrap();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!(d[0]["message"], msg);
+    assert_eq!(d[0]["location"], "specs/1f1b_offload.sched:23:13");
+    assert_eq!(
+        (d[0]["rank"].as_u64(), d[0]["position"].as_u64()),
+        (Some(0), Some(5))
+    );
+    // `sim` with the key in a cost file's [memory] section.
+    let dir = tmpdir("host-budget");
+    let f = dir.join("cost.toml");
+    std::fs::write(&f, "[memory]\nactivation_bytes = 1e9\nhost_bytes = 2.5e9\n").unwrap();
+    let mut sim = vec!["sim"];
+    sim.extend(base);
+    sim.extend(["--cost", f.to_str().unwrap()]);
+    let o = schedc(&sim);
+    assert_eq!(o.status.code(), Some(1));
+    for part in [
+        "rank 0 step 5: OFFLOAD(0,2) needs 1.0 GB of host memory",
+        "host budget of 2.5 GB",
+        "specs/1f1b_offload.sched:23:13",
+    ] {
+        assert!(stderr(&o).contains(part), "{}", stderr(&o));
+    }
+    assert!(
+        stdout(&o).contains(
+            "peak host memory (GB, offloaded activations), per rank: 3.00 2.00 0.00 0.00\n"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    let (code, v) = json(&sim);
+    assert_eq!(code, Some(1));
+    assert_eq!(v["errors"][0]["message"], msg);
+    assert_eq!(v["errors"][0]["location"], "specs/1f1b_offload.sched:23:13");
+    // 3 GB holds every rank's peak; 0 (the default) is unlimited.
+    for budget in ["host_bytes=3e9", "host_bytes=0"] {
+        let mut ok = vec!["sim"];
+        ok.extend(base);
+        ok.extend(["--cost", f.to_str().unwrap(), "--set", budget]);
+        let (code, v) = json(&ok);
+        assert_eq!(code, Some(0), "{budget}");
+        let host: Vec<f64> = v["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["peak_host_bytes"].as_f64().unwrap())
+            .collect();
+        assert_eq!(host, vec![3e9, 2e9, 0.0, 0.0]);
+        assert!(v.get("errors").is_none());
+    }
+}
+
+#[test]
+fn max_memory_applies_to_model_derived_sizes_and_host_budget_to_a_sweep() {
+    // --model derives the sizes: llama3-8b under 1F1B at P = 4, M = 8 peaks at 59.1 GB on
+    // rank 0; a 50 GiB cap rejects rank 0 only.
+    let (code, v) = json(&[
+        "sim",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--model",
+        "llama3-8b",
+        "--max-memory",
+        "50GiB",
+    ]);
+    assert_eq!(code, Some(1));
+    let errs = v["errors"].as_array().unwrap();
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(
+        errs[0]["message"],
+        "rank 0 needs 59.1 GB of device memory at its peak (59134574592 bytes), over the --max-memory cap of 53.7 GB (53687091200 bytes)"
+    );
+    // A sweep checks the host budget on every instance.
+    let o = schedc(&[
+        "check",
+        "specs/1f1b_offload.sched",
+        "--pp",
+        "3..=4",
+        "--mb",
+        "8",
+        "--cost",
+        "activation_bytes=1e9",
+        "--set",
+        "host_bytes=2.5e9",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stdout(&o),
+        "FAIL --pp 4 --mb 8: [memory] rank 0 step 5: OFFLOAD(0,2) needs 1.0 GB of host memory, 2.0 GB already offloaded, over the host budget of 2.5 GB\n\
+         specs/1f1b_offload.sched: 2 instances: 1 passed, 1 failed, 0 outside the family (refused by `require`)\n"
+    );
+}

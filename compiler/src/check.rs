@@ -712,3 +712,97 @@ pub fn check_expectations_on(
         report.verdict = Verdict::Rejected;
     }
 }
+
+/// Bytes as `N.N GB` (10^9 bytes), the unit of `schedc sim`'s report.
+fn gb(b: f64) -> String {
+    format!("{:.1} GB", b / 1e9)
+}
+
+/// Errors for a simulated program that does not fit its memory budgets (issue 27): one per
+/// rank whose peak device memory (`peak_memory_bytes`) exceeds `max_memory` bytes
+/// (`--max-memory`), and one at the first `OFFLOAD` of each rank that takes its host memory
+/// over `[memory] host_bytes` ([`crate::sim::SimResult::host_overflows`]).
+///
+/// `simulated` is the program `res` simulated: `orig` itself, or its lowering (then an
+/// `OFFLOAD`'s position is mapped back to `orig`'s by counting equal instructions before it on
+/// the rank); `spans` locates `orig`'s instructions.
+pub fn memory_budget_diagnostics(
+    orig: &Program,
+    spans: Option<&SourceMap>,
+    simulated: &Program,
+    res: &crate::sim::SimResult,
+    max_memory: Option<u64>,
+) -> Vec<Diagnostic> {
+    let cx = Ctx {
+        program: orig,
+        spans,
+    };
+    let mut out = Vec::new();
+    if let Some(cap) = max_memory {
+        for r in res
+            .ranks
+            .iter()
+            .filter(|r| r.peak_memory_bytes > cap as f64)
+        {
+            let mut d = Diagnostic::error(
+                Code::Memory,
+                format!(
+                    "rank {} needs {} of device memory at its peak ({} bytes), over the --max-memory cap of {} ({cap} bytes)",
+                    r.rank,
+                    gb(r.peak_memory_bytes),
+                    r.peak_memory_bytes.round() as u64,
+                    gb(cap as f64),
+                ),
+            )
+            .with_help("offload or recompute activations, or use a schedule that holds fewer micro-batches");
+            d.rank = Some(r.rank);
+            out.push(d);
+        }
+    }
+    for o in &res.host_overflows {
+        let r = o.rank as usize;
+        let pos = source_position(orig, simulated, r, o.pos as usize);
+        let mut d = Diagnostic::error(
+            Code::Memory,
+            format!(
+                "rank {} step {}: OFFLOAD({},{}) needs {} of host memory, {} already offloaded, over the host budget of {}",
+                o.rank,
+                pos.unwrap_or(o.pos as usize),
+                o.stage,
+                o.mb,
+                gb(o.needs),
+                gb(o.held),
+                gb(o.budget)
+            ),
+        )
+        .with_note(format!(
+            "{} + {} bytes > [memory] host_bytes = {}",
+            o.held.round() as u64,
+            o.needs.round() as u64,
+            o.budget.round() as u64
+        ))
+        .with_help("reload or recompute earlier offloads before this one, or raise host_bytes");
+        match pos {
+            Some(p) => d = d.at(cx.loc(r, p)),
+            None => d.rank = Some(o.rank),
+        }
+        out.push(d);
+    }
+    out
+}
+
+/// The position in `orig` of instruction `pos` of rank `r` of `simulated` (equal to `orig` or
+/// its lowering, which keeps `orig`'s instructions in order): the same occurrence of an equal
+/// instruction. `None` if `orig` has no such instruction.
+fn source_position(orig: &Program, simulated: &Program, r: usize, pos: usize) -> Option<usize> {
+    let sim = simulated.ranks.get(r)?;
+    let ins = sim.get(pos)?;
+    let nth = sim[..pos].iter().filter(|i| *i == ins).count();
+    orig.ranks
+        .get(r)?
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| *i == ins)
+        .nth(nth)
+        .map(|(p, _)| p)
+}

@@ -441,3 +441,50 @@ fn torch_csv_export_refuses_lend_and_return() {
         "{e}"
     );
 }
+
+#[test]
+fn sim_tracks_host_bytes_per_rank_and_names_the_offload_over_the_host_budget() {
+    let three = "pp 1\nstages 1\nmicrobatches 3\nplacement loop\n";
+    // OFFLOAD(0,0) [1,1.5] and OFFLOAD(0,1) [2,2.5] hold 2 bytes on the host until
+    // RELOAD(0,1) [5,8] and RELOAD(0,0) [10,13] end.
+    let off = prog(&format!(
+        "{three}rank 0: F(0,0) OFFLOAD(0,0) F(0,1) OFFLOAD(0,1) F(0,2) BW(0,2) RELOAD(0,1) BW(0,1) RELOAD(0,0) BW(0,0)\n"
+    ));
+    let r = simulate_any(&off, &cost()).unwrap();
+    assert_eq!(r.ranks[0].peak_host_bytes, 2.0);
+    assert!(r.host_overflows.is_empty(), "no budget: unlimited");
+    // A budget of exactly the peak holds; below it, the second offload is the offender.
+    let mut c = cost();
+    c.memory.host_bytes = 2.0;
+    assert!(simulate_any(&off, &c).unwrap().host_overflows.is_empty());
+    c.memory.host_bytes = 1.5;
+    let r = simulate_any(&off, &c).unwrap();
+    assert_eq!(
+        r.host_overflows,
+        vec![schedc::sim::HostOverflow {
+            rank: 0,
+            pos: 3,
+            stage: 0,
+            mb: 1,
+            needs: 1.0,
+            held: 1.0,
+            budget: 1.5,
+        }]
+    );
+    // A RECOMPUTE drops the host copy when it starts: the later offload fits a budget of 1.
+    let drop = prog(&format!(
+        "{HEAD}rank 0: F(0,0) OFFLOAD(0,0) F(0,1) RECOMPUTE(0,0) OFFLOAD(0,1) BW(0,0) RELOAD(0,1) BW(0,1)\n"
+    ));
+    c.memory.host_bytes = 1.0;
+    let r = simulate_any(&drop, &c).unwrap();
+    assert_eq!(r.ranks[0].peak_host_bytes, 1.0);
+    assert!(r.host_overflows.is_empty());
+    // A RECOMPUTE after a checkpointed forward frees nothing on the host.
+    let ckpt = prog(&format!(
+        "{HEAD}rank 0: F(0,0)! F(0,1) BW(0,1) RECOMPUTE(0,0) BW(0,0)\n"
+    ));
+    assert_eq!(
+        simulate_any(&ckpt, &c).unwrap().ranks[0].peak_host_bytes,
+        0.0
+    );
+}

@@ -39,6 +39,7 @@
 //! reload = 0.0                # seconds per RELOAD(s,m) (default: equal to offload)
 //! pcie_bandwidth = 0.0        # host-copy bytes per second: a copy whose seconds are 0
 //!                             #   takes activation_bytes / pcie_bandwidth
+//! host_bytes = 0.0            # host memory per rank for offloaded activations; 0: unlimited
 //! ```
 //!
 //! Defaults: unit compute (F = B = W = 1), free communication, no memory figures.
@@ -241,6 +242,11 @@ pub struct Memory {
     /// `activation_bytes / pcie_bandwidth`. 0: copies are free.
     #[serde(default)]
     pub pcie_bandwidth: f64,
+    /// Host memory budget per rank for offloaded activations, bytes: an `OFFLOAD` that would
+    /// hold more on the rank's host is an error of `schedc check --cost` and `schedc sim`
+    /// (reported by [`crate::sim::SimResult::host_overflows`]). 0 (the default): unlimited.
+    #[serde(default)]
+    pub host_bytes: f64,
     /// Per-stage overrides (`[memory.stage.N]`), keyed by stage id (set by `--model`: the
     /// embedding's and the head's stages differ from the rest).
     #[serde(default)]
@@ -313,6 +319,7 @@ impl Default for Memory {
             offload: 0.0,
             reload: None,
             pcie_bandwidth: 0.0,
+            host_bytes: 0.0,
             stage: BTreeMap::new(),
         }
     }
@@ -438,6 +445,7 @@ impl CostModel {
             ("memory.offload", mem.offload),
             ("memory.reload", mem.reload.unwrap_or(0.0)),
             ("memory.pcie_bandwidth", mem.pcie_bandwidth),
+            ("memory.host_bytes", mem.host_bytes),
         ] {
             ok(n, v)?;
         }
@@ -534,9 +542,10 @@ impl CostModel {
                 "offload" => self.memory.offload = v,
                 "reload" => self.memory.reload = Some(v),
                 "pcie_bandwidth" => self.memory.pcie_bandwidth = v,
+                "host_bytes" => self.memory.host_bytes = v,
                 _ => {
                     return Err(format!(
-                        "unknown cost key `{k}`: expected F, B, W, BW, FB, latency, bandwidth, bytes, dispatch, combine, ep_bandwidth, ep_latency, top_k, attn_share, a2a, activation_bytes, released_at_b, param_bytes, grad_bytes, optimizer_bytes, offload, reload, pcie_bandwidth"
+                        "unknown cost key `{k}`: expected F, B, W, BW, FB, latency, bandwidth, bytes, dispatch, combine, ep_bandwidth, ep_latency, top_k, attn_share, a2a, activation_bytes, released_at_b, param_bytes, grad_bytes, optimizer_bytes, offload, reload, pcie_bandwidth, host_bytes"
                     ))
                 }
             }

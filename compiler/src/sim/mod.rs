@@ -164,6 +164,29 @@ pub struct RankSim {
     pub peak_memory_bytes: f64,
     /// Peak of live activation bytes.
     pub peak_activation_bytes: f64,
+    /// Peak of the activation bytes offloaded to the rank's host memory: an `OFFLOAD`'s bytes
+    /// count from its end, until the end of the `RELOAD` (or the start of the `RECOMPUTE`)
+    /// that brings them back.
+    pub peak_host_bytes: f64,
+}
+
+/// An `OFFLOAD` that takes the rank's host memory over `[memory] host_bytes`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HostOverflow {
+    /// Rank.
+    pub rank: u32,
+    /// Position of the `OFFLOAD` in the rank's simulated program.
+    pub pos: u32,
+    /// Its stage.
+    pub stage: u32,
+    /// Its micro-batch.
+    pub mb: u32,
+    /// Bytes it offloads.
+    pub needs: f64,
+    /// Bytes already on the rank's host when it ends.
+    pub held: f64,
+    /// The budget, `[memory] host_bytes`.
+    pub budget: f64,
 }
 
 /// The bubble fraction under each convention (module docs), each in `[0, 1]`.
@@ -258,6 +281,10 @@ pub struct SimResult {
     pub steady_step: f64,
     /// Per rank.
     pub ranks: Vec<RankSim>,
+    /// The first `OFFLOAD` on each rank that takes it over `[memory] host_bytes` (empty
+    /// without a budget): the program does not fit that host memory.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub host_overflows: Vec<HostOverflow>,
     /// Every interval.
     #[serde(skip)]
     pub events: Vec<Event>,
@@ -447,6 +474,8 @@ struct Run {
     events: Vec<Event>,
     g_event: Vec<usize>,
     mem: Vec<Vec<(f64, f64)>>,
+    /// Host-memory events per rank: (time, delta bytes, position of the op).
+    host_mem: Vec<Vec<(f64, f64, u32)>>,
 }
 
 /// One step of the program from the stream clocks `init`. `record` keeps events and memory.
@@ -527,6 +556,9 @@ fn run(
     };
     // Memory events: (time, delta bytes) per rank.
     let mut mem: Vec<Vec<(f64, f64)>> = vec![Vec::new(); if record { np } else { 0 }];
+    // Host bytes per rank, and the bytes of each (stage, mb) now on its owner's host.
+    let mut host_mem: Vec<Vec<(f64, f64, u32)>> = vec![Vec::new(); if record { np } else { 0 }];
+    let mut on_host = vec![0f64; if has_mem && record { nk } else { 0 }];
     let mem_model = &cost.memory;
     let mut in_work = vec![true; np];
     let mut work: Vec<u32> = (0..np as u32).rev().collect();
@@ -766,6 +798,26 @@ fn run(
                             MemKind::Offload => mem[r].push((end, -act)),
                             MemKind::Reload | MemKind::Recompute => mem[r].push((start, act)),
                         }
+                        // The host copy holds from the offload's end until the reload has
+                        // copied it back (or a recompute drops it, at its start).
+                        if let Some(k) = act_key(op.stage, op.mb) {
+                            match op.kind {
+                                MemKind::Offload => {
+                                    on_host[k] = act;
+                                    host_mem[r].push((end, act, pos));
+                                }
+                                MemKind::Reload | MemKind::Recompute if on_host[k] > 0.0 => {
+                                    let at = if op.kind == MemKind::Reload {
+                                        end
+                                    } else {
+                                        start
+                                    };
+                                    host_mem[r].push((at, -on_host[k], pos));
+                                    on_host[k] = 0.0;
+                                }
+                                _ => {}
+                            }
+                        }
                     }
                     if kind != EventKind::Other || end > start {
                         events.push(Event {
@@ -908,6 +960,7 @@ fn run(
         events,
         g_event,
         mem,
+        host_mem,
     })
 }
 
@@ -1038,6 +1091,9 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
     }
     let makespan = one.makespan;
     let mut mem = one.mem;
+    let mut host_mem = one.host_mem;
+    let budget = cost.memory.host_bytes;
+    let mut host_overflows = Vec::new();
     let by_rank = pl.stages_by_rank();
     let ranks: Vec<RankSim> = (0..np)
         .map(|r| {
@@ -1054,6 +1110,31 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
                 live += d;
                 peak = peak.max(live);
             }
+            // Host bytes: a free at the instant of an offload's end happens first.
+            let mut hev = std::mem::take(&mut host_mem[r]);
+            hev.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
+            let (mut held, mut host_peak) = (0f64, 0f64);
+            let mut over = None;
+            for (_, d, pos) in hev {
+                if budget > 0.0 && d > 0.0 && held + d > budget && over.is_none() {
+                    let (stage, mb) = match p.ranks[r].get(pos as usize) {
+                        Some(Instr::Mem(op)) => (op.stage, op.mb),
+                        _ => (0, 0),
+                    };
+                    over = Some(HostOverflow {
+                        rank: r as u32,
+                        pos,
+                        stage,
+                        mb,
+                        needs: d,
+                        held,
+                        budget,
+                    });
+                }
+                held += d;
+                host_peak = host_peak.max(held);
+            }
+            host_overflows.extend(over);
             let span = if one.last[r] >= one.first[r] {
                 one.last[r] - one.first[r]
             } else {
@@ -1069,6 +1150,7 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
                 exposed_a2a: one.exposed_a2a[r],
                 peak_memory_bytes: stat + peak,
                 peak_activation_bytes: peak,
+                peak_host_bytes: host_peak,
             }
         })
         .collect();
@@ -1100,6 +1182,7 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
         },
         steady_step: step,
         ranks,
+        host_overflows,
         events: one.events,
         flows,
     })

@@ -85,6 +85,19 @@ pub fn text_report(r: &SimResult, width: usize) -> String {
     if !mem_known {
         let _ = writeln!(o, "(peak memory: the cost model has no [memory] figures)");
     }
+    // Only a schedule that offloads, under a model with activation sizes, has host figures.
+    if r.ranks.iter().any(|x| x.peak_host_bytes > 0.0) {
+        let host: Vec<String> = r
+            .ranks
+            .iter()
+            .map(|x| format!("{:.2}", x.peak_host_bytes / 1e9))
+            .collect();
+        let _ = writeln!(
+            o,
+            "peak host memory (GB, offloaded activations), per rank: {}",
+            host.join(" ")
+        );
+    }
     if r.makespan <= 0.0 {
         return o;
     }
