@@ -1271,26 +1271,8 @@ fn simulate_written(
             ..Default::default()
         },
     );
-    if checked.report.verdict != schedc::check::Verdict::Accepted {
-        let first = checked
-            .report
-            .diagnostics
-            .iter()
-            .find(|d| d.severity == schedc::diag::Severity::Error)
-            .map(|d| d.message.clone())
-            .unwrap_or_default();
-        return Err(format!("schedc check rejects it: {first}"));
-    }
-    let peak = checked
-        .report
-        .ranks
-        .iter()
-        .map(|r| r.peak_activations)
-        .max()
-        .unwrap_or(0);
-    let prog = checked.checked.ok_or("no checked program")?;
     // As `schedc sim` times the file: a stage of a V-way split charged 1/V.
-    let sim = schedc::sim::simulate(&prog, &cost.for_pipeline(&prog.pipeline))?;
+    let (sim, peak) = simulate_checked(checked, cost)?;
     Ok(Figures {
         makespan: sim.makespan,
         steady_step: sim.steady_step,
@@ -1504,6 +1486,17 @@ fn simulate_as_sim(
         None => p,
     };
     let checked = schedc::check::check(p, None, &Default::default());
+    simulate_checked(checked, cost)
+}
+
+/// `check`'s outcome simulated as `schedc sim` does (`cost` for the pipeline: a stage of a
+/// V-way split charged 1/V), with `check`'s peak live activations on the worst rank.
+///
+/// Errors: `check` rejected the program (its first error), or the simulation fails.
+fn simulate_checked(
+    checked: schedc::check::Outcome,
+    cost: &CostModel,
+) -> Result<(schedc::sim::SimResult, u64), String> {
     if checked.report.verdict != schedc::check::Verdict::Accepted {
         let first = checked
             .report
