@@ -550,3 +550,30 @@ fn max_memory_applies_to_model_derived_sizes_and_host_budget_to_a_sweep() {
          specs/1f1b_offload.sched: 2 instances: 1 passed, 1 failed, 0 outside the family (refused by `require`)\n"
     );
 }
+
+/// Newcomer round 4, finding 1: an OFFLOAD after a split B moves only what the W still needs
+/// (`released_at_b` of the activation was freed by the B), in the device peak, the host peak,
+/// the copy time and the host budget.
+#[test]
+fn sim_offload_after_a_split_b_moves_only_what_w_still_needs() {
+    let f = spec_file(
+        "offB.ir",
+        "pp 1\nrank 0: F(0,0) B(0,0) OFFLOAD(0,0) F(0,1) F(0,2) B(0,1) W(0,1) B(0,2) W(0,2) RELOAD(0,0) W(0,0)\n",
+    );
+    let set = "activation_bytes=1e9,released_at_b=0.5,pcie_bandwidth=1e9";
+    let (code, v) = json(&["sim", f.to_str().unwrap(), "--set", set]);
+    assert_eq!(code, Some(0), "{v}");
+    let r0 = &v["ranks"][0];
+    // Two whole stashes (F(0,1), F(0,2)) at once; half of F(0,0)'s went to the host.
+    assert_eq!(r0["peak_activation_bytes"], 2e9);
+    assert_eq!(r0["peak_host_bytes"], 5e8);
+    // The 0.5 GB reload takes 0.5 s at 1 GB/s; the last W waits for it.
+    assert_eq!(v["makespan"], 9.5);
+    // A host budget of 0.6 GB holds that half; 0.4 GB does not.
+    let ok = format!("{set},host_bytes=0.6e9");
+    let (code, _) = json(&["sim", f.to_str().unwrap(), "--set", &ok]);
+    assert_eq!(code, Some(0));
+    let small = format!("{set},host_bytes=0.4e9");
+    let (code, v) = json(&["sim", f.to_str().unwrap(), "--set", &small]);
+    assert_eq!(code, Some(1), "{v}");
+}
