@@ -178,7 +178,13 @@ pub fn run(args: Args) -> ExitCode {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");
-            return ExitCode::from(1);
+            // A cost model whose times overflow is unusable input (2), not a schedule that
+            // failed (1).
+            return ExitCode::from(if e.starts_with(schedc::sim::NOT_FINITE) {
+                2
+            } else {
+                1
+            });
         }
     };
     // A file that cannot be written after all (the disk filled up since the check above)

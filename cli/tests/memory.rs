@@ -577,3 +577,27 @@ fn sim_offload_after_a_split_b_moves_only_what_w_still_needs() {
     let (code, v) = json(&["sim", f.to_str().unwrap(), "--set", &small]);
     assert_eq!(code, Some(1), "{v}");
 }
+
+/// Newcomer round 4, finding 2: a copy or message time that overflows the step gave
+/// `makespan 0.000000 s` and exit 0; now refused as an unusable cost model (exit 2).
+#[test]
+fn overflowing_copy_and_message_times_are_refused_not_a_zero_makespan() {
+    for (spec, set) in [
+        ("specs/1f1b.sched", "latency=1e308"),
+        (
+            "specs/1f1b_offload.sched",
+            "activation_bytes=1e9,pcie_bandwidth=1e-300",
+        ),
+        ("specs/1f1b_offload.sched", "offload=1e308,reload=1e308"),
+    ] {
+        let o = schedc(&["sim", spec, "--pp", "4", "--mb", "8", "--set", set]);
+        assert_eq!(o.status.code(), Some(2), "{spec} {set}: {}", stdout(&o));
+        let e = stderr(&o);
+        assert!(
+            e.contains("the simulated step does not end in finite time")
+                || e.contains("their sums overflow"),
+            "{spec} {set}: {e}"
+        );
+        assert!(!stdout(&o).contains("makespan"), "{spec} {set}");
+    }
+}

@@ -996,7 +996,11 @@ fn run(
         .map(|r| uncovered(&a2a_iv[r], &comp_iv[r]))
         .collect();
     Ok(Run {
-        makespan: if makespan.is_finite() { makespan } else { 0.0 },
+        makespan: if makespan == f64::NEG_INFINITY {
+            0.0
+        } else {
+            makespan
+        },
         busy,
         exposed,
         exposed_a2a,
@@ -1091,6 +1095,10 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     simulate_with(p, cost, SimOptions::default())
 }
 
+/// The start of [`simulate_with`]'s error when the step's end overflows to infinity (a cost
+/// model whose copy, message or op times are too large): unusable input.
+pub const NOT_FINITE: &str = "the simulated step does not end in finite time";
+
 /// [`simulate`] with options: an optimizer's inner loop that needs no steady-state figure
 /// turns it off.
 pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<SimResult, String> {
@@ -1104,6 +1112,12 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
         host: vec![0.0; np],
     };
     let one = run(p, cost, &prep, &zero, true)?;
+    if !one.makespan.is_finite() {
+        return Err(format!(
+            "{NOT_FINITE} (makespan {}): a copy, message or op time of the cost model is too large (latency, bandwidth, pcie_bandwidth, offload and reload included)",
+            one.makespan
+        ));
+    }
 
     // Steady state: run further steps from where the previous one left every stream.
     let mut prev_end = one.end.clone();
