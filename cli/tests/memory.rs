@@ -601,3 +601,37 @@ fn overflowing_copy_and_message_times_are_refused_not_a_zero_makespan() {
         assert!(!stdout(&o).contains("makespan"), "{spec} {set}");
     }
 }
+
+/// Newcomer round 4, finding 3: a LEND after an OFFLOAD and a RELOAD passed `check` but the
+/// lowering sent the stash unordered with the copy stream's reload (run failed with a race);
+/// the send now waits for the reload. A stash lent twice in a step (around a split B/W) is a
+/// valid schedule the executors do not run: exit 2 "unsupported", not 1 "does not verify".
+#[test]
+fn a_lend_after_a_reload_runs_and_a_stash_lent_twice_is_unsupported() {
+    let f = spec_file(
+        "lend_off.ir",
+        "pp 2\nrank 0: F(0,0) OFFLOAD(0,0) RELOAD(0,0) LEND(0,0->1@1) SA(0,0->1) RG(1,0<-1) RETURN(0,0<-1@1) BW(0,0)\nrank 1: LEND(0,0<-0@1) RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0) RETURN(0,0->0@1)\n",
+    );
+    let o = schedc(&["run", f.to_str().unwrap(), "--backend", "cpu", "--verify"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o)
+            .contains("every gradient, loss and parameter equals sequential training's exactly"),
+        "{}",
+        stdout(&o)
+    );
+    let f = spec_file(
+        "lend_twice.ir",
+        "pp 3\nrank 0: F(0,0) LEND(0,0->1@1) SA(0,0->1) RG(1,0<-1) RETURN(0,0<-1@1) B(0,0) LEND(0,0->1@1) RETURN(0,0<-1@1) W(0,0)\nrank 1: LEND(0,0<-0@1) RA(0,0<-0) F(1,0) SA(1,0->2) RG(2,0<-2) BW(1,0) SG(1,0->0) RETURN(0,0->0@1) LEND(0,0<-0@1) RETURN(0,0->0@1)\nrank 2: RA(1,0<-1) F(2,0) BW(2,0) SG(2,0->1)\n",
+    );
+    assert_eq!(
+        schedc(&["check", f.to_str().unwrap()]).status.code(),
+        Some(0)
+    );
+    let o = schedc(&["run", f.to_str().unwrap(), "--backend", "cpu"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        stderr(&o).trim_end(),
+        "error: unsupported: rank 0: `LEND(0,0->1@1)`: the stash of F(0,0) is sent twice by this rank; the executors move a stash to its holder and back once per step"
+    );
+}
