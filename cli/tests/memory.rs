@@ -635,3 +635,50 @@ fn a_lend_after_a_reload_runs_and_a_stash_lent_twice_is_unsupported() {
         "error: unsupported: rank 0: `LEND(0,0->1@1)`: the stash of F(0,0) is sent twice by this rank; the executors move a stash to its holder and back once per step"
     );
 }
+
+/// Newcomer round 4, finding 5: `compile` reported BPipe's peak stashes as 1F1B's ([4, 3, 2,
+/// 1]: a stash lent to the partner rank was still counted on its owner and not on its
+/// holder) and the `--memory-limit` estimate of bpipe equalled 1F1B's. Both now use the
+/// checker's count: [2, 2, 3, 3], the largest rank of bpipe needs 3/4 of 1F1B's rank 0.
+#[test]
+fn compile_and_the_memory_estimate_count_a_lent_stash_on_its_holder() {
+    let out = tmpdir("bpipe-compile");
+    let o = schedc(&[
+        "compile",
+        "specs/bpipe.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).ends_with("peak activations per rank [2, 2, 3, 3])\n"),
+        "{}",
+        stdout(&o)
+    );
+    let need = |spec: &str| {
+        let o = schedc(&[
+            "run",
+            spec,
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--backend",
+            "cpu",
+            "--seq",
+            "400",
+            "--memory-limit",
+            "1M",
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{spec}: {}", stderr(&o));
+        stderr(&o)
+    };
+    let a = need("specs/1f1b.sched");
+    let b = need("specs/bpipe.sched");
+    assert!(a.contains("the largest, rank 0 needs 31.4 MiB (903.2 KiB of parameters, gradients and optimizer state, 30.5 MiB of activations and buffers)"), "{a}");
+    assert!(b.contains("the largest, rank 3 needs 23.7 MiB (904.2 KiB of parameters, gradients and optimizer state, 22.9 MiB of activations and buffers)"), "{b}");
+}

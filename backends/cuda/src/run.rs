@@ -438,6 +438,7 @@ mod tests {
                 messages: 2,
                 collectives: 0,
                 peak_stash: vec![2, 1],
+                peak_activations: vec![2, 1],
             },
             loss,
             verify: None,
