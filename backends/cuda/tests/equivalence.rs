@@ -494,6 +494,38 @@ fn tensor_parallel_in_bf16_is_within_a_percent_of_the_cpu() {
 }
 
 #[test]
+fn megatron_sequence_parallel_in_bf16_is_within_a_percent_of_the_cpu() {
+    // The all-gathers (zero-padded all-reduces: exact in bf16) and reduce-scatters (the
+    // bf16 `add` in group order) of a bf16 run at pp=2,tp=2,sp=2 --sequence-parallel: its
+    // loss is within the bf16 tolerance of the f32 CPU backend's.
+    let cfg = ModelConfig::tiny();
+    let data = Data::builtin();
+    for (name, moe) in [("1f1b", false), ("dualpipe", true)] {
+        let set = lower_sp(name, "pp=2,tp=2,sp=2", &cfg, moe);
+        let opts = ExecOptions {
+            steps: 2,
+            ..ExecOptions::default()
+        };
+        let run = execute(&HostGpu::new(DType::Bf16), &set, &data, &opts).unwrap();
+        let cpu = cpu_execute::<f32>(
+            &set,
+            &data,
+            &CpuOptions {
+                steps: 2,
+                ..CpuOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(run.losses.len(), 2);
+        for (step, (g, c)) in run.losses.iter().zip(&cpu.losses).enumerate() {
+            let e = (g - c).abs() / c;
+            println!("equivalence {name} pp=2,tp=2,sp=2 --sequence-parallel bf16 step {step}: loss {g} against {c} (relative {e:.2e})");
+            assert!(e < 1e-2, "{name} bf16 step {step}: loss off by {e:.3e}");
+        }
+    }
+}
+
+#[test]
 fn tensor_parallel_in_bf16_is_not_refused_by_run() {
     // `run --backend cuda --mesh pp=2,tp=2 --dtype bf16` used to be refused as a
     // configuration error ("runs in f32"); it now goes on to the device (here, without a
