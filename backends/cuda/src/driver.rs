@@ -11,6 +11,8 @@
 //! | kernel `(pass, part)` | the launches and GEMMs of [`Model::kernel`] |
 //! | `send` / `recv` | [`Transport::send`] / [`Transport::recv`] |
 //! | `all_to_all` | [`Transport::all_to_all`] of the stash's outbox into its inbox |
+//! | `tp_collective` | [`Transport::reduce`] of a stash region in place (all-reduce phases), or, with Megatron sequence parallelism, [`Transport::all_gather`] / [`Transport::reduce_scatter`] between the member's rows and the chunk's |
+//! | `tp_grad_all_reduce` | [`Transport::reduce`] over the TP group of the replicated tensors' gradients and the load counts, packed into one block |
 //! | `replica_sum` / `all_reduce` | [`Transport::reduce`] of the `weight_grad` buffer (or one scope's range) |
 //! | `optimizer_step` | Adam or SGD, the routers' balancing update, the bf16 compute copy |
 //!

@@ -674,6 +674,38 @@ mod tests {
     }
 
     #[test]
+    fn sequence_parallel_dims_are_the_members_shard_of_the_chunk() {
+        // Issue 23: tiny model, sequence 8 at sp=2: chunks of 4 tokens, 2 per TP member.
+        let cfg = ModelConfig::tiny();
+        let mesh: Mesh = "pp=2,tp=2,sp=2".parse().unwrap();
+        let plain = Dims::new(&cfg, &mesh, DType::F32).unwrap();
+        assert_eq!(
+            (plain.t, plain.tc, plain.shard0, plain.seq_par),
+            (4, 4, 0, false)
+        );
+        let d = Dims::with_sequence_parallel(&cfg, &mesh, DType::F32, Some(1)).unwrap();
+        assert_eq!((d.t, d.tc, d.shard0, d.seq_par), (2, 4, 2, true));
+        // The shard routes alone: its capacity and the all-to-all bounds are a shard's.
+        assert_eq!(d.cap, cfg.capacity(2) as i32);
+        assert_eq!(d.act_bytes(), 2 * cfg.hidden * 4);
+        // Without TP there is nothing to shard.
+        let no_tp: Mesh = "pp=2,sp=2".parse().unwrap();
+        let d = Dims::with_sequence_parallel(&cfg, &no_tp, DType::F32, Some(0)).unwrap();
+        assert_eq!((d.t, d.tc, d.seq_par), (4, 4, false));
+        // A chunk the TP group does not divide is refused, naming both.
+        let odd = ModelConfig {
+            heads: 4,
+            seq_len: 12,
+            ..ModelConfig::tiny()
+        };
+        let four: Mesh = "pp=2,tp=4,sp=2".parse().unwrap();
+        assert_eq!(
+            Dims::with_sequence_parallel(&odd, &four, DType::F32, Some(0)).unwrap_err(),
+            "tp=4 does not divide the 6 tokens of a sequence chunk (--sequence-parallel shards them over the TP group)"
+        );
+    }
+
+    #[test]
     fn attention_stash_has_no_heads_by_t_by_t_buffer() {
         // issue 24: 128 heads of DeepSeek-V3's MLA head dims (d_h 128, d_h^R 64, d_v 128)
         // at 4096 tokens. The untiled kernels kept f32 probabilities and their gradient,
