@@ -11,6 +11,8 @@
 //! | kernel `(pass, part)` | the launches and GEMMs of [`Model::kernel`] |
 //! | `send` / `recv` | [`Transport::send`] / [`Transport::recv`] |
 //! | `all_to_all` | [`Transport::all_to_all`] of the stash's outbox into its inbox |
+//! | `tp_collective` | [`Transport::reduce`] of a stash region in place (all-reduce phases), or, with Megatron sequence parallelism, [`Transport::all_gather`] / [`Transport::reduce_scatter`] between the member's rows and the chunk's |
+//! | `tp_grad_all_reduce` | [`Transport::reduce`] over the TP group of the replicated tensors' gradients and the load counts, packed into one block |
 //! | `replica_sum` / `all_reduce` | [`Transport::reduce`] of the `weight_grad` buffer (or one scope's range) |
 //! | `optimizer_step` | Adam or SGD, the routers' balancing update, the bf16 compute copy |
 //!
@@ -18,7 +20,7 @@
 //! (with the run's timeout), reads the rank's error word and its losses.
 
 use crate::api::*;
-use crate::layout::{Dims, ParamLayout};
+use crate::layout::{Dims, ParamLayout, Region};
 use crate::model::{Io, Model, StageDev};
 use crate::pool::{Events, Pool};
 use crate::transport::{CollTag, Cx, Transport};
@@ -30,7 +32,7 @@ use schedc_program::interp::{
 };
 use schedc_program::mesh::Dim;
 use schedc_program::model::Scope;
-use schedc_program::{Buf, Op, Part, Pass, ProgramSet, RankProgram, StreamKind, Tp};
+use schedc_program::{Buf, Op, Part, Pass, ProgramSet, RankProgram, StreamKind, Tp, TpKind};
 use schedc_program::{Granularity, ModelConfig};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -147,11 +149,6 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     kinds
 }
 
-/// Why the CUDA backend refuses programs lowered with Megatron sequence parallelism
-/// (`--sequence-parallel`): its all-gathers, reduce-scatters and `shared` kernels are the
-/// CPU backend's only.
-pub const SEQUENCE_PARALLEL_REFUSED: &str = "the CUDA backend runs tensor parallelism without Megatron sequence parallelism: drop --sequence-parallel, or run it on the CPU backend (--backend cpu)";
-
 /// Why the CUDA backend refuses programs with the IR's memory ops (`OFFLOAD`, `RELOAD`,
 /// `RECOMPUTE`, a checkpointed `F(s,m)!`): the host shim has no pinned host pool and no
 /// copy stream to run an offload's device-to-host copy on, and its forward kernels write
@@ -227,6 +224,20 @@ pub struct RankDev<'a> {
     /// Recorded gradients: `(step, stage, tensors)`.
     pub grads: Vec<(usize, u32, Named)>,
     planned: usize,
+    /// The packed replicated-weight gradients of a `TpGradAllReduce` in flight.
+    tp_grad_scratch: Option<DevPtr>,
+}
+
+/// The region holding the gradient w.r.t. layer `l`'s output: the next layer's input
+/// gradient, or the stage output's. `None`: no layer `l`.
+fn r_dy(st: &crate::layout::StashLayout, l: usize) -> Option<Region> {
+    if l + 1 < st.layers.len() {
+        Some(st.layers[l + 1].dx)
+    } else if l < st.layers.len() {
+        Some(st.gout)
+    } else {
+        None
+    }
 }
 
 fn issue(e: GpuError) -> String {
@@ -256,9 +267,6 @@ impl<'a> RankDev<'a> {
                 ))
             }
         };
-        if m.sequence_parallel {
-            return Err(SEQUENCE_PARALLEL_REFUSED.into());
-        }
         if cfg.group_limit.is_some() {
             return Err("the CUDA backend's router has no group-limited (node-limited) routing: run it on the CPU backend (--backend cpu)".into());
         }
@@ -290,7 +298,13 @@ impl<'a> RankDev<'a> {
         if memory_op {
             return Err(MEMORY_OPS_REFUSED.into());
         }
-        let dims = Dims::new(cfg, &m.mesh, gpu.dtype())?;
+        // With Megatron sequence parallelism the rank's rows are its TP shard of the chunk.
+        let dims = Dims::with_sequence_parallel(
+            cfg,
+            &m.mesh,
+            gpu.dtype(),
+            m.sequence_parallel.then_some(prog.coords.tp as usize),
+        )?;
         let streams = prog
             .streams
             .iter()
@@ -367,6 +381,7 @@ impl<'a> RankDev<'a> {
             progress: None,
             grads: Vec::new(),
             planned,
+            tp_grad_scratch: None,
         })
     }
 
@@ -404,7 +419,7 @@ impl<'a> RankDev<'a> {
             gpu: self.gpu,
             dims: &self.dims,
             cfg,
-            pos0: self.prog.coords.sp as usize * self.dims.t,
+            pos0: self.prog.coords.sp as usize * self.dims.tc,
             err: self.err,
         }
     }
@@ -419,7 +434,12 @@ impl<'a> RankDev<'a> {
             .index(self.step, self.prog.data_shard as usize, gmb);
         let cfg = self.cfg;
         let (tokens, targets) = self.data.sequence(idx, cfg.seq_len)?;
-        let lo = self.prog.coords.sp as usize * self.dims.t;
+        // This rank's SP chunk; with Megatron sequence parallelism, this TP member's shard
+        // of it (the data's own rows, whatever the positions' bug does).
+        let mut lo = self.prog.coords.sp as usize * self.dims.tc;
+        if self.dims.seq_par {
+            lo += self.prog.coords.tp as usize * self.dims.t;
+        }
         let hi = lo + self.dims.t;
         Ok((
             if st.first {
@@ -481,6 +501,76 @@ impl<'a> RankDev<'a> {
         self.model()
             .kernel(self.streams[s], &self.stages[si], k.pass, k.part, &io)
             .map_err(issue)
+    }
+
+    /// Megatron sequence parallelism (`TpGradAllReduce`): the sum over the TP group, in
+    /// group order, of stage `stage`'s gradients of the tensors the group does not split
+    /// (each member computed them on its own shard of the tokens) and of the load counts,
+    /// packed into one scratch block for one all-reduce (the CPU backend's
+    /// `replicated_grads`) and unpacked into `weight_grad` once it is done.
+    fn tp_grad_all_reduce(
+        &mut self,
+        stream: usize,
+        stage: u32,
+        group: &[u32],
+        issued: &mut bool,
+    ) -> Result<Ready, String> {
+        let si = self.stage_ix(stage)?;
+        let g = self.buf(&Buf::WeightGrad { stage })?;
+        let lay = &self.stages[si].layout;
+        let mut ranges: Vec<(usize, usize)> = Vec::new();
+        let replicated = lay
+            .tensors
+            .iter()
+            .filter(|(n, _)| tp_split(self.cfg, n).is_none())
+            .map(|(_, t)| (t.grad, t.len))
+            .chain(std::iter::once((lay.dense, lay.loads)));
+        for (at, len) in replicated {
+            match ranges.last_mut() {
+                Some(last) if last.0 + last.1 == at => last.1 += len,
+                _ => ranges.push((at, len)),
+            }
+        }
+        let n: usize = ranges.iter().map(|r| r.1).sum();
+        let s = self.streams[stream];
+        if !*issued {
+            let scratch = self.pool.take(self.gpu, self.ev, s, n * 4).map_err(issue)?;
+            let mut off = 0;
+            for (at, len) in &ranges {
+                self.gpu
+                    .dtod(s, scratch + (off * 4) as u64, g + (at * 4) as u64, len * 4)
+                    .map_err(issue)?;
+                off += len;
+            }
+            self.tp_grad_scratch = Some(scratch);
+        }
+        let scratch = self
+            .tp_grad_scratch
+            .ok_or("the TP gradient sum lost its scratch block")?;
+        let t = self.transport;
+        let r = t.reduce(
+            &mut self.cx(stream),
+            CollTag::TpGrad(stage),
+            group,
+            scratch,
+            n,
+            DType::F32,
+            issued,
+        )?;
+        if r == Ready::Done {
+            let mut off = 0;
+            for (at, len) in &ranges {
+                self.gpu
+                    .dtod(s, g + (at * 4) as u64, scratch + (off * 4) as u64, len * 4)
+                    .map_err(issue)?;
+                off += len;
+            }
+            self.pool
+                .give(self.gpu, self.ev, s, scratch, n * 4)
+                .map_err(issue)?;
+            self.tp_grad_scratch = None;
+        }
+        Ok(r)
     }
 
     fn cx(&mut self, s: usize) -> Cx<'_> {
@@ -664,8 +754,9 @@ impl Device for RankDev<'_> {
             .dtoh(self.streams[0], self.losses, &mut lb)
             .map_err(issue)?;
         let mut loss: f64 = decode(DType::F32, &lb).iter().map(|x| *x as f64).sum();
-        // Every TP member computes the same loss: the first one reports it.
-        if self.prog.coords.tp != 0 {
+        // Every TP member computes the same loss: the first one reports it (with Megatron
+        // sequence parallelism each computes its shard's, and all report).
+        if self.prog.coords.tp != 0 && !self.dims.seq_par {
             loss = 0.0;
         }
         if let Some((coll, comm)) = self.loss_reduce {
@@ -745,7 +836,9 @@ impl Device for RankDev<'_> {
             Op::Overlap { .. } | Op::Collective { .. } => Err(format!(
                 "`{op}` is a stage-granularity op; the CUDA backend runs schedc's model"
             )),
-            Op::TpGradAllReduce { .. } => Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
+            Op::TpGradAllReduce { stage, group } => {
+                self.tp_grad_all_reduce(stream, *stage, group, issued)
+            }
             Op::Offload { .. } | Op::Reload { .. } => Err(format!("`{op}`: {MEMORY_OPS_REFUSED}")),
             Op::TpCollective {
                 stage,
@@ -765,35 +858,71 @@ impl Device for RankDev<'_> {
                     .get(*layer as usize)
                     .ok_or(format!("`{op}`: no layer {layer}"))?;
                 let dm = &self.dims;
-                let (t, d) = (dm.t, dm.d);
-                // Every phase is an all-reduce in place of the member's partial sums: `o W_O`
-                // in `h1`, the shared expert's output in `sh_y`, its input gradient in `dn2`,
-                // `[dc_Q; dc_KV; dk^R]` packed in `tpg`.
-                let (region, count) = match phase {
-                    Tp::AttnOut => (r.h1, t * d),
-                    Tp::MlpOut => (r.sh_y, t * d),
-                    Tp::MlpInGrad => (r.dn2, t * d),
-                    Tp::AttnInGrad => (r.tpg, t * (dm.qr + dm.kvr + dm.kw())),
-                    _ => return Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
+                let (t, tc, d) = (dm.t, dm.tc, dm.d);
+                let lat = dm.qr + dm.kvr + dm.kw();
+                // The phases' regions (the storage type: bf16 in a bf16 run). An all-reduce
+                // sums the member's partials in place: `o W_O` in `h1`, the shared expert's
+                // output in `sh_y`, its input gradient in `dn2`, `[dc_Q; dc_KV; dk^R]` packed
+                // in `tpg`. Megatron sequence parallelism's all-gathers take the member's `t`
+                // rows to the chunk's `tc`, its reduce-scatters the chunk's partial sums to
+                // the member's rows.
+                let dy = match r_dy(&self.stages[si].stash, *layer as usize) {
+                    Some(x) => x,
+                    None => return Err(format!("`{op}`: no layer {layer}")),
                 };
-                // The regions hold the storage type (bf16 in a bf16 run).
-                let dtype = dm.dtype;
-                if region.bytes < count * dtype.size() {
+                let (src, dst, count) = match phase {
+                    Tp::AttnOut => (r.h1, r.h1, t * d),
+                    Tp::MlpOut => (r.sh_y, r.sh_y, t * d),
+                    Tp::MlpInGrad => (r.dn2, r.dn2, t * d),
+                    Tp::AttnInGrad => (r.tpg, r.tpg, t * lat),
+                    Tp::LatentGather => (r.tps, r.tpg, t * lat),
+                    Tp::AttnOutScatter => (r.h1c, r.h1, t * d),
+                    Tp::MlpInGather => (r.n2, r.n2c, t * d),
+                    Tp::MlpOutScatter => (r.sh_y, r.ysh, t * d),
+                    Tp::MlpOutGradGather => (dy, r.dyc, t * d),
+                    Tp::MlpInGradScatter => (r.dn2c, r.dn2, t * d),
+                    Tp::AttnOutGradGather => (r.dh1, r.dh1c, t * d),
+                    Tp::LatentGradScatter => (r.tpg, r.tps, t * lat),
+                };
+                let kind = phase.kind();
+                let n = group.len();
+                let (need_src, need_dst) = match kind {
+                    TpKind::AllReduce => (count, count),
+                    TpKind::AllGather => (count, n * count),
+                    TpKind::ReduceScatter => (n * count, count),
+                };
+                if kind != TpKind::AllReduce && (!dm.seq_par || n * t != tc) {
                     return Err(format!(
-                        "`{op}`: {count} values do not fit the stash region of {} bytes",
-                        region.bytes
+                        "`{op}`: a sequence-parallel collective over {n} members, in a run with {} (chunk of {tc} tokens, {t} per member)",
+                        if dm.seq_par {
+                            "Megatron sequence parallelism"
+                        } else {
+                            "no Megatron sequence parallelism (a manifest without `sequence_parallel`)"
+                        }
                     ));
                 }
+                let dtype = dm.dtype;
+                for (reg, need) in [(src, need_src), (dst, need_dst)] {
+                    if reg.bytes < need * dtype.size() {
+                        return Err(format!(
+                            "`{op}`: {need} values do not fit the stash region of {} bytes",
+                            reg.bytes
+                        ));
+                    }
+                }
+                let (src, dst) = (stash + src.off as u64, stash + dst.off as u64);
+                let tag = CollTag::Tp(*stage, *mb, *layer, *phase);
                 let t = self.transport;
-                t.reduce(
-                    &mut self.cx(stream),
-                    CollTag::Tp(*stage, *mb, *layer, *phase),
-                    group,
-                    stash + region.off as u64,
-                    count,
-                    dtype,
-                    issued,
-                )
+                let cx = &mut self.cx(stream);
+                match kind {
+                    TpKind::AllReduce => t.reduce(cx, tag, group, dst, count, dtype, issued),
+                    TpKind::AllGather => {
+                        t.all_gather(cx, tag, group, (src, dst), count, dtype, issued)
+                    }
+                    TpKind::ReduceScatter => {
+                        t.reduce_scatter(cx, tag, group, (src, dst), count, dtype, issued)
+                    }
+                }
             }
             Op::Kernel(k) => self.kernel(stream, k).map(|_| Ready::Done),
             Op::Send { .. } | Op::Recv { .. } if self.transport.groups_messages() => {
@@ -1018,7 +1147,8 @@ pub fn rank_needs(
     let Some(cfg) = &m.model else {
         return Err("the programs have no model (stage granularity)".into());
     };
-    let dims = Dims::new(cfg, &m.mesh, dtype)?;
+    // The stash sizes do not depend on the TP member's shard.
+    let dims = Dims::with_sequence_parallel(cfg, &m.mesh, dtype, m.sequence_parallel.then_some(0))?;
     let adam = matches!(optimizer, Optimizer::Adam { .. });
     let mt = (m.microbatches * m.directions) as usize;
     ranks
