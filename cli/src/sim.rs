@@ -81,8 +81,13 @@ pub fn run(args: Args) -> ExitCode {
             }
         }
     }
-    if max_memory.is_some() && !cluster.given() {
-        if let Err(e) = require_memory_sizes(&model) {
+    if !cluster.given() {
+        let sizes = if max_memory.is_some() {
+            require_memory_sizes(&model)
+        } else {
+            Ok(())
+        };
+        if let Err(e) = sizes.and_then(|()| require_sizes_for_host_budget(&model)) {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }

@@ -351,7 +351,7 @@ const ONE_F_ONE_B: [&str; 6] = ["specs/1f1b.sched", "--pp", "4", "--mb", "8", "-
 #[test]
 fn max_memory_rejects_the_rank_over_the_cap_naming_its_peak_and_the_cap() {
     // 1F1B at P = 4, M = 8 holds 4, 3, 2, 1 activations of 1 GB: rank 0 peaks at 4 GB.
-    let msg = "rank 0 needs 4.0 GB of device memory at its peak (4000000000 bytes), over the --max-memory cap of 3.8 GB (3758096384 bytes)";
+    let msg = "rank 0 needs 3.7 GiB of device memory at its peak (4000000000 bytes), over the --max-memory cap of 3.5 GiB (3758096384 bytes)";
     let mut check = vec!["check"];
     check.extend(ONE_F_ONE_B);
     check.extend(["activation_bytes=1e9", "--max-memory", "3.5G"]);
@@ -369,7 +369,7 @@ fn max_memory_rejects_the_rank_over_the_cap_naming_its_peak_and_the_cap() {
     let o = schedc(&check);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stdout(&o).contains("rank 0 needs 4.0 GB of device memory"),
+        stdout(&o).contains("rank 0 needs 3.7 GiB of device memory"),
         "{}",
         stdout(&o)
     );
@@ -384,7 +384,7 @@ fn max_memory_rejects_the_rank_over_the_cap_naming_its_peak_and_the_cap() {
     assert_eq!(o.status.code(), Some(1));
     // (The rendering wraps the message.)
     for part in [
-        "rank 0 needs 4.0 GB of device memory",
+        "rank 0 needs 3.7 GiB of device memory",
         "cap",
         "(3758096384 bytes)",
     ] {
@@ -407,7 +407,7 @@ fn max_memory_rejects_the_rank_over_the_cap_naming_its_peak_and_the_cap() {
     assert_eq!(code, Some(1));
     assert_eq!(
         v["diagnostics"][0]["message"],
-        "rank 0 needs 400.0 GB of device memory at its peak (400000000000 bytes), over the --max-memory cap of 85.9 GB (85899345920 bytes)"
+        "rank 0 needs 372.5 GiB of device memory at its peak (400000000000 bytes), over the --max-memory cap of 80.0 GiB (85899345920 bytes)"
     );
 }
 
@@ -528,7 +528,7 @@ fn max_memory_applies_to_model_derived_sizes_and_host_budget_to_a_sweep() {
     assert_eq!(errs.len(), 1, "{errs:?}");
     assert_eq!(
         errs[0]["message"],
-        "rank 0 needs 59.1 GB of device memory at its peak (59134574592 bytes), over the --max-memory cap of 53.7 GB (53687091200 bytes)"
+        "rank 0 needs 55.1 GiB of device memory at its peak (59134574592 bytes), over the --max-memory cap of 50.0 GiB (53687091200 bytes)"
     );
     // A sweep checks the host budget on every instance.
     let o = schedc(&[
@@ -681,4 +681,65 @@ fn compile_and_the_memory_estimate_count_a_lent_stash_on_its_holder() {
     let b = need("specs/bpipe.sched");
     assert!(a.contains("the largest, rank 0 needs 31.4 MiB (903.2 KiB of parameters, gradients and optimizer state, 30.5 MiB of activations and buffers)"), "{a}");
     assert!(b.contains("the largest, rank 3 needs 23.7 MiB (904.2 KiB of parameters, gradients and optimizer state, 22.9 MiB of activations and buffers)"), "{b}");
+}
+
+/// Newcomer round 4, finding 7: a host budget without activation sizes was silently ignored
+/// (every offload held 0 bytes); now refused as `--max-memory` without sizes is (exit 2).
+#[test]
+fn a_host_budget_without_activation_sizes_is_refused() {
+    for cmd in ["check", "sim"] {
+        let o = schedc(&[
+            cmd,
+            "specs/1f1b_offload.sched",
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--set",
+            "host_bytes=1",
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{cmd}");
+        assert_eq!(
+            stderr(&o).trim_end(),
+            "error: [memory] host_bytes is a budget for offloaded activations, but the cost model gives them no size ([memory] activation_bytes is 0): give it with --cost FILE or --set activation_bytes=BYTES (or derive it with `sim --model`)"
+        );
+    }
+}
+
+/// Newcomer round 4, finding 9: sizes in exponent notation are accepted like suffixed ones,
+/// 0 says what is wrong with it, and a cap given in binary units (`43G` = 43 x 2^30) is
+/// printed in them with the peak, the rank named once.
+#[test]
+fn max_memory_takes_exponents_refuses_zero_plainly_and_prints_binary_units() {
+    let base = [
+        "check",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--set",
+        "activation_bytes=20e9",
+    ];
+    let o = schedc(&[&base[..], &["--max-memory", "43G"]].concat());
+    assert_eq!(o.status.code(), Some(1));
+    let e = stdout(&o) + &stderr(&o);
+    assert!(
+        e.contains("rank 1 needs 55.9 GiB of device memory at its peak (60000000000 bytes), over the --max-memory")
+            && e.contains("cap of 43.0 GiB (46170898432 bytes)\n"),
+        "{e}"
+    );
+    assert!(!e.contains("(rank 1)"), "{e}");
+    // 3.5e11 bytes hold every rank (peak 80 GB); 1.5e10 holds none.
+    let o = schedc(&[&base[..], &["--max-memory", "3.5e11"]].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = schedc(&[&base[..], &["--max-memory", "1.5e10"]].concat());
+    assert_eq!(o.status.code(), Some(1));
+    let o = schedc(&[&base[..], &["--max-memory", "0"]].concat());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("invalid size `0`: must be at least 1 byte"),
+        "{}",
+        stderr(&o)
+    );
 }
