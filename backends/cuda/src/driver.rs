@@ -122,6 +122,8 @@ pub struct GpuResult {
 /// The communicator index of every stream kind of the program set (the same list on every
 /// rank): compute first, then the communication channels in order, then the EP stream of
 /// MoE parts if any rank has one, then the TP stream (`tp > 1`) if any; one more, after them, carries the losses.
+/// The copy stream of the memory ops sends nothing and has no communicator of its own (the
+/// driver files it under compute's, index 0).
 pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     let mut kinds: Vec<StreamKind> = vec![StreamKind::Compute];
     let mut chans: Vec<u32> = set
@@ -531,17 +533,35 @@ impl<'a> RankDev<'a> {
 
     /// The run of adjacent messages of `stream` holding the current instruction (one IR
     /// group: see the lowering), posted at once when the interpreter reaches its first
-    /// message; the others are done already.
+    /// message; the others are done already. A lent stash's message (BPipe's `LEND` /
+    /// `RETURN`, a `send`/`recv` of a `stash` buffer) is a unit of its own: each is an IR
+    /// instruction by itself, which its peer posts alone in the same order on that channel,
+    /// while the lender's return and next lend can be adjacent in its stream without being
+    /// one IR group (a group there would wait for a peer that posts them apart).
     fn post_group(&mut self, stream: usize) -> Result<Ready, String> {
         let ops = &self.prog.streams[stream].ops;
         let is_msg = |o: &Op| matches!(o, Op::Send { .. } | Op::Recv { .. });
+        let lent = |o: &Op| {
+            matches!(
+                o,
+                Op::Send {
+                    buf: Buf::Stash { .. },
+                    ..
+                } | Op::Recv {
+                    buf: Buf::Stash { .. },
+                    ..
+                }
+            )
+        };
+        let joined = |a: &Op, b: &Op| is_msg(a) && is_msg(b) && !lent(a) && !lent(b);
         let i = self.cur_index;
-        if i > 0 && is_msg(&ops[i - 1]) {
+        if i > 0 && joined(&ops[i - 1], &ops[i]) {
             return Ok(Ready::Done);
         }
         let mut msgs = Vec::new();
-        for o in ops[i..].iter().take_while(|o| is_msg(o)) {
-            match o {
+        let mut j = i;
+        while j < ops.len() && (j == i || joined(&ops[j - 1], &ops[j])) {
+            match &ops[j] {
                 Op::Send { buf, peer } => {
                     msgs.push((true, self.buf(buf)?, self.bytes_of(*buf)?, *peer))
                 }
@@ -550,6 +570,7 @@ impl<'a> RankDev<'a> {
                 }
                 _ => {}
             }
+            j += 1;
         }
         let t = self.transport;
         t.post_group(&mut self.cx(stream), &msgs)
