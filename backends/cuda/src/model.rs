@@ -181,6 +181,12 @@ pub struct Io {
     pub tokens: Option<(Vec<u32>, Vec<u32>)>,
     /// The loss scale `1/N`.
     pub scale: f64,
+    /// `Some(scratch)`: the forward kernel runs as a recompute (the IR's `RECOMPUTE(s,m)`,
+    /// `Pass::Recompute`), whose only effect is the stash: the router's load counts go to
+    /// `scratch` (`layers x experts` f32 of the stage, never read) instead of the
+    /// `weight_grad` buffer, and the loss is not summed into `loss`, so that neither counts
+    /// twice.
+    pub recompute: Option<DevPtr>,
 }
 
 /// What the kernels of one rank need: the device, the sizes, the model, the compute
@@ -1119,7 +1125,11 @@ impl Model<'_> {
             true,
         )?;
         self.ew(s, "sigmoid", t * e, vec![p(sc), p(logits), n64(t * e)])?;
-        let loads = io.grads + (st.layout.loads_of(l, e) * 4) as u64;
+        // A recompute's loads go to its scratch (`Io::recompute`), not to `weight_grad`.
+        let loads = match io.recompute {
+            Some(scratch) => scratch + (l * e * 4) as u64,
+            None => io.grads + (st.layout.loads_of(l, e) * 4) as u64,
+        };
         let bugs = &self.cfg.bugs;
         self.one(
             s,
@@ -1512,6 +1522,10 @@ impl Model<'_> {
                 p(self.err),
             ],
         )?;
+        if io.recompute.is_some() {
+            // The forward summed it already; `dlogits` above is what the stash needs.
+            return Ok(());
+        }
         self.one(s, "loss_sum", vec![p(io.loss), p(rowloss), i(t)])
     }
 

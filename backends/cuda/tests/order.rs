@@ -8,11 +8,11 @@
 use schedc::input::{load_spec, Overrides};
 use schedc_cuda::api::{DType, EventId, StreamId};
 use schedc_cuda::driver::{execute_on, execute_rank, stream_kinds, ExecOptions};
-use schedc_cuda::layout::Dims;
+use schedc_cuda::layout::{Dims, StashLayout};
 use schedc_cuda::record::{Call, Recorder};
 use schedc_program::data::Data;
 use schedc_program::mesh::Mesh;
-use schedc_program::{LowerOptions, ModelConfig, Op, ProgramSet, RankProgram};
+use schedc_program::{Buf, LowerOptions, ModelConfig, Op, ProgramSet, RankProgram};
 use std::collections::HashMap;
 
 /// A spec of `specs/`, or a file of the shared reference data (`ref:PATH`, e.g. DeepSeek's
@@ -82,8 +82,25 @@ fn check_rank(
         Dims::with_sequence_parallel(model, &m.mesh, DType::F32, m.sequence_parallel.then_some(0))?;
     let kinds = stream_kinds(set);
     let r = prog.rank;
+    // The bytes of a message's buffer: an activation or gradient, or (BPipe) a stash as
+    // the stage's owner lays it out.
+    let msg_bytes = |b: &Buf| match b {
+        Buf::Stash { stage, .. } | Buf::Host { stage, .. } => set
+            .ranks
+            .iter()
+            .flat_map(|p| &p.stages)
+            .find(|x| x.stage == *stage)
+            .map(|x| StashLayout::new(&dims, x).bytes)
+            .unwrap_or(0),
+        _ => dims.act_bytes(),
+    };
     for (s, stream) in prog.streams.iter().enumerate() {
-        let comm = kinds.iter().position(|k| *k == stream.kind).unwrap();
+        // The copy stream (memory ops) sends nothing and has no communicator of its own.
+        let comm = match kinds.iter().position(|k| *k == stream.kind) {
+            Some(c) => c,
+            None if stream.kind == schedc_program::StreamKind::Copy => 0,
+            None => panic!("rank {r}: no communicator for the {} stream", stream.kind),
+        };
         let segs = segments(log, s);
         let want: Vec<String> = (0..STEPS)
             .flat_map(|_| stream.ops.iter().map(|o| o.to_string()))
@@ -147,15 +164,15 @@ fn check_rank(
                         return bad("a kernel records or waits");
                     }
                 }
-                Op::Send { peer, .. } => {
+                Op::Send { peer, buf } => {
                     let ok = if nccl {
                         calls.contains(&Call::Send {
                             comm,
                             peer: *peer,
-                            bytes: dims.act_bytes(),
+                            bytes: msg_bytes(buf),
                         })
                     } else {
-                        calls.contains(&Call::Dtod(dims.act_bytes()))
+                        calls.contains(&Call::Dtod(msg_bytes(buf)))
                             && calls.iter().any(|c| matches!(c, Call::Record(_)))
                     };
                     if !ok {
@@ -164,16 +181,16 @@ fn check_rank(
                         );
                     }
                 }
-                Op::Recv { peer, .. } => {
+                Op::Recv { peer, buf } => {
                     let ok = if nccl {
                         calls.contains(&Call::Recv {
                             comm,
                             peer: *peer,
-                            bytes: dims.act_bytes(),
+                            bytes: msg_bytes(buf),
                         })
                     } else {
                         matches!(calls.first(), Some(Call::Wait(_)))
-                            && calls.contains(&Call::Dtod(dims.act_bytes()))
+                            && calls.contains(&Call::Dtod(msg_bytes(buf)))
                     };
                     if !ok {
                         return bad("not a receive of the activation's size");
@@ -206,6 +223,20 @@ fn check_rank(
                     let want = if nccl { 1 } else { group.len() };
                     if copies != want {
                         return bad(&format!("{copies} slot copies, expected {want}"));
+                    }
+                }
+                Op::Offload { stage, mb } | Op::Reload { stage, mb } => {
+                    let n = msg_bytes(&Buf::Stash {
+                        stage: *stage,
+                        mb: *mb,
+                    });
+                    let want = if matches!(op, Op::Offload { .. }) {
+                        Call::DtohAsync(n)
+                    } else {
+                        Call::HtodAsync(n)
+                    };
+                    if calls != &vec![want] || stream.kind != schedc_program::StreamKind::Copy {
+                        return bad("not one asynchronous copy of the stash on the copy stream");
                     }
                 }
                 Op::TpCollective { group, .. } if nccl => {
@@ -716,4 +747,55 @@ fn a_failed_nccl_rank_aborts_its_communicators() {
     let ok = Recorder::new(1, DType::F32);
     execute_rank(&ok, &ok, &set, 1, &Data::builtin(), &opts).unwrap();
     assert!(!ok.log().iter().any(|c| c.1 == Call::Abort));
+}
+
+/// Issue 27, item 5: the memory ops and BPipe's lent stashes in both modes: offloads and
+/// reloads as one asynchronous copy each on the copy stream, a lent stash sent and received
+/// with the owner's stash size (in NCCL mode `ncclSend`/`ncclRecv` on channel 1's
+/// communicator, grouped like every message, symmetric and free of deadlock under
+/// rendezvous semantics).
+#[test]
+fn memory_ops_and_lent_stashes_follow_the_program_in_both_modes() {
+    for (name, pp, mb, mesh) in [
+        ("1f1b_offload", 4, 8, "pp=4"),
+        ("zb_offload", 4, 8, "pp=4"),
+        ("1f1b_recompute", 4, 8, "pp=4"),
+        ("bpipe", 4, 8, "pp=4"),
+    ] {
+        let set = lower(name, pp, mb, mesh);
+        let logs = nccl_logs(&set);
+        for (prog, log) in set.ranks.iter().zip(&logs) {
+            check_rank(&set, prog, log, true).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        }
+        let units = rendezvous(&logs).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        let n = check_symmetric(&logs).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        let recs: Vec<Recorder> = set
+            .ranks
+            .iter()
+            .map(|p| Recorder::new(p.rank, DType::F32))
+            .collect();
+        let gpus: Vec<&dyn schedc_cuda::api::Gpu> = recs
+            .iter()
+            .map(|r| r as &dyn schedc_cuda::api::Gpu)
+            .collect();
+        let opts = ExecOptions {
+            steps: STEPS,
+            ..ExecOptions::default()
+        };
+        execute_on(&gpus, &set, &Data::builtin(), &opts).unwrap();
+        for (prog, rec) in set.ranks.iter().zip(&recs) {
+            check_rank(&set, prog, &rec.log(), false)
+                .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        }
+        let stash_msgs = logs
+            .iter()
+            .flatten()
+            .filter(|(_, c)| matches!(c, Call::Send { bytes, .. } if *bytes > 40_000))
+            .count();
+        println!("order {name} P={pp} M={mb}: program order in both modes, {n} NCCL messages symmetric ({stash_msgs} of a stash's size), {units} units under rendezvous");
+        if name == "bpipe" {
+            // 24 lends and returns per step (see the equivalence test), two steps.
+            assert_eq!(stash_msgs, 48);
+        }
+    }
 }
