@@ -286,6 +286,9 @@ pub fn run(args: Args) -> ExitCode {
         Ok(m) => m,
         Err(e) => return fail(format, &format!("--mesh: {e}"), 2),
     };
+    for w in mesh.iter().flat_map(Mesh::cross_node_warnings) {
+        eprintln!("warning: --mesh: {w}");
+    }
     if args.backend == Backend::Cuda {
         if args.trace.is_some() {
             return usage("--trace is for --backend cpu");

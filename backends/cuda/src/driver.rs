@@ -163,7 +163,6 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     kinds
 }
 
-
 /// Step losses of a run's ranks as each finishes a step: calls the run's `on_step` with a
 /// step's loss (the sum over the ranks) once every rank has reported it, in step order.
 pub struct Progress {
