@@ -743,3 +743,30 @@ fn max_memory_takes_exponents_refuses_zero_plainly_and_prints_binary_units() {
         stderr(&o)
     );
 }
+
+/// Newcomer round 4, finding 12: IR JSON with an unknown field (`"bytes"` in a memory op)
+/// was accepted silently (the TOML cost files refuse theirs); now a syntax error naming the
+/// field and its position (exit 2).
+#[test]
+fn ir_json_with_an_unknown_field_is_refused() {
+    let f = spec_file(
+        "extra.json",
+        r#"{"pipeline": {"pp": 1, "stages": 1, "microbatches": 1, "placement": "loop", "stage_to_rank": [0]}, "ranks": [[{"Compute": {"kind": "F", "stage": 0, "mb": 0}}, {"Mem": {"kind": "offload", "stage": 0, "mb": 0, "bytes": 5}}, {"Mem": {"kind": "reload", "stage": 0, "mb": 0}}, {"Compute": {"kind": "BW", "stage": 0, "mb": 0}}]]}"#,
+    );
+    let o = schedc(&["check", f.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("unknown field `bytes`, expected one of `kind`, `stage`, `mb`"),
+        "{}",
+        stderr(&o)
+    );
+    // Without it: accepted.
+    let text = std::fs::read_to_string(&f)
+        .unwrap()
+        .replace(", \"bytes\": 5", "");
+    std::fs::write(&f, text).unwrap();
+    assert_eq!(
+        schedc(&["check", f.to_str().unwrap()]).status.code(),
+        Some(0)
+    );
+}

@@ -1771,17 +1771,30 @@ pub fn elaborate_with(
             // Map the error back into the spec: the body starts after `literal {`.
             let body_start = sp.start + "literal {".len();
             let off = back(e.offset.saturating_sub(header.len())) + body_start;
+            // A shape line (`pp`, `stages`, `microbatches`, `placement`, ...) in the block
+            // clashes with the header the spec generates: say so, not "first on line 1" of
+            // a header the user never wrote (newcomer round 4, finding 10); malformed (2).
+            let shape = e.message.contains("is given twice (first on line");
+            let (message, help) = if shape {
+                let word = e.message.split('`').nth(1).unwrap_or("this line").to_string();
+                (
+                    format!("`{word}` is not written in a literal block: the spec's shape (pp, stages, micro-batches, placement) comes from the spec and the command line"),
+                    Some("write only `rank N:` lines, `group`/`communicator` and `moe` lines in the block".to_string()),
+                )
+            } else {
+                (e.message, e.help)
+            };
             vec![ElabError {
                 sp: Sp {
                     start: off,
                     end: off + e.len.max(1),
                 },
-                message: e.message,
-                help: e.help,
+                message,
+                help,
                 rank: None,
                 refused: false,
                 usage: false,
-                malformed: false,
+                malformed: shape,
                 context: Vec::new(),
                 expansions: Box::default(),
             }]
