@@ -770,3 +770,31 @@ fn ir_json_with_an_unknown_field_is_refused() {
         Some(0)
     );
 }
+
+/// Newcomer round 4, finding 11: rank 0 lends F(0,0) to rank 1 and takes it back from rank
+/// 2: only rank 2's "RETURN without LEND" was reported. Now also the owner's receive from
+/// the wrong rank and the holder that never returns the stash.
+#[test]
+fn a_return_from_the_wrong_rank_is_reported_on_all_three_ranks() {
+    let f = spec_file(
+        "ret_wrong.ir",
+        "pp 3\nrank 0: F(0,0) LEND(0,0->1@1) SA(0,0->1) RETURN(0,0<-2@1) RG(1,0<-1) BW(0,0)\nrank 1: LEND(0,0<-0@1) RA(0,0<-0) F(1,0) SA(1,0->2) RG(2,0<-2) BW(1,0) SG(1,0->0)\nrank 2: RA(1,0<-1) F(2,0) BW(2,0) SG(2,0->1) RETURN(0,0->0@1)\n",
+    );
+    let (code, v) = json(&["check", f.to_str().unwrap()]);
+    assert_eq!(code, Some(1));
+    let msgs: Vec<&str> = v["diagnostics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["code"] == "memory")
+        .map(|d| d["message"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        msgs,
+        vec![
+            "rank 0 step 3: `RETURN(0,0<-2@1)` receives the activations of F(0,0) back from rank 2, but they were lent to rank 1 at step 1",
+            "rank 1 step 0: `LEND(0,0<-0@1)` is not valid here: the activations of F(0,0) are held here and never returned to their owner (LEND without RETURN)",
+            "rank 2 step 4: `RETURN(0,0->0@1)` is not valid here: the activations of F(0,0) are not held by this rank: no LEND of them was received before it (RETURN without LEND)",
+        ]
+    );
+}

@@ -46,6 +46,9 @@ pub enum Where {
     /// On a rank that does not own the stage: no stash of it held (no `LEND(s,m<-o)`
     /// received, or already returned).
     NotHeld,
+    /// On a rank that does not own the stage: received with `LEND(s,m<-o)` and never sent
+    /// back (a LEND without its RETURN; the error is at the LEND's receive).
+    Held,
 }
 
 impl Where {
@@ -60,6 +63,7 @@ impl Where {
             Where::Released => "already released by the backward",
             Where::Lent => "lent to another rank and not returned",
             Where::NotHeld => "not held by this rank: no LEND of them was received before it (RETURN without LEND)",
+            Where::Held => "held here and never returned to their owner (LEND without RETURN)",
         }
     }
 }
@@ -80,12 +84,29 @@ pub struct MemError {
     pub offloaded_at: Option<u32>,
     /// For a backward (or a memory op) after a `LEND`: (its position, the holder rank).
     pub lent_at: Option<(u32, u32)>,
+    /// For the owner's `RETURN` receive from a rank the stash was not lent to: that rank
+    /// (`lent_at` names the holder).
+    pub returned_by: Option<u32>,
 }
 
 impl MemError {
     /// Converts to a diagnostic (code `memory`).
     pub fn to_diagnostic(&self, cx: &Ctx<'_>) -> Diagnostic {
         let loc = cx.loc(self.at.rank as usize, self.at.pos as usize);
+        if let (Some((o, h)), Some(x)) = (self.lent_at, self.returned_by) {
+            return Diagnostic::error(
+                Code::Memory,
+                format!(
+                    "rank {} step {}: `{}` receives the activations of F({},{}) back from rank {x}, but they were lent to rank {h} at step {o}",
+                    self.at.rank, self.at.pos, loc.op, self.stage, self.mb
+                ),
+            )
+            .at(loc)
+            .with_help(format!(
+                "receive them from their holder: `RETURN({},{}<-{h})`",
+                self.stage, self.mb
+            ));
+        }
         if let Some((o, h)) = self.lent_at {
             return Diagnostic::error(
                 Code::Memory,
@@ -130,6 +151,13 @@ impl MemError {
             format!(
                 "put RELOAD({},{}) (or RECOMPUTE({},{})) before the backward",
                 self.stage, self.mb, self.stage, self.mb
+            )
+        } else if self.state == Where::Held {
+            format!(
+                "send them back before the step ends: `RETURN({},{}->{})` on this rank",
+                self.stage,
+                self.mb,
+                cx.program.pipeline.rank_of(self.stage)
             )
         } else if self.state == Where::NotHeld {
             format!(
@@ -177,6 +205,7 @@ pub fn check(p: &Program) -> Vec<MemError> {
         // Lent stashes: (position of the LEND, holder); on a holder, whether it holds (s,m).
         let mut lent = vec![(0u32, 0u32); s_n * m_n];
         let mut held = vec![false; s_n * m_n];
+        let mut held_at = vec![0u32; s_n * m_n];
         // Whether (s,m) has a split backward (its W releases it, not its B).
         let mut split = vec![false; s_n * m_n];
         for ins in instrs {
@@ -223,6 +252,7 @@ pub fn check(p: &Program) -> Vec<MemError> {
                             state: state[k],
                             offloaded_at: None,
                             lent_at: (state[k] == Where::Lent).then_some(lent[k]),
+                            returned_by: None,
                         });
                     }
                 }
@@ -252,6 +282,7 @@ pub fn check(p: &Program) -> Vec<MemError> {
                             state,
                             offloaded_at: None,
                             lent_at: None,
+                            returned_by: None,
                         };
                         match (lend, send) {
                             // Owner lends: the stash must be on its device.
@@ -267,7 +298,13 @@ pub fn check(p: &Program) -> Vec<MemError> {
                             }
                             // Owner receives it back: it must have lent it.
                             (false, false) => {
-                                if state[k] == Where::Lent {
+                                if state[k] == Where::Lent && lent[k].1 != peer {
+                                    let mut e = bad(Where::Lent);
+                                    e.lent_at = Some(lent[k]);
+                                    e.returned_by = Some(peer);
+                                    errs.push(e);
+                                    state[k] = Where::Device;
+                                } else if state[k] == Where::Lent {
                                     state[k] = Where::Device;
                                 } else {
                                     errs.push(bad(state[k]));
@@ -279,6 +316,7 @@ pub fn check(p: &Program) -> Vec<MemError> {
                                     errs.push(bad(Where::Device));
                                 }
                                 held[k] = true;
+                                held_at[k] = i as u32;
                             }
                             // Holder returns: it must hold it.
                             (false, true) => {
@@ -318,6 +356,7 @@ pub fn check(p: &Program) -> Vec<MemError> {
                                         state: state[k],
                                         offloaded_at: Some(off_at[k]),
                                         lent_at: None,
+                                        returned_by: None,
                                     });
                                 }
                                 if state[k] == Where::Lent && !reported {
@@ -329,6 +368,7 @@ pub fn check(p: &Program) -> Vec<MemError> {
                                         state: Where::Lent,
                                         offloaded_at: None,
                                         lent_at: Some(lent[k]),
+                                        returned_by: None,
                                     });
                                 }
                                 let releases = super::is_last_part(c)
@@ -342,7 +382,23 @@ pub fn check(p: &Program) -> Vec<MemError> {
                 }
             }
         }
+        // A stash lent here and never sent back: at its LEND's receive.
+        for (k, _) in held.iter().enumerate().filter(|(_, &h)| h) {
+            errs.push(MemError {
+                at: Pos {
+                    rank: r as u32,
+                    pos: held_at[k],
+                },
+                stage: (k / m_n) as u32,
+                mb: (k % m_n) as u32,
+                state: Where::Held,
+                offloaded_at: None,
+                lent_at: None,
+                returned_by: None,
+            });
+        }
     }
+    errs.sort_by_key(|e| (e.at.rank, e.at.pos));
     errs
 }
 
