@@ -423,6 +423,7 @@ mod tests {
                 state: Where::Host,
                 offloaded_at: Some(1),
                 lent_at: None,
+                returned_by: None,
             }]
         );
         let d = e[0].to_diagnostic(&Ctx::new(&p));
@@ -475,6 +476,7 @@ mod checkpoint_tests {
                 state: Where::Input,
                 offloaded_at: Some(0),
                 lent_at: None,
+                returned_by: None,
             }]
         );
         let d = e[0].to_diagnostic(&Ctx::new(&p));
