@@ -60,6 +60,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -404,6 +405,63 @@ def check_units(tally: Tally, tmp: str, exe: str) -> None:
     err = max(rel_err(a, b) for a, b in zip(got, want) if b is not None)
     tally.record("units offloaded then reloaded saved tensors give the same gradients",
                  err == 0 and rt._bufs[("stash", 0, 0)] is stash, f"max rel err {err:.1e}")
+
+    # Issue 27, BPipe: a lent stash's saved tensors are unreachable until its RETURN.
+    rt._offloaded, rt._lent = set(), {(0, 0)}
+    stash = rtm._Stash()
+    xl = x.clone().requires_grad_()
+    with rt._saving(stash, (0, 0)):
+        y = st(xl)
+    n_saved = len(stash.saved.items)
+    kept = stash.saved.items
+    stash.saved.items, stash.saved.where, stash.saved.peer = [None] * n_saved, "lent", 3
+    try:
+        torch.autograd.grad(y, [xl, *params], g, allow_unused=True, retain_graph=True)
+        why = "the backward ran with its saved tensors lent"
+    except RuntimeError as e:
+        why = str(e)
+    tally.record("torch_runtime_backward_of_a_lent_stash_fails_naming_the_return",
+                 "lent to rank 3" in why and "RETURN(0,0)" in why and n_saved > 0, why)
+    stash.saved.items = [t.clone() for t in kept]  # what a RETURN receives: copies
+    stash.saved.where = "device"
+    got = torch.autograd.grad(y, [xl, *params], g, allow_unused=True)
+    err = max(rel_err(a, b) for a, b in zip(got, fused()) if b is not None)
+    tally.record("units lent then returned saved tensors (copies) give the same gradients",
+                 err == 0, f"max rel err {err:.1e}, {n_saved} saved tensors")
+
+    # Issue 27, item 3: a program edited by hand whose lends do not pair up, or that lends to
+    # a rank that does not exist, is refused when it is read, before any rank waits.
+    d4 = os.path.join(tmp, "units-bpipe")
+    schedc(exe, ["compile", "specs/bpipe.sched", "--pp", "4", "--mb", "4",
+                 "--granularity", "stage", "-o", d4])
+    r0 = json.load(open(os.path.join(d4, "rank0.json")))
+    ch1 = next(st_ for st_ in r0["streams"] if st_["kind"] != "compute" and st_["kind"] != "copy"
+               and st_["kind"]["comm"]["channel"] == 1)
+    first = next(i for i, o in enumerate(ch1["ops"]) if o["op"] == "send")
+    errs = {}
+    for case in ("no-lend", "rank-9"):
+        bad = os.path.join(tmp, f"units-bpipe-{case}")
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(d4, bad)
+        r = json.loads(json.dumps(r0))
+        ops = next(st_ for st_ in r["streams"] if st_["kind"] == ch1["kind"])["ops"]
+        if case == "no-lend":
+            del ops[first]  # the LEND of F(0,1): its RETURN's receive stays
+        else:
+            ops[first]["peer"] = 9
+        json.dump(r, open(os.path.join(bad, "rank0.json"), "w"))
+        try:
+            rtm.read_program(bad, 0)
+            errs[case] = "read without an error"
+        except rtm.ProgramFormatError as e:
+            errs[case] = str(e)
+    tally.record("torch_runtime_refuses_return_without_lend_when_reading",
+                 "comm@1 op #" in errs["no-lend"]
+                 and "`recv stash(0,1) from rank 3`: RETURN(0,1) without its LEND: this rank never "
+                 "lends the stash of F(0,1) to rank 3" in errs["no-lend"], errs["no-lend"])
+    tally.record("torch_runtime_refuses_lend_to_a_rank_that_does_not_exist",
+                 f"comm@1 op #{first} `send stash(0,1) to rank 9`: rank 9 does not exist (the world is 4)"
+                 in errs["rank-9"], errs["rank-9"])
 
 
 # ------------------------------------------------------------------------------------------
