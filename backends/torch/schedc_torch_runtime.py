@@ -944,13 +944,14 @@ class ProgramRuntime:
         self._lent = {(op[1][1], op[1][2]) for _, ops in program.streams for op in ops
                       if op[0] == SEND and op[1][0] == "stash" and op[1][1] in self.stages}
         self._count_lock = threading.Lock()
-        # The event each LEND's send waits for (recorded by the compute stream after the
-        # forward): once recorded, the lend is issued, and the compute stream's next stash
-        # allocation waits until the comm stream has posted it (see _alloc).
+        # The event each send of a lent stash waits for (recorded by the compute stream: after
+        # the forward for a LEND, where the program returns it for a RETURN): once recorded,
+        # the send is issued, and the compute stream's next stash allocation waits until the
+        # comm stream has posted it (the owner) or posted it and freed the stash (the holder).
         self._lend_event = {}
         for _, ops in program.streams:
             for j, op in enumerate(ops):
-                if (op[0] == SEND and op[1][0] == "stash" and op[1][1] in self.stages
+                if (op[0] == SEND and op[1][0] == "stash"
                         and j > 0 and ops[j - 1][0] == WAIT):
                     self._lend_event[ops[j - 1][1]] = op[1]
         self._recomputed = {(op[1].stage, op[1].mb) for _, ops in program.streams for op in ops
@@ -1566,15 +1567,17 @@ class ProgramRuntime:
 
     def _wait_lends(self, op) -> None:
         """Before the compute stream allocates a stash: the lends it has issued are posted by
-        their comm stream, so that a lender never holds more than the schedule's stashes
-        while a comm thread lags (BPipe's memory balance; issue 27)."""
+        their comm stream, and the returns it has issued posted and freed, so that neither a
+        lender nor a holder holds more than the schedule's stashes while a comm thread lags
+        (BPipe's memory balance; issue 27)."""
         deadline = time.monotonic() + self._t
         with self._lend_cv:
             while self._lending:
                 if self._abort:
                     raise _Abort
                 if time.monotonic() > deadline:
-                    left = ", ".join(f"LEND({k[1]},{k[2]})" for k in sorted(self._lending))
+                    left = ", ".join(f"{'LEND' if k[1] in self.stages else 'RETURN'}({k[1]},{k[2]})"
+                                     for k in sorted(self._lending))
                     raise TimeoutError(
                         f"waited {self._t:.1f} s for {left} to be sent before allocating "
                         f"{buf_text(op[1])}")
@@ -1591,6 +1594,10 @@ class ProgramRuntime:
         v = self._bufs.pop(key, None)
         if key[0] == "stash":
             self._count_stash(-1)
+            if key in self._lending:  # a holder's RETURN: sent, and its copy gone
+                with self._lend_cv:
+                    self._lending.discard(key)
+                    self._lend_cv.notify_all()
             if v is not None and self._faults.get("keep_stashes"):  # negative control
                 self._faults.setdefault("kept", []).append(v.segs[-1].outputs if v.segs else ())
             if v is not None and self._faults.get("check_leaks"):

@@ -252,7 +252,14 @@ fn the_cpu_backend_runs_bpipe_equal_to_sequential_and_the_stage_runtime_lends_to
         .unwrap()
         .iter()
         .filter(|o| o["op"] == "send" || o["op"] == "recv")
-        .map(|o| format!("{} {} {}", o["op"].as_str().unwrap(), o["buf"]["mb"], o["peer"]))
+        .map(|o| {
+            format!(
+                "{} {} {}",
+                o["op"].as_str().unwrap(),
+                o["buf"]["mb"],
+                o["peer"]
+            )
+        })
         .collect();
     // Lends of F(0,1..6) to rank 3, each back before its backward.
     assert_eq!(
