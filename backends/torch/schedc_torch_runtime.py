@@ -948,12 +948,20 @@ class ProgramRuntime:
         # the forward for a LEND, where the program returns it for a RETURN): once recorded,
         # the send is issued, and the compute stream's next stash allocation waits until the
         # comm stream has posted it (the owner) or posted it and freed the stash (the holder).
-        self._lend_event = {}
-        for _, ops in program.streams:
+        # The copy stream's releases of offloaded stashes count the same way (the verifier
+        # counts them where the compute stream issues them): a bounded queue, so that a
+        # copy stream lagging behind the compute does not raise the peak.
+        self._lend_event: dict = {}
+        for name, ops in program.streams:
+            cur = None
             for j, op in enumerate(ops):
-                if (op[0] == SEND and op[1][0] == "stash"
-                        and j > 0 and ops[j - 1][0] == WAIT):
-                    self._lend_event[ops[j - 1][1]] = op[1]
+                if op[0] == WAIT:
+                    cur = op[1]
+                if cur is None:
+                    continue
+                if (op[0] == SEND and op[1][0] == "stash" and ops[j - 1][0] == WAIT) or (
+                        name == "copy" and op[0] == FREE and op[1][0] == "stash"):
+                    self._lend_event.setdefault(cur, []).append(op[1])
         self._recomputed = {(op[1].stage, op[1].mb) for _, ops in program.streams for op in ops
                             if op[0] == KERNEL and op[1].pass_ == "Recompute"}
         self._host: dict = {}
@@ -1510,7 +1518,7 @@ class ProgramRuntime:
             lend = self._lend_event.get(op[1])
             if lend is not None:
                 with self._lend_cv:
-                    self._lending.add(lend)
+                    self._lending.update(lend)
             if self._cuda:
                 ev = torch.cuda.Event()
                 ev.record()
@@ -1567,17 +1575,18 @@ class ProgramRuntime:
 
     def _wait_lends(self, op) -> None:
         """Before the compute stream allocates a stash: the lends it has issued are posted by
-        their comm stream, and the returns it has issued posted and freed, so that neither a
-        lender nor a holder holds more than the schedule's stashes while a comm thread lags
-        (BPipe's memory balance; issue 27)."""
+        their comm stream, the returns it has issued posted and freed, the offloads it has
+        issued run and their stashes released on the copy stream, so that no rank holds
+        more than the schedule's stashes while another stream lags (issue 27)."""
         deadline = time.monotonic() + self._t
         with self._lend_cv:
             while self._lending:
                 if self._abort:
                     raise _Abort
                 if time.monotonic() > deadline:
-                    left = ", ".join(f"{'LEND' if k[1] in self.stages else 'RETURN'}({k[1]},{k[2]})"
-                                     for k in sorted(self._lending))
+                    left = ", ".join(
+                        f"{'OFFLOAD' if k[1:] in self._offloaded else 'LEND' if k[1] in self.stages else 'RETURN'}"
+                        f"({k[1]},{k[2]})" for k in sorted(self._lending))
                     raise TimeoutError(
                         f"waited {self._t:.1f} s for {left} to be sent before allocating "
                         f"{buf_text(op[1])}")
@@ -1594,7 +1603,7 @@ class ProgramRuntime:
         v = self._bufs.pop(key, None)
         if key[0] == "stash":
             self._count_stash(-1)
-            if key in self._lending:  # a holder's RETURN: sent, and its copy gone
+            if key in self._lending:  # a holder's RETURN sent, or an offload, and its copy gone
                 with self._lend_cv:
                     self._lending.discard(key)
                     self._lend_cv.notify_all()

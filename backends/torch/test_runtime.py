@@ -651,12 +651,12 @@ def report_equivalence(tally: Tally, c: dict, world: int, got: dict, errors: dic
             f"max rel err loss {le:.1e}, {ng} gradients max rel err {ge:.1e} (tolerance {tol:.0e})")
     have = [got[r]["peak"] for r in range(world)]
     leaks = sum(r["leaks"] for r in got.values())
-    # Issue 27: the verifier counts an offload's release where the compute stream issues it;
-    # the runtime releases the stash when the copy stream has run the copy, so one more
-    # stash may be live for a while on a rank with a copy stream.
-    # How far the copies lag behind the compute depends on the machine's load (a CI run saw
-    # rank 0 of 1f1b_offload at 3 and at 4 against the verifier's 2), so for a spec that
-    # offloads the peaks are reported, not asserted; the stashes must still all be freed.
+    # Issue 27: the verifier counts an offload's release where the compute stream issues it.
+    # The runtime's copy stream may lag behind the compute (a CI run saw rank 0 of
+    # 1f1b_offload at 3 and at 4 against the verifier's 2): the compute stream's next stash
+    # allocation waits for the offloads it has issued to have released their stashes (a
+    # bounded queue), so no rank exceeds the verifier's peak; it may stay below it (a
+    # reload's allocation counts when the copy stream runs it, not when it is issued).
     copy = c["name"] in OFFLOADING
     if c.get("ir_peaks") is not None:
         # Issue 27: the runtime counts a lent stash off the owner when the comm stream posts
@@ -671,10 +671,12 @@ def report_equivalence(tally: Tally, c: dict, world: int, got: dict, errors: dic
                      f"counting the owner's slots, {c['peaks']}); {leaks} stashes alive after "
                      "their free")
         return
-    ok = copy or all(h == p for h, p in zip(have, c["peaks"]))
-    tally.record(f"{name} memory", ok and leaks == 0,
+    ok = len(have) == len(c["peaks"]) and all(
+        (h <= p) if copy else (h == p) for h, p in zip(have, c["peaks"]))
+    tally.record(f"{name} memory" + (": the copy stream's lag does not raise the peak" if copy else ""),
+                 ok and leaks == 0,
                  f"peak live stashes per rank {have}, verifier {c['peaks']}"
-                 + (" (copies in flight: timing-dependent, reported only)" if copy else "")
+                 + (" (at most the verifier's)" if copy else "")
                  + f"; {leaks} stashes alive after their free")
     if c["callback"]:
         calls = sum(r["calls"] for r in got.values())
