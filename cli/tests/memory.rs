@@ -268,6 +268,14 @@ fn the_cpu_backend_runs_bpipe_equal_to_sequential_and_the_stage_runtime_lends_to
         "{msgs:?}"
     );
     assert_eq!(msgs.len(), 12, "{msgs:?}");
+    // Each RETURN's receive waits for the compute stream to reach it (after the backward
+    // that frees a slot), so that a stash back early does not raise the owner's peak.
+    let ops = ch1["ops"].as_array().unwrap();
+    for (i, o) in ops.iter().enumerate() {
+        if o["op"] == "recv" {
+            assert_eq!(ops[i - 1]["op"], "wait", "op #{i} {o}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
