@@ -2066,6 +2066,10 @@ class ProgramRuntime:
             bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in shapes]
         for b in bufs:
             get(b)
+        if s in self.stages and self._faults.get("double_returns"):  # negative control
+            for b in bufs:
+                if b.is_floating_point():
+                    b.mul_(2)
         if self._cuda:
             for b in bufs:
                 b.record_stream(self._cuda_streams[0])

@@ -138,11 +138,15 @@ LENDING = {"bpipe-p4": "1f1b", "bpipe-p4-mb8": "1f1b-mb8"}
 CONTROLS = [
     ("control-no-replica-sum", "specs/dualpipe.sched", ["--pp", "2", "--mb", "4"], None, False, False),
     ("control-kept-stash", "specs/zbv.sched", ["--pp", "2", "--mb", "4"], None, False, False),
+    ("control-doubled-return", "specs/bpipe.sched", ["--pp", "4", "--mb", "4"], None, False, False),
 ]
 CONTROL_FAULTS = {"control-no-replica-sum": {"skip_replica_sum": True},
-                  "control-kept-stash": {"keep_stashes": True}}
+                  "control-kept-stash": {"keep_stashes": True},
+                  "control-doubled-return": {"double_returns": True}}
 CONTROL_WHY = {"control-no-replica-sum": "DualPipe without the replica gradient sum",
-               "control-kept-stash": "a runtime that keeps a reference to every freed stash"}
+               "control-kept-stash": "a runtime that keeps a reference to every freed stash",
+               "control-doubled-return": "BPipe whose returned saved tensors are doubled "
+                                         "(the backward reads what came back)"}
 TORCH_CONFIGS = [  # (name, spec, P, V, M): schedules torch's runtime also runs
     ("1f1b", "specs/1f1b.sched", 2, 1, 8),
     ("interleaved_1f1b", "specs/interleaved_1f1b.sched", 2, 2, 8),
