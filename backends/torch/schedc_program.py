@@ -232,6 +232,46 @@ def _read_json(path: str) -> Any:
         raise ProgramFormatError(f"{path}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
 
 
+def _check_messages(rpath: str, rank: int, world: int, streams: list, held: set) -> None:
+    """The peers of the messages exist, and BPipe's lent stashes pair up (issue 27): the
+    owner (the rank holding the stash's stage) receives back (RETURN) only a stash it sends
+    (LEND) to that rank, a holder returns only a stash it received from its owner. ``schedc
+    check`` refuses such programs; this catches a program edited or built by hand before
+    any rank waits for a message that never comes."""
+    sent, got = set(), set()
+    for name, ops in streams:
+        for op in ops:
+            if op[0] == SEND and op[1][0] == "stash":
+                sent.add((op[1], op[2]))
+            elif op[0] == RECV and op[1][0] == "stash":
+                got.add((op[1], op[2]))
+    for name, ops in streams:
+        for i, op in enumerate(ops):
+            if op[0] not in (SEND, RECV):
+                continue
+            where = f"{rpath}: {name} op #{i} `{op_text(op)}`"
+            buf, peer = op[1], op[2]
+            if not 0 <= peer < world or peer == rank:
+                raise ProgramFormatError(
+                    f"{where}: rank {peer} " + ("is this rank" if peer == rank else
+                                                f"does not exist (the world is {world})"))
+            if buf[0] != "stash":
+                continue
+            s, mb = buf[1], buf[2]
+            if s in held and op[0] == RECV and (buf, peer) not in sent:
+                raise ProgramFormatError(
+                    f"{where}: RETURN({s},{mb}) without its LEND: this rank never lends the "
+                    f"stash of F({s},{mb}) to rank {peer}")
+            if s not in held and op[0] == SEND and (buf, peer) not in got:
+                raise ProgramFormatError(
+                    f"{where}: RETURN({s},{mb}) of a stash this rank never received: no "
+                    f"LEND({s},{mb}) from rank {peer}")
+            if s not in held and op[0] == RECV and (buf, peer) not in sent:
+                raise ProgramFormatError(
+                    f"{where}: this rank holds the lent stash of F({s},{mb}) and never "
+                    f"returns it to rank {peer}")
+
+
 def read_program(path_or_dir: str | os.PathLike, rank: int) -> Program:
     """Reads ``manifest.json`` and ``rank{rank}.json`` from a ``schedc compile`` directory (or
     the directory of the given rank file).
@@ -239,7 +279,8 @@ def read_program(path_or_dir: str | os.PathLike, rank: int) -> Program:
     Raises:
         ProgramFormatError: a missing or unreadable file, a format version other than
             :data:`FORMAT_VERSION`, programs at schedc's model granularity, a rank out of range,
-            or a rank file for another rank.
+            a rank file for another rank, a message to a rank that does not exist, or a lent
+            stash (LEND/RETURN) that does not pair up.
     """
     path = os.fspath(path_or_dir)
     d = path if os.path.isdir(path) else os.path.dirname(path) or "."
@@ -276,6 +317,7 @@ def read_program(path_or_dir: str | os.PathLike, rank: int) -> Program:
                    s.get("replica_peer"))
         for s in r["stages"]
     ]
+    _check_messages(rpath, rank, m["world"], streams, {s.stage for s in stages})
     return Program(m, rank, stages, streams, r["events"], r["coords"], r["data_shard"], d)
 
 

@@ -266,14 +266,22 @@ class _Saved:
     are left where they are). ``where`` is ``device`` or ``host``: an OFFLOAD copies the
     tensors to host memory (pinned, on the copy stream, with CUDA) and drops the device
     copies; a RELOAD brings them back; a backward that unpacks them while they are on the
-    host fails, naming the forward."""
+    host fails, naming the forward.
 
-    __slots__ = ("key", "items", "where")
+    BPipe's lent stashes use the same object: ``where`` is ``lent`` on the owner from its
+    LEND's send to its RETURN's receive (``items`` are ``None`` then, ``shapes`` the
+    ``(dtype, shape)`` of what was sent, ``peer`` the holder); on the holder ``items`` are
+    the received tensors until it returns them."""
+
+    __slots__ = ("key", "items", "where", "shapes", "peer", "index")
 
     def __init__(self, key: tuple):
         self.key = key
         self.items: list = []
         self.where = "device"
+        self.shapes: list = []
+        self.peer = None
+        self.index: dict = {}  # id(tensor) -> its index in items: a tensor saved twice moves once
 
 
 @dataclass
@@ -931,6 +939,29 @@ class ProgramRuntime:
         # recomputed (their RNG state is kept, as torch.utils.checkpoint does), the host pool.
         self._offloaded = {(op[1], op[2]) for _, ops in program.streams for op in ops
                            if op[0] == OFFLOAD}
+        # BPipe: the forwards whose saved tensors this rank lends to another rank (LEND's send
+        # of a stash of a stage it holds); they are caught as an offloaded forward's are.
+        self._lent = {(op[1][1], op[1][2]) for _, ops in program.streams for op in ops
+                      if op[0] == SEND and op[1][0] == "stash" and op[1][1] in self.stages}
+        self._count_lock = threading.Lock()
+        # The event each send of a lent stash waits for (recorded by the compute stream: after
+        # the forward for a LEND, where the program returns it for a RETURN): once recorded,
+        # the send is issued, and the compute stream's next stash allocation waits until the
+        # comm stream has posted it (the owner) or posted it and freed the stash (the holder).
+        # The copy stream's releases of offloaded stashes count the same way (the verifier
+        # counts them where the compute stream issues them): a bounded queue, so that a
+        # copy stream lagging behind the compute does not raise the peak.
+        self._lend_event: dict = {}
+        for name, ops in program.streams:
+            cur = None
+            for j, op in enumerate(ops):
+                if op[0] == WAIT:
+                    cur = op[1]
+                if cur is None:
+                    continue
+                if (op[0] == SEND and op[1][0] == "stash" and ops[j - 1][0] == WAIT) or (
+                        name == "copy" and op[0] == FREE and op[1][0] == "stash"):
+                    self._lend_event.setdefault(cur, []).append(op[1])
         self._recomputed = {(op[1].stage, op[1].mb) for _, ops in program.streams for op in ops
                             if op[0] == KERNEL and op[1].pass_ == "Recompute"}
         self._host: dict = {}
@@ -1141,6 +1172,8 @@ class ProgramRuntime:
         if self._cuda:
             self._cuda_streams[0] = torch.cuda.current_stream(self.device)
         self._pending_sends = {si: [] for si in range(len(self.program.streams))}
+        self._lending: set = set()  # lends issued by the compute stream, not posted yet
+        self._lend_cv = threading.Condition()
         self._posted = {si: {} for si in range(len(self.program.streams))}
         t0 = time.perf_counter()
         self._mark, self._carry, self._samples_step = t0, 0.0, []
@@ -1380,7 +1413,7 @@ class ProgramRuntime:
                     raise _Abort
                 self._fault_hook(si, i)
                 self._exec(si, i, op)
-            for op, i2, work in self._pending_sends[si]:
+            for op, i2, work, *_ in self._pending_sends[si]:
                 i = i2
                 self._wait_work(work, si, i2, op)
             self._pending_sends[si] = []
@@ -1482,12 +1515,18 @@ class ProgramRuntime:
             if self._cuda:
                 torch.cuda.current_stream().wait_event(self._cuda_events[op[1]])
         elif c == RECORD:
+            lend = self._lend_event.get(op[1])
+            if lend is not None:
+                with self._lend_cv:
+                    self._lending.update(lend)
             if self._cuda:
                 ev = torch.cuda.Event()
                 ev.record()
                 self._cuda_events[op[1]] = ev
             self._events[op[1]].set()
         elif c == ALLOC:
+            if si == 0 and op[1][0] == "stash" and self._lending:
+                self._wait_lends(op)
             self._alloc(op[1], op[2])
         elif c == FREE:
             self._free(op[1])
@@ -1531,14 +1570,43 @@ class ProgramRuntime:
             self._bufs[key] = True
         elif kind == "stash":
             self._bufs[key] = _Stash()
-            self._live_stash += 1
-            self.peak_stash = max(self.peak_stash, self._live_stash)
+            self._count_stash(1)
         # act / grad: written by the kernel or the receive that produces them.
+
+    def _wait_lends(self, op) -> None:
+        """Before the compute stream allocates a stash: the lends it has issued are posted by
+        their comm stream, the returns it has issued posted and freed, the offloads it has
+        issued run and their stashes released on the copy stream, so that no rank holds
+        more than the schedule's stashes while another stream lags (issue 27)."""
+        deadline = time.monotonic() + self._t
+        with self._lend_cv:
+            while self._lending:
+                if self._abort:
+                    raise _Abort
+                if time.monotonic() > deadline:
+                    left = ", ".join(
+                        f"{'OFFLOAD' if k[1:] in self._offloaded else 'LEND' if k[1] in self.stages else 'RETURN'}"
+                        f"({k[1]},{k[2]})" for k in sorted(self._lending))
+                    raise TimeoutError(
+                        f"waited {self._t:.1f} s for {left} to be sent before allocating "
+                        f"{buf_text(op[1])}")
+                self._lend_cv.wait(0.05)
+
+    def _count_stash(self, d: int) -> None:
+        """One stash more (``d`` = 1) or less (-1) on this device: the streams' threads count
+        together (an allocation, a release, a lend leaving, a return arriving)."""
+        with self._count_lock:
+            self._live_stash += d
+            self.peak_stash = max(self.peak_stash, self._live_stash)
 
     def _free(self, key: tuple) -> None:
         v = self._bufs.pop(key, None)
         if key[0] == "stash":
-            self._live_stash -= 1
+            self._count_stash(-1)
+            if key in self._lending:  # a holder's RETURN sent, or an offload, and its copy gone
+                with self._lend_cv:
+                    self._lending.discard(key)
+                    self._lend_cv.notify_all()
             if v is not None and self._faults.get("keep_stashes"):  # negative control
                 self._faults.setdefault("kept", []).append(v.segs[-1].outputs if v.segs else ())
             if v is not None and self._faults.get("check_leaks"):
@@ -1599,21 +1667,28 @@ class ProgramRuntime:
     def _saving(self, stash: _Stash, key: tuple):
         """The forward of an offloaded (stage, micro-batch): its saved tensors go into
         ``stash.saved``, where the copy stream can move them."""
-        if key not in self._offloaded:
+        if key not in self._offloaded and key not in self._lent:
             return contextlib.nullcontext()
         sv = stash.saved = stash.saved or _Saved(key)
 
         def pack(t):
             if self._is_param(t):
                 return ("param", t)
-            sv.items.append(t)
-            return ("saved", sv, len(sv.items) - 1)
+            j = sv.index.get(id(t))
+            if j is None or sv.items[j] is not t:
+                j = sv.index[id(t)] = len(sv.items)
+                sv.items.append(t)
+            return ("saved", sv, j)
 
         def unpack(h):
             if h[0] == "param":
                 return h[1]
             if h[1].where != "device":
                 s, m = h[1].key
+                if h[1].where == "lent":
+                    raise RuntimeError(
+                        f"the saved tensors of F({s},{m}) are lent to rank {h[1].peer}: its "
+                        f"backward runs before their RETURN({s},{m}) has arrived")
                 raise RuntimeError(
                     f"the saved tensors of F({s},{m}) are on the host: the program offloaded "
                     f"them and its backward runs without RELOAD({s},{m})")
@@ -1832,6 +1907,9 @@ class ProgramRuntime:
         key, peer = op[1], op[2]
         if self._faults.get("drop") == (self._step, key):
             return
+        if key[0] == "stash":
+            self._send_stash(si, i, op)
+            return
         tensors = [t.contiguous() for t in self._bufs[key]]
         pg = self._stream_pg[si]
         if self.static_shapes:
@@ -1862,12 +1940,18 @@ class ProgramRuntime:
         posted at once), then waits for this one."""
         posted = self._posted[si]
         ops = self.program.streams[si][1]
+        if ops[i][1][0] == "stash":
+            self._recv_stash(si, i)
+            return
         if i not in posted:
             run = []
             j = i
             # With headers (the first step), one at a time: a second header posted before
-            # the first message's data would take that data (messages match in order).
+            # the first message's data would take that data (messages match in order). A
+            # lent stash (its own header, every step) ends the run.
             while j < len(ops) and ops[j][0] in (RECV, ALLOC, RECORD) and (not run or not self._headers):
+                if ops[j][0] == RECV and ops[j][1][0] == "stash":
+                    break
                 if ops[j][0] == RECV:
                     run.append(j)
                 j += 1
@@ -1896,6 +1980,106 @@ class ProgramRuntime:
             for b in entry["bufs"]:
                 b.record_stream(self._cuda_streams[0])  # used on the compute stream
         self._bufs[entry["key"]] = tuple(entry["bufs"])
+
+    # -- lent stashes (BPipe, issue 27) ------------------------------------------------------
+
+    def _send_stash(self, si: int, i: int, op: tuple) -> None:
+        """LEND's send on the owner, RETURN's on the holder: the saved tensors of F(s,m).
+        A LEND carries a header first (an int64 word count, then per tensor its dtype, rank
+        and dimensions, as the activations' headers), every step, since the holder has
+        nothing to derive them from; a RETURN carries the tensors only, the owner knowing
+        what it lent. The sender drops its references as the sends are posted (the pending
+        sends keep the tensors until they complete)."""
+        key, peer = op[1], op[2]
+        s, m = key[1], key[2]
+        stash = self._bufs.get(key)
+        sv = stash.saved if isinstance(stash, _Stash) else None
+        owner = s in self.stages
+        what = f"LEND({s},{m}) to rank {peer}" if owner else f"RETURN({s},{m}) to rank {peer}"
+        if sv is None or sv.where != "device":
+            why = ("its forward has not run" if sv is None else
+                   f"they are {'lent to rank ' + str(sv.peer) if sv.where == 'lent' else 'on the host'}")
+            raise RuntimeError(f"{what}: this rank has no saved tensors of F({s},{m}) ({why})")
+        pg = self._stream_pg[si]
+        tensors = [t.contiguous() for t in sv.items]
+        if owner:
+            words = [len(tensors)]
+            for t in tensors:
+                if t.dtype not in _DTYPES:
+                    raise TypeError(f"{what}: cannot send a saved tensor of dtype {t.dtype}")
+                words += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+            h = torch.tensor(words, dtype=torch.int64, device=self.device)
+            n = torch.tensor([len(words)], dtype=torch.int64, device=self.device)
+            for t in (n, h):
+                self._pending_sends[si].append((op, i, dist.isend(t, peer, group=pg), t))
+            sv.shapes = [(t.dtype, tuple(t.shape)) for t in tensors]
+        for t in tensors:
+            self._pending_sends[si].append((op, i, dist.isend(t, peer, group=pg), t))
+        sv.items = [None] * len(tensors) if owner else []
+        sv.index = {}
+        if owner:
+            sv.where, sv.peer = "lent", peer
+            self._count_stash(-1)  # the owner's device no longer holds it
+            with self._lend_cv:
+                self._lending.discard(key)
+                self._lend_cv.notify_all()
+        pend = self._pending_sends[si]
+        while pend and pend[0][2].is_completed():
+            pend.pop(0)
+
+    def _recv_stash(self, si: int, i: int) -> None:
+        """LEND's receive on the holder (header, then the tensors), RETURN's on the owner
+        (the tensors, in the shapes it lent); the compute stream's backward waits for the
+        event recorded after it."""
+        op = self.program.streams[si][1][i]
+        key, peer = op[1], op[2]
+        s, m = key[1], key[2]
+        pg = self._stream_pg[si]
+
+        def get(t):
+            self._wait_work(dist.irecv(t, peer, group=pg), si, i, op)
+            return t
+
+        t0 = time.perf_counter()
+        if s in self.stages:  # the owner: RETURN
+            stash = self._bufs.get(key)
+            sv = stash.saved if isinstance(stash, _Stash) else None
+            if sv is None or sv.where != "lent" or sv.peer != peer:
+                raise RuntimeError(
+                    f"RETURN({s},{m}) from rank {peer} without its LEND: this rank has not lent "
+                    f"the stash of F({s},{m}) to rank {peer}")
+            bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in sv.shapes]
+        else:  # the holder: LEND
+            n = get(torch.empty(1, dtype=torch.int64, device=self.device))
+            w = get(torch.empty(int(n.item()), dtype=torch.int64, device=self.device)).tolist()
+            shapes, j = [], 1
+            for _ in range(w[0]):
+                nd = w[j + 1]
+                shapes.append((_DTYPES[w[j]], tuple(w[j + 2: j + 2 + nd])))
+                j += 2 + nd
+            stash = self._bufs.get(key)
+            if not isinstance(stash, _Stash):
+                stash = self._bufs[key] = _Stash()
+                self._count_stash(1)
+            sv = stash.saved = _Saved(key)
+            sv.peer = peer
+            bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in shapes]
+        for b in bufs:
+            get(b)
+        if s in self.stages and self._faults.get("double_returns"):  # negative control
+            for b in bufs:
+                if b.is_floating_point():
+                    b.mul_(2)
+        if self._cuda:
+            for b in bufs:
+                b.record_stream(self._cuda_streams[0])
+        if self.profile:
+            self.msg_times.append((self._step, time.perf_counter() - t0,
+                                   sum(b.numel() * b.element_size() for b in bufs)))
+        sv.items = bufs
+        sv.where = "device"
+        if s in self.stages:
+            self._count_stash(1)  # back on the owner's device
 
     def _post_data(self, key, peer, pg):
         shapes = self._shapes.get(key)

@@ -316,21 +316,14 @@ fn lower_rank(
     // (sends before receives within one instruction).
     let mut comm_pos: HashMap<Buf, usize> = HashMap::new();
     // BPipe's lent stashes (LEND/RETURN): at model granularity the stash is schedc's own
-    // saved tensors, moved whole to the holder and back; a runtime of the user's stages
-    // (stage granularity) keeps them in autograd, which cannot move them.
+    // saved tensors, moved whole to the holder and back; at stage granularity (the torch
+    // runtime) the tensors autograd saved for the backward (caught by
+    // `saved_tensors_hooks`), the graph itself staying on the owner.
     let mut lent_seen: std::collections::HashSet<(bool, Buf)> = Default::default();
     for (i, ins) in ir.ranks[r as usize].iter().enumerate() {
         for c in ins.comms() {
             if let Comm::Send { payload, .. } | Comm::Recv { payload, .. } = c {
                 if payload.kind.is_stash() {
-                    if stage_gran {
-                        return Err(ProgramError::Rejected(format!(
-                            "rank {r}: `{}`: a runtime of the user's stage modules (stage \
-                             granularity: the torch runtime) cannot lend saved activations to \
-                             another rank yet (LEND/RETURN run on the CPU backend; issue 27)",
-                            schedc_ir::text::instr_to_string(ins)
-                        )));
-                    }
                     let send = matches!(c, Comm::Send { .. });
                     if !lent_seen.insert((send, Buf::of_payload(payload))) {
                         // A valid schedule (`check` accepts it) the executors do not run.
@@ -411,6 +404,11 @@ fn lower_rank(
     // Stashes lent and not back yet: (stage, mb) -> the event of their RETURN's receive,
     // which the compute stream waits for before the first backward of that (stage, mb).
     let mut returning: HashMap<(u32, u32), u32> = HashMap::new();
+    // The receives of lent stashes (the holder's LEND, the owner's RETURN): the event the
+    // compute stream records where the program reaches them, which the receive waits for (a
+    // stash that arrived early would occupy memory before the backward that frees a slot
+    // for it, above the IR's peak).
+    let mut recv_gate: HashMap<Buf, u32> = HashMap::new();
     for ins in &ir.ranks[r as usize] {
         if !returning.is_empty() {
             let mut waits = Vec::new();
@@ -545,11 +543,14 @@ fn lower_rank(
                                 event: send_ev[&buf],
                             });
                         }
-                        Comm::Recv { payload, .. }
-                            if payload.kind == schedc_ir::PayloadKind::Return =>
-                        {
+                        Comm::Recv { payload, .. } if payload.kind.is_stash() => {
                             let buf = Buf::of_payload(payload);
-                            returning.insert((payload.stage, payload.mb), recv_ev[&buf]);
+                            if payload.kind == schedc_ir::PayloadKind::Return {
+                                returning.insert((payload.stage, payload.mb), recv_ev[&buf]);
+                            }
+                            let event = b.event();
+                            b.compute.push(Op::Record { event });
+                            recv_gate.insert(buf, event);
                         }
                         _ => {}
                     }
@@ -616,6 +617,11 @@ fn lower_rank(
                         ops.push(Op::Wait {
                             event: send_ev[buf],
                         });
+                    }
+                    for (buf, _) in &recvs {
+                        if let Some(event) = recv_gate.remove(buf) {
+                            ops.push(Op::Wait { event });
+                        }
                     }
                     // The owner of a lent stash keeps its slot (empty while lent: the CPU
                     // backend moves the tensors out): no allocation for the RETURN's receive,
