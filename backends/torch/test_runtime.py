@@ -672,9 +672,8 @@ def report_equivalence(tally: Tally, c: dict, world: int, got: dict, errors: dic
         ir = c["ir_peaks"]
         ok = len(have) == len(ir) and all(h <= p for h, p in zip(have, ir))
         tally.record(f"{name} memory", ok and leaks == 0,
-                     f"peak live stashes per rank {have}, IR peak_act {ir} (program verifier, "
-                     f"counting the owner's slots, {c['peaks']}); {leaks} stashes alive after "
-                     "their free")
+                     f"peak live stashes per rank {have}, IR peak_act {ir} (compile reports "
+                     f"{c['peaks']}); {leaks} stashes alive after their free")
         return
     ok = len(have) == len(c["peaks"]) and all(
         (h <= p) if copy else (h == p) for h, p in zip(have, c["peaks"]))
