@@ -44,7 +44,7 @@ fn time(
     for _ in 0..3 {
         f()?;
     }
-    let (a, b) = (g.new_event()?, g.new_event()?);
+    let (a, b) = (g.new_timing_event()?, g.new_timing_event()?);
     g.record(s, a)?;
     for _ in 0..reps {
         f()?;
@@ -553,7 +553,7 @@ fn launch(g: &CudaGpu, s: StreamId) -> Result<serde_json::Value, GpuError> {
         args: vec![Arg::Ptr(p), Arg::Ptr(p), Arg::Ptr(p + 1024), Arg::I64(1)],
     };
     let n = 20000;
-    let (a, b) = (g.new_event()?, g.new_event()?);
+    let (a, b) = (g.new_timing_event()?, g.new_timing_event()?);
     for _ in 0..100 {
         g.launch(s, &l)?;
     }

@@ -151,10 +151,15 @@ impl Launch {
     /// number and kind. Errors: an unknown kernel or a mismatched argument (a driver bug
     /// that would otherwise corrupt memory).
     pub fn check(&self) -> Result<&'static KernelInfo, GpuError> {
-        let info = KERNELS
-            .iter()
-            .find(|k| k.name == self.kernel)
+        self.resolve().map(|(_, k)| k)
+    }
+
+    /// [`Launch::check`] with the kernel's index in [`KERNELS`] (the table the CUDA device
+    /// and the host shim resolve their function handles in, once, at load).
+    pub fn resolve(&self) -> Result<(usize, &'static KernelInfo), GpuError> {
+        let ix = crate::kernels::kernel_index(self.kernel)
             .ok_or_else(|| GpuError(format!("no kernel named `{}`", self.kernel)))?;
+        let info = &KERNELS[ix];
         if info.params.len() != self.args.len() {
             return Err(GpuError(format!(
                 "kernel `{}` takes {} arguments, the launch passes {}",
@@ -177,7 +182,7 @@ impl Launch {
                 self.kernel
             )));
         }
-        Ok(info)
+        Ok((ix, info))
     }
 }
 
@@ -246,8 +251,14 @@ pub trait Gpu: Send + Sync {
     fn free(&self, ptr: DevPtr) -> Result<(), GpuError>;
     /// A new stream.
     fn new_stream(&self) -> Result<StreamId, GpuError>;
-    /// A new event (timing enabled, so that it can also time a stretch of a stream).
+    /// A new event for ordering streams (`CU_EVENT_DISABLE_TIMING`: recording and waiting
+    /// on it is cheaper; [`Gpu::elapsed_ms`] refuses it).
     fn new_event(&self) -> Result<EventId, GpuError>;
+    /// A new event that can also time a stretch of a stream ([`Gpu::elapsed_ms`]), for
+    /// profiling and benchmarks.
+    fn new_timing_event(&self) -> Result<EventId, GpuError> {
+        self.new_event()
+    }
     /// Zero-fills `bytes` at `ptr`, on stream `s`.
     fn memset(&self, s: StreamId, ptr: DevPtr, bytes: usize) -> Result<(), GpuError>;
     /// Copies host bytes to the device, on `s` (the host buffer may be dropped on return).
@@ -267,11 +278,13 @@ pub trait Gpu: Send + Sync {
     /// Blocks until everything issued on `s` has run, at most `timeout`. Errors: a failed
     /// kernel, or the timeout (a peer that never sends).
     fn sync(&self, s: StreamId, timeout: Duration) -> Result<(), GpuError>;
-    /// Milliseconds between two recorded events (after both completed).
+    /// Milliseconds between two recorded events made by [`Gpu::new_timing_event`] (after
+    /// both completed).
     fn elapsed_ms(&self, start: EventId, end: EventId) -> Result<f32, GpuError>;
     /// An annotation from the driver: the program instruction whose calls follow on `s`
-    /// (the recording fake keeps it; the others ignore it).
-    fn mark(&self, _s: StreamId, _what: &str) {}
+    /// (the recording fake formats and keeps it; the others ignore it, so that nothing is
+    /// formatted per instruction on the hot path).
+    fn mark(&self, _s: StreamId, _what: &dyn fmt::Display) {}
 }
 
 /// NCCL's calls as the driver uses them: point-to-point sends and receives, grouped, on

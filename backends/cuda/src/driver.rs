@@ -692,7 +692,7 @@ impl Device for RankDev<'_> {
 
     fn record(&mut self, stream: usize, event: u32) -> Result<(), String> {
         let s = self.streams[stream];
-        self.gpu.mark(s, &format!("record e{event}"));
+        self.gpu.mark(s, &format_args!("record e{event}"));
         let e = *self
             .events
             .get(event as usize)
@@ -702,7 +702,7 @@ impl Device for RankDev<'_> {
 
     fn wait_event(&mut self, stream: usize, event: u32) -> Result<(), String> {
         let s = self.streams[stream];
-        self.gpu.mark(s, &format!("wait e{event}"));
+        self.gpu.mark(s, &format_args!("wait e{event}"));
         let e = *self
             .events
             .get(event as usize)
@@ -712,7 +712,7 @@ impl Device for RankDev<'_> {
 
     fn alloc(&mut self, buf: Buf, zero: bool) -> Result<(), String> {
         let s = self.streams[self.cur];
-        self.gpu.mark(s, &Op::Alloc { buf, zero }.to_string());
+        self.gpu.mark(s, &Op::Alloc { buf, zero });
         let bytes = self.bytes_of(buf)?;
         let p = self.pool.take(self.gpu, self.ev, s, bytes).map_err(issue)?;
         if zero {
@@ -724,7 +724,7 @@ impl Device for RankDev<'_> {
 
     fn free(&mut self, buf: Buf) -> Result<(), String> {
         let s = self.streams[self.cur];
-        self.gpu.mark(s, &Op::Free { buf }.to_string());
+        self.gpu.mark(s, &Op::Free { buf });
         let (p, bytes) = self
             .bufs
             .remove(&buf)
@@ -736,7 +736,7 @@ impl Device for RankDev<'_> {
 
     fn exec(&mut self, stream: usize, op: &Op, issued: &mut bool) -> Result<Ready, String> {
         if !*issued {
-            self.gpu.mark(self.streams[stream], &op.to_string());
+            self.gpu.mark(self.streams[stream], op);
         }
         match op {
             Op::Alloc { .. } | Op::Free { .. } | Op::Record { .. } | Op::Wait { .. } => {

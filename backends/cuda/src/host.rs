@@ -10,15 +10,15 @@
 use crate::api::*;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_uint, c_ulong, c_void, CString};
+use std::ffi::{c_char, c_int, c_uint, c_ulong, c_void};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
 extern "C" {
-    fn schedc_shim_launch(
+    fn schedc_shim_launch_index(
         dtype: c_int,
-        name: *const c_char,
+        index: c_int,
         grid: *const c_uint,
         block: *const c_uint,
         args: *mut *mut c_void,
@@ -44,6 +44,9 @@ pub fn shim_kernel_names() -> Vec<String> {
 }
 
 const ALIGN: usize = 256;
+
+/// The most arguments a kernel takes (the attention kernels take 29).
+const MAX_ARGS: usize = 48;
 
 /// The host shim device (see the module docs).
 pub struct HostGpu {
@@ -212,20 +215,30 @@ impl Gpu for HostGpu {
         Ok(())
     }
     fn launch(&self, _s: StreamId, l: &Launch) -> Result<(), GpuError> {
-        l.check()?;
-        let mut slots: Vec<u64> = l.args.iter().map(Arg::slot).collect();
-        let mut ptrs: Vec<*mut c_void> = slots
-            .iter_mut()
-            .map(|s| s as *mut u64 as *mut c_void)
-            .collect();
-        let name = CString::new(l.kernel).map_err(|e| GpuError(e.to_string()))?;
-        let mut err = vec![0 as c_char; 512];
+        // The kernel by its index in the table: no name compared, nothing allocated.
+        let (ix, _) = l.resolve()?;
+        let mut slots = [0u64; MAX_ARGS];
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        if l.args.len() > MAX_ARGS {
+            return Err(GpuError(format!(
+                "kernel `{}`: {} arguments, the shim takes at most {MAX_ARGS}",
+                l.kernel,
+                l.args.len()
+            )));
+        }
+        for (k, a) in l.args.iter().enumerate() {
+            slots[k] = a.slot();
+        }
+        for (p, s) in ptrs.iter_mut().zip(slots.iter_mut()) {
+            *p = s as *mut u64 as *mut c_void;
+        }
+        let mut err = [0 as c_char; 512];
         // SAFETY: the arguments match the kernel's parameters (checked above); pointer
         // arguments are the caller's responsibility, as on a GPU.
         let rc = unsafe {
-            schedc_shim_launch(
+            schedc_shim_launch_index(
                 (self.dtype == DType::Bf16) as c_int,
-                name.as_ptr(),
+                ix as c_int,
                 l.grid.as_ptr(),
                 l.block.as_ptr(),
                 ptrs.as_mut_ptr(),
