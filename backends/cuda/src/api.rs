@@ -186,6 +186,11 @@ impl Launch {
     }
 }
 
+/// A captured sequence of one stream's device work ([`Gpu::end_capture`]), replayed by
+/// [`Gpu::replay`] (a CUDA graph on the GPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GraphId(pub u32);
+
 /// A (batched) matrix product in row-major terms:
 /// `C_b = alpha op(A_b) op(B_b) + beta C_b` for `b < batch`, with `op(A)` `m x k`, `op(B)`
 /// `k x n`, `C` `m x n`. `A` is stored `m x k` (row stride `lda`), or `k x m` when `ta`
@@ -281,6 +286,34 @@ pub trait Gpu: Send + Sync {
     /// Milliseconds between two recorded events made by [`Gpu::new_timing_event`] (after
     /// both completed).
     fn elapsed_ms(&self, start: EventId, end: EventId) -> Result<f32, GpuError>;
+    /// Starts capturing stream `s` (`cuStreamBeginCapture`, thread-local mode): what is
+    /// issued on `s` until [`Gpu::end_capture`] is recorded as a graph, not run. Nothing
+    /// that waits for the device ([`Gpu::dtoh`], [`Gpu::sync`]) may be issued on `s` while
+    /// it captures. Errors: a device without graphs, a stream already capturing.
+    fn begin_capture(&self, _s: StreamId) -> Result<(), GpuError> {
+        Err(GpuError(format!(
+            "{} cannot capture graphs",
+            self.describe()
+        )))
+    }
+    /// Ends the capture of `s` and makes its graph ready to replay (`cuStreamEndCapture`,
+    /// `cuGraphInstantiate`). Errors: `s` was not capturing, or the capture was
+    /// invalidated (a call the capture does not allow).
+    fn end_capture(&self, _s: StreamId) -> Result<GraphId, GpuError> {
+        Err(GpuError(format!(
+            "{} cannot capture graphs",
+            self.describe()
+        )))
+    }
+    /// Runs graph `g` on `s` (`cuGraphLaunch`): the captured work with the captured
+    /// arguments (the same pointers, so new inputs go into the captured buffers before a
+    /// replay). Errors: an unknown graph.
+    fn replay(&self, _s: StreamId, _g: GraphId) -> Result<(), GpuError> {
+        Err(GpuError(format!(
+            "{} cannot capture graphs",
+            self.describe()
+        )))
+    }
     /// An annotation from the driver: the program instruction whose calls follow on `s`
     /// (the recording fake formats and keeps it; the others ignore it, so that nothing is
     /// formatted per instruction on the hot path).

@@ -101,6 +101,8 @@ pub struct CudaGpu {
     /// Written only while the rank drivers set up (a new stream); read by every call.
     streams: RwLock<Vec<StreamSlot>>,
     events: RwLock<Vec<sys::CUevent>>,
+    /// Instantiated graphs (`CUgraphExec`), by [`GraphId`].
+    graphs: RwLock<Vec<usize>>,
     /// Function handles in the order of [`KERNELS`], resolved once at load: a launch
     /// indexes this table ([`Launch::resolve`]) rather than looking a name up.
     funcs: Vec<sys::CUfunction>,
@@ -162,6 +164,7 @@ impl CudaGpu {
                 arch,
                 streams: RwLock::new(Vec::new()),
                 events: RwLock::new(Vec::new()),
+                graphs: RwLock::new(Vec::new()),
                 funcs,
             })
         })
@@ -457,6 +460,49 @@ impl Gpu for CudaGpu {
             // SAFETY: created above.
             let _ = unsafe { drv::event::destroy(e) };
             r
+        })
+    }
+    fn begin_capture(&self, s: StreamId) -> Result<(), GpuError> {
+        self.call("cuStreamBeginCapture", || {
+            let st = self.stream(s)?;
+            // SAFETY: a live stream; thread-local mode lets the other rank threads make
+            // their (uncaptured) calls meanwhile.
+            unsafe {
+                drv::stream::begin_capture(
+                    st,
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            }
+            .map_err(derr("cuStreamBeginCapture"))
+        })
+    }
+    fn end_capture(&self, s: StreamId) -> Result<GraphId, GpuError> {
+        self.call("cuStreamEndCapture", || {
+            let st = self.stream(s)?;
+            // SAFETY: a stream that captures; the graph is instantiated, then destroyed
+            // (the executable graph keeps what it needs).
+            let graph =
+                unsafe { drv::stream::end_capture(st) }.map_err(derr("cuStreamEndCapture"))?;
+            let exec = unsafe { drv::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+                .map_err(derr("cuGraphInstantiate"));
+            let _ = unsafe { drv::graph::destroy(graph) };
+            let mut v = self.graphs.write().unwrap_or_else(|p| p.into_inner());
+            v.push(exec? as usize);
+            Ok(GraphId(v.len() as u32 - 1))
+        })
+    }
+    fn replay(&self, s: StreamId, g: GraphId) -> Result<(), GpuError> {
+        self.call("cuGraphLaunch", || {
+            let st = self.stream(s)?;
+            let exec = *self
+                .graphs
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(g.0 as usize)
+                .ok_or_else(|| GpuError(format!("no graph {}", g.0)))?;
+            // SAFETY: an instantiated graph and a live stream.
+            unsafe { drv::graph::launch(exec as sys::CUgraphExec, st) }
+                .map_err(derr("cuGraphLaunch"))
         })
     }
     fn elapsed_ms(&self, start: EventId, end: EventId) -> Result<f32, GpuError> {

@@ -48,8 +48,25 @@ const ALIGN: usize = 256;
 /// The most arguments a kernel takes (the attention kernels take 29).
 const MAX_ARGS: usize = 48;
 
+/// One call captured on the shim ([`Gpu::begin_capture`]).
+#[derive(Clone, Debug)]
+enum Captured {
+    Launch(Launch),
+    Gemm(Gemm),
+    Memset(DevPtr, usize),
+    Htod(DevPtr, Vec<u8>),
+    Dtod(DevPtr, DevPtr, usize),
+}
+
 /// The host shim device (see the module docs).
+///
+/// Graphs: a capture records the calls issued on the capturing stream instead of running
+/// them, and a replay runs the recording in order with the recorded arguments, as a CUDA
+/// graph does (host bytes of an `htod` are copied at capture, as a graph's memcpy node
+/// from pageable memory would not be: the driver never captures one).
 pub struct HostGpu {
+    capture: Mutex<Option<(StreamId, Vec<Captured>)>>,
+    graphs: Mutex<Vec<Vec<Captured>>>,
     dtype: DType,
     allocs: Mutex<HashMap<DevPtr, Layout>>,
     next: AtomicU32,
@@ -61,6 +78,8 @@ impl HostGpu {
     /// A device whose kernels run for `dtype`.
     pub fn new(dtype: DType) -> Self {
         HostGpu {
+            capture: Mutex::new(None),
+            graphs: Mutex::new(Vec::new()),
             dtype,
             allocs: Mutex::new(HashMap::new()),
             next: AtomicU32::new(0),
@@ -80,6 +99,31 @@ impl HostGpu {
     /// Allocations made so far ([`Gpu::alloc`] calls that succeeded).
     pub fn allocations(&self) -> usize {
         self.allocations.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Records `c` if `s` is capturing (then the call does not run): `Ok(true)`.
+    fn captured(&self, s: StreamId, c: impl FnOnce() -> Captured) -> Result<bool, GpuError> {
+        let mut cap = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        match cap.as_mut() {
+            Some((cs, v)) if *cs == s => {
+                v.push(c());
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Refuses a call that waits for the device on a capturing stream (CUDA invalidates
+    /// the capture).
+    fn no_wait_while_capturing(&self, s: StreamId, what: &str) -> Result<(), GpuError> {
+        let cap = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        match cap.as_ref() {
+            Some((cs, _)) if *cs == s => Err(GpuError(format!(
+                "{what} on stream {} while it captures a graph (a capture cannot wait for the device)",
+                s.0
+            ))),
+            _ => Ok(()),
+        }
     }
 
     fn check(&self, ptr: DevPtr, bytes: usize, what: &str) -> Result<(), GpuError> {
@@ -189,34 +233,47 @@ impl Gpu for HostGpu {
     fn new_event(&self) -> Result<EventId, GpuError> {
         Ok(EventId(self.next.fetch_add(1, Ordering::Relaxed)))
     }
-    fn memset(&self, _s: StreamId, ptr: DevPtr, bytes: usize) -> Result<(), GpuError> {
+    fn memset(&self, s: StreamId, ptr: DevPtr, bytes: usize) -> Result<(), GpuError> {
         self.check(ptr, bytes, "memset")?;
+        if self.captured(s, || Captured::Memset(ptr, bytes))? {
+            return Ok(());
+        }
         // SAFETY: checked against the allocations.
         unsafe { std::ptr::write_bytes(ptr as *mut u8, 0, bytes) };
         Ok(())
     }
-    fn htod(&self, _s: StreamId, dst: DevPtr, src: &[u8]) -> Result<(), GpuError> {
+    fn htod(&self, s: StreamId, dst: DevPtr, src: &[u8]) -> Result<(), GpuError> {
         self.check(dst, src.len(), "htod")?;
+        if self.captured(s, || Captured::Htod(dst, src.to_vec()))? {
+            return Ok(());
+        }
         // SAFETY: checked; host and shim memory never overlap.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
         Ok(())
     }
-    fn dtoh(&self, _s: StreamId, src: DevPtr, dst: &mut [u8]) -> Result<(), GpuError> {
+    fn dtoh(&self, s: StreamId, src: DevPtr, dst: &mut [u8]) -> Result<(), GpuError> {
+        self.no_wait_while_capturing(s, "dtoh")?;
         self.check(src, dst.len(), "dtoh")?;
         // SAFETY: checked.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
-    fn dtod(&self, _s: StreamId, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), GpuError> {
+    fn dtod(&self, s: StreamId, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), GpuError> {
         self.check(dst, bytes, "dtod destination")?;
         self.check(src, bytes, "dtod source")?;
+        if self.captured(s, || Captured::Dtod(dst, src, bytes))? {
+            return Ok(());
+        }
         // SAFETY: checked; `copy` allows overlap.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     }
-    fn launch(&self, _s: StreamId, l: &Launch) -> Result<(), GpuError> {
+    fn launch(&self, s: StreamId, l: &Launch) -> Result<(), GpuError> {
         // The kernel by its index in the table: no name compared, nothing allocated.
         let (ix, _) = l.resolve()?;
+        if self.captured(s, || Captured::Launch(l.clone()))? {
+            return Ok(());
+        }
         let mut slots = [0u64; MAX_ARGS];
         let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
         if l.args.len() > MAX_ARGS {
@@ -257,7 +314,10 @@ impl Gpu for HostGpu {
         }
         Ok(())
     }
-    fn gemm(&self, _s: StreamId, g: &Gemm) -> Result<(), GpuError> {
+    fn gemm(&self, s: StreamId, g: &Gemm) -> Result<(), GpuError> {
+        if self.captured(s, || Captured::Gemm(g.clone()))? {
+            return Ok(());
+        }
         let (ar, ac) = if g.ta { (g.k, g.m) } else { (g.m, g.k) };
         let (br, bc) = if g.tb { (g.n, g.k) } else { (g.k, g.n) };
         let t = self.dtype.size();
@@ -319,7 +379,51 @@ impl Gpu for HostGpu {
     fn wait(&self, _s: StreamId, _e: EventId) -> Result<(), GpuError> {
         Ok(())
     }
-    fn sync(&self, _s: StreamId, _timeout: Duration) -> Result<(), GpuError> {
+    fn sync(&self, s: StreamId, _timeout: Duration) -> Result<(), GpuError> {
+        self.no_wait_while_capturing(s, "a stream synchronization")
+    }
+    fn begin_capture(&self, s: StreamId) -> Result<(), GpuError> {
+        let mut cap = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((cs, _)) = cap.as_ref() {
+            return Err(GpuError(format!(
+                "stream {} already captures a graph (the shim captures one stream at a time)",
+                cs.0
+            )));
+        }
+        *cap = Some((s, Vec::new()));
+        Ok(())
+    }
+    fn end_capture(&self, s: StreamId) -> Result<GraphId, GpuError> {
+        let mut cap = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        match cap.take() {
+            Some((cs, v)) if cs == s => {
+                let mut g = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+                g.push(v);
+                Ok(GraphId(g.len() as u32 - 1))
+            }
+            other => {
+                *cap = other;
+                Err(GpuError(format!("stream {} is not capturing a graph", s.0)))
+            }
+        }
+    }
+    fn replay(&self, s: StreamId, g: GraphId) -> Result<(), GpuError> {
+        let calls = self
+            .graphs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(g.0 as usize)
+            .cloned()
+            .ok_or_else(|| GpuError(format!("no graph {}", g.0)))?;
+        for c in &calls {
+            match c {
+                Captured::Launch(l) => self.launch(s, l)?,
+                Captured::Gemm(x) => self.gemm(s, x)?,
+                Captured::Memset(p, b) => self.memset(s, *p, *b)?,
+                Captured::Htod(p, b) => self.htod(s, *p, b)?,
+                Captured::Dtod(d, x, b) => self.dtod(s, *d, *x, *b)?,
+            }
+        }
         Ok(())
     }
     fn elapsed_ms(&self, _start: EventId, _end: EventId) -> Result<f32, GpuError> {
