@@ -17,6 +17,13 @@ use schedc_program::{LocalStage, ModelConfig, Part, Pass};
 /// Threads per block of elementwise kernels.
 pub const BLOCK: u32 = 256;
 
+/// Threads of the one block of `route` and `dispatch_plan` (parallel over tokens and
+/// experts; any size gives the same result).
+pub const ROUTE_THREADS: u32 = 256;
+
+/// Threads per block of `embed_w` (a block per token, a thread per column).
+pub const EMBED_THREADS: u32 = 256;
+
 fn p(x: DevPtr) -> Arg {
     Arg::Ptr(x)
 }
@@ -1064,9 +1071,11 @@ impl Model<'_> {
         self.ew(s, "sigmoid", t * e, vec![p(sc), p(logits), n64(t * e)])?;
         let loads = io.grads + (st.layout.loads_of(l, e) * 4) as u64;
         let bugs = &self.cfg.bugs;
-        self.one(
+        self.go(
             s,
             "route",
+            [1, 1, 1],
+            ROUTE_THREADS,
             vec![
                 p(at(r.experts)),
                 p(at(r.desired)),
@@ -1087,9 +1096,11 @@ impl Model<'_> {
             ],
         )?;
         let ob = at(st.stash.outbox);
-        self.one(
+        self.go(
             s,
             "dispatch_plan",
+            [1, 1, 1],
+            ROUTE_THREADS,
             vec![
                 p(at(r.order)),
                 p(at(r.slot_dest)),
@@ -1934,10 +1945,11 @@ impl Model<'_> {
         let (t, d, e, f, v) = (dm.t, dm.d, dm.e, dm.f, dm.vocab);
         let sl = &st.stash;
         if st.info.first && attn {
-            self.ew(
+            self.go(
                 s,
                 "embed_w",
-                v * d,
+                [t.clamp(1, 4096) as u32, 1, 1],
+                EMBED_THREADS,
                 vec![
                     p(self.g(st, io, "embed")?),
                     p(self.at(io, sl.layers[0].dx)),
