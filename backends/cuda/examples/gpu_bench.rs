@@ -579,7 +579,14 @@ fn launch(g: &CudaGpu, s: StreamId) -> Result<serde_json::Value, GpuError> {
 /// the same calls run eagerly on the same inputs (the outputs must be equal bit for bit);
 /// (2) launch overhead through a graph: 1000 one-element `add_f32` launches captured,
 /// replayed 20 times, host and device time per launch (against `launch`'s eager figures).
-fn graph(g: &dyn Gpu, s: StreamId, timed: bool) -> Result<serde_json::Value, GpuError> {
+/// With `dump`, case (1)'s inputs and eager outputs are written there as JSON (gpu-check's
+/// comparison with torch's `scaled_dot_product_attention`, `sdpa_check.py`).
+fn graph(
+    g: &dyn Gpu,
+    s: StreamId,
+    timed: bool,
+    dump: Option<&str>,
+) -> Result<serde_json::Value, GpuError> {
     let a = AttnDims {
         heads: 3,
         dn: 128,
@@ -620,6 +627,29 @@ fn graph(g: &dyn Gpu, s: StreamId, timed: bool) -> Result<serde_json::Value, Gpu
     let differing: Vec<usize> = (0..osz.len())
         .filter(|&k| eager[k] != replayed[k])
         .collect();
+    if let Some(path) = dump {
+        // The case for gpu-check's comparison with torch's scaled_dot_product_attention:
+        // inputs and outputs as f32 values of what the buffers hold.
+        let names_in = ["q_nope", "q_pe", "k_nope", "k_pe", "v", "dout"];
+        let names_out = ["out", "lse", "dq_nope", "dq_pe", "dk_nope", "dk_pe", "dv"];
+        let mut inputs = serde_json::Map::new();
+        for (k, &n) in isz.iter().enumerate() {
+            let mut x = vec![0u8; n * g.dtype().size()];
+            g.dtoh(s, b.inputs[k], &mut x)?;
+            inputs.insert(names_in[k].into(), json!(decode(g.dtype(), &x)));
+        }
+        let mut outputs = serde_json::Map::new();
+        for (k, x) in eager.iter().enumerate() {
+            let dt = if k == 1 { DType::F32 } else { g.dtype() };
+            outputs.insert(names_out[k].into(), json!(decode(dt, x)));
+        }
+        let case = json!({
+            "heads": a.heads, "tokens": t, "dn": a.dn, "dr": a.dr, "dv": a.dv, "kph": a.kph,
+            "scale": a.scale, "dtype": g.dtype().name(), "inputs": inputs, "outputs": outputs,
+        });
+        std::fs::write(path, case.to_string())
+            .map_err(|e| GpuError(format!("writing {path}: {e}")))?;
+    }
     attn_free(g, &b)?;
     // (2) launch overhead.
     let p = g.alloc(4096)?;
@@ -698,7 +728,7 @@ fn main() {
     if args.iter().any(|a| a == "--host-graph") {
         // The graph section on the host shim (capture records, replay runs the record).
         let h = HostGpu::new(DType::Bf16);
-        match graph(&h, StreamId(0), false) {
+        match graph(&h, StreamId(0), false, opt("--dump-attention").as_deref()) {
             Ok(v) => println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default()),
             Err(e) => {
                 eprintln!("error: {e}");
@@ -738,7 +768,8 @@ fn main() {
             out["launch"] = launch(&g, s)?;
         }
         if what.contains("graph") {
-            out["graph"] = graph(&g, s, true).unwrap_or_else(|e| json!({"error": e.to_string()}));
+            out["graph"] = graph(&g, s, true, opt("--dump-attention").as_deref())
+                .unwrap_or_else(|e| json!({"error": e.to_string()}));
         }
         if what.contains("attention") {
             out["attention"] = attention(&g, s, (16, 4096), false)
