@@ -30,6 +30,9 @@
 #   tp_dualpipe    DualPipe at --mesh pp=2,tp=2, f32 --verify
 #   tp_bf16_1f1b   1F1B at --mesh pp=2,tp=2 in bf16 (the TP all-reduces sum bf16): its loss
 #                  against the CPU backend's f32 loss (ref/cpu_tp_1f1b.json), goal 1e-2
+#   sp_1f1b        1F1B at --mesh pp=2,tp=2,sp=2 --sequence-parallel (Megatron SP: the TP
+#                  collectives are all-gathers and reduce-scatters), f32 --verify; not yet
+#                  run on a GPU (its 25 s limit is a guess from tp_dualpipe's)
 #   realsize       the issue-24 model (realsize.json: hidden 2048, MLA, 64 experts top-6, four
 #                  layers) at sequence 4096 on one stage (P=1, M=4), bf16, 3 steps: tokens/s
 #                  from the later steps, MFU with the FLOPs the simulator counts
@@ -56,8 +59,9 @@ BUDGET="${GPU_CHECK_BUDGET:-420}"
 
 # NAME:LIMIT in order; the limits add up to 420 s. A step added here takes its time from
 # another (or the deadline skips the last ones).
-STEPS=(smoke:30 f32_1f1b:30 f32_zb_h1:30 f32_dualpipe:30 bf16_dualpipe:30 tp_dualpipe:30
-    tp_bf16_1f1b:30 realsize:60 train_cuda_f32:40 train_cuda_bf16:30 bench:40 graph:15 sdpa:25)
+STEPS=(smoke:30 f32_1f1b:25 f32_zb_h1:25 f32_dualpipe:30 bf16_dualpipe:25 tp_dualpipe:25
+    tp_bf16_1f1b:25 sp_1f1b:25 realsize:60 train_cuda_f32:40 train_cuda_bf16:30 bench:40 graph:15
+    sdpa:25)
 
 prepare() {
     cd "$ROOT" || exit 1
@@ -184,6 +188,10 @@ run() {
     step tp_dualpipe "$S" run specs/dualpipe.sched --pp 2 --mb 4 --mesh pp=2,tp=2 --backend cuda --dtype f32 --verify --format json
     # TP in bf16 (the TP all-reduces sum bf16 activations): its loss against the CPU's f32.
     step tp_bf16_1f1b "$S" run specs/1f1b.sched --pp 2 --mb 4 --mesh pp=2,tp=2 --backend cuda --dtype bf16 --format json
+    # Megatron sequence parallelism (issue 23): eight ranks on the one GPU, each TP member
+    # on its shard of its SP chunk, f32 --verify against the reference that routes each
+    # shard alone.
+    step sp_1f1b "$S" run specs/1f1b.sched --pp 2 --mb 4 --mesh pp=2,tp=2,sp=2 --sequence-parallel --backend cuda --dtype f32 --verify --format json
     # Issue 24: the real-size model on one stage, 3 steps (the first with the setup).
     step realsize "$S" run specs/1f1b.sched --pp 1 --mb 4 --model "$GPU/realsize.json" --seq 4096 --data "$GPU/tinyshakespeare.txt" --steps 3 --backend cuda --dtype bf16 --format json
     local train=(run specs/dualpipe.sched --pp 4 --mb 8 --data "$GPU/tinyshakespeare.txt" --steps 200 --format json)
@@ -333,7 +341,7 @@ def bench():
 
 lines.append("steps: " + "; ".join(f"{n} {status(n)}" for n in steps))
 section("smoke", lambda: lines.append(f"smoke: {status('smoke')}"))
-for n in ["f32_1f1b", "f32_zb_h1", "f32_dualpipe", "tp_dualpipe"]:
+for n in ["f32_1f1b", "f32_zb_h1", "f32_dualpipe", "tp_dualpipe", "sp_1f1b"]:
     section(n, lambda n=n: f32(n))
 section("bf16_dualpipe", bf16)
 section("tp_bf16_1f1b", lambda: bf16("tp_bf16_1f1b", "cpu_tp_1f1b.json"))

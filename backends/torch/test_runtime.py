@@ -177,12 +177,13 @@ def free_port() -> int:
 
 def compile_program(exe: str, inp: str, args: list[str], mesh: str | None,
                     moe: bool, out: str) -> list[int]:
-    """``schedc compile --granularity stage`` into ``out``; returns the verifier's stash peaks."""
+    """``schedc compile --granularity stage`` into ``out``; returns the activation peaks per
+    rank as ``schedc check`` counts them (compile's "peak activations per rank")."""
     if moe:  # schedc's own MoE lowering: every F, B, BW of every stage in four parts
         args = [*args, "--moe"]
     extra = ["--mesh", mesh] if mesh else []
     text = schedc(exe, ["compile", inp, *args, *extra, "--granularity", "stage", "-o", out])
-    m = re.search(r"peak stash per rank \[([\d, ]*)\]", text)
+    m = re.search(r"peak activations per rank \[([\d, ]*)\]", text)
     return [int(x) for x in m.group(1).split(",")] if m and m.group(1) else []
 
 

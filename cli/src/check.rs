@@ -69,8 +69,13 @@ pub fn run(args: Args) -> ExitCode {
             return c;
         }
     }
-    if max_memory.is_some() {
-        if let Err(e) = require_memory_sizes(&model) {
+    let sizes = if max_memory.is_some() {
+        require_memory_sizes(&model)
+    } else {
+        Ok(())
+    };
+    {
+        if let Err(e) = sizes.and_then(|()| require_sizes_for_host_budget(&model)) {
             eprintln!("error: {e}");
             if format == OutFormat::Json {
                 let v = serde_json::json!({"input": input.name(), "error": format!("error: {e}\n"), "exit": 2});

@@ -288,12 +288,12 @@ pub fn run(args: Args) -> ExitCode {
                 }
             };
         said += &format!(
-            "wrote {} files to {} (verified: {} instructions, {} messages, peak stash per rank {:?})\n",
+            "wrote {} files to {} (verified: {} instructions, {} messages, peak activations per rank {:?})\n",
             files.len(),
             output.display(),
             rep.ops,
             rep.messages,
-            rep.peak_stash
+            rep.peak_activations
         );
     }
     if let Some(dir) = &args.ptx {

@@ -139,10 +139,11 @@ pub struct Args {
     /// gives the bytes by level (`a2a_bytes`).
     #[arg(long, value_enum, default_value = "flat")]
     pub a2a: A2a,
-    /// CPU: Megatron-LM's sequence parallelism inside the TP group (needs tp > 1 in --mesh):
-    /// each TP rank keeps 1/tp of the tokens between the TP collectives (norms, residuals,
-    /// router, routed experts on the shard), which become all-gathers and reduce-scatters.
-    /// The mesh's `sp` is the other kind: it splits each sequence over its own ranks.
+    /// CPU and CUDA: Megatron-LM's sequence parallelism inside the TP group (needs tp > 1 in
+    /// --mesh): each TP rank keeps 1/tp of the tokens between the TP collectives (norms,
+    /// residuals, router, routed experts on the shard), which become all-gathers and
+    /// reduce-scatters. The mesh's `sp` is the other kind: it splits each sequence over its
+    /// own ranks.
     #[arg(long)]
     pub sequence_parallel: bool,
     /// CPU: routed experts per MoE layer of the model (default: 4).
@@ -285,6 +286,9 @@ pub fn run(args: Args) -> ExitCode {
         Ok(m) => m,
         Err(e) => return fail(format, &format!("--mesh: {e}"), 2),
     };
+    for w in mesh.iter().flat_map(Mesh::cross_node_warnings) {
+        eprintln!("warning: --mesh: {w}");
+    }
     if args.backend == Backend::Cuda {
         if args.trace.is_some() {
             return usage("--trace is for --backend cpu");
@@ -293,11 +297,8 @@ pub fn run(args: Args) -> ExitCode {
             || args.experts.is_some()
             || args.top_k.is_some()
             || args.node_limit.is_some()
-            || args.sequence_parallel
         {
-            return usage(
-                "--a2a, --experts, --top-k, --node-limit and --sequence-parallel are for --backend cpu",
-            );
+            return usage("--a2a, --experts, --top-k and --node-limit are for --backend cpu");
         }
         // Before the schedule is loaded and before NVRTC is.
         if let Some(a) = &args.arch {
@@ -691,6 +692,7 @@ fn run_cuda(args: Args, program: schedc_ir::Program, mesh: Option<Mesh>) -> Exit
         nccl,
         model,
         memory_limit,
+        sequence_parallel: args.sequence_parallel,
         ..cu::RunConfig::default()
     };
     let r = cu::run(&program, &cfg);

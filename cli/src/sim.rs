@@ -81,8 +81,13 @@ pub fn run(args: Args) -> ExitCode {
             }
         }
     }
-    if max_memory.is_some() && !cluster.given() {
-        if let Err(e) = require_memory_sizes(&model) {
+    if !cluster.given() {
+        let sizes = if max_memory.is_some() {
+            require_memory_sizes(&model)
+        } else {
+            Ok(())
+        };
+        if let Err(e) = sizes.and_then(|()| require_sizes_for_host_budget(&model)) {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
@@ -178,7 +183,13 @@ pub fn run(args: Args) -> ExitCode {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");
-            return ExitCode::from(1);
+            // A cost model whose times overflow is unusable input (2), not a schedule that
+            // failed (1).
+            return ExitCode::from(if e.starts_with(schedc::sim::NOT_FINITE) {
+                2
+            } else {
+                1
+            });
         }
     };
     // A file that cannot be written after all (the disk filled up since the check above)

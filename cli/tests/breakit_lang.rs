@@ -495,3 +495,23 @@ fn sim_and_compare_agree_for_v_above_one() {
     ]);
     assert_eq!(one, 33.0);
 }
+
+// Newcomer round 4, finding 10: a shape line (`pp 2`) inside `literal { }` said "`pp` is
+// given twice (first on line 1)" of a header the user never wrote, exit 1; now it says what
+// a literal block holds, at the line, exit 2 (malformed input).
+#[test]
+fn round4_finding10_a_shape_line_in_a_literal_block() {
+    let d = tmpdir("round4-10");
+    let f = d.join("litpp.sched");
+    std::fs::write(
+        &f,
+        "schedule \"lit\"\nliteral {\npp 2\nrank 0: F(0,0) BW(0,0)\nrank 1: F(1,0) BW(1,0)\n}\n",
+    )
+    .unwrap();
+    let o = schedc(&["check", f.to_str().unwrap(), "--pp", "2", "--mb", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(e.contains("`pp` is not written in a literal block"), "{e}");
+    assert!(e.contains("litpp.sched:3:1"), "{e}");
+    assert!(!e.contains("first on line"), "{e}");
+}

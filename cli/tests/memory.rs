@@ -351,7 +351,7 @@ const ONE_F_ONE_B: [&str; 6] = ["specs/1f1b.sched", "--pp", "4", "--mb", "8", "-
 #[test]
 fn max_memory_rejects_the_rank_over_the_cap_naming_its_peak_and_the_cap() {
     // 1F1B at P = 4, M = 8 holds 4, 3, 2, 1 activations of 1 GB: rank 0 peaks at 4 GB.
-    let msg = "rank 0 needs 4.0 GB of device memory at its peak (4000000000 bytes), over the --max-memory cap of 3.8 GB (3758096384 bytes)";
+    let msg = "rank 0 needs 3.7 GiB of device memory at its peak (4000000000 bytes), over the --max-memory cap of 3.5 GiB (3758096384 bytes)";
     let mut check = vec!["check"];
     check.extend(ONE_F_ONE_B);
     check.extend(["activation_bytes=1e9", "--max-memory", "3.5G"]);
@@ -369,7 +369,7 @@ fn max_memory_rejects_the_rank_over_the_cap_naming_its_peak_and_the_cap() {
     let o = schedc(&check);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stdout(&o).contains("rank 0 needs 4.0 GB of device memory"),
+        stdout(&o).contains("rank 0 needs 3.7 GiB of device memory"),
         "{}",
         stdout(&o)
     );
@@ -384,7 +384,7 @@ fn max_memory_rejects_the_rank_over_the_cap_naming_its_peak_and_the_cap() {
     assert_eq!(o.status.code(), Some(1));
     // (The rendering wraps the message.)
     for part in [
-        "rank 0 needs 4.0 GB of device memory",
+        "rank 0 needs 3.7 GiB of device memory",
         "cap",
         "(3758096384 bytes)",
     ] {
@@ -407,7 +407,7 @@ fn max_memory_rejects_the_rank_over_the_cap_naming_its_peak_and_the_cap() {
     assert_eq!(code, Some(1));
     assert_eq!(
         v["diagnostics"][0]["message"],
-        "rank 0 needs 400.0 GB of device memory at its peak (400000000000 bytes), over the --max-memory cap of 85.9 GB (85899345920 bytes)"
+        "rank 0 needs 372.5 GiB of device memory at its peak (400000000000 bytes), over the --max-memory cap of 80.0 GiB (85899345920 bytes)"
     );
 }
 
@@ -528,7 +528,7 @@ fn max_memory_applies_to_model_derived_sizes_and_host_budget_to_a_sweep() {
     assert_eq!(errs.len(), 1, "{errs:?}");
     assert_eq!(
         errs[0]["message"],
-        "rank 0 needs 59.1 GB of device memory at its peak (59134574592 bytes), over the --max-memory cap of 53.7 GB (53687091200 bytes)"
+        "rank 0 needs 55.1 GiB of device memory at its peak (59134574592 bytes), over the --max-memory cap of 50.0 GiB (53687091200 bytes)"
     );
     // A sweep checks the host budget on every instance.
     let o = schedc(&[
@@ -548,5 +548,225 @@ fn max_memory_applies_to_model_derived_sizes_and_host_budget_to_a_sweep() {
         stdout(&o),
         "FAIL --pp 4 --mb 8: [memory] rank 0 step 5: OFFLOAD(0,2) needs 1.0 GB of host memory, 2.0 GB already offloaded, over the host budget of 2.5 GB\n\
          specs/1f1b_offload.sched: 2 instances: 1 passed, 1 failed, 0 outside the family (refused by `require`)\n"
+    );
+}
+
+/// Newcomer round 4, finding 1: an OFFLOAD after a split B moves only what the W still needs
+/// (`released_at_b` of the activation was freed by the B), in the device peak, the host peak,
+/// the copy time and the host budget.
+#[test]
+fn sim_offload_after_a_split_b_moves_only_what_w_still_needs() {
+    let f = spec_file(
+        "offB.ir",
+        "pp 1\nrank 0: F(0,0) B(0,0) OFFLOAD(0,0) F(0,1) F(0,2) B(0,1) W(0,1) B(0,2) W(0,2) RELOAD(0,0) W(0,0)\n",
+    );
+    let set = "activation_bytes=1e9,released_at_b=0.5,pcie_bandwidth=1e9";
+    let (code, v) = json(&["sim", f.to_str().unwrap(), "--set", set]);
+    assert_eq!(code, Some(0), "{v}");
+    let r0 = &v["ranks"][0];
+    // Two whole stashes (F(0,1), F(0,2)) at once; half of F(0,0)'s went to the host.
+    assert_eq!(r0["peak_activation_bytes"], 2e9);
+    assert_eq!(r0["peak_host_bytes"], 5e8);
+    // The 0.5 GB reload takes 0.5 s at 1 GB/s; the last W waits for it.
+    assert_eq!(v["makespan"], 9.5);
+    // A host budget of 0.6 GB holds that half; 0.4 GB does not.
+    let ok = format!("{set},host_bytes=0.6e9");
+    let (code, _) = json(&["sim", f.to_str().unwrap(), "--set", &ok]);
+    assert_eq!(code, Some(0));
+    let small = format!("{set},host_bytes=0.4e9");
+    let (code, v) = json(&["sim", f.to_str().unwrap(), "--set", &small]);
+    assert_eq!(code, Some(1), "{v}");
+}
+
+/// Newcomer round 4, finding 2: a copy or message time that overflows the step gave
+/// `makespan 0.000000 s` and exit 0; now refused as an unusable cost model (exit 2).
+#[test]
+fn overflowing_copy_and_message_times_are_refused_not_a_zero_makespan() {
+    for (spec, set) in [
+        ("specs/1f1b.sched", "latency=1e308"),
+        (
+            "specs/1f1b_offload.sched",
+            "activation_bytes=1e9,pcie_bandwidth=1e-300",
+        ),
+        ("specs/1f1b_offload.sched", "offload=1e308,reload=1e308"),
+    ] {
+        let o = schedc(&["sim", spec, "--pp", "4", "--mb", "8", "--set", set]);
+        assert_eq!(o.status.code(), Some(2), "{spec} {set}: {}", stdout(&o));
+        let e = stderr(&o);
+        assert!(
+            e.contains("the simulated step does not end in finite time")
+                || e.contains("their sums overflow"),
+            "{spec} {set}: {e}"
+        );
+        assert!(!stdout(&o).contains("makespan"), "{spec} {set}");
+    }
+}
+
+/// Newcomer round 4, finding 3: a LEND after an OFFLOAD and a RELOAD passed `check` but the
+/// lowering sent the stash unordered with the copy stream's reload (run failed with a race);
+/// the send now waits for the reload. A stash lent twice in a step (around a split B/W) is a
+/// valid schedule the executors do not run: exit 2 "unsupported", not 1 "does not verify".
+#[test]
+fn a_lend_after_a_reload_runs_and_a_stash_lent_twice_is_unsupported() {
+    let f = spec_file(
+        "lend_off.ir",
+        "pp 2\nrank 0: F(0,0) OFFLOAD(0,0) RELOAD(0,0) LEND(0,0->1@1) SA(0,0->1) RG(1,0<-1) RETURN(0,0<-1@1) BW(0,0)\nrank 1: LEND(0,0<-0@1) RA(0,0<-0) F(1,0) BW(1,0) SG(1,0->0) RETURN(0,0->0@1)\n",
+    );
+    let o = schedc(&["run", f.to_str().unwrap(), "--backend", "cpu", "--verify"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o)
+            .contains("every gradient, loss and parameter equals sequential training's exactly"),
+        "{}",
+        stdout(&o)
+    );
+    let f = spec_file(
+        "lend_twice.ir",
+        "pp 3\nrank 0: F(0,0) LEND(0,0->1@1) SA(0,0->1) RG(1,0<-1) RETURN(0,0<-1@1) B(0,0) LEND(0,0->1@1) RETURN(0,0<-1@1) W(0,0)\nrank 1: LEND(0,0<-0@1) RA(0,0<-0) F(1,0) SA(1,0->2) RG(2,0<-2) BW(1,0) SG(1,0->0) RETURN(0,0->0@1) LEND(0,0<-0@1) RETURN(0,0->0@1)\nrank 2: RA(1,0<-1) F(2,0) BW(2,0) SG(2,0->1)\n",
+    );
+    assert_eq!(
+        schedc(&["check", f.to_str().unwrap()]).status.code(),
+        Some(0)
+    );
+    let o = schedc(&["run", f.to_str().unwrap(), "--backend", "cpu"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(
+        stderr(&o).trim_end(),
+        "error: unsupported: rank 0: `LEND(0,0->1@1)`: the stash of F(0,0) is sent twice by this rank; the executors move a stash to its holder and back once per step"
+    );
+}
+
+/// Newcomer round 4, finding 5: `compile` reported BPipe's peak stashes as 1F1B's ([4, 3, 2,
+/// 1]: a stash lent to the partner rank was still counted on its owner and not on its
+/// holder) and the `--memory-limit` estimate of bpipe equalled 1F1B's. Both now use the
+/// checker's count: [2, 2, 3, 3], the largest rank of bpipe needs 3/4 of 1F1B's rank 0.
+#[test]
+fn compile_and_the_memory_estimate_count_a_lent_stash_on_its_holder() {
+    let out = tmpdir("bpipe-compile");
+    let o = schedc(&[
+        "compile",
+        "specs/bpipe.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).ends_with("peak activations per rank [2, 2, 3, 3])\n"),
+        "{}",
+        stdout(&o)
+    );
+    let need = |spec: &str| {
+        let o = schedc(&[
+            "run",
+            spec,
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--backend",
+            "cpu",
+            "--seq",
+            "400",
+            "--memory-limit",
+            "1M",
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{spec}: {}", stderr(&o));
+        stderr(&o)
+    };
+    let a = need("specs/1f1b.sched");
+    let b = need("specs/bpipe.sched");
+    assert!(a.contains("the largest, rank 0 needs 31.4 MiB (903.2 KiB of parameters, gradients and optimizer state, 30.5 MiB of activations and buffers)"), "{a}");
+    assert!(b.contains("the largest, rank 3 needs 23.7 MiB (904.2 KiB of parameters, gradients and optimizer state, 22.9 MiB of activations and buffers)"), "{b}");
+}
+
+/// Newcomer round 4, finding 7: a host budget without activation sizes was silently ignored
+/// (every offload held 0 bytes); now refused as `--max-memory` without sizes is (exit 2).
+#[test]
+fn a_host_budget_without_activation_sizes_is_refused() {
+    for cmd in ["check", "sim"] {
+        let o = schedc(&[
+            cmd,
+            "specs/1f1b_offload.sched",
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--set",
+            "host_bytes=1",
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{cmd}");
+        assert_eq!(
+            stderr(&o).trim_end(),
+            "error: [memory] host_bytes is a budget for offloaded activations, but the cost model gives them no size ([memory] activation_bytes is 0): give it with --cost FILE or --set activation_bytes=BYTES (or derive it with `sim --model`)"
+        );
+    }
+}
+
+/// Newcomer round 4, finding 9: sizes in exponent notation are accepted like suffixed ones,
+/// 0 says what is wrong with it, and a cap given in binary units (`43G` = 43 x 2^30) is
+/// printed in them with the peak, the rank named once.
+#[test]
+fn max_memory_takes_exponents_refuses_zero_plainly_and_prints_binary_units() {
+    let base = [
+        "check",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--set",
+        "activation_bytes=20e9",
+    ];
+    let o = schedc(&[&base[..], &["--max-memory", "43G"]].concat());
+    assert_eq!(o.status.code(), Some(1));
+    let e = stdout(&o) + &stderr(&o);
+    assert!(
+        e.contains("rank 1 needs 55.9 GiB of device memory at its peak (60000000000 bytes), over the --max-memory")
+            && e.contains("cap of 43.0 GiB (46170898432 bytes)\n"),
+        "{e}"
+    );
+    assert!(!e.contains("(rank 1)"), "{e}");
+    // 3.5e11 bytes hold every rank (peak 80 GB); 1.5e10 holds none.
+    let o = schedc(&[&base[..], &["--max-memory", "3.5e11"]].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = schedc(&[&base[..], &["--max-memory", "1.5e10"]].concat());
+    assert_eq!(o.status.code(), Some(1));
+    let o = schedc(&[&base[..], &["--max-memory", "0"]].concat());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("invalid size `0`: must be at least 1 byte"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// Newcomer round 4, finding 12: IR JSON with an unknown field (`"bytes"` in a memory op)
+/// was accepted silently (the TOML cost files refuse theirs); now a syntax error naming the
+/// field and its position (exit 2).
+#[test]
+fn ir_json_with_an_unknown_field_is_refused() {
+    let f = spec_file(
+        "extra.json",
+        r#"{"pipeline": {"pp": 1, "stages": 1, "microbatches": 1, "placement": "loop", "stage_to_rank": [0]}, "ranks": [[{"Compute": {"kind": "F", "stage": 0, "mb": 0}}, {"Mem": {"kind": "offload", "stage": 0, "mb": 0, "bytes": 5}}, {"Mem": {"kind": "reload", "stage": 0, "mb": 0}}, {"Compute": {"kind": "BW", "stage": 0, "mb": 0}}]]}"#,
+    );
+    let o = schedc(&["check", f.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("unknown field `bytes`, expected one of `kind`, `stage`, `mb`"),
+        "{}",
+        stderr(&o)
+    );
+    // Without it: accepted.
+    let text = std::fs::read_to_string(&f)
+        .unwrap()
+        .replace(", \"bytes\": 5", "");
+    std::fs::write(&f, text).unwrap();
+    assert_eq!(
+        schedc(&["check", f.to_str().unwrap()]).status.code(),
+        Some(0)
     );
 }

@@ -713,6 +713,12 @@ pub fn check_expectations_on(
     }
 }
 
+/// Bytes in binary gigabytes (`--max-memory 80G` is 80 x 2^30 bytes: the cap and the peaks
+/// compared with it are printed in the unit the flag takes).
+fn gib(b: f64) -> String {
+    format!("{:.1} GiB", b / (1u64 << 30) as f64)
+}
+
 /// Bytes as `N.N GB` (10^9 bytes), the unit of `schedc sim`'s report.
 fn gb(b: f64) -> String {
     format!("{:.1} GB", b / 1e9)
@@ -749,9 +755,9 @@ pub fn memory_budget_diagnostics(
                 format!(
                     "rank {} needs {} of device memory at its peak ({} bytes), over the --max-memory cap of {} ({cap} bytes)",
                     r.rank,
-                    gb(r.peak_memory_bytes),
+                    gib(r.peak_memory_bytes),
                     r.peak_memory_bytes.round() as u64,
-                    gb(cap as f64),
+                    gib(cap as f64),
                 ),
             )
             .with_help("offload or recompute activations, or use a schedule that holds fewer micro-batches");

@@ -394,7 +394,10 @@ impl std::fmt::Display for Rendered<'_> {
                 }
                 write!(f, ")")?;
             } else if let Some(r) = d.rank {
-                write!(f, " (rank {r})")?;
+                // Not again where the message starts with its rank.
+                if !d.message.starts_with(&format!("rank {r} ")) {
+                    write!(f, " (rank {r})")?;
+                }
             }
         }
         if let Some(c) = &self.crop {

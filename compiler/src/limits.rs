@@ -131,15 +131,29 @@ pub fn spec_size_lower_bound(pp: u32, mb: u32, vpp: Option<u32>) -> Size {
 /// `KiB`... accepted too). Errors: anything else, or zero.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
+    let bad = || {
+        format!(
+            "invalid size `{s}`: expected a number of bytes, optionally with K, M, G or T (e.g. 8G, or 3.5e9)"
+        )
+    };
+    // A plain number, exponent notation included (`3.5e9`).
+    if let Ok(v) = t.parse::<f64>() {
+        if v.is_finite() && v >= 1.0 {
+            return Ok(if v >= u64::MAX as f64 {
+                u64::MAX
+            } else {
+                v as u64
+            });
+        }
+        if v.is_finite() && v >= 0.0 {
+            return Err(format!("invalid size `{s}`: must be at least 1 byte"));
+        }
+        return Err(bad());
+    }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let bad = || {
-        format!(
-            "invalid size `{s}`: expected a number of bytes, optionally with K, M, G or T (e.g. 8G)"
-        )
-    };
     let n: f64 = num.parse().map_err(|_| bad())?;
     let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
         "" | "B" => 1,
@@ -271,6 +285,10 @@ mod tests {
         assert!(parse_size("-1G").is_err());
         assert!(parse_size("8X").is_err());
         assert!(parse_size("").is_err());
+        assert_eq!(parse_size("3.5e9").unwrap(), 3_500_000_000);
+        assert!(
+            parse_size("nan").is_err() && parse_size("inf").is_err() && parse_size("-3").is_err()
+        );
     }
 
     #[test]

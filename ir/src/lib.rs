@@ -73,6 +73,7 @@ pub enum PlacementKind {
 /// Invariant (checked by [`Pipeline::new`]): `stage_to_rank.len() == stages` and every entry
 /// is `< pp`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Pipeline {
     /// P: number of pipeline ranks.
     pub pp: u32,
@@ -96,6 +97,7 @@ pub struct Pipeline {
 
 /// A named set of ranks that issue collectives together (e.g. `A2A` on an EP group).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Communicator {
     /// The name used in `A2A(<name>,<label>)`.
     pub name: String,
@@ -403,6 +405,7 @@ impl Part {
 /// Equality and hashing ignore [`Compute::checkpoint`]: `F(s,m)!` is the same op as
 /// `F(s,m)` for every pass that matches ops (messages, dependencies, positions).
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Compute {
     /// F, B, W or BW.
     pub kind: Kind,
@@ -503,6 +506,7 @@ impl PayloadKind {
 
 /// A message label: the producer's (kind, stage, mb).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Payload {
     /// Activation or gradient.
     pub kind: PayloadKind,
@@ -514,6 +518,7 @@ pub struct Payload {
 
 /// A communication op.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub enum Comm {
     /// Send `payload` to `peer` (text `SA(s,m->r)`, `SG(s,m->r)`; on channel c:
     /// `SA(s,m->r@c)`).
@@ -546,6 +551,7 @@ pub enum Comm {
 
 /// A collective call.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Collective {
     /// Communicator name (declared in [`Pipeline::communicators`]).
     pub comm: String,
@@ -588,6 +594,7 @@ impl Comm {
 
 /// One instruction of a rank's program.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub enum Instr {
     /// A compute op.
     Compute(Compute),
@@ -653,6 +660,7 @@ pub enum MemKind {
 
 /// A memory op: [`MemKind`] applied to the saved activations of forward `F(stage,mb)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MemOp {
     /// What to do.
     pub kind: MemKind,
@@ -708,6 +716,7 @@ impl Instr {
 /// Invariant: `ranks.len() == pipeline.pp` (enforced by the front ends; passes report a
 /// violation rather than panic).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Program {
     /// The pipeline shape.
     pub pipeline: Pipeline,

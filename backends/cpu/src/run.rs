@@ -592,7 +592,8 @@ pub fn check_model_memory(
         DType::F32 => 4,
         DType::F64 => 8,
     };
-    let needs = schedc_program::memory::cpu_needs(set, &verified.peak_stash, elem, cfg.verify);
+    let needs =
+        schedc_program::memory::cpu_needs(set, &verified.peak_activations, elem, cfg.verify);
     schedc_program::memory::check_fit(&needs, limit, &name, true).map_err(|e| {
         RunError::TooLarge(format!(
             "{e}: give a smaller --model, --seq or mesh, or raise --memory-limit"

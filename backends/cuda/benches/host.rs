@@ -63,6 +63,30 @@ impl Gpu for Null {
         dst.fill(0);
         Ok(())
     }
+    fn alloc_host(&self, bytes: usize) -> Result<HostPtr, GpuError> {
+        self.alloc(bytes)
+    }
+    fn free_host(&self, _ptr: HostPtr) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn dtoh_async(
+        &self,
+        _s: StreamId,
+        _d: HostPtr,
+        _src: DevPtr,
+        _b: usize,
+    ) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn htod_async(
+        &self,
+        _s: StreamId,
+        _d: DevPtr,
+        _src: HostPtr,
+        _b: usize,
+    ) -> Result<(), GpuError> {
+        Ok(())
+    }
     fn dtod(&self, _s: StreamId, _d: DevPtr, _src: DevPtr, _b: usize) -> Result<(), GpuError> {
         Ok(())
     }

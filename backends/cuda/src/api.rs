@@ -9,7 +9,8 @@
 //! * [`crate::record::Recorder`]: records every call and runs nothing (the order tests).
 //!
 //! Everything is asynchronous on a stream except [`Gpu::alloc`], [`Gpu::free`],
-//! [`Gpu::dtoh`] (which waits for its stream) and [`Gpu::sync`]. The driver never reads
+//! [`Gpu::alloc_host`], [`Gpu::free_host`], [`Gpu::dtoh`] (which waits for its stream) and
+//! [`Gpu::sync`]. The driver never reads
 //! device data during a step, so nothing but the end of a step synchronizes the host.
 
 use crate::kernels::{KernelInfo, Param, KERNELS};
@@ -18,6 +19,11 @@ use std::time::Duration;
 
 /// A device address (CUDA's `CUdeviceptr`; on the host shim, a host address).
 pub type DevPtr = u64;
+
+/// The address of a block of page-locked (pinned) host memory from [`Gpu::alloc_host`],
+/// which the device copies to and from asynchronously ([`Gpu::dtoh_async`],
+/// [`Gpu::htod_async`]).
+pub type HostPtr = u64;
 
 /// A stream of one [`Gpu`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -270,6 +276,32 @@ pub trait Gpu: Send + Sync {
     fn htod(&self, s: StreamId, dst: DevPtr, src: &[u8]) -> Result<(), GpuError>;
     /// Copies device bytes to the host after everything issued on `s` (waits for `s`).
     fn dtoh(&self, s: StreamId, src: DevPtr, dst: &mut [u8]) -> Result<(), GpuError>;
+    /// Allocates `bytes` of page-locked (pinned) host memory (`cuMemHostAlloc`,
+    /// synchronous), the target of the asynchronous copies below. Errors: the device's, or
+    /// no host memory.
+    fn alloc_host(&self, bytes: usize) -> Result<HostPtr, GpuError>;
+    /// Releases memory from [`Gpu::alloc_host`] (synchronous: call it only when no stream
+    /// copies to or from it).
+    fn free_host(&self, ptr: HostPtr) -> Result<(), GpuError>;
+    /// Copies `bytes` of device memory at `src` into pinned host memory at `dst`, on `s`,
+    /// without waiting (`cuMemcpyDtoHAsync`; the host reads `dst` only after an event or
+    /// a synchronization of `s`).
+    fn dtoh_async(
+        &self,
+        s: StreamId,
+        dst: HostPtr,
+        src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), GpuError>;
+    /// Copies `bytes` of pinned host memory at `src` to the device at `dst`, on `s`, without
+    /// waiting (`cuMemcpyHtoDAsync`; `src` must stay unchanged until the copy has run).
+    fn htod_async(
+        &self,
+        s: StreamId,
+        dst: DevPtr,
+        src: HostPtr,
+        bytes: usize,
+    ) -> Result<(), GpuError>;
     /// Copies device bytes, on `s`.
     fn dtod(&self, s: StreamId, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), GpuError>;
     /// Launches a kernel on `s`.

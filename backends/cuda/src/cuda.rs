@@ -320,6 +320,52 @@ impl Gpu for CudaGpu {
             unsafe { drv::stream::synchronize(st) }.map_err(derr("cuStreamSynchronize"))
         })
     }
+    fn alloc_host(&self, bytes: usize) -> Result<HostPtr, GpuError> {
+        // SAFETY: a plain page-locked allocation in this context (flags 0).
+        self.call("cuMemHostAlloc", || {
+            unsafe { drv::malloc_host(bytes.max(1), 0) }
+                .map(|p| p as HostPtr)
+                .map_err(derr("cuMemHostAlloc"))
+        })
+    }
+    fn free_host(&self, ptr: HostPtr) -> Result<(), GpuError> {
+        // SAFETY: the caller frees only what `alloc_host` returned, once, when no stream
+        // copies to or from it.
+        self.call("cuMemFreeHost", || {
+            unsafe { drv::free_host(ptr as *mut c_void) }.map_err(derr("cuMemFreeHost"))
+        })
+    }
+    fn dtoh_async(
+        &self,
+        s: StreamId,
+        dst: HostPtr,
+        src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), GpuError> {
+        self.call("cuMemcpyDtoHAsync", || {
+            let st = self.stream(s)?;
+            // SAFETY: `dst` is pinned memory of at least `bytes` (the caller's block) that
+            // outlives the copy; `src` device memory of at least `bytes`.
+            unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, st) }
+                .result()
+                .map_err(derr("cuMemcpyDtoHAsync"))
+        })
+    }
+    fn htod_async(
+        &self,
+        s: StreamId,
+        dst: DevPtr,
+        src: HostPtr,
+        bytes: usize,
+    ) -> Result<(), GpuError> {
+        self.call("cuMemcpyHtoDAsync", || {
+            let st = self.stream(s)?;
+            // SAFETY: as in `dtoh_async`, the other way.
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, st) }
+                .result()
+                .map_err(derr("cuMemcpyHtoDAsync"))
+        })
+    }
     fn dtod(&self, s: StreamId, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), GpuError> {
         self.call("cuMemcpyDtoDAsync", || {
             let st = self.stream(s)?;

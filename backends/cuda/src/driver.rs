@@ -11,14 +11,23 @@
 //! | kernel `(pass, part)` | the launches and GEMMs of [`Model::kernel`] |
 //! | `send` / `recv` | [`Transport::send`] / [`Transport::recv`] |
 //! | `all_to_all` | [`Transport::all_to_all`] of the stash's outbox into its inbox |
+//! | `tp_collective` | [`Transport::reduce`] of a stash region in place (all-reduce phases), or, with Megatron sequence parallelism, [`Transport::all_gather`] / [`Transport::reduce_scatter`] between the member's rows and the chunk's |
+//! | `tp_grad_all_reduce` | [`Transport::reduce`] over the TP group of the replicated tensors' gradients and the load counts, packed into one block |
 //! | `replica_sum` / `all_reduce` | [`Transport::reduce`] of the `weight_grad` buffer (or one scope's range) |
 //! | `optimizer_step` | Adam or SGD, the routers' balancing update, the bf16 compute copy |
+//! | `offload` / `reload` (copy stream) | `cuMemcpyDtoHAsync` / `cuMemcpyHtoDAsync` of the stash to / from a pinned [`HostPool`] block |
+//! | kernel `(recompute, part)` | the forward's launches, writing the stash only ([`Io::recompute`]) |
+//!
+//! BPipe's lent stashes (`send` / `recv` of a `stash` buffer) go through the transport like
+//! any message: the borrower holds the stash's bytes in a block of its pool, sized as the
+//! owner lays the stash out ([`lent_stashes`]).
 //!
 //! Nothing reads device memory during a step; the end of a step synchronizes every stream
 //! (with the run's timeout), reads the rank's error word and its losses.
 
 use crate::api::*;
-use crate::layout::{Dims, ParamLayout};
+use crate::layout::{Dims, ParamLayout, Region};
+use crate::memops::{lent_stashes, HostPool};
 use crate::model::{Io, Model, StageDev};
 use crate::pool::{Events, Pool};
 use crate::transport::{CollTag, Cx, Transport};
@@ -30,7 +39,7 @@ use schedc_program::interp::{
 };
 use schedc_program::mesh::Dim;
 use schedc_program::model::Scope;
-use schedc_program::{Buf, Op, Part, Pass, ProgramSet, RankProgram, StreamKind, Tp};
+use schedc_program::{Buf, Op, Part, Pass, ProgramSet, RankProgram, StreamKind, Tp, TpKind};
 use schedc_program::{Granularity, ModelConfig};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -80,6 +89,11 @@ pub struct RankMemory {
     pub pool_peak_in_use: usize,
     /// What the program's liveness plan reserved ahead of the run.
     pub planned: usize,
+    /// Page-locked host bytes the offloads took (the pinned host pool; host memory, not
+    /// counted in [`RankMemory::total`]).
+    pub pinned_host: usize,
+    /// The most pinned host bytes in use at once.
+    pub pinned_host_peak: usize,
 }
 
 impl RankMemory {
@@ -110,6 +124,8 @@ pub struct GpuResult {
 /// The communicator index of every stream kind of the program set (the same list on every
 /// rank): compute first, then the communication channels in order, then the EP stream of
 /// MoE parts if any rank has one, then the TP stream (`tp > 1`) if any; one more, after them, carries the losses.
+/// The copy stream of the memory ops sends nothing and has no communicator of its own (the
+/// driver files it under compute's, index 0).
 pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     let mut kinds: Vec<StreamKind> = vec![StreamKind::Compute];
     let mut chans: Vec<u32> = set
@@ -146,17 +162,6 @@ pub fn stream_kinds(set: &ProgramSet) -> Vec<StreamKind> {
     }
     kinds
 }
-
-/// Why the CUDA backend refuses programs lowered with Megatron sequence parallelism
-/// (`--sequence-parallel`): its all-gathers, reduce-scatters and `shared` kernels are the
-/// CPU backend's only.
-pub const SEQUENCE_PARALLEL_REFUSED: &str = "the CUDA backend runs tensor parallelism without Megatron sequence parallelism: drop --sequence-parallel, or run it on the CPU backend (--backend cpu)";
-
-/// Why the CUDA backend refuses programs with the IR's memory ops (`OFFLOAD`, `RELOAD`,
-/// `RECOMPUTE`, a checkpointed `F(s,m)!`): the host shim has no pinned host pool and no
-/// copy stream to run an offload's device-to-host copy on, and its forward kernels write
-/// the router loads and the loss, which a recompute must not add twice.
-pub const MEMORY_OPS_REFUSED: &str = "the CUDA backend does not run memory ops (OFFLOAD, RELOAD, RECOMPUTE, F(s,m)!) yet: its host shim has no pinned host pool or copy stream for the offloads, and its forward kernels add the router loads and the loss, which a recompute would count twice; run the schedule on the CPU backend (--backend cpu) or the torch runtime";
 
 /// Step losses of a run's ranks as each finishes a step: calls the run's `on_step` with a
 /// step's loss (the sum over the ranks) once every rank has reported it, in step order.
@@ -209,6 +214,14 @@ pub struct RankDev<'a> {
     stages: Vec<StageDev>,
     bufs: HashMap<Buf, (DevPtr, usize)>,
     pool: Pool,
+    /// The offloads' pinned host blocks (`host(s,m)`), used on the copy stream only.
+    host: HostPool,
+    host_bufs: HashMap<Buf, (HostPtr, usize)>,
+    /// Stash bytes of the stages whose stashes this rank holds for their owner (BPipe).
+    lent: std::collections::BTreeMap<u32, usize>,
+    /// With recomputes: the scratch their router loads go to (after the losses, in the
+    /// same block).
+    scratch: Option<DevPtr>,
     ev: &'a Events,
     transport: &'a dyn Transport,
     data: &'a Data,
@@ -227,6 +240,20 @@ pub struct RankDev<'a> {
     /// Recorded gradients: `(step, stage, tensors)`.
     pub grads: Vec<(usize, u32, Named)>,
     planned: usize,
+    /// The packed replicated-weight gradients of a `TpGradAllReduce` in flight.
+    tp_grad_scratch: Option<DevPtr>,
+}
+
+/// The region holding the gradient w.r.t. layer `l`'s output: the next layer's input
+/// gradient, or the stage output's. `None`: no layer `l`.
+fn r_dy(st: &crate::layout::StashLayout, l: usize) -> Option<Region> {
+    if l + 1 < st.layers.len() {
+        Some(st.layers[l + 1].dx)
+    } else if l < st.layers.len() {
+        Some(st.gout)
+    } else {
+        None
+    }
 }
 
 fn issue(e: GpuError) -> String {
@@ -256,41 +283,17 @@ impl<'a> RankDev<'a> {
                 ))
             }
         };
-        if m.sequence_parallel {
-            return Err(SEQUENCE_PARALLEL_REFUSED.into());
-        }
         if cfg.group_limit.is_some() {
             return Err("the CUDA backend's router has no group-limited (node-limited) routing: run it on the CPU backend (--backend cpu)".into());
         }
-        // BPipe's lent stashes (LEND/RETURN, issue 27) move schedc's saved tensors between
-        // ranks; the CUDA backend keeps a stash in its own pool layout and cannot send it.
-        if let Some(op) = prog.streams.iter().flat_map(|s| &s.ops).find(|o| {
-            matches!(
-                o,
-                Op::Send {
-                    buf: Buf::Stash { .. },
-                    ..
-                } | Op::Recv {
-                    buf: Buf::Stash { .. },
-                    ..
-                }
-            )
-        }) {
-            return Err(format!(
-                "rank {}: `{op}`: the CUDA backend cannot lend saved activations to another rank yet (LEND/RETURN run on the CPU backend; issue 27)",
-                prog.rank
-            ));
-        }
-        let memory_op = prog.streams.iter().any(|s| {
-            s.kind == StreamKind::Copy
-                || s.ops
-                    .iter()
-                    .any(|op| matches!(op, Op::Kernel(k) if k.pass == Pass::Recompute))
-        });
-        if memory_op {
-            return Err(MEMORY_OPS_REFUSED.into());
-        }
-        let dims = Dims::new(cfg, &m.mesh, gpu.dtype())?;
+        // With Megatron sequence parallelism the rank's rows are its TP shard of the chunk.
+        let dims = Dims::with_sequence_parallel(
+            cfg,
+            &m.mesh,
+            gpu.dtype(),
+            m.sequence_parallel.then_some(prog.coords.tp as usize),
+        )?;
+        let lent = lent_stashes(set, prog, &dims)?;
         let streams = prog
             .streams
             .iter()
@@ -327,12 +330,14 @@ impl<'a> RankDev<'a> {
             .map_err(issue)?;
         let mt = (m.microbatches * m.directions) as usize;
         let nl = (stages.len() * mt).max(1);
-        let losses = gpu.alloc(nl * 4).map_err(issue)?;
+        let scratch_bytes = recompute_scratch_bytes(prog, &dims);
+        let losses = gpu.alloc(nl * 4 + scratch_bytes).map_err(issue)?;
+        let scratch = (scratch_bytes > 0).then_some(losses + (nl * 4) as u64);
         let err = gpu.alloc(4).map_err(issue)?;
         gpu.memset(s0, err, 4).map_err(issue)?;
         let mut pool = Pool::default();
         let mut planned = 0;
-        for (bytes, count) in plan_rank(set, prog, &dims, &stages)? {
+        for (bytes, count) in plan_rank_lent(prog, &dims, &stages, &lent)? {
             pool.reserve(gpu, bytes, count).map_err(issue)?;
             planned += bytes * count;
         }
@@ -355,6 +360,10 @@ impl<'a> RankDev<'a> {
             stages,
             bufs: HashMap::new(),
             pool,
+            host: HostPool::default(),
+            host_bufs: HashMap::new(),
+            lent,
+            scratch,
             ev,
             transport,
             data,
@@ -367,6 +376,7 @@ impl<'a> RankDev<'a> {
             progress: None,
             grads: Vec::new(),
             planned,
+            tp_grad_scratch: None,
         })
     }
 
@@ -385,9 +395,11 @@ impl<'a> RankDev<'a> {
     fn bytes_of(&self, b: Buf) -> Result<usize, String> {
         Ok(match b {
             Buf::Act { .. } | Buf::Grad { .. } => self.dims.act_bytes(),
-            Buf::Stash { stage, .. } => self.stages[self.stage_ix(stage)?].stash.bytes,
+            Buf::Stash { stage, .. } | Buf::Host { stage, .. } => match self.lent.get(&stage) {
+                Some(b) => *b,
+                None => self.stages[self.stage_ix(stage)?].stash.bytes,
+            },
             Buf::WeightGrad { stage } => self.stages[self.stage_ix(stage)?].layout.grads() * 4,
-            Buf::Host { .. } => return Err(MEMORY_OPS_REFUSED.into()),
         })
     }
 
@@ -404,7 +416,7 @@ impl<'a> RankDev<'a> {
             gpu: self.gpu,
             dims: &self.dims,
             cfg,
-            pos0: self.prog.coords.sp as usize * self.dims.t,
+            pos0: self.prog.coords.sp as usize * self.dims.tc,
             err: self.err,
         }
     }
@@ -419,7 +431,12 @@ impl<'a> RankDev<'a> {
             .index(self.step, self.prog.data_shard as usize, gmb);
         let cfg = self.cfg;
         let (tokens, targets) = self.data.sequence(idx, cfg.seq_len)?;
-        let lo = self.prog.coords.sp as usize * self.dims.t;
+        // This rank's SP chunk; with Megatron sequence parallelism, this TP member's shard
+        // of it (the data's own rows, whatever the positions' bug does).
+        let mut lo = self.prog.coords.sp as usize * self.dims.tc;
+        if self.dims.seq_par {
+            lo += self.prog.coords.tp as usize * self.dims.t;
+        }
         let hi = lo + self.dims.t;
         Ok((
             if st.first {
@@ -455,10 +472,22 @@ impl<'a> RankDev<'a> {
         let mt = (self.set.manifest.microbatches * self.set.manifest.directions) as usize;
         let gmb =
             st.info.direction as usize * self.set.manifest.microbatches as usize + k.mb as usize;
-        let first_fwd = match (k.pass, k.part) {
+        // A recompute is the forward's kernels again (its stash is a fresh block: the
+        // tokens and targets go up again), writing the stash only.
+        let recompute = k.pass == Pass::Recompute;
+        let pass = if recompute { Pass::F } else { k.pass };
+        let first_fwd = match (pass, k.part) {
             (Pass::F, Part::Embed) => true,
             (Pass::F, Part::Qkv { layer: 0 }) => !st.info.first,
             _ => false,
+        };
+        let scratch = if recompute {
+            Some(
+                self.scratch
+                    .ok_or("a recompute kernel without the recompute scratch")?,
+            )
+        } else {
+            None
         };
         let io = Io {
             stash: self.buf(&Buf::Stash {
@@ -477,10 +506,81 @@ impl<'a> RankDev<'a> {
                 None
             },
             scale: 1.0 / self.batching.tokens(self.dims.tk) as f64,
+            recompute: scratch,
         };
         self.model()
-            .kernel(self.streams[s], &self.stages[si], k.pass, k.part, &io)
+            .kernel(self.streams[s], &self.stages[si], pass, k.part, &io)
             .map_err(issue)
+    }
+
+    /// Megatron sequence parallelism (`TpGradAllReduce`): the sum over the TP group, in
+    /// group order, of stage `stage`'s gradients of the tensors the group does not split
+    /// (each member computed them on its own shard of the tokens) and of the load counts,
+    /// packed into one scratch block for one all-reduce (the CPU backend's
+    /// `replicated_grads`) and unpacked into `weight_grad` once it is done.
+    fn tp_grad_all_reduce(
+        &mut self,
+        stream: usize,
+        stage: u32,
+        group: &[u32],
+        issued: &mut bool,
+    ) -> Result<Ready, String> {
+        let si = self.stage_ix(stage)?;
+        let g = self.buf(&Buf::WeightGrad { stage })?;
+        let lay = &self.stages[si].layout;
+        let mut ranges: Vec<(usize, usize)> = Vec::new();
+        let replicated = lay
+            .tensors
+            .iter()
+            .filter(|(n, _)| tp_split(self.cfg, n).is_none())
+            .map(|(_, t)| (t.grad, t.len))
+            .chain(std::iter::once((lay.dense, lay.loads)));
+        for (at, len) in replicated {
+            match ranges.last_mut() {
+                Some(last) if last.0 + last.1 == at => last.1 += len,
+                _ => ranges.push((at, len)),
+            }
+        }
+        let n: usize = ranges.iter().map(|r| r.1).sum();
+        let s = self.streams[stream];
+        if !*issued {
+            let scratch = self.pool.take(self.gpu, self.ev, s, n * 4).map_err(issue)?;
+            let mut off = 0;
+            for (at, len) in &ranges {
+                self.gpu
+                    .dtod(s, scratch + (off * 4) as u64, g + (at * 4) as u64, len * 4)
+                    .map_err(issue)?;
+                off += len;
+            }
+            self.tp_grad_scratch = Some(scratch);
+        }
+        let scratch = self
+            .tp_grad_scratch
+            .ok_or("the TP gradient sum lost its scratch block")?;
+        let t = self.transport;
+        let r = t.reduce(
+            &mut self.cx(stream),
+            CollTag::TpGrad(stage),
+            group,
+            scratch,
+            n,
+            DType::F32,
+            issued,
+        )?;
+        if r == Ready::Done {
+            let mut off = 0;
+            for (at, len) in &ranges {
+                self.gpu
+                    .dtod(s, g + (at * 4) as u64, scratch + (off * 4) as u64, len * 4)
+                    .map_err(issue)?;
+                off += len;
+            }
+            self.pool
+                .give(self.gpu, self.ev, s, scratch, n * 4)
+                .map_err(issue)?;
+            self.tp_grad_scratch = None;
+        }
+        Ok(r)
     }
 
     fn cx(&mut self, s: usize) -> Cx<'_> {
@@ -523,17 +623,35 @@ impl<'a> RankDev<'a> {
 
     /// The run of adjacent messages of `stream` holding the current instruction (one IR
     /// group: see the lowering), posted at once when the interpreter reaches its first
-    /// message; the others are done already.
+    /// message; the others are done already. A lent stash's message (BPipe's `LEND` /
+    /// `RETURN`, a `send`/`recv` of a `stash` buffer) is a unit of its own: each is an IR
+    /// instruction by itself, which its peer posts alone in the same order on that channel,
+    /// while the lender's return and next lend can be adjacent in its stream without being
+    /// one IR group (a group there would wait for a peer that posts them apart).
     fn post_group(&mut self, stream: usize) -> Result<Ready, String> {
         let ops = &self.prog.streams[stream].ops;
         let is_msg = |o: &Op| matches!(o, Op::Send { .. } | Op::Recv { .. });
+        let lent = |o: &Op| {
+            matches!(
+                o,
+                Op::Send {
+                    buf: Buf::Stash { .. },
+                    ..
+                } | Op::Recv {
+                    buf: Buf::Stash { .. },
+                    ..
+                }
+            )
+        };
+        let joined = |a: &Op, b: &Op| is_msg(a) && is_msg(b) && !lent(a) && !lent(b);
         let i = self.cur_index;
-        if i > 0 && is_msg(&ops[i - 1]) {
+        if i > 0 && joined(&ops[i - 1], &ops[i]) {
             return Ok(Ready::Done);
         }
         let mut msgs = Vec::new();
-        for o in ops[i..].iter().take_while(|o| is_msg(o)) {
-            match o {
+        let mut j = i;
+        while j < ops.len() && (j == i || joined(&ops[j - 1], &ops[j])) {
+            match &ops[j] {
                 Op::Send { buf, peer } => {
                     msgs.push((true, self.buf(buf)?, self.bytes_of(*buf)?, *peer))
                 }
@@ -542,6 +660,7 @@ impl<'a> RankDev<'a> {
                 }
                 _ => {}
             }
+            j += 1;
         }
         let t = self.transport;
         t.post_group(&mut self.cx(stream), &msgs)
@@ -587,6 +706,8 @@ impl<'a> RankDev<'a> {
             pool: self.pool.held(),
             pool_peak_in_use: self.pool.peak(),
             planned: self.planned,
+            pinned_host: self.host.held(),
+            pinned_host_peak: self.host.peak(),
         }
     }
 
@@ -605,6 +726,7 @@ impl<'a> RankDev<'a> {
             st.release(self.gpu).map_err(issue)?;
         }
         self.pool.release(self.gpu).map_err(issue)?;
+        self.host.release(self.gpu).map_err(issue)?;
         self.gpu.free(self.losses).map_err(issue)?;
         self.gpu.free(self.err).map_err(issue)
     }
@@ -664,8 +786,9 @@ impl Device for RankDev<'_> {
             .dtoh(self.streams[0], self.losses, &mut lb)
             .map_err(issue)?;
         let mut loss: f64 = decode(DType::F32, &lb).iter().map(|x| *x as f64).sum();
-        // Every TP member computes the same loss: the first one reports it.
-        if self.prog.coords.tp != 0 {
+        // Every TP member computes the same loss: the first one reports it (with Megatron
+        // sequence parallelism each computes its shard's, and all report).
+        if self.prog.coords.tp != 0 && !self.dims.seq_par {
             loss = 0.0;
         }
         if let Some((coll, comm)) = self.loss_reduce {
@@ -714,6 +837,12 @@ impl Device for RankDev<'_> {
         let s = self.streams[self.cur];
         self.gpu.mark(s, &Op::Alloc { buf, zero });
         let bytes = self.bytes_of(buf)?;
+        if let Buf::Host { .. } = buf {
+            // Pinned host memory, on the copy stream only (see `memops`).
+            let p = self.host.take(self.gpu, bytes).map_err(issue)?;
+            self.host_bufs.insert(buf, (p, bytes));
+            return Ok(());
+        }
         let p = self.pool.take(self.gpu, self.ev, s, bytes).map_err(issue)?;
         if zero {
             self.gpu.memset(s, p, bytes).map_err(issue)?;
@@ -725,6 +854,14 @@ impl Device for RankDev<'_> {
     fn free(&mut self, buf: Buf) -> Result<(), String> {
         let s = self.streams[self.cur];
         self.gpu.mark(s, &Op::Free { buf });
+        if let Buf::Host { .. } = buf {
+            let (p, bytes) = self
+                .host_bufs
+                .remove(&buf)
+                .ok_or(format!("{buf} is not allocated"))?;
+            self.host.give(p, bytes);
+            return Ok(());
+        }
         let (p, bytes) = self
             .bufs
             .remove(&buf)
@@ -745,8 +882,35 @@ impl Device for RankDev<'_> {
             Op::Overlap { .. } | Op::Collective { .. } => Err(format!(
                 "`{op}` is a stage-granularity op; the CUDA backend runs schedc's model"
             )),
-            Op::TpGradAllReduce { .. } => Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
-            Op::Offload { .. } | Op::Reload { .. } => Err(format!("`{op}`: {MEMORY_OPS_REFUSED}")),
+            Op::TpGradAllReduce { stage, group } => {
+                self.tp_grad_all_reduce(stream, *stage, group, issued)
+            }
+            Op::Offload { stage, mb } | Op::Reload { stage, mb } => {
+                let (sb, hb) = (
+                    Buf::Stash {
+                        stage: *stage,
+                        mb: *mb,
+                    },
+                    Buf::Host {
+                        stage: *stage,
+                        mb: *mb,
+                    },
+                );
+                let (d, bytes) = (self.buf(&sb)?, self.bytes_of(sb)?);
+                let h = self
+                    .host_bufs
+                    .get(&hb)
+                    .map(|x| x.0)
+                    .ok_or_else(|| format!("`{op}`: {hb} is not allocated"))?;
+                let s = self.streams[stream];
+                if matches!(op, Op::Offload { .. }) {
+                    crate::memops::offload(self.gpu, s, h, d, bytes)
+                } else {
+                    crate::memops::reload(self.gpu, s, d, h, bytes)
+                }
+                .map_err(issue)?;
+                Ok(Ready::Done)
+            }
             Op::TpCollective {
                 stage,
                 mb,
@@ -765,35 +929,71 @@ impl Device for RankDev<'_> {
                     .get(*layer as usize)
                     .ok_or(format!("`{op}`: no layer {layer}"))?;
                 let dm = &self.dims;
-                let (t, d) = (dm.t, dm.d);
-                // Every phase is an all-reduce in place of the member's partial sums: `o W_O`
-                // in `h1`, the shared expert's output in `sh_y`, its input gradient in `dn2`,
-                // `[dc_Q; dc_KV; dk^R]` packed in `tpg`.
-                let (region, count) = match phase {
-                    Tp::AttnOut => (r.h1, t * d),
-                    Tp::MlpOut => (r.sh_y, t * d),
-                    Tp::MlpInGrad => (r.dn2, t * d),
-                    Tp::AttnInGrad => (r.tpg, t * (dm.qr + dm.kvr + dm.kw())),
-                    _ => return Err(format!("`{op}`: {SEQUENCE_PARALLEL_REFUSED}")),
+                let (t, tc, d) = (dm.t, dm.tc, dm.d);
+                let lat = dm.qr + dm.kvr + dm.kw();
+                // The phases' regions (the storage type: bf16 in a bf16 run). An all-reduce
+                // sums the member's partials in place: `o W_O` in `h1`, the shared expert's
+                // output in `sh_y`, its input gradient in `dn2`, `[dc_Q; dc_KV; dk^R]` packed
+                // in `tpg`. Megatron sequence parallelism's all-gathers take the member's `t`
+                // rows to the chunk's `tc`, its reduce-scatters the chunk's partial sums to
+                // the member's rows.
+                let dy = match r_dy(&self.stages[si].stash, *layer as usize) {
+                    Some(x) => x,
+                    None => return Err(format!("`{op}`: no layer {layer}")),
                 };
-                // The regions hold the storage type (bf16 in a bf16 run).
-                let dtype = dm.dtype;
-                if region.bytes < count * dtype.size() {
+                let (src, dst, count) = match phase {
+                    Tp::AttnOut => (r.h1, r.h1, t * d),
+                    Tp::MlpOut => (r.sh_y, r.sh_y, t * d),
+                    Tp::MlpInGrad => (r.dn2, r.dn2, t * d),
+                    Tp::AttnInGrad => (r.tpg, r.tpg, t * lat),
+                    Tp::LatentGather => (r.tps, r.tpg, t * lat),
+                    Tp::AttnOutScatter => (r.h1c, r.h1, t * d),
+                    Tp::MlpInGather => (r.n2, r.n2c, t * d),
+                    Tp::MlpOutScatter => (r.sh_y, r.ysh, t * d),
+                    Tp::MlpOutGradGather => (dy, r.dyc, t * d),
+                    Tp::MlpInGradScatter => (r.dn2c, r.dn2, t * d),
+                    Tp::AttnOutGradGather => (r.dh1, r.dh1c, t * d),
+                    Tp::LatentGradScatter => (r.tpg, r.tps, t * lat),
+                };
+                let kind = phase.kind();
+                let n = group.len();
+                let (need_src, need_dst) = match kind {
+                    TpKind::AllReduce => (count, count),
+                    TpKind::AllGather => (count, n * count),
+                    TpKind::ReduceScatter => (n * count, count),
+                };
+                if kind != TpKind::AllReduce && (!dm.seq_par || n * t != tc) {
                     return Err(format!(
-                        "`{op}`: {count} values do not fit the stash region of {} bytes",
-                        region.bytes
+                        "`{op}`: a sequence-parallel collective over {n} members, in a run with {} (chunk of {tc} tokens, {t} per member)",
+                        if dm.seq_par {
+                            "Megatron sequence parallelism"
+                        } else {
+                            "no Megatron sequence parallelism (a manifest without `sequence_parallel`)"
+                        }
                     ));
                 }
+                let dtype = dm.dtype;
+                for (reg, need) in [(src, need_src), (dst, need_dst)] {
+                    if reg.bytes < need * dtype.size() {
+                        return Err(format!(
+                            "`{op}`: {need} values do not fit the stash region of {} bytes",
+                            reg.bytes
+                        ));
+                    }
+                }
+                let (src, dst) = (stash + src.off as u64, stash + dst.off as u64);
+                let tag = CollTag::Tp(*stage, *mb, *layer, *phase);
                 let t = self.transport;
-                t.reduce(
-                    &mut self.cx(stream),
-                    CollTag::Tp(*stage, *mb, *layer, *phase),
-                    group,
-                    stash + region.off as u64,
-                    count,
-                    dtype,
-                    issued,
-                )
+                let cx = &mut self.cx(stream);
+                match kind {
+                    TpKind::AllReduce => t.reduce(cx, tag, group, dst, count, dtype, issued),
+                    TpKind::AllGather => {
+                        t.all_gather(cx, tag, group, (src, dst), count, dtype, issued)
+                    }
+                    TpKind::ReduceScatter => {
+                        t.reduce_scatter(cx, tag, group, (src, dst), count, dtype, issued)
+                    }
+                }
             }
             Op::Kernel(k) => self.kernel(stream, k).map(|_| Ready::Done),
             Op::Send { .. } | Op::Recv { .. } if self.transport.groups_messages() => {
@@ -903,6 +1103,10 @@ struct Planner<'a> {
 
 impl Device for Planner<'_> {
     fn alloc(&mut self, buf: Buf, _zero: bool) -> Result<(), String> {
+        if let Buf::Host { .. } = buf {
+            // Pinned host memory: not the device pool's.
+            return Ok(());
+        }
         let b = (self.sizes)(buf)?;
         let n = self.live.entry(b).or_default();
         *n += 1;
@@ -932,8 +1136,17 @@ pub fn plan_rank(
     dims: &Dims,
     stages: &[StageDev],
 ) -> Result<Vec<(usize, usize)>, String> {
-    let _ = set;
-    let sizes: Vec<StageSizes> = stages
+    plan_rank_lent(prog, dims, stages, &lent_stashes(set, prog, dims)?)
+}
+
+/// [`plan_rank`] with the stash sizes of the stages the rank holds for others (`lent`).
+fn plan_rank_lent(
+    prog: &RankProgram,
+    dims: &Dims,
+    stages: &[StageDev],
+    lent: &std::collections::BTreeMap<u32, usize>,
+) -> Result<Vec<(usize, usize)>, String> {
+    let mut sizes: Vec<StageSizes> = stages
         .iter()
         .map(|s| StageSizes {
             stage: s.info.stage,
@@ -941,7 +1154,35 @@ pub fn plan_rank(
             grads: s.layout.grads() * 4,
         })
         .collect();
+    sizes.extend(lent_sizes(lent));
     plan_rank_sizes(prog, dims, &sizes)
+}
+
+/// The [`StageSizes`] of stages whose stashes a rank only holds for their owner (no
+/// gradient accumulator).
+fn lent_sizes(lent: &std::collections::BTreeMap<u32, usize>) -> Vec<StageSizes> {
+    lent.iter()
+        .map(|(&stage, &stash)| StageSizes {
+            stage,
+            stash,
+            grads: 0,
+        })
+        .collect()
+}
+
+/// Bytes of the scratch a rank's recomputes write their router loads to (`layers x experts`
+/// f32, [`Io::recompute`]); 0 for a program without recomputes.
+pub fn recompute_scratch_bytes(prog: &RankProgram, dims: &Dims) -> usize {
+    let recomputes = prog
+        .streams
+        .iter()
+        .flat_map(|s| &s.ops)
+        .any(|op| matches!(op, Op::Kernel(k) if k.pass == Pass::Recompute));
+    if recomputes {
+        dims.layers * dims.e * 4
+    } else {
+        0
+    }
 }
 
 /// The byte sizes of one stage copy's buffers, for [`plan_rank_sizes`].
@@ -972,9 +1213,8 @@ pub fn plan_rank_sizes(
     let sizes = |b: Buf| -> Result<usize, String> {
         Ok(match b {
             Buf::Act { .. } | Buf::Grad { .. } => dims.act_bytes(),
-            Buf::Stash { stage, .. } => stages[ix(stage)?].stash,
+            Buf::Stash { stage, .. } | Buf::Host { stage, .. } => stages[ix(stage)?].stash,
             Buf::WeightGrad { stage } => stages[ix(stage)?].grads,
-            Buf::Host { .. } => return Err(MEMORY_OPS_REFUSED.into()),
         })
     };
     let mut p = Planner {
@@ -1018,7 +1258,8 @@ pub fn rank_needs(
     let Some(cfg) = &m.model else {
         return Err("the programs have no model (stage granularity)".into());
     };
-    let dims = Dims::new(cfg, &m.mesh, dtype)?;
+    // The stash sizes do not depend on the TP member's shard.
+    let dims = Dims::with_sequence_parallel(cfg, &m.mesh, dtype, m.sequence_parallel.then_some(0))?;
     let adam = matches!(optimizer, Optimizer::Adam { .. });
     let mt = (m.microbatches * m.directions) as usize;
     ranks
@@ -1051,11 +1292,13 @@ pub fn rank_needs(
                     grads: (n + le) * 4,
                 });
             }
+            sizes.extend(lent_sizes(&lent_stashes(set, prog, &dims)?));
             let pool: usize = plan_rank_sizes(prog, &dims, &sizes)?
                 .iter()
                 .map(|(b, c)| b * c)
                 .sum();
-            let losses = (prog.stages.len() * mt).max(1) * 4 + 4;
+            let losses =
+                (prog.stages.len() * mt).max(1) * 4 + 4 + recompute_scratch_bytes(prog, &dims);
             Ok(schedc_program::memory::RankNeed {
                 rank: r,
                 params: params as u64,

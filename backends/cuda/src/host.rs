@@ -3,12 +3,16 @@
 //! the heap. Launches execute when issued, so streams and events need no work: the driver
 //! issues in an order that respects every event, and on this device issuing is running.
 //!
+//! Pinned host memory ([`Gpu::alloc_host`]) is heap memory too, kept apart from the
+//! device's and filled with `0xff` bytes (NaN) when allocated; the asynchronous copies run
+//! when issued, like everything else.
+//!
 //! It exists so that the kernels, and the whole host driver with them, are checked against
 //! the CPU backend on machines without a GPU (CI). It is slow (one kernel at a time, one
 //! thread at a time) and meant for the tiny test models.
 
 use crate::api::*;
-use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::alloc::{alloc, alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_ulong, c_void};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -56,6 +60,8 @@ enum Captured {
     Memset(DevPtr, usize),
     Htod(DevPtr, Vec<u8>),
     Dtod(DevPtr, DevPtr, usize),
+    DtohAsync(HostPtr, DevPtr, usize),
+    HtodAsync(DevPtr, HostPtr, usize),
 }
 
 /// The host shim device (see the module docs).
@@ -69,6 +75,9 @@ pub struct HostGpu {
     graphs: Mutex<Vec<Vec<Captured>>>,
     dtype: DType,
     allocs: Mutex<HashMap<DevPtr, Layout>>,
+    /// The emulated pinned host pool ([`Gpu::alloc_host`]), apart from device memory so
+    /// that a copy checks each side against its own kind.
+    host_allocs: Mutex<HashMap<HostPtr, Layout>>,
     next: AtomicU32,
     memory: Option<usize>,
     allocations: std::sync::atomic::AtomicUsize,
@@ -82,6 +91,7 @@ impl HostGpu {
             graphs: Mutex::new(Vec::new()),
             dtype,
             allocs: Mutex::new(HashMap::new()),
+            host_allocs: Mutex::new(HashMap::new()),
             next: AtomicU32::new(0),
             memory: None,
             allocations: std::sync::atomic::AtomicUsize::new(0),
@@ -127,10 +137,29 @@ impl HostGpu {
     }
 
     fn check(&self, ptr: DevPtr, bytes: usize, what: &str) -> Result<(), GpuError> {
+        Self::check_in(&self.allocs, ptr, bytes, what)
+    }
+
+    /// Pinned host bytes held now ([`Gpu::alloc_host`] blocks not freed).
+    pub fn host_bytes(&self) -> usize {
+        self.host_allocs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|l| l.size())
+            .sum()
+    }
+
+    fn check_in(
+        allocs: &Mutex<HashMap<u64, Layout>>,
+        ptr: u64,
+        bytes: usize,
+        what: &str,
+    ) -> Result<(), GpuError> {
         if bytes == 0 {
             return Ok(());
         }
-        let a = self.allocs.lock().unwrap_or_else(|p| p.into_inner());
+        let a = allocs.lock().unwrap_or_else(|p| p.into_inner());
         let ok = a
             .iter()
             .any(|(&base, l)| ptr >= base && ptr + bytes as u64 <= base + l.size() as u64);
@@ -171,6 +200,14 @@ impl Drop for HostGpu {
         let a = self.allocs.get_mut().unwrap_or_else(|p| p.into_inner());
         for (p, l) in a.drain() {
             // SAFETY: allocated by `alloc` with this layout.
+            unsafe { dealloc(p as *mut u8, l) };
+        }
+        let h = self
+            .host_allocs
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner());
+        for (p, l) in h.drain() {
+            // SAFETY: allocated by `alloc_host` with this layout.
             unsafe { dealloc(p as *mut u8, l) };
         }
     }
@@ -256,6 +293,84 @@ impl Gpu for HostGpu {
         self.check(src, dst.len(), "dtoh")?;
         // SAFETY: checked.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+    fn alloc_host(&self, bytes: usize) -> Result<HostPtr, GpuError> {
+        let l = Layout::from_size_align(bytes.max(1), ALIGN)
+            .map_err(|e| GpuError(format!("alloc_host of {bytes} bytes: {e}")))?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { alloc(l) };
+        if p.is_null() {
+            return Err(GpuError(format!(
+                "alloc_host of {bytes} bytes: out of host memory"
+            )));
+        }
+        // Fresh pinned memory holds garbage on a GPU machine: here every byte is 0xff, a NaN
+        // in f32 and in bf16, so that a reload of a block no offload wrote shows in the
+        // results rather than reading zeros.
+        // SAFETY: `l.size()` bytes were just allocated.
+        unsafe { std::ptr::write_bytes(p, 0xff, l.size()) };
+        self.host_allocs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(p as HostPtr, l);
+        Ok(p as HostPtr)
+    }
+    fn free_host(&self, ptr: HostPtr) -> Result<(), GpuError> {
+        let l = self
+            .host_allocs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ptr)
+            .ok_or_else(|| {
+                GpuError(format!(
+                    "free_host of {ptr:#x}, which is not pinned host memory"
+                ))
+            })?;
+        // SAFETY: allocated by `alloc_host` with this layout, removed from the map once.
+        unsafe { dealloc(ptr as *mut u8, l) };
+        Ok(())
+    }
+    fn dtoh_async(
+        &self,
+        s: StreamId,
+        dst: HostPtr,
+        src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), GpuError> {
+        self.check(src, bytes, "dtoh_async source")?;
+        Self::check_in(
+            &self.host_allocs,
+            dst,
+            bytes,
+            "dtoh_async destination (pinned host)",
+        )?;
+        if self.captured(s, || Captured::DtohAsync(dst, src, bytes))? {
+            return Ok(());
+        }
+        // SAFETY: both ranges checked, in different allocations.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+    fn htod_async(
+        &self,
+        s: StreamId,
+        dst: DevPtr,
+        src: HostPtr,
+        bytes: usize,
+    ) -> Result<(), GpuError> {
+        self.check(dst, bytes, "htod_async destination")?;
+        Self::check_in(
+            &self.host_allocs,
+            src,
+            bytes,
+            "htod_async source (pinned host)",
+        )?;
+        if self.captured(s, || Captured::HtodAsync(dst, src, bytes))? {
+            return Ok(());
+        }
+        // SAFETY: both ranges checked, in different allocations.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     }
     fn dtod(&self, s: StreamId, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), GpuError> {
@@ -422,6 +537,8 @@ impl Gpu for HostGpu {
                 Captured::Memset(p, b) => self.memset(s, *p, *b)?,
                 Captured::Htod(p, b) => self.htod(s, *p, b)?,
                 Captured::Dtod(d, x, b) => self.dtod(s, *d, *x, *b)?,
+                Captured::DtohAsync(d, x, b) => self.dtoh_async(s, *d, *x, *b)?,
+                Captured::HtodAsync(d, x, b) => self.htod_async(s, *d, *x, *b)?,
             }
         }
         Ok(())

@@ -52,8 +52,17 @@ pub struct Dims {
     pub kph: usize,
     /// Vocabulary.
     pub vocab: usize,
-    /// Local tokens per micro-batch (`seq_len / sp`): one routing group.
+    /// Local tokens per micro-batch (`seq_len / sp`; with Megatron sequence parallelism the
+    /// TP member's shard, `seq_len / sp / tp`): one routing group.
     pub t: usize,
+    /// Query rows of the attention: the SP chunk, `seq_len / sp` (`t` without Megatron
+    /// sequence parallelism; `tp t` with it, the TP group's gathered shards).
+    pub tc: usize,
+    /// Megatron-LM's sequence parallelism inside the TP group (`--sequence-parallel`).
+    pub seq_par: bool,
+    /// Where this member's `t` rows start in the chunk (`tp_rank t` with Megatron sequence
+    /// parallelism, else 0; 0 under the injected `shard_positions_from_zero` bug).
+    pub shard0: usize,
     /// Keys per query (`seq_len`, the gathered sequence).
     pub tk: usize,
     /// Routed experts `E`.
@@ -92,6 +101,19 @@ impl Dims {
     /// the attention kernels' tiles (`d_h + d_h^R` over [`crate::model::ATT_MAX_QK`], `d_v`
     /// over [`crate::model::ATT_MAX_V`]).
     pub fn new(cfg: &ModelConfig, mesh: &Mesh, dtype: DType) -> Result<Dims, String> {
+        Dims::with_sequence_parallel(cfg, mesh, dtype, None)
+    }
+
+    /// [`Dims::new`] for TP member `tp_rank` with Megatron sequence parallelism (`Some`):
+    /// the member's rows are its shard of the chunk (`t = seq_len / sp / tp`, from row
+    /// `tp_rank t`), which routes alone; the attention's queries are the chunk's (`tc`).
+    /// Errors: those of [`Dims::new`], and a chunk the TP group does not divide.
+    pub fn with_sequence_parallel(
+        cfg: &ModelConfig,
+        mesh: &Mesh,
+        dtype: DType,
+        tp_rank: Option<usize>,
+    ) -> Result<Dims, String> {
         cfg.validate()?;
         let ep = mesh.size(Dim::Ep) as usize;
         let sp = mesh.size(Dim::Sp) as usize;
@@ -130,7 +152,18 @@ impl Dims {
                 crate::model::ATT_MAX_V
             ));
         }
-        let t = cfg.seq_len / sp;
+        let tc = cfg.seq_len / sp;
+        let seq_par = tp_rank.is_some() && tp > 1;
+        if seq_par && !tc.is_multiple_of(tp) {
+            return Err(format!(
+                "tp={tp} does not divide the {tc} tokens of a sequence chunk (--sequence-parallel shards them over the TP group)"
+            ));
+        }
+        let t = if seq_par { tc / tp } else { tc };
+        let shard0 = match tp_rank {
+            Some(j) if seq_par && !cfg.bugs.shard_positions_from_zero => j * t,
+            _ => 0,
+        };
         let per = cfg.experts / ep;
         let k = cfg.top_k;
         let capu = cfg.capacity(t);
@@ -140,7 +173,7 @@ impl Dims {
         let d = cfg.hidden;
         let ts = dtype.size();
         let rows_off = align(16 + 4 * rmax, 16);
-        let rows = (rmax * d).max(t * cfg.kv_gather_width());
+        let rows = (rmax * d).max(tc * cfg.kv_gather_width());
         Ok(Dims {
             dtype,
             ts,
@@ -156,6 +189,9 @@ impl Dims {
             kph: cfg.rope_keys_per_token(),
             vocab: cfg.vocab,
             t,
+            tc,
+            seq_par,
+            shard0,
             tk: cfg.seq_len,
             e: cfg.experts,
             k,
@@ -455,22 +491,22 @@ pub struct LayerRegions {
     pub inv1: Region,      // f t
     pub a: Region,         // T t x d
     pub cq_raw: Region,    // T t x qr: a W_DQ
-    pub cq: Region,        // T t x qr: RMSNorm(a W_DQ; q_norm)
+    pub cq: Region,        // T tc x qr: RMSNorm(a W_DQ; q_norm)
     pub cq_xhat: Region,   // T t x qr
     pub cq_inv: Region,    // f t
-    pub q_nope: Region,    // T t x H dn
-    pub q_pe: Region,      // T t x H dr (rotated)
+    pub q_nope: Region,    // T tc x H dn
+    pub q_pe: Region,      // T tc x H dr (rotated)
     pub ckv_raw: Region,   // T t x kvr: a W_DKV
-    pub ckv: Region,       // T t x kvr: RMSNorm(a W_DKV; kv_norm)
+    pub ckv: Region,       // T tc x kvr: RMSNorm(a W_DKV; kv_norm)
     pub ckv_xhat: Region,  // T t x kvr
     pub ckv_inv: Region,   // f t
-    pub kpe: Region,       // T t x kw (rotated)
+    pub kpe: Region,       // T tc x kw (rotated)
     pub ckv_all: Region,   // T tk x kvr: the gathered latents
     pub kpe_all: Region,   // T tk x kw: the gathered RoPE keys
     pub k_nope: Region,    // T tk x H dn: c_KV W_UK
     pub v: Region,         // T tk x H dv: c_KV W_UV
-    pub lse: Region,       // f H x t: attention rows' log-sum-exp (no H x t x tk)
-    pub o: Region,         // T t x H dv
+    pub lse: Region,       // f H x tc: attention rows' log-sum-exp (no H x t x tk)
+    pub o: Region,         // T tc x H dv
     pub h1: Region,        // T t x d
     pub xhat2: Region,     // T t x d
     pub inv2: Region,      // f t
@@ -487,35 +523,50 @@ pub struct LayerRegions {
     pub slot_dest: Region, // i t x k
     pub slot_pos: Region,  // i t x k
     pub eo: Region,        // T t x k x d
-    pub sh_h1: Region,     // T t x f
-    pub sh_h3: Region,     // T t x f
-    pub sh_act: Region,    // T t x f
-    pub sh_y: Region,      // T t x d
+    pub sh_h1: Region,     // T tc x f
+    pub sh_h3: Region,     // T tc x f
+    pub sh_act: Region,    // T tc x f
+    pub sh_y: Region,      // T tc x d
+    // Megatron sequence parallelism (empty without): the TP group's gathered MoE-norm
+    // rows (the shared expert's input), `o W_O`'s partial sum before its reduce-scatter,
+    // and this member's rows of the shared expert's output after its reduce-scatter.
+    pub n2c: Region, // T tc x d
+    pub h1c: Region, // T tc x d
+    pub ysh: Region, // T t x d
     // Backward.
     pub dgates: Region,   // f t x k
     pub dn2: Region,      // T t x d
-    pub sh_da: Region,    // T t x f
-    pub sh_dh1: Region,   // T t x f
-    pub sh_dh3: Region,   // T t x f
+    pub sh_da: Region,    // T tc x f
+    pub sh_dh1: Region,   // T tc x f
+    pub sh_dh3: Region,   // T tc x f
     pub dlr: Region,      // T t x E: router logits' gradient
     pub dh1: Region,      // T t x d
-    pub doh: Region,      // T t x H dv
-    pub delta: Region,    // f H x t: dout . out per attention row
+    pub doh: Region,      // T tc x H dv
+    pub delta: Region,    // f H x tc: dout . out per attention row
     pub dkp_part: Region, // f H x tk x dr: per-head RoPE key gradients
-    pub dq_nope: Region,  // T t x H dn
-    pub dqr: Region,      // T t x H dr (rotated back)
+    pub dq_nope: Region,  // T tc x H dn
+    pub dqr: Region,      // T tc x H dr (rotated back)
     pub dk_nope: Region,  // T tk x H dn
     pub dk_pe: Region,    // T tk x kw
     pub dvv: Region,      // T tk x H dv
     pub dckv_all: Region, // T tk x kvr
-    pub dckv: Region,     // T t x kvr: the local chunk's, summed over the SP group
-    pub dkr: Region,      // T t x kw (summed, rotated back)
+    pub dckv: Region,     // T tc x kvr: the local chunk's, summed over the SP group
+    pub dkr: Region,      // T tc x kw (summed, rotated back)
     pub dckv_raw: Region, // T t x kvr
-    pub dcq: Region,      // T t x qr
+    pub dcq: Region,      // T tc x qr
     pub dcq_raw: Region,  // T t x qr
     pub da: Region,       // T t x d
     pub dx: Region,       // T t x d: the layer input's gradient
-    pub tpg: Region,      // T t x (qr + kvr + kw): TP, `[dc_Q; dc_KV; dk^R]` to all-reduce
+    pub tpg: Region,      // T tc x (qr + kvr + kw): TP, `[dc_Q; dc_KV; dk^R]` to all-reduce
+    // Megatron sequence parallelism (empty without): this member's `[c_Q | c_KV | k^R]`
+    // for the all-gather and its `[dc_Q | dc_KV | dk^R]` after the reduce-scatter (`tpg`
+    // then holds the gathered rows and the partial sums as one such block per shard);
+    // the gathered gradients of the layer output and of `h1`, and the shared expert's
+    // partial input gradient before its reduce-scatter.
+    pub tps: Region,  // T t x (qr + kvr + kw)
+    pub dyc: Region,  // T tc x d
+    pub dn2c: Region, // T tc x d
+    pub dh1c: Region, // T tc x d
     // The expert side (rows received from the EP group).
     pub perm: Region,      // i ep x rmax
     pub ecount: Region,    // i per
@@ -560,6 +611,9 @@ impl StashLayout {
     pub fn new(dims: &Dims, stage: &LocalStage) -> StashLayout {
         let mut a = Alloc { at: 0 };
         let (t, d, tk, e, k, f, h) = (dims.t, dims.d, dims.tk, dims.e, dims.k, dims.f, dims.heads);
+        // The attention's query rows (the SP chunk; with Megatron sequence parallelism the
+        // TP group's gathered shards): `tc = t` without it.
+        let tc = dims.tc;
         let (ts, fs, is) = (dims.ts, 4usize, 4usize);
         let act = t * d * ts;
         let v = if stage.last { dims.vocab } else { 0 };
@@ -576,7 +630,10 @@ impl StashLayout {
         let rowloss = a.take(t * fs);
         let outbox = a.take(dims.slots * dims.slot_bytes);
         let inbox = a.take(dims.slots * dims.slot_bytes);
-        let fsh = if dims.shared { t * f * ts } else { 0 };
+        let fsh = if dims.shared { tc * f * ts } else { 0 };
+        // Megatron sequence parallelism's gathered rows and shard outputs (none without).
+        let chunk = if dims.seq_par { tc * d * ts } else { 0 };
+        let lat = dims.qr + dims.kvr + dims.kw();
         let ex = dims.per * dims.cmax;
         let (qr, kvr, kw) = (dims.qr, dims.kvr, dims.kw());
         let (hdn, hdr, hdv) = (h * dims.dn, h * dims.dr, h * dims.dv);
@@ -587,22 +644,22 @@ impl StashLayout {
                 inv1: a.take(t * fs),
                 a: a.take(act),
                 cq_raw: a.take(t * qr * ts),
-                cq: a.take(t * qr * ts),
+                cq: a.take(tc * qr * ts),
                 cq_xhat: a.take(t * qr * ts),
                 cq_inv: a.take(t * fs),
-                q_nope: a.take(t * hdn * ts),
-                q_pe: a.take(t * hdr * ts),
+                q_nope: a.take(tc * hdn * ts),
+                q_pe: a.take(tc * hdr * ts),
                 ckv_raw: a.take(t * kvr * ts),
-                ckv: a.take(t * kvr * ts),
+                ckv: a.take(tc * kvr * ts),
                 ckv_xhat: a.take(t * kvr * ts),
                 ckv_inv: a.take(t * fs),
-                kpe: a.take(t * kw * ts),
+                kpe: a.take(tc * kw * ts),
                 ckv_all: a.take(tk * kvr * ts),
                 kpe_all: a.take(tk * kw * ts),
                 k_nope: a.take(tk * hdn * ts),
                 v: a.take(tk * hdv * ts),
-                lse: a.take(h * t * fs),
-                o: a.take(t * hdv * ts),
+                lse: a.take(h * tc * fs),
+                o: a.take(tc * hdv * ts),
                 h1: a.take(act),
                 xhat2: a.take(act),
                 inv2: a.take(t * fs),
@@ -622,7 +679,14 @@ impl StashLayout {
                 sh_h1: a.take(fsh),
                 sh_h3: a.take(fsh),
                 sh_act: a.take(fsh),
-                sh_y: a.take(if dims.shared { act } else { 0 }),
+                sh_y: a.take(if dims.shared || dims.seq_par {
+                    tc * d * ts
+                } else {
+                    0
+                }),
+                n2c: a.take(chunk),
+                h1c: a.take(chunk),
+                ysh: a.take(if dims.seq_par { act } else { 0 }),
                 dgates: a.take(t * k * fs),
                 dn2: a.take(act),
                 sh_da: a.take(fsh),
@@ -630,27 +694,27 @@ impl StashLayout {
                 sh_dh3: a.take(fsh),
                 dlr: a.take(t * e * ts),
                 dh1: a.take(act),
-                doh: a.take(t * hdv * ts),
-                delta: a.take(h * t * fs),
+                doh: a.take(tc * hdv * ts),
+                delta: a.take(h * tc * fs),
                 dkp_part: a.take(h * tk * dims.dr * fs),
-                dq_nope: a.take(t * hdn * ts),
-                dqr: a.take(t * hdr * ts),
+                dq_nope: a.take(tc * hdn * ts),
+                dqr: a.take(tc * hdr * ts),
                 dk_nope: a.take(tk * hdn * ts),
                 dk_pe: a.take(tk * kw * ts),
                 dvv: a.take(tk * hdv * ts),
                 dckv_all: a.take(tk * kvr * ts),
-                dckv: a.take(t * kvr * ts),
-                dkr: a.take(t * kw * ts),
+                dckv: a.take(tc * kvr * ts),
+                dkr: a.take(tc * kw * ts),
                 dckv_raw: a.take(t * kvr * ts),
-                dcq: a.take(t * qr * ts),
+                dcq: a.take(tc * qr * ts),
                 dcq_raw: a.take(t * qr * ts),
                 da: a.take(act),
                 dx: a.take(act),
-                tpg: a.take(if dims.tp > 1 {
-                    t * (qr + kvr + kw) * ts
-                } else {
-                    0
-                }),
+                tpg: a.take(if dims.tp > 1 { tc * lat * ts } else { 0 }),
+                tps: a.take(if dims.seq_par { t * lat * ts } else { 0 }),
+                dyc: a.take(chunk),
+                dn2c: a.take(chunk),
+                dh1c: a.take(chunk),
                 perm: a.take(dims.ep * dims.rmax * is),
                 ecount: a.take(dims.per * is),
                 src_count: a.take(dims.ep * is),
@@ -724,6 +788,38 @@ mod tests {
         assert_eq!(
             e,
             format!("the TP group of 3 does not divide the {} heads", cfg.heads)
+        );
+    }
+
+    #[test]
+    fn sequence_parallel_dims_are_the_members_shard_of_the_chunk() {
+        // Issue 23: tiny model, sequence 8 at sp=2: chunks of 4 tokens, 2 per TP member.
+        let cfg = ModelConfig::tiny();
+        let mesh: Mesh = "pp=2,tp=2,sp=2".parse().unwrap();
+        let plain = Dims::new(&cfg, &mesh, DType::F32).unwrap();
+        assert_eq!(
+            (plain.t, plain.tc, plain.shard0, plain.seq_par),
+            (4, 4, 0, false)
+        );
+        let d = Dims::with_sequence_parallel(&cfg, &mesh, DType::F32, Some(1)).unwrap();
+        assert_eq!((d.t, d.tc, d.shard0, d.seq_par), (2, 4, 2, true));
+        // The shard routes alone: its capacity and the all-to-all bounds are a shard's.
+        assert_eq!(d.cap, cfg.capacity(2) as i32);
+        assert_eq!(d.act_bytes(), 2 * cfg.hidden * 4);
+        // Without TP there is nothing to shard.
+        let no_tp: Mesh = "pp=2,sp=2".parse().unwrap();
+        let d = Dims::with_sequence_parallel(&cfg, &no_tp, DType::F32, Some(0)).unwrap();
+        assert_eq!((d.t, d.tc, d.seq_par), (4, 4, false));
+        // A chunk the TP group does not divide is refused, naming both.
+        let odd = ModelConfig {
+            heads: 4,
+            seq_len: 12,
+            ..ModelConfig::tiny()
+        };
+        let four: Mesh = "pp=2,tp=4,sp=2".parse().unwrap();
+        assert_eq!(
+            Dims::with_sequence_parallel(&odd, &four, DType::F32, Some(0)).unwrap_err(),
+            "tp=4 does not divide the 6 tokens of a sequence chunk (--sequence-parallel shards them over the TP group)"
         );
     }
 

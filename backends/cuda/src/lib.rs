@@ -5,6 +5,7 @@ pub mod driver;
 pub mod host;
 pub mod kernels;
 pub mod layout;
+pub mod memops;
 pub mod model;
 pub mod nvrtc;
 pub mod pool;

@@ -194,6 +194,12 @@ pub struct Io {
     pub tokens: Option<(Vec<u32>, Vec<u32>)>,
     /// The loss scale `1/N`.
     pub scale: f64,
+    /// `Some(scratch)`: the forward kernel runs as a recompute (the IR's `RECOMPUTE(s,m)`,
+    /// `Pass::Recompute`), whose only effect is the stash: the router's load counts go to
+    /// `scratch` (`layers x experts` f32 of the stage, never read) instead of the
+    /// `weight_grad` buffer, and the loss is not summed into `loss`, so that neither counts
+    /// twice.
+    pub recompute: Option<DevPtr>,
 }
 
 /// What the kernels of one rank need: the device, the sizes, the model, the compute
@@ -205,7 +211,8 @@ pub struct Model<'a> {
     pub dims: &'a Dims,
     /// The model.
     pub cfg: &'a ModelConfig,
-    /// Global position of the rank's first token (`sp_rank * t`).
+    /// Global position of the rank's chunk's first token (`sp_rank * tc`; with Megatron
+    /// sequence parallelism this member's shard starts [`Dims::shard0`] rows later).
     pub pos0: usize,
     /// The rank's error word (kernels set it on bad input).
     pub err: DevPtr,
@@ -653,6 +660,18 @@ impl Model<'_> {
         heads: usize,
         inverse: bool,
     ) -> Result<(), GpuError> {
+        self.rope_at(s, x, (rows, ld, heads), self.pos0, inverse)
+    }
+
+    /// [`Self::rope`] with the first row at global position `pos`.
+    fn rope_at(
+        &self,
+        s: StreamId,
+        x: DevPtr,
+        (rows, ld, heads): (usize, usize, usize),
+        pos: usize,
+        inverse: bool,
+    ) -> Result<(), GpuError> {
         let dr = self.dims.dr;
         self.ew(
             s,
@@ -664,7 +683,7 @@ impl Model<'_> {
                 i(rows),
                 i(heads),
                 i(dr),
-                i(self.pos0),
+                i(pos),
                 Arg::F64(self.cfg.rope_base),
                 i(inverse as usize),
             ],
@@ -788,6 +807,18 @@ impl Model<'_> {
             (Pass::B, Part::Qkv { layer }) => self.b_qkv(s, st, layer as usize, io),
             (Pass::F, Part::AttnPost { layer }) => self.f_attn_post(s, st, layer as usize, io),
             (Pass::B, Part::QkvPost { layer }) => self.b_qkv_post(s, st, layer as usize, io),
+            (Pass::F, Part::QkvPost { layer }) if self.dims.seq_par => {
+                self.f_qkv_post(s, st, layer as usize, io)
+            }
+            (Pass::F, Part::Shared { layer }) if self.dims.seq_par => {
+                self.f_shared(s, st, layer as usize, io)
+            }
+            (Pass::B, Part::Shared { layer }) if self.dims.seq_par => {
+                self.b_shared(s, st, layer as usize, io)
+            }
+            (Pass::B, Part::AttnPost { layer }) if self.dims.seq_par => {
+                self.b_attn_post(s, st, layer as usize, io)
+            }
             (Pass::W, Part::Weights) => self.w_weights(s, st, io, true, true),
             (Pass::W, Part::WeightsAttn) => self.w_weights(s, st, io, true, false),
             (Pass::W, Part::WeightsMlp) => self.w_weights(s, st, io, false, true),
@@ -871,7 +902,7 @@ impl Model<'_> {
     /// member's slot gets `[c_KV; k^R]` (the all-gather).
     fn f_qkv(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d, h, qr, kvr, kw) = (dm.t, dm.d, dm.heads, dm.qr, dm.kvr, dm.kw());
+        let (t, d, qr, kvr, kw) = (dm.t, dm.d, dm.qr, dm.kvr, dm.kw());
         let r = &st.stash.layers[l];
         let x = self.at(io, r.xin);
         if l == 0 {
@@ -905,29 +936,6 @@ impl Model<'_> {
         )?;
         self.mm(
             s,
-            (t, h * dm.dn, qr),
-            at(r.cq),
-            false,
-            w("wuq")?,
-            false,
-            at(r.q_nope),
-            false,
-            false,
-        )?;
-        self.mm(
-            s,
-            (t, h * dm.dr, qr),
-            at(r.cq),
-            false,
-            w("wqr")?,
-            false,
-            at(r.q_pe),
-            false,
-            false,
-        )?;
-        self.rope(s, at(r.q_pe), t, h * dm.dr, h, false)?;
-        self.mm(
-            s,
             (t, kvr, d),
             a,
             false,
@@ -956,9 +964,81 @@ impl Model<'_> {
             false,
             false,
         )?;
-        self.rope(s, at(r.kpe), t, kw, dm.kph, false)?;
+        // The RoPE key at the local tokens' global positions: a sequence-parallel TP
+        // member's shard starts `shard0` rows into the chunk.
+        self.rope_at(s, at(r.kpe), (t, kw, dm.kph), self.pos0 + dm.shard0, false)?;
+        if dm.seq_par {
+            // The shard's `[c_Q | c_KV | k^R]` for the TP group's all-gather
+            // (`latent_gather`); `qkv_post` up-projects the chunk's.
+            let g = at(r.tps);
+            let mut off = 0u64;
+            for (y, n) in [
+                (at(r.cq), t * qr),
+                (at(r.ckv), t * kvr),
+                (at(r.kpe), t * kw),
+            ] {
+                self.gpu.dtod(s, g + off, y, n * dm.ts)?;
+                off += (n * dm.ts) as u64;
+            }
+            return Ok(());
+        }
+        self.qkv_up(s, st, l, io)
+    }
+
+    /// F, with Megatron sequence parallelism (`fwd_qkv_post`): once `tpg` holds the TP
+    /// group's gathered `[c_Q | c_KV | k^R]` shard blocks, the chunk's latents into `cq`,
+    /// `ckv`, `kpe` (shard `j` at row `j t`) and the up-projections ([`Self::qkv_up`]).
+    fn f_qkv_post(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, qr, kvr, kw) = (dm.t, dm.qr, dm.kvr, dm.kw());
+        let r = &st.stash.layers[l];
+        let at = |x: Region| self.at(io, x);
+        let g = at(r.tpg);
+        let mut off = 0u64;
+        for j in 0..dm.tc / t {
+            for (y, wd) in [(at(r.cq), qr), (at(r.ckv), kvr), (at(r.kpe), kw)] {
+                let n = t * wd * dm.ts;
+                self.gpu.dtod(s, y + (j * n) as u64, g + off, n)?;
+                off += n as u64;
+            }
+        }
+        self.qkv_up(s, st, l, io)
+    }
+
+    /// The queries' up-projections of the chunk's `c_Q` (`tc` rows, this member's heads;
+    /// `q^R` rotated at the chunk's positions) and every SP member's slot of the all-gather
+    /// `[c_KV; k^R]` (the CPU backend's `qkv_up`).
+    fn qkv_up(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (tc, h, qr, kvr, kw) = (dm.tc, dm.heads, dm.qr, dm.kvr, dm.kw());
+        let r = &st.stash.layers[l];
+        let w = |n: &str| self.lw(st, l, n);
+        let at = |x: Region| self.at(io, x);
+        self.mm(
+            s,
+            (tc, h * dm.dn, qr),
+            at(r.cq),
+            false,
+            w("wuq")?,
+            false,
+            at(r.q_nope),
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (tc, h * dm.dr, qr),
+            at(r.cq),
+            false,
+            w("wqr")?,
+            false,
+            at(r.q_pe),
+            false,
+            false,
+        )?;
+        self.rope(s, at(r.q_pe), tc, h * dm.dr, h, false)?;
         let ob = at(st.stash.outbox);
-        let (nc, np) = (t * kvr * dm.ts, t * kw * dm.ts);
+        let (nc, np) = (tc * kvr * dm.ts, tc * kw * dm.ts);
         for j in 0..dm.sp {
             self.gpu.dtod(s, self.rows(ob, j), at(r.ckv), nc)?;
             self.gpu
@@ -973,7 +1053,7 @@ impl Model<'_> {
     /// packets.
     fn f_attn(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d, h, kvr, kw, tk) = (dm.t, dm.d, dm.heads, dm.kvr, dm.kw(), dm.tk);
+        let (t, d, h, kvr, kw, tk) = (dm.tc, dm.d, dm.heads, dm.kvr, dm.kw(), dm.tk);
         let r = &st.stash.layers[l];
         let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
@@ -1013,7 +1093,11 @@ impl Model<'_> {
             false,
             false,
         )?;
-        let (o, h1) = (at(r.o), at(r.h1));
+        // `t`: the chunk's query rows. With Megatron sequence parallelism `o W_O` goes to
+        // `h1c` for the reduce-scatter (`attn_out_scatter`), which leaves this member's
+        // rows in `h1`.
+        let o = at(r.o);
+        let h1 = at(if dm.seq_par { r.h1c } else { r.h1 });
         self.attention(
             s,
             (o, at(r.lse)),
@@ -1036,7 +1120,7 @@ impl Model<'_> {
         )?;
         if dm.tp > 1 {
             // This member's heads' share of `o W_O`: the `attn_out` all-reduce sums it in
-            // place, then `attn_post` goes on.
+            // place (or `attn_out_scatter` reduce-scatters it), then `attn_post` goes on.
             return Ok(());
         }
         self.f_attn_post(s, st, l, io)
@@ -1069,7 +1153,11 @@ impl Model<'_> {
             true,
         )?;
         self.ew(s, "sigmoid", t * e, vec![p(sc), p(logits), n64(t * e)])?;
-        let loads = io.grads + (st.layout.loads_of(l, e) * 4) as u64;
+        // A recompute's loads go to its scratch (`Io::recompute`), not to `weight_grad`.
+        let loads = match io.recompute {
+            Some(scratch) => scratch + (l * e * 4) as u64,
+            None => io.grads + (st.layout.loads_of(l, e) * 4) as u64,
+        };
         let bugs = &self.cfg.bugs;
         self.go(
             s,
@@ -1130,10 +1218,35 @@ impl Model<'_> {
                 i(d),
             ],
         )?;
-        if dm.tp > 1 && dm.shared {
+        // With Megatron sequence parallelism the shared expert runs on the gathered rows
+        // (`shared` kernel).
+        if dm.tp > 1 && dm.shared && !dm.seq_par {
             self.shared_fwd(s, st, l, io)?;
         }
         Ok(())
+    }
+
+    /// F, with Megatron sequence parallelism (`fwd_shared`): this member's slice of the
+    /// shared expert on the TP group's gathered MoE-norm rows (`n2c`, the chunk) into
+    /// `sh_y`, its partial output for the reduce-scatter (zeros without a shared expert).
+    fn f_shared(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let r = &st.stash.layers[l];
+        if !self.dims.shared {
+            return self.gpu.memset(s, self.at(io, r.sh_y), r.sh_y.bytes);
+        }
+        self.ffn(
+            s,
+            st,
+            l,
+            self.at(io, r.n2c),
+            self.dims.tc,
+            (
+                self.at(io, r.sh_h1),
+                self.at(io, r.sh_h3),
+                self.at(io, r.sh_act),
+            ),
+            self.at(io, r.sh_y),
+        )
     }
 
     /// This member's slice of layer `l`'s shared expert on `n2` into `sh_y`.
@@ -1388,7 +1501,11 @@ impl Model<'_> {
                 i(d),
             ],
         )?;
-        if dm.shared {
+        if dm.seq_par {
+            // This member's rows of the shared expert's output (`mlp_out_scatter`; zeros
+            // without a shared expert).
+            self.add(s, y, y, self.at(io, r.ysh), t * d)?;
+        } else if dm.shared {
             // With `tp > 1`, `sh_y` already holds the shared expert's output summed over
             // the TP group (`attn_post`, then the `mlp_out` all-reduce).
             if dm.tp == 1 {
@@ -1449,6 +1566,10 @@ impl Model<'_> {
                 p(self.err),
             ],
         )?;
+        if io.recompute.is_some() {
+            // The forward summed it already; `dlogits` above is what the stash needs.
+            return Ok(());
+        }
         self.one(s, "loss_sum", vec![p(io.loss), p(rowloss), i(t)])
     }
 
@@ -1539,6 +1660,11 @@ impl Model<'_> {
                 i(d),
             ],
         )?;
+        if dm.seq_par {
+            // The shared expert's backward runs on the TP group's gathered output gradient
+            // (`shared` kernel); its reduce-scatter (`mlp_in_grad_scatter`) writes `dn2`.
+            return Ok(());
+        }
         let dn2 = self.at(io, r.dn2);
         if dm.shared {
             let (da, dh1, dh3) = (
@@ -1597,6 +1723,69 @@ impl Model<'_> {
             self.gpu.memset(s, dn2, r.dn2.bytes)?;
         }
         Ok(())
+    }
+
+    /// B, with Megatron sequence parallelism (`bwd_shared`): this member's slice of the
+    /// shared expert's backward on the TP group's gathered output gradient (`dyc`, the
+    /// chunk); its partial input gradient into `dn2c` for the reduce-scatter (zeros without
+    /// a shared expert).
+    fn b_shared(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, f) = (dm.tc, dm.d, dm.fs);
+        let r = &st.stash.layers[l];
+        let at = |x: Region| self.at(io, x);
+        let dn2c = at(r.dn2c);
+        if !dm.shared {
+            return self.gpu.memset(s, dn2c, r.dn2c.bytes);
+        }
+        let (da, dh1, dh3) = (at(r.sh_da), at(r.sh_dh1), at(r.sh_dh3));
+        self.mm(
+            s,
+            (t, f, d),
+            at(r.dyc),
+            false,
+            self.lw(st, l, "shared.w2")?,
+            true,
+            da,
+            false,
+            false,
+        )?;
+        let n = t * f;
+        self.ew(
+            s,
+            "swiglu_bwd",
+            n,
+            vec![
+                p(dh1),
+                p(dh3),
+                p(da),
+                p(at(r.sh_h1)),
+                p(at(r.sh_h3)),
+                n64(n),
+            ],
+        )?;
+        self.mm(
+            s,
+            (t, d, f),
+            dh1,
+            false,
+            self.lw(st, l, "shared.w1")?,
+            true,
+            dn2c,
+            false,
+            false,
+        )?;
+        self.mm(
+            s,
+            (t, d, f),
+            dh3,
+            false,
+            self.lw(st, l, "shared.w3")?,
+            true,
+            dn2c,
+            true,
+            false,
+        )
     }
 
     /// B, the local experts (`bwd_experts`): input gradients of the received rows.
@@ -1664,9 +1853,22 @@ impl Model<'_> {
     /// of the gathered latents (`dk^C W_UKᵀ + dv W_UVᵀ`) and RoPE keys of every SP member's
     /// chunk into its slot; the queries' RoPE gradient rotated back.
     fn b_attn(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
+        let r = &st.stash.layers[l];
+        if self.dims.seq_par {
+            // `attn_post` ran first; `dh1c` holds the TP group's gathered `h1` gradient
+            // (`bwd_attn_gathered`).
+            return self.b_attn_core(s, st, l, io, self.at(io, r.dh1c));
+        }
+        self.b_attn_post(s, st, l, io)?;
+        self.b_attn_core(s, st, l, io, self.at(io, r.dh1))
+    }
+
+    /// B, dispatch, router and MoE norm on this member's rows (`bwd_attn_post`): the
+    /// gradient of `h1` into `dh1` (with Megatron sequence parallelism, for the TP group's
+    /// all-gather `attn_out_grad_gather`).
+    fn b_attn_post(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d, k, e, h, kvr, kw, tk) =
-            (dm.t, dm.d, dm.k, dm.e, dm.heads, dm.kvr, dm.kw(), dm.tk);
+        let (t, d, k, e) = (dm.t, dm.d, dm.k, dm.e);
         let r = &st.stash.layers[l];
         let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
@@ -1728,7 +1930,26 @@ impl Model<'_> {
             self.dy(st, l, io),
             t,
             d,
-        )?;
+        )
+    }
+
+    /// B, the attention core from the gradient `dh1` of `h1` on the chunk's `tc` rows
+    /// (`bwd_attn_core`): output projection, attention, the gradients of the gathered
+    /// latents (`dk^C W_UKᵀ + dv W_UVᵀ`) and RoPE keys of every SP member's chunk into its
+    /// slot; the queries' RoPE gradient rotated back.
+    fn b_attn_core(
+        &self,
+        s: StreamId,
+        st: &StageDev,
+        l: usize,
+        io: &Io,
+        dh1: DevPtr,
+    ) -> Result<(), GpuError> {
+        let dm = self.dims;
+        let (t, d, h, kvr, kw, tk) = (dm.tc, dm.d, dm.heads, dm.kvr, dm.kw(), dm.tk);
+        let r = &st.stash.layers[l];
+        let w = |n: &str| self.lw(st, l, n);
+        let at = |x: Region| self.at(io, x);
         let doh = at(r.doh);
         self.mm(
             s,
@@ -1794,7 +2015,8 @@ impl Model<'_> {
     /// gradient.
     fn b_qkv(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, h, qr, kvr, kw) = (dm.t, dm.heads, dm.qr, dm.kvr, dm.kw());
+        // `t`: the chunk's rows (with Megatron sequence parallelism, the TP group's).
+        let (t, h, qr, kvr, kw) = (dm.tc, dm.heads, dm.qr, dm.kvr, dm.kw());
         let r = &st.stash.layers[l];
         let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
@@ -1837,12 +2059,18 @@ impl Model<'_> {
         )?;
         if dm.tp > 1 {
             // This member's heads' share of `[dc_Q; dc_KV; dk^R]`, packed for the
-            // `attn_in_grad` all-reduce; `qkv_post` goes on from the sum.
+            // `attn_in_grad` all-reduce, or with Megatron sequence parallelism one block
+            // per shard (`[dc_Q | dc_KV | dk^R]` of its `dm.t` rows) for the reduce-scatter
+            // `latent_grad_scatter`; `qkv_post` goes on from the sum.
             let g = at(r.tpg);
+            let rows = dm.t;
             let mut off = 0u64;
-            for (x, n) in [(dcq, t * qr), (dckv, t * kvr), (dkr, t * kw)] {
-                self.gpu.dtod(s, g + off, x, n * dm.ts)?;
-                off += (n * dm.ts) as u64;
+            for j in 0..t / rows {
+                for (x, wd) in [(dcq, qr), (dckv, kvr), (dkr, kw)] {
+                    let n = rows * wd * dm.ts;
+                    self.gpu.dtod(s, g + off, x + (j * n) as u64, n)?;
+                    off += n as u64;
+                }
             }
             return Ok(());
         }
@@ -1861,7 +2089,8 @@ impl Model<'_> {
         let at = |x: Region| self.at(io, x);
         let (dckv, dkr, dcq, dcq_raw) = (at(r.dckv), at(r.dkr), at(r.dcq), at(r.dcq_raw));
         if dm.tp > 1 {
-            let g = at(r.tpg);
+            // The sum (with Megatron sequence parallelism, this member's shard of it).
+            let g = at(if dm.seq_par { r.tps } else { r.tpg });
             let mut off = 0u64;
             for (x, n) in [(dcq, t * qr), (dckv, t * kvr), (dkr, t * kw)] {
                 self.gpu.dtod(s, x, g + off, n * dm.ts)?;
@@ -1960,7 +2189,7 @@ impl Model<'_> {
                 ],
             )?;
         }
-        let (h, qr, kvr, kw, tk) = (dm.heads, dm.qr, dm.kvr, dm.kw(), dm.tk);
+        let (h, qr, kvr, kw, tk, tc) = (dm.heads, dm.qr, dm.kvr, dm.kw(), dm.tk, dm.tc);
         for (li, r) in sl.layers.iter().enumerate() {
             let g = |w: &str| self.lg(st, io, li, w);
             let at = |x: Region| self.at(io, x);
@@ -1980,7 +2209,7 @@ impl Model<'_> {
                 self.rmsnorm_w(s, g("q_norm")?, at(r.dcq), at(r.cq_xhat), t, qr)?;
                 self.mm(
                     s,
-                    (qr, h * dm.dn, t),
+                    (qr, h * dm.dn, tc),
                     at(r.cq),
                     true,
                     at(r.dq_nope),
@@ -1991,7 +2220,7 @@ impl Model<'_> {
                 )?;
                 self.mm(
                     s,
-                    (qr, h * dm.dr, t),
+                    (qr, h * dm.dr, tc),
                     at(r.cq),
                     true,
                     at(r.dqr),
@@ -2047,12 +2276,14 @@ impl Model<'_> {
                     true,
                     true,
                 )?;
+                // The chunk's rows: with Megatron sequence parallelism the gathered `h1`
+                // gradient (the CPU backend's `dh1_full`).
                 self.mm(
                     s,
-                    (h * dm.dv, d, t),
+                    (h * dm.dv, d, tc),
                     at(r.o),
                     true,
-                    at(r.dh1),
+                    at(if dm.seq_par { r.dh1c } else { r.dh1 }),
                     false,
                     g("wo")?,
                     true,
@@ -2073,11 +2304,17 @@ impl Model<'_> {
             }
             if mlp {
                 if dm.shared {
+                    // With Megatron sequence parallelism on the TP group's gathered rows.
                     let (dy, f) = (self.dy(st, li, io), dm.fs);
+                    let (x, dy, t) = if dm.seq_par {
+                        (at(r.n2c), at(r.dyc), tc)
+                    } else {
+                        (at(r.n2), dy, t)
+                    };
                     self.mm(
                         s,
                         (d, f, t),
-                        at(r.n2),
+                        x,
                         true,
                         at(r.sh_dh1),
                         false,
@@ -2088,7 +2325,7 @@ impl Model<'_> {
                     self.mm(
                         s,
                         (d, f, t),
-                        at(r.n2),
+                        x,
                         true,
                         at(r.sh_dh3),
                         false,

@@ -25,6 +25,10 @@ pub enum Call {
     Dtoh(usize),
     /// A device-to-device copy of `bytes`.
     Dtod(usize),
+    /// An asynchronous device-to-pinned-host copy of `bytes` (an offload).
+    DtohAsync(usize),
+    /// An asynchronous pinned-host-to-device copy of `bytes` (a reload).
+    HtodAsync(usize),
     /// A kernel launch.
     Launch(&'static str),
     /// A GEMM `m x n x k`, batch.
@@ -147,6 +151,32 @@ impl Gpu for Recorder {
     fn dtoh(&self, s: StreamId, _src: DevPtr, dst: &mut [u8]) -> Result<(), GpuError> {
         dst.fill(0);
         self.push(Some(s), Call::Dtoh(dst.len()));
+        Ok(())
+    }
+    fn alloc_host(&self, bytes: usize) -> Result<HostPtr, GpuError> {
+        self.alloc(bytes)
+    }
+    fn free_host(&self, _ptr: HostPtr) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn dtoh_async(
+        &self,
+        s: StreamId,
+        _dst: HostPtr,
+        _src: DevPtr,
+        bytes: usize,
+    ) -> Result<(), GpuError> {
+        self.push(Some(s), Call::DtohAsync(bytes));
+        Ok(())
+    }
+    fn htod_async(
+        &self,
+        s: StreamId,
+        _dst: DevPtr,
+        _src: HostPtr,
+        bytes: usize,
+    ) -> Result<(), GpuError> {
+        self.push(Some(s), Call::HtodAsync(bytes));
         Ok(())
     }
     fn dtod(&self, s: StreamId, _dst: DevPtr, _src: DevPtr, bytes: usize) -> Result<(), GpuError> {

@@ -13,7 +13,7 @@ use schedc_ir::Program;
 use schedc_program::data::{Batching, Data};
 use schedc_program::interp::RunFailure;
 use schedc_program::mesh::{Dim, Mesh};
-use schedc_program::{lower_verified, ModelConfig, ProgramError, VerifyReport};
+use schedc_program::{lower_verified_with, LowerOptions, ModelConfig, ProgramError, VerifyReport};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -70,6 +70,8 @@ pub struct RunConfig {
     /// `--memory-limit`: the device memory the ranks of this process may take together;
     /// `None`: the device's free memory.
     pub memory_limit: Option<u64>,
+    /// `--sequence-parallel`: Megatron-LM's sequence parallelism inside the TP group.
+    pub sequence_parallel: bool,
 }
 
 impl Default for RunConfig {
@@ -89,6 +91,7 @@ impl Default for RunConfig {
             arch: None,
             nccl: None,
             memory_limit: None,
+            sequence_parallel: false,
         }
     }
 }
@@ -248,7 +251,11 @@ pub fn run(source: &Program, cfg: &RunConfig) -> Result<RunReport, RunError> {
     }
     data.sequence(0, cfg.model.seq_len)
         .map_err(RunError::Config)?;
-    let (set, verified) = lower_verified(source, cfg.mesh.as_ref(), &cfg.model)?;
+    let opts = LowerOptions {
+        sequence_parallel: cfg.sequence_parallel,
+        ..LowerOptions::default()
+    };
+    let (set, verified) = lower_verified_with(source, cfg.mesh.as_ref(), &cfg.model, opts)?;
     cuda::probe(cfg.mode == Mode::Nccl).map_err(RunError::Device)?;
     let gpu = CudaGpu::new(cfg.device, cfg.dtype, cfg.arch.as_deref()).map_err(RunError::Device)?;
     // Each step's end, for `step_seconds`.
@@ -342,11 +349,7 @@ fn report(
     device: String,
     data: &Data,
 ) -> Result<RunReport, RunError> {
-    let batching = Batching {
-        shards: m.mesh.data_shards() as usize,
-        microbatches: (m.microbatches * m.directions) as usize,
-        sp: m.mesh.size(Dim::Sp) as usize,
-    };
+    let batching = reference_batching(m);
     let mut rep = RunReport {
         pp: m.pp,
         microbatches: m.microbatches,
@@ -402,6 +405,22 @@ impl RunReport {
     }
 }
 
+/// The batching of `--verify`'s sequential reference for the programs of `m`: each SP
+/// chunk (and with Megatron sequence parallelism each TP shard of it) routes alone, as on
+/// the ranks.
+pub fn reference_batching(m: &schedc_program::Manifest) -> Batching {
+    Batching {
+        shards: m.mesh.data_shards() as usize,
+        microbatches: (m.microbatches * m.directions) as usize,
+        sp: m.mesh.size(Dim::Sp) as usize
+            * if m.sequence_parallel {
+                m.mesh.size(Dim::Tp) as usize
+            } else {
+                1
+            },
+    }
+}
+
 /// A GPU run in the CPU executor's result type (for its comparisons).
 pub fn as_exec_result(r: &GpuResult) -> ExecResult {
     ExecResult {
@@ -438,6 +457,7 @@ mod tests {
                 messages: 2,
                 collectives: 0,
                 peak_stash: vec![2, 1],
+                peak_activations: vec![2, 1],
             },
             loss,
             verify: None,

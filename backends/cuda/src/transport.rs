@@ -58,6 +58,9 @@ pub enum CollTag {
     AllReduce(u32, Scope),
     /// A tensor-parallel all-reduce of `(stage, mb, layer, phase)`.
     Tp(u32, u32, u32, Tp),
+    /// Megatron sequence parallelism: the sum over the TP group of a stage's gradients of
+    /// the tensors it does not split (and the load counts).
+    TpGrad(u32),
 }
 
 /// Exchanges data between ranks (see the module docs). Every method runs on the rank's
@@ -109,6 +112,60 @@ pub trait Transport: Send + Sync {
         dtype: DType,
         issued: &mut bool,
     ) -> Result<Ready, String>;
+    /// Megatron sequence parallelism's all-gather over `group`: every member's `count`
+    /// values at `src` into slot `j` (of `count` values) of every member's `dst`, member `j`'s
+    /// in slot `j` (`dst` holds `group.len() count` values; `src` may not overlap it).
+    /// By default the all-reduce ([`Transport::reduce`]) of `dst` with this member's values
+    /// in its slot and zeros in the others': exact (`x + 0 = x`, in bf16 as well).
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather(
+        &self,
+        cx: &mut Cx,
+        tag: CollTag,
+        group: &[u32],
+        (src, dst): (DevPtr, DevPtr),
+        count: usize,
+        dtype: DType,
+        issued: &mut bool,
+    ) -> Result<Ready, String> {
+        let mi = member(group, cx.rank)?;
+        let bytes = count * dtype.size();
+        if !*issued {
+            for j in 0..group.len() {
+                let slot = dst + (j * bytes) as u64;
+                if j == mi {
+                    cx.gpu.dtod(cx.s, slot, src, bytes)?;
+                } else {
+                    cx.gpu.memset(cx.s, slot, bytes)?;
+                }
+            }
+        }
+        self.reduce(cx, tag, group, dst, group.len() * count, dtype, issued)
+    }
+    /// Megatron sequence parallelism's reduce-scatter over `group`: the sum over the
+    /// members (in group order) of their `group.len() count` values at `src`, of which
+    /// member `j` keeps slot `j` (`count` values) in `dst`. `src` is overwritten (scratch).
+    /// By default the all-reduce of `src` in place, then this member's slot copied out: the
+    /// CPU backend's order of additions.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
+        &self,
+        cx: &mut Cx,
+        tag: CollTag,
+        group: &[u32],
+        (src, dst): (DevPtr, DevPtr),
+        count: usize,
+        dtype: DType,
+        issued: &mut bool,
+    ) -> Result<Ready, String> {
+        let mi = member(group, cx.rank)?;
+        let bytes = count * dtype.size();
+        let r = self.reduce(cx, tag, group, src, group.len() * count, dtype, issued)?;
+        if r == Ready::Done {
+            cx.gpu.dtod(cx.s, dst, src + (mi * bytes) as u64, bytes)?;
+        }
+        Ok(r)
+    }
     /// Blocks until another rank may have made progress, at most `at_most`.
     fn wait(&self, at_most: Duration);
     /// True if adjacent messages of a stream (one IR group) must be posted together
@@ -356,7 +413,10 @@ impl Single {
             }
             CollTag::AllReduce(s, scope) => format!("the {scope:?} gradients of stage {s}"),
             CollTag::Tp(s, m, l, p) => {
-                format!("the {p:?} TP all-reduce of stage {s}, micro-batch {m}, layer {l}")
+                format!("the {p:?} TP collective of stage {s}, micro-batch {m}, layer {l}")
+            }
+            CollTag::TpGrad(s) => {
+                format!("the TP group's replicated-weight gradients of stage {s}")
             }
         }
     }
@@ -621,6 +681,72 @@ impl Transport for Nccl<'_> {
         cx.gpu.dtod(cx.s, ptr, slot(n), bytes)?;
         cx.pool
             .give(cx.gpu, cx.events, cx.s, tmp, (n + 1) * bytes)?;
+        Ok(Ready::Done)
+    }
+
+    /// One NCCL group: this member's values to every other member, theirs into their
+    /// slots (the communicators span every rank, so a TP group's gather is grouped
+    /// point-to-point, as its all-reduce is).
+    fn all_gather(
+        &self,
+        cx: &mut Cx,
+        _tag: CollTag,
+        group: &[u32],
+        (src, dst): (DevPtr, DevPtr),
+        count: usize,
+        dtype: DType,
+        _issued: &mut bool,
+    ) -> Result<Ready, String> {
+        let mi = member(group, cx.rank)?;
+        let bytes = count * dtype.size();
+        let slot = |j: usize| dst + (j * bytes) as u64;
+        cx.gpu.dtod(cx.s, slot(mi), src, bytes)?;
+        self.grouped(|| {
+            for (j, &m) in group.iter().enumerate() {
+                if j == mi {
+                    continue;
+                }
+                self.coll.send(cx.comm, cx.s, src, bytes, m)?;
+                self.coll.recv(cx.comm, cx.s, slot(j), bytes, m)?;
+            }
+            Ok(())
+        })?;
+        Ok(Ready::Done)
+    }
+
+    /// One NCCL group: slot `j` of this member's partial sums to member `j`, every
+    /// member's partial of this member's slot received, then summed in group order (the
+    /// single-GPU mode's and the CPU backend's order).
+    fn reduce_scatter(
+        &self,
+        cx: &mut Cx,
+        _tag: CollTag,
+        group: &[u32],
+        (src, dst): (DevPtr, DevPtr),
+        count: usize,
+        dtype: DType,
+        _issued: &mut bool,
+    ) -> Result<Ready, String> {
+        let mi = member(group, cx.rank)?;
+        let n = group.len();
+        let bytes = count * dtype.size();
+        let tmp = cx.pool.take(cx.gpu, cx.events, cx.s, n * bytes)?;
+        let slot = |j: usize| tmp + (j * bytes) as u64;
+        let part = |j: usize| src + (j * bytes) as u64;
+        cx.gpu.dtod(cx.s, slot(mi), part(mi), bytes)?;
+        self.grouped(|| {
+            for (j, &m) in group.iter().enumerate() {
+                if j == mi {
+                    continue;
+                }
+                self.coll.send(cx.comm, cx.s, part(j), bytes, m)?;
+                self.coll.recv(cx.comm, cx.s, slot(j), bytes, m)?;
+            }
+            Ok(())
+        })?;
+        let srcs: Vec<DevPtr> = (0..n).map(slot).collect();
+        sum_in_order(cx.gpu, cx.s, dst, &srcs, count, dtype)?;
+        cx.pool.give(cx.gpu, cx.events, cx.s, tmp, n * bytes)?;
         Ok(Ready::Done)
     }
 

@@ -17,6 +17,7 @@ f32_zb_h1) echo '{"verify_passed": false, "max_rel_grad_err": NaN, "max_abs_loss
 f32_dualpipe) echo '{"trunc'; exit 137 ;;
 bf16_dualpipe) echo '{"loss": [5.8158]}' ;;
 tp_dualpipe) echo '{"verify_passed": true, "max_rel_grad_err": 1.0e-6, "max_abs_loss_err": 0.0, "worst": {"grad": "layer1.wuq[tp 1/2 columns 16] at step 0 on rank 2"}}' ;;
+sp_1f1b) echo '{"verify_passed": true, "max_rel_grad_err": 1.1e-6, "max_abs_loss_err": 2e-7, "worst": {"grad": "layer0.q_norm at step 1 on rank 0"}}' ;;
 realsize) echo '{"loss": [5.55, 5.4, 5.2], "tokens_per_step": 16384, "step_seconds": [30.0, 2.0, 2.2], "peak_device_memory": 60000000000}' ;;
 train_cuda_f32) echo '{"loss": [5.7687, 2.3204], "seconds": 7.0, "steps": 200, "instructions_per_step": 1096}' ;;
 train_cuda_bf16) exit 124 ;;
@@ -105,6 +106,7 @@ fn gpu_check_writes_every_step_and_a_summary_that_survives_nan_and_failures() {
         "f32_dualpipe",
         "bf16_dualpipe",
         "tp_dualpipe",
+        "sp_1f1b",
         "realsize",
         "train_cuda_f32",
         "train_cuda_bf16",
@@ -148,6 +150,17 @@ fn gpu_check_writes_every_step_and_a_summary_that_survives_nan_and_failures() {
         "{l}"
     );
     assert!(l.ends_with("worst gradient n/a at n/a, loss n/a"), "{l}");
+    let l = line(&s, "sp_1f1b: ");
+    assert!(
+        l.starts_with("sp_1f1b: --verify PASS (exit 0 after "),
+        "{l}"
+    );
+    assert!(
+        l.ends_with(
+            "worst gradient 1.100e-06 at layer0.q_norm at step 1 on rank 0, loss 2.000e-07"
+        ),
+        "{l}"
+    );
     let l = line(&s, "bf16_dualpipe: ");
     assert!(
         l.starts_with(
@@ -225,7 +238,7 @@ fn gpu_check_skips_the_steps_the_deadline_leaves_no_time_for() {
         &[("GPU_CHECK_BUDGET", "45"), ("SLEEP_SMOKE", "6")],
     );
     assert!(status(&out, "smoke").starts_with("exit 0 after "));
-    // The first 30 s steps run (each step's bookkeeping takes a second or two here); the
+    // The first 25 s steps run (each step's bookkeeping takes a second or two here); the
     // later ones may or may not, with the machine's load.
     for step in ["f32_1f1b", "f32_zb_h1"] {
         assert!(

@@ -896,11 +896,7 @@ fn parallel_routing_dispatch_plan_and_embedding_gradient_at_hidden_256_8_experts
                 let at = q * sb / 4;
                 let c = box_[at] as usize;
                 assert_eq!(c, meta.len(), "packet {q}'s count");
-                assert_eq!(
-                    &box_[at + 4..at + 4 + c],
-                    &meta[..],
-                    "packet {q}'s experts"
-                );
+                assert_eq!(&box_[at + 4..at + 4 + c], &meta[..], "packet {q}'s experts");
             }
         }
     }

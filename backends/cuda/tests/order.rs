@@ -8,16 +8,21 @@
 use schedc::input::{load_spec, Overrides};
 use schedc_cuda::api::{DType, EventId, StreamId};
 use schedc_cuda::driver::{execute_on, execute_rank, stream_kinds, ExecOptions};
-use schedc_cuda::layout::Dims;
+use schedc_cuda::layout::{Dims, StashLayout};
 use schedc_cuda::record::{Call, Recorder};
 use schedc_program::data::Data;
 use schedc_program::mesh::Mesh;
-use schedc_program::{LowerOptions, ModelConfig, Op, ProgramSet, RankProgram};
+use schedc_program::{Buf, LowerOptions, ModelConfig, Op, ProgramSet, RankProgram};
 use std::collections::HashMap;
 
 /// A spec of `specs/`, or a file of the shared reference data (`ref:PATH`, e.g. DeepSeek's
 /// DualPipe traces, whose `COMM{...}` groups hold crossing sends).
 fn lower(name: &str, pp: u32, mb: u32, mesh: &str) -> ProgramSet {
+    lower_opts(name, pp, mb, mesh, LowerOptions::default())
+}
+
+/// `lower` with lowering options (`--sequence-parallel`).
+fn lower_opts(name: &str, pp: u32, mb: u32, mesh: &str, opts: LowerOptions) -> ProgramSet {
     let root = env!("CARGO_MANIFEST_DIR");
     let src = if let Some(r) = name.strip_prefix("ref:") {
         let path = format!("{root}/../../../shared/reference/{r}");
@@ -34,7 +39,7 @@ fn lower(name: &str, pp: u32, mb: u32, mesh: &str) -> ProgramSet {
         load_spec(&text, &ov).unwrap().program
     };
     let mesh: Mesh = mesh.parse().unwrap();
-    ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), LowerOptions::default()).unwrap()
+    ProgramSet::lower(&src, &mesh, &ModelConfig::tiny(), opts).unwrap()
 }
 
 const STEPS: usize = 2;
@@ -71,11 +76,31 @@ fn check_rank(
         .model
         .as_ref()
         .ok_or("a model-granularity program has schedc's model")?;
-    let dims = Dims::new(model, &set.manifest.mesh, DType::F32)?;
+    // With Megatron sequence parallelism the messages carry the TP shard's rows.
+    let m = &set.manifest;
+    let dims =
+        Dims::with_sequence_parallel(model, &m.mesh, DType::F32, m.sequence_parallel.then_some(0))?;
     let kinds = stream_kinds(set);
     let r = prog.rank;
+    // The bytes of a message's buffer: an activation or gradient, or (BPipe) a stash as
+    // the stage's owner lays it out.
+    let msg_bytes = |b: &Buf| match b {
+        Buf::Stash { stage, .. } | Buf::Host { stage, .. } => set
+            .ranks
+            .iter()
+            .flat_map(|p| &p.stages)
+            .find(|x| x.stage == *stage)
+            .map(|x| StashLayout::new(&dims, x).bytes)
+            .unwrap_or(0),
+        _ => dims.act_bytes(),
+    };
     for (s, stream) in prog.streams.iter().enumerate() {
-        let comm = kinds.iter().position(|k| *k == stream.kind).unwrap();
+        // The copy stream (memory ops) sends nothing and has no communicator of its own.
+        let comm = match kinds.iter().position(|k| *k == stream.kind) {
+            Some(c) => c,
+            None if stream.kind == schedc_program::StreamKind::Copy => 0,
+            None => panic!("rank {r}: no communicator for the {} stream", stream.kind),
+        };
         let segs = segments(log, s);
         let want: Vec<String> = (0..STEPS)
             .flat_map(|_| stream.ops.iter().map(|o| o.to_string()))
@@ -139,15 +164,15 @@ fn check_rank(
                         return bad("a kernel records or waits");
                     }
                 }
-                Op::Send { peer, .. } => {
+                Op::Send { peer, buf } => {
                     let ok = if nccl {
                         calls.contains(&Call::Send {
                             comm,
                             peer: *peer,
-                            bytes: dims.act_bytes(),
+                            bytes: msg_bytes(buf),
                         })
                     } else {
-                        calls.contains(&Call::Dtod(dims.act_bytes()))
+                        calls.contains(&Call::Dtod(msg_bytes(buf)))
                             && calls.iter().any(|c| matches!(c, Call::Record(_)))
                     };
                     if !ok {
@@ -156,16 +181,16 @@ fn check_rank(
                         );
                     }
                 }
-                Op::Recv { peer, .. } => {
+                Op::Recv { peer, buf } => {
                     let ok = if nccl {
                         calls.contains(&Call::Recv {
                             comm,
                             peer: *peer,
-                            bytes: dims.act_bytes(),
+                            bytes: msg_bytes(buf),
                         })
                     } else {
                         matches!(calls.first(), Some(Call::Wait(_)))
-                            && calls.contains(&Call::Dtod(dims.act_bytes()))
+                            && calls.contains(&Call::Dtod(msg_bytes(buf)))
                     };
                     if !ok {
                         return bad("not a receive of the activation's size");
@@ -198,6 +223,20 @@ fn check_rank(
                     let want = if nccl { 1 } else { group.len() };
                     if copies != want {
                         return bad(&format!("{copies} slot copies, expected {want}"));
+                    }
+                }
+                Op::Offload { stage, mb } | Op::Reload { stage, mb } => {
+                    let n = msg_bytes(&Buf::Stash {
+                        stage: *stage,
+                        mb: *mb,
+                    });
+                    let want = if matches!(op, Op::Offload { .. }) {
+                        Call::DtohAsync(n)
+                    } else {
+                        Call::HtodAsync(n)
+                    };
+                    if calls != &vec![want] || stream.kind != schedc_program::StreamKind::Copy {
+                        return bad("not one asynchronous copy of the stash on the copy stream");
                     }
                 }
                 Op::TpCollective { group, .. } if nccl => {
@@ -297,6 +336,48 @@ fn single_gpu_mode_issues_every_stream_in_program_order() {
                 .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
         }
         println!("order {name} P={pp} M={mb} mesh {mesh} (single-GPU mode): program order on every stream");
+    }
+}
+
+/// Issue 23: Megatron sequence parallelism's all-gathers and reduce-scatters in NCCL mode
+/// (grouped sends and receives over the TP group, on the `tp` stream's communicator) and
+/// the replicated-weight gradient sum (on the comm stream): program order on every stream
+/// in both modes, every NCCL group symmetric across ranks, and every call completes under
+/// rendezvous semantics.
+#[test]
+fn megatron_sequence_parallel_issues_program_order_and_symmetric_nccl_groups() {
+    let opts = LowerOptions {
+        sequence_parallel: true,
+        ..LowerOptions::default()
+    };
+    for (name, mesh) in [("1f1b", "pp=2,tp=2,sp=2"), ("dualpipe", "pp=2,tp=2,ep=2")] {
+        let set = lower_opts(name, 2, 4, mesh, opts);
+        assert!(set.manifest.sequence_parallel);
+        let logs = nccl_logs(&set);
+        for (prog, log) in set.ranks.iter().zip(&logs) {
+            check_rank(&set, prog, log, true).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        }
+        let n = check_symmetric(&logs).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        let u = rendezvous(&logs).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        let recs: Vec<Recorder> = set
+            .ranks
+            .iter()
+            .map(|p| Recorder::new(p.rank, DType::F32))
+            .collect();
+        let gpus: Vec<&dyn schedc_cuda::api::Gpu> = recs
+            .iter()
+            .map(|r| r as &dyn schedc_cuda::api::Gpu)
+            .collect();
+        let eo = ExecOptions {
+            steps: STEPS,
+            ..ExecOptions::default()
+        };
+        execute_on(&gpus, &set, &Data::builtin(), &eo).unwrap();
+        for (prog, rec) in set.ranks.iter().zip(&recs) {
+            check_rank(&set, prog, &rec.log(), false)
+                .unwrap_or_else(|e| panic!("{name} {mesh} single: {e}"));
+        }
+        println!("order {name} mesh {mesh} --sequence-parallel: program order in both modes, {n} NCCL messages symmetric, {u} NCCL units complete");
     }
 }
 
@@ -666,4 +747,55 @@ fn a_failed_nccl_rank_aborts_its_communicators() {
     let ok = Recorder::new(1, DType::F32);
     execute_rank(&ok, &ok, &set, 1, &Data::builtin(), &opts).unwrap();
     assert!(!ok.log().iter().any(|c| c.1 == Call::Abort));
+}
+
+/// Issue 27, item 5: the memory ops and BPipe's lent stashes in both modes: offloads and
+/// reloads as one asynchronous copy each on the copy stream, a lent stash sent and received
+/// with the owner's stash size (in NCCL mode `ncclSend`/`ncclRecv` on channel 1's
+/// communicator, grouped like every message, symmetric and free of deadlock under
+/// rendezvous semantics).
+#[test]
+fn memory_ops_and_lent_stashes_follow_the_program_in_both_modes() {
+    for (name, pp, mb, mesh) in [
+        ("1f1b_offload", 4, 8, "pp=4"),
+        ("zb_offload", 4, 8, "pp=4"),
+        ("1f1b_recompute", 4, 8, "pp=4"),
+        ("bpipe", 4, 8, "pp=4"),
+    ] {
+        let set = lower(name, pp, mb, mesh);
+        let logs = nccl_logs(&set);
+        for (prog, log) in set.ranks.iter().zip(&logs) {
+            check_rank(&set, prog, log, true).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        }
+        let units = rendezvous(&logs).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        let n = check_symmetric(&logs).unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        let recs: Vec<Recorder> = set
+            .ranks
+            .iter()
+            .map(|p| Recorder::new(p.rank, DType::F32))
+            .collect();
+        let gpus: Vec<&dyn schedc_cuda::api::Gpu> = recs
+            .iter()
+            .map(|r| r as &dyn schedc_cuda::api::Gpu)
+            .collect();
+        let opts = ExecOptions {
+            steps: STEPS,
+            ..ExecOptions::default()
+        };
+        execute_on(&gpus, &set, &Data::builtin(), &opts).unwrap();
+        for (prog, rec) in set.ranks.iter().zip(&recs) {
+            check_rank(&set, prog, &rec.log(), false)
+                .unwrap_or_else(|e| panic!("{name} {mesh}: {e}"));
+        }
+        let stash_msgs = logs
+            .iter()
+            .flatten()
+            .filter(|(_, c)| matches!(c, Call::Send { bytes, .. } if *bytes > 40_000))
+            .count();
+        println!("order {name} P={pp} M={mb}: program order in both modes, {n} NCCL messages symmetric ({stash_msgs} of a stash's size), {units} units under rendezvous");
+        if name == "bpipe" {
+            // 24 lends and returns per step (see the equivalence test), two steps.
+            assert_eq!(stash_msgs, 48);
+        }
+    }
 }

@@ -333,7 +333,8 @@ fn lower_rank(
                     }
                     let send = matches!(c, Comm::Send { .. });
                     if !lent_seen.insert((send, Buf::of_payload(payload))) {
-                        return Err(ProgramError::Rejected(format!(
+                        // A valid schedule (`check` accepts it) the executors do not run.
+                        return Err(ProgramError::Unsupported(format!(
                             "rank {r}: `{}`: the stash of F({},{}) is {} twice by this rank; the \
                              executors move a stash to its holder and back once per step",
                             schedc_ir::text::instr_to_string(ins),
@@ -531,6 +532,10 @@ fn lower_rank(
                     match c {
                         Comm::Send { payload, .. } if payload.kind.is_stash() => {
                             let buf = Buf::of_payload(payload);
+                            // A stash lent after its RELOAD goes once the copy is back.
+                            if let Some(event) = reloaded.remove(&(payload.stage, payload.mb)) {
+                                b.compute.push(Op::Wait { event });
+                            }
                             if payload.kind == schedc_ir::PayloadKind::Return {
                                 if let Some(&event) = recv_ev.get(&buf) {
                                     b.compute.push(Op::Wait { event });

@@ -73,10 +73,16 @@ pub fn check_fit(
 /// The CPU backend's needs: per global rank, its stage copies' parameters with their
 /// gradient accumulators and Adam's two moments (`4 x elem` bytes per parameter, plus the
 /// same again with `verify`, for the recorded gradients and the sequential reference), and
-/// its peak of live stashes (`peak_stash`, the verifier's count) of
+/// its peak of live stashes (`peak_activations`: [`crate::verify::VerifyReport::peak_activations`],
+/// `schedc check`'s count, so a stash lent to another rank counts on its holder) of
 /// [`crate::ModelConfig::stash_elems_per_token`] per token and layer. An estimate: the CPU
 /// backend's buffers are not planned ahead.
-pub fn cpu_needs(set: &ProgramSet, peak_stash: &[u32], elem: u64, verify: bool) -> Vec<RankNeed> {
+pub fn cpu_needs(
+    set: &ProgramSet,
+    peak_activations: &[u32],
+    elem: u64,
+    verify: bool,
+) -> Vec<RankNeed> {
     let Some(m) = &set.manifest.model else {
         return Vec::new();
     };
@@ -104,7 +110,7 @@ pub fn cpu_needs(set: &ProgramSet, peak_stash: &[u32], elem: u64, verify: bool) 
             RankNeed {
                 rank: r.rank,
                 params: params.saturating_mul(state * elem),
-                activations: (peak_stash.get(i).copied().unwrap_or(0) as u64)
+                activations: (peak_activations.get(i).copied().unwrap_or(0) as u64)
                     .saturating_mul(per_stash),
             }
         })

@@ -443,6 +443,35 @@ impl Mesh {
         self.size(Dim::Dp) * self.size(Dim::Ep)
     }
 
+    /// Warnings for a layout that is valid but slow: a tensor- or sequence-parallel group
+    /// spread over several nodes (`node=K`), whose per-layer collectives then cross the
+    /// inter-node network. One line per dimension, naming rank 0's group.
+    pub fn cross_node_warnings(&self) -> Vec<String> {
+        let Some(k) = self.node else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (d, name) in [(Dim::Tp, "tensor"), (Dim::Sp, "sequence")] {
+            if self.size(d) < 2 {
+                continue;
+            }
+            let Ok(g) = self.group(0, &[d]) else {
+                continue;
+            };
+            let nodes: std::collections::BTreeSet<u32> =
+                g.iter().map(|&m| self.node_of(m)).collect();
+            if nodes.len() > 1 {
+                out.push(format!(
+                    "node={k}: the {name}-parallel group of rank 0 (ranks {}) spans nodes {}: its collectives cross the inter-node network; list {} last in --mesh to keep it in a node",
+                    join(&g),
+                    join(&nodes.into_iter().collect::<Vec<_>>()),
+                    if d == Dim::Tp { "tp" } else { "sp" }
+                ));
+            }
+        }
+        out
+    }
+
     /// Refuses a mesh whose product is not `world` (when given) or that does not fit the
     /// schedule and model: `pp` must equal the schedule's P; `ep` must divide the experts;
     /// `tp` must divide the heads, the hidden size and the expert hidden size; `sp` must
@@ -503,6 +532,21 @@ impl Mesh {
                     "node={k} neither divides ep={ep} nor is a multiple of it (an expert-parallel group must span whole nodes or fit in one)"
                 ));
             }
+            // The sizes fit; the layout must too (the last dimension of --mesh varies
+            // fastest over global ranks, so `ep` listed before a dimension of size > 1
+            // strides across nodes).
+            for r in 0..self.world() {
+                let g = self.group(r, &[Dim::Ep]).expect("rank in range");
+                let nodes: std::collections::BTreeSet<u32> =
+                    g.iter().map(|&m| self.node_of(m)).collect();
+                if nodes.len() > 1 && g.len() as u32 != nodes.len() as u32 * k {
+                    return bad(format!(
+                        "node={k}: the expert-parallel group of rank {r} (ranks {}) is spread over nodes {} without filling them, so a hierarchical all-to-all cannot send once per node; the last dimension of --mesh varies fastest over the ranks: list ep after the dimensions that should share its nodes (e.g. pp=..,dp=..,ep=..)",
+                        join(&g),
+                        join(&nodes.into_iter().collect::<Vec<_>>())
+                    ));
+                }
+            }
         }
         if !fit.seq_len.is_multiple_of(sp) {
             return bad(format!(
@@ -512,6 +556,11 @@ impl Mesh {
         }
         Ok(())
     }
+}
+
+/// `a, b, c` of numbers.
+fn join(v: &[u32]) -> String {
+    v.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
 }
 
 #[cfg(test)]
@@ -690,5 +739,50 @@ mod tests {
             e.contains("sp=3 does not divide the sequence length (16)"),
             "{e}"
         );
+    }
+
+    /// Newcomer round 4, finding 6: `node=K` was checked by sizes only; the layout (the last
+    /// dimension varies fastest) decides whether an EP group fills its nodes, and a TP
+    /// group across nodes is warned about.
+    #[test]
+    fn node_layout_is_checked_on_the_groups_not_the_sizes() {
+        let fit = Fit {
+            pp: 2,
+            experts: 8,
+            heads: 4,
+            hidden: 32,
+            expert_hidden: 16,
+            seq_len: 32,
+        };
+        let why = |m: &str| {
+            let mesh: Mesh = m.parse().unwrap();
+            mesh.validate(None, &fit).err().map(|e| e.to_string())
+        };
+        let e = why("pp=2,ep=2,dp=3,node=4").unwrap();
+        assert!(
+            e.contains(
+                "the expert-parallel group of rank 1 (ranks 1, 4) is spread over nodes 0, 1"
+            ),
+            "{e}"
+        );
+        let e = why("pp=2,ep=4,dp=2,node=2").unwrap();
+        assert!(
+            e.contains("(ranks 0, 2, 4, 6) is spread over nodes 0, 1, 2, 3"),
+            "{e}"
+        );
+        for ok in [
+            "pp=2,dp=2,ep=4,node=2",
+            "pp=2,dp=3,ep=2,node=4",
+            "pp=2,ep=8,node=4",
+        ] {
+            assert_eq!(why(ok), None, "{ok}");
+        }
+        let m: Mesh = "pp=2,tp=2,ep=2,dp=2,node=4".parse().unwrap();
+        assert_eq!(
+            m.cross_node_warnings(),
+            vec!["node=4: the tensor-parallel group of rank 0 (ranks 0, 4) spans nodes 0, 1: its collectives cross the inter-node network; list tp last in --mesh to keep it in a node".to_string()]
+        );
+        let m: Mesh = "pp=2,dp=2,ep=2,tp=2,node=4".parse().unwrap();
+        assert!(m.cross_node_warnings().is_empty());
     }
 }

@@ -17,8 +17,15 @@ pub struct VerifyReport {
     pub messages: usize,
     /// Collective instances.
     pub collectives: usize,
-    /// Per rank, the most `stash` buffers live at once (the activation peak).
+    /// Per rank, the most `stash` buffers live at once in the compute stream's order (the
+    /// activation peak of the rank's own forwards; a stash lent to another rank (BPipe's
+    /// `LEND`) is still counted on its owner here, see `peak_activations`).
     pub peak_stash: Vec<u32>,
+    /// Per rank, the peak of live activations as `schedc check` counts them (pass 6,
+    /// `schedc::passes::liveness`): a lent stash on its holder from the `LEND` to the
+    /// `RETURN`, an offloaded one off the device. What a rank holds at its peak, in stashes;
+    /// memory estimates use it.
+    pub peak_activations: Vec<u32>,
 }
 
 /// Verifies a program set against its source IR program (see the module docs).
@@ -39,11 +46,21 @@ pub fn verify(set: &ProgramSet, source: &Program) -> Result<VerifyReport, Progra
         peak_stash.push(verify_rank(rp)?);
     }
     let (messages, collectives) = simulate(set)?;
+    let (live, _) = schedc::passes::liveness::analyze(source, None);
+    let peak_activations = set
+        .ranks
+        .iter()
+        .map(|rp| {
+            live.get(rp.coords.pp as usize)
+                .map_or(0, |l| u32::try_from(l.peak).unwrap_or(u32::MAX))
+        })
+        .collect();
     Ok(VerifyReport {
         ops: set.len(),
         messages,
         collectives,
         peak_stash,
+        peak_activations,
     })
 }
 

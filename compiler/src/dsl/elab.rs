@@ -981,6 +981,40 @@ fn exec(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<(), Elab
     r
 }
 
+/// The (global stage, micro-batch) a memory or lending op (`OFFLOAD`, `RELOAD`, `RECOMPUTE`,
+/// `LEND`, `RETURN`; `name` for the message) names: `op(c, m)` with a local chunk or
+/// `op(stage s, m)`. Errors: a bad chunk or micro-batch, or no micro-batch (`op(c)`), at the
+/// expression's span.
+fn stage_mb(
+    target: &Target,
+    name: &str,
+    sp: Sp,
+    env: &Env,
+    st: &RankState<'_>,
+) -> Result<(u32, u32), ElabError> {
+    let mb_of = |mb: &Expr| {
+        u32_of(
+            int(eval(mb, env, Some(st))?, mb.sp())?,
+            mb.sp(),
+            "micro-batch",
+        )
+    };
+    match target {
+        Target::Chunk(c, mb) => {
+            let ci = chunk(st, int(eval(c, env, Some(st))?, c.sp())?, c.sp())?;
+            Ok((st.chunks[ci], mb_of(mb)?))
+        }
+        Target::Stage(s, mb) => {
+            let s = u32_of(int(eval(s, env, Some(st))?, s.sp())?, s.sp(), "stage")?;
+            Ok((s, mb_of(mb)?))
+        }
+        Target::Next(_) => Err(err(
+            sp,
+            format!("{name}(c, m) needs a chunk and a micro-batch"),
+        )),
+    }
+}
+
 fn tick(st: &mut RankState<'_>, sp: Sp) -> Result<(), ElabError> {
     *st.budget += 1;
     let limit = STEP_BUDGET.load(std::sync::atomic::Ordering::Relaxed);
@@ -1138,32 +1172,7 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
             }
             Stmt::Mem(m) => {
                 tick(st, m.sp)?;
-                let (stage, mb) = match &m.target {
-                    Target::Chunk(c, mb) => {
-                        let ci = chunk(st, int(eval(c, env, Some(st))?, c.sp())?, c.sp())?;
-                        let mb = u32_of(
-                            int(eval(mb, env, Some(st))?, mb.sp())?,
-                            mb.sp(),
-                            "micro-batch",
-                        )?;
-                        (st.chunks[ci], mb)
-                    }
-                    Target::Stage(s, mb) => {
-                        let s = u32_of(int(eval(s, env, Some(st))?, s.sp())?, s.sp(), "stage")?;
-                        let mb = u32_of(
-                            int(eval(mb, env, Some(st))?, mb.sp())?,
-                            mb.sp(),
-                            "micro-batch",
-                        )?;
-                        (s, mb)
-                    }
-                    Target::Next(_) => {
-                        return Err(err(
-                            m.sp,
-                            format!("{}(c, m) needs a chunk and a micro-batch", m.kind.name()),
-                        ))
-                    }
-                };
+                let (stage, mb) = stage_mb(&m.target, m.kind.name(), m.sp, env, st)?;
                 st.out.push(Instr::Mem(schedc_ir::MemOp {
                     kind: m.kind,
                     stage,
@@ -1178,32 +1187,7 @@ fn exec_inner(body: &[Stmt], env: &mut Env, st: &mut RankState<'_>) -> Result<()
                 } else {
                     "RETURN"
                 };
-                let (stage, mb) = match &m.target {
-                    Target::Chunk(c, mb) => {
-                        let ci = chunk(st, int(eval(c, env, Some(st))?, c.sp())?, c.sp())?;
-                        let mb = u32_of(
-                            int(eval(mb, env, Some(st))?, mb.sp())?,
-                            mb.sp(),
-                            "micro-batch",
-                        )?;
-                        (st.chunks[ci], mb)
-                    }
-                    Target::Stage(s, mb) => {
-                        let s = u32_of(int(eval(s, env, Some(st))?, s.sp())?, s.sp(), "stage")?;
-                        let mb = u32_of(
-                            int(eval(mb, env, Some(st))?, mb.sp())?,
-                            mb.sp(),
-                            "micro-batch",
-                        )?;
-                        (s, mb)
-                    }
-                    Target::Next(_) => {
-                        return Err(err(
-                            m.sp,
-                            format!("{name}(c, m) needs a chunk and a micro-batch"),
-                        ))
-                    }
-                };
+                let (stage, mb) = stage_mb(&m.target, name, m.sp, env, st)?;
                 let peer = u32_of(
                     int(eval(&m.peer, env, Some(st))?, m.peer.sp())?,
                     m.peer.sp(),
@@ -1787,17 +1771,30 @@ pub fn elaborate_with(
             // Map the error back into the spec: the body starts after `literal {`.
             let body_start = sp.start + "literal {".len();
             let off = back(e.offset.saturating_sub(header.len())) + body_start;
+            // A shape line (`pp`, `stages`, `microbatches`, `placement`, ...) in the block
+            // clashes with the header the spec generates: say so, not "first on line 1" of
+            // a header the user never wrote (newcomer round 4, finding 10); malformed (2).
+            let shape = e.message.contains("is given twice (first on line");
+            let (message, help) = if shape {
+                let word = e.message.split('`').nth(1).unwrap_or("this line").to_string();
+                (
+                    format!("`{word}` is not written in a literal block: the spec's shape (pp, stages, micro-batches, placement) comes from the spec and the command line"),
+                    Some("write only `rank N:` lines, `group`/`communicator` and `moe` lines in the block".to_string()),
+                )
+            } else {
+                (e.message, e.help)
+            };
             vec![ElabError {
                 sp: Sp {
                     start: off,
                     end: off + e.len.max(1),
                 },
-                message: e.message,
-                help: e.help,
+                message,
+                help,
                 rank: None,
                 refused: false,
                 usage: false,
-                malformed: false,
+                malformed: shape,
                 context: Vec::new(),
                 expansions: Box::default(),
             }]

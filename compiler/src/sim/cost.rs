@@ -460,7 +460,9 @@ impl CostModel {
             + self.op_time(Kind::BW, 0)
             + self.message_time()
             + self.a2a_time(Part::Dispatch)
-            + self.a2a_time(Part::Combine);
+            + self.a2a_time(Part::Combine)
+            + self.memory.copy_time(schedc_ir::MemKind::Offload, 0)
+            + self.memory.copy_time(schedc_ir::MemKind::Reload, 0);
         if !total.is_finite() {
             return Err("the cost model's times are too large: their sums overflow".into());
         }

@@ -536,6 +536,14 @@ fn run(
     let mut f_end = vec![0f64; if has_mem { nk } else { 0 }];
     let mut off_end = vec![0f64; if has_mem { nk } else { 0 }];
     let mut back_on = vec![0f64; if has_mem { nk } else { 0 }];
+    // Per (stage, mb), as fractions of the stage's activation bytes: what its B and W have
+    // still to release (`need`: 1 after F, `1 - released_at_b` after a split B, 0 after W or
+    // BW), what of it is on the device (`dev`) and on the host (`host`). An offload moves
+    // `dev` (after a split B only the W's part is left), a reload brings `host` back, a
+    // recompute rebuilds `need`.
+    let mut need = vec![0f64; if has_mem { nk } else { 0 }];
+    let mut dev = vec![0f64; if has_mem { nk } else { 0 }];
+    let mut host = vec![0f64; if has_mem { nk } else { 0 }];
     let mut makespan = f64::NEG_INFINITY;
     let mut item_end: Vec<Vec<f64>> = items.iter().map(|v| vec![f64::NAN; v.len()]).collect();
     let mut posted = vec![false; ng];
@@ -603,6 +611,8 @@ fn run(
                     _ => true,
                 };
                 let gate = if opens { closed[r] } else { 0.0 };
+                // What a memory op moves, as a fraction of its stage's activation (below).
+                let mut moved = 1.0f64;
                 // (start, end, on the EP stream)
                 let (start, end, on_ep) = match ins {
                     Instr::Compute(c) => {
@@ -698,6 +708,24 @@ fn run(
                                 instr_to_string(ins)
                             )
                         })?;
+                        // The fraction of the stage's activation bytes this op moves or
+                        // rebuilds (see `need`).
+                        moved = match op.kind {
+                            MemKind::Offload => std::mem::take(&mut dev[k]),
+                            MemKind::Reload => {
+                                let h = std::mem::take(&mut host[k]);
+                                dev[k] += h;
+                                h
+                            }
+                            MemKind::Recompute => {
+                                let add = (need[k] - dev[k]).max(0.0);
+                                dev[k] = need[k];
+                                add
+                            }
+                        };
+                        if op.kind == MemKind::Offload {
+                            host[k] += moved;
+                        }
                         match op.kind {
                             // On the host-copy stream, once the compute stream reaches the op
                             // (the end of the op before it), the stream is free, and the
@@ -710,7 +738,7 @@ fn run(
                                     off_end[k]
                                 };
                                 let start = hfree[r].max(after).max(before);
-                                let d = cost.memory.copy_time(op.kind, op.stage);
+                                let d = cost.memory.copy_time(op.kind, op.stage) * moved;
                                 hfree[r] = start + d;
                                 used.host[r] = 1.0;
                                 if op.kind == MemKind::Offload {
@@ -750,6 +778,31 @@ fn run(
                         (start, start, false)
                     }
                 };
+                if has_mem {
+                    ins.for_each_compute(|c| {
+                        let Some(k) = act_key(c.stage, c.mb) else {
+                            return;
+                        };
+                        let rel_b = mem_model.released_at_b_at(c.stage);
+                        if c.kind == Kind::F && is_first_part(c) {
+                            need[k] = 1.0;
+                            dev[k] = 1.0;
+                        }
+                        if is_last_part(c) {
+                            let freed = match c.kind {
+                                Kind::B => rel_b,
+                                Kind::W => 1.0 - rel_b,
+                                Kind::BW => 1.0,
+                                Kind::F => 0.0,
+                            };
+                            need[k] = (need[k] - freed).max(0.0);
+                            dev[k] = (dev[k] - freed).max(0.0);
+                            if c.kind == Kind::F && c.checkpoint {
+                                dev[k] = 0.0;
+                            }
+                        }
+                    });
+                }
                 if ins.is_compute() {
                     first[r] = first[r].min(start);
                     last[r] = last[r].max(end);
@@ -791,7 +844,7 @@ fn run(
                     if let Instr::Mem(op) = ins {
                         kind = EventKind::Mem;
                         mbv = Some(op.mb);
-                        let act = mem_model.activation_bytes_at(op.stage);
+                        let act = mem_model.activation_bytes_at(op.stage) * moved;
                         // The device copy is freed when the offload completes, allocated
                         // again when a reload or recompute starts.
                         match op.kind {
@@ -943,7 +996,11 @@ fn run(
         .map(|r| uncovered(&a2a_iv[r], &comp_iv[r]))
         .collect();
     Ok(Run {
-        makespan: if makespan.is_finite() { makespan } else { 0.0 },
+        makespan: if makespan == f64::NEG_INFINITY {
+            0.0
+        } else {
+            makespan
+        },
         busy,
         exposed,
         exposed_a2a,
@@ -1038,6 +1095,10 @@ pub fn simulate(p: &Program, cost: &CostModel) -> Result<SimResult, String> {
     simulate_with(p, cost, SimOptions::default())
 }
 
+/// The start of [`simulate_with`]'s error when the step's end overflows to infinity (a cost
+/// model whose copy, message or op times are too large): unusable input.
+pub const NOT_FINITE: &str = "the simulated step does not end in finite time";
+
 /// [`simulate`] with options: an optimizer's inner loop that needs no steady-state figure
 /// turns it off.
 pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<SimResult, String> {
@@ -1051,6 +1112,12 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
         host: vec![0.0; np],
     };
     let one = run(p, cost, &prep, &zero, true)?;
+    if !one.makespan.is_finite() {
+        return Err(format!(
+            "{NOT_FINITE} (makespan {}): a copy, message or op time of the cost model is too large (latency, bandwidth, pcie_bandwidth, offload and reload included)",
+            one.makespan
+        ));
+    }
 
     // Steady state: run further steps from where the previous one left every stream.
     let mut prev_end = one.end.clone();
