@@ -105,6 +105,17 @@ fn main() {
         .unwrap();
     }
     writeln!(rs, "];").unwrap();
+    writeln!(
+        rs,
+        "/// The index in [`KERNELS`] (and in the shim's table, built in the same order) of the\n/// kernel named `name`: a `match` the compiler turns into a length switch and a compare,\n/// with no hashing or allocation, so that a launch resolves its kernel in nanoseconds."
+    )
+    .unwrap();
+    writeln!(rs, "pub fn kernel_index(name: &str) -> Option<usize> {{").unwrap();
+    writeln!(rs, "    match name {{").unwrap();
+    for (ix, k) in kernels.iter().enumerate() {
+        writeln!(rs, "        {:?} => Some({ix}),", k.name).unwrap();
+    }
+    writeln!(rs, "        _ => None,\n    }}\n}}").unwrap();
     std::fs::write(out.join("kernels.rs"), rs).unwrap();
 
     let mut cpp = String::new();

@@ -39,6 +39,14 @@
 #                  (ref/realsize_sim.json) over its bf16 peak
 #   train_cuda_*   the README's Shakespeare run under DualPipe (200 steps), f32 and bf16,
 #                  against the CPU's f32 curve (ref/train_cpu_f32.json)
+#   graph          gpu_bench --what graph: an attention forward+backward captured as a CUDA
+#                  graph and replayed, against the same calls run eagerly (bit for bit), and
+#                  the host and device time per launch through a graph
+#   sdpa           sdpa_check.py: the graph step's attention case against
+#                  torch.nn.functional.scaled_dot_product_attention (f32 from the same
+#                  bf16 inputs, goal 2e-2), and SDPA's speed at the bench's shape (16 heads x
+#                  4096 tokens, d_qk 192, d_v 128) against ours (goal >= 70%); skipped when
+#                  the machine's python3 has no torch
 #   bench          gpu_bench: expert GEMMs against a bf16 GEMM peak, F&B overlap, launches,
 #                  the tiled attention's device kernels against the host shim's on the same
 #                  inputs and its speed at 16 heads x 4096 tokens
@@ -51,8 +59,9 @@ BUDGET="${GPU_CHECK_BUDGET:-420}"
 
 # NAME:LIMIT in order; the limits add up to 420 s. A step added here takes its time from
 # another (or the deadline skips the last ones).
-STEPS=(smoke:35 f32_1f1b:30 f32_zb_h1:25 f32_dualpipe:35 bf16_dualpipe:25 tp_dualpipe:30
-    tp_bf16_1f1b:25 sp_1f1b:25 realsize:75 train_cuda_f32:45 train_cuda_bf16:30 bench:40)
+STEPS=(smoke:30 f32_1f1b:25 f32_zb_h1:25 f32_dualpipe:30 bf16_dualpipe:25 tp_dualpipe:25
+    tp_bf16_1f1b:25 sp_1f1b:25 realsize:60 train_cuda_f32:40 train_cuda_bf16:30 bench:40 graph:15
+    sdpa:25)
 
 prepare() {
     cd "$ROOT" || exit 1
@@ -65,7 +74,7 @@ prepare() {
     local target="${CARGO_TARGET_DIR:-$ROOT/target}"
     cp "$target/release/schedc" "$target/release/examples/gpu_bench" "$GPU/"
     strip "$GPU/schedc" "$GPU/gpu_bench" 2>/dev/null || true
-    cp tests/data/tinyshakespeare.txt backends/cuda/realsize.json "$GPU/"
+    cp tests/data/tinyshakespeare.txt backends/cuda/realsize.json backends/cuda/sdpa_check.py "$GPU/"
     # The CPU-only references, made here.
     local S="$GPU/schedc" spec
     for spec in 1f1b zb_h1 dualpipe; do
@@ -189,6 +198,13 @@ run() {
     step train_cuda_f32 "$S" "${train[@]}" --backend cuda --dtype f32
     step train_cuda_bf16 "$S" "${train[@]}" --backend cuda --dtype bf16
     step bench "$GPU/gpu_bench"
+    # Issue 24, item 3: CUDA graphs (an attention forward+backward captured and replayed
+    # against eager, bit for bit; launch overhead through a graph), dumping the attention
+    # case for the next step.
+    step graph "$GPU/gpu_bench" --what graph --dump-attention "$OUT/steps/attention_case.json"
+    # Our attention against torch's scaled_dot_product_attention on the same GPU (the case
+    # above; speed at 16 heads x 4096 tokens). Skipped (exit 0, {"skipped": ...}) without torch.
+    step sdpa python3 "$GPU/sdpa_check.py" "$OUT/steps/attention_case.json"
     echo "gpu-check: all steps ran in $((SECONDS - start)) s" | tee -a "$OUT/log.txt"
     summary
 }
@@ -332,6 +348,40 @@ section("tp_bf16_1f1b", lambda: bf16("tp_bf16_1f1b", "cpu_tp_1f1b.json"))
 section("realsize", realsize)
 section("training", training)
 section("bench", bench)
+
+def graph():
+    g, st = res("graph"), status("graph")
+    gr = g.get("graph") if isinstance(g.get("graph"), dict) else None
+    if gr is None:
+        lines.append(f"graph: {st}"); return
+    figures["graph"] = gr
+    if "error" in gr:
+        lines.append(f"graph: error {gr['error']} ({st})"); return
+    eq = gr.get("attention_replay_equals_eager")
+    lines.append(f"graph: attention replay {'equals' if eq is True else 'DIFFERS from'} eager ({'PASS' if eq is True else 'FAIL'}); {fmt(gr.get('host_us_per_launch'), '.3f')} us host, {fmt(gr.get('device_us_per_launch'), '.3f')} us device per launch through a graph ({st})")
+
+def sdpa():
+    r, st = res("sdpa"), status("sdpa")
+    if not st.startswith("exit"):
+        lines.append(f"sdpa: {st}"); return
+    if "skipped" in r:
+        lines.append(f"sdpa: skipped ({r['skipped']})"); return
+    if "error" in r:
+        lines.append(f"sdpa: failed ({st}; steps/sdpa.log)"); return
+    figures["sdpa"] = r
+    n = r.get("numerics") or {}
+    w = n.get("worst")
+    lines.append(f"sdpa numerics: ours (bf16) against torch SDPA (f32, same inputs) worst rel err {fmt(w, '.2e')} (goal 2e-2) {'PASS' if ok(w, 2e-2) else 'FAIL'}" + (f" ({n['error']})" if "error" in n else ""))
+    sp = r.get("speed") or {}
+    ours = (res("bench").get("attention") or {}) if isinstance(res("bench").get("attention"), dict) else {}
+    ratio = {}
+    for k in ["forward_ms", "forward_backward_ms"]:
+        a, b = num(ours.get(k)), num(sp.get(k))
+        ratio[k] = b / a if a and b is not None else None
+    lines.append(f"sdpa speed at 16 heads x 4096 tokens: torch forward {fmt(sp.get('forward_ms'), '.3f')} ms, forward+backward {fmt(sp.get('forward_backward_ms'), '.3f')} ms; ours at {fmt(None if ratio['forward_ms'] is None else 100 * ratio['forward_ms'], '.0f')}% / {fmt(None if ratio['forward_backward_ms'] is None else 100 * ratio['forward_backward_ms'], '.0f')}% of its speed (goal 70%)" + (f" ({sp['error']})" if "error" in sp else ""))
+
+section("graph", graph)
+section("sdpa", sdpa)
 for k, v in figures.items():
     try:
         json.dump(v, open(os.path.join(out, k + ".json"), "w"), indent=1)

@@ -5,7 +5,8 @@
 //! tensor-core kernels against the host shim's on the same inputs, then its speed at a
 //! DeepSeek-V3-style shape). Prints one JSON object.
 //!
-//! `gpu_bench [--device N] [--what gemm,overlap,launch,attention]`; run by
+//! `gpu_bench [--device N] [--what gemm,overlap,launch,attention,graph]` (`graph`: CUDA
+//! graphs, replay against eager and launch overhead; `--host-graph` runs it on the shim); run by
 //! `backends/cuda/gpu-check.sh`. The attention section runs last and reports its error in
 //! the JSON instead of failing the rest.
 //! Without a GPU it prints why and exits 1.
@@ -44,7 +45,7 @@ fn time(
     for _ in 0..3 {
         f()?;
     }
-    let (a, b) = (g.new_event()?, g.new_event()?);
+    let (a, b) = (g.new_timing_event()?, g.new_timing_event()?);
     g.record(s, a)?;
     for _ in 0..reps {
         f()?;
@@ -553,7 +554,7 @@ fn launch(g: &CudaGpu, s: StreamId) -> Result<serde_json::Value, GpuError> {
         args: vec![Arg::Ptr(p), Arg::Ptr(p), Arg::Ptr(p + 1024), Arg::I64(1)],
     };
     let n = 20000;
-    let (a, b) = (g.new_event()?, g.new_event()?);
+    let (a, b) = (g.new_timing_event()?, g.new_timing_event()?);
     for _ in 0..100 {
         g.launch(s, &l)?;
     }
@@ -573,6 +574,135 @@ fn launch(g: &CudaGpu, s: StreamId) -> Result<serde_json::Value, GpuError> {
     }))
 }
 
+/// CUDA graphs (issue 24, item 3): (1) one attention forward and backward (MLA head
+/// dims, 3 heads, 100 tokens, as the attention check) captured once and replayed against
+/// the same calls run eagerly on the same inputs (the outputs must be equal bit for bit);
+/// (2) launch overhead through a graph: 1000 one-element `add_f32` launches captured,
+/// replayed 20 times, host and device time per launch (against `launch`'s eager figures).
+/// With `dump`, case (1)'s inputs and eager outputs are written there as JSON (gpu-check's
+/// comparison with torch's `scaled_dot_product_attention`, `sdpa_check.py`).
+fn graph(
+    g: &dyn Gpu,
+    s: StreamId,
+    timed: bool,
+    dump: Option<&str>,
+) -> Result<serde_json::Value, GpuError> {
+    let a = AttnDims {
+        heads: 3,
+        dn: 128,
+        dr: 64,
+        dv: 128,
+        kph: 1,
+        scale: (1.0 / 192f64.sqrt()) as f32,
+    };
+    let t = 100;
+    let b = attn_alloc(g, &a, t)?;
+    let (isz, osz, _) = attn_sizes(&a, t);
+    for (k, &n) in isz.iter().enumerate() {
+        fill(g, s, b.inputs[k], n, 7 + k as u32)?;
+    }
+    let read = |g: &dyn Gpu| -> Result<Vec<Vec<u8>>, GpuError> {
+        let mut v = Vec::new();
+        for (k, &n) in osz.iter().enumerate() {
+            let size = if k == 1 { 4 } else { g.dtype().size() };
+            let mut x = vec![0u8; n * size];
+            g.dtoh(s, b.outputs[k], &mut x)?;
+            v.push(x);
+        }
+        Ok(v)
+    };
+    attn_run(g, s, &a, &b, t, true)?;
+    let eager = read(g)?;
+    for (k, &n) in osz.iter().enumerate() {
+        let size = if k == 1 { 4 } else { g.dtype().size() };
+        g.memset(s, b.outputs[k], n * size)?;
+    }
+    g.begin_capture(s)?;
+    let captured = attn_run(g, s, &a, &b, t, true);
+    let graph = g.end_capture(s);
+    captured?;
+    let graph = graph?;
+    g.replay(s, graph)?;
+    let replayed = read(g)?;
+    let differing: Vec<usize> = (0..osz.len())
+        .filter(|&k| eager[k] != replayed[k])
+        .collect();
+    if let Some(path) = dump {
+        // The case for gpu-check's comparison with torch's scaled_dot_product_attention:
+        // inputs and outputs as f32 values of what the buffers hold.
+        let names_in = ["q_nope", "q_pe", "k_nope", "k_pe", "v", "dout"];
+        let names_out = ["out", "lse", "dq_nope", "dq_pe", "dk_nope", "dk_pe", "dv"];
+        let mut inputs = serde_json::Map::new();
+        for (k, &n) in isz.iter().enumerate() {
+            let mut x = vec![0u8; n * g.dtype().size()];
+            g.dtoh(s, b.inputs[k], &mut x)?;
+            inputs.insert(names_in[k].into(), json!(decode(g.dtype(), &x)));
+        }
+        let mut outputs = serde_json::Map::new();
+        for (k, x) in eager.iter().enumerate() {
+            let dt = if k == 1 { DType::F32 } else { g.dtype() };
+            outputs.insert(names_out[k].into(), json!(decode(dt, x)));
+        }
+        let case = json!({
+            "heads": a.heads, "tokens": t, "dn": a.dn, "dr": a.dr, "dv": a.dv, "kph": a.kph,
+            "scale": a.scale, "dtype": g.dtype().name(), "inputs": inputs, "outputs": outputs,
+        });
+        std::fs::write(path, case.to_string())
+            .map_err(|e| GpuError(format!("writing {path}: {e}")))?;
+    }
+    attn_free(g, &b)?;
+    // (2) launch overhead.
+    let p = g.alloc(4096)?;
+    g.memset(s, p, 4096)?;
+    let l = Launch {
+        kernel: "add_f32",
+        grid: [1, 1, 1],
+        block: [32, 1, 1],
+        args: vec![Arg::Ptr(p), Arg::Ptr(p), Arg::Ptr(p + 1024), Arg::I64(1)],
+    };
+    let per = 1000;
+    g.begin_capture(s)?;
+    let mut captured = Ok(());
+    for _ in 0..per {
+        captured = captured.and_then(|_| g.launch(s, &l));
+    }
+    let lg = g.end_capture(s);
+    captured?;
+    let lg = lg?;
+    g.replay(s, lg)?;
+    g.sync(s, std::time::Duration::from_secs(60))?;
+    let reps = 20;
+    let ev = if timed {
+        Some((g.new_timing_event()?, g.new_timing_event()?))
+    } else {
+        None
+    };
+    let t0 = Instant::now();
+    if let Some((e0, _)) = ev {
+        g.record(s, e0)?;
+    }
+    for _ in 0..reps {
+        g.replay(s, lg)?;
+    }
+    if let Some((_, e1)) = ev {
+        g.record(s, e1)?;
+    }
+    let host = t0.elapsed().as_secs_f64();
+    g.sync(s, std::time::Duration::from_secs(60))?;
+    let n = (per * reps) as f64;
+    let dev = match ev {
+        Some((e0, e1)) => json!(g.elapsed_ms(e0, e1)? as f64 * 1e3 / n),
+        None => json!(null),
+    };
+    g.free(p)?;
+    Ok(json!({
+        "attention_replay_equals_eager": differing.is_empty(),
+        "attention_outputs_differing": differing,
+        "launches_per_graph": per, "replays": reps,
+        "host_us_per_launch": host * 1e6 / n, "device_us_per_launch": dev,
+    }))
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let opt = |name: &str| {
@@ -587,6 +717,18 @@ fn main() {
         // the benchmark's own code without a GPU (errors 0; times are the shim's).
         let h = HostGpu::new(DType::Bf16);
         match attention(&h, StreamId(0), (2, 64), true) {
+            Ok(v) => println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default()),
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
+    if args.iter().any(|a| a == "--host-graph") {
+        // The graph section on the host shim (capture records, replay runs the record).
+        let h = HostGpu::new(DType::Bf16);
+        match graph(&h, StreamId(0), false, opt("--dump-attention").as_deref()) {
             Ok(v) => println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default()),
             Err(e) => {
                 eprintln!("error: {e}");
@@ -624,6 +766,10 @@ fn main() {
         }
         if what.contains("launch") {
             out["launch"] = launch(&g, s)?;
+        }
+        if what.contains("graph") {
+            out["graph"] = graph(&g, s, true, opt("--dump-attention").as_deref())
+                .unwrap_or_else(|e| json!({"error": e.to_string()}));
         }
         if what.contains("attention") {
             out["attention"] = attention(&g, s, (16, 4096), false)

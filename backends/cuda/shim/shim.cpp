@@ -120,13 +120,10 @@ extern "C" {
 // Runs kernel `name` for element type `dtype` (0: float, 1: bf16) over the grid. `args`
 // are pointers to the arguments, as for cuLaunchKernel. Returns 0, or 1 with the message in
 // `err` (NUL-terminated, truncated to `err_len`).
-int schedc_shim_launch(int dtype, const char* name, const unsigned* grid, const unsigned* block,
-                       void** args, char* err, unsigned long err_len) {
+static int launch_entry(int dtype, const ShimEntry* e, const char* name, const unsigned* grid,
+                        const unsigned* block, void** args, char* err, unsigned long err_len) {
     std::lock_guard<std::mutex> lock(launch_mutex);
     error.clear();
-    const ShimEntry* e = nullptr;
-    for (int i = 0; i < SHIM_TABLE_LEN; i++)
-        if (strcmp(SHIM_TABLE[i].name, name) == 0) e = &SHIM_TABLE[i];
     if (e == nullptr) {
         error = std::string("no kernel named ") + name;
     } else if (block[0] * block[1] * block[2] > SCHEDC_MAX_BLOCK_SHIM) {
@@ -157,6 +154,22 @@ int schedc_shim_launch(int dtype, const char* name, const unsigned* grid, const 
         err[err_len - 1] = 0;
     }
     return 1;
+}
+
+int schedc_shim_launch(int dtype, const char* name, const unsigned* grid, const unsigned* block,
+                       void** args, char* err, unsigned long err_len) {
+    const ShimEntry* e = nullptr;
+    for (int i = 0; i < SHIM_TABLE_LEN; i++)
+        if (strcmp(SHIM_TABLE[i].name, name) == 0) e = &SHIM_TABLE[i];
+    return launch_entry(dtype, e, name, grid, block, args, err, err_len);
+}
+
+// schedc_shim_launch of kernel `index` of the table (the order of build.rs's KERNELS), so
+// that a launch resolves its kernel without comparing names.
+int schedc_shim_launch_index(int dtype, int index, const unsigned* grid, const unsigned* block,
+                             void** args, char* err, unsigned long err_len) {
+    const ShimEntry* e = index >= 0 && index < SHIM_TABLE_LEN ? &SHIM_TABLE[index] : nullptr;
+    return launch_entry(dtype, e, "(out of the table)", grid, block, args, err, err_len);
 }
 
 // Number of kernels in the table, and the name of kernel `i` (tests check the table).

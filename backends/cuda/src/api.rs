@@ -157,10 +157,15 @@ impl Launch {
     /// number and kind. Errors: an unknown kernel or a mismatched argument (a driver bug
     /// that would otherwise corrupt memory).
     pub fn check(&self) -> Result<&'static KernelInfo, GpuError> {
-        let info = KERNELS
-            .iter()
-            .find(|k| k.name == self.kernel)
+        self.resolve().map(|(_, k)| k)
+    }
+
+    /// [`Launch::check`] with the kernel's index in [`KERNELS`] (the table the CUDA device
+    /// and the host shim resolve their function handles in, once, at load).
+    pub fn resolve(&self) -> Result<(usize, &'static KernelInfo), GpuError> {
+        let ix = crate::kernels::kernel_index(self.kernel)
             .ok_or_else(|| GpuError(format!("no kernel named `{}`", self.kernel)))?;
+        let info = &KERNELS[ix];
         if info.params.len() != self.args.len() {
             return Err(GpuError(format!(
                 "kernel `{}` takes {} arguments, the launch passes {}",
@@ -183,9 +188,14 @@ impl Launch {
                 self.kernel
             )));
         }
-        Ok(info)
+        Ok((ix, info))
     }
 }
+
+/// A captured sequence of one stream's device work ([`Gpu::end_capture`]), replayed by
+/// [`Gpu::replay`] (a CUDA graph on the GPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GraphId(pub u32);
 
 /// A (batched) matrix product in row-major terms:
 /// `C_b = alpha op(A_b) op(B_b) + beta C_b` for `b < batch`, with `op(A)` `m x k`, `op(B)`
@@ -252,8 +262,14 @@ pub trait Gpu: Send + Sync {
     fn free(&self, ptr: DevPtr) -> Result<(), GpuError>;
     /// A new stream.
     fn new_stream(&self) -> Result<StreamId, GpuError>;
-    /// A new event (timing enabled, so that it can also time a stretch of a stream).
+    /// A new event for ordering streams (`CU_EVENT_DISABLE_TIMING`: recording and waiting
+    /// on it is cheaper; [`Gpu::elapsed_ms`] refuses it).
     fn new_event(&self) -> Result<EventId, GpuError>;
+    /// A new event that can also time a stretch of a stream ([`Gpu::elapsed_ms`]), for
+    /// profiling and benchmarks.
+    fn new_timing_event(&self) -> Result<EventId, GpuError> {
+        self.new_event()
+    }
     /// Zero-fills `bytes` at `ptr`, on stream `s`.
     fn memset(&self, s: StreamId, ptr: DevPtr, bytes: usize) -> Result<(), GpuError>;
     /// Copies host bytes to the device, on `s` (the host buffer may be dropped on return).
@@ -299,11 +315,41 @@ pub trait Gpu: Send + Sync {
     /// Blocks until everything issued on `s` has run, at most `timeout`. Errors: a failed
     /// kernel, or the timeout (a peer that never sends).
     fn sync(&self, s: StreamId, timeout: Duration) -> Result<(), GpuError>;
-    /// Milliseconds between two recorded events (after both completed).
+    /// Milliseconds between two recorded events made by [`Gpu::new_timing_event`] (after
+    /// both completed).
     fn elapsed_ms(&self, start: EventId, end: EventId) -> Result<f32, GpuError>;
+    /// Starts capturing stream `s` (`cuStreamBeginCapture`, thread-local mode): what is
+    /// issued on `s` until [`Gpu::end_capture`] is recorded as a graph, not run. Nothing
+    /// that waits for the device ([`Gpu::dtoh`], [`Gpu::sync`]) may be issued on `s` while
+    /// it captures. Errors: a device without graphs, a stream already capturing.
+    fn begin_capture(&self, _s: StreamId) -> Result<(), GpuError> {
+        Err(GpuError(format!(
+            "{} cannot capture graphs",
+            self.describe()
+        )))
+    }
+    /// Ends the capture of `s` and makes its graph ready to replay (`cuStreamEndCapture`,
+    /// `cuGraphInstantiate`). Errors: `s` was not capturing, or the capture was
+    /// invalidated (a call the capture does not allow).
+    fn end_capture(&self, _s: StreamId) -> Result<GraphId, GpuError> {
+        Err(GpuError(format!(
+            "{} cannot capture graphs",
+            self.describe()
+        )))
+    }
+    /// Runs graph `g` on `s` (`cuGraphLaunch`): the captured work with the captured
+    /// arguments (the same pointers, so new inputs go into the captured buffers before a
+    /// replay). Errors: an unknown graph.
+    fn replay(&self, _s: StreamId, _g: GraphId) -> Result<(), GpuError> {
+        Err(GpuError(format!(
+            "{} cannot capture graphs",
+            self.describe()
+        )))
+    }
     /// An annotation from the driver: the program instruction whose calls follow on `s`
-    /// (the recording fake keeps it; the others ignore it).
-    fn mark(&self, _s: StreamId, _what: &str) {}
+    /// (the recording fake formats and keeps it; the others ignore it, so that nothing is
+    /// formatted per instruction on the hot path).
+    fn mark(&self, _s: StreamId, _what: &dyn fmt::Display) {}
 }
 
 /// NCCL's calls as the driver uses them: point-to-point sends and receives, grouped, on

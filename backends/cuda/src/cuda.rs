@@ -15,9 +15,8 @@ use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{result as drv, sys};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use std::cell::Cell;
-use std::collections::HashMap;
 use std::ffi::{c_void, CString};
-use std::sync::Mutex;
+use std::sync::{OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 /// The file names cudarc tries for library `lib`, without repeats.
@@ -84,6 +83,14 @@ thread_local! {
     static CURRENT: Cell<usize> = const { Cell::new(0) };
 }
 
+/// One stream and its cuBLAS handle, made at the stream's first GEMM and bound to it: a
+/// stream belongs to one rank's thread, so its handle is never used by two threads at once
+/// and needs no lock (issue 24, item 3: no global lock around the GEMMs).
+struct StreamSlot {
+    stream: sys::CUstream,
+    blas: OnceLock<Result<usize, String>>,
+}
+
 /// One GPU (see the module docs).
 pub struct CudaGpu {
     ctx: sys::CUcontext,
@@ -91,15 +98,19 @@ pub struct CudaGpu {
     name: String,
     memory: usize,
     arch: String,
-    streams: Mutex<Vec<sys::CUstream>>,
-    events: Mutex<Vec<sys::CUevent>>,
-    funcs: HashMap<&'static str, sys::CUfunction>,
-    blas: Mutex<HashMap<u32, blas_sys::cublasHandle_t>>,
+    /// Written only while the rank drivers set up (a new stream); read by every call.
+    streams: RwLock<Vec<StreamSlot>>,
+    events: RwLock<Vec<sys::CUevent>>,
+    /// Instantiated graphs (`CUgraphExec`), by [`GraphId`].
+    graphs: RwLock<Vec<usize>>,
+    /// Function handles in the order of [`KERNELS`], resolved once at load: a launch
+    /// indexes this table ([`Launch::resolve`]) rather than looking a name up.
+    funcs: Vec<sys::CUfunction>,
 }
 
 // SAFETY: the raw handles are used under the context bound to each calling thread; the
-// driver API, cuBLAS handles (one per stream, used under a mutex) and NVRTC are
-// thread-safe as used here.
+// driver API and NVRTC are thread-safe as used here; a cuBLAS handle belongs to one stream
+// and so to the one thread that issues on it.
 unsafe impl Send for CudaGpu {}
 // SAFETY: see `Send`.
 unsafe impl Sync for CudaGpu {}
@@ -137,13 +148,13 @@ impl CudaGpu {
             // SAFETY: a NUL-terminated PTX image.
             let module = unsafe { drv::module::load_data(image.as_ptr() as *const c_void) }
                 .map_err(|e| format!("loading the kernels' PTX for {arch}: {e:?}"))?;
-            let mut funcs = HashMap::new();
+            let mut funcs = Vec::with_capacity(KERNELS.len());
             for k in KERNELS {
                 let cname = CString::new(k.name).map_err(|e| e.to_string())?;
                 // SAFETY: a loaded module and a NUL-terminated name.
                 let f = unsafe { drv::module::get_function(module, cname) }
                     .map_err(|e| format!("kernel {}: {e:?}", k.name))?;
-                funcs.insert(k.name, f);
+                funcs.push(f);
             }
             Ok(CudaGpu {
                 ctx,
@@ -151,10 +162,10 @@ impl CudaGpu {
                 name,
                 memory,
                 arch,
-                streams: Mutex::new(Vec::new()),
-                events: Mutex::new(Vec::new()),
+                streams: RwLock::new(Vec::new()),
+                events: RwLock::new(Vec::new()),
+                graphs: RwLock::new(Vec::new()),
                 funcs,
-                blas: Mutex::new(HashMap::new()),
             })
         })
     }
@@ -171,16 +182,34 @@ impl CudaGpu {
 
     fn stream(&self, s: StreamId) -> Result<sys::CUstream, GpuError> {
         self.streams
-            .lock()
+            .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(s.0 as usize)
-            .copied()
+            .map(|x| x.stream)
             .ok_or_else(|| GpuError(format!("no stream {}", s.0)))
+    }
+
+    /// The cuBLAS handle of stream `s`, made (and bound to `s`) at its first use.
+    fn blas(&self, s: StreamId) -> Result<blas_sys::cublasHandle_t, GpuError> {
+        let streams = self.streams.read().unwrap_or_else(|p| p.into_inner());
+        let slot = streams
+            .get(s.0 as usize)
+            .ok_or_else(|| GpuError(format!("no stream {}", s.0)))?;
+        let h = slot.blas.get_or_init(|| {
+            let h = blas::create_handle().map_err(|e| format!("cublasCreate: {e:?}"))?;
+            // SAFETY: a new handle and a live stream.
+            unsafe { blas::set_stream(h, slot.stream as blas_sys::cudaStream_t) }
+                .map_err(|e| format!("cublasSetStream: {e:?}"))?;
+            Ok(h as usize)
+        });
+        h.clone()
+            .map(|h| h as blas_sys::cublasHandle_t)
+            .map_err(GpuError)
     }
 
     fn event(&self, e: EventId) -> Result<sys::CUevent, GpuError> {
         self.events
-            .lock()
+            .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(e.0 as usize)
             .copied()
@@ -199,6 +228,15 @@ impl CudaGpu {
     /// The architecture the kernels were compiled for.
     pub fn arch(&self) -> &str {
         &self.arch
+    }
+
+    fn make_event(&self, flags: sys::CUevent_flags) -> Result<EventId, GpuError> {
+        self.call("cuEventCreate", || {
+            let e = drv::event::create(flags).map_err(derr("cuEventCreate"))?;
+            let mut v = self.events.write().unwrap_or_else(|p| p.into_inner());
+            v.push(e);
+            Ok(EventId(v.len() as u32 - 1))
+        })
     }
 }
 
@@ -246,19 +284,19 @@ impl Gpu for CudaGpu {
         self.call("cuStreamCreate", || {
             let s = drv::stream::create(drv::stream::StreamKind::NonBlocking)
                 .map_err(derr("cuStreamCreate"))?;
-            let mut v = self.streams.lock().unwrap_or_else(|p| p.into_inner());
-            v.push(s);
+            let mut v = self.streams.write().unwrap_or_else(|p| p.into_inner());
+            v.push(StreamSlot {
+                stream: s,
+                blas: OnceLock::new(),
+            });
             Ok(StreamId(v.len() as u32 - 1))
         })
     }
     fn new_event(&self) -> Result<EventId, GpuError> {
-        self.call("cuEventCreate", || {
-            let e = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
-                .map_err(derr("cuEventCreate"))?;
-            let mut v = self.events.lock().unwrap_or_else(|p| p.into_inner());
-            v.push(e);
-            Ok(EventId(v.len() as u32 - 1))
-        })
+        self.make_event(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+    }
+    fn new_timing_event(&self) -> Result<EventId, GpuError> {
+        self.make_event(sys::CUevent_flags::CU_EVENT_DEFAULT)
     }
     fn memset(&self, s: StreamId, ptr: DevPtr, bytes: usize) -> Result<(), GpuError> {
         self.call("cuMemsetD8Async", || {
@@ -337,18 +375,26 @@ impl Gpu for CudaGpu {
         })
     }
     fn launch(&self, s: StreamId, l: &Launch) -> Result<(), GpuError> {
-        l.check()?;
+        let (ix, _) = l.resolve()?;
         self.call(l.kernel, || {
             let st = self.stream(s)?;
             let f = *self
                 .funcs
-                .get(l.kernel)
+                .get(ix)
                 .ok_or_else(|| GpuError(format!("kernel {} is not loaded", l.kernel)))?;
-            let mut slots: Vec<u64> = l.args.iter().map(Arg::slot).collect();
-            let mut params: Vec<*mut c_void> = slots
-                .iter_mut()
-                .map(|x| x as *mut u64 as *mut c_void)
-                .collect();
+            let mut slots = [0u64; 48];
+            let n = l.args.len();
+            if n > slots.len() {
+                return Err(GpuError(format!("kernel {}: {n} arguments", l.kernel)));
+            }
+            for (x, a) in slots.iter_mut().zip(&l.args) {
+                *x = a.slot();
+            }
+            let mut params = [std::ptr::null_mut::<c_void>(); 48];
+            for (p, x) in params.iter_mut().zip(slots.iter_mut()) {
+                *p = x as *mut u64 as *mut c_void;
+            }
+            let params = &mut params[..n];
             // SAFETY: the arguments match the kernel's parameters (checked above); the
             // pointers are device memory laid out by the driver.
             unsafe {
@@ -358,7 +404,7 @@ impl Gpu for CudaGpu {
                     (l.block[0], l.block[1], l.block[2]),
                     0,
                     st,
-                    &mut params,
+                    params,
                 )
             }
             .map_err(|e| GpuError(format!("launching {}: {e:?}", l.kernel)))
@@ -366,20 +412,7 @@ impl Gpu for CudaGpu {
     }
     fn gemm(&self, s: StreamId, g: &Gemm) -> Result<(), GpuError> {
         self.call("cublasGemmStridedBatchedEx", || {
-            let st = self.stream(s)?;
-            let mut handles = self.blas.lock().unwrap_or_else(|p| p.into_inner());
-            let h = match handles.get(&s.0) {
-                Some(h) => *h,
-                None => {
-                    let h = blas::create_handle()
-                        .map_err(|e| GpuError(format!("cublasCreate: {e:?}")))?;
-                    // SAFETY: a new handle and a live stream.
-                    unsafe { blas::set_stream(h, st as blas_sys::cudaStream_t) }
-                        .map_err(|e| GpuError(format!("cublasSetStream: {e:?}")))?;
-                    handles.insert(s.0, h);
-                    h
-                }
-            };
+            let h = self.blas(s)?;
             // Row-major C = op(A) op(B) is column-major Cᵀ = op(B)ᵀ op(A)ᵀ.
             let op = |t: bool| {
                 if t {
@@ -473,6 +506,49 @@ impl Gpu for CudaGpu {
             // SAFETY: created above.
             let _ = unsafe { drv::event::destroy(e) };
             r
+        })
+    }
+    fn begin_capture(&self, s: StreamId) -> Result<(), GpuError> {
+        self.call("cuStreamBeginCapture", || {
+            let st = self.stream(s)?;
+            // SAFETY: a live stream; thread-local mode lets the other rank threads make
+            // their (uncaptured) calls meanwhile.
+            unsafe {
+                drv::stream::begin_capture(
+                    st,
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            }
+            .map_err(derr("cuStreamBeginCapture"))
+        })
+    }
+    fn end_capture(&self, s: StreamId) -> Result<GraphId, GpuError> {
+        self.call("cuStreamEndCapture", || {
+            let st = self.stream(s)?;
+            // SAFETY: a stream that captures; the graph is instantiated, then destroyed
+            // (the executable graph keeps what it needs).
+            let graph =
+                unsafe { drv::stream::end_capture(st) }.map_err(derr("cuStreamEndCapture"))?;
+            let exec = unsafe { drv::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+                .map_err(derr("cuGraphInstantiate"));
+            let _ = unsafe { drv::graph::destroy(graph) };
+            let mut v = self.graphs.write().unwrap_or_else(|p| p.into_inner());
+            v.push(exec? as usize);
+            Ok(GraphId(v.len() as u32 - 1))
+        })
+    }
+    fn replay(&self, s: StreamId, g: GraphId) -> Result<(), GpuError> {
+        self.call("cuGraphLaunch", || {
+            let st = self.stream(s)?;
+            let exec = *self
+                .graphs
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(g.0 as usize)
+                .ok_or_else(|| GpuError(format!("no graph {}", g.0)))?;
+            // SAFETY: an instantiated graph and a live stream.
+            unsafe { drv::graph::launch(exec as sys::CUgraphExec, st) }
+                .map_err(derr("cuGraphLaunch"))
         })
     }
     fn elapsed_ms(&self, start: EventId, end: EventId) -> Result<f32, GpuError> {

@@ -815,7 +815,7 @@ impl Device for RankDev<'_> {
 
     fn record(&mut self, stream: usize, event: u32) -> Result<(), String> {
         let s = self.streams[stream];
-        self.gpu.mark(s, &format!("record e{event}"));
+        self.gpu.mark(s, &format_args!("record e{event}"));
         let e = *self
             .events
             .get(event as usize)
@@ -825,7 +825,7 @@ impl Device for RankDev<'_> {
 
     fn wait_event(&mut self, stream: usize, event: u32) -> Result<(), String> {
         let s = self.streams[stream];
-        self.gpu.mark(s, &format!("wait e{event}"));
+        self.gpu.mark(s, &format_args!("wait e{event}"));
         let e = *self
             .events
             .get(event as usize)
@@ -835,7 +835,7 @@ impl Device for RankDev<'_> {
 
     fn alloc(&mut self, buf: Buf, zero: bool) -> Result<(), String> {
         let s = self.streams[self.cur];
-        self.gpu.mark(s, &Op::Alloc { buf, zero }.to_string());
+        self.gpu.mark(s, &Op::Alloc { buf, zero });
         let bytes = self.bytes_of(buf)?;
         if let Buf::Host { .. } = buf {
             // Pinned host memory, on the copy stream only (see `memops`).
@@ -853,7 +853,7 @@ impl Device for RankDev<'_> {
 
     fn free(&mut self, buf: Buf) -> Result<(), String> {
         let s = self.streams[self.cur];
-        self.gpu.mark(s, &Op::Free { buf }.to_string());
+        self.gpu.mark(s, &Op::Free { buf });
         if let Buf::Host { .. } = buf {
             let (p, bytes) = self
                 .host_bufs
@@ -873,7 +873,7 @@ impl Device for RankDev<'_> {
 
     fn exec(&mut self, stream: usize, op: &Op, issued: &mut bool) -> Result<Ready, String> {
         if !*issued {
-            self.gpu.mark(self.streams[stream], &op.to_string());
+            self.gpu.mark(self.streams[stream], op);
         }
         match op {
             Op::Alloc { .. } | Op::Free { .. } | Op::Record { .. } | Op::Wait { .. } => {

@@ -14,15 +14,15 @@
 use crate::api::*;
 use std::alloc::{alloc, alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_uint, c_ulong, c_void, CString};
+use std::ffi::{c_char, c_int, c_uint, c_ulong, c_void};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
 extern "C" {
-    fn schedc_shim_launch(
+    fn schedc_shim_launch_index(
         dtype: c_int,
-        name: *const c_char,
+        index: c_int,
         grid: *const c_uint,
         block: *const c_uint,
         args: *mut *mut c_void,
@@ -49,8 +49,30 @@ pub fn shim_kernel_names() -> Vec<String> {
 
 const ALIGN: usize = 256;
 
+/// The most arguments a kernel takes (the attention kernels take 29).
+const MAX_ARGS: usize = 48;
+
+/// One call captured on the shim ([`Gpu::begin_capture`]).
+#[derive(Clone, Debug)]
+enum Captured {
+    Launch(Launch),
+    Gemm(Gemm),
+    Memset(DevPtr, usize),
+    Htod(DevPtr, Vec<u8>),
+    Dtod(DevPtr, DevPtr, usize),
+    DtohAsync(HostPtr, DevPtr, usize),
+    HtodAsync(DevPtr, HostPtr, usize),
+}
+
 /// The host shim device (see the module docs).
+///
+/// Graphs: a capture records the calls issued on the capturing stream instead of running
+/// them, and a replay runs the recording in order with the recorded arguments, as a CUDA
+/// graph does (host bytes of an `htod` are copied at capture, as a graph's memcpy node
+/// from pageable memory would not be: the driver never captures one).
 pub struct HostGpu {
+    capture: Mutex<Option<(StreamId, Vec<Captured>)>>,
+    graphs: Mutex<Vec<Vec<Captured>>>,
     dtype: DType,
     allocs: Mutex<HashMap<DevPtr, Layout>>,
     /// The emulated pinned host pool ([`Gpu::alloc_host`]), apart from device memory so
@@ -65,6 +87,8 @@ impl HostGpu {
     /// A device whose kernels run for `dtype`.
     pub fn new(dtype: DType) -> Self {
         HostGpu {
+            capture: Mutex::new(None),
+            graphs: Mutex::new(Vec::new()),
             dtype,
             allocs: Mutex::new(HashMap::new()),
             host_allocs: Mutex::new(HashMap::new()),
@@ -85,6 +109,31 @@ impl HostGpu {
     /// Allocations made so far ([`Gpu::alloc`] calls that succeeded).
     pub fn allocations(&self) -> usize {
         self.allocations.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Records `c` if `s` is capturing (then the call does not run): `Ok(true)`.
+    fn captured(&self, s: StreamId, c: impl FnOnce() -> Captured) -> Result<bool, GpuError> {
+        let mut cap = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        match cap.as_mut() {
+            Some((cs, v)) if *cs == s => {
+                v.push(c());
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Refuses a call that waits for the device on a capturing stream (CUDA invalidates
+    /// the capture).
+    fn no_wait_while_capturing(&self, s: StreamId, what: &str) -> Result<(), GpuError> {
+        let cap = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        match cap.as_ref() {
+            Some((cs, _)) if *cs == s => Err(GpuError(format!(
+                "{what} on stream {} while it captures a graph (a capture cannot wait for the device)",
+                s.0
+            ))),
+            _ => Ok(()),
+        }
     }
 
     fn check(&self, ptr: DevPtr, bytes: usize, what: &str) -> Result<(), GpuError> {
@@ -221,19 +270,26 @@ impl Gpu for HostGpu {
     fn new_event(&self) -> Result<EventId, GpuError> {
         Ok(EventId(self.next.fetch_add(1, Ordering::Relaxed)))
     }
-    fn memset(&self, _s: StreamId, ptr: DevPtr, bytes: usize) -> Result<(), GpuError> {
+    fn memset(&self, s: StreamId, ptr: DevPtr, bytes: usize) -> Result<(), GpuError> {
         self.check(ptr, bytes, "memset")?;
+        if self.captured(s, || Captured::Memset(ptr, bytes))? {
+            return Ok(());
+        }
         // SAFETY: checked against the allocations.
         unsafe { std::ptr::write_bytes(ptr as *mut u8, 0, bytes) };
         Ok(())
     }
-    fn htod(&self, _s: StreamId, dst: DevPtr, src: &[u8]) -> Result<(), GpuError> {
+    fn htod(&self, s: StreamId, dst: DevPtr, src: &[u8]) -> Result<(), GpuError> {
         self.check(dst, src.len(), "htod")?;
+        if self.captured(s, || Captured::Htod(dst, src.to_vec()))? {
+            return Ok(());
+        }
         // SAFETY: checked; host and shim memory never overlap.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
         Ok(())
     }
-    fn dtoh(&self, _s: StreamId, src: DevPtr, dst: &mut [u8]) -> Result<(), GpuError> {
+    fn dtoh(&self, s: StreamId, src: DevPtr, dst: &mut [u8]) -> Result<(), GpuError> {
+        self.no_wait_while_capturing(s, "dtoh")?;
         self.check(src, dst.len(), "dtoh")?;
         // SAFETY: checked.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
@@ -277,7 +333,7 @@ impl Gpu for HostGpu {
     }
     fn dtoh_async(
         &self,
-        _s: StreamId,
+        s: StreamId,
         dst: HostPtr,
         src: DevPtr,
         bytes: usize,
@@ -289,13 +345,16 @@ impl Gpu for HostGpu {
             bytes,
             "dtoh_async destination (pinned host)",
         )?;
+        if self.captured(s, || Captured::DtohAsync(dst, src, bytes))? {
+            return Ok(());
+        }
         // SAFETY: both ranges checked, in different allocations.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     }
     fn htod_async(
         &self,
-        _s: StreamId,
+        s: StreamId,
         dst: DevPtr,
         src: HostPtr,
         bytes: usize,
@@ -307,32 +366,51 @@ impl Gpu for HostGpu {
             bytes,
             "htod_async source (pinned host)",
         )?;
+        if self.captured(s, || Captured::HtodAsync(dst, src, bytes))? {
+            return Ok(());
+        }
         // SAFETY: both ranges checked, in different allocations.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     }
-    fn dtod(&self, _s: StreamId, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), GpuError> {
+    fn dtod(&self, s: StreamId, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), GpuError> {
         self.check(dst, bytes, "dtod destination")?;
         self.check(src, bytes, "dtod source")?;
+        if self.captured(s, || Captured::Dtod(dst, src, bytes))? {
+            return Ok(());
+        }
         // SAFETY: checked; `copy` allows overlap.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     }
-    fn launch(&self, _s: StreamId, l: &Launch) -> Result<(), GpuError> {
-        l.check()?;
-        let mut slots: Vec<u64> = l.args.iter().map(Arg::slot).collect();
-        let mut ptrs: Vec<*mut c_void> = slots
-            .iter_mut()
-            .map(|s| s as *mut u64 as *mut c_void)
-            .collect();
-        let name = CString::new(l.kernel).map_err(|e| GpuError(e.to_string()))?;
-        let mut err = vec![0 as c_char; 512];
+    fn launch(&self, s: StreamId, l: &Launch) -> Result<(), GpuError> {
+        // The kernel by its index in the table: no name compared, nothing allocated.
+        let (ix, _) = l.resolve()?;
+        if self.captured(s, || Captured::Launch(l.clone()))? {
+            return Ok(());
+        }
+        let mut slots = [0u64; MAX_ARGS];
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        if l.args.len() > MAX_ARGS {
+            return Err(GpuError(format!(
+                "kernel `{}`: {} arguments, the shim takes at most {MAX_ARGS}",
+                l.kernel,
+                l.args.len()
+            )));
+        }
+        for (k, a) in l.args.iter().enumerate() {
+            slots[k] = a.slot();
+        }
+        for (p, s) in ptrs.iter_mut().zip(slots.iter_mut()) {
+            *p = s as *mut u64 as *mut c_void;
+        }
+        let mut err = [0 as c_char; 512];
         // SAFETY: the arguments match the kernel's parameters (checked above); pointer
         // arguments are the caller's responsibility, as on a GPU.
         let rc = unsafe {
-            schedc_shim_launch(
+            schedc_shim_launch_index(
                 (self.dtype == DType::Bf16) as c_int,
-                name.as_ptr(),
+                ix as c_int,
                 l.grid.as_ptr(),
                 l.block.as_ptr(),
                 ptrs.as_mut_ptr(),
@@ -351,7 +429,10 @@ impl Gpu for HostGpu {
         }
         Ok(())
     }
-    fn gemm(&self, _s: StreamId, g: &Gemm) -> Result<(), GpuError> {
+    fn gemm(&self, s: StreamId, g: &Gemm) -> Result<(), GpuError> {
+        if self.captured(s, || Captured::Gemm(g.clone()))? {
+            return Ok(());
+        }
         let (ar, ac) = if g.ta { (g.k, g.m) } else { (g.m, g.k) };
         let (br, bc) = if g.tb { (g.n, g.k) } else { (g.k, g.n) };
         let t = self.dtype.size();
@@ -413,7 +494,53 @@ impl Gpu for HostGpu {
     fn wait(&self, _s: StreamId, _e: EventId) -> Result<(), GpuError> {
         Ok(())
     }
-    fn sync(&self, _s: StreamId, _timeout: Duration) -> Result<(), GpuError> {
+    fn sync(&self, s: StreamId, _timeout: Duration) -> Result<(), GpuError> {
+        self.no_wait_while_capturing(s, "a stream synchronization")
+    }
+    fn begin_capture(&self, s: StreamId) -> Result<(), GpuError> {
+        let mut cap = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((cs, _)) = cap.as_ref() {
+            return Err(GpuError(format!(
+                "stream {} already captures a graph (the shim captures one stream at a time)",
+                cs.0
+            )));
+        }
+        *cap = Some((s, Vec::new()));
+        Ok(())
+    }
+    fn end_capture(&self, s: StreamId) -> Result<GraphId, GpuError> {
+        let mut cap = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        match cap.take() {
+            Some((cs, v)) if cs == s => {
+                let mut g = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+                g.push(v);
+                Ok(GraphId(g.len() as u32 - 1))
+            }
+            other => {
+                *cap = other;
+                Err(GpuError(format!("stream {} is not capturing a graph", s.0)))
+            }
+        }
+    }
+    fn replay(&self, s: StreamId, g: GraphId) -> Result<(), GpuError> {
+        let calls = self
+            .graphs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(g.0 as usize)
+            .cloned()
+            .ok_or_else(|| GpuError(format!("no graph {}", g.0)))?;
+        for c in &calls {
+            match c {
+                Captured::Launch(l) => self.launch(s, l)?,
+                Captured::Gemm(x) => self.gemm(s, x)?,
+                Captured::Memset(p, b) => self.memset(s, *p, *b)?,
+                Captured::Htod(p, b) => self.htod(s, *p, b)?,
+                Captured::Dtod(d, x, b) => self.dtod(s, *d, *x, *b)?,
+                Captured::DtohAsync(d, x, b) => self.dtoh_async(s, *d, *x, *b)?,
+                Captured::HtodAsync(d, x, b) => self.htod_async(s, *d, *x, *b)?,
+            }
+        }
         Ok(())
     }
     fn elapsed_ms(&self, _start: EventId, _end: EventId) -> Result<f32, GpuError> {

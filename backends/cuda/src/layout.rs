@@ -242,6 +242,98 @@ pub struct Tensor {
     pub scope: Scope,
 }
 
+/// The per-layer tensors of a stage, by their name after `layer{g}.`, in the order of
+/// [`LayerTensors::by`].
+pub const LAYER_TENSORS: [&str; 16] = [
+    "norm1",
+    "wdq",
+    "q_norm",
+    "wuq",
+    "wqr",
+    "wdkv",
+    "kv_norm",
+    "wkr",
+    "wuk",
+    "wuv",
+    "wo",
+    "norm2",
+    "router",
+    "shared.w1",
+    "shared.w3",
+    "shared.w2",
+];
+
+/// One layer's tensors, resolved at load ([`ParamLayout::resolve`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerTensors {
+    /// The layer's global index.
+    pub global: usize,
+    /// The tensors of [`LAYER_TENSORS`], in its order (`None`: not held, e.g. no shared
+    /// expert).
+    pub by: [Option<Tensor>; 16],
+    /// The first local expert's `w1`, `w3`, `w2` (the others follow at a fixed stride).
+    pub expert0: [Option<Tensor>; 3],
+}
+
+impl LayerTensors {
+    /// The tensor `layer{g}.{name}` for a name of [`LAYER_TENSORS`]: a `match` on the
+    /// short name (a length switch and a compare), no formatting, hashing or allocation.
+    /// Errors: a name not in the list, or a tensor the stage does not hold.
+    pub fn get(&self, name: &str) -> Result<Tensor, String> {
+        let k = match name {
+            "norm1" => 0,
+            "wdq" => 1,
+            "q_norm" => 2,
+            "wuq" => 3,
+            "wqr" => 4,
+            "wdkv" => 5,
+            "kv_norm" => 6,
+            "wkr" => 7,
+            "wuk" => 8,
+            "wuv" => 9,
+            "wo" => 10,
+            "norm2" => 11,
+            "router" => 12,
+            "shared.w1" => 13,
+            "shared.w3" => 14,
+            "shared.w2" => 15,
+            _ => usize::MAX,
+        };
+        self.by
+            .get(k)
+            .copied()
+            .flatten()
+            .ok_or_else(|| format!("the stage has no tensor layer{}.{name}", self.global))
+    }
+}
+
+/// A stage's tensors resolved once ([`ParamLayout::resolve`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolved {
+    /// `embed` (first stage).
+    pub embed: Option<Tensor>,
+    /// `final_norm` (last stage).
+    pub final_norm: Option<Tensor>,
+    /// `head` (last stage).
+    pub head: Option<Tensor>,
+    /// The stage's layers, local index order.
+    pub layers: Vec<LayerTensors>,
+}
+
+impl Resolved {
+    /// A stage-level tensor (`embed`, `final_norm`, `head`). Errors: another name, or one
+    /// the stage does not hold.
+    pub fn global(&self, name: &str) -> Result<Tensor, String> {
+        match name {
+            "embed" => self.embed,
+            "final_norm" => self.final_norm,
+            "head" => self.head,
+            _ => None,
+        }
+        .ok_or_else(|| format!("the stage has no tensor {name}"))
+    }
+}
+
 /// The parameters of one stage copy, as flat vectors: `[dense | expert]` for the
 /// parameters (master copy, compute copy, Adam's moments), `[dense | loads | expert]` for
 /// the gradients (`weight_grad`), which is the CPU backend's `Grads::flatten(Dense)`
@@ -308,6 +400,32 @@ impl ParamLayout {
             dense: nd,
             loads: nloads,
             expert: at - nd,
+        }
+    }
+
+    /// Every tensor of the stage resolved once, by position rather than by name
+    /// ([`Resolved`]), for the launch sequences (issue 24, item 3: no name formatted or
+    /// looked up per instruction). `layers`: the global indices of the stage's layers in
+    /// order; `expert_lo`: its first local expert. Tensors the stage does not hold are
+    /// `None`.
+    pub fn resolve(&self, layers: std::ops::Range<usize>, expert_lo: usize) -> Resolved {
+        let get = |n: &str| self.index.get(n).map(|&i| self.tensors[i].1);
+        Resolved {
+            embed: get("embed"),
+            final_norm: get("final_norm"),
+            head: get("head"),
+            layers: layers
+                .map(|g| LayerTensors {
+                    global: g,
+                    by: std::array::from_fn(|k| get(&format!("layer{g}.{}", LAYER_TENSORS[k]))),
+                    expert0: std::array::from_fn(|k| {
+                        get(&format!(
+                            "layer{g}.expert{expert_lo}.{}",
+                            ["w1", "w3", "w2"][k]
+                        ))
+                    }),
+                })
+                .collect(),
         }
     }
 

@@ -17,6 +17,13 @@ use schedc_program::{LocalStage, ModelConfig, Part, Pass};
 /// Threads per block of elementwise kernels.
 pub const BLOCK: u32 = 256;
 
+/// Threads of the one block of `route` and `dispatch_plan` (parallel over tokens and
+/// experts; any size gives the same result).
+pub const ROUTE_THREADS: u32 = 256;
+
+/// Threads per block of `embed_w` (a block per token, a thread per column).
+pub const EMBED_THREADS: u32 = 256;
+
 fn p(x: DevPtr) -> Arg {
     Arg::Ptr(x)
 }
@@ -39,6 +46,9 @@ pub struct StageDev {
     pub info: LocalStage,
     /// Where its tensors are.
     pub layout: ParamLayout,
+    /// Its tensors resolved once at load, by position (the launch sequences look nothing
+    /// up by name).
+    pub tensors: Resolved,
     /// Its stash's regions.
     pub stash: StashLayout,
     /// `f32` master parameters, `[dense | expert]`.
@@ -116,9 +126,12 @@ impl StageDev {
             gpu.htod(s, ptr, &encode(DType::F32, &rep(v)))?;
             state.push(ptr);
         }
+        let g0 = info.model_stage as usize * dims.layers;
+        let tensors = layout.resolve(g0..g0 + dims.layers, info.expert_lo as usize);
         Ok(StageDev {
             info: info.clone(),
             layout,
+            tensors,
             stash: StashLayout::new(dims, info),
             master,
             weights,
@@ -813,19 +826,34 @@ impl Model<'_> {
         }
     }
 
+    /// A stage-level weight (`embed`, `final_norm`, `head`) in the compute copy.
     fn w(&self, st: &StageDev, name: &str) -> Result<DevPtr, GpuError> {
-        let t = st.layout.get(name).map_err(GpuError)?;
+        let t = st.tensors.global(name).map_err(GpuError)?;
         Ok(st.weights + (t.param * self.dims.ts) as u64)
     }
+    /// A stage-level weight's gradient.
     fn g(&self, st: &StageDev, io: &Io, name: &str) -> Result<DevPtr, GpuError> {
-        let t = st.layout.get(name).map_err(GpuError)?;
+        let t = st.tensors.global(name).map_err(GpuError)?;
         Ok(io.grads + (t.grad * 4) as u64)
     }
-    fn lname(&self, st: &StageDev, l: usize, what: &str) -> String {
-        format!(
-            "layer{}.{what}",
-            st.info.model_stage as usize * self.dims.layers + l
-        )
+    /// Local layer `l`'s tensor `name` (one of [`LAYER_TENSORS`]).
+    fn ltensor(&self, st: &StageDev, l: usize, name: &str) -> Result<Tensor, GpuError> {
+        st.tensors
+            .layers
+            .get(l)
+            .ok_or_else(|| GpuError(format!("the stage has no local layer {l}")))?
+            .get(name)
+            .map_err(GpuError)
+    }
+    /// Local layer `l`'s weight `name` in the compute copy.
+    fn lw(&self, st: &StageDev, l: usize, name: &str) -> Result<DevPtr, GpuError> {
+        let t = self.ltensor(st, l, name)?;
+        Ok(st.weights + (t.param * self.dims.ts) as u64)
+    }
+    /// Local layer `l`'s gradient of `name`.
+    fn lg(&self, st: &StageDev, io: &Io, l: usize, name: &str) -> Result<DevPtr, GpuError> {
+        let t = self.ltensor(st, l, name)?;
+        Ok(io.grads + (t.grad * 4) as u64)
     }
     fn at(&self, io: &Io, r: Region) -> DevPtr {
         io.stash + r.off as u64
@@ -883,7 +911,7 @@ impl Model<'_> {
                 self.gpu.dtod(s, x, input, dm.act_bytes())?;
             }
         }
-        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
         let a = at(r.a);
         self.rmsnorm(s, (a, at(r.xhat1), at(r.inv1)), x, w("norm1")?, t, d)?;
@@ -984,7 +1012,7 @@ impl Model<'_> {
         let dm = self.dims;
         let (tc, h, qr, kvr, kw) = (dm.tc, dm.heads, dm.qr, dm.kvr, dm.kw());
         let r = &st.stash.layers[l];
-        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
         self.mm(
             s,
@@ -1027,7 +1055,7 @@ impl Model<'_> {
         let dm = self.dims;
         let (t, d, h, kvr, kw, tk) = (dm.tc, dm.d, dm.heads, dm.kvr, dm.kw(), dm.tk);
         let r = &st.stash.layers[l];
-        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
         let ib = at(st.stash.inbox);
         let (nc, np) = (t * kvr * dm.ts, t * kw * dm.ts);
@@ -1106,7 +1134,7 @@ impl Model<'_> {
         let dm = self.dims;
         let (t, d, e, k) = (dm.t, dm.d, dm.e, dm.k);
         let r = &st.stash.layers[l];
-        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
         let h1 = at(r.h1);
         self.add(s, h1, h1, at(r.xin), t * d)?;
@@ -1131,9 +1159,11 @@ impl Model<'_> {
             None => io.grads + (st.layout.loads_of(l, e) * 4) as u64,
         };
         let bugs = &self.cfg.bugs;
-        self.one(
+        self.go(
             s,
             "route",
+            [1, 1, 1],
+            ROUTE_THREADS,
             vec![
                 p(at(r.experts)),
                 p(at(r.desired)),
@@ -1154,9 +1184,11 @@ impl Model<'_> {
             ],
         )?;
         let ob = at(st.stash.outbox);
-        self.one(
+        self.go(
             s,
             "dispatch_plan",
+            [1, 1, 1],
+            ROUTE_THREADS,
             vec![
                 p(at(r.order)),
                 p(at(r.slot_dest)),
@@ -1205,7 +1237,7 @@ impl Model<'_> {
         self.ffn(
             s,
             st,
-            &self.lname(st, l, "shared"),
+            l,
             self.at(io, r.n2c),
             self.dims.tc,
             (
@@ -1223,7 +1255,7 @@ impl Model<'_> {
         self.ffn(
             s,
             st,
-            &self.lname(st, l, "shared"),
+            l,
             self.at(io, r.n2),
             self.dims.t,
             (
@@ -1238,11 +1270,23 @@ impl Model<'_> {
     /// The stride between consecutive local experts' tensors, and the first expert's
     /// `w1`, `w3`, `w2` (offsets in elements of the parameter vector).
     fn experts_at(&self, st: &StageDev, l: usize) -> Result<(usize, [usize; 3]), GpuError> {
-        let x0 = st.info.expert_lo as usize;
-        let name = |w: &str| format!("{}.{w}", self.lname(st, l, &format!("expert{x0}")));
-        let get = |w: &str| st.layout.get(&name(w)).map(|t| t.param).map_err(GpuError);
+        let lt = st
+            .tensors
+            .layers
+            .get(l)
+            .ok_or_else(|| GpuError(format!("the stage has no local layer {l}")))?;
+        let get = |k: usize| {
+            lt.expert0[k].map(|t| t.param).ok_or_else(|| {
+                GpuError(format!(
+                    "the stage has no tensor layer{}.expert{}.{}",
+                    lt.global,
+                    st.info.expert_lo,
+                    ["w1", "w3", "w2"][k]
+                ))
+            })
+        };
         let (d, f) = (self.dims.d, self.dims.f);
-        Ok((3 * d * f, [get("w1")?, get("w3")?, get("w2")?]))
+        Ok((3 * d * f, [get(0)?, get(1)?, get(2)?]))
     }
 
     /// The received rows of the inbox (`inbox`, `slot_bytes` per source rank) gathered into
@@ -1374,14 +1418,14 @@ impl Model<'_> {
         self.scatter_expert_rows(s, ye, ob, perm, cnt)
     }
 
-    /// A SwiGLU FFN on `x` (`rows x d`) with the dense tensors `prefix.w1/w3/w2`
-    /// (`ffn_forward`): `h1`, `h3`, `act` kept, output into `y`.
+    /// A SwiGLU FFN on `x` (`rows x d`) with local layer `l`'s shared expert
+    /// `shared.w1/w3/w2` (`ffn_forward`): `h1`, `h3`, `act` kept, output into `y`.
     #[allow(clippy::too_many_arguments)]
     fn ffn(
         &self,
         s: StreamId,
         st: &StageDev,
-        prefix: &str,
+        l: usize,
         x: DevPtr,
         rows: usize,
         (h1, h3, act): (DevPtr, DevPtr, DevPtr),
@@ -1394,7 +1438,7 @@ impl Model<'_> {
             (rows, f, d),
             x,
             false,
-            self.w(st, &format!("{prefix}.w1"))?,
+            self.lw(st, l, "shared.w1")?,
             false,
             h1,
             false,
@@ -1405,7 +1449,7 @@ impl Model<'_> {
             (rows, f, d),
             x,
             false,
-            self.w(st, &format!("{prefix}.w3"))?,
+            self.lw(st, l, "shared.w3")?,
             false,
             h3,
             false,
@@ -1418,7 +1462,7 @@ impl Model<'_> {
             (rows, d, f),
             act,
             false,
-            self.w(st, &format!("{prefix}.w2"))?,
+            self.lw(st, l, "shared.w2")?,
             false,
             y,
             false,
@@ -1623,7 +1667,6 @@ impl Model<'_> {
         }
         let dn2 = self.at(io, r.dn2);
         if dm.shared {
-            let pre = self.lname(st, l, "shared");
             let (da, dh1, dh3) = (
                 self.at(io, r.sh_da),
                 self.at(io, r.sh_dh1),
@@ -1634,7 +1677,7 @@ impl Model<'_> {
                 (t, f, d),
                 dy,
                 false,
-                self.w(st, &format!("{pre}.w2"))?,
+                self.lw(st, l, "shared.w2")?,
                 true,
                 da,
                 false,
@@ -1659,7 +1702,7 @@ impl Model<'_> {
                 (t, d, f),
                 dh1,
                 false,
-                self.w(st, &format!("{pre}.w1"))?,
+                self.lw(st, l, "shared.w1")?,
                 true,
                 dn2,
                 false,
@@ -1670,7 +1713,7 @@ impl Model<'_> {
                 (t, d, f),
                 dh3,
                 false,
-                self.w(st, &format!("{pre}.w3"))?,
+                self.lw(st, l, "shared.w3")?,
                 true,
                 dn2,
                 true,
@@ -1695,14 +1738,13 @@ impl Model<'_> {
         if !dm.shared {
             return self.gpu.memset(s, dn2c, r.dn2c.bytes);
         }
-        let pre = self.lname(st, l, "shared");
         let (da, dh1, dh3) = (at(r.sh_da), at(r.sh_dh1), at(r.sh_dh3));
         self.mm(
             s,
             (t, f, d),
             at(r.dyc),
             false,
-            self.w(st, &format!("{pre}.w2"))?,
+            self.lw(st, l, "shared.w2")?,
             true,
             da,
             false,
@@ -1727,7 +1769,7 @@ impl Model<'_> {
             (t, d, f),
             dh1,
             false,
-            self.w(st, &format!("{pre}.w1"))?,
+            self.lw(st, l, "shared.w1")?,
             true,
             dn2c,
             false,
@@ -1738,7 +1780,7 @@ impl Model<'_> {
             (t, d, f),
             dh3,
             false,
-            self.w(st, &format!("{pre}.w3"))?,
+            self.lw(st, l, "shared.w3")?,
             true,
             dn2c,
             true,
@@ -1828,7 +1870,7 @@ impl Model<'_> {
         let dm = self.dims;
         let (t, d, k, e) = (dm.t, dm.d, dm.k, dm.e);
         let r = &st.stash.layers[l];
-        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
         let ib = at(st.stash.inbox);
         let dn2 = at(r.dn2);
@@ -1906,7 +1948,7 @@ impl Model<'_> {
         let dm = self.dims;
         let (t, d, h, kvr, kw, tk) = (dm.tc, dm.d, dm.heads, dm.kvr, dm.kw(), dm.tk);
         let r = &st.stash.layers[l];
-        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
         let doh = at(r.doh);
         self.mm(
@@ -1976,7 +2018,7 @@ impl Model<'_> {
         // `t`: the chunk's rows (with Megatron sequence parallelism, the TP group's).
         let (t, h, qr, kvr, kw) = (dm.tc, dm.heads, dm.qr, dm.kvr, dm.kw());
         let r = &st.stash.layers[l];
-        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
         let ib = at(st.stash.inbox);
         let (dckv, dkr) = (at(r.dckv), at(r.dkr));
@@ -2043,7 +2085,7 @@ impl Model<'_> {
         let dm = self.dims;
         let (t, d, qr, kvr, kw) = (dm.t, dm.d, dm.qr, dm.kvr, dm.kw());
         let r = &st.stash.layers[l];
-        let w = |n: &str| self.w(st, &self.lname(st, l, n));
+        let w = |n: &str| self.lw(st, l, n);
         let at = |x: Region| self.at(io, x);
         let (dckv, dkr, dcq, dcq_raw) = (at(r.dckv), at(r.dkr), at(r.dcq), at(r.dcq_raw));
         if dm.tp > 1 {
@@ -2132,10 +2174,11 @@ impl Model<'_> {
         let (t, d, e, f, v) = (dm.t, dm.d, dm.e, dm.f, dm.vocab);
         let sl = &st.stash;
         if st.info.first && attn {
-            self.ew(
+            self.go(
                 s,
                 "embed_w",
-                v * d,
+                [t.clamp(1, 4096) as u32, 1, 1],
+                EMBED_THREADS,
                 vec![
                     p(self.g(st, io, "embed")?),
                     p(self.at(io, sl.layers[0].dx)),
@@ -2148,7 +2191,7 @@ impl Model<'_> {
         }
         let (h, qr, kvr, kw, tk, tc) = (dm.heads, dm.qr, dm.kvr, dm.kw(), dm.tk, dm.tc);
         for (li, r) in sl.layers.iter().enumerate() {
-            let g = |w: &str| self.g(st, io, &self.lname(st, li, w));
+            let g = |w: &str| self.lg(st, io, li, w);
             let at = |x: Region| self.at(io, x);
             if attn {
                 self.rmsnorm_w(s, g("norm1")?, at(r.da), at(r.xhat1), t, d)?;

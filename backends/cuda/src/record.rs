@@ -207,7 +207,7 @@ impl Gpu for Recorder {
     fn elapsed_ms(&self, _a: EventId, _b: EventId) -> Result<f32, GpuError> {
         Ok(0.0)
     }
-    fn mark(&self, s: StreamId, what: &str) {
+    fn mark(&self, s: StreamId, what: &dyn std::fmt::Display) {
         self.push(Some(s), Call::Mark(what.to_string()));
     }
 }

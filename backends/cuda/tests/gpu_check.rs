@@ -26,7 +26,15 @@ esac
 "#;
 
 const BENCH: &str = r#"#!/usr/bin/env bash
-echo '{"gemm_peak": {"tflops": 794.2}, "expert_gemms": [{"local_experts": 256, "rows_per_expert": 128, "forward_tflops": 515.0, "forward_fraction_of_peak": NaN, "wgrad_w1_tflops": 84.0}], "launch": {"host_us_per_launch": 3.3}}'
+if [ "$GPU_CHECK_STEP" = graph ]; then
+    echo '{"device": "stub", "graph": {"attention_replay_equals_eager": true, "attention_outputs_differing": [], "host_us_per_launch": 0.25, "device_us_per_launch": 1.5}}'
+    exit 0
+fi
+echo '{"gemm_peak": {"tflops": 794.2}, "expert_gemms": [{"local_experts": 256, "rows_per_expert": 128, "forward_tflops": 515.0, "forward_fraction_of_peak": NaN, "wgrad_w1_tflops": 84.0}], "launch": {"host_us_per_launch": 3.3}, "attention": {"heads": 16, "tokens": 4096, "forward_ms": 2.0, "forward_backward_ms": 8.0, "check": {"errors": {"out": 0.004}}}}'
+"#;
+
+const SDPA: &str = r#"import json
+print(json.dumps({"torch": "stub", "numerics": {"worst": 0.0034, "rel_err": {"out": 0.0024}}, "speed": {"forward_ms": 1.5, "forward_backward_ms": 6.8}}))
 "#;
 
 fn setup(name: &str) -> (PathBuf, PathBuf) {
@@ -36,6 +44,7 @@ fn setup(name: &str) -> (PathBuf, PathBuf) {
     let out = base.join("out");
     std::fs::create_dir_all(gpu.join("ref")).unwrap();
     std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(gpu.join("sdpa_check.py"), SDPA).unwrap();
     for (f, text) in [("schedc", SCHEDC), ("gpu_bench", BENCH)] {
         std::fs::write(gpu.join(f), text).unwrap();
         let _ = Command::new("chmod").arg("+x").arg(gpu.join(f)).status();
@@ -102,6 +111,8 @@ fn gpu_check_writes_every_step_and_a_summary_that_survives_nan_and_failures() {
         "train_cuda_f32",
         "train_cuda_bf16",
         "bench",
+        "graph",
+        "sdpa",
     ] {
         assert!(
             out.join("steps").join(format!("{step}.json")).exists(),
@@ -114,7 +125,7 @@ fn gpu_check_writes_every_step_and_a_summary_that_survives_nan_and_failures() {
         );
     }
     assert!(status(&out, "f32_dualpipe").starts_with("exit 137 after "));
-    assert!(status(&out, "f32_dualpipe").ends_with("(timed out at 35 s)"));
+    assert!(status(&out, "f32_dualpipe").ends_with("(timed out at 30 s)"));
     let l = line(&s, "f32_1f1b: ");
     assert!(
         l.starts_with("f32_1f1b: --verify PASS (exit 0 after "),
@@ -175,6 +186,20 @@ fn gpu_check_writes_every_step_and_a_summary_that_survives_nan_and_failures() {
         line(&s, "expert gemms"),
         "expert gemms 256 experts x 128 rows: forward 515 TFLOP/s = nan% of peak (goal 70%), W-grad 84 TFLOP/s"
     );
+    // Issue 24, item 3: the CUDA-graph step and the comparison with torch's SDPA.
+    let l = line(&s, "graph: ");
+    assert!(
+        l.starts_with("graph: attention replay equals eager (PASS); 0.250 us host, 1.500 us device per launch through a graph (exit 0 after "),
+        "{l}"
+    );
+    assert_eq!(
+        line(&s, "sdpa numerics: "),
+        "sdpa numerics: ours (bf16) against torch SDPA (f32, same inputs) worst rel err 3.40e-03 (goal 2e-2) PASS"
+    );
+    assert_eq!(
+        line(&s, "sdpa speed"),
+        "sdpa speed at 16 heads x 4096 tokens: torch forward 1.500 ms, forward+backward 6.800 ms; ours at 75% / 85% of its speed (goal 70%)"
+    );
     assert!(!s.contains("summary failed"), "{s}");
     let _ = std::fs::remove_dir_all(gpu.parent().unwrap());
 }
@@ -205,29 +230,24 @@ fn gpu_check_stops_after_a_failed_smoke_step() {
 #[test]
 fn gpu_check_skips_the_steps_the_deadline_leaves_no_time_for() {
     let (gpu, out) = setup("deadline");
-    // A budget of 45 s: at the start every step but realsize (75 s) would fit; the smoke
-    // step takes 6 s, after which the 40 and 45 s steps no longer do, the 35 s ones still do.
+    // A budget of 45 s: at the start every step but realsize (60 s) would fit; the smoke
+    // step takes 6 s, after which the 40 s steps no longer do, the 30 s ones still do.
     let s = run(
         &gpu,
         &out,
         &[("GPU_CHECK_BUDGET", "45"), ("SLEEP_SMOKE", "6")],
     );
     assert!(status(&out, "smoke").starts_with("exit 0 after "));
-    for step in [
-        "f32_1f1b",
-        "f32_zb_h1",
-        "tp_dualpipe",
-        "tp_bf16_1f1b",
-        "sp_1f1b",
-        "train_cuda_bf16",
-    ] {
+    // The first 25 s steps run (each step's bookkeeping takes a second or two here); the
+    // later ones may or may not, with the machine's load.
+    for step in ["f32_1f1b", "f32_zb_h1"] {
         assert!(
             status(&out, step).starts_with("exit "),
             "{step}: {}",
             status(&out, step)
         );
     }
-    for (step, limit) in [("realsize", 75), ("train_cuda_f32", 45), ("bench", 40)] {
+    for (step, limit) in [("realsize", 60), ("train_cuda_f32", 40), ("bench", 40)] {
         let st = status(&out, step);
         assert!(
             st.starts_with("skipped: deadline (")
