@@ -56,14 +56,16 @@ fn sim_of_1f1b_offload_with_a_memory_cost() {
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
-    assert_eq!(v["makespan"], 39.0);
+    // Offloads and reloads run on a stream each (PCIe is full duplex): the 2 s copies hide
+    // under the 3 s rounds (on one shared stream they did not: 39 s, peaks 3 3 2 1).
+    assert_eq!(v["makespan"], 33.0);
     let peaks: Vec<f64> = v["ranks"]
         .as_array()
         .unwrap()
         .iter()
         .map(|r| r["peak_activation_bytes"].as_f64().unwrap() / 1e9)
         .collect();
-    assert_eq!(peaks, vec![3.0, 3.0, 2.0, 1.0]);
+    assert_eq!(peaks, vec![4.0, 3.0, 2.0, 1.0]);
 }
 
 /// Writes `text` to a fresh file in a temporary directory and returns its path.
