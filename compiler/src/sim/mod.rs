@@ -172,6 +172,11 @@ pub struct RankSim {
     /// count from its end, until the end of the `RELOAD` (or the start of the `RECOMPUTE`)
     /// that brings them back.
     pub peak_host_bytes: f64,
+    /// The first instant the rank's live activation bytes reach their peak, seconds (0 when
+    /// nothing is live): where a memory pass looks for activations to move
+    /// (`schedc_optimize::memops`). Not in the JSON.
+    #[serde(skip)]
+    pub peak_memory_at: f64,
 }
 
 /// An `OFFLOAD` that takes the rank's host memory over `[memory] host_bytes`.
@@ -1122,10 +1127,13 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
             // as the next one starts); an overlapped pair allocates at its start and frees at
             // its end, so it still holds both.
             ev.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
-            let (mut live, mut peak) = (0f64, 0f64);
-            for (_, d) in ev {
+            let (mut live, mut peak, mut peak_at) = (0f64, 0f64, 0f64);
+            for (t, d) in ev {
                 live += d;
-                peak = peak.max(live);
+                if live > peak {
+                    peak = live;
+                    peak_at = t;
+                }
             }
             // Host bytes: a free at the instant of an offload's end happens first.
             let mut hev = std::mem::take(&mut host_mem[r]);
@@ -1168,6 +1176,7 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
                 peak_memory_bytes: stat + peak,
                 peak_activation_bytes: peak,
                 peak_host_bytes: host_peak,
+                peak_memory_at: peak_at,
             }
         })
         .collect();
