@@ -552,3 +552,74 @@ fn max_memory_applies_to_model_derived_sizes_and_host_budget_to_a_sweep() {
          specs/1f1b_offload.sched: 2 instances: 1 passed, 1 failed, 0 outside the family (refused by `require`)\n"
     );
 }
+
+// ---- issue 27: compare --max-memory ----
+
+#[test]
+fn compare_max_memory_marks_the_rows_over_the_cap_and_keeps_exit_0() {
+    let args = [
+        "compare",
+        "specs/1f1b.sched",
+        "specs/1f1b_offload.sched",
+        "specs/1f1b_recompute.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--set",
+        "activation_bytes=1e9,offload=1",
+        "--max-memory",
+        "2500000000",
+    ];
+    let mut j = args.to_vec();
+    j.extend(["--format", "json"]);
+    let o = schedc(&j);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["max_memory"], 2500000000u64);
+    let got: Vec<(String, f64, bool)> = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["schedule"].as_str().unwrap().to_string(),
+                r["figures"]["peak_memory_bytes"].as_f64().unwrap(),
+                r["figures"]["fits_max_memory"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    // 1F1B holds 4 activations on rank 0; 1f1b_offload 3 for a moment (its reload of the next
+    // backward starts while the last offload is still copying); 1f1b_recompute 2.
+    assert_eq!(
+        got,
+        vec![
+            ("1f1b".to_string(), 4e9, false),
+            ("1f1b_offload".to_string(), 3e9, false),
+            ("1f1b_recompute".to_string(), 2e9, true),
+        ]
+    );
+    let o = schedc(&args);
+    assert_eq!(o.status.code(), Some(0));
+    let out = stdout(&o);
+    assert!(out.contains("\n1f1b (over)  "), "{out}");
+    assert!(out.contains("\n1f1b_recompute  "), "{out}");
+    assert!(out.contains("\n(over) over --max-memory 2500000000 bytes (2.50 GB) per rank (simulated peak device memory, or [memory] host_bytes overflowed): 1f1b (4.00 GB), 1f1b_offload (3.00 GB)\n"), "{out}");
+    // Without memory sizes the cap would hold vacuously: refused.
+    let o = schedc(&[
+        "compare",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-memory",
+        "80G",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("--max-memory needs memory sizes"),
+        "{}",
+        stderr(&o)
+    );
+}
