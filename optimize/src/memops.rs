@@ -16,6 +16,9 @@
 //!   (`F(s,m)!`, and `RECOMPUTE(s,m)` right before the backward). The simulator charges a
 //!   copy on the host-copy stream of its direction at `[memory] offload`/`reload` or
 //!   `activation_bytes / pcie_bandwidth`, a recompute as a forward on the compute stream;
+//! * an activation offloaded before that is still on the device at the peak (its offload
+//!   not done yet, or its reload started early) is a candidate once more, for a recompute
+//!   instead, after the fresh ones;
 //! * the rewrite that lowers the total excess over the cap (the sum over ranks of the bytes
 //!   above it) with the shorter makespan is kept; one that keeps the excess is kept when
 //!   none lowers it (another instant may peak as high); one that overflows `[memory]
@@ -27,7 +30,7 @@
 use schedc::sim::cost::CostModel;
 use schedc::sim::{simulate_with, EventKind, SimOptions, SimResult, StreamKind};
 use schedc_ir::{Comm, Compute, Instr, Kind, MemKind, MemOp, Part, Program};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 /// How one activation is kept off the device.
@@ -208,6 +211,7 @@ pub fn fit_bytes(
     }
     let mut kept: Vec<Rewrite> = Vec::new();
     let mut tried: HashSet<(usize, usize)> = HashSet::new();
+    let mut switched: HashSet<(usize, usize)> = HashSet::new();
     let (mut cur, mut origin) = apply(p, &kept);
     let mut s = s0;
     let mut e = e0;
@@ -238,16 +242,43 @@ pub fn fit_bytes(
                 end[*i] = ev.end;
             }
         }
-        // Activations live at t on the device, not tried yet: (wait, f, b).
+        // When the offloads and reloads of the rank's activations end and start.
+        let mut off_end: HashMap<(u32, u32), f64> = HashMap::new();
+        let mut reload_start: HashMap<(u32, u32), f64> = HashMap::new();
+        for ev in s.events.iter().filter(|ev| ev.rank as usize == r) {
+            if let Some(Instr::Mem(op)) = cur.ranks[r].get(ev.pos as usize) {
+                match ev.stream {
+                    StreamKind::Host => {
+                        off_end.insert((op.stage, op.mb), ev.end);
+                    }
+                    StreamKind::HostToDevice => {
+                        reload_start.insert((op.stage, op.mb), ev.start);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        // Activations live at t on the device, not tried yet, and offloaded ones live at t
+        // (their offload not done, or reloaded early), not switched yet: (wait, f, b, the
+        // offload's index in `kept`).
         let prog = &p.ranks[r];
-        let mut cands: Vec<(f64, usize, usize)> = Vec::new();
+        let mut cands: Vec<(f64, usize, usize, Option<usize>)> = Vec::new();
         for (f, ins) in prog.iter().enumerate() {
             let Some(fc) = whole(ins).filter(|c| c.kind == Kind::F) else {
                 continue;
             };
-            if tried.contains(&(r, f)) || kept.iter().any(|x| x.rank == r && x.f == f) {
-                continue;
-            }
+            let moved = kept.iter().position(|x| x.rank == r && x.f == f);
+            let switch = match moved {
+                None if tried.contains(&(r, f)) => continue,
+                None => None,
+                Some(k) if matches!(kept[k].how, Move::Offload { .. }) => {
+                    if switched.contains(&(r, f)) {
+                        continue;
+                    }
+                    Some(k)
+                }
+                Some(_) => continue,
+            };
             let same = |c: &Compute| c.stage == fc.stage && c.mb == fc.mb;
             let Some(b) = prog.iter().position(|i| {
                 whole(i).is_some_and(|c| same(c) && matches!(c.kind, Kind::B | Kind::BW))
@@ -266,10 +297,24 @@ pub fn fit_bytes(
             if b < f || !(start[f] <= t && t < release.min(start[b])) {
                 continue;
             }
-            cands.push((start[b] - end[f], f, b));
+            if switch.is_some() {
+                let key = (fc.stage, fc.mb);
+                let off = off_end.get(&key).copied().unwrap_or(f64::INFINITY);
+                let back = reload_start.get(&key).copied().unwrap_or(f64::INFINITY);
+                if !(t < off || back <= t) {
+                    continue;
+                }
+            }
+            cands.push((start[b] - end[f], f, b, switch));
         }
-        cands.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
-        let Some(&(_, f, b)) = cands.first() else {
+        // Fresh activations first, the longest wait first; then switches.
+        cands.sort_by(|x, y| {
+            (x.3.is_some())
+                .cmp(&y.3.is_some())
+                .then(y.0.total_cmp(&x.0))
+                .then(x.1.cmp(&y.1))
+        });
+        let Some(&(_, f, b, switch)) = cands.first() else {
             return Err(over_message(
                 &s,
                 cap,
@@ -277,6 +322,9 @@ pub fn fit_bytes(
             ));
         };
         tried.insert((r, f));
+        if switch.is_some() {
+            switched.insert((r, f));
+        }
         let fc = whole(&prog[f]).copied().expect("a forward");
         // The offload's reload point: the latest instruction the compute stream reaches at
         // least a reload's time before the backward starts (never before the forward's
@@ -300,16 +348,26 @@ pub fn fit_bytes(
             SimResult,
             Vec<Vec<Option<usize>>>,
         )> = None;
-        for how in [Move::Offload { reload_before: at }, Move::Recompute] {
+        // An offloaded activation still live at the peak may only be recomputed instead.
+        let hows: &[Move] = if switch.is_some() {
+            &[Move::Recompute]
+        } else {
+            &[Move::Offload { reload_before: at }, Move::Recompute]
+        };
+        for &how in hows {
             let mut rw = kept.clone();
-            rw.push(Rewrite {
+            let w = Rewrite {
                 rank: r,
                 f,
                 b,
                 stage: fc.stage,
                 mb: fc.mb,
                 how,
-            });
+            };
+            match switch {
+                Some(k) => rw[k] = w,
+                None => rw.push(w),
+            }
             let (q, o) = apply(p, &rw);
             let Ok(sq) = sim(&q) else { continue };
             let Some(eq) = excess(&sq, cap) else { continue };
