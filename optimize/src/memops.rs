@@ -153,6 +153,17 @@ fn excess(s: &SimResult, cap: f64) -> Option<f64> {
     )
 }
 
+/// A rewrite tried: its excess over the cap, makespan, rewrites, program, simulation, and
+/// the program's origin map (see [`apply`]).
+type Trial = (
+    f64,
+    f64,
+    Vec<Rewrite>,
+    Program,
+    SimResult,
+    Vec<Vec<Option<usize>>>,
+);
+
 fn whole(ins: &Instr) -> Option<&Compute> {
     match ins {
         Instr::Compute(c) if c.part == Part::Whole => Some(c),
@@ -332,22 +343,15 @@ pub fn fit_bytes(
         let copy = c.memory.copy_time(MemKind::Reload, fc.stage);
         let mut reach = end[f];
         let mut at = f + 1;
-        for i in f + 1..=b {
+        for (i, e_i) in end.iter().enumerate().take(b + 1).skip(f + 1) {
             if reach + copy <= start[b] + 1e-12 {
                 at = i;
             }
-            if end[i].is_finite() {
-                reach = reach.max(end[i]);
+            if e_i.is_finite() {
+                reach = reach.max(*e_i);
             }
         }
-        let mut best: Option<(
-            f64,
-            f64,
-            Vec<Rewrite>,
-            Program,
-            SimResult,
-            Vec<Vec<Option<usize>>>,
-        )> = None;
+        let mut best: Option<Trial> = None;
         // An offloaded activation still live at the peak may only be recomputed instead.
         let hows: &[Move] = if switch.is_some() {
             &[Move::Recompute]
