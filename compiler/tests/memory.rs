@@ -65,6 +65,16 @@ fn sim_runs_an_offload_and_a_reload_at_the_same_time_one_stream_per_direction() 
     assert_eq!(on(StreamKind::Host), vec![(1.0, 3.0), (3.0, 5.0)]);
     assert_eq!(on(StreamKind::HostToDevice), vec![(3.0, 5.0), (7.0, 9.0)]);
     assert_eq!(r.makespan, 11.0);
+    // The trace has a thread per direction.
+    let trace = schedc::sim::render::chrome_trace(&r, &p);
+    assert!(
+        trace.contains("\"host copies (device to host)\""),
+        "{trace}"
+    );
+    assert!(
+        trace.contains("\"host copies (host to device)\""),
+        "{trace}"
+    );
 }
 
 #[test]
