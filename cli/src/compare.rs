@@ -43,6 +43,13 @@ pub struct Args {
     /// schedule's stages hold their own layers, so no op is scaled by P / stages.
     #[command(flatten)]
     pub cluster: crate::cluster::ClusterArgs,
+    /// Most device bytes per rank (`80G` = 80 x 2^30): rows whose simulated peak
+    /// (`peak_memory_bytes`, as `sim --max-memory` bounds it) is over it, or that overflow
+    /// `[memory] host_bytes`, are marked `(over)` and listed; they still rank by makespan and
+    /// the exit status does not change. Needs memory sizes (`[memory]`, `--set
+    /// activation_bytes=...`, or `--model`).
+    #[arg(long, value_name = "BYTES", value_parser = parse_max_memory)]
+    pub max_memory: Option<u64>,
 }
 
 /// Runs `schedc compare`: exit 0 when every input was simulated with its expectations
@@ -61,6 +68,7 @@ pub fn run(args: Args) -> ExitCode {
         specs,
         format,
         cluster,
+        max_memory,
     } = args;
     if pp == 0 || mb == 0 || vpp == 0 {
         eprintln!("error: --pp, --mb and --vpp must be at least 1");
@@ -78,6 +86,12 @@ pub fn run(args: Args) -> ExitCode {
         Ok(m) => m,
         Err(c) => return c,
     };
+    if max_memory.is_some() && !cluster.given() {
+        if let Err(e) = require_memory_sizes(&model) {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let derive = if cluster.given() {
         // Refuse a bad --model, --hardware or --mesh once, before any row.
         if let Err(e) = cluster.resolve_names() {
@@ -140,6 +154,7 @@ pub fn run(args: Args) -> ExitCode {
         cost: model,
         cost_name: cost,
         derive,
+        max_memory,
     };
     let report = match schedc::compare::compare(&files, &opts) {
         Ok(r) => r,

@@ -94,6 +94,16 @@ pub struct Args {
     /// cap `schedc check --max-activations` takes on the file, in its own stages.
     #[arg(long, value_name = "N")]
     pub max_activations: u64,
+    /// Most device bytes per rank (`80G`, `80GB`, `80GiB` are 80 x 2^30 bytes): the
+    /// simulated `peak_memory_bytes` that `schedc check --max-memory` and `schedc sim
+    /// --max-memory` bound. Needs a cost model with memory sizes (`[memory]`, `--set
+    /// activation_bytes=...`, or `--model`). Where the schedule found exceeds it, activations
+    /// are offloaded (OFFLOAD after the forward, RELOAD just in time before the backward) or
+    /// recomputed (`F(s,m)!`, RECOMPUTE before the backward), chosen by simulated makespan
+    /// (`schedc_optimize::memops`); rows over the cap are marked. Not with --moe or --to
+    /// torch-csv.
+    #[arg(long, value_name = "BYTES", value_parser = parse_max_memory)]
+    pub max_memory: Option<u64>,
     /// What to minimise.
     #[arg(long, value_enum, default_value = "from_start")]
     pub objective: Objective,
@@ -332,6 +342,18 @@ pub fn run(a: Args) -> ExitCode {
             return fail(e);
         }
     }
+    if a.max_memory.is_some() {
+        if a.moe.is_some() {
+            return fail(
+                "--max-memory places offloads and recomputes on whole ops; with --moe the MoE parts are not supported yet: drop one of them",
+            );
+        }
+        if a.output.is_some() && a.to == OutKind::TorchCsv {
+            return fail(
+                "--max-memory may add OFFLOAD, RELOAD and RECOMPUTE, which torch's schedule CSV cannot express: write --to ir-text or --to spec",
+            );
+        }
+    }
     if let Some(o) = &a.output {
         if o == "-" && a.format == OutFormat::Json {
             return fail(
@@ -491,6 +513,11 @@ pub fn run(a: Args) -> ExitCode {
             }
         }
     }
+    if a.max_memory.is_some() {
+        if let Err(e) = require_memory_sizes(&cost) {
+            return fail(e);
+        }
+    }
     let model_shape =
         |pl: &Pipeline| !a.cluster.given() || pl.stage_to_rank == pipelines[0].stage_to_rank;
     // Specs of the standard library at this size (V = 2 for those whose V is free).
@@ -578,14 +605,32 @@ pub fn run(a: Args) -> ExitCode {
                 starts.push((format!("spec {}", s.name), s.sched.clone()));
             }
         }
-        candidates.push(Candidate {
-            pipeline: pl.clone(),
-            inst,
-            cost: c,
-            real_cost,
-            starts,
-            scale: scale_of(ref_stages, pl),
-        });
+        // Under --max-memory the byte cap may bind on any order: the search also runs under
+        // up to three lower activation caps (steps of a quarter of the cap), whose orders
+        // need fewer memory ops; every result is fitted and the fastest kept.
+        let mut lower = Vec::new();
+        if a.max_memory.is_some() {
+            let step = (cap / 4).max(1);
+            for j in 1..=3u64 {
+                let Some(k) = cap.checked_sub(j * step).filter(|k| *k >= 1) else {
+                    break;
+                };
+                match Instance::new(pl, &c, Some(k)) {
+                    Ok(i) => lower.push(i),
+                    Err(_) => break,
+                }
+            }
+        }
+        for inst in std::iter::once(inst).chain(lower) {
+            candidates.push(Candidate {
+                pipeline: pl.clone(),
+                inst,
+                cost: c.clone(),
+                real_cost: real_cost.clone(),
+                starts: starts.clone(),
+                scale: scale_of(ref_stages, pl),
+            });
+        }
     }
     if candidates.is_empty() {
         let (need, label) = below.unwrap_or((0, String::new()));
@@ -639,7 +684,9 @@ pub fn run(a: Args) -> ExitCode {
         .iter()
         .map(|c| (&c.inst, c.starts.as_slice()))
         .collect();
-    let prune = a.objective == Objective::FromStart && a.moe.is_none();
+    // Under --max-memory the memory ops change the makespans: no placement is pruned by a
+    // bound on orders without them.
+    let prune = a.objective == Objective::FromStart && a.moe.is_none() && a.max_memory.is_none();
     let mut results: Vec<(usize, Outcome)> =
         optimize_placements(&problems, &opts, prune, &progress)
             .into_iter()
@@ -673,14 +720,20 @@ pub fn run(a: Args) -> ExitCode {
         Outcome,
         schedc_optimize::Verified,
         schedc::sim::SimResult,
+        Option<(usize, usize)>,
     );
     let mut best: Option<Best> = None;
+    // Under --max-memory: why the search's own result could not be fitted (reported when no
+    // candidate fits).
+    let mut unfitted: Option<String> = None;
     for (i, out) in results {
         let c = &candidates[i];
         if !out.makespan.is_finite() {
             continue;
         }
+        // Under --max-memory the memory ops change the makespans: no early stop.
         if prune
+            && a.max_memory.is_none()
             && best
                 .as_ref()
                 .is_some_and(|b| out.makespan > b.3.makespan + 1e-9)
@@ -688,7 +741,7 @@ pub fn run(a: Args) -> ExitCode {
             break;
         }
         let mut tries = vec![out.clone()];
-        if steady || a.moe.is_some() {
+        if steady || a.moe.is_some() || a.max_memory.is_some() {
             for (name, sc) in &c.starts {
                 tries.push(Outcome {
                     best: sc.clone(),
@@ -706,10 +759,10 @@ pub fn run(a: Args) -> ExitCode {
                 });
             }
         }
-        for (k, t) in tries.into_iter().enumerate() {
+        for (k, mut t) in tries.into_iter().enumerate() {
             match verify(&c.inst, &c.cost, &t.best) {
-                Ok(v) => {
-                    let s = match &a.moe {
+                Ok(mut v) => {
+                    let mut s = match &a.moe {
                         Some(sel) => {
                             match schedc_optimize::report::simulate_moe(&v, &c.real_cost, sel) {
                                 Ok(s) => s,
@@ -721,8 +774,35 @@ pub fn run(a: Args) -> ExitCode {
                         }
                         None => v.sim.clone(),
                     };
-                    if best.as_ref().is_none_or(|(_, _, _, bs)| better(&s, bs)) {
-                        best = Some((i, t, v, s));
+                    // Under --max-memory: offloads and recomputes where the order exceeds
+                    // the byte cap (`schedc_optimize::memops`), then checked and simulated
+                    // again as `schedc sim` does; each candidate is ranked as fitted.
+                    let mut ops = None;
+                    if let Some(bytes) = a.max_memory {
+                        match fit_to_bytes(&v, &cost, bytes, c.inst.cap, deadline) {
+                            Ok(None) => {}
+                            Ok(Some((fv, fs, counts))) => {
+                                let (off, rec) = counts;
+                                t.found_by = format!(
+                                    "{}, then {off} activation(s) offloaded and {rec} recomputed to fit --max-memory",
+                                    t.found_by
+                                );
+                                // The search's proof is on orders without memory ops.
+                                t.optimal = false;
+                                v = fv;
+                                s = fs;
+                                ops = Some(counts);
+                            }
+                            Err(e) => {
+                                if k == 0 && unfitted.is_none() {
+                                    unfitted = Some(e);
+                                }
+                                continue;
+                            }
+                        }
+                    }
+                    if best.as_ref().is_none_or(|(.., bs, _)| better(&s, bs)) {
+                        best = Some((i, t, v, s, ops));
                     }
                 }
                 // A start over the cap is no candidate; the search's own result must verify.
@@ -734,13 +814,19 @@ pub fn run(a: Args) -> ExitCode {
             }
         }
     }
-    let Some((ci, out, ver, ver_sim)) = best else {
-        eprintln!("error: no schedule within the cap was found");
+    let Some((ci, out, ver, ver_sim, memory_ops)) = best else {
+        match unfitted {
+            Some(e) => eprintln!("error: {e}"),
+            None => eprintln!("error: no schedule within the cap was found"),
+        }
         return ExitCode::from(1);
     };
     let cand = &candidates[ci];
     let cap = a.max_activations;
-    let opt_row = schedc_optimize::report::row_with("optimized", &ver, &ver_sim, cand.scale, cap);
+    let over_bytes = |r: &Row| a.max_memory.is_some_and(|b| r.peak_memory_bytes > b as f64);
+    let mut opt_row =
+        schedc_optimize::report::row_with("optimized", &ver, &ver_sim, cand.scale, cap);
+    opt_row.fits &= !over_bytes(&opt_row);
 
     // Under --moe on a V placement: the lower bound on the per-rank span (rank 0's warmup
     // and cooldown must expose all-to-all; schedc_optimize::moe_bound).
@@ -757,14 +843,18 @@ pub fn run(a: Args) -> ExitCode {
         // The input as `schedc sim` gives it under the same flags: its own program, messages
         // as written (not the search's re-lowering of its op order).
         match simulate_as_sim(p, &cost, a.moe.as_ref()) {
-            Ok((sim, peak)) => rows.push(schedc_optimize::report::row_of_sim(
-                "start (the input)",
-                &p.pipeline,
-                &sim,
-                peak,
-                scale_of(ref_stages, &p.pipeline),
-                cap,
-            )),
+            Ok((sim, peak)) => {
+                let mut r = schedc_optimize::report::row_of_sim(
+                    "start (the input)",
+                    &p.pipeline,
+                    &sim,
+                    peak,
+                    scale_of(ref_stages, &p.pipeline),
+                    cap,
+                );
+                r.fits &= !over_bytes(&r);
+                rows.push(r);
+            }
             Err(e) => eprintln!("note: the input does not simulate: {e}"),
         }
     }
@@ -785,6 +875,8 @@ pub fn run(a: Args) -> ExitCode {
                     cap,
                     a.moe.as_ref(),
                 ) {
+                    let mut r = r;
+                    r.fits &= !over_bytes(&r);
                     greedy_row = Some(r.clone());
                     rows.push(r);
                 }
@@ -809,7 +901,7 @@ pub fn run(a: Args) -> ExitCode {
             continue;
         };
         if let Ok((sim, peak)) = simulate_as_sim(&p, &cost, a.moe.as_ref()) {
-            let r = schedc_optimize::report::row_of_sim(
+            let mut r = schedc_optimize::report::row_of_sim(
                 &format!("spec {}", s.name),
                 &p.pipeline,
                 &sim,
@@ -817,6 +909,7 @@ pub fn run(a: Args) -> ExitCode {
                 scale_of(ref_stages, &p.pipeline),
                 cap,
             );
+            r.fits &= !over_bytes(&r);
             if r.fits {
                 spec_rows.push(r.clone());
                 rows.push(r);
@@ -844,10 +937,13 @@ pub fn run(a: Args) -> ExitCode {
         .filter(|r| r.fits && better_row(r, &opt_row, steady))
         .collect();
     let optimal = out.optimal && faster.is_empty();
-    let searched: Vec<String> = candidates
-        .iter()
-        .map(|c| pipeline_label(&c.pipeline))
-        .collect();
+    let mut searched: Vec<String> = Vec::new();
+    for c in &candidates {
+        let l = pipeline_label(&c.pipeline);
+        if !searched.contains(&l) {
+            searched.push(l);
+        }
+    }
 
     // The schedule in the form written (the IR text when nothing is written), and what
     // `schedc sim` and `schedc check` say of that file: the figures the user can reproduce.
@@ -919,6 +1015,7 @@ pub fn run(a: Args) -> ExitCode {
             cap: cand.inst.cap,
             pp: file_pl.pp,
             mb: file_pl.total_microbatches(),
+            peak_bytes: peak_bytes(&ver_sim),
         }
     } else {
         match simulate_written(
@@ -928,6 +1025,7 @@ pub fn run(a: Args) -> ExitCode {
             &cost,
             a.moe.as_ref(),
             cand.inst.cap,
+            a.max_memory,
         ) {
             Ok(f) => f,
             Err(e) => {
@@ -945,7 +1043,7 @@ pub fn run(a: Args) -> ExitCode {
         OutKind::TorchCsv => text,
     };
     let sim_cmd = figs.sim_command(figures_form, &shown_path, &a);
-    let check_cmd = figs.check_command(figures_form, &shown_path);
+    let check_cmd = figs.check_command(figures_form, &shown_path, &a);
     let to_stdout = a.output.as_deref() == Some("-");
     // A file that cannot be written after all does not throw the search away: the report is
     // printed, then the error (`report_then`).
@@ -1003,6 +1101,10 @@ pub fn run(a: Args) -> ExitCode {
                 "peak_activations": opt_row.peak_activations,
                 "peak_memory_bytes": opt_row.peak_memory_bytes,
                 "max_activations": cap,
+                "max_memory": a.max_memory,
+                "memory_ops": memory_ops.map(|(off, rec)| serde_json::json!({
+                    "offloaded": off, "recomputed": rec,
+                })),
                 "placement": opt_row.placement,
                 "lower_bound": out.lower_bound,
                 "optimal": optimal,
@@ -1021,6 +1123,7 @@ pub fn run(a: Args) -> ExitCode {
                     "steady_step": figs.steady_step,
                     "max_activations": cand.inst.cap,
                     "peak_activations": figs.peak,
+                    "peak_memory_bytes": figs.peak_bytes,
                     "stages": file_pl.stages,
                     "same_units_as_rows": same_units,
                     "sim": sim_cmd,
@@ -1057,6 +1160,18 @@ pub fn run(a: Args) -> ExitCode {
                 },
                 if a.input.is_some() { "the input" } else { "one stage per rank" }
             );
+            if let Some(b) = a.max_memory {
+                let _ = writeln!(
+                    o,
+                    "at most {b} bytes of device memory per rank (--max-memory): {}; rows over it are marked `over --max-memory`",
+                    match memory_ops {
+                        Some((off, rec)) => format!(
+                            "the order found exceeded it, so {off} activation(s) are offloaded and {rec} recomputed (chosen by simulated makespan)"
+                        ),
+                        None => "the order found fits without memory ops".to_string(),
+                    }
+                );
+            }
             let _ = writeln!(
                 o,
                 "optimized{}: makespan {} ({}; lower bound {}{}), found by {}",
@@ -1122,7 +1237,9 @@ pub fn run(a: Args) -> ExitCode {
                     100.0 * r.bubble_from_start_per_busy,
                     secs(r.steady_step),
                     r.peak_activations,
-                    if r.peak_memory_bytes > 0.0 {
+                    if over_bytes(r) {
+                        format!("{:.3e} over --max-memory", r.peak_memory_bytes)
+                    } else if r.peak_memory_bytes > 0.0 {
                         format!("{:.3e}", r.peak_memory_bytes)
                     } else {
                         // The cost model gives no memory figures (as `schedc sim` prints).
@@ -1153,6 +1270,55 @@ pub fn run(a: Args) -> ExitCode {
             }
         }
     }
+}
+
+/// `v` fitted to `bytes` of device memory per rank (`schedc_optimize::memops::fit_bytes`):
+/// `None` when it fits as it is, else the rewritten program checked with `--max-activations
+/// cap` and simulated as `schedc sim` does, with the number of activations offloaded and
+/// recomputed.
+///
+/// Errors: no rewrite fits (the message names the rank and its bytes), or the rewritten
+/// program does not check or simulate.
+#[allow(clippy::type_complexity)]
+fn fit_to_bytes(
+    v: &schedc_optimize::Verified,
+    cost: &CostModel,
+    bytes: u64,
+    cap: u64,
+    deadline: Option<Instant>,
+) -> Result<
+    Option<(
+        schedc_optimize::Verified,
+        schedc::sim::SimResult,
+        (usize, usize),
+    )>,
+    String,
+> {
+    let fitted = schedc_optimize::memops::fit_bytes(&v.program, cost, bytes as f64, deadline)?;
+    if fitted.rewrites.is_empty() {
+        return Ok(None);
+    }
+    let counts = fitted.counts();
+    let checked = schedc::check::check(
+        &fitted.program,
+        None,
+        &schedc::check::Options {
+            max_activations: Some(cap),
+            ..Default::default()
+        },
+    );
+    let report = checked.report.clone();
+    let (sim, _) = simulate_checked(checked, cost)
+        .map_err(|e| format!("the schedule with memory ops does not verify: {e}"))?;
+    Ok(Some((
+        schedc_optimize::Verified {
+            program: fitted.program,
+            report,
+            sim: sim.clone(),
+        },
+        sim,
+        counts,
+    )))
 }
 
 /// True if row `r` ranks before `b`: a shorter makespan, or under `steady_state` a shorter
@@ -1192,12 +1358,34 @@ struct Figures {
     pp: u32,
     /// Micro-batches, both directions together.
     mb: u32,
+    /// `schedc sim`'s peak device memory on the worst rank, bytes (`peak_memory_bytes`).
+    peak_bytes: f64,
+}
+
+/// The largest `peak_memory_bytes` over the ranks of `s`.
+fn peak_bytes(s: &schedc::sim::SimResult) -> f64 {
+    s.ranks
+        .iter()
+        .map(|r| r.peak_memory_bytes)
+        .fold(0.0, f64::max)
+}
+
+/// ` --cost C [--set S]` as given: the cost flags `schedc check` takes for `--max-memory`.
+fn cost_flags(a: &Args) -> String {
+    format!(
+        " --cost {}{}",
+        a.cost,
+        a.set
+            .as_ref()
+            .map(|s| format!(" --set {s}"))
+            .unwrap_or_default()
+    )
 }
 
 impl Figures {
     fn sim_command(&self, form: OutKind, path: &str, a: &Args) -> String {
         format!(
-            "schedc sim {path}{}{}{}{}",
+            "schedc sim {path}{}{}{}{}{}",
             self.size_flags(form),
             if a.cluster.given() {
                 a.cluster.flags()
@@ -1216,14 +1404,23 @@ impl Figures {
                     .unwrap_or_else(|| " --moe".into())
             } else {
                 String::new()
-            }
+            },
+            a.max_memory
+                .map(|b| format!(" --max-memory {b}"))
+                .unwrap_or_default()
         )
     }
-    fn check_command(&self, form: OutKind, path: &str) -> String {
+    /// Under `--max-memory` (without `--model`, which `check` does not take) the command also
+    /// bounds the bytes, with the cost model that sizes them.
+    fn check_command(&self, form: OutKind, path: &str, a: &Args) -> String {
         format!(
-            "schedc check {path}{} --max-activations {}",
+            "schedc check {path}{} --max-activations {}{}",
             self.size_flags(form),
-            self.cap
+            self.cap,
+            match a.max_memory {
+                Some(b) if !a.cluster.given() => format!(" --max-memory {b}{}", cost_flags(a)),
+                _ => String::new(),
+            }
         )
     }
     fn size_flags(&self, form: OutKind) -> String {
@@ -1247,6 +1444,7 @@ fn simulate_written(
     cost: &CostModel,
     moe: Option<&schedc::moe::MoeStages>,
     cap: u64,
+    max_memory: Option<u64>,
 ) -> Result<Figures, String> {
     let (name, spec) = match form {
         OutKind::IrText => ("optimized.ir", false),
@@ -1273,6 +1471,19 @@ fn simulate_written(
     );
     // As `schedc sim` times the file: a stage of a V-way split charged 1/V.
     let (sim, peak) = simulate_checked(checked, cost)?;
+    if let Some(b) = max_memory {
+        if peak_bytes(&sim) > b as f64 || !sim.host_overflows.is_empty() {
+            return Err(format!(
+                "it needs {} bytes of device memory on its busiest rank, over --max-memory {b}{}",
+                peak_bytes(&sim).round() as u64,
+                if sim.host_overflows.is_empty() {
+                    ""
+                } else {
+                    ", or overflows [memory] host_bytes"
+                }
+            ));
+        }
+    }
     Ok(Figures {
         makespan: sim.makespan,
         steady_step: sim.steady_step,
@@ -1280,6 +1491,7 @@ fn simulate_written(
         cap,
         pp: pl.pp,
         mb,
+        peak_bytes: peak_bytes(&sim),
     })
 }
 
@@ -1318,6 +1530,12 @@ fn written_line(
         },
         f.peak
     );
+    if let Some(b) = a.max_memory {
+        s.push_str(&format!(
+            "\n  (peak device memory {} bytes on the busiest rank, within --max-memory {b})",
+            f.peak_bytes.round() as u64
+        ));
+    }
     if !same_units {
         s.push_str(&format!(
             "\n  (activations in the file's own units: its {} stages count one activation each, where the table counts {} of one; the times are the table's, `schedc sim` charging a stage of a V-way split 1/V of the cost's stage time as the table does)",
@@ -1451,7 +1669,7 @@ fn header_comment(a: &Args, out: &Outcome, f: &Figures, form: OutKind, path: &st
         out.found_by,
         f.sim_command(form, path, a),
         f.makespan,
-        f.check_command(form, path),
+        f.check_command(form, path, a),
     )
 }
 

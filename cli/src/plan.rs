@@ -25,6 +25,13 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value = "human")]
     pub format: OutFormat,
+    /// Most device bytes per GPU (`80G` = 80 x 2^30) besides the GPU's own memory: a
+    /// candidate fits only when its simulated `peak_memory_bytes` (weights, gradients,
+    /// optimizer state and live activations of the largest rank, without the per-GPU
+    /// overhead: what `sim --max-memory` bounds) is within it; the others are listed under
+    /// "do not fit".
+    #[arg(long, value_name = "BYTES", value_parser = parse_max_memory)]
+    pub max_memory: Option<u64>,
     /// Retired (the cluster comes from --hardware).
     #[arg(long, hide = true)]
     pub gpus_per_node: Option<String>,
@@ -81,9 +88,10 @@ pub fn run(args: Args) -> ExitCode {
         specs,
         top,
         format,
+        max_memory,
         ..
     } = args;
-    let req = match request(gpus, &cluster) {
+    let req = match request(gpus, &cluster, max_memory) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");
@@ -122,7 +130,11 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 /// The plan's request from the command line. Errors name the option.
-fn request(gpus: u32, c: &crate::cluster::ClusterArgs) -> Result<schedc::plan::Request, String> {
+fn request(
+    gpus: u32,
+    c: &crate::cluster::ClusterArgs,
+    max_memory: Option<u64>,
+) -> Result<schedc::plan::Request, String> {
     use schedc::costmodel::{arch, hardware::Hardware, layout};
     let Some(model) = c.model.as_deref() else {
         return Err(format!(
@@ -159,6 +171,7 @@ fn request(gpus: u32, c: &crate::cluster::ClusterArgs) -> Result<schedc::plan::R
         a2a: layout::A2a::parse(c.a2a.as_deref().unwrap_or("hierarchical"))?,
         fixed: schedc::plan::Fixed::parse(c.mesh.as_deref().unwrap_or(""))?,
         efficiency: Default::default(),
+        max_memory,
     };
     req.validate()?;
     Ok(req)

@@ -42,28 +42,37 @@ fn check_rejects_a_backward_whose_activations_were_offloaded_and_never_reloaded(
 
 #[test]
 fn sim_of_1f1b_offload_with_a_memory_cost() {
-    let o = schedc(&[
-        "sim",
-        "specs/1f1b_offload.sched",
-        "--pp",
-        "4",
-        "--mb",
-        "8",
-        "--set",
-        "activation_bytes=1e9,offload=2",
-        "--format",
-        "json",
-    ]);
-    assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
-    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
-    assert_eq!(v["makespan"], 39.0);
-    let peaks: Vec<f64> = v["ranks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["peak_activation_bytes"].as_f64().unwrap() / 1e9)
-        .collect();
-    assert_eq!(peaks, vec![3.0, 3.0, 2.0, 1.0]);
+    let sim = |copy: &str| {
+        let set = format!("activation_bytes=1e9,offload={copy}");
+        let o = schedc(&[
+            "sim",
+            "specs/1f1b_offload.sched",
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--set",
+            &set,
+            "--format",
+            "json",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        let peaks: Vec<f64> = v["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["peak_activation_bytes"].as_f64().unwrap() / 1e9)
+            .collect();
+        (v["makespan"].as_f64().unwrap(), peaks)
+    };
+    // Copies of 1 s (a forward's time): each reload runs under the forward after the
+    // backward that freed its slot, each offload under the next backward: half of 1F1B's
+    // rank 0 (4 activations) at 1F1B's step (33 s).
+    assert_eq!(sim("1"), (33.0, vec![2.0, 2.0, 2.0, 1.0]));
+    // Copies of 2 s, longer than a forward: the offloads of the warmup fall behind (the
+    // device holds all four at once) and each reload delays its backward by 1 s.
+    assert_eq!(sim("2"), (38.0, vec![4.0, 3.0, 2.0, 1.0]));
 }
 
 /// Writes `text` to a fresh file in a temporary directory and returns its path.
@@ -833,5 +842,75 @@ fn a_return_from_the_wrong_rank_is_reported_on_all_three_ranks() {
             "rank 1 step 0: `LEND(0,0<-0@1)` is not valid here: the activations of F(0,0) are held here and never returned to their owner (LEND without RETURN)",
             "rank 2 step 4: `RETURN(0,0->0@1)` is not valid here: the activations of F(0,0) are not held by this rank: no LEND of them was received before it (RETURN without LEND)",
         ]
+    );
+}
+
+// ---- issue 27: compare --max-memory ----
+
+#[test]
+fn compare_max_memory_marks_the_rows_over_the_cap_and_keeps_exit_0() {
+    let args = [
+        "compare",
+        "specs/1f1b.sched",
+        "specs/1f1b_offload.sched",
+        "specs/1f1b_recompute.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--set",
+        "activation_bytes=1e9,offload=1",
+        "--max-memory",
+        "2500000000",
+    ];
+    let mut j = args.to_vec();
+    j.extend(["--format", "json"]);
+    let o = schedc(&j);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["max_memory"], 2500000000u64);
+    let got: Vec<(String, f64, bool)> = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["schedule"].as_str().unwrap().to_string(),
+                r["figures"]["peak_memory_bytes"].as_f64().unwrap(),
+                r["figures"]["fits_max_memory"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    // 1F1B holds 4 activations on rank 0; 1f1b_offload and 1f1b_recompute 2.
+    assert_eq!(
+        got,
+        vec![
+            ("1f1b".to_string(), 4e9, false),
+            ("1f1b_offload".to_string(), 2e9, true),
+            ("1f1b_recompute".to_string(), 2e9, true),
+        ]
+    );
+    let o = schedc(&args);
+    assert_eq!(o.status.code(), Some(0));
+    let out = stdout(&o);
+    assert!(out.contains("\n1f1b (over)  "), "{out}");
+    assert!(out.contains("\n1f1b_recompute  "), "{out}");
+    assert!(out.contains("\n(over) over --max-memory 2500000000 bytes (2.50 GB) per rank (simulated peak device memory, or [memory] host_bytes overflowed): 1f1b (4.00 GB)\n"), "{out}");
+    // Without memory sizes the cap would hold vacuously: refused.
+    let o = schedc(&[
+        "compare",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-memory",
+        "80G",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("--max-memory needs memory sizes"),
+        "{}",
+        stderr(&o)
     );
 }

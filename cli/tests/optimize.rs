@@ -1361,3 +1361,262 @@ fn placement_v_without_vpp_searches_two_stages_per_rank() {
     );
     assert!(!out.contains("v V=1"), "{out}");
 }
+
+// ---- issue 27: --max-memory (offloads and recomputes under a byte cap) ----
+
+/// 1 GB per activation, copies of 1 s (1 GB/s), unit op times: 1F1B at P = 4 holds 4 GB on
+/// rank 0.
+const MEM_SET: &str = "activation_bytes=1e9,pcie_bandwidth=1e9";
+
+fn optimize_mem(extra: &[&str]) -> Output {
+    let mut a = vec![
+        "optimize",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--cost",
+        "F=1,B=1,W=1",
+        "--set",
+        MEM_SET,
+        "--no-progress",
+    ];
+    a.extend(extra);
+    schedc(&a)
+}
+
+/// Runs a command the report prints (`schedc sim ...`, `schedc check ...`; no quoting).
+fn run_printed(cmd: &str) -> Output {
+    let words: Vec<&str> = cmd.split_whitespace().collect();
+    assert_eq!(words[0], "schedc", "{cmd}");
+    schedc(&words[1..])
+}
+
+#[test]
+fn optimize_max_memory_offloads_where_1f1b_does_not_fit_and_writes_what_it_reports() {
+    // Without a byte cap: 27 s, every row at 4 GB on rank 0.
+    let free = json(&optimize_mem(&[
+        "--max-activations",
+        "4",
+        "--format",
+        "json",
+    ]));
+    assert_eq!(free["makespan"], 27.0);
+    assert_eq!(free["peak_memory_bytes"], 4e9);
+    // The activation cap alone (2 live activations fit 2.5 GB): 41 s.
+    let two = json(&optimize_mem(&[
+        "--max-activations",
+        "2",
+        "--format",
+        "json",
+    ]));
+    assert_eq!(two["makespan"], 41.0);
+    let d = tmpdir("maxmem");
+    for (to, ext) in [("ir-text", "ir"), ("spec", "sched")] {
+        let f = d.join(format!("m.{ext}"));
+        let fs = f.to_str().unwrap();
+        let j = json(&optimize_mem(&[
+            "--max-activations",
+            "4",
+            "--max-memory",
+            "2500000000",
+            "--to",
+            to,
+            "-o",
+            fs,
+            "--format",
+            "json",
+        ]));
+        // Under 2.5 GB: the order found under 3 live activations, 9 activations offloaded
+        // and 1 recomputed: 32 s at 2.5 GB.
+        assert_eq!(j["makespan"], 32.0, "{to}");
+        assert_eq!(j["max_memory"], 2500000000u64);
+        assert_eq!(j["memory_ops"]["offloaded"], 9);
+        assert_eq!(j["memory_ops"]["recomputed"], 1);
+        assert_eq!(j["peak_memory_bytes"], 2.5e9);
+        assert_eq!(j["optimal"], false);
+        // The input (1F1B) and the greedy are over the cap: marked, not faster.
+        assert_eq!(j["start"]["peak_memory_bytes"], 4e9);
+        assert_eq!(j["start"]["fits"], false);
+        assert_eq!(j["greedy"]["fits"], false);
+        assert_eq!(j["faster_listed"], serde_json::json!([]));
+        let w = &j["written"];
+        assert_eq!(w["makespan"], 32.0);
+        assert_eq!(w["peak_memory_bytes"], 2.5e9);
+        // The printed commands: `check` bounds the bytes and accepts the file, `sim` gives
+        // the makespan reported.
+        let check = w["check"].as_str().unwrap();
+        assert!(
+            check.ends_with(&format!(
+                " --max-activations 3 --max-memory 2500000000 --cost F=1,B=1,W=1 --set {MEM_SET}"
+            )),
+            "{check}"
+        );
+        let o = run_printed(check);
+        assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+        let text = std::fs::read_to_string(&f).unwrap();
+        assert!(
+            text.contains("OFFLOAD(0,0)") && text.contains("RECOMPUTE("),
+            "{text}"
+        );
+        let sim = w["sim"].as_str().unwrap();
+        let o = run_printed(&format!("{sim} --format json"));
+        let s = json(&o);
+        assert_eq!(s["makespan"], 32.0);
+        let peaks: Vec<f64> = s["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["peak_memory_bytes"].as_f64().unwrap())
+            .collect();
+        assert_eq!(peaks, vec![2.5e9, 2.5e9, 2e9, 2e9]);
+    }
+    // The same file over a tighter cap: `check --max-memory` rejects it (exit 1).
+    let f = d.join("m.ir");
+    let o = schedc(&[
+        "check",
+        f.to_str().unwrap(),
+        "--max-memory",
+        "2000000000",
+        "--cost",
+        "F=1,B=1,W=1",
+        "--set",
+        MEM_SET,
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+}
+
+#[test]
+fn optimize_max_memory_that_no_rewrite_meets_exits_1_naming_the_rank() {
+    // A backward needs its activation on the device: 0.5 GB cannot hold one 1 GB activation.
+    let o = optimize_mem(&["--max-activations", "4", "--max-memory", "500000000"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no schedule within --max-memory 500000000 bytes was found: with offloads and recomputes rank "),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn optimize_max_memory_is_refused_without_sizes_with_moe_and_for_torch_csv() {
+    let o = schedc(&[
+        "optimize",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--max-activations",
+        "4",
+        "--max-memory",
+        "80G",
+    ]);
+    assert_refused(
+        &o,
+        "--max-memory needs memory sizes, but the cost model has none",
+    );
+    let o = optimize_mem(&[
+        "--max-activations",
+        "4",
+        "--max-memory",
+        "80G",
+        "--to",
+        "torch-csv",
+        "-o",
+        "/tmp/never-written.csv",
+    ]);
+    assert_refused(&o, "torch's schedule CSV cannot express");
+    let o = schedc(&[
+        "optimize",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--cost",
+        "F=1,B=1,W=1",
+        "--set",
+        "activation_bytes=1e9,dispatch=0.1,combine=0.1",
+        "--max-activations",
+        "4",
+        "--max-memory",
+        "80G",
+        "--moe",
+    ]);
+    assert_refused(
+        &o,
+        "--max-memory places offloads and recomputes on whole ops",
+    );
+}
+
+#[test]
+fn optimize_max_memory_that_the_order_meets_adds_no_memory_ops() {
+    // 4 GB holds 1F1B's and the optimum's 4 activations: the 27 s order, as without the cap.
+    let j = json(&optimize_mem(&[
+        "--max-activations",
+        "4",
+        "--max-memory",
+        "4000000000",
+        "--format",
+        "json",
+    ]));
+    assert_eq!(j["makespan"], 27.0);
+    assert_eq!(j["memory_ops"], serde_json::Value::Null);
+    assert_eq!(j["start"]["fits"], true);
+}
+
+#[test]
+fn optimize_max_memory_under_a_model_mixes_offloads_and_recomputes_and_beats_1f1b_recompute() {
+    // llama3-70b, tp=8, P = 4 on H100, PCIe 5 (64 GB/s per direction): rank 0 holds 40.9 GB
+    // of weights, gradients and optimizer state and 2.81 GB per activation; 1F1B peaks at
+    // 52.1 GB. Under 46 GB (one activation and a bit), a reload that overlaps the backward
+    // before it no longer fits everywhere: 7 activations are offloaded and 8 recomputed,
+    // 2.0037 s against 1f1b_recompute's 2.0613 s (every activation recomputed) and the
+    // unconstrained ZB-H1 order's 1.5741 s.
+    let d = tmpdir("maxmem-model");
+    let f = d.join("m.ir");
+    let fs = f.to_str().unwrap();
+    let j = json(&schedc(&[
+        "optimize",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--model",
+        "llama3-70b",
+        "--hardware",
+        "h100",
+        "--mesh",
+        "tp=8,pp=4",
+        "--set",
+        "pcie_bandwidth=64e9",
+        "--max-activations",
+        "4",
+        "--max-memory",
+        "46000000000",
+        "--no-progress",
+        "--format",
+        "json",
+        "-o",
+        fs,
+    ]));
+    let ms = |v: &serde_json::Value| (v.as_f64().unwrap() * 1e4).round() / 1e4;
+    assert_eq!(ms(&j["makespan"]), 2.0037);
+    assert_eq!(j["memory_ops"]["offloaded"], 7);
+    assert_eq!(j["memory_ops"]["recomputed"], 8);
+    assert_eq!(j["peak_memory_bytes"], 44130058240.0);
+    assert_eq!(ms(&j["start"]["makespan"]), 1.8292);
+    assert_eq!(j["start"]["fits"], false);
+    assert_eq!(ms(&j["greedy"]["makespan"]), 1.5741);
+    assert_eq!(j["greedy"]["fits"], false);
+    assert_eq!(j["specs"][0]["name"], "spec 1f1b_recompute");
+    assert_eq!(ms(&j["specs"][0]["makespan"]), 2.0613);
+    // `sim` with the cap gives the makespan reported and accepts the peak (exit 0).
+    let sim = j["written"]["sim"].as_str().unwrap();
+    assert!(sim.ends_with(" --max-memory 46000000000"), "{sim}");
+    let s = json(&run_printed(&format!("{sim} --format json")));
+    assert_eq!(s["makespan"], j["makespan"]);
+}

@@ -220,3 +220,51 @@ fn plan_skips_offload_specs_whose_copies_it_cannot_price() {
     );
     assert!(!out.contains("1f1b_offload  "), "{out}");
 }
+
+/// Issue 27: `plan --max-memory` keeps only candidates whose simulated peak (without the
+/// per-GPU overhead) is within the cap: llama3-8b on 4 H100 recommends ZB-V on tp=2 pp=2
+/// (51.1 GB with the overhead) without it; under 40 GiB that candidate does not fit and
+/// tp=4 pp=1 (41.2 GB with the overhead) is recommended; under 20 GiB no mesh fits.
+#[test]
+fn plan_max_memory_drops_the_candidates_over_the_cap() {
+    let json = |extra: &[&str]| {
+        let mut a = SMALL.to_vec();
+        a.extend(extra);
+        a.extend(["--format", "json"]);
+        let o = schedc(&a);
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        (o.status.code(), v)
+    };
+    let best = |v: &serde_json::Value| {
+        let c = &v["candidates"][v["best"].as_u64().unwrap() as usize];
+        (
+            c["schedule"].as_str().unwrap().to_string(),
+            c["tp"].as_u64().unwrap(),
+            c["pp"].as_u64().unwrap(),
+        )
+    };
+    let (code, free) = json(&[]);
+    assert_eq!(code, Some(0));
+    assert_eq!(best(&free), ("zbv".to_string(), 2, 2));
+    let (code, capped) = json(&["--max-memory", "40G"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(best(&capped), ("interleaved_1f1b".to_string(), 4, 1));
+    let cands = capped["candidates"].as_array().unwrap();
+    assert_eq!(cands.iter().filter(|c| c["fits"] == true).count(), 15);
+    assert!(cands
+        .iter()
+        .any(|c| c["schedule"] == "zbv" && c["tp"] == 2 && c["pp"] == 2 && c["fits"] == false));
+    let mut a = SMALL.to_vec();
+    a.extend(["--max-memory", "20G"]);
+    let o = schedc(&a);
+    assert_eq!(o.status.code(), Some(1));
+    let out = stdout(&o);
+    assert!(
+        out.contains("no candidate fits in 80.0 GB per GPU within --max-memory 21.5 GB (without the overhead)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("every schedule at tp=1 pp=4 ep=1 dp=1: weights, gradients and optimizer state alone need 36.1 GB per GPU (averaged over the 4 pipeline ranks), over --max-memory 21.5 GB"),
+        "{out}"
+    );
+}

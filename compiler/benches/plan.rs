@@ -86,6 +86,7 @@ fn bench(c: &mut Criterion) {
         a2a: Default::default(),
         fixed: Default::default(),
         efficiency: eff.clone(),
+        max_memory: None,
     };
     let lib = schedc::specs::standard_library_owned();
     let mut g = c.benchmark_group("model");

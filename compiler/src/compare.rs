@@ -50,6 +50,10 @@ pub struct Options {
     /// derived costs and the simulator's cost model (replacing `cost`; its `op_scale` of 1
     /// is kept). Errors: the message, shown as the row's error.
     pub derive: Option<Deriver>,
+    /// `--max-memory BYTES`: each simulated row's largest `peak_memory_bytes` is compared
+    /// with it (and its host memory with `[memory] host_bytes`); rows over it are marked
+    /// ([`Figures::fits_max_memory`]), not failed.
+    pub max_memory: Option<u64>,
 }
 
 /// What [`Deriver`] computes for a row's program shape: its derived costs and the
@@ -145,6 +149,14 @@ pub struct Figures {
     /// With a model (`--model`): the step-level figures.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step: Option<StepFigures>,
+    /// Under `--max-memory`: the largest rank's simulated device memory (`peak_memory_bytes`
+    /// of `schedc sim`), bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_memory_bytes: Option<f64>,
+    /// Under `--max-memory`: whether every rank is within it and no offload overflows
+    /// `[memory] host_bytes` (what `schedc check --max-memory` accepts).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fits_max_memory: Option<bool>,
 }
 
 /// One input's outcome.
@@ -183,6 +195,9 @@ pub struct Report {
     pub moe_list: Option<u8>,
     /// Whether each row's costs were derived from a model (`--model`).
     pub derived: bool,
+    /// `--max-memory`, bytes per rank.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_memory: Option<u64>,
     /// Every input, simulated ones by makespan first, then the others in input order.
     pub rows: Vec<Row>,
 }
@@ -339,6 +354,7 @@ pub fn compare(files: &[Source], opts: &Options) -> Result<Report, String> {
     Ok(Report {
         pp: opts.pp,
         mb: opts.mb,
+        max_memory: opts.max_memory,
         cost: opts.cost_name.clone(),
         moe: opts.moe.is_some(),
         derived: opts.derive.is_some(),
@@ -587,6 +603,16 @@ fn judge(
             }
             _ => None,
         },
+        peak_memory_bytes: opts.max_memory.map(|_| {
+            res.ranks
+                .iter()
+                .map(|r| r.peak_memory_bytes)
+                .fold(0.0, f64::max)
+        }),
+        fits_max_memory: opts.max_memory.map(|cap| {
+            res.host_overflows.is_empty()
+                && res.ranks.iter().all(|r| r.peak_memory_bytes <= cap as f64)
+        }),
     };
     let status = if errors.is_empty() {
         Status::Ok
@@ -654,6 +680,9 @@ pub fn render(r: &Report) -> String {
             // A fixed-size input (IR, torch CSV, case, trace) keeps its own P and M.
             if f.pp != r.pp || f.microbatches != r.mb {
                 name.push_str(" (*)");
+            }
+            if f.fits_max_memory == Some(false) {
+                name.push_str(" (over)");
             }
             name
         })
@@ -732,6 +761,32 @@ pub fn render(r: &Report) -> String {
                 );
             }
         }
+    }
+    if let Some(cap) = r.max_memory {
+        let over: Vec<String> = r
+            .rows
+            .iter()
+            .filter_map(|x| {
+                let f = x.figures.as_ref()?;
+                (f.fits_max_memory == Some(false)).then(|| {
+                    format!(
+                        "{} ({:.2} GB)",
+                        x.schedule,
+                        f.peak_memory_bytes.unwrap_or(0.0) / 1e9
+                    )
+                })
+            })
+            .collect();
+        let _ = writeln!(
+            o,
+            "\n(over) over --max-memory {cap} bytes ({:.2} GB) per rank (simulated peak device memory, or [memory] host_bytes overflowed): {}",
+            cap as f64 / 1e9,
+            if over.is_empty() {
+                "none".to_string()
+            } else {
+                over.join(", ")
+            }
+        );
     }
     let other: Vec<String> = r
         .rows

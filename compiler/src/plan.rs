@@ -128,6 +128,11 @@ pub struct Request {
     pub fixed: Fixed,
     /// The cost model's efficiencies.
     pub efficiency: Efficiency,
+    /// `--max-memory BYTES`: a candidate fits only when, besides fitting the GPU, its
+    /// simulated `peak_memory_bytes` (the largest rank's weights, gradients, optimizer state
+    /// and live activations, without the per-GPU overhead: the figure `schedc sim
+    /// --max-memory` bounds) is at most this.
+    pub max_memory: Option<u64>,
 }
 
 impl Request {
@@ -500,6 +505,24 @@ pub fn plan(req: &Request, specs: &[(String, String)]) -> Result<Plan, String> {
                     .sum::<f64>()
                     / pp as f64
                     + d.overhead_bytes;
+                // Under --max-memory the average statics without the overhead bound the
+                // largest rank's `peak_memory_bytes` from below too.
+                if let Some(cap) = req
+                    .max_memory
+                    .filter(|c| statics - d.overhead_bytes > *c as f64)
+                {
+                    memory_skipped += 1;
+                    skip(
+                        &mut skipped,
+                        name,
+                        format!(
+                            "weights, gradients and optimizer state alone need {:.1} GB per GPU (averaged over the {pp} pipeline ranks), over --max-memory {:.1} GB",
+                            (statics - d.overhead_bytes) / 1e9,
+                            cap as f64 / 1e9
+                        ),
+                    );
+                    continue;
+                }
                 if statics > hw.hbm_bytes {
                     memory_skipped += 1;
                     skip(
@@ -915,7 +938,13 @@ fn one(
         bubble: ev.sim.bubble.from_start,
         a2a_exposed: ev.sim.a2a.exposed_fraction(),
         memory_bytes: st.peak_memory_bytes,
-        fits: st.fits,
+        fits: st.fits
+            && req.max_memory.is_none_or(|cap| {
+                ev.sim
+                    .ranks
+                    .iter()
+                    .all(|r| r.peak_memory_bytes <= cap as f64)
+            }),
         note: (mm != m)
             .then(|| format!("M = {mm} instead of {m}: {}", refusal.unwrap_or_default())),
     })
@@ -1004,8 +1033,14 @@ pub fn report(req: &Request, p: &Plan, top: usize) -> String {
         None => {
             let _ = writeln!(
                 o,
-                "\nno candidate fits in {:.1} GB per GPU",
-                req.hardware.hbm_bytes / 1e9
+                "\nno candidate fits in {:.1} GB per GPU{}",
+                req.hardware.hbm_bytes / 1e9,
+                req.max_memory
+                    .map(|c| format!(
+                        " within --max-memory {:.1} GB (without the overhead)",
+                        c as f64 / 1e9
+                    ))
+                    .unwrap_or_default()
             );
         }
     }

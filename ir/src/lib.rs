@@ -640,14 +640,14 @@ pub enum Instr {
 #[serde(rename_all = "snake_case")]
 pub enum MemKind {
     /// `OFFLOAD(s,m)`: copy the activations `F(s,m)` stashed on the device to host memory and
-    /// free them on the device. The copy runs on the rank's host-copy stream, its own stream
-    /// beside compute and communication; the device memory counts as free once the op is
+    /// free them on the device. The copy runs on the rank's device-to-host copy stream, its
+    /// own stream beside compute, communication and the host-to-device stream of reloads; the device memory counts as free once the op is
     /// issued (one activation unit fewer on the device, one more on the host). Valid only while
     /// the activations are stashed on the device (after `F(s,m)`, before its `B`/`BW`, not
     /// already offloaded).
     Offload,
     /// `RELOAD(s,m)`: copy the offloaded activations of `F(s,m)` back to the device on the
-    /// host-copy stream. The device holds them again from the moment the op is issued (a unit
+    /// rank's host-to-device copy stream (PCIe is full duplex: it runs beside offloads). The device holds them again from the moment the op is issued (a unit
     /// is allocated); the `B`/`BW(s,m)` that reads them waits for the copy to finish. Valid only
     /// after an `OFFLOAD(s,m)` and before the backward.
     Reload,

@@ -20,6 +20,8 @@
 //! * [`list`]: parameterised list scheduling and its rollout, the constructive heuristics.
 //! * [`periodic`]: building blocks repeated once per micro-batch, searched by their offsets.
 //! * [`local`]: local search over token sequences.
+//! * [`memops`]: offloads and recomputes inserted into a lowered program until it fits a cap
+//!   on device bytes (`--max-memory`).
 //! * [`rewrite`]: equality saturation (egg) over windows of a rank's ops, extracted with the
 //!   evaluator in the loop.
 //! * [`exact`]: branch and bound for small instances: the optimum and a proof.
@@ -42,6 +44,7 @@ pub mod instance;
 pub mod list;
 pub mod local;
 pub mod lower;
+pub mod memops;
 pub mod moe_bound;
 pub mod periodic;
 pub mod rank_bound;

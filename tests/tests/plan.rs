@@ -22,6 +22,7 @@ fn request(model: &str, hw: &str, gpus: u32, global_batch: u64) -> Request {
         a2a: Default::default(),
         fixed: Fixed::default(),
         efficiency: Efficiency::default(),
+        max_memory: None,
     }
 }
 

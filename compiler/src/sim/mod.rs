@@ -76,8 +76,12 @@ pub enum StreamKind {
     Comm,
     /// Expert-parallel all-to-alls (MoE dispatch and combine).
     Ep,
-    /// The host-copy stream: `OFFLOAD` and `RELOAD` of saved activations.
+    /// The device-to-host copy stream: `OFFLOAD` of saved activations. PCIe is full
+    /// duplex, so offloads and reloads have a stream each and run at the same time.
     Host,
+    /// The host-to-device copy stream: `RELOAD` of offloaded activations.
+    #[serde(rename = "host_to_device")]
+    HostToDevice,
 }
 
 /// What an event is, for colours and legends.
@@ -168,6 +172,11 @@ pub struct RankSim {
     /// count from its end, until the end of the `RELOAD` (or the start of the `RECOMPUTE`)
     /// that brings them back.
     pub peak_host_bytes: f64,
+    /// The first instant the rank's live activation bytes reach their peak, seconds (0 when
+    /// nothing is live): where a memory pass looks for activations to move
+    /// (`schedc_optimize::memops`). Not in the JSON.
+    #[serde(skip)]
+    pub peak_memory_at: f64,
 }
 
 /// An `OFFLOAD` that takes the rank's host memory over `[memory] host_bytes`.
@@ -456,6 +465,8 @@ struct Clocks {
     compute: Vec<f64>,
     ep: Vec<f64>,
     comm: Vec<f64>,
+    /// Host-copy streams, two per rank: `2 r` device-to-host (offloads), `2 r + 1`
+    /// host-to-device (reloads).
     host: Vec<f64>,
 }
 
@@ -522,9 +533,10 @@ fn run(
         compute: vec![0.0; np],
         ep: vec![0.0; np],
         comm: vec![0.0; ns],
-        host: vec![0.0; np],
+        host: vec![0.0; 2 * np],
     };
-    // The host-copy stream of each rank, and per (stage, mb): the end of its forward (or
+    // The host-copy streams of each rank (one per direction: `2 r` offloads, `2 r + 1`
+    // reloads), and per (stage, mb): the end of its forward (or
     // recompute), of its offload, and when its activations are back on the device (a
     // reload's end; a backward waits for it).
     let mut hfree = init.host.clone();
@@ -727,20 +739,22 @@ fn run(
                             host[k] += moved;
                         }
                         match op.kind {
-                            // On the host-copy stream, once the compute stream reaches the op
-                            // (the end of the op before it), the stream is free, and the
-                            // forward (offload) or the offload (reload) has finished; the
-                            // compute stream goes on without waiting.
+                            // On the host-copy stream of its direction (offloads device to
+                            // host, reloads host to device: PCIe is full duplex), once the
+                            // compute stream reaches the op (the end of the op before it),
+                            // the stream is free, and the forward (offload) or the offload
+                            // (reload) has finished; the compute stream goes on without
+                            // waiting.
                             MemKind::Offload | MemKind::Reload => {
-                                let after = if op.kind == MemKind::Offload {
-                                    f_end[k]
+                                let (after, h) = if op.kind == MemKind::Offload {
+                                    (f_end[k], 2 * r)
                                 } else {
-                                    off_end[k]
+                                    (off_end[k], 2 * r + 1)
                                 };
-                                let start = hfree[r].max(after).max(before);
+                                let start = hfree[h].max(after).max(before);
                                 let d = cost.memory.copy_time(op.kind, op.stage) * moved;
-                                hfree[r] = start + d;
-                                used.host[r] = 1.0;
+                                hfree[h] = start + d;
+                                used.host[h] = 1.0;
                                 if op.kind == MemKind::Offload {
                                     off_end[k] = start + d;
                                 } else {
@@ -880,11 +894,19 @@ fn run(
                             } else if matches!(
                                 ins,
                                 Instr::Mem(MemOp {
-                                    kind: MemKind::Offload | MemKind::Reload,
+                                    kind: MemKind::Offload,
                                     ..
                                 })
                             ) {
                                 StreamKind::Host
+                            } else if matches!(
+                                ins,
+                                Instr::Mem(MemOp {
+                                    kind: MemKind::Reload,
+                                    ..
+                                })
+                            ) {
+                                StreamKind::HostToDevice
                             } else {
                                 StreamKind::Compute
                             },
@@ -1109,7 +1131,7 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
         compute: vec![0.0; np],
         ep: vec![0.0; np],
         comm: vec![0.0; prep.flat.stream_groups.len()],
-        host: vec![0.0; np],
+        host: vec![0.0; 2 * np],
     };
     let one = run(p, cost, &prep, &zero, true)?;
     if !one.makespan.is_finite() {
@@ -1172,10 +1194,13 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
             // as the next one starts); an overlapped pair allocates at its start and frees at
             // its end, so it still holds both.
             ev.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
-            let (mut live, mut peak) = (0f64, 0f64);
-            for (_, d) in ev {
+            let (mut live, mut peak, mut peak_at) = (0f64, 0f64, 0f64);
+            for (t, d) in ev {
                 live += d;
-                peak = peak.max(live);
+                if live > peak {
+                    peak = live;
+                    peak_at = t;
+                }
             }
             // Host bytes: a free at the instant of an offload's end happens first.
             let mut hev = std::mem::take(&mut host_mem[r]);
@@ -1218,6 +1243,7 @@ pub fn simulate_with(p: &Program, cost: &CostModel, opts: SimOptions) -> Result<
                 peak_memory_bytes: stat + peak,
                 peak_activation_bytes: peak,
                 peak_host_bytes: host_peak,
+                peak_memory_at: peak_at,
             }
         })
         .collect();

@@ -137,12 +137,14 @@ pub fn chrome_trace(r: &SimResult, p: &Program) -> String {
             (0, "compute"),
             (1, "p2p"),
             (2, "ep all-to-all"),
-            (3, "host copies"),
+            (3, "host copies (device to host)"),
+            (4, "host copies (host to device)"),
         ] {
             // A rank without expert-parallel (host-copy) events has no such thread to name.
             let only = match tid {
                 2 => Some(StreamKind::Ep),
                 3 => Some(StreamKind::Host),
+                4 => Some(StreamKind::HostToDevice),
                 _ => None,
             };
             if only.is_some_and(|k| !r.events.iter().any(|e| e.rank == x.rank && e.stream == k)) {
@@ -156,6 +158,7 @@ pub fn chrome_trace(r: &SimResult, p: &Program) -> String {
         StreamKind::Comm => 1,
         StreamKind::Ep => 2,
         StreamKind::Host => 3,
+        StreamKind::HostToDevice => 4,
     };
     for e in &r.events {
         ev.push(json!({
@@ -338,7 +341,9 @@ pub fn svg(r: &SimResult, p: &Program, title: &str) -> String {
             StreamKind::Ep => (row_y(e.rank) + row_h + 1.0, ep_h - 1.0),
             StreamKind::Comm => (row_y(e.rank) + row_h + ep_h + 1.0, 5.0),
             // Drawn in the communication band, above the messages.
-            StreamKind::Host => (row_y(e.rank) + row_h + ep_h + 1.0, 2.5),
+            // offloads on top, reloads under them (two streams: PCIe is full duplex).
+            StreamKind::Host => (row_y(e.rank) + row_h + ep_h + 1.0, 1.25),
+            StreamKind::HostToDevice => (row_y(e.rank) + row_h + ep_h + 2.25, 1.25),
         };
         let _ = writeln!(
             o,
