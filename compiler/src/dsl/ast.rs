@@ -448,6 +448,9 @@ pub enum ListRule {
     Defer(schedc_ir::Kind, Sp),
     /// `strict`: every rank runs its ops exactly in priority order (no backfilling).
     Strict(Sp),
+    /// `memory offload`, `memory recompute` or `memory wait`: what a rank does when its next
+    /// op would exceed the `memory <=` cap.
+    OnMemory(super::list::MemPolicy, Sp),
 }
 
 impl ListRule {
@@ -458,7 +461,8 @@ impl ListRule {
             | ListRule::Memory(_, s)
             | ListRule::Inflight(_, s)
             | ListRule::Defer(_, s)
-            | ListRule::Strict(s) => *s,
+            | ListRule::Strict(s)
+            | ListRule::OnMemory(_, s) => *s,
             ListRule::Priority { sp, .. } => *sp,
         }
     }

@@ -2209,6 +2209,7 @@ fn elab_list(
         Kind::BW => 3,
     };
     let (mut mem_rule, mut infl_rule, mut defer, mut strict) = (None, None, None, None);
+    let mut on_memory = None;
     for (k, rule) in rules.iter().enumerate() {
         let dup = |what: &str| {
             vec![err(
@@ -2250,8 +2251,28 @@ fn elab_list(
                     return Err(dup("strict"));
                 }
             }
+            ListRule::OnMemory(..) => {
+                if on_memory.replace(k).is_some() {
+                    return Err(dup("memory offload|recompute|wait"));
+                }
+            }
             ListRule::Let(..) => {}
         }
+    }
+    let policy = match on_memory.map(|k| &rules[k]) {
+        Some(ListRule::OnMemory(p, _)) => *p,
+        _ => list::MemPolicy::Wait,
+    };
+    if let (Some(k), None, true) = (on_memory, mem_rule, policy != list::MemPolicy::Wait) {
+        let mut e = err(
+            rules[k].sp(),
+            format!(
+                "`memory {}` needs a cap: the `list` block has no `memory <= e` line",
+                policy.as_str()
+            ),
+        );
+        e.help = Some("add `memory <= e`: at most e live activations per rank".into());
+        return Err(vec![e]);
     }
     let need = |msg: &str, help: &str| {
         let mut e = err(list_sp, msg.to_string());
@@ -2362,7 +2383,7 @@ fn elab_list(
                             inflight.as_mut().expect("declared").push(v);
                         }
                     }
-                    ListRule::Defer(..) | ListRule::Strict(_) => {}
+                    ListRule::Defer(..) | ListRule::Strict(_) | ListRule::OnMemory(..) => {}
                 }
             }
             Ok(())
@@ -2414,6 +2435,7 @@ fn elab_list(
         inflight,
         defer_w: defer.is_some(),
         strict: strict.is_some(),
+        policy,
     };
     let orders = list::schedule(pl, &ops, &lr, cost).map_err(|stuck| {
         // Point at the rule that holds a rank back, if one does.
@@ -2489,15 +2511,39 @@ fn elab_list(
         ));
         vec![e]
     })?;
-    let mut ranks: Vec<Vec<Instr>> = Vec::with_capacity(orders.len());
-    let mut spans: Vec<Vec<Span>> = Vec::with_capacity(orders.len());
-    for ord in orders {
-        ranks.push(
-            ord.iter()
-                .map(|&i| Instr::Compute(Compute::new(ops[i].kind, ops[i].stage, ops[i].mb)))
-                .collect(),
-        );
-        spans.push(ord.iter().map(|&i| span(rules[op_line[i]].sp())).collect());
+    // A memory op points at the `memory` policy line that made it.
+    let policy_sp = on_memory.map_or(list_sp, |k| rules[k].sp());
+    let mut ranks: Vec<Vec<Instr>> = Vec::with_capacity(orders.ranks.len());
+    let mut spans: Vec<Vec<Span>> = Vec::with_capacity(orders.ranks.len());
+    for ord in &orders.ranks {
+        let mut instrs = Vec::with_capacity(ord.len());
+        let mut sps = Vec::with_capacity(ord.len());
+        for step in ord {
+            let (instr, sp) = match *step {
+                list::Step::Op(i) => {
+                    let mut c = Compute::new(ops[i].kind, ops[i].stage, ops[i].mb);
+                    c.checkpoint = orders.checkpointed[i];
+                    (Instr::Compute(c), rules[op_line[i]].sp())
+                }
+                list::Step::Offload(i) | list::Step::Reload(i) | list::Step::Recompute(i) => {
+                    let kind = match step {
+                        list::Step::Offload(_) => schedc_ir::MemKind::Offload,
+                        list::Step::Reload(_) => schedc_ir::MemKind::Reload,
+                        _ => schedc_ir::MemKind::Recompute,
+                    };
+                    let m = schedc_ir::MemOp {
+                        kind,
+                        stage: ops[i].stage,
+                        mb: ops[i].mb,
+                    };
+                    (Instr::Mem(m), policy_sp)
+                }
+            };
+            instrs.push(instr);
+            sps.push(span(sp));
+        }
+        ranks.push(instrs);
+        spans.push(sps);
     }
     Ok((ranks, spans))
 }

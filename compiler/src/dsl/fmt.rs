@@ -855,6 +855,7 @@ fn write_list(f: &mut Fmt<'_>, rules: &[ListRule], end: usize) {
             ListRule::Inflight(e, _) => format!("inflight <= {}", expr_str(e)),
             ListRule::Defer(k, _) => format!("defer {}", k.as_str()),
             ListRule::Strict(_) => "strict".to_string(),
+            ListRule::OnMemory(p, _) => format!("memory {}", p.as_str()),
         };
         let _ = writeln!(f.out, "    {line}");
         f.trailing(r.sp().end);
