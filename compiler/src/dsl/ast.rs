@@ -514,6 +514,10 @@ pub enum Item {
     /// `moe [s0, s1, ...]` (or `all`, or `s => cond`): the MoE stages; the others are
     /// dense (no MoE parts; `--moe` keeps them whole).
     Moe(SetSpec, Sp),
+    /// `recompute stages [s0, ...]` (or `all`, or `s => cond`): every forward of these stages
+    /// runs checkpointed (`F(s,m)!`), and a `RECOMPUTE(s,m)` goes before its backward on the
+    /// rank (a per-stage activation-checkpointing policy over the program as written).
+    Recompute(SetSpec, Sp),
     /// `parts list [N]` or `parts adjacent`: the spec's MoE stages (its `moe` item, else
     /// every stage) are split into parts in that order, as `--moe=auto:list[N]` (or
     /// `:adjacent`) would, without the flag; `--moe` on the command line takes precedence.

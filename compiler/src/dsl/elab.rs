@@ -1830,6 +1830,21 @@ pub fn elaborate_with(
         }
     }
 
+    // `recompute stages ...`: checkpoint every forward of those stages, recompute before
+    // the backward.
+    for it in &file.items {
+        if let Item::Recompute(set, sp) = it {
+            let stages = id_set(set, s_n, "stage", &mut env).map_err(|e| vec![e])?;
+            let mut chosen = vec![false; s_n as usize];
+            for s in stages {
+                chosen[s as usize] = true;
+            }
+            for (instrs, sps) in ranks.iter_mut().zip(spans.iter_mut()) {
+                recompute_stages(instrs, sps, &chosen, span(*sp));
+            }
+        }
+    }
+
     // Expectations.
     let mut expects = Vec::new();
     for it in &file.items {
@@ -2546,6 +2561,85 @@ fn elab_list(
         spans.push(sps);
     }
     Ok((ranks, spans))
+}
+
+/// Marks every whole forward of a `chosen` stage in one rank's program checkpointed
+/// (`F(s,m)!`) and puts `RECOMPUTE(s,m)` (pointing at `sp`, the `recompute stages` item)
+/// right before the first instruction that runs its backward (`B` or `BW`, alone or in an
+/// overlapped pair). A forward the program already checkpoints, or whose activations it
+/// moves (`OFFLOAD`, `RELOAD`, `RECOMPUTE`, `LEND`, `RETURN`), is left as written, as is one
+/// without a backward on the rank.
+fn recompute_stages(instrs: &mut Vec<Instr>, spans: &mut Vec<Span>, chosen: &[bool], sp: Span) {
+    use std::collections::HashSet;
+    let whole_f = |c: &Compute| {
+        c.kind == Kind::F && c.part == schedc_ir::Part::Whole && chosen[c.stage as usize]
+    };
+    let lent = |c: &schedc_ir::Comm, skip: &mut HashSet<(u32, u32)>| {
+        if let schedc_ir::Comm::Send { payload, .. } | schedc_ir::Comm::Recv { payload, .. } = c {
+            if payload.kind.is_stash() {
+                skip.insert((payload.stage, payload.mb));
+            }
+        }
+    };
+    // (stage, mb) the program already manages.
+    let mut skip: HashSet<(u32, u32)> = HashSet::new();
+    let mut fwds: HashSet<(u32, u32)> = HashSet::new();
+    for ins in instrs.iter() {
+        match ins {
+            Instr::Mem(m) => {
+                skip.insert((m.stage, m.mb));
+            }
+            Instr::Comm(c) => lent(c, &mut skip),
+            Instr::Group(v) => v.iter().for_each(|c| lent(c, &mut skip)),
+            _ => {}
+        }
+        ins.for_each_compute(|c| {
+            if whole_f(c) {
+                if c.checkpoint {
+                    skip.insert((c.stage, c.mb));
+                } else {
+                    fwds.insert((c.stage, c.mb));
+                }
+            }
+        });
+    }
+    fwds.retain(|k| !skip.contains(k));
+    if fwds.is_empty() {
+        return;
+    }
+    let mut out = Vec::with_capacity(instrs.len() + fwds.len());
+    let mut out_sp = Vec::with_capacity(instrs.len() + fwds.len());
+    for (mut ins, isp) in instrs.drain(..).zip(spans.drain(..)) {
+        let mut rec = None;
+        let mut visit = |c: &mut Compute| {
+            let key = (c.stage, c.mb);
+            if whole_f(c) && fwds.contains(&key) {
+                c.checkpoint = true;
+            } else if matches!(c.kind, Kind::B | Kind::BW) && fwds.remove(&key) {
+                rec = Some(key);
+            }
+        };
+        match &mut ins {
+            Instr::Compute(c) => visit(c),
+            Instr::Overlap { fwd, bwd } => {
+                visit(fwd);
+                visit(bwd);
+            }
+            _ => {}
+        }
+        if let Some((stage, mb)) = rec {
+            out.push(Instr::Mem(schedc_ir::MemOp {
+                kind: schedc_ir::MemKind::Recompute,
+                stage,
+                mb,
+            }));
+            out_sp.push(sp);
+        }
+        out.push(ins);
+        out_sp.push(isp);
+    }
+    *instrs = out;
+    *spans = out_sp;
 }
 
 /// The ids `0..n` a set names (`all`, a list, `x => cond`), in the order given.

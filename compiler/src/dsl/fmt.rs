@@ -682,6 +682,7 @@ fn item_sp(it: &Item) -> Sp {
         | Item::Expect(_, _, _, s)
         | Item::Communicator(_, _, s)
         | Item::Moe(_, s)
+        | Item::Recompute(_, s)
         | Item::Parts(_, s) => *s,
     }
 }
@@ -800,6 +801,9 @@ pub fn format_file(file: &File, src: &str) -> String {
             }
             Item::Communicator(n, set, _) => {
                 let _ = writeln!(f.out, "communicator {n} {}", set_str(set));
+            }
+            Item::Recompute(set, _) => {
+                let _ = writeln!(f.out, "recompute stages {}", set_str(set));
             }
             Item::Moe(set, _) => {
                 let _ = writeln!(f.out, "moe {}", set_str(set));

@@ -1326,18 +1326,20 @@ mod tests {
                 Variant::new(true, w_due, false),
             )
             .unwrap();
-            (replay(&pred, &o, &dur, 0.05), o)
+            (replay(&pred, &o.ranks, &dur, 0.05), o)
         };
         let (deferred, _) = t(false);
         let (due, orders) = t(true);
         assert!((deferred - 166.6).abs() < 1e-6, "{deferred}");
         assert!((due - 165.9).abs() < 1e-6, "{due}");
         // On the last rank, in the steady state, each W right after its B.
-        let last = &orders[p as usize - 1];
+        let last = &orders.ranks[p as usize - 1];
         for m in 4..16 {
             let at = |k: Kind, s: u32| {
                 last.iter()
-                    .position(|&i| ops[i].kind == k && ops[i].stage == s && ops[i].mb == m)
+                    .position(|st| {
+                        matches!(*st, Step::Op(i) if ops[i].kind == k && ops[i].stage == s && ops[i].mb == m)
+                    })
                     .unwrap()
             };
             assert_eq!(at(Kind::W, p), at(Kind::B, p) + 1, "m = {m}");

@@ -1167,6 +1167,11 @@ fn item(i: In<'_>) -> R<'_, Item> {
         }
         return Ok((i3, Item::Parts(PartsOrder::List(None), sp_of(start, i3))));
     }
+    if let Ok((i2, _)) = kw("recompute").parse(i) {
+        let (i3, _) = cut(expect("`stages` after `recompute`", kw("stages"))).parse(i2)?;
+        let (i4, set) = cut(|i| set_spec(i, "a stage expression or `]`")).parse(i3)?;
+        return Ok((i4, Item::Recompute(set, sp_of(start, i4))));
+    }
     if let Ok((i2, _)) = kw("moe").parse(i) {
         let (i3, set) = cut(|i| set_spec(i, "a stage expression or `]`")).parse(i2)?;
         return Ok((i3, Item::Moe(set, sp_of(start, i3))));
@@ -1245,7 +1250,7 @@ fn item(i: In<'_>) -> R<'_, Item> {
     }
     fail(
         i,
-        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, def, require, rank, list, literal, communicator, moe, parts, expect)",
+        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, def, require, rank, list, literal, communicator, moe, parts, recompute, expect)",
     )
 }
 
