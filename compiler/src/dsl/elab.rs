@@ -39,8 +39,9 @@ pub struct ElabError {
     pub usage: bool,
     /// True for a spec that is malformed whatever the instance: a `def` used with the wrong
     /// number of arguments, recursive, using one defined below it, named as an op, defined
-    /// twice or with a parameter twice, or a name that is both a `fn` and a `def` (exit 2,
-    /// as for a syntax error or a use of no `def`, which the parser finds).
+    /// twice or with a parameter twice, or a name that is both a `fn` and a `def`, or a
+    /// `list` block's `memory offload|recompute` without a `memory <=` cap (exit 2, as for a
+    /// syntax error or a use of no `def`, which the parser finds).
     pub malformed: bool,
     /// Where in the program it happened, innermost first: the loop iterations
     /// (`` in iteration `i = 3` of the `for` loop ``).
@@ -2287,6 +2288,8 @@ fn elab_list(
             ),
         );
         e.help = Some("add `memory <= e`: at most e live activations per rank".into());
+        // Wrong whatever the instance: an input error (exit 2), as a syntax error is.
+        e.malformed = true;
         return Err(vec![e]);
     }
     let need = |msg: &str, help: &str| {

@@ -203,7 +203,8 @@ pub fn schedule(
     let dur: Vec<f64> = ops.iter().map(|o| cost.op_time(o.kind, o.stage)).collect();
     let comm = cost.message_time();
     if rules.strict {
-        return run(pl, ops, rules, &dur, comm, Variant::STRICT).map(|r| early_reloads(ops, rules, r.0));
+        return run(pl, ops, rules, &dur, comm, Variant::STRICT)
+            .map(|r| early_reloads(ops, rules, r.0));
     }
     let pred = inputs(pl, ops);
     let mut best: Option<(Orders, f64)> = None;
@@ -269,9 +270,10 @@ fn inputs(pl: &Pipeline, ops: &[Op]) -> Vec<u32> {
 }
 
 /// Moves each `RELOAD` one compute op earlier on its rank where the cap allows it (that op
-/// run with one more unit live), so that the copy, on the host-copy stream, runs under that
-/// op and the backward does not wait for it (just in time, as `specs/1f1b_offload.sched`
-/// reloads one backward ahead). Live units are counted as `schedc check` counts them: a
+/// run with one more unit live), or, where an `OFFLOAD` makes room for it, the pair (that op
+/// then runs with one unit out and one in), so that the copy, on the host-copy stream, runs
+/// under that op and the backward does not wait for it (just in time, as
+/// `specs/1f1b_offload.sched` reloads one backward ahead). Live units are counted as `schedc check` counts them: a
 /// forward allocates as it starts (`F(s,m)!` releases at its end), `OFFLOAD` frees,
 /// `RELOAD` and `RECOMPUTE` allocate, `BW` and `W` free at their end.
 fn early_reloads(ops: &[Op], rules: &Rules, mut orders: Orders) -> Orders {
@@ -304,13 +306,28 @@ fn early_reloads(ops: &[Op], rules: &Rules, mut orders: Orders) -> Orders {
             }
         }
         for j in 1..steps.len() {
-            if matches!(steps[j], Step::Reload(_))
-                && matches!(steps[j - 1], Step::Op(_))
-                && peak[j - 1] + 1 <= caps[r]
-            {
-                steps.swap(j - 1, j);
-                peak.swap(j - 1, j);
-                peak[j] += 1;
+            if !matches!(steps[j], Step::Reload(_)) {
+                continue;
+            }
+            match steps[j - 1] {
+                Step::Op(_) if peak[j - 1] < caps[r] => {
+                    steps.swap(j - 1, j);
+                    peak.swap(j - 1, j);
+                    peak[j] += 1;
+                }
+                // The offload that makes room for the reload goes ahead with it (the op
+                // between runs with one unit out and one in: the same peak), unless that op
+                // is the offloaded forward itself.
+                Step::Offload(v) if j >= 2 => {
+                    if let Step::Op(p) = steps[j - 2] {
+                        if p != v {
+                            steps[j - 2..=j].rotate_right(1);
+                            steps[j - 2..=j].rotate_right(1);
+                            peak[j - 2..=j].rotate_right(2);
+                        }
+                    }
+                }
+                _ => {}
             }
         }
     }
@@ -659,8 +676,17 @@ fn run(
                     _ => refill && evicted[f] && live[r] + 1 > cap,
                 };
                 if make_room {
-                    // Offload the activation whose backward comes last in the order.
-                    let (_, v) = victims[r].pop_last().expect("allows counted a victim");
+                    // Offload the activation whose backward comes last in the order; for a
+                    // reload, not the forward that just ran if there is another (so that
+                    // the offload and the reload can go ahead of it, see `early_reloads`).
+                    let mut pick = *victims[r].last().expect("allows counted a victim");
+                    if o.kind != Kind::F && out[r].last() == Some(&Step::Op(pick.1 as usize)) {
+                        if let Some(&second) = victims[r].iter().rev().nth(1) {
+                            pick = second;
+                        }
+                    }
+                    victims[r].remove(&pick);
+                    let v = pick.1;
                     let v = v as usize;
                     evicted[v] = true;
                     live[r] -= 1;
