@@ -832,3 +832,20 @@ fn dualpipe_recompute_param_lowers_the_peak_and_defaults_off() {
         .unwrap()
         .contains("--param recompute takes 0 (off) or 1"));
 }
+
+/// `schedc fmt` keeps the new lines: `memory offload` in a list block, `recompute stages`.
+#[test]
+fn fmt_keeps_the_memory_rule_and_recompute_stages() {
+    let f = tmpdir("fmt_memory").join("x.sched");
+    std::fs::write(
+        &f,
+        "schedule \"x\"\nparam k = 1\nlist r {\n  F(c, m) = m\n  BW(c, m) = m + P\n  memory <= 2\n  memory   recompute\n}\nrecompute   stages s => s < k\n",
+    )
+    .unwrap();
+    let o = schedc(&["fmt", f.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(
+        stdout(&o),
+        "schedule \"x\"\nparam k = 1\n\nlist r {\n    F(c, m) = m\n    BW(c, m) = m + P\n    memory <= 2\n    memory recompute\n}\n\nrecompute stages s => s < k\n"
+    );
+}

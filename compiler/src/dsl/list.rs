@@ -36,6 +36,12 @@
 //!   `zbv_greedy.py`); from the rank's last forward on (the cooldown) it only fills bubbles.
 //!   A `W` never waits for a slot: one whose `B` has not run does not hold the head back.
 //! * `strict`: no backfilling; the order is run as it is (deferred W's still fill bubbles).
+//! * `memory offload` / `memory recompute` (with `memory <= k`): instead of waiting, a rank
+//!   whose next forward would exceed `k` offloads the live activation whose backward comes
+//!   last in its order (reloading it before that backward, offloading another if needed), or
+//!   runs forwards that would take its last free unit checkpointed (`F(s,m)!`, recomputed
+//!   before the backward, whose time then includes the recompute). The orders come back as
+//!   [`Step`]s; `early_reloads` then moves each reload one op ahead where the cap allows.
 //!
 //! Time advances from event to event (an op ends, a message arrives); at each event every idle
 //! rank, lowest first, may start one op, so the result is the schedule a list scheduler
