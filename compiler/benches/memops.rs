@@ -9,7 +9,7 @@
 //!   file.
 //! * `offload/v_half_capped` against `offload/v_half`: `check` (every pass, no elaboration)
 //!   of the program of `specs/v_half.sched` at P = 64, M = 1024 with its cap halved to
-//!   `memory <= (P + 2) / 2` and `memory offload` (the list scheduler's memory rule: 46,555
+//!   `memory <= (P + 2) / 2` and `memory offload` (the list scheduler's memory rule: 47,034
 //!   `OFFLOAD`s and as many `RELOAD`s), against the spec's own program. Both programs are
 //!   built once, outside the timing (list scheduling takes about a second at this size).
 //!
