@@ -914,3 +914,361 @@ fn compare_max_memory_marks_the_rows_over_the_cap_and_keeps_exit_0() {
         stderr(&o)
     );
 }
+
+/// `convert SPEC --pp P --mb M --to ir-text`: the program's rank lines.
+fn rank_lines(spec: &str, pp: &str, mb: &str, extra: &[&str]) -> Vec<String> {
+    let mut a = vec!["convert", spec, "--pp", pp, "--mb", mb, "--to", "ir-text"];
+    a.extend_from_slice(extra);
+    let o = schedc(&a);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    stdout(&o)
+        .lines()
+        .filter(|l| l.starts_with("rank "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Per-rank `peak_act` of `check ARGS --format json` (which must accept).
+fn peaks(args: &[&str]) -> Vec<u64> {
+    let (code, v) = json(args);
+    assert_eq!(code, Some(0), "{v}");
+    v["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["peak_activations"].as_u64().unwrap())
+        .collect()
+}
+
+/// Issue 27, item 3: a `list` block under `memory <= 2` with 1F1B's priorities stalls today
+/// (`memory wait`, the default: 51 s at unit op times); `memory offload` and `memory
+/// recompute` make room instead, pass `check --max-activations 2`, and run shorter under
+/// `sim` (offload: 37 s with 1 s copies, 33 s with 0.5 s copies; recompute: 35 s, each
+/// recompute charged as a forward; 1F1B without a cap: 33 s).
+#[test]
+fn list_memory_rule_offloads_or_recomputes_instead_of_waiting_at_the_cap() {
+    let spec = |p: &str| format!("tests/data/list_1f1b_cap_{p}.sched");
+    for (policy, makespan) in [("wait", 51.0), ("offload", 37.0), ("recompute", 35.0)] {
+        let f = spec(policy);
+        let args = [
+            "check",
+            &f,
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--max-activations",
+            "2",
+        ];
+        assert_eq!(peaks(&args), vec![2, 2, 2, 1], "{policy}");
+        let (code, v) = json(&[
+            "sim",
+            &f,
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--set",
+            "activation_bytes=1e9,offload=1",
+        ]);
+        assert_eq!(code, Some(0), "{v}");
+        assert_eq!(v["makespan"], makespan, "{policy}");
+    }
+    // With 0.5 s copies, the offloads and reloads hide under the compute: 1F1B's 33 s.
+    let (code, v) = json(&[
+        "sim",
+        &spec("offload"),
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--set",
+        "activation_bytes=1e9,offload=0.5",
+    ]);
+    assert_eq!((code, v["makespan"].as_f64()), (Some(0), Some(33.0)));
+    let (code, v) = json(&[
+        "sim",
+        "specs/1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--set",
+        "activation_bytes=1e9,offload=1",
+    ]);
+    assert_eq!((code, v["makespan"].as_f64()), (Some(0), Some(33.0)));
+    // Waiting: no memory op. Offloading: the activation whose backward comes last (for a
+    // reload, not the forward just run), reloaded one op ahead of its backward with the
+    // offload that makes room for it; the last ranks (at most 2 in flight) run plain 1F1B.
+    let wait = rank_lines(&spec("wait"), "4", "8", &[]);
+    assert!(wait
+        .iter()
+        .all(|l| !l.contains("OFFLOAD") && !l.contains('!')));
+    let off = rank_lines(&spec("offload"), "4", "8", &[]);
+    assert_eq!(
+        off[0],
+        "rank 0: F(0,0) F(0,1) OFFLOAD(0,1) F(0,2) OFFLOAD(0,2) F(0,3) BW(0,0) OFFLOAD(0,3) \
+         RELOAD(0,1) F(0,4) BW(0,1) OFFLOAD(0,4) RELOAD(0,2) F(0,5) BW(0,2) OFFLOAD(0,5) \
+         RELOAD(0,3) F(0,6) BW(0,3) OFFLOAD(0,6) RELOAD(0,4) F(0,7) BW(0,4) RELOAD(0,5) BW(0,5) \
+         RELOAD(0,6) BW(0,6) BW(0,7)"
+    );
+    assert_eq!(
+        off[2],
+        "rank 2: F(2,0) F(2,1) BW(2,0) F(2,2) BW(2,1) F(2,3) BW(2,2) F(2,4) BW(2,3) F(2,5) \
+         BW(2,4) F(2,6) BW(2,5) F(2,7) BW(2,6) BW(2,7)"
+    );
+    // Recomputing: a forward that would take the last unit while another forward (or a
+    // recompute) comes next runs checkpointed.
+    let rec = rank_lines(&spec("recompute"), "4", "8", &[]);
+    assert_eq!(
+        rec[0],
+        "rank 0: F(0,0) F(0,1)! F(0,2)! F(0,3) BW(0,0) F(0,4)! RECOMPUTE(0,1) BW(0,1) F(0,5)! \
+         RECOMPUTE(0,2) BW(0,2) F(0,6) BW(0,3) F(0,7)! RECOMPUTE(0,4) BW(0,4) RECOMPUTE(0,5) \
+         BW(0,5) BW(0,6) RECOMPUTE(0,7) BW(0,7)"
+    );
+    assert_eq!(rec[2], off[2]);
+}
+
+/// A reload goes one compute op ahead of its backward where the cap leaves room, so that the
+/// copy runs under that op: V-Half with half its cap, offloading.
+#[test]
+fn list_memory_offload_reloads_one_op_ahead_where_the_cap_allows() {
+    let src = std::fs::read_to_string(root().join("specs/v_half.sched"))
+        .unwrap()
+        .replace(
+            "memory <= 2 * ((P + 2) / 2)",
+            "memory <= (P + 2) / 2\n    memory offload",
+        )
+        .lines()
+        .filter(|l| !l.starts_with("expect"))
+        .map(|l| format!("{l}\n"))
+        .collect::<String>();
+    let f = tmpdir("v_half_offload").join("v_half_offload.sched");
+    std::fs::write(&f, src).unwrap();
+    let f = f.to_str().unwrap();
+    assert_eq!(
+        peaks(&[
+            "check",
+            f,
+            "--pp",
+            "8",
+            "--mb",
+            "16",
+            "--max-activations",
+            "5"
+        ]),
+        vec![5; 8]
+    );
+    let lines = rank_lines(f, "8", "16", &[]);
+    let (mut ahead, mut at) = (0, 0);
+    for l in &lines {
+        let ops: Vec<&str> = l.split(' ').skip(2).collect();
+        for (k, op) in ops.iter().enumerate() {
+            if let Some(arg) = op.strip_prefix("RELOAD") {
+                // The compute ops between the reload and the backward that reads it.
+                let between = ops[k + 1..]
+                    .iter()
+                    .take_while(|o| !o.starts_with('B') || !o.ends_with(arg))
+                    .filter(|o| !o.contains("LOAD"))
+                    .count();
+                match between {
+                    0 => at += 1,
+                    1 => ahead += 1,
+                    _ => panic!("{op} {between} ops ahead: {l}"),
+                }
+            }
+        }
+    }
+    assert_eq!((ahead, at), (103, 11));
+}
+
+#[test]
+fn list_memory_policy_without_a_cap_is_refused_at_its_line() {
+    let f = tmpdir("nocap").join("nocap.sched");
+    std::fs::write(
+        &f,
+        "schedule \"x\"\nlist r {\n    F(c, m) = m\n    BW(c, m) = m\n    memory recompute\n}\n",
+    )
+    .unwrap();
+    let o = schedc(&["check", f.to_str().unwrap(), "--pp", "2", "--mb", "2"]);
+    assert_refused(
+        &o,
+        "`memory recompute` needs a cap: the `list` block has no `memory <= e` line",
+    );
+    assert!(stderr(&o).contains("nocap.sched:5:5]"), "{}", stderr(&o));
+}
+
+/// Issue 27, item 6: `recompute stages SET` checkpoints every forward of those stages;
+/// interleaved 1F1B takes it as `--param recompute=K` (stages 0..K), default 0 unchanged.
+#[test]
+fn recompute_stages_checkpoints_every_forward_of_the_chosen_stages() {
+    let base = [
+        "check",
+        "specs/interleaved_1f1b.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+    ];
+    let with = |k: &str| {
+        let mut a = base.to_vec();
+        a.extend(["--param", k]);
+        peaks(&a)
+    };
+    assert_eq!(peaks(&base), vec![11, 9, 7, 5]);
+    assert_eq!(with("recompute=4"), vec![5, 5, 3, 1]);
+    assert_eq!(with("recompute=8"), vec![1, 1, 1, 1]);
+    let lines = rank_lines(
+        "specs/interleaved_1f1b.sched",
+        "4",
+        "8",
+        &["--param", "recompute=4"],
+    );
+    // Rank 0 holds stages 0 (chosen) and 4: 8 checkpointed forwards, 8 recomputes, each
+    // right before its backward.
+    let r0: Vec<&str> = lines[0].split(' ').skip(2).collect();
+    assert_eq!(r0.iter().filter(|o| o.ends_with('!')).count(), 8);
+    assert!(r0
+        .iter()
+        .filter(|o| o.ends_with('!'))
+        .all(|o| o.starts_with("F(0,")));
+    for (k, o) in r0.iter().enumerate() {
+        if let Some(arg) = o.strip_prefix("RECOMPUTE") {
+            assert_eq!(r0[k + 1], format!("BW{arg}"));
+        }
+    }
+    assert_eq!(r0.iter().filter(|o| o.starts_with("RECOMPUTE")).count(), 8);
+    // A stage out of range is an error at the item.
+    let f = tmpdir("recompute_range").join("bad.sched");
+    std::fs::write(
+        &f,
+        std::fs::read_to_string(root().join("specs/1f1b.sched")).unwrap()
+            + "recompute stages [0, 9]\n",
+    )
+    .unwrap();
+    let (code, v) = json(&["check", f.to_str().unwrap(), "--pp", "4", "--mb", "8"]);
+    assert_eq!(code, Some(1), "{v}");
+    assert_eq!(
+        v["diagnostics"][0]["message"],
+        "stage 9 is out of range 0..4 (S = 4)"
+    );
+}
+
+/// Issue 27, item 2: DualPipe with `--param recompute=1` (DeepSeek-V3's recompute, as whole
+/// forwards): every forward checkpointed; the peak drops from P + 1 to max(2, h + 1).
+#[test]
+fn dualpipe_recompute_param_lowers_the_peak_and_defaults_off() {
+    let run = |pp: &str, mb: &str, extra: &[&str]| {
+        let mut a = vec!["check", "specs/dualpipe.sched", "--pp", pp, "--mb", mb];
+        a.extend_from_slice(extra);
+        peaks(&a)
+    };
+    assert_eq!(run("4", "8", &[]), vec![5; 4]);
+    assert_eq!(run("4", "8", &["--param", "recompute=1"]), vec![2; 4]);
+    assert_eq!(run("8", "16", &[]), vec![9; 8]);
+    assert_eq!(
+        run("8", "16", &["--param", "recompute=1"]),
+        vec![2, 2, 3, 4, 4, 3, 2, 2]
+    );
+    let lines = rank_lines(
+        "specs/dualpipe.sched",
+        "4",
+        "8",
+        &["--param", "recompute=1"],
+    );
+    let all: String = lines.join(" ");
+    // 2 directions x 4 stages x 4 micro-batches each.
+    assert_eq!(all.matches("RECOMPUTE(").count(), 32);
+    assert_eq!(all.matches(")!").count(), 32);
+    let (code, v) = json(&[
+        "check",
+        "specs/dualpipe.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--param",
+        "recompute=2",
+    ]);
+    assert_eq!(code, Some(1), "{v}");
+    assert!(v["diagnostics"][0]["message"]
+        .as_str()
+        .unwrap()
+        .contains("--param recompute takes 0 (off) or 1"));
+}
+
+/// `schedc fmt` keeps the new lines: `memory offload` in a list block, `recompute stages`.
+#[test]
+fn fmt_keeps_the_memory_rule_and_recompute_stages() {
+    let f = tmpdir("fmt_memory").join("x.sched");
+    std::fs::write(
+        &f,
+        "schedule \"x\"\nparam k = 1\nlist r {\n  F(c, m) = m\n  BW(c, m) = m + P\n  memory <= 2\n  memory   recompute\n}\nrecompute   stages s => s < k\n",
+    )
+    .unwrap();
+    let o = schedc(&["fmt", f.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(
+        stdout(&o),
+        "schedule \"x\"\nparam k = 1\n\nlist r {\n    F(c, m) = m\n    BW(c, m) = m + P\n    memory <= 2\n    memory recompute\n}\n\nrecompute stages s => s < k\n"
+    );
+}
+
+/// GPipe's order (every forward before every backward) run `strict` under `memory <= 2` is
+/// stuck with `memory wait` (no backward can free memory before the forwards ahead of it);
+/// `memory offload` and `memory recompute` finish it within the cap: 24 offloads (or
+/// checkpointed forwards), 39 s under `sim` with 1 s copies (GPipe without a cap: 33 s).
+#[test]
+fn strict_gpipe_order_stuck_at_the_cap_runs_with_offload_or_recompute() {
+    let dir = tmpdir("gpipe_cap");
+    for (policy, code) in [("wait", 1), ("offload", 0), ("recompute", 0)] {
+        let f = dir.join(format!("g_{policy}.sched"));
+        std::fs::write(
+            &f,
+            format!(
+                "schedule \"g\"\nvpp 1\nlist r {{\n    F(c, m) = m\n    BW(c, m) = M + m\n    memory <= 2\n    memory {policy}\n    strict\n}}\n"
+            ),
+        )
+        .unwrap();
+        let f = f.to_str().unwrap();
+        let o = schedc(&[
+            "check",
+            f,
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--max-activations",
+            "2",
+        ]);
+        assert_eq!(o.status.code(), Some(code), "{policy}: {}", stderr(&o));
+        if policy == "wait" {
+            assert!(stderr(&o).contains(
+                "list scheduling is stuck at time 5 after 8 of 64 ops: no rank can start its next op"
+            ));
+            continue;
+        }
+        let ops = rank_lines(f, "4", "8", &[]).join(" ");
+        let moved = if policy == "offload" {
+            "OFFLOAD("
+        } else {
+            "RECOMPUTE("
+        };
+        assert_eq!(ops.matches(moved).count(), 24, "{policy}");
+        let (code, v) = json(&[
+            "sim",
+            f,
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--set",
+            "activation_bytes=1e9,offload=1",
+        ]);
+        assert_eq!(
+            (code, v["makespan"].as_f64()),
+            (Some(0), Some(39.0)),
+            "{policy}"
+        );
+    }
+}

@@ -448,6 +448,9 @@ pub enum ListRule {
     Defer(schedc_ir::Kind, Sp),
     /// `strict`: every rank runs its ops exactly in priority order (no backfilling).
     Strict(Sp),
+    /// `memory offload`, `memory recompute` or `memory wait`: what a rank does when its next
+    /// op would exceed the `memory <=` cap.
+    OnMemory(super::list::MemPolicy, Sp),
 }
 
 impl ListRule {
@@ -458,7 +461,8 @@ impl ListRule {
             | ListRule::Memory(_, s)
             | ListRule::Inflight(_, s)
             | ListRule::Defer(_, s)
-            | ListRule::Strict(s) => *s,
+            | ListRule::Strict(s)
+            | ListRule::OnMemory(_, s) => *s,
             ListRule::Priority { sp, .. } => *sp,
         }
     }
@@ -510,6 +514,10 @@ pub enum Item {
     /// `moe [s0, s1, ...]` (or `all`, or `s => cond`): the MoE stages; the others are
     /// dense (no MoE parts; `--moe` keeps them whole).
     Moe(SetSpec, Sp),
+    /// `recompute stages [s0, ...]` (or `all`, or `s => cond`): every forward of these stages
+    /// runs checkpointed (`F(s,m)!`), and a `RECOMPUTE(s,m)` goes before its backward on the
+    /// rank (a per-stage activation-checkpointing policy over the program as written).
+    Recompute(SetSpec, Sp),
     /// `parts list [N]` or `parts adjacent`: the spec's MoE stages (its `moe` item, else
     /// every stage) are split into parts in that order, as `--moe=auto:list[N]` (or
     /// `:adjacent`) would, without the flag; `--moe` on the command line takes precedence.

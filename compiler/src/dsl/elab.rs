@@ -39,8 +39,9 @@ pub struct ElabError {
     pub usage: bool,
     /// True for a spec that is malformed whatever the instance: a `def` used with the wrong
     /// number of arguments, recursive, using one defined below it, named as an op, defined
-    /// twice or with a parameter twice, or a name that is both a `fn` and a `def` (exit 2,
-    /// as for a syntax error or a use of no `def`, which the parser finds).
+    /// twice or with a parameter twice, or a name that is both a `fn` and a `def`, or a
+    /// `list` block's `memory offload|recompute` without a `memory <=` cap (exit 2, as for a
+    /// syntax error or a use of no `def`, which the parser finds).
     pub malformed: bool,
     /// Where in the program it happened, innermost first: the loop iterations
     /// (`` in iteration `i = 3` of the `for` loop ``).
@@ -1827,6 +1828,21 @@ pub fn elaborate_with(
         }
     }
 
+    // `recompute stages ...`: checkpoint every forward of those stages, recompute before
+    // the backward.
+    for it in &file.items {
+        if let Item::Recompute(set, sp) = it {
+            let stages = id_set(set, s_n, "stage", &mut env).map_err(|e| vec![e])?;
+            let mut chosen = vec![false; s_n as usize];
+            for s in stages {
+                chosen[s as usize] = true;
+            }
+            for (instrs, sps) in ranks.iter_mut().zip(spans.iter_mut()) {
+                recompute_stages(instrs, sps, &chosen, span(*sp));
+            }
+        }
+    }
+
     // Expectations.
     let mut expects = Vec::new();
     for it in &file.items {
@@ -2206,6 +2222,7 @@ fn elab_list(
         Kind::BW => 3,
     };
     let (mut mem_rule, mut infl_rule, mut defer, mut strict) = (None, None, None, None);
+    let mut on_memory = None;
     for (k, rule) in rules.iter().enumerate() {
         let dup = |what: &str| {
             vec![err(
@@ -2247,8 +2264,30 @@ fn elab_list(
                     return Err(dup("strict"));
                 }
             }
+            ListRule::OnMemory(..) => {
+                if on_memory.replace(k).is_some() {
+                    return Err(dup("memory offload|recompute|wait"));
+                }
+            }
             ListRule::Let(..) => {}
         }
+    }
+    let policy = match on_memory.map(|k| &rules[k]) {
+        Some(ListRule::OnMemory(p, _)) => *p,
+        _ => list::MemPolicy::Wait,
+    };
+    if let (Some(k), None, true) = (on_memory, mem_rule, policy != list::MemPolicy::Wait) {
+        let mut e = err(
+            rules[k].sp(),
+            format!(
+                "`memory {}` needs a cap: the `list` block has no `memory <= e` line",
+                policy.as_str()
+            ),
+        );
+        e.help = Some("add `memory <= e`: at most e live activations per rank".into());
+        // Wrong whatever the instance: an input error (exit 2), as a syntax error is.
+        e.malformed = true;
+        return Err(vec![e]);
     }
     let need = |msg: &str, help: &str| {
         let mut e = err(list_sp, msg.to_string());
@@ -2359,7 +2398,7 @@ fn elab_list(
                             inflight.as_mut().expect("declared").push(v);
                         }
                     }
-                    ListRule::Defer(..) | ListRule::Strict(_) => {}
+                    ListRule::Defer(..) | ListRule::Strict(_) | ListRule::OnMemory(..) => {}
                 }
             }
             Ok(())
@@ -2411,6 +2450,7 @@ fn elab_list(
         inflight,
         defer_w: defer.is_some(),
         strict: strict.is_some(),
+        policy,
     };
     let orders = list::schedule(pl, &ops, &lr, cost).map_err(|stuck| {
         // Point at the rule that holds a rank back, if one does.
@@ -2486,17 +2526,120 @@ fn elab_list(
         ));
         vec![e]
     })?;
-    let mut ranks: Vec<Vec<Instr>> = Vec::with_capacity(orders.len());
-    let mut spans: Vec<Vec<Span>> = Vec::with_capacity(orders.len());
-    for ord in orders {
-        ranks.push(
-            ord.iter()
-                .map(|&i| Instr::Compute(Compute::new(ops[i].kind, ops[i].stage, ops[i].mb)))
-                .collect(),
-        );
-        spans.push(ord.iter().map(|&i| span(rules[op_line[i]].sp())).collect());
+    // A memory op points at the `memory` policy line that made it.
+    let policy_sp = on_memory.map_or(list_sp, |k| rules[k].sp());
+    let mut ranks: Vec<Vec<Instr>> = Vec::with_capacity(orders.ranks.len());
+    let mut spans: Vec<Vec<Span>> = Vec::with_capacity(orders.ranks.len());
+    for ord in &orders.ranks {
+        let mut instrs = Vec::with_capacity(ord.len());
+        let mut sps = Vec::with_capacity(ord.len());
+        for step in ord {
+            let (instr, sp) = match *step {
+                list::Step::Op(i) => {
+                    let mut c = Compute::new(ops[i].kind, ops[i].stage, ops[i].mb);
+                    c.checkpoint = orders.checkpointed[i];
+                    (Instr::Compute(c), rules[op_line[i]].sp())
+                }
+                list::Step::Offload(i) | list::Step::Reload(i) | list::Step::Recompute(i) => {
+                    let kind = match step {
+                        list::Step::Offload(_) => schedc_ir::MemKind::Offload,
+                        list::Step::Reload(_) => schedc_ir::MemKind::Reload,
+                        _ => schedc_ir::MemKind::Recompute,
+                    };
+                    let m = schedc_ir::MemOp {
+                        kind,
+                        stage: ops[i].stage,
+                        mb: ops[i].mb,
+                    };
+                    (Instr::Mem(m), policy_sp)
+                }
+            };
+            instrs.push(instr);
+            sps.push(span(sp));
+        }
+        ranks.push(instrs);
+        spans.push(sps);
     }
     Ok((ranks, spans))
+}
+
+/// Marks every whole forward of a `chosen` stage in one rank's program checkpointed
+/// (`F(s,m)!`) and puts `RECOMPUTE(s,m)` (pointing at `sp`, the `recompute stages` item)
+/// right before the first instruction that runs its backward (`B` or `BW`, alone or in an
+/// overlapped pair). A forward the program already checkpoints, or whose activations it
+/// moves (`OFFLOAD`, `RELOAD`, `RECOMPUTE`, `LEND`, `RETURN`), is left as written, as is one
+/// without a backward on the rank.
+fn recompute_stages(instrs: &mut Vec<Instr>, spans: &mut Vec<Span>, chosen: &[bool], sp: Span) {
+    use std::collections::HashSet;
+    let whole_f = |c: &Compute| {
+        c.kind == Kind::F && c.part == schedc_ir::Part::Whole && chosen[c.stage as usize]
+    };
+    let lent = |c: &schedc_ir::Comm, skip: &mut HashSet<(u32, u32)>| {
+        if let schedc_ir::Comm::Send { payload, .. } | schedc_ir::Comm::Recv { payload, .. } = c {
+            if payload.kind.is_stash() {
+                skip.insert((payload.stage, payload.mb));
+            }
+        }
+    };
+    // (stage, mb) the program already manages.
+    let mut skip: HashSet<(u32, u32)> = HashSet::new();
+    let mut fwds: HashSet<(u32, u32)> = HashSet::new();
+    for ins in instrs.iter() {
+        match ins {
+            Instr::Mem(m) => {
+                skip.insert((m.stage, m.mb));
+            }
+            Instr::Comm(c) => lent(c, &mut skip),
+            Instr::Group(v) => v.iter().for_each(|c| lent(c, &mut skip)),
+            _ => {}
+        }
+        ins.for_each_compute(|c| {
+            if whole_f(c) {
+                if c.checkpoint {
+                    skip.insert((c.stage, c.mb));
+                } else {
+                    fwds.insert((c.stage, c.mb));
+                }
+            }
+        });
+    }
+    fwds.retain(|k| !skip.contains(k));
+    if fwds.is_empty() {
+        return;
+    }
+    let mut out = Vec::with_capacity(instrs.len() + fwds.len());
+    let mut out_sp = Vec::with_capacity(instrs.len() + fwds.len());
+    for (mut ins, isp) in instrs.drain(..).zip(spans.drain(..)) {
+        let mut rec = None;
+        let mut visit = |c: &mut Compute| {
+            let key = (c.stage, c.mb);
+            if whole_f(c) && fwds.contains(&key) {
+                c.checkpoint = true;
+            } else if matches!(c.kind, Kind::B | Kind::BW) && fwds.remove(&key) {
+                rec = Some(key);
+            }
+        };
+        match &mut ins {
+            Instr::Compute(c) => visit(c),
+            Instr::Overlap { fwd, bwd } => {
+                visit(fwd);
+                visit(bwd);
+            }
+            _ => {}
+        }
+        if let Some((stage, mb)) = rec {
+            out.push(Instr::Mem(schedc_ir::MemOp {
+                kind: schedc_ir::MemKind::Recompute,
+                stage,
+                mb,
+            }));
+            out_sp.push(sp);
+        }
+        out.push(ins);
+        out_sp.push(isp);
+    }
+    *instrs = out;
+    *spans = out_sp;
 }
 
 /// The ids `0..n` a set names (`all`, a list, `x => cond`), in the order given.

@@ -682,6 +682,7 @@ fn item_sp(it: &Item) -> Sp {
         | Item::Expect(_, _, _, s)
         | Item::Communicator(_, _, s)
         | Item::Moe(_, s)
+        | Item::Recompute(_, s)
         | Item::Parts(_, s) => *s,
     }
 }
@@ -801,6 +802,9 @@ pub fn format_file(file: &File, src: &str) -> String {
             Item::Communicator(n, set, _) => {
                 let _ = writeln!(f.out, "communicator {n} {}", set_str(set));
             }
+            Item::Recompute(set, _) => {
+                let _ = writeln!(f.out, "recompute stages {}", set_str(set));
+            }
             Item::Moe(set, _) => {
                 let _ = writeln!(f.out, "moe {}", set_str(set));
             }
@@ -855,6 +859,7 @@ fn write_list(f: &mut Fmt<'_>, rules: &[ListRule], end: usize) {
             ListRule::Inflight(e, _) => format!("inflight <= {}", expr_str(e)),
             ListRule::Defer(k, _) => format!("defer {}", k.as_str()),
             ListRule::Strict(_) => "strict".to_string(),
+            ListRule::OnMemory(p, _) => format!("memory {}", p.as_str()),
         };
         let _ = writeln!(f.out, "    {line}");
         f.trailing(r.sp().end);

@@ -36,6 +36,12 @@
 //!   `zbv_greedy.py`); from the rank's last forward on (the cooldown) it only fills bubbles.
 //!   A `W` never waits for a slot: one whose `B` has not run does not hold the head back.
 //! * `strict`: no backfilling; the order is run as it is (deferred W's still fill bubbles).
+//! * `memory offload` / `memory recompute` (with `memory <= k`): instead of waiting, a rank
+//!   whose next forward would exceed `k` offloads the live activation whose backward comes
+//!   last in its order (reloading it before that backward, offloading another if needed), or
+//!   runs forwards that would take its last free unit checkpointed (`F(s,m)!`, recomputed
+//!   before the backward, whose time then includes the recompute). The orders come back as
+//!   [`Step`]s; `early_reloads` then moves each reload one op ahead where the cap allows.
 //!
 //! Time advances from event to event (an op ends, a message arrives); at each event every idle
 //! rank, lowest first, may start one op, so the result is the schedule a list scheduler
@@ -84,6 +90,59 @@ pub struct Rules {
     pub defer_w: bool,
     /// `strict`: no backfilling; every rank runs its order as is.
     pub strict: bool,
+    /// What a rank does when its next forward (or the reload or recompute before a
+    /// backward) would exceed `memory` (`memory offload|recompute|wait`; `Wait` by default).
+    pub policy: MemPolicy,
+}
+
+/// The `memory offload|recompute|wait` line of a `list` block: what a rank does when its
+/// next op would exceed the `memory <=` cap.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MemPolicy {
+    /// Wait until a backward frees memory (the behaviour without the line).
+    #[default]
+    Wait,
+    /// Offload (`OFFLOAD(s,m)`) the live activation whose backward comes last in the rank's
+    /// order, run the forward, and reload it (`RELOAD(s,m)`) right before its backward.
+    Offload,
+    /// Keep the last unit under the cap free: a forward that would take it runs
+    /// checkpointed (`F(s,m)!`, its unit held only while it runs) and its backward is
+    /// preceded by `RECOMPUTE(s,m)`, which costs a forward of the stage.
+    Recompute,
+}
+
+impl MemPolicy {
+    /// The word of the `memory` line: `wait`, `offload` or `recompute`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemPolicy::Wait => "wait",
+            MemPolicy::Offload => "offload",
+            MemPolicy::Recompute => "recompute",
+        }
+    }
+}
+
+/// One step of a rank's order: a compute op, or a memory op on the activations of a forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// The op (index into the ops).
+    Op(usize),
+    /// `OFFLOAD` of the activations of forward `ops[i]`.
+    Offload(usize),
+    /// `RELOAD` of the activations of forward `ops[i]`.
+    Reload(usize),
+    /// `RECOMPUTE` of forward `ops[i]` (checkpointed).
+    Recompute(usize),
+}
+
+/// The orders [`schedule`] builds: per rank, its steps in execution order, and which
+/// forwards run checkpointed (`F(s,m)!`), by op index.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Orders {
+    /// Per rank, the steps in execution order.
+    pub ranks: Vec<Vec<Step>>,
+    /// Per op: whether it is a checkpointed forward.
+    pub checkpointed: Vec<bool>,
 }
 
 /// Why the greedy cannot finish: no rank can start anything, yet ops remain.
@@ -146,14 +205,15 @@ pub fn schedule(
     ops: &[Op],
     rules: &Rules,
     cost: &CostModel,
-) -> Result<Vec<Vec<usize>>, Stuck> {
+) -> Result<Orders, Stuck> {
     let dur: Vec<f64> = ops.iter().map(|o| cost.op_time(o.kind, o.stage)).collect();
     let comm = cost.message_time();
     if rules.strict {
-        return run(pl, ops, rules, &dur, comm, Variant::STRICT).map(|r| r.0);
+        return run(pl, ops, rules, &dur, comm, Variant::STRICT)
+            .map(|r| early_reloads(ops, rules, r.0));
     }
     let pred = inputs(pl, ops);
-    let mut best: Option<(Vec<Vec<usize>>, f64)> = None;
+    let mut best: Option<(Orders, f64)> = None;
     let mut first_err = None;
     // The greedy's own simulation under the real op times, then under unit op times with free
     // messages (the slot model of the Zero Bubble and Controllable Memory generators): the
@@ -175,7 +235,7 @@ pub fn schedule(
         }
         match run(pl, ops, rules, sim_dur, sim_comm, v) {
             Ok((o, _)) => {
-                let t = replay(&pred, &o, &dur, comm);
+                let t = replay(&pred, &o.ranks, &dur, comm);
                 if best.as_ref().is_none_or(|b| t < b.1 - EPS) {
                     best = Some((o, t));
                 }
@@ -186,7 +246,7 @@ pub fn schedule(
         }
     }
     match best {
-        Some((o, _)) => Ok(o),
+        Some((o, _)) => Ok(early_reloads(ops, rules, o)),
         None => Err(first_err.expect("a variant ran")),
     }
 }
@@ -215,14 +275,111 @@ fn inputs(pl: &Pipeline, ops: &[Op]) -> Vec<u32> {
         .collect()
 }
 
+/// Moves each `RELOAD` one compute op earlier on its rank where the cap allows it (that op
+/// run with one more unit live), or, where an `OFFLOAD` makes room for it, the pair (that op
+/// then runs with one unit out and one in), so that the copy, on the host-copy stream, runs
+/// under that op and the backward does not wait for it (just in time, as
+/// `specs/1f1b_offload.sched` reloads one backward ahead). Live units are counted as `schedc check` counts them: a
+/// forward allocates as it starts (`F(s,m)!` releases at its end), `OFFLOAD` frees,
+/// `RELOAD` and `RECOMPUTE` allocate, `BW` and `W` free at their end.
+fn early_reloads(ops: &[Op], rules: &Rules, mut orders: Orders) -> Orders {
+    let Some(caps) = &rules.memory else {
+        return orders;
+    };
+    for (r, steps) in orders.ranks.iter_mut().enumerate() {
+        // Peak live units while each step runs.
+        let mut live = 0i64;
+        let mut peak = vec![0i64; steps.len()];
+        for (j, st) in steps.iter().enumerate() {
+            match *st {
+                Step::Op(i) => {
+                    let o = &ops[i];
+                    peak[j] = live + i64::from(o.kind == Kind::F);
+                    match o.kind {
+                        Kind::F if !orders.checkpointed[i] => live += 1,
+                        Kind::W | Kind::BW => live -= 1,
+                        _ => {}
+                    }
+                }
+                Step::Offload(_) => {
+                    peak[j] = live;
+                    live -= 1;
+                }
+                Step::Reload(_) | Step::Recompute(_) => {
+                    live += 1;
+                    peak[j] = live;
+                }
+            }
+        }
+        for j in 1..steps.len() {
+            if !matches!(steps[j], Step::Reload(_)) {
+                continue;
+            }
+            match steps[j - 1] {
+                Step::Op(_) if peak[j - 1] < caps[r] => {
+                    steps.swap(j - 1, j);
+                    peak.swap(j - 1, j);
+                    peak[j] += 1;
+                }
+                // The offload that makes room for the reload goes ahead with it (the op
+                // between runs with one unit out and one in: the same peak), unless that op
+                // is the offloaded forward itself.
+                Step::Offload(v) if j >= 2 => {
+                    if let Step::Op(p) = steps[j - 2] {
+                        if p != v {
+                            steps[j - 2..=j].rotate_right(1);
+                            steps[j - 2..=j].rotate_right(1);
+                            peak[j - 2..=j].rotate_right(2);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    orders
+}
+
+/// Per op, the index of the forward of its (stage, micro-batch); per forward, the index of
+/// its backward (`B` or `BW`); `NONE` where there is none.
+fn pairs(pl: &Pipeline, ops: &[Op]) -> (Vec<u32>, Vec<u32>) {
+    let mbs = pl.microbatches as usize;
+    let key = |s: u32, m: u32| s as usize * mbs + m as usize;
+    let n = pl.stages as usize * mbs;
+    let (mut f_by, mut b_by) = (vec![NONE; n], vec![NONE; n]);
+    for (i, o) in ops.iter().enumerate() {
+        match o.kind {
+            Kind::F => f_by[key(o.stage, o.mb)] = i as u32,
+            Kind::B | Kind::BW => b_by[key(o.stage, o.mb)] = i as u32,
+            Kind::W => {}
+        }
+    }
+    let fwd_of = ops.iter().map(|o| f_by[key(o.stage, o.mb)]).collect();
+    let bwd_of = ops
+        .iter()
+        .map(|o| {
+            if o.kind == Kind::F {
+                b_by[key(o.stage, o.mb)]
+            } else {
+                NONE
+            }
+        })
+        .collect();
+    (fwd_of, bwd_of)
+}
+
 /// The makespan (seconds from the first op's start) of per-rank `orders` run eagerly: each
-/// op starts once its rank is free and its input has ended (plus `comm` across ranks).
+/// op starts once its rank is free and its input has ended (plus `comm` across ranks); a
+/// `RECOMPUTE` takes its forward's time on the rank, an `OFFLOAD` or `RELOAD` none (its copy
+/// runs on the host-copy stream, which the greedy does not model).
 /// Orders that cannot run (a cycle) give infinity.
-fn replay(pred: &[u32], orders: &[Vec<usize>], dur: &[f64], comm: f64) -> f64 {
+fn replay(pred: &[u32], orders: &[Vec<Step>], dur: &[f64], comm: f64) -> f64 {
     let mut op_rank = vec![0u32; pred.len()];
     for (r, o) in orders.iter().enumerate() {
-        for &i in o {
-            op_rank[i] = r as u32;
+        for st in o {
+            if let Step::Op(i) = *st {
+                op_rank[i] = r as u32;
+            }
         }
     }
     let mut end = vec![f64::NAN; pred.len()];
@@ -232,7 +389,23 @@ fn replay(pred: &[u32], orders: &[Vec<usize>], dur: &[f64], comm: f64) -> f64 {
     loop {
         let mut progress = false;
         for (r, o) in orders.iter().enumerate() {
-            while let Some(&i) = o.get(pos[r]) {
+            while let Some(&st) = o.get(pos[r]) {
+                let i = match st {
+                    Step::Op(i) => i,
+                    Step::Recompute(f) => {
+                        free[r] += dur[f];
+                        pos[r] += 1;
+                        left -= 1;
+                        progress = true;
+                        continue;
+                    }
+                    Step::Offload(_) | Step::Reload(_) => {
+                        pos[r] += 1;
+                        left -= 1;
+                        progress = true;
+                        continue;
+                    }
+                };
                 let p = pred[i];
                 let ready = if p == NONE {
                     0.0
@@ -308,7 +481,7 @@ fn run(
     dur: &[f64],
     comm: f64,
     v: Variant,
-) -> Result<(Vec<Vec<usize>>, f64), Stuck> {
+) -> Result<(Orders, f64), Stuck> {
     let Variant {
         backfill_forwards,
         w_due,
@@ -319,6 +492,22 @@ fn run(
     let n = ops.len();
     let rank_of: Vec<u32> = ops.iter().map(|o| pl.rank_of(o.stage)).collect();
     let pred = inputs(pl, ops);
+    let (fwd_of, bwd_of) = pairs(pl, ops);
+    // Op times as the greedy runs them: a backward of a checkpointed forward also runs its
+    // recompute (the forward's time).
+    let mut dur_eff: Vec<f64> = dur.to_vec();
+    let dur_in = dur;
+    let policy = if rules.memory.is_some() {
+        rules.policy
+    } else {
+        MemPolicy::Wait
+    };
+    // Checkpointed forwards, offloaded forwards, and per rank the forwards that may be
+    // offloaded (on the device, backward not started), by their backward's position.
+    let mut ckpt = vec![false; n];
+    let mut evicted = vec![false; n];
+    let mut victims: Vec<std::collections::BTreeSet<(u32, u32)>> =
+        vec![std::collections::BTreeSet::new(); np];
     let mut succ_start = vec![0u32; n + 1];
     for &p in &pred {
         if p != NONE {
@@ -421,7 +610,7 @@ fn run(
     }
     // Deferred W's whose B has run, by priority.
     let mut wready: Vec<BinaryHeap<Reverse<(i64, u32)>>> = vec![BinaryHeap::new(); np];
-    let mut out: Vec<Vec<usize>> = vec![Vec::new(); np];
+    let mut out: Vec<Vec<Step>> = vec![Vec::new(); np];
     // Future event times (op ends, message arrivals).
     let mut events: BinaryHeap<Reverse<Time>> = BinaryHeap::new();
     let mut now = 0f64;
@@ -451,8 +640,10 @@ fn run(
                         head: head[r],
                         pred: &pred,
                         rank_of: &rank_of,
-                        dur,
+                        dur: &dur_eff,
                         opos: &opos,
+                        policy,
+                        fwd_of: &fwd_of,
                         comm,
                         backfill_forwards,
                         w_due,
@@ -470,6 +661,9 @@ fn run(
                         mem_tree: &mem_tree[r],
                         wready: &wready[r],
                         fwd_left: fwd_left[r],
+                        ckpt: &ckpt,
+                        evicted: &evicted,
+                        victims: victims[r].len(),
                     },
                     &mut memo,
                 ) else {
@@ -478,10 +672,59 @@ fn run(
                 // Only an op that ends at `now` changes what a rank can start at `now`:
                 // after other starts a further pass is skipped, so the schedule of
                 // positive op times is the single pass's, as before.
-                if dur[i] <= EPS {
+                // The memory policy's steps before the op.
+                let o = ops[i];
+                let cap = rules.memory.as_ref().map_or(i64::MAX, |m| m[r]);
+                let f = fwd_of[i] as usize;
+                let refill = matches!(o.kind, Kind::B | Kind::BW) && (ckpt[f] || evicted[f]);
+                let make_room = match o.kind {
+                    Kind::F => policy == MemPolicy::Offload && live[r] + 1 > cap,
+                    _ => refill && evicted[f] && live[r] + 1 > cap,
+                };
+                if make_room {
+                    // Offload the activation whose backward comes last in the order; for a
+                    // reload, not the forward that just ran if there is another (so that
+                    // the offload and the reload can go ahead of it, see `early_reloads`).
+                    let mut pick = *victims[r].last().expect("allows counted a victim");
+                    if o.kind != Kind::F && out[r].last() == Some(&Step::Op(pick.1 as usize)) {
+                        if let Some(&second) = victims[r].iter().rev().nth(1) {
+                            pick = second;
+                        }
+                    }
+                    victims[r].remove(&pick);
+                    let v = pick.1;
+                    let v = v as usize;
+                    evicted[v] = true;
+                    live[r] -= 1;
+                    out[r].push(Step::Offload(v));
+                    // Its backward now brings the unit back.
+                    let b = bwd_of[v] as usize;
+                    mem_tree[r].set(opos[b] as usize, mem_delta(&ops[b]) + 1);
+                }
+                if o.kind == Kind::F
+                    && policy == MemPolicy::Recompute
+                    && live[r] + 1 + keep_unit(&mem_tree[r], opos[i] as usize) > cap
+                {
+                    ckpt[i] = true;
+                    let b = bwd_of[i] as usize;
+                    dur_eff[b] += dur_in[i];
+                    mem_tree[r].set(opos[b] as usize, mem_delta(&ops[b]) + 1);
+                }
+                if refill {
+                    out[r].push(if ckpt[f] {
+                        Step::Recompute(f)
+                    } else {
+                        Step::Reload(f)
+                    });
+                    live[r] += 1;
+                }
+                if matches!(o.kind, Kind::B | Kind::BW) && policy == MemPolicy::Offload {
+                    victims[r].remove(&(opos[i], f as u32));
+                }
+                if dur_eff[i] <= EPS {
                     progressed = true;
                 }
-                let e = now + dur[i];
+                let e = now + dur_eff[i];
                 // The bounds read what has run and the ranks' clocks.
                 memo.state += 1;
                 done[i] = true;
@@ -489,13 +732,17 @@ fn run(
                 free[r] = e;
                 remaining[r] -= 1;
                 ndone += 1;
-                out[r].push(i);
+                out[r].push(Step::Op(i));
                 events.push(Reverse(Time(e)));
-                let o = ops[i];
                 let k = mbkey(&o);
                 match o.kind {
                     Kind::F => {
-                        live[r] += 1;
+                        if !ckpt[i] {
+                            live[r] += 1;
+                            if policy == MemPolicy::Offload {
+                                victims[r].insert((opos[bwd_of[i] as usize], i as u32));
+                            }
+                        }
                         fwd_left[r] -= 1;
                         if !entered[r][k] {
                             entered[r][k] = true;
@@ -542,7 +789,13 @@ fn run(
         }
         if ndone == n {
             let makespan = free.iter().cloned().fold(0.0, f64::max);
-            return Ok((out, makespan));
+            return Ok((
+                Orders {
+                    ranks: out,
+                    checkpointed: ckpt,
+                },
+                makespan,
+            ));
         }
         // The next time something can change.
         let mut next = None;
@@ -617,6 +870,10 @@ struct Ctx<'a> {
     rank_of: &'a [u32],
     dur: &'a [f64],
     opos: &'a [u32],
+    /// The memory policy (`Wait` without a `memory <=` cap).
+    policy: MemPolicy,
+    /// Per op, the index of its (stage, micro-batch)'s forward.
+    fwd_of: &'a [u32],
     comm: f64,
     backfill_forwards: bool,
     /// A deferred `W` whose priority comes before the head runs first (forwards left).
@@ -641,18 +898,35 @@ struct State<'a> {
     wready: &'a BinaryHeap<Reverse<(i64, u32)>>,
     /// Forwards this rank has still to run.
     fwd_left: usize,
+    /// Per op: a forward run checkpointed.
+    ckpt: &'a [bool],
+    /// Per op: a forward whose activations are offloaded.
+    evicted: &'a [bool],
+    /// How many of this rank's activations may be offloaded.
+    victims: usize,
+}
+
+/// Under `memory recompute`: 1 if a forward at position `k` of its rank's order must leave a
+/// unit free (its next op in the order is not one that frees a unit: another forward, which
+/// may have to run checkpointed and takes the unit while it runs, or a backward that reloads
+/// or recomputes), else 0.
+fn keep_unit(tree: &PrefixMax, k: usize) -> i64 {
+    i64::from(k + 1 >= tree.len || tree.t[tree.n + k + 1].0 >= 0)
 }
 
 /// A segment tree over a sequence of small integers: point updates and the largest prefix
 /// sum (the empty prefix counts, so it is at least 0) of the first `k` values.
 struct PrefixMax {
     n: usize,
+    /// The number of values (the leaves past it are padding).
+    len: usize,
     /// (sum, largest prefix sum) per node; leaves at `n..2n`.
     t: Vec<(i64, i64)>,
 }
 
 impl PrefixMax {
     fn new(v: Vec<i64>) -> Self {
+        let len = v.len();
         let n = v.len().next_power_of_two().max(1);
         let mut t = vec![(0, 0); 2 * n];
         for (k, x) in v.into_iter().enumerate() {
@@ -661,7 +935,7 @@ impl PrefixMax {
         for k in (1..n).rev() {
             t[k] = Self::join(t[2 * k], t[2 * k + 1]);
         }
-        PrefixMax { n, t }
+        PrefixMax { n, t, len }
     }
     fn join(a: (i64, i64), b: (i64, i64)) -> (i64, i64) {
         (a.0 + b.0, a.1.max(a.0 + b.1))
@@ -806,17 +1080,42 @@ impl Ctx<'_> {
 
     /// May forward `i` start now, leaving room (memory) for the ops before it in the order,
     /// and entering its micro-batch in order (in-flight window)?
-    fn allows(&self, i: usize, r: usize, st: &State<'_>) -> bool {
+    ///
+    /// With `memory offload` or `memory recompute`, the rank's `head` forward may also start
+    /// where the policy makes room (an activation to offload; the last unit, which a
+    /// checkpointed forward takes only while it runs). A backward whose activations must
+    /// come back (reload or recompute) needs a free unit, or one to offload.
+    fn allows(&self, i: usize, r: usize, st: &State<'_>, head: bool) -> bool {
         if self.ops[i].kind != Kind::F {
+            if let (Some(m), false) = (&self.rules.memory, self.ops[i].kind == Kind::W) {
+                let f = self.fwd_of[i] as usize;
+                if (st.ckpt[f] || st.evicted[f]) && st.live + 1 > m[r] {
+                    return self.policy == MemPolicy::Offload && st.victims > 0;
+                }
+            }
             return true;
         }
         // Running `i` now, before the ops ahead of it in the order, must keep every later
         // point of the order under the caps (the ops ahead run as if `i` had taken its
-        // unit first).
+        // unit first). Under `memory recompute` a stored forward leaves one unit free.
         let k = self.opos[i] as usize;
         if let Some(m) = &self.rules.memory {
-            if st.live + 1 + st.mem_tree.prefix_max(k) > m[r] {
-                return false;
+            let reserve = match self.policy {
+                MemPolicy::Recompute if head => keep_unit(st.mem_tree, k),
+                MemPolicy::Recompute => 1,
+                _ => 0,
+            };
+            let ahead = st.mem_tree.prefix_max(k);
+            if st.live + 1 + reserve + ahead > m[r] {
+                let room = head
+                    && match self.policy {
+                        MemPolicy::Wait => false,
+                        MemPolicy::Recompute => st.live + 1 + ahead <= m[r],
+                        MemPolicy::Offload => st.victims > 0 && st.live + ahead <= m[r],
+                    };
+                if !room {
+                    return false;
+                }
             }
         }
         if let Some(m) = &self.rules.inflight {
@@ -894,9 +1193,18 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>, memo: &mut BoundMemo) 
     // When the head can start: `horizon`, or, while `lazy_head`, the head's lower bound, not
     // yet computed.
     let mut lazy_head = None;
+    // Under a memory policy, a ready W that frees memory runs before the policy offloads or
+    // checkpoints.
+    if let (Some(i), true) = (head_op, cx.policy != MemPolicy::Wait) {
+        if !cx.allows(i, r, st, false) {
+            if let Some(Reverse((_, w))) = st.wready.peek() {
+                return Some(*w as usize);
+            }
+        }
+    }
     let horizon = match head_op {
         None => f64::INFINITY,
-        Some(i) if !cx.allows(i, r, st) => {
+        Some(i) if !cx.allows(i, r, st, true) => {
             mem_blocked = cx.rules.memory.as_ref().is_some_and(|m| st.live + 1 > m[r]);
             f64::INFINITY
         }
@@ -929,7 +1237,7 @@ fn pick(r: usize, now: f64, cx: &Ctx<'_>, st: &State<'_>, memo: &mut BoundMemo) 
         }
         let Some(&i) = q.get(k) else { continue };
         let i = i as usize;
-        if Some(i) == head_op || !cx.allows(i, r, st) {
+        if Some(i) == head_op || !cx.allows(i, r, st, false) {
             continue;
         }
         if !cx.backfill_forwards && cx.ops[i].kind == Kind::F {
@@ -1050,18 +1358,20 @@ mod tests {
                 Variant::new(true, w_due, false),
             )
             .unwrap();
-            (replay(&pred, &o, &dur, 0.05), o)
+            (replay(&pred, &o.ranks, &dur, 0.05), o)
         };
         let (deferred, _) = t(false);
         let (due, orders) = t(true);
         assert!((deferred - 166.6).abs() < 1e-6, "{deferred}");
         assert!((due - 165.9).abs() < 1e-6, "{due}");
         // On the last rank, in the steady state, each W right after its B.
-        let last = &orders[p as usize - 1];
+        let last = &orders.ranks[p as usize - 1];
         for m in 4..16 {
             let at = |k: Kind, s: u32| {
                 last.iter()
-                    .position(|&i| ops[i].kind == k && ops[i].stage == s && ops[i].mb == m)
+                    .position(|st| {
+                        matches!(*st, Step::Op(i) if ops[i].kind == k && ops[i].stage == s && ops[i].mb == m)
+                    })
                     .unwrap()
             };
             assert_eq!(at(Kind::W, p), at(Kind::B, p) + 1, "m = {m}");

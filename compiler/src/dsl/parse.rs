@@ -882,7 +882,21 @@ fn list_rule(i: In<'_>) -> R<'_, ListRule> {
         return Ok((i5, ListRule::Let(n, e, sp_of(start, i5))));
     }
     if let Ok((i2, _)) = kw("memory").parse(i) {
-        let (i3, _) = cut(expect("`<=`", tok("<="))).parse(i2)?;
+        use super::list::MemPolicy;
+        for (w, p) in [
+            ("offload", MemPolicy::Offload),
+            ("recompute", MemPolicy::Recompute),
+            ("wait", MemPolicy::Wait),
+        ] {
+            if let Ok((i3, _)) = kw(w).parse(i2) {
+                return Ok((i3, ListRule::OnMemory(p, sp_of(start, i3))));
+            }
+        }
+        let (i3, _) = cut(expect(
+            "`<=` (a cap) or `offload`, `recompute`, `wait` (what a rank does at the cap)",
+            tok("<="),
+        ))
+        .parse(i2)?;
         let (i4, e) = cut(expect("the most live activations per rank", expr)).parse(i3)?;
         return Ok((i4, ListRule::Memory(e, sp_of(start, i4))));
     }
@@ -923,7 +937,7 @@ fn list_rule(i: In<'_>) -> R<'_, ListRule> {
     }
     fail(
         i,
-        "a list rule (`F(c, m) = priority`, `let`, `memory <= e`, `inflight <= e`, `defer W`, `strict`)",
+        "a list rule (`F(c, m) = priority`, `let`, `memory <= e`, `memory offload|recompute|wait`, `inflight <= e`, `defer W`, `strict`)",
     )
 }
 
@@ -1153,6 +1167,11 @@ fn item(i: In<'_>) -> R<'_, Item> {
         }
         return Ok((i3, Item::Parts(PartsOrder::List(None), sp_of(start, i3))));
     }
+    if let Ok((i2, _)) = kw("recompute").parse(i) {
+        let (i3, _) = cut(expect("`stages` after `recompute`", kw("stages"))).parse(i2)?;
+        let (i4, set) = cut(|i| set_spec(i, "a stage expression or `]`")).parse(i3)?;
+        return Ok((i4, Item::Recompute(set, sp_of(start, i4))));
+    }
     if let Ok((i2, _)) = kw("moe").parse(i) {
         let (i3, set) = cut(|i| set_spec(i, "a stage expression or `]`")).parse(i2)?;
         return Ok((i3, Item::Moe(set, sp_of(start, i3))));
@@ -1231,7 +1250,7 @@ fn item(i: In<'_>) -> R<'_, Item> {
     }
     fail(
         i,
-        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, def, require, rank, list, literal, communicator, moe, parts, expect)",
+        "an item (schedule, param, vpp, stages, microbatches, placement, let, fn, def, require, rank, list, literal, communicator, moe, parts, recompute, expect)",
     )
 }
 
