@@ -1618,7 +1618,7 @@ impl Model<'_> {
     /// the shared expert's backward.
     fn b_combine(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d, k, f) = (dm.t, dm.d, dm.k, dm.fs);
+        let (t, d, k) = (dm.t, dm.d, dm.k);
         let r = &st.stash.layers[l];
         if l + 1 == dm.layers {
             if let Some(g) = io.grad_in {
@@ -1667,62 +1667,10 @@ impl Model<'_> {
         }
         let dn2 = self.at(io, r.dn2);
         if dm.shared {
-            let (da, dh1, dh3) = (
-                self.at(io, r.sh_da),
-                self.at(io, r.sh_dh1),
-                self.at(io, r.sh_dh3),
-            );
-            self.mm(
-                s,
-                (t, f, d),
-                dy,
-                false,
-                self.lw(st, l, "shared.w2")?,
-                true,
-                da,
-                false,
-                false,
-            )?;
-            let n = t * f;
-            self.ew(
-                s,
-                "swiglu_bwd",
-                n,
-                vec![
-                    p(dh1),
-                    p(dh3),
-                    p(da),
-                    p(self.at(io, r.sh_h1)),
-                    p(self.at(io, r.sh_h3)),
-                    n64(n),
-                ],
-            )?;
-            self.mm(
-                s,
-                (t, d, f),
-                dh1,
-                false,
-                self.lw(st, l, "shared.w1")?,
-                true,
-                dn2,
-                false,
-                false,
-            )?;
-            self.mm(
-                s,
-                (t, d, f),
-                dh3,
-                false,
-                self.lw(st, l, "shared.w3")?,
-                true,
-                dn2,
-                true,
-                false,
-            )?;
+            self.shared_bwd(s, st, l, io, t, dy, dn2)
         } else {
-            self.gpu.memset(s, dn2, r.dn2.bytes)?;
+            self.gpu.memset(s, dn2, r.dn2.bytes)
         }
-        Ok(())
     }
 
     /// B, with Megatron sequence parallelism (`bwd_shared`): this member's slice of the
@@ -1731,18 +1679,38 @@ impl Model<'_> {
     /// a shared expert).
     fn b_shared(&self, s: StreamId, st: &StageDev, l: usize, io: &Io) -> Result<(), GpuError> {
         let dm = self.dims;
-        let (t, d, f) = (dm.tc, dm.d, dm.fs);
+        let t = dm.tc;
         let r = &st.stash.layers[l];
         let at = |x: Region| self.at(io, x);
         let dn2c = at(r.dn2c);
         if !dm.shared {
             return self.gpu.memset(s, dn2c, r.dn2c.bytes);
         }
+        self.shared_bwd(s, st, l, io, t, at(r.dyc), dn2c)
+    }
+
+    /// The shared expert's backward on `t` rows: from the output gradient `dy` (`t x d`) the
+    /// input gradient into `dn2` (`t x d`, overwritten), through `W2`, SwiGLU and `W1`/`W3`
+    /// (this TP member's slices: hidden `dims.fs`), with the stash's `sh_*` scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn shared_bwd(
+        &self,
+        s: StreamId,
+        st: &StageDev,
+        l: usize,
+        io: &Io,
+        t: usize,
+        dy: DevPtr,
+        dn2: DevPtr,
+    ) -> Result<(), GpuError> {
+        let (d, f) = (self.dims.d, self.dims.fs);
+        let r = &st.stash.layers[l];
+        let at = |x: Region| self.at(io, x);
         let (da, dh1, dh3) = (at(r.sh_da), at(r.sh_dh1), at(r.sh_dh3));
         self.mm(
             s,
             (t, f, d),
-            at(r.dyc),
+            dy,
             false,
             self.lw(st, l, "shared.w2")?,
             true,
@@ -1771,7 +1739,7 @@ impl Model<'_> {
             false,
             self.lw(st, l, "shared.w1")?,
             true,
-            dn2c,
+            dn2,
             false,
             false,
         )?;
@@ -1782,7 +1750,7 @@ impl Model<'_> {
             false,
             self.lw(st, l, "shared.w3")?,
             true,
-            dn2c,
+            dn2,
             true,
             false,
         )

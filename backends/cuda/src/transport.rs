@@ -652,30 +652,19 @@ impl Transport for Nccl<'_> {
     fn reduce(
         &self,
         cx: &mut Cx,
-        _tag: CollTag,
+        tag: CollTag,
         group: &[u32],
         ptr: DevPtr,
         count: usize,
         dtype: DType,
-        _issued: &mut bool,
+        issued: &mut bool,
     ) -> Result<Ready, String> {
-        let mi = member(group, cx.rank)?;
         let n = group.len();
         let bytes = count * dtype.size();
-        // Slots 0..n: every member's gradients (this member's copied in), slot n: the sum.
+        // Slots 0..n: every member's gradients (gathered), slot n: the sum.
         let tmp = cx.pool.take(cx.gpu, cx.events, cx.s, (n + 1) * bytes)?;
         let slot = |j: usize| tmp + (j * bytes) as u64;
-        cx.gpu.dtod(cx.s, slot(mi), ptr, bytes)?;
-        self.grouped(|| {
-            for (j, &m) in group.iter().enumerate() {
-                if j == mi {
-                    continue;
-                }
-                self.coll.send(cx.comm, cx.s, ptr, bytes, m)?;
-                self.coll.recv(cx.comm, cx.s, slot(j), bytes, m)?;
-            }
-            Ok(())
-        })?;
+        self.all_gather(cx, tag, group, (ptr, tmp), count, dtype, issued)?;
         let srcs: Vec<DevPtr> = (0..n).map(slot).collect();
         sum_in_order(cx.gpu, cx.s, slot(n), &srcs, count, dtype)?;
         cx.gpu.dtod(cx.s, ptr, slot(n), bytes)?;
