@@ -281,6 +281,16 @@ fn every_schedule_p2_tp2_equals_sequential() {
     assert!(n >= 40, "only {n} instances");
 }
 
+/// Issue 23's must-show meshes for every spec: tensor parallelism with the `sp` dimension
+/// (`pp=2,tp=2,sp=2`) and with expert and data parallelism (`pp=2,tp=2,ep=2,dp=2`), each
+/// at the first M the spec accepts and at M = P, 2P, 3P.
+#[test]
+fn every_schedule_p2_tp2_with_sp_and_with_ep_dp_equals_sequential() {
+    let (lines, n) = sweep(&[2], &["pp=P,tp=2,sp=2", "pp=P,tp=2,ep=2,dp=2"]);
+    println!("{}", lines.join("\n"));
+    assert!(n >= 80, "only {n} instances");
+}
+
 /// Issue 23: tensor parallelism with the other dimensions: expert and data parallelism,
 /// the `sp` dimension (which splits the sequence like context parallelism; it composes
 /// with `tp` as an outer dimension: each SP chunk's TP group splits the heads), several
