@@ -1359,9 +1359,14 @@ impl Model<'_> {
         let r = &st.stash.layers[l];
         let (ib, ob) = (self.at(io, st.stash.inbox), self.at(io, st.stash.outbox));
         let (perm, cnt) = (self.at(io, r.perm), self.at(io, r.src_count));
-        self.one(
+        // Per-thread counts of every local expert fit the kernel's shared array
+        // (EXPERT_PLAN_SHARED = 8192 ints); one thread when they never could.
+        let threads = (8192 / dm.per.max(1)).clamp(1, ROUTE_THREADS as usize) as u32;
+        self.go(
             s,
             "expert_plan",
+            [1, 1, 1],
+            threads,
             vec![
                 p(perm),
                 p(self.at(io, r.ecount)),

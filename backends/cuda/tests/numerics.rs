@@ -936,3 +936,130 @@ fn parallel_routing_dispatch_plan_and_embedding_gradient_at_hidden_256_8_experts
         );
     }
 }
+
+/// The one-thread plan of `expert_plan` (its loop before issue 24 made it parallel), as
+/// the kernel documents it: `(perm, ecount, src_count, err)`.
+fn expert_plan_reference(
+    inbox: &[i32],
+    slot_ints: usize,
+    (ep, rmax, lo, per, cmax): (usize, usize, i32, usize, usize),
+) -> (Vec<i32>, Vec<i32>, Vec<i32>, i32) {
+    let mut perm = vec![7; ep * rmax];
+    let (mut ecount, mut src) = (vec![0i32; per], vec![0i32; ep]);
+    let mut err = 0;
+    for j in 0..ep {
+        let mut c = inbox[j * slot_ints];
+        if c < 0 || c as usize > rmax {
+            err = err.max(2);
+            c = 0;
+        }
+        src[j] = c;
+        for r in 0..c as usize {
+            let x = inbox[j * slot_ints + 4 + r] - lo;
+            perm[j * rmax + r] = if x < 0 || x as usize >= per {
+                err = err.max(3);
+                -1
+            } else if ecount[x as usize] as usize >= cmax {
+                err = err.max(4);
+                -1
+            } else {
+                ecount[x as usize] += 1;
+                x * cmax as i32 + ecount[x as usize] - 1
+            };
+        }
+    }
+    (perm, ecount, src, err)
+}
+
+/// Issue 24, item 2: `expert_plan` in one block of any size (runs of row slots counted per
+/// expert, an exclusive scan per expert over the runs, no atomics) gives the one-thread
+/// plan exactly: rows of one expert in (source, row) order, with and without capacity
+/// overflow, rows for experts not held and a count over its bound; with more local experts
+/// than its shared counts hold for the block, thread 0 plans alone.
+#[test]
+fn parallel_expert_plan_equals_the_one_thread_plan() {
+    let dv = Dev::new(DType::F32);
+    let mut rng = Rng::new(31);
+    let mut cases = 0;
+    for (ep, rmax, per, cmax, bad) in [
+        (4usize, 300usize, 8usize, 1000usize, false),
+        (4, 300, 8, 50, false),
+        (2, 513, 4, 200, true),
+        (8, 64, 128, 40, true),
+    ] {
+        let lo = per as i32;
+        let slot_ints = 4 + rmax;
+        let mut inbox = vec![0i32; ep * slot_ints];
+        for j in 0..ep {
+            let c = ((rng.uniform() + 1.0) * 0.5 * rmax as f64) as i32;
+            inbox[j * slot_ints] = if bad && j == 1 { rmax as i32 + 1 } else { c };
+            for r in 0..rmax {
+                let u = (rng.uniform() + 1.0) * 0.5;
+                let x = lo + (u * per as f64) as i32 % per as i32;
+                inbox[j * slot_ints + 4 + r] = if bad && r % 97 == 5 {
+                    lo + per as i32
+                } else {
+                    x
+                };
+            }
+        }
+        let geo = (ep, rmax, lo, per, cmax);
+        let (want_perm, want_ecount, want_src, want_err) =
+            expert_plan_reference(&inbox, slot_ints, geo);
+        println!(
+            "expert_plan ep {ep} rmax {rmax} per {per} cmax {cmax}: {} rows, at most {} per expert, error word {want_err}",
+            want_src.iter().sum::<i32>(),
+            want_ecount.iter().max().unwrap_or(&0)
+        );
+        for block in [1u32, 7, 64, ROUTE_THREADS] {
+            let (perm, ecount, src, err) = (
+                dv.i(&vec![7; ep * rmax]),
+                dv.i(&vec![9; per]),
+                dv.i(&vec![9; ep]),
+                dv.i(&[0]),
+            );
+            dv.go(
+                "expert_plan",
+                [1, 1, 1],
+                block,
+                vec![
+                    p(perm),
+                    p(ecount),
+                    p(src),
+                    p(dv.i(&inbox)),
+                    Arg::I64((slot_ints * 4) as i64),
+                    i(ep),
+                    i(rmax),
+                    Arg::I32(lo),
+                    i(per),
+                    i(cmax),
+                    p(err),
+                ],
+            );
+            let what = format!("ep {ep} rmax {rmax} per {per} cmax {cmax}, block {block}");
+            assert_eq!(dv.get_i(src, ep), want_src, "source counts, {what}");
+            assert_eq!(dv.get_i(ecount, per), want_ecount, "expert counts, {what}");
+            let got = dv.get_i(perm, ep * rmax);
+            for j in 0..ep {
+                let c = want_src[j] as usize;
+                let at = j * rmax;
+                assert_eq!(got[at..at + c], want_perm[at..at + c], "source {j}, {what}");
+            }
+            assert_eq!(dv.get_i(err, 1), vec![want_err], "error word, {what}");
+            cases += 1;
+        }
+        if per == 128 {
+            assert!(
+                per * ROUTE_THREADS as usize > 8192,
+                "setup: thread 0 plans alone"
+            );
+        }
+        if cmax == 50 {
+            assert_eq!(want_err, 4, "setup: capacity overflows");
+        }
+        if bad {
+            assert!(want_err >= 3, "setup: rows for experts not held");
+        }
+    }
+    println!("numerics expert_plan: {cases} launches equal the one-thread plan");
+}
