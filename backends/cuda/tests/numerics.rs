@@ -1040,9 +1040,8 @@ fn parallel_expert_plan_equals_the_one_thread_plan() {
             assert_eq!(dv.get_i(src, ep), want_src, "source counts, {what}");
             assert_eq!(dv.get_i(ecount, per), want_ecount, "expert counts, {what}");
             let got = dv.get_i(perm, ep * rmax);
-            for j in 0..ep {
-                let c = want_src[j] as usize;
-                let at = j * rmax;
+            for (j, &c) in want_src.iter().enumerate() {
+                let (c, at) = (c as usize, j * rmax);
                 assert_eq!(got[at..at + c], want_perm[at..at + c], "source {j}, {what}");
             }
             assert_eq!(dv.get_i(err, 1), vec![want_err], "error word, {what}");
