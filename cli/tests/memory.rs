@@ -726,7 +726,7 @@ fn compile_and_the_memory_estimate_count_a_lent_stash_on_its_holder() {
     let a = need("specs/1f1b.sched");
     let b = need("specs/bpipe.sched");
     assert!(a.contains("the largest, rank 0 needs 31.4 MiB (903.2 KiB of parameters, gradients and optimizer state, 30.5 MiB of activations and buffers)"), "{a}");
-    assert!(b.contains("the largest, rank 3 needs 23.7 MiB (904.2 KiB of parameters, gradients and optimizer state, 22.9 MiB of activations and buffers)"), "{b}");
+    assert!(b.contains("the largest, rank 3 needs 27.0 MiB (904.2 KiB of parameters, gradients and optimizer state, 26.1 MiB of activations and buffers)"), "{b}");
 }
 
 /// Newcomer round 4, finding 7: a host budget without activation sizes was silently ignored

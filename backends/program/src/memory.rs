@@ -75,8 +75,12 @@ pub fn check_fit(
 /// same again with `verify`, for the recorded gradients and the sequential reference), and
 /// its peak of live stashes (`peak_activations`: [`crate::verify::VerifyReport::peak_activations`],
 /// `schedc check`'s count, so a stash lent to another rank counts on its holder) of
-/// [`crate::ModelConfig::stash_elems_per_token`] per token and layer. An estimate: the CPU
-/// backend's buffers are not planned ahead.
+/// [`crate::ModelConfig::stash_elems_per_token`] per token and layer, plus, on a rank that
+/// holds a last stage, the LM head's saved state per stash (`vocab + 3 hidden + 1` per
+/// token: the scaled logits' gradient, the final norm's output, normalized input and inverse,
+/// and the head's input gradient; an upper bound where the rank's peak also holds stashes of
+/// other stages). An estimate: the CPU backend's buffers are not planned ahead, and its
+/// temporaries (a backward's intermediate gradients, messages in flight) are not counted.
 pub fn cpu_needs(
     set: &ProgramSet,
     peak_activations: &[u32],
@@ -94,6 +98,10 @@ pub fn cpu_needs(
         .saturating_mul(t)
         .saturating_mul(m.stash_elems_per_token(m.seq_len, tp))
         .saturating_mul(elem);
+    // The head's stash per micro-batch: dlogits (t x vocab), xf, xhat, dxf (t x d), inv (t).
+    let head_stash = t
+        .saturating_mul((m.vocab as u64).saturating_add(3 * m.hidden as u64 + 1))
+        .saturating_mul(elem);
     let state = if verify { 8 } else { 4 };
     set.ranks
         .iter()
@@ -107,11 +115,16 @@ pub fn cpu_needs(
                     tp,
                 ))
             });
+            let peak = peak_activations.get(i).copied().unwrap_or(0) as u64;
+            let per = if r.stages.iter().any(|s| s.last) {
+                per_stash.saturating_add(head_stash)
+            } else {
+                per_stash
+            };
             RankNeed {
                 rank: r.rank,
                 params: params.saturating_mul(state * elem),
-                activations: (peak_activations.get(i).copied().unwrap_or(0) as u64)
-                    .saturating_mul(per_stash),
+                activations: peak.saturating_mul(per),
             }
         })
         .collect()

@@ -942,3 +942,28 @@ fn a_reload_before_its_offload_is_refused_by_the_verifier() {
         "rank 0: stash(0,0) is allocated again at copy op #1 `alloc stash(0,0)` before (or unordered with) its release at compute op #7 `free stash(0,0)`"
     );
 }
+
+/// The CPU backend's memory estimate counts the LM head's saved state on the rank that
+/// holds the last stage: per stash, `seq x (vocab + 3 hidden + 1)` elements on top of the
+/// layers' (the scaled logits' gradient alone is `seq x vocab`; at DeepSeek-V3's vocabulary
+/// of 129,280 and 4096 tokens, 4.2 GB per stash in f64). 1F1B at P = 2, M = 1: both ranks
+/// hold one stash at their peak, so their activations differ by the head's alone.
+#[test]
+fn cpu_memory_estimate_counts_the_heads_stash_on_the_last_stage() {
+    let cfg = ModelConfig::tiny();
+    let src = spec("1f1b", 2, 1, None);
+    let set = ProgramSet::lower(&src, &Mesh::pipeline(2), &cfg, LowerOptions::default()).unwrap();
+    let rep = verify(&set, &src).unwrap();
+    assert_eq!(rep.peak_activations, vec![1, 1]);
+    let needs = crate::memory::cpu_needs(&set, &rep.peak_activations, 8, false);
+    let head = (cfg.seq_len * (cfg.vocab + 3 * cfg.hidden + 1) * 8) as u64;
+    assert_eq!(needs[1].activations - needs[0].activations, head);
+    assert_eq!(
+        needs[0].activations,
+        (cfg.layers_per_stage * cfg.seq_len) as u64 * cfg.stash_elems_per_token(cfg.seq_len, 1) * 8
+    );
+    assert!(
+        head > 8 * (cfg.seq_len * cfg.vocab) as u64,
+        "the logits' gradient is counted"
+    );
+}
