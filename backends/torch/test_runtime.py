@@ -119,6 +119,8 @@ CONFIGS = [
     ("1f1b_offload", "specs/1f1b_offload.sched", ["--pp", "4", "--mb", "8"], None, False, False),
     ("zb_offload", "specs/zb_offload.sched", ["--pp", "4", "--mb", "8"], None, False, False),
     ("1f1b_recompute", "specs/1f1b_recompute.sched", ["--pp", "4", "--mb", "8"], None, False, False),
+    # Offloads of ops split into MoE parts (the stage's saved tensors between the parts).
+    ("1f1b_offload-moe-parts", "specs/1f1b_offload.sched", ["--pp", "4", "--mb", "8"], None, True, False),
     # Issue 27: BPipe's lent stashes (LEND/RETURN) sent to the partner rank and back. At P=2
     # no rank lends (both keep their forwards); at P=4 ranks 0 and 1 lend to 3 and 2.
     ("bpipe", "specs/bpipe.sched", ["--pp", "2", "--mb", "4"], None, False, False),

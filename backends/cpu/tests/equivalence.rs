@@ -21,6 +21,16 @@ fn moves_activations(p: &schedc_ir::Program) -> bool {
     })
 }
 
+/// Whether a program recomputes forwards (`RECOMPUTE`, `F(s,m)!`), which the executors do
+/// for whole ops only.
+fn recomputes(p: &schedc_ir::Program) -> bool {
+    p.ranks.iter().flatten().any(|i| {
+        let mut ck = false;
+        i.for_each_compute(|c| ck |= c.checkpoint);
+        ck || matches!(i, schedc_ir::Instr::Mem(m) if m.kind == schedc_ir::MemKind::Recompute)
+    })
+}
+
 /// `specs/NAME.sched` at (P, M, V), split into MoE parts with `--moe=SEL` (`None` also for
 /// an instance that moves activations).
 fn moe_spec(
@@ -31,9 +41,9 @@ fn moe_spec(
     sel: &str,
 ) -> Option<schedc_ir::Program> {
     let p = spec(name, pp, mb, vpp)?;
-    // The executors move and recompute the saved activations of whole ops only (tested
-    // below: `memory_ops_with_moe_parts_are_refused_by_the_lowering`).
-    if moves_activations(&p) {
+    // The executors recompute whole ops only (tested below:
+    // `offloads_of_moe_parts_equal_sequential_and_their_recompute_is_refused`).
+    if recomputes(&p) {
         return None;
     }
     let stages = sel
@@ -1482,12 +1492,63 @@ fn backward_without_its_reload_fails_loudly_on_the_cpu_backend() {
     assert!(e.contains("stash(0,0) holds no stash"), "{e}");
 }
 
-/// Issue 27: memory ops on a rank whose ops are split into MoE parts are refused by the
-/// lowering (the executors move and recompute the saved activations of whole ops only).
+/// Issue 27: offloads and reloads of ops split into MoE parts (`--moe`) move the whole
+/// stash between the parts' windows and equal sequential training (f64), with and without
+/// expert parallelism; a recompute of such ops is refused by the lowering, naming the rank
+/// (it would rerun the parts' all-to-alls).
 #[test]
-fn memory_ops_with_moe_parts_are_refused_by_the_lowering() {
-    let p = spec("1f1b_offload", 4, 8, None).unwrap();
-    assert!(moves_activations(&p));
+fn offloads_of_moe_parts_equal_sequential_and_their_recompute_is_refused() {
+    for name in ["1f1b_offload", "zb_offload"] {
+        let p = spec(name, 4, 8, None).unwrap();
+        assert!(moves_activations(&p) && !recomputes(&p));
+        let src = moe_spec(name, 4, 8, None, "all").unwrap();
+        for mesh in ["pp=4", "pp=4,ep=2"] {
+            let set = ProgramSet::lower(
+                &src,
+                &mesh.parse().unwrap(),
+                &ModelConfig::tiny(),
+                LowerOptions::default(),
+            )
+            .unwrap();
+            let ops = || {
+                set.ranks
+                    .iter()
+                    .flat_map(|r| &r.streams)
+                    .flat_map(|s| &s.ops)
+            };
+            let offloads = ops()
+                .filter(|o| matches!(o, schedc_program::Op::Offload { .. }))
+                .count();
+            let parts = ops()
+                .filter(|o| matches!(o, schedc_program::Op::AllToAll { .. }))
+                .count();
+            assert!(
+                offloads > 0 && parts > 0,
+                "{name} {mesh}: {offloads} offloads, {parts} all-to-alls"
+            );
+            let c = run_program(
+                &ModelConfig::tiny(),
+                &src,
+                mesh,
+                2,
+                Optimizer::Sgd { lr: 0.2 },
+                LowerOptions::default(),
+            );
+            println!(
+                "{name} --moe {mesh}: grad {:.2e} loss {:.2e} params {:.2e}",
+                c.max_rel_grad_err, c.max_abs_loss_err, c.max_rel_param_err
+            );
+            assert!(
+                c.max_rel_grad_err <= MOE_TOL
+                    && c.max_abs_loss_err <= MOE_TOL
+                    && c.max_rel_param_err <= MOE_TOL,
+                "{name} --moe {mesh}: {c:?}"
+            );
+        }
+    }
+    let p = spec("1f1b_recompute", 4, 8, None).unwrap();
+    assert!(recomputes(&p));
+    assert!(moe_spec("1f1b_recompute", 4, 8, None, "all").is_none());
     let stages = "all"
         .parse::<schedc::moe::MoeStages>()
         .unwrap()
@@ -1500,7 +1561,7 @@ fn memory_ops_with_moe_parts_are_refused_by_the_lowering() {
         .to_string();
     assert_eq!(
         e,
-        "unsupported: rank 0 has memory ops (OFFLOAD, RELOAD, RECOMPUTE) and ops split into MoE parts: the executors move and recompute the saved activations of whole ops only"
+        "unsupported: rank 0 recomputes forwards (RECOMPUTE, F(s,m)!) that are split into MoE parts: the executors recompute whole ops only (offloads and reloads of MoE parts run)"
     );
 }
 

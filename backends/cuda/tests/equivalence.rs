@@ -761,6 +761,10 @@ fn offload_reload_and_recompute_specs_equal_the_cpu() {
         );
         assert_close(&case(name, 4, 8, "pp=4", &cfg, 2));
     }
+    // Offloads of ops split into MoE parts (the whole stash between the parts' windows).
+    for name in ["1f1b_offload", "zb_offload"] {
+        assert_close(&case_with(name, 4, 8, "pp=4,ep=2", &cfg, 2, true));
+    }
 }
 
 /// Issue 27, item 5: 1f1b_recompute (every forward of a rank with three or more in flight

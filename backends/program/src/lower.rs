@@ -371,17 +371,22 @@ fn lower_rank(
             _ => None,
         })
         .collect();
-    let has_mem = ir.ranks[r as usize]
-        .iter()
-        .any(|i| matches!(i, Instr::Mem(_)));
+    // Recomputing an op split into MoE parts would rerun its all-to-alls with the EP group
+    // and re-split its saved state part by part: refused. Offloads and reloads move the
+    // whole stash between parts' windows, as for whole ops.
+    let recomputes = ir.ranks[r as usize].iter().any(|i| {
+        let mut c = matches!(i, Instr::Mem(m) if m.kind == MemKind::Recompute);
+        i.for_each_compute(|x| c |= x.checkpoint);
+        c
+    });
     let parts = ir.ranks[r as usize].iter().any(|i| {
         let mut p = false;
         i.for_each_compute(|c| p |= c.part != IrPart::Whole);
         p
     });
-    if has_mem && parts {
+    if recomputes && parts {
         return Err(ProgramError::Unsupported(format!(
-            "rank {r} has memory ops (OFFLOAD, RELOAD, RECOMPUTE) and ops split into MoE parts: the executors move and recompute the saved activations of whole ops only"
+            "rank {r} recomputes forwards (RECOMPUTE, F(s,m)!) that are split into MoE parts: the executors recompute whole ops only (offloads and reloads of MoE parts run)"
         )));
     }
     // Per (stage, mb): the event the copy stream records after an offload (the stash is
