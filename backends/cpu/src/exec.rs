@@ -877,10 +877,9 @@ impl<'a, T: Real> Rank<'a, T> {
                         return Err(format!("{buf} arrived as a packet"))
                     }
                     None => {
-                        return Ok(Ready::Blocked(format!(
-                            "{} from rank {peer}",
-                            buf.describe()
-                        )))
+                        return Ok(Ready::blocked(|| {
+                            format!("{} from rank {peer}", buf.describe())
+                        }))
                     }
                 }
             }
@@ -928,16 +927,20 @@ impl<'a, T: Real> Rank<'a, T> {
                         // Off the compute stream (MoE parts' EP stream) an all-to-all is
                         // asynchronous: the compute stream runs on, and its completion is
                         // taken at this stream's next turn.
-                        return Ok(Ready::Blocked(format!(
+                        return Ok(Ready::blocked(|| {
+                            format!(
                             "the {phase:?} all-to-all of stage {stage}, micro-batch {mb}, layer {layer} (posted)"
-                        )));
+                        )
+                        }));
                     }
                 }
                 let missing = self.missing_from(group, &tag);
                 if !missing.is_empty() {
-                    return Ok(Ready::Blocked(format!(
+                    return Ok(Ready::blocked(|| {
+                        format!(
                         "the {phase:?} all-to-all of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
-                    )));
+                    )
+                    }));
                 }
                 let mut inbox = Vec::with_capacity(group.len());
                 for m in group {
@@ -984,16 +987,20 @@ impl<'a, T: Real> Rank<'a, T> {
                     }
                     *posted = true;
                     if stream != 0 {
-                        return Ok(Ready::Blocked(format!(
+                        return Ok(Ready::blocked(|| {
+                            format!(
                             "the {phase:?} tensor-parallel all-reduce of stage {stage}, micro-batch {mb}, layer {layer} (posted)"
-                        )));
+                        )
+                        }));
                     }
                 }
                 let missing = self.missing_from(group, &tag);
                 if !missing.is_empty() {
-                    return Ok(Ready::Blocked(format!(
+                    return Ok(Ready::blocked(|| {
+                        format!(
                         "the {phase:?} tensor-parallel collective of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
-                    )));
+                    )
+                    }));
                 }
                 let mut parts = Vec::with_capacity(group.len());
                 for m in group {
@@ -1019,9 +1026,9 @@ impl<'a, T: Real> Rank<'a, T> {
                 }
                 let missing = self.missing_from(group, &tag);
                 if !missing.is_empty() {
-                    return Ok(Ready::Blocked(format!(
-                        "the shard gradients of stage {stage} from TP ranks {missing:?}"
-                    )));
+                    return Ok(Ready::blocked(|| {
+                        format!("the shard gradients of stage {stage} from TP ranks {missing:?}")
+                    }));
                 }
                 let mut parts = Vec::with_capacity(group.len());
                 for m in group {
@@ -1051,9 +1058,11 @@ impl<'a, T: Real> Rank<'a, T> {
                 }
                 self.drain();
                 let Some(body) = self.take(*peer, &tag) else {
-                    return Ok(Ready::Blocked(format!(
+                    return Ok(Ready::blocked(|| {
+                        format!(
                         "the gradients of model stage {model_stage} from its other copy on rank {peer}"
-                    )));
+                    )
+                    }));
                 };
                 let Body::Tensor(theirs) = body else {
                     return Err("a replica message is not a tensor".into());
@@ -1093,9 +1102,9 @@ impl<'a, T: Real> Rank<'a, T> {
                 }
                 let missing = self.missing_from(group, &tag);
                 if !missing.is_empty() {
-                    return Ok(Ready::Blocked(format!(
-                        "the {scope:?} gradients of stage {stage} from ranks {missing:?}"
-                    )));
+                    return Ok(Ready::blocked(|| {
+                        format!("the {scope:?} gradients of stage {stage} from ranks {missing:?}")
+                    }));
                 }
                 // Sum in group order: every member adds the same numbers in the same order.
                 let mut sum: Option<Vec<T>> = None;
@@ -1328,9 +1337,11 @@ impl<'a, T: Real> Rank<'a, T> {
             })
             .collect();
         if !missing.is_empty() {
-            return Ok(Ready::Blocked(format!(
+            return Ok(Ready::blocked(|| {
+                format!(
                 "the {phase:?} all-to-all (hierarchical) of stage {stage}, micro-batch {mb}, layer {layer} from ranks {missing:?}"
-            )));
+            )
+            }));
         }
         let mut inbox = Vec::with_capacity(group.len());
         for src in group.iter().copied() {

@@ -344,10 +344,9 @@ impl Single {
         }
         let missing = Self::missing(&posted, &key.2);
         if !missing.is_empty() {
-            return Ok(Joined::Blocked(Ready::Blocked(format!(
-                "{} from ranks {missing:?}",
-                Self::describe(&key.1)
-            ))));
+            return Ok(Joined::Blocked(Ready::blocked(|| {
+                format!("{} from ranks {missing:?}", Self::describe(&key.1))
+            })));
         }
         let mut srcs = Vec::with_capacity(posted.len());
         for p in &posted {
@@ -457,10 +456,9 @@ impl Transport for Single {
     ) -> Result<Ready, String> {
         let got = self.lock().p2p.remove(&(cx.step, peer, cx.rank, buf));
         let Some((blk, n, e)) = got else {
-            return Ok(Ready::Blocked(format!(
-                "{} from rank {peer}",
-                buf.describe()
-            )));
+            return Ok(Ready::blocked(|| {
+                format!("{} from rank {peer}", buf.describe())
+            }));
         };
         if n != bytes {
             return Err(format!("{buf} arrived with {n} bytes, expected {bytes}"));
@@ -504,10 +502,12 @@ impl Transport for Single {
         let pulled = self.lock().coll[&key].pulled.clone();
         let missing = Self::missing(&pulled, group);
         if !missing.is_empty() {
-            return Ok(Ready::Blocked(format!(
-                "ranks {missing:?} to copy their part of {}",
-                Self::describe(&key.1)
-            )));
+            return Ok(Ready::blocked(|| {
+                format!(
+                    "ranks {missing:?} to copy their part of {}",
+                    Self::describe(&key.1)
+                )
+            }));
         }
         self.finish(cx, &key, mi)?;
         Ok(Ready::Done)
@@ -548,10 +548,12 @@ impl Transport for Single {
         };
         let missing = Self::missing(&pulled, group);
         if !missing.is_empty() {
-            return Ok(Ready::Blocked(format!(
-                "ranks {missing:?} to read their part of {}",
-                Self::describe(&key.1)
-            )));
+            return Ok(Ready::blocked(|| {
+                format!(
+                    "ranks {missing:?} to read their part of {}",
+                    Self::describe(&key.1)
+                )
+            }));
         }
         let acc = acc.ok_or("the sum vanished")?;
         // Every member has read this member's gradients: overwrite them with the sum.

@@ -294,8 +294,29 @@ pub enum Ready {
     /// It ran (or its asynchronous work completed): the stream moves on.
     Done,
     /// It cannot complete yet; the text says what it waits for ("the activation of stage 1,
-    /// micro-batch 3 from rank 2").
+    /// micro-batch 3 from rank 2"). Empty while the interpreter polls (see
+    /// [`Ready::blocked`]).
     Blocked(String),
+}
+
+thread_local! {
+    /// Whether the interpreter on this thread wants the text of a [`Ready::Blocked`]: only
+    /// when it reports a timeout.
+    static DESCRIBE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl Ready {
+    /// [`Ready::Blocked`] with the text `what()`, formatted only when the interpreter asks
+    /// for it (when it reports a timeout, it offers each blocked instruction once more to
+    /// learn what it waits for at that moment); a poll of a blocked instruction otherwise
+    /// formats and allocates nothing.
+    pub fn blocked(what: impl FnOnce() -> String) -> Ready {
+        Ready::Blocked(if DESCRIBE.with(|d| d.get()) {
+            what()
+        } else {
+            String::new()
+        })
+    }
 }
 
 /// What a backend supplies to run rank programs: storage and the instructions that touch
@@ -415,7 +436,7 @@ pub fn run_rank<D: Device>(
                             dev.record(s, *event).map(|_| Ready::Done)
                         }
                         Op::Wait { event } if !recorded.contains(event) => {
-                            Ok(Ready::Blocked(format!("event e{event}")))
+                            Ok(Ready::blocked(|| format!("event e{event}")))
                         }
                         Op::Wait { event } => dev.wait_event(s, *event).map(|_| Ready::Done),
                         Op::Alloc { buf, zero } => {
@@ -464,6 +485,39 @@ pub fn run_rank<D: Device>(
             }
             let waited = last_progress.elapsed();
             if waited >= opts.timeout {
+                // What each blocked stream waits for now: its instruction offered once more,
+                // with the text asked for (a poll that completes it changes nothing here: the
+                // rank fails anyway).
+                DESCRIBE.with(|d| d.set(true));
+                for s in 0..ns {
+                    if blocked[s].is_none() || ptr[s] >= len(s) {
+                        continue;
+                    }
+                    let c = Cursor {
+                        step,
+                        stream: s,
+                        index: ptr[s],
+                    };
+                    dev.before(c);
+                    let what = match &prog.streams[s].ops[ptr[s]] {
+                        Op::Wait { event } if !recorded.contains(event) => {
+                            format!("event e{event}")
+                        }
+                        op @ (Op::Record { .. }
+                        | Op::Wait { .. }
+                        | Op::Alloc { .. }
+                        | Op::Free { .. }) => {
+                            format!("`{op}`")
+                        }
+                        op => match dev.exec(s, op, &mut issued[s]) {
+                            Ok(Ready::Blocked(w)) => w,
+                            Ok(Ready::Done) => "(it completed as the timeout was reported)".into(),
+                            Err(m) => m,
+                        },
+                    };
+                    blocked[s] = Some(what);
+                }
+                DESCRIBE.with(|d| d.set(false));
                 // Report the stream that waits on another rank (not on an event).
                 let s = (0..ns)
                     .find(|&s| {
@@ -546,7 +600,7 @@ mod tests {
             if let Op::Recv { .. } = op {
                 *issued = true;
                 if !self.ready {
-                    return Ok(Ready::Blocked("a message".into()));
+                    return Ok(Ready::blocked(|| "a message".into()));
                 }
             }
             self.ops.push(op.to_string());
@@ -749,5 +803,70 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, ExecError::Aborted { cause: 7, .. }), "{e}");
+    }
+
+    /// A device whose receive never completes and counts how often its waiting text is
+    /// formatted.
+    #[derive(Default)]
+    struct Never {
+        polls: u32,
+        described: u32,
+    }
+
+    impl Device for Never {
+        fn alloc(&mut self, _buf: Buf, _zero: bool) -> Result<(), String> {
+            Ok(())
+        }
+        fn free(&mut self, _buf: Buf) -> Result<(), String> {
+            Ok(())
+        }
+        fn exec(&mut self, _s: usize, _op: &Op, issued: &mut bool) -> Result<Ready, String> {
+            *issued = true;
+            self.polls += 1;
+            let n = self.polls;
+            let described = &mut self.described;
+            Ok(Ready::blocked(|| {
+                *described += 1;
+                format!("the message of poll {n}")
+            }))
+        }
+        fn wait(&mut self, _at_most: Duration) {}
+    }
+
+    /// Polling a blocked instruction formats nothing: its text is made once, when the
+    /// timeout is reported, by offering the instruction once more (so it says what the
+    /// instruction waits for at that moment); the other stream's wait for an event that
+    /// is never recorded is described by the interpreter.
+    #[test]
+    fn blocked_texts_are_made_only_for_the_timeout() {
+        let prog = program(
+            vec![Op::Wait { event: 0 }],
+            vec![Op::Recv { buf: A, peer: 1 }, Op::Record { event: 0 }],
+            1,
+        );
+        let mut dev = Never::default();
+        let opts = InterpOptions {
+            steps: 1,
+            timeout: Duration::from_millis(50),
+        };
+        let e = run_rank(&prog, &mut dev, opts, &Abort::default(), &Mutex::default()).unwrap_err();
+        assert!(dev.polls > 2, "polled {} times", dev.polls);
+        assert_eq!(dev.described, 1);
+        let last = format!("the message of poll {}", dev.polls);
+        assert!(
+            e.to_string()
+                .contains(&format!("for {last}, which never came")),
+            "{e}"
+        );
+        let ExecError::Timeout { blocked, .. } = &e else {
+            panic!("{e}")
+        };
+        assert_eq!(
+            blocked,
+            &vec![
+                "compute op #0 `wait e0` waits for event e0".to_string(),
+                format!("comm op #0 `recv act(0,0) from rank 1` waits for {last}"),
+            ]
+        );
     }
 }
