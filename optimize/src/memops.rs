@@ -224,12 +224,23 @@ pub fn fit_bytes(
     let mut tried: HashSet<(usize, usize)> = HashSet::new();
     let mut switched: HashSet<(usize, usize)> = HashSet::new();
     let (mut cur, mut origin) = apply(p, &kept);
+    // The input's largest peak, and the least largest peak any accepted rewrite reached
+    // (the excess, summed over ranks, never grows, but one rank may rise while others fall):
+    // what a failure reports.
+    let input_peak = worst(&s0);
+    let mut least = input_peak;
     let mut s = s0;
     let mut e = e0;
     let past = || deadline.is_some_and(|d| Instant::now() >= d);
     while e > 0.0 {
         if past() {
-            return Err(over_message(&s, cap, "the time limit ran out"));
+            return Err(over_message(
+                &s,
+                least,
+                input_peak,
+                cap,
+                "the time limit ran out",
+            ));
         }
         // The rank furthest over the cap, and the instant it first peaks.
         let (r, t) = match s
@@ -328,6 +339,8 @@ pub fn fit_bytes(
         let Some(&(_, f, b, switch)) = cands.first() else {
             return Err(over_message(
                 &s,
+                least,
+                input_peak,
                 cap,
                 "every activation live at its peak has been offloaded or recomputed",
             ));
@@ -396,6 +409,11 @@ pub fn fit_bytes(
             origin = o;
             s = sq;
             e = eq;
+            if let (Some(w), Some(l)) = (worst(&s), least) {
+                if w.1 < l.1 {
+                    least = Some(w);
+                }
+            }
         }
     }
     // Undo what the program no longer needs (last first), where it stays within the cap and
@@ -423,16 +441,33 @@ pub fn fit_bytes(
     })
 }
 
-fn over_message(s: &SimResult, cap: f64, why: &str) -> String {
-    let worst = s
-        .ranks
+/// The rank with the largest simulated peak device memory, and that peak (bytes).
+fn worst(s: &SimResult) -> Option<(u32, f64)> {
+    s.ranks
         .iter()
-        .max_by(|a, b| a.peak_memory_bytes.total_cmp(&b.peak_memory_bytes));
-    match worst {
-        Some(w) if w.peak_memory_bytes > cap => format!(
-            "no schedule within --max-memory {cap} bytes was found: with offloads and recomputes rank {} still needs {} bytes at its peak ({why})",
-            w.rank,
-            w.peak_memory_bytes.round() as u64
+        .max_by(|a, b| a.peak_memory_bytes.total_cmp(&b.peak_memory_bytes))
+        .map(|w| (w.rank, w.peak_memory_bytes))
+}
+
+/// Why fitting failed: `s` is the last program tried, `least` the lowest largest peak any
+/// accepted rewrite reached and `input` the input's, as (rank, bytes).
+fn over_message(
+    s: &SimResult,
+    least: Option<(u32, f64)>,
+    input: Option<(u32, f64)>,
+    cap: f64,
+    why: &str,
+) -> String {
+    match (least, input) {
+        (Some(l), Some(i)) if l.1 > cap => format!(
+            "no schedule within --max-memory {cap} bytes was found: with offloads and recomputes the lowest peak reached is {} bytes on rank {} (the input's: {} bytes on rank {}; a rank holds at least the activation of the op it runs) ({why})",
+            l.1.round() as u64,
+            l.0,
+            i.1.round() as u64,
+            i.0
+        ),
+        _ if s.host_overflows.is_empty() => format!(
+            "no schedule within --max-memory {cap} bytes was found: every rank fits at some point of the search, but not all at once ({why})"
         ),
         _ => format!(
             "no schedule within --max-memory {cap} bytes was found: an offload would overflow [memory] host_bytes ({why})"

@@ -708,15 +708,30 @@ impl CostModel {
     /// times are for a stage holding 1/P of the model, so a schedule that splits it into more
     /// stages per direction than ranks (V > 1: interleaved, ZB-V, DualPipeV) has each op
     /// charged `P / stages per direction` of them ([`CostModel::op_scale`]), and every
-    /// schedule does the same work. An `op_scale` already set is kept.
+    /// schedule does the same work. The `[memory]` sizes of a stage (activation, parameter,
+    /// gradient and optimizer bytes) and the seconds of a host copy are charged the same
+    /// share, so such a schedule also holds the same model: a ZB-V rank's two stages hold
+    /// one `param_bytes` between them. Per-stage overrides (`[memory.stage.N]`, which
+    /// `--model` sets for the schedule's own stages) are kept as given. An `op_scale`
+    /// already set is kept, and then nothing is scaled.
     pub fn for_pipeline(&self, pl: &schedc_ir::Pipeline) -> CostModel {
         let mut c = self.clone();
         if c.op_scale.is_none() {
-            c.op_scale = Some(if c.compute.measured {
+            let f = if c.compute.measured {
                 1.0
             } else {
                 pl.pp as f64 / pl.stages_per_direction().max(1) as f64
-            });
+            };
+            c.op_scale = Some(f);
+            if f != 1.0 {
+                let m = &mut c.memory;
+                m.activation_bytes *= f;
+                m.param_bytes *= f;
+                m.grad_bytes *= f;
+                m.optimizer_bytes *= f;
+                m.offload *= f;
+                m.reload = m.reload.map(|r| r * f);
+            }
         }
         c
     }
