@@ -1273,3 +1273,96 @@ fn strict_gpipe_order_stuck_at_the_cap_runs_with_offload_or_recompute() {
         );
     }
 }
+
+/// Newcomer round 5: what `check` accepts of memory ops the executors run, and what the
+/// exports and specs say of them.
+#[test]
+fn newcomer_round_5_memory_findings() {
+    let d = tmpdir("round5");
+    // Finding 1: a RECOMPUTE after an offload that follows the split backward's B cannot
+    // rebuild what W needs (`run` failed on it): `check` rejects it at its line, exit 1.
+    let ir = d.join("rc_after_b.ir");
+    std::fs::write(
+        &ir,
+        "pp 2\nstages 2\nmicrobatches 2\nplacement loop\nrank 0: F(0,0) F(0,1) BW(0,0) BW(0,1)\nrank 1: F(1,0) F(1,1) B(1,0) OFFLOAD(1,0) B(1,1) RECOMPUTE(1,0) W(1,0) W(1,1)\n",
+    )
+    .unwrap();
+    let o = schedc(&["check", ir.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = format!("{}{}", stdout(&o), stderr(&o));
+    assert!(e.contains("rank 1 step 5: `RECOMPUTE(1,0)` is not valid here"), "{e}");
+    assert!(e.contains("after B ran: W needs what B left"), "{e}");
+    assert!(e.contains("rc_after_b.ir:6:"), "{e}");
+    assert!(e.contains("help: put RELOAD(1,0) before W(1,0)"), "{e}");
+    // Finding 2: the Megatron export refuses a schedule that moves activations (it wrote
+    // plain 1F1B's arguments).
+    for spec in ["1f1b_recompute", "1f1b_offload", "bpipe"] {
+        let o = schedc(&[
+            "convert",
+            &format!("specs/{spec}.sched"),
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--to",
+            "megatron",
+        ]);
+        assert_eq!(o.status.code(), Some(1), "{spec}: {}", stdout(&o));
+        assert!(
+            stderr(&o).contains("cannot export to Megatron-LM: the program moves or recomputes activations (rank "),
+            "{spec}: {}",
+            stderr(&o)
+        );
+    }
+    // Finding 7: interleaved_1f1b's recompute takes 0..=S.
+    for bad in ["-1", "9"] {
+        let o = schedc(&[
+            "check",
+            "specs/interleaved_1f1b.sched",
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--param",
+            &format!("recompute={bad}"),
+        ]);
+        assert_ne!(o.status.code(), Some(0), "recompute={bad}");
+        assert!(
+            stderr(&o).contains("--param recompute takes K in 0..=8 (the first K of the 8")
+                && stderr(&o).contains(&format!("got {bad}")),
+            "{}",
+            stderr(&o)
+        );
+    }
+    // Finding 8: a second `memory` line in a list block is an input error, exit 2, as a
+    // `memory offload` without a cap is.
+    let twice = d.join("twice.sched");
+    std::fs::write(
+        &twice,
+        "schedule \"l\"\nvpp 1\nplacement loop\nlist r {\n    F(c, m) = 2 * m\n    BW(c, m) = 2 * (m + P - r) - 1\n    memory <= 2\n    memory offload\n    memory recompute\n}\n",
+    )
+    .unwrap();
+    let o = schedc(&["check", twice.to_str().unwrap(), "--pp", "4", "--mb", "8"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("a second `memory offload|recompute|wait` line"));
+    // Finding 10: the input within the cap and faster than what the search found is named.
+    let o = schedc(&[
+        "optimize",
+        "specs/1f1b_offload.sched",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--cost",
+        "F=1,B=1,W=1",
+        "--max-activations",
+        "2",
+        "--time-limit",
+        "5",
+    ]);
+    assert!(
+        stderr(&o).contains("note: the input is faster than the schedule found (33.0000 against 41.0000) and within the caps"),
+        "{}",
+        stderr(&o)
+    );
+}

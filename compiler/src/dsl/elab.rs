@@ -2224,11 +2224,14 @@ fn elab_list(
     let (mut mem_rule, mut infl_rule, mut defer, mut strict) = (None, None, None, None);
     let mut on_memory = None;
     for (k, rule) in rules.iter().enumerate() {
+        // Wrong whatever the instance: an input error (exit 2), as a syntax error is.
         let dup = |what: &str| {
-            vec![err(
+            let mut e = err(
                 rule.sp(),
                 format!("a second `{what}` line in the `list` block"),
-            )]
+            );
+            e.malformed = true;
+            vec![e]
         };
         match rule {
             ListRule::Priority { kind, .. } => {

@@ -147,6 +147,33 @@ pub fn detect(p: &Program) -> Result<Schedule, ExportError> {
     if pl.placement == PlacementKind::Bidir {
         return unsupported("the schedule runs two copies of every stage in opposite directions (a bidirectional placement, as DualPipe's): Megatron-Core pipelines one direction only".into());
     }
+    // Memory ops and lent stashes (issue 27) have no Megatron-Core argument: its schedules
+    // keep every stash on its rank, and its --recompute-* flags recompute inside every layer
+    // of every micro-batch, not the forwards this schedule picks.
+    let moves = p.ranks.iter().enumerate().find_map(|(r, ins)| {
+        ins.iter().find_map(|i| {
+            let mut ck = false;
+            i.for_each_compute(|c| ck |= c.checkpoint);
+            let stash = |c: &schedc_ir::Comm| match c {
+                schedc_ir::Comm::Send { payload, .. } | schedc_ir::Comm::Recv { payload, .. } => {
+                    payload.kind.is_stash()
+                }
+                schedc_ir::Comm::Collective(_) => false,
+            };
+            let lends = match i {
+                schedc_ir::Instr::Comm(c) => stash(c),
+                schedc_ir::Instr::Group(g) => g.iter().any(stash),
+                _ => false,
+            };
+            (ck || lends || matches!(i, schedc_ir::Instr::Mem(_)))
+                .then(|| (r, schedc_ir::text::instr_to_string(i)))
+        })
+    });
+    if let Some((r, op)) = moves {
+        return unsupported(format!(
+            "the program moves or recomputes activations (rank {r}: `{op}`; OFFLOAD, RELOAD, RECOMPUTE, F(s,m)!, LEND and RETURN): Megatron-Core's schedules keep every activation on its rank and its --recompute-* flags recompute every micro-batch alike, so the export would not be this schedule; export it without memory ops"
+        ));
+    }
     let (pp, s, m) = (pl.pp, pl.stages, pl.microbatches);
     if pp == 0 || !s.is_multiple_of(pp) {
         return unsupported(format!(

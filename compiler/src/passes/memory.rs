@@ -49,6 +49,10 @@ pub enum Where {
     /// On a rank that does not own the stage: received with `LEND(s,m<-o)` and never sent
     /// back (a LEND without its RETURN; the error is at the LEND's receive).
     Held,
+    /// Offloaded after its split backward's `B` ran: what `W` still needs is `B`'s part of
+    /// the stash, which a `RECOMPUTE` (a forward) cannot rebuild; only a `RELOAD` brings it
+    /// back.
+    HostAfterB,
 }
 
 impl Where {
@@ -64,6 +68,9 @@ impl Where {
             Where::Lent => "lent to another rank and not returned",
             Where::NotHeld => "not held by this rank: no LEND of them was received before it (RETURN without LEND)",
             Where::Held => "held here and never returned to their owner (LEND without RETURN)",
+            Where::HostAfterB => {
+                "offloaded after B ran: W needs what B left, which a recompute (a forward) cannot rebuild"
+            }
         }
     }
 }
@@ -127,6 +134,11 @@ impl MemError {
                  (`F({},{})!` saves only its input) and never recomputed",
                 self.at.rank, self.at.pos, loc.op, self.stage, self.mb, o, self.stage, self.mb
             ),
+            Some(o) if self.state == Where::HostAfterB => format!(
+                "rank {} step {}: `{}` reads the activations of F({},{}), offloaded at step {} \
+                 after its B and never reloaded",
+                self.at.rank, self.at.pos, loc.op, self.stage, self.mb, o
+            ),
             Some(o) => format!(
                 "rank {} step {}: `{}` reads the activations of F({},{}), offloaded at step {} \
                  and never reloaded or recomputed",
@@ -142,7 +154,12 @@ impl MemError {
                 self.state.describe()
             ),
         };
-        let help = if self.state == Where::Input && self.offloaded_at.is_some() {
+        let help = if self.state == Where::HostAfterB {
+            format!(
+                "put RELOAD({},{}) before W({},{}): a RECOMPUTE cannot rebuild what B({},{}) kept for it",
+                self.stage, self.mb, self.stage, self.mb, self.stage, self.mb
+            )
+        } else if self.state == Where::Input && self.offloaded_at.is_some() {
             format!(
                 "put RECOMPUTE({},{}) before the backward on this rank",
                 self.stage, self.mb
@@ -206,8 +223,10 @@ pub fn check(p: &Program) -> Vec<MemError> {
         let mut lent = vec![(0u32, 0u32); s_n * m_n];
         let mut held = vec![false; s_n * m_n];
         let mut held_at = vec![0u32; s_n * m_n];
-        // Whether (s,m) has a split backward (its W releases it, not its B).
+        // Whether (s,m) has a split backward (its W releases it, not its B), and whether
+        // its B has run (an offload after it holds what W needs).
         let mut split = vec![false; s_n * m_n];
+        let mut backed = vec![false; s_n * m_n];
         for ins in instrs {
             ins.for_each_compute(|c| {
                 if (c.stage as usize) < s_n && (c.mb as usize) < m_n && c.kind == Kind::W {
@@ -232,7 +251,11 @@ pub fn check(p: &Program) -> Vec<MemError> {
                         continue;
                     }
                     let (need, next) = match op.kind {
+                        MemKind::Offload if backed[k] => (Where::Device, Where::HostAfterB),
                         MemKind::Offload => (Where::Device, Where::Host),
+                        MemKind::Reload if state[k] == Where::HostAfterB => {
+                            (Where::HostAfterB, Where::Device)
+                        }
                         MemKind::Reload => (Where::Host, Where::Device),
                         MemKind::Recompute if state[k] == Where::Input => {
                             (Where::Input, Where::Device)
@@ -346,7 +369,13 @@ pub fn check(p: &Program) -> Vec<MemError> {
                                 }
                             }
                             Kind::B | Kind::W | Kind::BW => {
-                                let gone = matches!(state[k], Where::Host | Where::Input);
+                                if c.kind == Kind::B && super::is_last_part(c) {
+                                    backed[k] = true;
+                                }
+                                let gone = matches!(
+                                    state[k],
+                                    Where::Host | Where::Input | Where::HostAfterB
+                                );
                                 if gone && !reported {
                                     reported = true;
                                     errs.push(MemError {
@@ -408,6 +437,25 @@ mod tests {
 
     fn prog(src: &str) -> Program {
         schedc_ir::text::parse(src).unwrap().program
+    }
+
+    /// Newcomer round 5, finding 1: an offload after a split backward's B holds what its W
+    /// needs (B's part of the stash); a RECOMPUTE (a forward) cannot rebuild that, so only a
+    /// RELOAD may bring it back (`run` failed on the program `check` had accepted).
+    #[test]
+    fn recompute_after_an_offload_that_follows_b_is_rejected() {
+        let bad = prog("pp 1\nstages 1\nmicrobatches 2\nplacement loop\nrank 0: F(0,0) F(0,1) B(0,0) OFFLOAD(0,0) B(0,1) RECOMPUTE(0,0) W(0,0) W(0,1)\n");
+        let e = check(&bad);
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert_eq!(e[0].at, Pos { rank: 0, pos: 5 });
+        assert_eq!(e[0].state, Where::HostAfterB);
+        // The W that follows does not find its activations either.
+        assert_eq!(e[1].at, Pos { rank: 0, pos: 6 });
+        let ok = prog("pp 1\nstages 1\nmicrobatches 2\nplacement loop\nrank 0: F(0,0) F(0,1) B(0,0) OFFLOAD(0,0) B(0,1) RELOAD(0,0) W(0,0) W(0,1)\n");
+        assert_eq!(check(&ok), vec![]);
+        // Before B, a recompute of the offloaded stash stays valid.
+        let before = prog("pp 1\nstages 1\nmicrobatches 2\nplacement loop\nrank 0: F(0,0) OFFLOAD(0,0) F(0,1) B(0,1) RECOMPUTE(0,0) B(0,0) W(0,0) W(0,1)\n");
+        assert_eq!(check(&before), vec![]);
     }
 
     #[test]
