@@ -664,7 +664,7 @@ fn run_typed<T: Real>(
             DType::F64
         },
         steps: cfg.steps,
-        tokens_per_step: batching.tokens(cfg.model.seq_len),
+        tokens_per_step: batching.tokens(cfg.model.micro_batch_tokens()),
         instructions_per_step: set.len(),
         verified,
         loss: res.losses.clone(),

@@ -75,7 +75,7 @@ pub fn check_fit(
 /// same again with `verify`, for the recorded gradients and the sequential reference), and
 /// its peak of live stashes (`peak_activations`: [`crate::verify::VerifyReport::peak_activations`],
 /// `schedc check`'s count, so a stash lent to another rank counts on its holder) of
-/// [`crate::ModelConfig::stash_elems_per_token`] per token and layer. An estimate: the CPU
+/// [`crate::ModelConfig::stash_elems_per_token`] per token (`B T / sp` per micro-batch) and layer. An estimate: the CPU
 /// backend's buffers are not planned ahead.
 pub fn cpu_needs(
     set: &ProgramSet,
@@ -89,7 +89,8 @@ pub fn cpu_needs(
     let mesh = &set.manifest.mesh;
     let tp = mesh.size(crate::mesh::Dim::Tp) as usize;
     let sp = mesh.size(crate::mesh::Dim::Sp) as usize;
-    let t = (m.seq_len / sp.max(1)).max(1) as u64;
+    // The micro-batch's B sequences, each its chunk of T / sp rows.
+    let t = ((m.seq_len / sp.max(1)).max(1) as u64).saturating_mul(m.micro_batch_size as u64);
     let per_stash = (m.layers_per_stage as u64)
         .saturating_mul(t)
         .saturating_mul(m.stash_elems_per_token(m.seq_len, tp))
