@@ -596,7 +596,7 @@ pub fn check_model_memory(
         schedc_program::memory::cpu_needs(set, &verified.peak_activations, elem, cfg.verify);
     schedc_program::memory::check_fit(&needs, limit, &name, true).map_err(|e| {
         RunError::TooLarge(format!(
-            "{e}: give a smaller --model, --seq or mesh, or raise --memory-limit"
+            "{e}: give a smaller --model, --seq, --micro-batch-size or mesh, or raise --memory-limit"
         ))
     })
 }
