@@ -57,8 +57,10 @@ pub struct ModelArgs {
     /// Tokens per sequence (default: 4096 with --model, else the small model's 32).
     #[arg(long)]
     pub seq: Option<u64>,
-    /// Sequences per micro-batch (the executors run one; only 1 is accepted).
-    #[arg(long)]
+    /// Sequences per micro-batch B (default 1): a micro-batch is B independent sequences of
+    /// --seq tokens (B·T rows; attention causal within each sequence, RoPE positions from 0
+    /// in each). Not with sequence parallelism (--mesh sp=N, --sequence-parallel).
+    #[arg(long, value_name = "B")]
     pub micro_batch_size: Option<u64>,
 }
 
@@ -73,11 +75,12 @@ impl ModelArgs {
             return Err("--seq must be at least 1".into());
         }
         match self.micro_batch_size {
-            None | Some(1) => Ok(()),
             Some(0) => Err("--micro-batch-size must be at least 1".into()),
-            Some(b) => Err(format!(
-                "--micro-batch-size {b}: the executors run one sequence per micro-batch; give --micro-batch-size 1 (or leave it out) and more micro-batches (--mb) or a longer --seq"
+            Some(b) if b > 1 << 20 => Err(format!(
+                "--micro-batch-size {b}: at most {} sequences per micro-batch",
+                1 << 20
             )),
+            _ => Ok(()),
         }
     }
 
@@ -94,6 +97,7 @@ impl ModelArgs {
                 if let Some(t) = self.seq {
                     m.seq_len = t as usize;
                 }
+                m.micro_batch_size = self.micro_batch_size.unwrap_or(1) as usize;
                 Ok((m, Vec::new()))
             }
             Some(name) => {
@@ -105,7 +109,9 @@ impl ModelArgs {
                     model_stages as usize,
                 )
                 .map_err(|e| format!("--model: {e}"))?;
-                Ok((f.model, f.notes))
+                let mut m = f.model;
+                m.micro_batch_size = self.micro_batch_size.unwrap_or(1) as usize;
+                Ok((m, f.notes))
             }
         }
     }
@@ -379,6 +385,7 @@ pub fn run(args: Args) -> ExitCode {
         Err(e) => return fail(format, &e, 2),
     };
     let mut model = RunConfig::default().model;
+    model.micro_batch_size = args.model.micro_batch_size.unwrap_or(1) as usize;
     if let Some(e) = args.experts {
         model.experts = e;
     }

@@ -121,9 +121,13 @@ fn model_flags_that_cannot_be_used_are_refused() {
         e.contains("--experts and --top-k change the small model"),
         "{e}"
     );
-    let e = run(&["--micro-batch-size", "2"]);
+    let e = run(&["--micro-batch-size", "0"]);
+    assert!(e.contains("--micro-batch-size must be at least 1"), "{e}");
+    let e = run(&["--micro-batch-size", "2", "--mesh", "pp=2,sp=2"]);
     assert!(
-        e.contains("--micro-batch-size 2: the executors run one sequence per micro-batch"),
+        e.contains(
+            "--micro-batch-size 2 with sequence parallelism (--mesh sp=2 / --sequence-parallel)"
+        ),
         "{e}"
     );
     let e = run(&["--seq", "0"]);

@@ -730,3 +730,59 @@ fn run_node_limited_routing() {
         stderr(&cuda)
     );
 }
+
+/// Issue 24: `--micro-batch-size 2` runs two sequences per micro-batch and equals the
+/// sequential reference (`--verify`, f64); the step is 2x the tokens; `0` is refused, and
+/// so is B > 1 with Megatron's `--sequence-parallel`; the help text says what B is.
+#[test]
+fn run_with_two_sequences_per_micro_batch_verifies() {
+    let run = |extra: &[&str]| {
+        bin()
+            .args(["run", "specs/1f1b.sched", "--pp", "2", "--mb", "4"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&[
+        "--micro-batch-size",
+        "2",
+        "--steps",
+        "3",
+        "--verify",
+        "--format",
+        "json",
+    ]);
+    assert_ok(&out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (g, l) = (
+        v["max_rel_grad_err"].as_f64().unwrap(),
+        v["max_abs_loss_err"].as_f64().unwrap(),
+    );
+    println!("--micro-batch-size 2: grad {g:.2e} loss {l:.2e}");
+    assert!(g < 1e-9 && l < 1e-9, "{g} {l}");
+    assert_eq!(v["loss"].as_array().unwrap().len(), 3);
+    // 4 micro-batches x 2 sequences x 32 tokens.
+    assert_eq!(v["tokens_per_step"].as_u64(), Some(256), "{v}");
+    let out = run(&["--micro-batch-size", "0"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--micro-batch-size must be at least 1"));
+    let out = run(&[
+        "--micro-batch-size",
+        "2",
+        "--mesh",
+        "pp=2,tp=2",
+        "--sequence-parallel",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--micro-batch-size 2 with sequence parallelism"),
+        "{}",
+        stderr(&out)
+    );
+    let help = bin().args(["run", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout).to_string();
+    assert!(
+        help.contains("Sequences per micro-batch B (default 1)"),
+        "{help}"
+    );
+}

@@ -642,7 +642,10 @@ impl<'a, T: Real> Rank<'a, T> {
             .sh
             .batching
             .index(self.step, self.prog.data_shard as usize, gmb);
-        let (tokens, targets) = self.sh.data.sequence(idx, self.cfg.seq_len)?;
+        let (tokens, targets) =
+            self.sh
+                .data
+                .micro_batch(idx, self.cfg.seq_len, self.cfg.micro_batch_size)?;
         // This rank's sequence-parallel chunk.
         let mut c = self.cfg.seq_len / self.sp;
         let mut lo = self.prog.coords.sp as usize * c;
@@ -651,8 +654,15 @@ impl<'a, T: Real> Rank<'a, T> {
             c /= self.tp;
             lo += self.prog.coords.tp as usize * c;
         }
-        let (tokens, targets) = (tokens[lo..lo + c].to_vec(), targets[lo..lo + c].to_vec());
-        let scale = 1.0 / self.sh.batching.tokens(self.cfg.seq_len) as f64;
+        // Each of the micro-batch's sequences contributes its rows `lo..lo + c`.
+        let t = self.cfg.seq_len;
+        let rows = |v: &[u32]| -> Vec<u32> {
+            v.chunks(t)
+                .flat_map(|q| q[lo..lo + c].iter().copied())
+                .collect()
+        };
+        let (tokens, targets) = (rows(&tokens), rows(&targets));
+        let scale = 1.0 / self.sh.batching.tokens(self.cfg.micro_batch_tokens()) as f64;
         let k = self.kernels(si);
         Ok(k.new_stash(
             if st.info.first { tokens } else { Vec::new() },
@@ -1772,15 +1782,18 @@ pub fn reference<T: Real>(
         })
         .collect();
     let mut opts: Vec<OptState<T>> = vec![OptState::default(); model_stages];
-    let scale = 1.0 / batching.tokens(cfg.seq_len) as f64;
+    let scale = 1.0 / batching.tokens(cfg.micro_batch_tokens()) as f64;
     let mut out = Reference::default();
     for step in 0..steps {
         let mut grads: Vec<Grads<T>> = params.iter().map(|p| Grads::zeros(cfg, p)).collect();
         let mut loss = 0.0;
         for shard in 0..batching.shards {
             for mb in 0..batching.microbatches {
-                let (tokens, targets) =
-                    data.sequence(batching.index(step, shard, mb), cfg.seq_len)?;
+                let (tokens, targets) = data.micro_batch(
+                    batching.index(step, shard, mb),
+                    cfg.seq_len,
+                    cfg.micro_batch_size,
+                )?;
                 let mut stashes = Vec::with_capacity(model_stages);
                 let mut x = None;
                 for k in 0..model_stages {

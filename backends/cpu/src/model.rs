@@ -807,6 +807,22 @@ pub fn attention<T: Real>(
     (out, probs)
 }
 
+/// Sequence `s` of `b` of the attention inputs: the `s`-th of `b` equal row blocks of
+/// every input (queries, keys and values alike).
+fn seq_block<'a, T>(x: &AttnIn<'a, T>, s: usize, b: usize) -> AttnIn<'a, T> {
+    let part = |v: &'a [T]| {
+        let n = v.len() / b;
+        &v[s * n..(s + 1) * n]
+    };
+    AttnIn {
+        q_nope: part(x.q_nope),
+        q_pe: part(x.q_pe),
+        k_nope: part(x.k_nope),
+        k_pe: part(x.k_pe),
+        v: part(x.v),
+    }
+}
+
 /// `sum_e a[e] b[e]`.
 fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     a.iter().zip(b).map(|(x, y)| *x * *y).sum()
@@ -1323,6 +1339,71 @@ impl<T: Real> StageKernels<'_, T> {
         }
     }
 
+    /// Sequences per micro-batch `B`: the local rows are `B` equal blocks, one per sequence.
+    fn seqs(&self) -> usize {
+        self.cfg.micro_batch_size.max(1)
+    }
+
+    /// [`rope`] on rows of `heads × hd` that hold the micro-batch's `B` sequences one after
+    /// the other: each sequence's block of `x.len() / B` values starts again at `pos0`.
+    fn rope_seqs(&self, x: &mut [T], heads: usize, hd: usize, pos0: usize, inverse: bool) {
+        let n = (x.len() / self.seqs()).max(1);
+        for block in x.chunks_mut(n) {
+            rope(block, heads, hd, pos0, self.cfg.rope_base, inverse);
+        }
+    }
+
+    /// The attention core over a micro-batch of `B` sequences: block-diagonal, each
+    /// sequence's `tq / B` query rows attend causally ([`attention`], query offset
+    /// `pos0`) to its own `tk / B` key rows only. Returns `(out, probs)`: `out` is
+    /// `tq × H d_v`, `probs` the `B` sequences' `H × tq/B × tk/B` blocks one after the
+    /// other. The keys must be sequence-major (true without SP, which B > 1 refuses).
+    /// Under [`Bugs::cross_sequence_attention`] the `B T` rows attend as one sequence.
+    fn attend(&self, x: &AttnIn<'_, T>, sh: &AttnShape) -> (Vec<T>, Vec<T>) {
+        let b = self.seqs();
+        if b == 1 || self.cfg.bugs.cross_sequence_attention {
+            return attention(x, sh, self.pos0, &self.cfg.bugs);
+        }
+        let (mut out, mut probs) = (Vec::new(), Vec::new());
+        for s in 0..b {
+            let (o, p) = attention(&seq_block(x, s, b), sh, self.pos0, &self.cfg.bugs);
+            out.extend(o);
+            probs.extend(p);
+        }
+        (out, probs)
+    }
+
+    /// Gradients of [`Self::attend`] given `dout` (`tq × H d_v`) and its `probs`: each
+    /// sequence's [`attention_backward`], concatenated in row order.
+    fn attend_backward(
+        &self,
+        dout: &[T],
+        x: &AttnIn<'_, T>,
+        probs: &[T],
+        sh: &AttnShape,
+    ) -> AttnGrads<T> {
+        let b = self.seqs();
+        if b == 1 || self.cfg.bugs.cross_sequence_attention {
+            return attention_backward(dout, x, probs, sh);
+        }
+        let (dn, pn) = (dout.len() / b, probs.len() / b);
+        let mut g = AttnGrads::default();
+        for s in 0..b {
+            let gs = attention_backward(
+                &dout[s * dn..(s + 1) * dn],
+                &seq_block(x, s, b),
+                &probs[s * pn..(s + 1) * pn],
+                sh,
+            );
+            g.dq_nope.extend(gs.dq_nope);
+            g.dq_pe.extend(gs.dq_pe);
+            g.dk_nope.extend(gs.dk_nope);
+            g.dk_pe.extend(gs.dk_pe);
+            g.dv.extend(gs.dv);
+        }
+        g
+    }
+
     /// The shared expert's hidden width on this member (`f / tp`).
     fn shared_f(&self) -> usize {
         self.cfg.expert_hidden / self.tp.max(1)
@@ -1384,12 +1465,11 @@ impl<T: Real> StageKernels<'_, T> {
         let mut kpe = matmul(&a, &p.wkr, t, d, sh.kpe_width());
         // The RoPE key at the local tokens' global positions (a sequence-parallel TP
         // member's shard starts `tp_rank t` into the chunk).
-        rope(
+        self.rope_seqs(
             &mut kpe,
             sh.kpe_heads,
             sh.rope,
             self.pos0 + self.shard_offset(t),
-            cfg.rope_base,
             false,
         );
         st.layers[l] = LayerCache {
@@ -1439,7 +1519,7 @@ impl<T: Real> StageKernels<'_, T> {
         let t = cq.len() / qr;
         let q_nope = matmul(&cq, &p.wuq, t, qr, h * sh.nope);
         let mut q_pe = matmul(&cq, &p.wqr, t, qr, h * sh.rope);
-        rope(&mut q_pe, h, sh.rope, self.pos0, cfg.rope_base, false);
+        self.rope_seqs(&mut q_pe, h, sh.rope, self.pos0, false);
         let mut latent = ckv;
         latent.extend_from_slice(&kpe);
         st.outbox = (0..self.sp)
@@ -1500,7 +1580,7 @@ impl<T: Real> StageKernels<'_, T> {
             k_pe: &kpe_all,
             v: &v,
         };
-        let (o_heads, probs) = attention(&input, &sh, self.pos0, &cfg.bugs);
+        let (o_heads, probs) = self.attend(&input, &sh);
         // With TP: this member's heads' share of `o W_O` (row-parallel `W_O`).
         let h1_part = matmul(&o_heads, &p.wo, t, h * sh.v, d);
         st.layers[l] = LayerCache {
@@ -1967,7 +2047,7 @@ impl<T: Real> StageKernels<'_, T> {
             k_pe: &c.kpe_all,
             v: &c.v,
         };
-        let g = attention_backward(&d_oh, &input, &c.probs, &sh);
+        let g = self.attend_backward(&d_oh, &input, &c.probs, &sh);
         let tk = c.ckv_all.len() / kvr;
         if tk != self.sp * t {
             return Err(format!(
@@ -1992,7 +2072,7 @@ impl<T: Real> StageKernels<'_, T> {
         c.dq_nope = g.dq_nope;
         // Rotated back here; bwd_qkv needs only the pre-rotation gradient.
         let mut dqr = g.dq_pe;
-        rope(&mut dqr, h, sh.rope, self.pos0, cfg.rope_base, true);
+        self.rope_seqs(&mut dqr, h, sh.rope, self.pos0, true);
         c.dqr = dqr;
         c.dk_nope = g.dk_nope;
         c.dv = g.dv;
@@ -2026,14 +2106,7 @@ impl<T: Real> StageKernels<'_, T> {
             add_into(&mut dckv, &pk.data[..t * kvr]);
             add_into(&mut dkr, &pk.data[t * kvr..]);
         }
-        rope(
-            &mut dkr,
-            sh.kpe_heads,
-            sh.rope,
-            self.pos0,
-            cfg.rope_base,
-            true,
-        );
+        self.rope_seqs(&mut dkr, sh.kpe_heads, sh.rope, self.pos0, true);
         let mut dcq = matmul_bt(&c.dq_nope, &p.wuq, t, h * sh.nope, qr);
         add_into(&mut dcq, &matmul_bt(&c.dqr, &p.wqr, t, h * sh.rope, qr));
         // With TP: this member's heads' share of the gradients of the column-parallel

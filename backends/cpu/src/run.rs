@@ -596,7 +596,7 @@ pub fn check_model_memory(
         schedc_program::memory::cpu_needs(set, &verified.peak_activations, elem, cfg.verify);
     schedc_program::memory::check_fit(&needs, limit, &name, true).map_err(|e| {
         RunError::TooLarge(format!(
-            "{e}: give a smaller --model, --seq or mesh, or raise --memory-limit"
+            "{e}: give a smaller --model, --seq, --micro-batch-size or mesh, or raise --memory-limit"
         ))
     })
 }
@@ -664,7 +664,7 @@ fn run_typed<T: Real>(
             DType::F64
         },
         steps: cfg.steps,
-        tokens_per_step: batching.tokens(cfg.model.seq_len),
+        tokens_per_step: batching.tokens(cfg.model.micro_batch_tokens()),
         instructions_per_step: set.len(),
         verified,
         loss: res.losses.clone(),

@@ -430,25 +430,24 @@ impl<'a> RankDev<'a> {
             .batching
             .index(self.step, self.prog.data_shard as usize, gmb);
         let cfg = self.cfg;
-        let (tokens, targets) = self.data.sequence(idx, cfg.seq_len)?;
-        // This rank's SP chunk; with Megatron sequence parallelism, this TP member's shard
-        // of it (the data's own rows, whatever the positions' bug does).
-        let mut lo = self.prog.coords.sp as usize * self.dims.tc;
+        let b = self.dims.seqs;
+        let (tokens, targets) = self.data.micro_batch(idx, cfg.seq_len, b)?;
+        // This rank's SP chunk of each of the B sequences; with Megatron sequence
+        // parallelism, this TP member's shard of it (the data's own rows, whatever the
+        // positions' bug does).
+        let (tc, t) = (self.dims.tc / b, self.dims.t / b);
+        let mut lo = self.prog.coords.sp as usize * tc;
         if self.dims.seq_par {
-            lo += self.prog.coords.tp as usize * self.dims.t;
+            lo += self.prog.coords.tp as usize * t;
         }
-        let hi = lo + self.dims.t;
+        let rows = |v: &[u32]| -> Vec<u32> {
+            v.chunks(cfg.seq_len)
+                .flat_map(|q| q[lo..lo + t].iter().copied())
+                .collect()
+        };
         Ok((
-            if st.first {
-                tokens[lo..hi].to_vec()
-            } else {
-                Vec::new()
-            },
-            if st.last {
-                targets[lo..hi].to_vec()
-            } else {
-                Vec::new()
-            },
+            if st.first { rows(&tokens) } else { Vec::new() },
+            if st.last { rows(&targets) } else { Vec::new() },
         ))
     }
 

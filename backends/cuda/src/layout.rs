@@ -52,7 +52,7 @@ pub struct Dims {
     pub kph: usize,
     /// Vocabulary.
     pub vocab: usize,
-    /// Local tokens per micro-batch (`seq_len / sp`; with Megatron sequence parallelism the
+    /// Local tokens per micro-batch (`B seq_len / sp`; with Megatron sequence parallelism the
     /// TP member's shard, `seq_len / sp / tp`): one routing group.
     pub t: usize,
     /// Query rows of the attention: the SP chunk, `seq_len / sp` (`t` without Megatron
@@ -63,8 +63,12 @@ pub struct Dims {
     /// Where this member's `t` rows start in the chunk (`tp_rank t` with Megatron sequence
     /// parallelism, else 0; 0 under the injected `shard_positions_from_zero` bug).
     pub shard0: usize,
-    /// Keys per query (`seq_len`, the gathered sequence).
+    /// Keys per query (`seq_len`, the gathered sequence; `B seq_len` with `B` sequences per
+    /// micro-batch, each query seeing its own sequence's only).
     pub tk: usize,
+    /// Sequences per micro-batch `B` (`--micro-batch-size`): `t`, `tc` and `tk` hold `B`
+    /// equal row blocks, one per sequence; attention and RoPE run per block.
+    pub seqs: usize,
     /// Routed experts `E`.
     pub e: usize,
     /// Experts per token.
@@ -152,8 +156,14 @@ impl Dims {
                 crate::model::ATT_MAX_V
             ));
         }
-        let tc = cfg.seq_len / sp;
+        let b = cfg.micro_batch_size;
         let seq_par = tp_rank.is_some() && tp > 1;
+        if b > 1 && (sp > 1 || seq_par) {
+            return Err(format!(
+                "--micro-batch-size {b} with sequence parallelism (sp={sp}, --sequence-parallel: {seq_par}): not supported"
+            ));
+        }
+        let tc = b * (cfg.seq_len / sp);
         if seq_par && !tc.is_multiple_of(tp) {
             return Err(format!(
                 "tp={tp} does not divide the {tc} tokens of a sequence chunk (--sequence-parallel shards them over the TP group)"
@@ -192,7 +202,8 @@ impl Dims {
             tc,
             seq_par,
             shard0,
-            tk: cfg.seq_len,
+            tk: b * cfg.seq_len,
+            seqs: b,
             e: cfg.experts,
             k,
             f: cfg.expert_hidden,

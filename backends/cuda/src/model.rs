@@ -454,7 +454,135 @@ pub fn attention_bwd(
     Ok(())
 }
 
+/// Byte offsets of sequence `j` of `seqs` in the buffers of an attention call of `tq`
+/// query and `tk` key rows: `(q, k)` is the row blocks' offsets for storage elements of
+/// `ts` bytes, as a function of a row width; `f(q)`, `f(k)`: of `heads x rows` float blocks.
+struct SeqOffsets {
+    tq: usize,
+    tk: usize,
+    j: usize,
+    ts: usize,
+}
+
+impl SeqOffsets {
+    /// Query-row block of width `w` elements.
+    fn q(&self, w: usize) -> u64 {
+        (self.j * self.tq * w * self.ts) as u64
+    }
+    /// Key-row block of width `w` elements.
+    fn k(&self, w: usize) -> u64 {
+        (self.j * self.tk * w * self.ts) as u64
+    }
+    /// A float block of `w` floats per query row (`lse`, `delta`: `heads` per row).
+    fn fq(&self, w: usize) -> u64 {
+        (self.j * self.tq * w * 4) as u64
+    }
+    /// A float block of `w` floats per key row (`dkp_part`: `heads dr` per row).
+    fn fk(&self, w: usize) -> u64 {
+        (self.j * self.tk * w * 4) as u64
+    }
+}
+
+/// [`attention_fwd`] over a micro-batch of `seqs` sequences (`--micro-batch-size`),
+/// block-diagonal: the `tq` query rows and the `tk` key rows are `seqs` equal blocks, one
+/// per sequence, and sequence `j`'s queries attend causally (at `q_offset`) to its own
+/// keys only; one launch per sequence on slices of the buffers. `lse` is the sequences'
+/// `heads x tq/seqs` blocks one after the other. `ts`: bytes of the storage type. Errors:
+/// rows that `seqs` does not divide, or as [`attention_fwd`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd_seqs(
+    gpu: &dyn Gpu,
+    s: StreamId,
+    a: &AttnDims,
+    (ts, seqs): (usize, usize),
+    (out, lse): (DevPtr, DevPtr),
+    (q_nope, q_pe): (DevPtr, DevPtr),
+    (k_nope, k_pe, v): (DevPtr, DevPtr, DevPtr),
+    (tq, tk, q_offset): (usize, usize, usize),
+) -> Result<(), GpuError> {
+    let seqs = split_rows(tq, tk, seqs)?;
+    let (h, dn, dr, dv, kw) = (a.heads, a.dn, a.dr, a.dv, a.kph * a.dr);
+    let (tq, tk) = (tq / seqs, tk / seqs);
+    for j in 0..seqs {
+        let o = SeqOffsets { tq, tk, j, ts };
+        attention_fwd(
+            gpu,
+            s,
+            a,
+            (out + o.q(h * dv), lse + o.fq(h)),
+            (q_nope + o.q(h * dn), q_pe + o.q(h * dr)),
+            (k_nope + o.k(h * dn), k_pe + o.k(kw), v + o.k(h * dv)),
+            (tq, tk, q_offset),
+        )?;
+    }
+    Ok(())
+}
+
+/// The backward of [`attention_fwd_seqs`]: [`attention_bwd`] per sequence on slices of
+/// the buffers (`delta` and `dkp_part` as the sequences' `heads x tq/seqs` and
+/// `heads x tk/seqs x dr` float blocks one after the other). Errors: as
+/// [`attention_fwd_seqs`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_seqs(
+    gpu: &dyn Gpu,
+    s: StreamId,
+    a: &AttnDims,
+    (ts, seqs): (usize, usize),
+    (dq_nope, dq_pe, dk_nope, dk_pe, dv_): (DevPtr, DevPtr, DevPtr, DevPtr, DevPtr),
+    (delta, dkp_part): (DevPtr, DevPtr),
+    (dout, out, lse): (DevPtr, DevPtr, DevPtr),
+    (q_nope, q_pe): (DevPtr, DevPtr),
+    (k_nope, k_pe, v): (DevPtr, DevPtr, DevPtr),
+    (tq, tk, q_offset): (usize, usize, usize),
+) -> Result<(), GpuError> {
+    let seqs = split_rows(tq, tk, seqs)?;
+    let (h, dn, dr, dv, kw) = (a.heads, a.dn, a.dr, a.dv, a.kph * a.dr);
+    let (tq, tk) = (tq / seqs, tk / seqs);
+    for j in 0..seqs {
+        let o = SeqOffsets { tq, tk, j, ts };
+        attention_bwd(
+            gpu,
+            s,
+            a,
+            (
+                dq_nope + o.q(h * dn),
+                dq_pe + o.q(h * dr),
+                dk_nope + o.k(h * dn),
+                dk_pe + o.k(kw),
+                dv_ + o.k(h * dv),
+            ),
+            (delta + o.fq(h), dkp_part + o.fk(h * dr)),
+            (dout + o.q(h * dv), out + o.q(h * dv), lse + o.fq(h)),
+            (q_nope + o.q(h * dn), q_pe + o.q(h * dr)),
+            (k_nope + o.k(h * dn), k_pe + o.k(kw), v + o.k(h * dv)),
+            (tq, tk, q_offset),
+        )?;
+    }
+    Ok(())
+}
+
+/// `seqs` (at least 1) if it divides both `tq` and `tk`. Errors: it does not.
+fn split_rows(tq: usize, tk: usize, seqs: usize) -> Result<usize, GpuError> {
+    let seqs = seqs.max(1);
+    if !tq.is_multiple_of(seqs) || !tk.is_multiple_of(seqs) {
+        return Err(GpuError(format!(
+            "attention over {seqs} sequences: {tq} query and {tk} key rows do not split into {seqs} equal blocks"
+        )));
+    }
+    Ok(seqs)
+}
+
 impl Model<'_> {
+    /// Sequences the attention and RoPE treat separately: [`Dims::seqs`], or 1 under the
+    /// injected `cross_sequence_attention` bug (the micro-batch's rows as one sequence).
+    fn attn_seqs(&self) -> usize {
+        if self.cfg.bugs.cross_sequence_attention {
+            1
+        } else {
+            self.dims.seqs.max(1)
+        }
+    }
+
     fn go(
         &self,
         s: StreamId,
@@ -673,21 +801,27 @@ impl Model<'_> {
         inverse: bool,
     ) -> Result<(), GpuError> {
         let dr = self.dims.dr;
-        self.ew(
-            s,
-            "rope",
-            rows * heads * dr / 2,
-            vec![
-                p(x),
-                i(ld),
-                i(rows),
-                i(heads),
-                i(dr),
-                i(pos),
-                Arg::F64(self.cfg.rope_base),
-                i(inverse as usize),
-            ],
-        )
+        // The micro-batch's sequences are equal row blocks, each from position `pos`.
+        let b = self.dims.seqs.max(1);
+        let rows = rows / b;
+        for j in 0..b {
+            self.ew(
+                s,
+                "rope",
+                rows * heads * dr / 2,
+                vec![
+                    p(x + (j * rows * ld * self.dims.ts) as u64),
+                    i(ld),
+                    i(rows),
+                    i(heads),
+                    i(dr),
+                    i(pos),
+                    Arg::F64(self.cfg.rope_base),
+                    i(inverse as usize),
+                ],
+            )?;
+        }
+        Ok(())
     }
 
     /// The causal mask's offset: the global position of the rank's first query (0 under
@@ -734,10 +868,11 @@ impl Model<'_> {
         tk: usize,
         q_offset: usize,
     ) -> Result<(), GpuError> {
-        attention_fwd(
+        attention_fwd_seqs(
             self.gpu,
             s,
             &self.attn_dims(),
+            (self.dims.ts, self.attn_seqs()),
             (out, lse),
             q,
             keys,
@@ -763,10 +898,11 @@ impl Model<'_> {
         tk: usize,
         q_offset: usize,
     ) -> Result<(), GpuError> {
-        attention_bwd(
+        attention_bwd_seqs(
             self.gpu,
             s,
             &self.attn_dims(),
+            (self.dims.ts, self.attn_seqs()),
             grads,
             scratch,
             fwd,

@@ -361,7 +361,7 @@ fn report(
         mode: cfg.mode,
         device,
         steps: cfg.steps,
-        tokens_per_step: batching.tokens(cfg.model.seq_len),
+        tokens_per_step: batching.tokens(cfg.model.micro_batch_tokens()),
         instructions_per_step: set.len(),
         verified,
         loss: res.losses.clone(),

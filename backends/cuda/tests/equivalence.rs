@@ -808,3 +808,25 @@ fn recompute_trains_bit_identically_to_1f1b() {
     assert_eq!(a.params, b.params);
     assert_eq!(a.grads, b.grads);
 }
+
+/// Issue 24: `--micro-batch-size` 2 (and 3): each micro-batch is B sequences of `T`
+/// tokens (`B T` rows; block-diagonal attention and RoPE per sequence, one launch per
+/// sequence), and the driver on the host shim equals the CPU backend for 1F1B, ZB-H1 and
+/// DualPipe, whole ops and MoE parts, with TP, EP and DP.
+#[test]
+fn micro_batch_size_2_equals_the_cpu() {
+    for (b, name, mesh, moe) in [
+        (2, "1f1b", "pp=2,tp=2", false),
+        (2, "dualpipe", "pp=2,ep=2", true),
+        (2, "zb_h1", "pp=2,ep=2,dp=2", false),
+        (2, "1f1b", "pp=2,tp=2,ep=2", true),
+        (3, "dualpipe", "pp=2", false),
+    ] {
+        let cfg = ModelConfig {
+            micro_batch_size: b,
+            ..ModelConfig::tiny()
+        };
+        println!("B={b} moe={moe}:");
+        assert_close(&case_with(name, 2, 4, mesh, &cfg, 2, moe));
+    }
+}

@@ -12,7 +12,10 @@
 use schedc_cpu::tensor::{rel_err, Rng};
 use schedc_cuda::api::*;
 use schedc_cuda::host::HostGpu;
-use schedc_cuda::model::{attention_bwd, attention_fwd, AttnDims, ATT_MAX_QK, ATT_MAX_V};
+use schedc_cuda::model::{
+    attention_bwd, attention_bwd_seqs, attention_fwd, attention_fwd_seqs, AttnDims, ATT_MAX_QK,
+    ATT_MAX_V,
+};
 
 const S: StreamId = StreamId(0);
 
@@ -365,4 +368,133 @@ fn flash_attention_refuses_head_dims_over_its_tiles() {
             format!("attention head dimensions {what}: the CUDA attention kernels take d_h + d_h^R from 1 to 192 and d_v from 1 to 128")
         );
     }
+}
+
+/// Issue 24: a micro-batch of `B = 2` sequences (`--micro-batch-size 2`) in one buffer of
+/// `2 T` rows, through `attention_fwd_seqs` / `attention_bwd_seqs` (one launch per
+/// sequence on slices): every output equals the f64 attention of each sequence alone,
+/// side by side (`lse`, `delta`, `dkp_part` as per-sequence blocks), for T = 5, 17 and 33
+/// (not multiples of the tile). The kernels run plainly over the `2 T` rows (the second
+/// sequence's queries see the first sequence's keys: no block-diagonal mask) differ: that
+/// is the bug the split guards against.
+#[test]
+fn flash_attention_over_two_sequences_is_block_diagonal() {
+    let a = dims(3, 8, 4, 6, 1);
+    for dt in DTYPES {
+        for (n, t) in [5usize, 17, 33].into_iter().enumerate() {
+            let seqs: Vec<Case> = (0..2)
+                .map(|j| case(dt, a, t, t, 0, 100 + 2 * n as u64 + j))
+                .collect();
+            let cat = |f: &dyn Fn(&Case) -> &Vec<f32>| -> Vec<f32> {
+                seqs.iter().flat_map(|c| f(c).iter().copied()).collect()
+            };
+            let both = Case {
+                a,
+                tq: 2 * t,
+                tk: 2 * t,
+                off: 0,
+                qn: cat(&|c| &c.qn),
+                qp: cat(&|c| &c.qp),
+                kn: cat(&|c| &c.kn),
+                kp: cat(&|c| &c.kp),
+                v: cat(&|c| &c.v),
+                dout: cat(&|c| &c.dout),
+            };
+            let refs: Vec<Out> = seqs.iter().map(|c| reference(c, Some(dt))).collect();
+            let want = |f: &dyn Fn(&Out) -> &Vec<f64>| -> Vec<f64> {
+                refs.iter().flat_map(|o| f(o).iter().copied()).collect()
+            };
+            let dev = Dev {
+                gpu: HostGpu::new(dt),
+                dt,
+            };
+            let got = kernels_seqs(&dev, &both, 2);
+            let mut worst = 0.0f64;
+            for (what, g, w) in [
+                ("out", &got.out, want(&|o| &o.out)),
+                ("lse", &got.lse, want(&|o| &o.lse)),
+                ("dq content", &got.dqn, want(&|o| &o.dqn)),
+                ("dq RoPE", &got.dqp, want(&|o| &o.dqp)),
+                ("dk content", &got.dkn, want(&|o| &o.dkn)),
+                ("dk RoPE", &got.dkp, want(&|o| &o.dkp)),
+                ("dv", &got.dv, want(&|o| &o.dv)),
+            ] {
+                let e = rel_err(g, &w, 1e-30);
+                worst = worst.max(e);
+                assert!(
+                    e <= tol(dt),
+                    "{what} ({}, B=2 T={t}): relative error {e:.3e}",
+                    dt.name()
+                );
+            }
+            // The bug: one causal sequence of 2T rows.
+            let wrong = kernels_seqs(&dev, &both, 1);
+            let bug = rel_err(&wrong.out, &want(&|o| &o.out), 1e-30);
+            println!(
+                "flash B=2 {} T={t}: max rel err {worst:.2e}; without the block-diagonal mask: out off by {bug:.2e}",
+                dt.name()
+            );
+            assert!(bug > 1e-2, "the cross-sequence mask went unseen: {bug:e}");
+        }
+    }
+}
+
+/// `kernels` through the per-sequence entry points, `seqs` sequences.
+fn kernels_seqs(dev: &Dev, c: &Case, seqs: usize) -> Out {
+    let a = &c.a;
+    let (h, dn, dr, dv, kph) = (a.heads, a.dn, a.dr, a.dv, a.kph);
+    let (tq, tk, dt) = (c.tq, c.tk, dev.dt);
+    let split = (dt.size(), seqs);
+    let q = (dev.t(&c.qn), dev.t(&c.qp));
+    let k = (dev.t(&c.kn), dev.t(&c.kp), dev.t(&c.v));
+    let (out, lse) = (dev.nan_t(tq * h * dv), dev.nan_f(h * tq));
+    attention_fwd_seqs(&dev.gpu, S, a, split, (out, lse), q, k, (tq, tk, c.off)).unwrap();
+    let g = (
+        dev.nan_t(tq * h * dn),
+        dev.nan_t(tq * h * dr),
+        dev.nan_t(tk * h * dn),
+        dev.nan_t(tk * kph * dr),
+        dev.nan_t(tk * h * dv),
+    );
+    let scratch = (dev.nan_f(h * tq), dev.nan_f(h * tk * dr));
+    let dout = dev.t(&c.dout);
+    attention_bwd_seqs(
+        &dev.gpu,
+        S,
+        a,
+        split,
+        g,
+        scratch,
+        (dout, out, lse),
+        q,
+        k,
+        (tq, tk, c.off),
+    )
+    .unwrap();
+    Out {
+        out: dev.get(out, tq * h * dv, dt),
+        lse: dev.get(lse, h * tq, DType::F32),
+        dqn: dev.get(g.0, tq * h * dn, dt),
+        dqp: dev.get(g.1, tq * h * dr, dt),
+        dkn: dev.get(g.2, tk * h * dn, dt),
+        dkp: dev.get(g.3, tk * kph * dr, dt),
+        dv: dev.get(g.4, tk * h * dv, dt),
+    }
+}
+
+/// The per-sequence entry points refuse rows that the sequences do not split evenly.
+#[test]
+fn flash_attention_over_sequences_refuses_uneven_rows() {
+    let dev = Dev {
+        gpu: HostGpu::new(DType::F32),
+        dt: DType::F32,
+    };
+    let c = case(DType::F32, dims(3, 8, 4, 6, 1), 5, 5, 0, 7);
+    let q = (dev.t(&c.qn), dev.t(&c.qp));
+    let k = (dev.t(&c.kn), dev.t(&c.kp), dev.t(&c.v));
+    let (out, lse) = (dev.nan_t(5 * 3 * 6), dev.nan_f(3 * 5));
+    let e = attention_fwd_seqs(&dev.gpu, S, &c.a, (4, 2), (out, lse), q, k, (5, 5, 0))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("do not split into 2 equal blocks"), "{e}");
 }

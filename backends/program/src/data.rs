@@ -64,6 +64,30 @@ impl Data {
     }
 }
 
+impl Data {
+    /// The `b` sequences of micro-batch number `index` (the counter of
+    /// [`Batching::index`]): sequences `index b..(index + 1) b` of [`Self::sequence`],
+    /// concatenated, `(inputs, targets)` of `b seq_len` tokens each. With `b = 1` it is
+    /// [`Self::sequence`]`(index)`. Errors: as [`Self::sequence`].
+    pub fn micro_batch(
+        &self,
+        index: usize,
+        seq_len: usize,
+        b: usize,
+    ) -> Result<(Vec<u32>, Vec<u32>), String> {
+        let (mut tokens, mut targets) = (
+            Vec::with_capacity(b * seq_len),
+            Vec::with_capacity(b * seq_len),
+        );
+        for s in 0..b {
+            let (x, y) = self.sequence(index * b + s, seq_len)?;
+            tokens.extend(x);
+            targets.extend(y);
+        }
+        Ok((tokens, targets))
+    }
+}
+
 const BUILTIN: &str = "First Citizen: Before we proceed any further, hear me speak. \
 All: Speak, speak. First Citizen: You are all resolved rather to die than to famish? \
 All: Resolved. resolved. First Citizen: First, you know Caius Marcius is chief enemy to \
@@ -86,8 +110,9 @@ impl Batching {
     pub fn index(&self, step: usize, shard: usize, mb: usize) -> usize {
         (step * self.shards + shard) * self.microbatches + mb
     }
-    /// Tokens in one step's global batch.
-    pub fn tokens(&self, seq_len: usize) -> usize {
-        self.shards * self.microbatches * seq_len
+    /// Tokens in one step's global batch, given the tokens of one micro-batch
+    /// (`B T`: [`crate::ModelConfig::micro_batch_tokens`]).
+    pub fn tokens(&self, mb_tokens: usize) -> usize {
+        self.shards * self.microbatches * mb_tokens
     }
 }

@@ -112,6 +112,16 @@ impl ProgramSet {
                 }));
             }
         }
+        if !stage
+            && model.micro_batch_size > 1
+            && (mesh.size(Dim::Sp) > 1 || opts.sequence_parallel)
+        {
+            return Err(ProgramError::Unsupported(format!(
+                "--micro-batch-size {} with sequence parallelism (--mesh sp={} / --sequence-parallel): the executors split one sequence per micro-batch over the SP ranks; give --micro-batch-size 1 or drop the sequence parallelism",
+                model.micro_batch_size,
+                mesh.size(Dim::Sp)
+            )));
+        }
         if !stage && mesh.size(Dim::Tp) > 1 && model.rope_keys_per_token() > 1 {
             return Err(ProgramError::Unsupported(
                 "tensor parallelism with one RoPE key per head (the per-head-kpe bug): the TP kernels split the heads and share one RoPE key per token".into(),

@@ -75,12 +75,13 @@ pub fn check_fit(
 /// same again with `verify`, for the recorded gradients and the sequential reference), and
 /// its peak of live stashes (`peak_activations`: [`crate::verify::VerifyReport::peak_activations`],
 /// `schedc check`'s count, so a stash lent to another rank counts on its holder) of
-/// [`crate::ModelConfig::stash_elems_per_token`] per token and layer, plus, on a rank that
-/// holds a last stage, the LM head's saved state per stash (`vocab + 3 hidden + 1` per
-/// token: the scaled logits' gradient, the final norm's output, normalized input and inverse,
-/// and the head's input gradient; an upper bound where the rank's peak also holds stashes of
-/// other stages). An estimate: the CPU backend's buffers are not planned ahead, and its
-/// temporaries (a backward's intermediate gradients, messages in flight) are not counted.
+/// [`crate::ModelConfig::stash_elems_per_token`] per token (`B T / sp` per micro-batch) and
+/// layer, plus, on a rank that holds a last stage, the LM head's saved state per stash
+/// (`vocab + 3 hidden + 1` per token: the scaled logits' gradient, the final norm's output,
+/// normalized input and inverse, and the head's input gradient; an upper bound where the
+/// rank's peak also holds stashes of other stages). An estimate: the CPU backend's buffers
+/// are not planned ahead, and its temporaries (a backward's intermediate gradients, messages
+/// in flight) are not counted.
 pub fn cpu_needs(
     set: &ProgramSet,
     peak_activations: &[u32],
@@ -93,7 +94,8 @@ pub fn cpu_needs(
     let mesh = &set.manifest.mesh;
     let tp = mesh.size(crate::mesh::Dim::Tp) as usize;
     let sp = mesh.size(crate::mesh::Dim::Sp) as usize;
-    let t = (m.seq_len / sp.max(1)).max(1) as u64;
+    // The micro-batch's B sequences, each its chunk of T / sp rows.
+    let t = ((m.seq_len / sp.max(1)).max(1) as u64).saturating_mul(m.micro_batch_size as u64);
     let per_stash = (m.layers_per_stage as u64)
         .saturating_mul(t)
         .saturating_mul(m.stash_elems_per_token(m.seq_len, tp))

@@ -34,6 +34,19 @@ pub struct Bugs {
     /// with keys at the wrong positions.
     #[serde(default)]
     pub shard_positions_from_zero: bool,
+    /// With several sequences per micro-batch, attention is causal over the micro-batch's
+    /// `B T` rows as one stream instead of within each sequence: a query sees every token of
+    /// the sequences before its own (no block-diagonal mask).
+    #[serde(default)]
+    pub cross_sequence_attention: bool,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(x: &usize) -> bool {
+    *x == 1
 }
 
 impl Bugs {
@@ -81,6 +94,11 @@ pub struct ModelConfig {
     pub v_head_dim: usize,
     /// Tokens per sequence `T`.
     pub seq_len: usize,
+    /// Sequences per micro-batch `B` (`--micro-batch-size`): a micro-batch is `B T` token
+    /// rows, sequence `b` at rows `b T..(b + 1) T`; attention is causal within each
+    /// sequence and RoPE positions restart at 0 for each.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub micro_batch_size: usize,
     /// Transformer layers in each model stage.
     pub layers_per_stage: usize,
     /// Routed experts per layer `E`.
@@ -129,6 +147,7 @@ impl ModelConfig {
             qk_rope_head_dim: 4,
             v_head_dim: 8,
             seq_len: 8,
+            micro_batch_size: 1,
             layers_per_stage: 1,
             experts: 4,
             top_k: 2,
@@ -167,6 +186,12 @@ impl ModelConfig {
         }
     }
 
+    /// Token rows of one micro-batch, `B T` ([`Self::micro_batch_size`] sequences of
+    /// [`Self::seq_len`]).
+    pub fn micro_batch_tokens(&self) -> usize {
+        self.micro_batch_size.saturating_mul(self.seq_len)
+    }
+
     /// RoPE keys per token: 1 (MLA's shared `k_pe`), `H` under [`Bugs::per_head_kpe`].
     pub fn rope_keys_per_token(&self) -> usize {
         if self.bugs.per_head_kpe {
@@ -196,6 +221,7 @@ impl ModelConfig {
             ("qk_rope_head_dim", self.qk_rope_head_dim),
             ("v_head_dim", self.v_head_dim),
             ("seq_len", self.seq_len),
+            ("micro_batch_size", self.micro_batch_size),
             ("layers_per_stage", self.layers_per_stage),
             ("experts", self.experts),
             ("top_k", self.top_k),
