@@ -1290,7 +1290,10 @@ fn newcomer_round_5_memory_findings() {
     let o = schedc(&["check", ir.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let e = format!("{}{}", stdout(&o), stderr(&o));
-    assert!(e.contains("rank 1 step 5: `RECOMPUTE(1,0)` is not valid here"), "{e}");
+    assert!(
+        e.contains("rank 1 step 5: `RECOMPUTE(1,0)` is not valid here"),
+        "{e}"
+    );
     assert!(e.contains("after B ran: W needs what B left"), "{e}");
     assert!(e.contains("rc_after_b.ir:6:"), "{e}");
     assert!(e.contains("help: put RELOAD(1,0) before W(1,0)"), "{e}");
@@ -1309,7 +1312,9 @@ fn newcomer_round_5_memory_findings() {
         ]);
         assert_eq!(o.status.code(), Some(1), "{spec}: {}", stdout(&o));
         assert!(
-            stderr(&o).contains("cannot export to Megatron-LM: the program moves or recomputes activations (rank "),
+            stderr(&o).contains(
+                "cannot export to Megatron-LM: the program moves or recomputes activations (rank "
+            ),
             "{spec}: {}",
             stderr(&o)
         );
